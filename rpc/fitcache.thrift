@@ -1,0 +1,78 @@
+// FitCache wire protocol between clients and cache servers.
+//
+// Regenerate the Go code with rpc/generate.sh after editing this file; the generated code in
+// rpc/kitex_gen is committed.
+namespace go fitcachepb
+
+// A tier directory of a server, so that a client on the same node can map cached files itself.
+struct TierInfo {
+  1: string dir
+  2: string kind
+}
+
+struct HelloRequest {
+  1: string token
+}
+
+struct HelloReply {
+  1: i32 errno
+  2: string message
+  3: string server_id
+  4: i32 pid
+  5: list<TierInfo> tiers
+}
+
+struct ReadRequest {
+  1: string token
+  // Dataset root the path must stay within (absolute, cleaned).
+  2: string root
+  // File to read (absolute, cleaned, inside root).
+  3: string path
+  // The caller runs on this server's node and maps tier files itself: when the file is cached
+  // (or was just cached) the reply names the tier file instead of carrying the bytes.
+  4: bool local
+}
+
+struct ReadReply {
+  // 0, or a Linux errno value (ENOENT, EACCES, EISDIR, ...) describing why the read failed.
+  1: i32 errno
+  2: string message
+  3: i64 size
+  // Set for local callers when the file is in a tier: the cached file to map.
+  4: string cached_path
+  // The file's bytes, when cached_path is empty and errno is 0.
+  5: binary data
+  // Where the server found the file: a tier kind, "inflight" or "source".
+  6: string origin
+}
+
+// Hits that clients served from tier files themselves, reported so that server counters see
+// every read.
+struct HitReport {
+  1: string token
+  2: map<string, i64> hits_by_tier
+  3: i64 bytes
+}
+
+struct HitReportReply {
+  1: i32 errno
+  2: string message
+}
+
+struct StatsRequest {
+  1: string token
+}
+
+struct StatsReply {
+  1: i32 errno
+  2: string message
+  // Counters and tier usage as a JSON object (see core.Stats).
+  3: string json
+}
+
+service FitCache {
+  HelloReply Hello(1: HelloRequest req)
+  ReadReply Read(1: ReadRequest req)
+  HitReportReply ReportHits(1: HitReport req)
+  StatsReply Stats(1: StatsRequest req)
+}

@@ -1,0 +1,41 @@
+package tiers
+
+import (
+	"sync"
+
+	"github.com/edsrzf/mmap-go"
+)
+
+// Mapping is a read-only memory mapping of a cached file's data. The mapping stays valid until
+// Release, even if the file is evicted (unlinked) meanwhile. It is safe for concurrent use.
+type Mapping struct {
+	Entry        // what the trailer recorded
+	Tier  Kind   // the tier the file was mapped from
+	Path  string // the cached file mapped
+
+	mu sync.Mutex // protects m
+	m  mmap.MMap  // the whole file, trailer included; nil once released
+}
+
+// Bytes returns the file's data: exactly Entry.Size bytes of read-only memory. Writing to it
+// faults. It must not be used after Release.
+func (m *Mapping) Bytes() []byte {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.m == nil {
+		return nil
+	}
+	return m.m[:m.Size]
+}
+
+// Release unmaps the file. It is idempotent.
+func (m *Mapping) Release() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.m == nil {
+		return nil
+	}
+	err := m.m.Unmap()
+	m.m = nil
+	return err
+}

@@ -1,0 +1,56 @@
+package tiers
+
+import "errors"
+
+// Opener opens cached files: a [Dir] for readers, a [*Tier] for the server owning it.
+type Opener interface {
+	Open(sourcePath string) (*Mapping, error)
+}
+
+type probeResult struct {
+	m   *Mapping
+	err error
+}
+
+// Probe looks sourcePath up in all tiers at once and returns the first mapping that succeeds.
+// Slower tiers are not waited for: a copy they find later is released as soon as it arrives.
+// When no tier has a valid copy, the error wraps ErrNotCached and any unexpected errors met.
+func Probe[T Opener](tiers []T, sourcePath string) (*Mapping, error) {
+	switch len(tiers) {
+	case 0:
+		return nil, ErrNotCached
+	case 1:
+		return tiers[0].Open(sourcePath)
+	}
+	results := make(chan probeResult, len(tiers))
+	for _, t := range tiers {
+		go func() {
+			m, err := t.Open(sourcePath)
+			results <- probeResult{m, err}
+		}()
+	}
+	var errs []error
+	for i := range tiers {
+		r := <-results
+		if r.err == nil {
+			go releaseLate(results, len(tiers)-i-1)
+			return r.m, nil
+		}
+		if r.err != ErrNotCached {
+			errs = append(errs, r.err)
+		}
+	}
+	if len(errs) == 0 {
+		return nil, ErrNotCached
+	}
+	return nil, errors.Join(append([]error{ErrNotCached}, errs...)...)
+}
+
+// releaseLate drains the n results still to come after a probe was won.
+func releaseLate(results <-chan probeResult, n int) {
+	for ; n > 0; n-- {
+		if r := <-results; r.m != nil {
+			r.m.Release()
+		}
+	}
+}

@@ -1,0 +1,394 @@
+package tiers
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func newTier(t *testing.T, kind Kind, budget string) *Tier {
+	t.Helper()
+	tier, err := New(Config{Dir: t.TempDir(), Kind: kind, Budget: budget}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tier
+}
+
+func publish(t *testing.T, tier *Tier, src string, data []byte) {
+	t.Helper()
+	if err := tier.Publish(Entry{SourcePath: src, Size: int64(len(data)), MTimeNanos: 1}, data); err != nil {
+		t.Fatalf("publish %s: %v", src, err)
+	}
+}
+
+// cached lists the source paths a tier holds, sorted by the order Dir.Open finds them.
+func cached(t *testing.T, tier *Tier, srcs ...string) []string {
+	t.Helper()
+	var got []string
+	for _, src := range srcs {
+		m, err := tier.Open(src)
+		if err == nil {
+			got = append(got, src)
+			m.Release()
+		} else if !errors.Is(err, ErrNotCached) {
+			t.Fatalf("open %s: %v", src, err)
+		}
+	}
+	return got
+}
+
+func TestRelPathLayout(t *testing.T) {
+	k := KeyOf("/data/train/img_0001.jpg")
+	want := fmt.Sprintf("%02x/%02x/%016x-img_0001.jpg", byte(k), byte(k>>8), uint64(k))
+	if got := RelPath("/data/train/img_0001.jpg"); got != want {
+		t.Errorf("RelPath = %q, want %q", got, want)
+	}
+	if KeyOf("/data//train/../train/img_0001.jpg") != k {
+		t.Error("uncleaned path got another key")
+	}
+	if got := RelPath("/d/.hidden"); strings.Contains(filepath.Base(got), "-.") {
+		t.Errorf("leading dot kept in %q: it could be mistaken for a temporary file", got)
+	}
+	long := "/d/" + strings.Repeat("x", 400)
+	if n := len(filepath.Base(RelPath(long))); n > 255 {
+		t.Errorf("cached name of %d bytes exceeds NAME_MAX", n)
+	}
+}
+
+func FuzzRelPath(f *testing.F) {
+	f.Add("/data/a.jpg")
+	f.Add("relative/../x")
+	f.Fuzz(func(t *testing.T, src string) {
+		rel := RelPath(src)
+		parts := strings.Split(rel, "/")
+		if len(parts) != 3 || !isBinName(parts[0]) || !isBinName(parts[1]) {
+			t.Fatalf("RelPath(%q) = %q: want two bin directories and a name", src, rel)
+		}
+		if isTempName(parts[2]) || len(parts[2]) > 255 || parts[2] == "" {
+			t.Fatalf("RelPath(%q) = %q: bad file name", src, rel)
+		}
+		if RelPath(filepath.Clean(src)) != rel {
+			t.Fatalf("RelPath not stable under Clean for %q", src)
+		}
+	})
+}
+
+func TestTrailerRoundTripAndDamage(t *testing.T) {
+	e := Entry{SourcePath: "/data/x.bin", Size: 5, MTimeNanos: 42}
+	file := appendTrailer([]byte("hello"), e)
+	got, err := parseTrailer(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(e, got); diff != "" {
+		t.Errorf("trailer (-want +got):\n%s", diff)
+	}
+	damaged := map[string][]byte{
+		"truncated":   file[:len(file)-1],
+		"data lost":   file[1:],
+		"empty":       nil,
+		"bit flipped": flip(file, len(file)-trailerFixedSize-3),
+		"size field":  flip(file, len(file)-trailerFixedSize+4),
+	}
+	for name, b := range damaged {
+		if _, err := parseTrailer(b); !errors.Is(err, errDamaged) {
+			t.Errorf("%s: got %v, want errDamaged", name, err)
+		}
+	}
+}
+
+func flip(b []byte, i int) []byte {
+	c := bytes.Clone(b)
+	c[i] ^= 0x40
+	return c
+}
+
+func FuzzParseTrailer(f *testing.F) {
+	f.Add(appendTrailer([]byte("abc"), Entry{SourcePath: "/a", Size: 3}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		e, err := parseTrailer(b)
+		if err == nil && int64(len(b)) != e.Size+trailerSize(e.SourcePath) {
+			t.Fatalf("accepted inconsistent entry %+v of %d bytes", e, len(b))
+		}
+	})
+}
+
+func TestPublishOpen(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	data := []byte("the exact bytes")
+	publish(t, tier, "/data/a", data)
+	m, err := tier.Open("/data/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	if !bytes.Equal(m.Bytes(), data) {
+		t.Errorf("got %q, want %q", m.Bytes(), data)
+	}
+	if m.Tier != Memory || m.SourcePath != "/data/a" {
+		t.Errorf("got tier %v path %q", m.Tier, m.SourcePath)
+	}
+	fi, err := os.Stat(m.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if perm := fi.Mode().Perm(); perm != 0o600 {
+		t.Errorf("cached file mode %o, want 0600", perm)
+	}
+	di, _ := os.Stat(tier.Path)
+	if perm := di.Mode().Perm(); perm != 0o700 {
+		t.Errorf("tier directory mode %o, want 0700", perm)
+	}
+	if _, err := tier.Open("/data/b"); !errors.Is(err, ErrNotCached) {
+		t.Errorf("open of uncached file: got %v, want ErrNotCached", err)
+	}
+	// Empty files are valid entries.
+	publish(t, tier, "/data/empty", nil)
+	if m, err := tier.Open("/data/empty"); err != nil || len(m.Bytes()) != 0 {
+		t.Errorf("empty file: got %v, err %v", m, err)
+	}
+}
+
+func TestMappingSurvivesEvictionAndReleaseIsIdempotent(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	data := bytes.Repeat([]byte{7}, 100<<10)
+	publish(t, tier, "/d/a", data)
+	m, err := tier.Open("/d/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tier.MakeRoom(1<<20, nil); err != nil { // evicts everything
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(m.Path); !os.IsNotExist(err) {
+		t.Fatalf("file still present after eviction: %v", err)
+	}
+	if !bytes.Equal(m.Bytes(), data) {
+		t.Error("mapping changed after eviction")
+	}
+	for i := 0; i < 2; i++ {
+		if err := m.Release(); err != nil {
+			t.Fatalf("release %d: %v", i, err)
+		}
+	}
+	if m.Bytes() != nil {
+		t.Error("Bytes after Release is not nil")
+	}
+}
+
+func TestBudgetAndFIFOEviction(t *testing.T) {
+	src := func(i int) string { return fmt.Sprintf("/d/f%d", i) }
+	one := EntrySize(src(0), 1000)
+	tier := newTier(t, Memory, fmt.Sprint(3*one)) // room for exactly three files
+	data := make([]byte, 1000)
+	for i := 0; i < 3; i++ {
+		publish(t, tier, src(i), data)
+	}
+	if err := tier.Publish(Entry{SourcePath: src(3), Size: 1000}, data); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("publish over budget: got %v, want ErrNoRoom", err)
+	}
+	var spilled []string
+	if err := tier.MakeRoom(2*one, func(m *Mapping) {
+		if !bytes.Equal(m.Bytes(), data) {
+			t.Errorf("spilled %s with wrong bytes", m.SourcePath)
+		}
+		spilled = append(spilled, m.SourcePath)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]string{src(0), src(1)}, spilled); diff != "" {
+		t.Errorf("evicted (-want +got):\n%s", diff)
+	}
+	publish(t, tier, src(3), data)
+	publish(t, tier, src(4), data)
+	if diff := cmp.Diff([]string{src(2), src(3), src(4)}, cached(t, tier, src(0), src(1), src(2), src(3), src(4))); diff != "" {
+		t.Errorf("cached (-want +got):\n%s", diff)
+	}
+	if info := tier.Info(); info.Used != 3*one || info.Files != 3 || info.Used > info.Budget {
+		t.Errorf("info %+v: want 3 files of %d bytes within budget", info, one)
+	}
+	if err := tier.MakeRoom(4*one, nil); !errors.Is(err, ErrNoRoom) {
+		t.Errorf("MakeRoom over the whole budget: got %v, want ErrNoRoom", err)
+	}
+}
+
+func TestRepublishReplacesAccounting(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	publish(t, tier, "/d/a", make([]byte, 100))
+	publish(t, tier, "/d/a", make([]byte, 100))
+	if info := tier.Info(); info.Files != 1 || info.Used != EntrySize("/d/a", 100) {
+		t.Errorf("after republish: %+v", info)
+	}
+}
+
+func TestRescanRebuildsUsageAndOrderAndRemovesTemps(t *testing.T) {
+	dir := t.TempDir()
+	tier, err := New(Config{Dir: dir, Kind: Disk, Budget: "1MiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := make([]byte, 100)
+	for i := 0; i < 3; i++ {
+		publish(t, tier, fmt.Sprintf("/d/f%d", i), data)
+		// Give each file its own modification time: rescan orders by it.
+		p := tier.CachedPath(fmt.Sprintf("/d/f%d", i))
+		mt := time.Unix(1_000_000+int64(i), 0)
+		if err := os.Chtimes(p, mt, mt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A crash while writing leaves temporary files behind.
+	bin := filepath.Dir(tier.CachedPath("/d/f0"))
+	leftovers := []string{filepath.Join(bin, tempPrefix+"123"), filepath.Join(dir, tempPrefix+"probe-1")}
+	for _, p := range leftovers {
+		if err := os.WriteFile(p, []byte("partial"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := tier.Info()
+
+	again, err := New(Config{Dir: dir, Kind: Disk, Budget: "1MiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := again.Info()
+	if after.Used != before.Used || after.Files != 3 {
+		t.Errorf("after rescan %+v, before %+v", after, before)
+	}
+	for _, p := range leftovers {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Errorf("leftover %s not removed: %v", p, err)
+		}
+	}
+	// FIFO order survives: making room for one file evicts the oldest.
+	var evicted []string
+	again.MakeRoom(again.budget-after.Used+1, func(m *Mapping) { evicted = append(evicted, m.SourcePath) })
+	if diff := cmp.Diff([]string{"/d/f0"}, evicted); diff != "" {
+		t.Errorf("evicted after rescan (-want +got):\n%s", diff)
+	}
+
+	// A smaller budget at restart evicts the oldest files down to it.
+	small, err := New(Config{Dir: dir, Kind: Disk, Budget: fmt.Sprint(EntrySize("/d/f0", 100))}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]string{"/d/f2"}, cached(t, small, "/d/f0", "/d/f1", "/d/f2")); diff != "" {
+		t.Errorf("cached after shrinking (-want +got):\n%s", diff)
+	}
+}
+
+func TestDamagedAndCollidingEntriesAreMisses(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	publish(t, tier, "/d/a", []byte("0123456789"))
+	path := tier.CachedPath("/d/a")
+
+	// Truncation (a person or a broken disk did it; FitCache never does).
+	b, _ := os.ReadFile(path)
+	os.WriteFile(path, b[:len(b)-4], 0o600)
+	if _, err := tier.Dir.Open("/d/a"); !errors.Is(err, ErrNotCached) || !errors.Is(err, ErrDamaged) {
+		t.Fatalf("truncated entry: got %v, want ErrNotCached and ErrDamaged", err)
+	}
+	if _, err := tier.Open("/d/a"); !errors.Is(err, ErrDamaged) {
+		t.Fatalf("truncated entry via Tier: got %v", err)
+	}
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Errorf("Tier.Open left the damaged entry: %v", err)
+	}
+	if info := tier.Info(); info.Used != 0 || info.Files != 0 {
+		t.Errorf("accounting after removing damaged entry: %+v", info)
+	}
+
+	// An empty file where an entry should be.
+	os.MkdirAll(filepath.Dir(path), 0o700)
+	os.WriteFile(path, nil, 0o600)
+	if _, err := tier.Dir.Open("/d/a"); !errors.Is(err, ErrNotCached) {
+		t.Errorf("empty entry: got %v", err)
+	}
+
+	// A valid entry for another source path at the same place (a hash collision).
+	os.WriteFile(path, appendTrailer([]byte("other"), Entry{SourcePath: "/e/a", Size: 5}), 0o600)
+	if _, err := tier.Dir.Open("/d/a"); err != ErrNotCached {
+		t.Errorf("colliding entry: got %v, want ErrNotCached", err)
+	}
+}
+
+func TestProbeFirstHitWins(t *testing.T) {
+	mem, disk := newTier(t, Memory, "1MiB"), newTier(t, Disk, "1MiB")
+	publish(t, disk, "/d/only-disk", []byte("disk"))
+	publish(t, mem, "/d/both", []byte("same"))
+	publish(t, disk, "/d/both", []byte("same"))
+	dirs := []Dir{mem.Dir, disk.Dir}
+	for _, tc := range []struct {
+		src  string
+		want string
+	}{{"/d/only-disk", "disk"}, {"/d/both", "same"}} {
+		m, err := Probe(dirs, tc.src)
+		if err != nil {
+			t.Fatalf("probe %s: %v", tc.src, err)
+		}
+		if got := string(m.Bytes()); got != tc.want {
+			t.Errorf("probe %s: got %q, want %q", tc.src, got, tc.want)
+		}
+		m.Release()
+	}
+	if _, err := Probe(dirs, "/d/none"); err != ErrNotCached {
+		t.Errorf("probe miss: got %v, want ErrNotCached", err)
+	}
+	if _, err := Probe([]Dir(nil), "/d/none"); err != ErrNotCached {
+		t.Errorf("probe without tiers: got %v, want ErrNotCached", err)
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	for _, tc := range []struct {
+		in      string
+		bytes   int64
+		percent float64
+	}{
+		{"1048576", 1 << 20, 0}, {"512MiB", 512 << 20, 0}, {"64GiB", 64 << 30, 0},
+		{"1.5 GB", 1_500_000_000, 0}, {"10k", 10 << 10, 0}, {"80%", 0, 80}, {" 12.5 % ", 0, 12.5},
+	} {
+		got, err := ParseSize(tc.in)
+		if err != nil {
+			t.Errorf("ParseSize(%q): %v", tc.in, err)
+			continue
+		}
+		if got.Bytes != tc.bytes || got.Percent != tc.percent {
+			t.Errorf("ParseSize(%q) = %+v, want bytes %d percent %v", tc.in, got, tc.bytes, tc.percent)
+		}
+	}
+	for _, bad := range []string{"", "abc", "12XB", "0%", "101%", "-5", "%"} {
+		if _, err := ParseSize(bad); err == nil {
+			t.Errorf("ParseSize(%q) succeeded, want an error", bad)
+		}
+	}
+	if got := (SizeOrPercent{Percent: 80}).Resolve(1000); got != 800 {
+		t.Errorf("80%% of 1000 = %d, want 800", got)
+	}
+}
+
+func TestNewRejectsUnusableDirectory(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "a-file")
+	os.WriteFile(file, nil, 0o600)
+	if _, err := New(Config{Dir: filepath.Join(file, "tier"), Kind: NVMe}, nil); err == nil {
+		t.Error("New under a regular file succeeded")
+	}
+	if _, err := New(Config{Dir: t.TempDir(), Kind: NVMe, Budget: "lots"}, nil); err == nil {
+		t.Error("New with a bad budget succeeded")
+	}
+	tier, err := New(Config{Dir: t.TempDir(), Kind: NVMe}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info := tier.Info(); info.Budget != int64(float64(info.Capacity)*0.8) {
+		t.Errorf("default NVMe budget %d, want 80%% of %d", info.Budget, info.Capacity)
+	}
+}
