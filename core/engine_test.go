@@ -1,0 +1,287 @@
+package core
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// dataset writes files of the given sizes under a new root and returns the root and paths.
+func dataset(t *testing.T, sizes ...int) (string, []string) {
+	t.Helper()
+	root := t.TempDir()
+	var paths []string
+	for i, n := range sizes {
+		p := filepath.Join(root, "sub", fmt.Sprintf("f%03d.bin", i))
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		data := make([]byte, n)
+		rng := rand.New(rand.NewPCG(uint64(i), 1))
+		for j := range data {
+			data[j] = byte(rng.Uint32())
+		}
+		if err := os.WriteFile(p, data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		paths = append(paths, p)
+	}
+	return root, paths
+}
+
+func newEngine(t *testing.T, budgets ...string) *Engine {
+	t.Helper()
+	var cfgs []tiers.Config
+	for i, b := range budgets {
+		kind := tiers.Memory
+		if i > 0 {
+			kind = tiers.Disk
+		}
+		cfgs = append(cfgs, tiers.Config{Dir: t.TempDir(), Kind: kind, Budget: b})
+	}
+	e, err := NewEngine(EngineConfig{Tiers: cfgs}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+func readAll(t *testing.T, e *Engine, root, path string) (string, []byte) {
+	t.Helper()
+	res, err := e.Read(context.Background(), root, path, false)
+	if err != nil {
+		t.Fatalf("read %s: %v", path, err)
+	}
+	defer res.Release()
+	return res.Origin, bytes.Clone(res.Bytes())
+}
+
+func wantBytes(t *testing.T, path string, got []byte) {
+	t.Helper()
+	want, _ := os.ReadFile(path)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("%s: got %d bytes that differ from the source's %d", path, len(got), len(want))
+	}
+}
+
+// settle waits for the data mover to publish everything queued.
+func settle(e *Engine) {
+	e.mover.stop()
+	e.mover = startMover(e, 256<<20)
+}
+
+func TestConcurrentMissesReadSourceOnce(t *testing.T) {
+	root, paths := dataset(t, 1<<20)
+	e := newEngine(t, "64MiB")
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := e.Read(context.Background(), root, paths[0], false)
+			if err != nil {
+				errs <- err
+				return
+			}
+			want, _ := os.ReadFile(paths[0])
+			if !bytes.Equal(res.Bytes(), want) {
+				errs <- errors.New("wrong bytes")
+			}
+			res.Release()
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	settle(e)
+	s := e.Stats()
+	if s.SourceReads != 1 || s.Misses != 1 {
+		t.Errorf("16 concurrent readers: %d source reads, %d misses; want 1 and 1", s.SourceReads, s.Misses)
+	}
+	if got := s.Misses + s.InflightHits + s.Hits["memory"]; got != 16 {
+		t.Errorf("misses+inflight+hits = %d, want 16", got)
+	}
+	if origin, got := readAll(t, e, root, paths[0]); origin != "memory" {
+		t.Errorf("read after publication came from %q, want memory", origin)
+	} else {
+		wantBytes(t, paths[0], got)
+	}
+	if s := e.Stats(); s.SourceReads != 1 {
+		t.Errorf("source reads after a hit: %d, want 1", s.SourceReads)
+	}
+}
+
+func TestWantMappingReturnsPublishedTierFile(t *testing.T) {
+	root, paths := dataset(t, 5000)
+	e := newEngine(t, "1MiB")
+	res, err := e.Read(context.Background(), root, paths[0], true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Release()
+	if res.Mapping == nil {
+		t.Fatalf("wantMapping miss returned no mapping (origin %q)", res.Origin)
+	}
+	wantBytes(t, paths[0], res.Bytes())
+}
+
+func TestSpillToNextTierAndOversize(t *testing.T) {
+	root, paths := dataset(t, 3000, 3000, 3000, 9000)
+	one := tiers.EntrySize(paths[0], 3000)
+	e := newEngine(t, fmt.Sprint(2*one), fmt.Sprint(4*one)) // memory holds 2 files, disk 4
+	for _, p := range paths[:3] {
+		_, got := readAll(t, e, root, p)
+		wantBytes(t, p, got)
+		settle(e)
+	}
+	// The first two filled memory; the third went to disk without eviction.
+	wantOrigins := []string{"memory", "memory", "disk"}
+	for i, p := range paths[:3] {
+		if origin, _ := readAll(t, e, root, p); origin != wantOrigins[i] {
+			t.Errorf("%s served from %q, want %q", p, origin, wantOrigins[i])
+		}
+	}
+	// Force eviction from memory: a new engine over tiers that are full.
+	s := e.Stats()
+	if s.Spilled != 0 || s.Evictions != 0 {
+		t.Errorf("spills before the tiers were full: %+v", s)
+	}
+	// The 9000-byte file is larger than memory but fits on disk.
+	origin, got := readAll(t, e, root, paths[3])
+	wantBytes(t, paths[3], got)
+	settle(e)
+	if origin, _ = readAll(t, e, root, paths[3]); origin != "disk" {
+		t.Errorf("large file served from %q after caching, want disk", origin)
+	}
+	// Every tier is full now: a new file evicts the oldest memory file, which spills to disk
+	// (evicting the oldest disk file).
+	root2, more := dataset(t, 3000)
+	readAll(t, e, root2, more[0])
+	settle(e)
+	if origin, _ := readAll(t, e, root2, more[0]); origin != "memory" {
+		t.Errorf("new file served from %q, want memory", origin)
+	}
+	if origin, _ := readAll(t, e, root, paths[0]); origin != "disk" {
+		t.Errorf("oldest memory file served from %q after eviction, want disk (spilled)", origin)
+	}
+	s = e.Stats()
+	if s.Spilled < 1 || s.Evictions < 2 {
+		t.Errorf("after overflow: spilled %d, evictions %d; want >= 1 and >= 2", s.Spilled, s.Evictions)
+	}
+	for _, ti := range s.Tiers {
+		if ti.Used > ti.Budget {
+			t.Errorf("tier %s over budget: %+v", ti.Kind, ti)
+		}
+	}
+}
+
+func TestOversizeFileServedUncached(t *testing.T) {
+	root, paths := dataset(t, 1<<20)
+	e := newEngine(t, "100KiB", "200KiB")
+	for range 2 {
+		origin, got := readAll(t, e, root, paths[0])
+		wantBytes(t, paths[0], got)
+		settle(e)
+		if origin != "source" {
+			t.Errorf("oversize file served from %q, want source", origin)
+		}
+	}
+	if s := e.Stats(); s.Uncached != 2 || s.SourceReads != 2 {
+		t.Errorf("uncached %d, source reads %d; want 2 and 2", s.Uncached, s.SourceReads)
+	}
+}
+
+func TestDamagedEntryIsRefetched(t *testing.T) {
+	root, paths := dataset(t, 4096)
+	e := newEngine(t, "1MiB")
+	readAll(t, e, root, paths[0])
+	settle(e)
+	cachedPath := e.tiers[0].CachedPath(paths[0])
+	b, err := os.ReadFile(cachedPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(cachedPath, b[:100], 0o600) // damage it
+	origin, got := readAll(t, e, root, paths[0])
+	wantBytes(t, paths[0], got)
+	if origin != "source" {
+		t.Errorf("damaged entry served from %q, want source", origin)
+	}
+}
+
+func TestReadErrors(t *testing.T) {
+	root, paths := dataset(t, 10)
+	outside := t.TempDir()
+	secret := filepath.Join(outside, "secret")
+	os.WriteFile(secret, []byte("x"), 0o644)
+	link := filepath.Join(root, "sub", "link")
+	if err := os.Symlink(secret, link); err != nil {
+		t.Fatal(err)
+	}
+	inside := filepath.Join(root, "sub", "inside-link")
+	os.Symlink(paths[0], inside)
+	fifo := filepath.Join(root, "fifo")
+	syscall.Mkfifo(fifo, 0o644)
+
+	e := newEngine(t, "1MiB")
+	for _, tc := range []struct {
+		name, root, path string
+		errno            syscall.Errno
+		is               error
+	}{
+		{"missing", root, filepath.Join(root, "nope"), syscall.ENOENT, fs.ErrNotExist},
+		{"directory", root, filepath.Join(root, "sub"), syscall.EISDIR, nil},
+		{"outside", root, secret, syscall.EACCES, ErrOutsideRoot},
+		{"dotdot", root, root + "/../x", syscall.EINVAL, ErrBadPath},
+		{"relative", root, "sub/f000.bin", syscall.EINVAL, ErrBadPath},
+		{"symlink escape", root, link, syscall.EACCES, ErrOutsideRoot},
+		{"not regular", root, fifo, syscall.EINVAL, nil},
+	} {
+		_, err := e.Read(context.Background(), tc.root, tc.path, false)
+		if got := Errno(err); got != tc.errno {
+			t.Errorf("%s: errno %v (%v), want %v", tc.name, got, err, tc.errno)
+		}
+		if tc.is != nil && !errors.Is(err, tc.is) {
+			t.Errorf("%s: %v is not %v", tc.name, err, tc.is)
+		}
+	}
+	_, got := readAll(t, e, root, inside) // a link that stays inside the dataset is fine
+	wantBytes(t, paths[0], got)
+
+	restricted, err := NewEngine(EngineConfig{Roots: []string{t.TempDir()}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restricted.Close()
+	if _, err := restricted.Read(context.Background(), root, paths[0], false); !errors.Is(err, ErrOutsideRoot) {
+		t.Errorf("root outside the server's roots: got %v, want ErrOutsideRoot", err)
+	}
+}
+
+func TestErrnoErrorRoundTrip(t *testing.T) {
+	_, err := os.Open("/nonexistent/fitcache")
+	back := NewErrnoError(int32(Errno(err)), err.Error())
+	if !errors.Is(back, fs.ErrNotExist) {
+		t.Errorf("ENOENT over the wire is not fs.ErrNotExist: %v", back)
+	}
+	outside := fmt.Errorf("%w: /x", ErrOutsideRoot)
+	back = NewErrnoError(int32(Errno(outside)), outside.Error())
+	if !errors.Is(back, ErrOutsideRoot) || !errors.Is(back, fs.ErrPermission) {
+		t.Errorf("outside-root over the wire lost its identity: %v", back)
+	}
+	if NewErrnoError(0, "") != nil {
+		t.Error("errno 0 is not nil")
+	}
+}

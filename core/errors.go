@@ -1,0 +1,82 @@
+package core
+
+import (
+	"errors"
+	"io/fs"
+	"strings"
+	"syscall"
+)
+
+// Errors callers branch on. Errors of the source file system pass through as the *fs.PathError
+// the operating system gave, so errors.Is(err, fs.ErrNotExist) works.
+var (
+	// ErrOutsideRoot reports a path that is not inside the dataset root (after cleaning and
+	// after following symbolic links), or a root outside the server's dataset roots.
+	ErrOutsideRoot = errors.New("path outside the dataset root")
+	// ErrBadPath reports a path that is not absolute or not clean.
+	ErrBadPath = errors.New("bad path")
+	// ErrChanged reports a source file whose size changed while it was read.
+	ErrChanged = errors.New("source file changed while being read")
+	// ErrClosed reports use of a closed engine or client.
+	ErrClosed = errors.New("closed")
+)
+
+// Errno maps an error to the Linux errno value that describes it best, for the C ABI and the
+// wire protocol. nil maps to 0; errors without a better match map to EIO.
+func Errno(err error) syscall.Errno {
+	var errno syscall.Errno
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &errno):
+		return errno
+	case errors.Is(err, ErrOutsideRoot):
+		return syscall.EACCES
+	case errors.Is(err, ErrBadPath):
+		return syscall.EINVAL
+	case errors.Is(err, ErrClosed):
+		return syscall.EBADF
+	case errors.Is(err, fs.ErrNotExist):
+		return syscall.ENOENT
+	case errors.Is(err, fs.ErrPermission):
+		return syscall.EACCES
+	}
+	return syscall.EIO
+}
+
+// ErrnoError rebuilds an error received as an errno value and a message (from the wire or the
+// C ABI), so that errors.Is works on it like on the original: errors.Is(err, fs.ErrNotExist)
+// for ENOENT, errors.Is(err, ErrOutsideRoot) for EACCES with that cause.
+type ErrnoError struct {
+	Errno   syscall.Errno
+	Message string
+}
+
+func (e *ErrnoError) Error() string { return e.Message }
+
+// Is matches the errno and, for the sentinels that travel as EACCES/EINVAL, the sentinel.
+func (e *ErrnoError) Is(target error) bool {
+	switch target {
+	case ErrOutsideRoot:
+		return e.Errno == syscall.EACCES && strings.Contains(e.Message, ErrOutsideRoot.Error())
+	case ErrBadPath:
+		return e.Errno == syscall.EINVAL && strings.Contains(e.Message, ErrBadPath.Error())
+	}
+	return e.Errno.Is(target)
+}
+
+// Unwrap exposes the errno, so errors.As(err, &syscall.Errno) works.
+func (e *ErrnoError) Unwrap() error { return e.Errno }
+
+// NewErrnoError returns err as an ErrnoError (nil for 0).
+func NewErrnoError(errno int32, message string) error {
+	if errno == 0 {
+		return nil
+	}
+	if message == "" {
+		message = syscall.Errno(errno).Error()
+	}
+	return &ErrnoError{Errno: syscall.Errno(errno), Message: message}
+}
+
+func pathError(op, path string, err error) error { return &fs.PathError{Op: op, Path: path, Err: err} }

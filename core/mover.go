@@ -1,0 +1,132 @@
+package core
+
+import (
+	"errors"
+	"sync"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// mover is the background data mover: it publishes files read from the source into the
+// tiers, one at a time, so at most one file is in flight into a tier (invariant 7).
+type mover struct {
+	e     *Engine
+	limit int64 // bytes allowed to wait in the queue
+
+	mu      sync.Mutex // protects queue, queued and closed
+	cond    *sync.Cond // signalled when queue grows or closed is set
+	queue   []job
+	queued  int64
+	closed  bool
+	stopped chan struct{} // closed when the loop has exited
+}
+
+type job struct {
+	entry  tiers.Entry
+	flight *flight
+}
+
+func startMover(e *Engine, limit int64) *mover {
+	m := &mover{e: e, limit: limit, stopped: make(chan struct{})}
+	m.cond = sync.NewCond(&m.mu)
+	go m.loop()
+	return m
+}
+
+// enqueue hands a job to the mover; when the queue is full (or the mover stopped) the caller
+// publishes the file itself, which slows readers down instead of growing memory without bound.
+func (m *mover) enqueue(j job) {
+	m.mu.Lock()
+	if m.closed || (m.queued > 0 && m.queued+j.entry.Size > m.limit) {
+		m.mu.Unlock()
+		m.e.publish(j)
+		return
+	}
+	m.queue = append(m.queue, j)
+	m.queued += j.entry.Size
+	m.cond.Signal()
+	m.mu.Unlock()
+}
+
+func (m *mover) loop() {
+	defer close(m.stopped)
+	for {
+		m.mu.Lock()
+		for len(m.queue) == 0 && !m.closed {
+			m.cond.Wait()
+		}
+		if len(m.queue) == 0 {
+			m.mu.Unlock()
+			return
+		}
+		j := m.queue[0]
+		m.queue = m.queue[1:]
+		m.mu.Unlock()
+
+		m.e.publish(j)
+
+		m.mu.Lock()
+		m.queued -= j.entry.Size
+		m.mu.Unlock()
+	}
+}
+
+// stop publishes what is queued, then ends the loop.
+func (m *mover) stop() {
+	m.mu.Lock()
+	m.closed = true
+	m.cond.Signal()
+	m.mu.Unlock()
+	<-m.stopped
+}
+
+// publish places a job's file and ends its flight.
+func (e *Engine) publish(j job) {
+	defer e.land(j.entry.SourcePath, j.flight)
+	if err := e.place(0, j.entry, j.flight.data); err != nil {
+		if errors.Is(err, tiers.ErrNoRoom) {
+			e.stats.uncached.Add(1)
+			return
+		}
+		e.stats.publishErrors.Add(1)
+		e.log.Warn("publish", "path", j.entry.SourcePath, "err", err)
+		return
+	}
+	e.stats.published.Add(1)
+}
+
+// place publishes a file into the fastest tier from index first on that has room without
+// eviction; if none has, into the fastest tier that can hold it at all, after evicting its
+// oldest files, which spill into the next tiers the same way. It returns ErrNoRoom when the
+// file is larger than every tier from first on.
+func (e *Engine) place(first int, entry tiers.Entry, data []byte) error {
+	need := tiers.EntrySize(entry.SourcePath, entry.Size)
+	candidates := e.tiers[first:]
+	for _, t := range candidates {
+		if t.HasRoom(need) {
+			err := t.Publish(entry, data)
+			if err == nil || !errors.Is(err, tiers.ErrNoRoom) {
+				return err
+			}
+		}
+	}
+	for i, t := range candidates {
+		if !t.CanHold(need) {
+			continue
+		}
+		next := first + i + 1
+		err := t.MakeRoom(need, func(victim *tiers.Mapping) {
+			e.stats.evictions.Add(1)
+			if next < len(e.tiers) && e.place(next, victim.Entry, victim.Bytes()) == nil {
+				e.stats.spilled.Add(1)
+			}
+		})
+		if err == nil {
+			err = t.Publish(entry, data)
+		}
+		if err == nil || !errors.Is(err, tiers.ErrNoRoom) {
+			return err
+		}
+	}
+	return tiers.ErrNoRoom
+}

@@ -1,0 +1,70 @@
+package core
+
+import (
+	"sync/atomic"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// Stats counts what an engine did. The zero value is ready; it is safe for concurrent use.
+type Stats struct {
+	hits          [tiers.Disk + 1]atomic.Int64 // reads served from each tier kind
+	inflightHits  atomic.Int64                 // reads served from a file being read or published
+	misses        atomic.Int64                 // reads that found the file in no tier
+	sourceReads   atomic.Int64                 // files read from the source
+	sourceBytes   atomic.Int64
+	bytesServed   atomic.Int64
+	published     atomic.Int64 // files written into a tier
+	spilled       atomic.Int64 // evicted files moved to a slower tier
+	evictions     atomic.Int64 // files removed from a tier to make room
+	uncached      atomic.Int64 // files too large for every tier, served uncached
+	errors        atomic.Int64 // reads that failed
+	publishErrors atomic.Int64 // publications that failed (the read itself succeeded)
+	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
+}
+
+// StatsSnapshot is a point-in-time copy of the counters, as reported in JSON.
+type StatsSnapshot struct {
+	Hits          map[string]int64 `json:"hits"`
+	InflightHits  int64            `json:"inflight_hits"`
+	Misses        int64            `json:"misses"`
+	SourceReads   int64            `json:"source_reads"`
+	SourceBytes   int64            `json:"source_bytes"`
+	BytesServed   int64            `json:"bytes_served"`
+	Published     int64            `json:"published"`
+	Spilled       int64            `json:"spilled"`
+	Evictions     int64            `json:"evictions"`
+	Uncached      int64            `json:"uncached"`
+	Errors        int64            `json:"errors"`
+	PublishErrors int64            `json:"publish_errors"`
+	ClientHits    int64            `json:"client_hits"`
+	Tiers         []tiers.Info     `json:"tiers"`
+}
+
+// Snapshot copies the counters.
+func (s *Stats) Snapshot() StatsSnapshot {
+	hits := make(map[string]int64)
+	for k := range s.hits {
+		hits[tiers.Kind(k).String()] = s.hits[k].Load()
+	}
+	return StatsSnapshot{
+		Hits: hits, InflightHits: s.inflightHits.Load(), Misses: s.misses.Load(),
+		SourceReads: s.sourceReads.Load(), SourceBytes: s.sourceBytes.Load(),
+		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
+		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
+		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(),
+	}
+}
+
+// AddClientHits records hits that clients on this node served from tier files themselves.
+func (s *Stats) AddClientHits(byKind map[string]int64, bytes int64) {
+	for name, n := range byKind {
+		if k, err := tiers.ParseKind(name); err == nil && n > 0 {
+			s.hits[k].Add(n)
+			s.clientHits.Add(n)
+		}
+	}
+	if bytes > 0 {
+		s.bytesServed.Add(bytes)
+	}
+}
