@@ -33,10 +33,10 @@ func ParseKind(s string) (Kind, error) {
 	return 0, fmt.Errorf("unknown tier kind %q (want memory, pmem, nvme or disk)", s)
 }
 
-// defaultBudget is the budget of a tier whose configuration gives none. Memory-like tiers
+// DefaultBudget is the budget of a tier whose configuration gives none. Memory-like tiers
 // share RAM with the training job, so they take less of their file system than storage tiers,
 // which take 80% of the device as the design asks.
-func (k Kind) defaultBudget() string {
+func (k Kind) DefaultBudget() string {
 	if k == Memory || k == PMem {
 		return "50%"
 	}

@@ -72,7 +72,7 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 	}
 	budgetText := cfg.Budget
 	if budgetText == "" {
-		budgetText = cfg.Kind.defaultBudget()
+		budgetText = cfg.Kind.DefaultBudget()
 	}
 	size, err := ParseSize(budgetText)
 	if err != nil {

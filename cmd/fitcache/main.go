@@ -1,0 +1,57 @@
+// Command fitcache runs and inspects FitCache servers.
+//
+//	fitcache serve [--embedded] [--socket PATH] [--tiers SPEC] [--root DIR]...
+//	fitcache stats [--json]
+//	fitcache info  [--json]
+//	fitcache warmup [--workers N] DIR
+//
+// Configuration comes from flags, then FITCACHE_* environment variables, then defaults (see
+// core.LoadConfig). The Python package installs this program as its `fitcache` command.
+package main
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+)
+
+var commands = map[string]func(args []string) error{
+	"serve":  serve,
+	"stats":  stats,
+	"info":   info,
+	"warmup": warmup,
+}
+
+func usage() {
+	fmt.Fprint(os.Stderr, `usage: fitcache <command> [flags]
+
+commands:
+  serve    run a cache server (--embedded: the per-user server clients start on demand)
+  stats    print the counters of the embedded server
+  info     print the tiers and hardware FitCache finds on this node
+  warmup   read every file under a directory through the cache, with progress
+
+Run 'fitcache <command> -h' for a command's flags.
+`)
+}
+
+func main() {
+	if len(os.Args) < 2 || os.Args[1] == "-h" || os.Args[1] == "--help" || os.Args[1] == "help" {
+		usage()
+		os.Exit(2)
+	}
+	cmd, ok := commands[os.Args[1]]
+	if !ok {
+		fmt.Fprintf(os.Stderr, "fitcache: unknown command %q\n", os.Args[1])
+		usage()
+		os.Exit(2)
+	}
+	if err := cmd(os.Args[2:]); err != nil {
+		fmt.Fprintf(os.Stderr, "fitcache %s: %v\n", os.Args[1], err)
+		os.Exit(1)
+	}
+}
+
+func logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+}

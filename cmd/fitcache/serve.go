@@ -1,0 +1,114 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/rpc"
+)
+
+type stringList []string
+
+func (l *stringList) String() string     { return fmt.Sprint(*l) }
+func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
+
+func serve(args []string) error {
+	fs := flag.NewFlagSet("serve", flag.ExitOnError)
+	embedded := fs.Bool("embedded", false, "run as the per-user embedded server in the runtime directory (one at a time; exits when idle)")
+	socket := fs.String("socket", "", "Unix socket to listen on (default: the runtime directory's, with --embedded)")
+	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
+	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
+	var roots stringList
+	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; default: any root the caller names)")
+	fs.Parse(args)
+
+	opts := map[string]string{"tiers": *tierSpec}
+	if *idle > 0 {
+		opts["idle_timeout"] = idle.String()
+	}
+	cfg, err := core.LoadConfig(opts)
+	if err != nil {
+		return err
+	}
+	log := logger()
+	if *socket == "" {
+		if !*embedded {
+			return errors.New("give --socket PATH, or --embedded for the per-user server")
+		}
+		if err := local.PrepareDir(cfg.RuntimeDir); err != nil {
+			return err
+		}
+		*socket = local.SocketPath(cfg.RuntimeDir)
+	}
+	idleTimeout := time.Duration(0)
+	if *embedded {
+		lock, err := local.LockServer(cfg.RuntimeDir)
+		if errors.Is(err, local.ErrAlreadyRunning) {
+			log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		defer lock.Close()
+		idleTimeout = cfg.IdleTimeout
+	} else if *idle > 0 {
+		idleTimeout = *idle
+	}
+
+	tierCfgs, err := cfg.TierConfigs()
+	if err != nil {
+		return err
+	}
+	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots}, log)
+	if err != nil {
+		return err
+	}
+	ln, err := rpc.ListenUnix(*socket)
+	if err != nil {
+		return err
+	}
+	var lastRequest atomic.Int64
+	lastRequest.Store(time.Now().UnixNano())
+	id, _ := os.Hostname()
+	srv, done := rpc.Serve(engine, ln, rpc.ServerConfig{
+		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log,
+		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
+	})
+	log.Info("fitcache server ready", "socket", *socket, "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
+		"idle_timeout", idleTimeout)
+
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	var reason string
+	for reason == "" {
+		select {
+		case sig := <-signals:
+			reason = "signal " + sig.String()
+		case err := <-done:
+			reason = fmt.Sprintf("server stopped: %v", err)
+		case <-tick.C:
+			if idleTimeout > 0 && time.Since(time.Unix(0, lastRequest.Load())) > idleTimeout {
+				reason = "idle for " + idleTimeout.String()
+			}
+		}
+	}
+	log.Info("fitcache server stopping", "reason", reason)
+	// Remove the socket first so that new clients start a fresh server instead of reaching
+	// this one while it stops.
+	os.Remove(*socket)
+	srv.Stop()
+	engine.Close()
+	log.Info("fitcache server stopped")
+	return nil
+}

@@ -1,0 +1,74 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+func stats(args []string) error {
+	fs := flag.NewFlagSet("stats", flag.ExitOnError)
+	asJSON := fs.Bool("json", false, "print the raw JSON counters")
+	socket := fs.String("socket", "", "server socket (default: the embedded server's)")
+	fs.Parse(args)
+	cfg, err := core.LoadConfig(nil)
+	if err != nil {
+		return err
+	}
+	if *socket == "" {
+		*socket = local.SocketPath(cfg.RuntimeDir)
+	}
+	c, err := rpc.Dial(*socket, rpc.ClientConfig{})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	js, err := c.Stats(ctx)
+	if err != nil {
+		return fmt.Errorf("no fitcache server answers at %s: %w", *socket, err)
+	}
+	if *asJSON {
+		var out bytes.Buffer
+		json.Indent(&out, []byte(js), "", "  ")
+		fmt.Println(out.String())
+		return nil
+	}
+	var s core.StatsSnapshot
+	if err := json.Unmarshal([]byte(js), &s); err != nil {
+		return err
+	}
+	printStats(os.Stdout, s)
+	return nil
+}
+
+func printStats(w *os.File, s core.StatsSnapshot) {
+	hits := int64(0)
+	for _, n := range s.Hits {
+		hits += n
+	}
+	total := hits + s.InflightHits + s.Misses
+	fmt.Fprintf(w, "reads        %d (hits %d, in-flight %d, misses %d)\n", total, hits, s.InflightHits, s.Misses)
+	for _, k := range []tiers.Kind{tiers.Memory, tiers.PMem, tiers.NVMe, tiers.Disk} {
+		if n := s.Hits[k.String()]; n > 0 {
+			fmt.Fprintf(w, "  %-10s %d hits (%.1f%%)\n", k, n, 100*float64(n)/float64(max(total, 1)))
+		}
+	}
+	fmt.Fprintf(w, "source reads %d (%s)\n", s.SourceReads, tiers.FormatBytes(s.SourceBytes))
+	fmt.Fprintf(w, "served       %s\n", tiers.FormatBytes(s.BytesServed))
+	fmt.Fprintf(w, "published    %d, spilled %d, evicted %d, uncached %d\n", s.Published, s.Spilled, s.Evictions, s.Uncached)
+	fmt.Fprintf(w, "errors       %d read, %d publish\n", s.Errors, s.PublishErrors)
+	for _, t := range s.Tiers {
+		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files (%s)\n", t.Kind, t.Dir,
+			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, t.FSType)
+	}
+}

@@ -1,0 +1,133 @@
+package core
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// Config is what a client or server is told: keyword options first, then FITCACHE_*
+// environment variables, then defaults (see LoadConfig).
+type Config struct {
+	// Tiers of the embedded server: "kind:dir[:budget],..." fastest first. Empty means a
+	// memory tier under /dev/shm and a disk tier under the user's cache directory.
+	Tiers string
+	// RuntimeDir holds the embedded server's socket, locks and log.
+	RuntimeDir string
+	// ServerBin is the fitcache executable a client starts the embedded server with.
+	ServerBin string
+	// IdleTimeout: the embedded server exits after this long without a request.
+	IdleTimeout time.Duration
+	// ReadTimeout is the deadline of one read request to a server.
+	ReadTimeout time.Duration
+	// StartTimeout bounds how long a client waits for the embedded server it started.
+	StartTimeout time.Duration
+}
+
+// configKeys lists the option names, each also read from FITCACHE_<NAME in upper case>.
+var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout"}
+
+// LoadConfig resolves options (keyword arguments from the caller, may be nil) over the
+// environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
+func LoadConfig(options map[string]string) (Config, error) {
+	known := make(map[string]bool, len(configKeys))
+	for _, k := range configKeys {
+		known[k] = true
+	}
+	for k := range options {
+		if !known[k] {
+			return Config{}, fmt.Errorf("unknown option %q (known: %s)", k, strings.Join(configKeys, ", "))
+		}
+	}
+	get := func(key string) string {
+		if v, ok := options[key]; ok && v != "" {
+			return v
+		}
+		return os.Getenv("FITCACHE_" + strings.ToUpper(key))
+	}
+	cfg := Config{Tiers: get("tiers"), RuntimeDir: get("runtime_dir"), ServerBin: get("server_bin")}
+	if cfg.RuntimeDir == "" {
+		cfg.RuntimeDir = defaultRuntimeDir()
+	}
+	for _, d := range []struct {
+		key  string
+		dst  *time.Duration
+		dflt time.Duration
+	}{
+		{"idle_timeout", &cfg.IdleTimeout, 15 * time.Minute},
+		{"read_timeout", &cfg.ReadTimeout, 60 * time.Second},
+		{"start_timeout", &cfg.StartTimeout, 15 * time.Second},
+	} {
+		*d.dst = d.dflt
+		if v := get(d.key); v != "" {
+			dur, err := parseDuration(v)
+			if err != nil {
+				return Config{}, fmt.Errorf("option %s: %w", d.key, err)
+			}
+			*d.dst = dur
+		}
+	}
+	if _, err := cfg.TierConfigs(); err != nil {
+		return Config{}, err
+	}
+	return cfg, nil
+}
+
+// parseDuration accepts Go durations ("90s", "15m") and plain seconds ("30", "0.5").
+func parseDuration(s string) (time.Duration, error) {
+	if secs, err := strconv.ParseFloat(s, 64); err == nil {
+		return time.Duration(secs * float64(time.Second)), nil
+	}
+	return time.ParseDuration(s)
+}
+
+// TierConfigs returns the tiers to use: parsed from Tiers, or the embedded defaults.
+func (c Config) TierConfigs() ([]tiers.Config, error) {
+	if c.Tiers == "" {
+		return DefaultTiers(), nil
+	}
+	var out []tiers.Config
+	for _, item := range strings.Split(c.Tiers, ",") {
+		parts := strings.SplitN(strings.TrimSpace(item), ":", 3)
+		if len(parts) < 2 || parts[1] == "" {
+			return nil, fmt.Errorf("tier %q: want kind:dir[:budget]", item)
+		}
+		kind, err := tiers.ParseKind(parts[0])
+		if err != nil {
+			return nil, err
+		}
+		tc := tiers.Config{Kind: kind, Dir: parts[1]}
+		if len(parts) == 3 {
+			if _, err := tiers.ParseSize(parts[2]); err != nil {
+				return nil, fmt.Errorf("tier %q: %w", item, err)
+			}
+			tc.Budget = parts[2]
+		}
+		out = append(out, tc)
+	}
+	return out, nil
+}
+
+// DefaultTiers are the embedded server's tiers: memory under /dev/shm taking a quarter of it
+// (tmpfs there is usually half the RAM, so about an eighth of RAM), and a disk tier under the
+// user's cache directory taking a tenth of that file system, so the machine stays usable.
+func DefaultTiers() []tiers.Config {
+	user := strconv.Itoa(os.Getuid())
+	cfgs := []tiers.Config{{Kind: tiers.Memory, Dir: "/dev/shm/fitcache-" + user, Budget: "25%"}}
+	if dir, err := os.UserCacheDir(); err == nil {
+		cfgs = append(cfgs, tiers.Config{Kind: tiers.Disk, Dir: filepath.Join(dir, "fitcache"), Budget: "10%"})
+	}
+	return cfgs
+}
+
+func defaultRuntimeDir() string {
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return filepath.Join(d, "fitcache")
+	}
+	return filepath.Join(os.TempDir(), "fitcache-"+strconv.Itoa(os.Getuid()))
+}

@@ -1,0 +1,201 @@
+// Package local runs the per-user embedded server: the zero-set-up mode in which a client
+// with no servers configured talks to a FitCache server on this node over a Unix socket,
+// starting it on demand.
+//
+// Everything lives in one runtime directory (0700, see core.Config.RuntimeDir):
+//
+//	server.sock   the server's socket
+//	server.lock   held (flock) by the running server for its whole life: at most one runs
+//	spawn.lock    held by the client that is starting a server: at most one starts it, the
+//	              other clients wait for it
+//	server.log    the server's log
+//
+// Usage (client side):
+//
+//	err := local.EnsureRunning(ctx, cfg, ping)
+package local
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/fitcache/fitcache/core"
+)
+
+// File names inside the runtime directory.
+const (
+	SocketName = "server.sock"
+	serverLock = "server.lock"
+	spawnLock  = "spawn.lock"
+	LogName    = "server.log"
+)
+
+// ErrAlreadyRunning reports that another embedded server holds the server lock.
+var ErrAlreadyRunning = errors.New("an embedded fitcache server is already running")
+
+// SocketPath returns the embedded server's socket in a runtime directory.
+func SocketPath(runtimeDir string) string { return filepath.Join(runtimeDir, SocketName) }
+
+// PrepareDir creates the runtime directory with mode 0700 and refuses one that another user
+// owns or that others can enter: its socket must reach only this user's server.
+func PrepareDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("runtime directory: %w", err)
+	}
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if ok && int(st.Uid) != os.Getuid() {
+		return fmt.Errorf("runtime directory %s belongs to uid %d, not to this user", dir, st.Uid)
+	}
+	if fi.Mode().Perm()&0o077 != 0 {
+		if err := os.Chmod(dir, 0o700); err != nil {
+			return fmt.Errorf("runtime directory %s: %w", dir, err)
+		}
+	}
+	return nil
+}
+
+// LockServer takes the lock that a running embedded server holds until it exits. It returns
+// ErrAlreadyRunning when another server holds it. Closing the file releases the lock (so does
+// the process's death, whatever kills it).
+func LockServer(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, serverLock), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, ErrAlreadyRunning
+		}
+		return nil, err
+	}
+	f.Truncate(0)
+	fmt.Fprintf(f, "%d\n", os.Getpid())
+	return f, nil
+}
+
+// RunningPID returns the pid of the embedded server running in dir, or 0 if none runs.
+func RunningPID(dir string) int {
+	f, err := os.Open(filepath.Join(dir, serverLock))
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	if syscall.Flock(int(f.Fd()), syscall.LOCK_SH|syscall.LOCK_NB) == nil {
+		return 0 // nobody holds the lock
+	}
+	var pid int
+	fmt.Fscan(f, &pid)
+	return pid
+}
+
+// EnsureRunning makes sure an embedded server answers ping, starting one if none does.
+// Among clients that call it at the same time, the one that takes the spawn lock starts the
+// server and the others wait for the lock, then find the server running. It gives up when ctx
+// ends or after cfg.StartTimeout.
+func EnsureRunning(ctx context.Context, cfg core.Config, ping func(context.Context) error) error {
+	if ping(ctx) == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, cfg.StartTimeout)
+	defer cancel()
+	if err := PrepareDir(cfg.RuntimeDir); err != nil {
+		return err
+	}
+	unlock, err := lockSpawn(ctx, cfg.RuntimeDir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if ping(ctx) == nil { // another client started it while we waited
+		return nil
+	}
+	proc, err := spawn(cfg)
+	if err != nil {
+		return err
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- proc.Wait() }() // reap it if it exits while we live
+	for {
+		if ping(ctx) == nil {
+			return nil
+		}
+		select {
+		case err := <-exited:
+			// A server that found another one holding the server lock exits 0; that one
+			// may still be starting, so keep pinging until the deadline.
+			if err != nil {
+				return fmt.Errorf("embedded fitcache server exited: %v (see %s)", err, filepath.Join(cfg.RuntimeDir, LogName))
+			}
+			exited = nil
+		case <-ctx.Done():
+			return fmt.Errorf("embedded fitcache server did not answer within %s (see %s)",
+				cfg.StartTimeout, filepath.Join(cfg.RuntimeDir, LogName))
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// lockSpawn takes the spawn lock, polling so that the wait honours ctx.
+func lockSpawn(ctx context.Context, dir string) (unlock func(), err error) {
+	f, err := os.OpenFile(filepath.Join(dir, spawnLock), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			f.Close()
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, fmt.Errorf("waiting for another process to start the fitcache server: %w", ctx.Err())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// spawn starts `fitcache serve --embedded` detached from the caller (own session, output to
+// the log), passing the configuration through the environment.
+func spawn(cfg core.Config) (*exec.Cmd, error) {
+	bin := cfg.ServerBin
+	if bin == "" {
+		var err error
+		if bin, err = exec.LookPath("fitcache"); err != nil {
+			return nil, errors.New("cannot start the embedded fitcache server: no server_bin option, " +
+				"FITCACHE_SERVER_BIN or fitcache executable on PATH")
+		}
+	}
+	logf, err := os.OpenFile(filepath.Join(cfg.RuntimeDir, LogName), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, "serve", "--embedded")
+	cmd.Env = append(os.Environ(),
+		"FITCACHE_RUNTIME_DIR="+cfg.RuntimeDir,
+		"FITCACHE_TIERS="+cfg.Tiers,
+		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String())
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Dir = "/"
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start embedded fitcache server %s: %w", bin, err)
+	}
+	return cmd, nil
+}
