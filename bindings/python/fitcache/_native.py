@@ -1,0 +1,248 @@
+"""ctypes binding of libfitcache (see capi/fitcache.h for the contract).
+
+The library is loaded lazily, once per process: a Go runtime does not survive fork(), so a
+process forked after loading must not use its parent's copy. ``library()`` notices that (the
+pid changed) and raises :class:`ForkedAfterLoad`, which the dataset turns into plain reads of
+the source; the C layer refuses such calls too (-ECHILD), so nothing can hang.
+"""
+
+import ctypes
+import errno
+import json
+import os
+import threading
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+_lock = threading.Lock()  # protects _lib and _lib_pid
+_lib = None
+_lib_pid = None
+
+
+class FitCacheError(OSError):
+    """A FitCache call failed; ``errno`` and the native message say why."""
+
+
+class NotFound(FitCacheError, FileNotFoundError):
+    """The file does not exist (ENOENT)."""
+
+
+class PermissionDenied(FitCacheError, PermissionError):
+    """The path is outside the dataset root, or the source refused access (EACCES)."""
+
+
+class IsADirectory(FitCacheError, IsADirectoryError):
+    """The path names a directory (EISDIR)."""
+
+
+class NotADirectory(FitCacheError, NotADirectoryError):
+    """The dataset root is not a directory (ENOTDIR)."""
+
+
+class ForkedAfterLoad(FitCacheError):
+    """This process was forked after it loaded libfitcache, so it cannot use it (ECHILD)."""
+
+
+_ERRORS = {
+    errno.ENOENT: NotFound,
+    errno.EACCES: PermissionDenied,
+    errno.EPERM: PermissionDenied,
+    errno.EISDIR: IsADirectory,
+    errno.ENOTDIR: NotADirectory,
+    errno.ECHILD: ForkedAfterLoad,
+}
+
+
+def library_path():
+    """Where libfitcache.so is loaded from: $FITCACHE_LIBRARY, else beside this package."""
+    return os.environ.get("FITCACHE_LIBRARY") or os.path.join(_HERE, "libfitcache.so")
+
+
+def server_binary():
+    """The fitcache executable installed with the package."""
+    return os.environ.get("FITCACHE_SERVER_BIN") or os.path.join(_HERE, "bin", "fitcache")
+
+
+def library():
+    """Returns the loaded library, loading it in this process on first use."""
+    global _lib, _lib_pid
+    pid = os.getpid()
+    lib = _lib
+    if lib is not None and _lib_pid == pid:
+        return lib
+    with _lock:
+        if _lib is not None and _lib_pid != pid:
+            raise ForkedAfterLoad(
+                errno.ECHILD,
+                f"libfitcache was loaded in process {_lib_pid} before it forked; process {pid} "
+                "cannot use it (create DataLoader workers before reading from the dataset in the "
+                "main process, or use multiprocessing_context='forkserver' or 'spawn')")
+        if _lib is None:
+            path = library_path()
+            if not os.path.exists(path):
+                raise FitCacheError(errno.ENOENT, f"libfitcache not found at {path}: "
+                                    "reinstall the package (pip install .) or set FITCACHE_LIBRARY")
+            _lib = _declare(ctypes.CDLL(path))
+            _lib_pid = pid
+        return _lib
+
+
+def loaded_here():
+    """True if this very process has loaded the library."""
+    return _lib is not None and _lib_pid == os.getpid()
+
+
+def _declare(lib):
+    i64, p = ctypes.c_int64, ctypes.POINTER
+    # int fc_open(const char *root, const char *options_json, int64_t *handle);
+    lib.fc_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, p(i64)]
+    lib.fc_open.restype = ctypes.c_int
+    # int fc_close(int64_t handle);
+    lib.fc_close.argtypes = [i64]
+    lib.fc_close.restype = ctypes.c_int
+    # int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+    lib.fc_read.argtypes = [i64, ctypes.c_char_p, p(ctypes.c_void_p), p(i64), p(i64)]
+    lib.fc_read.restype = ctypes.c_int
+    # int fc_release(int64_t buffer);
+    lib.fc_release.argtypes = [i64]
+    lib.fc_release.restype = ctypes.c_int
+    # int64_t fc_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off);
+    lib.fc_pread.argtypes = [i64, ctypes.c_char_p, ctypes.c_void_p, i64, i64]
+    lib.fc_pread.restype = i64
+    # int fc_size(int64_t handle, const char *path, int64_t *size);
+    lib.fc_size.argtypes = [i64, ctypes.c_char_p, p(i64)]
+    lib.fc_size.restype = ctypes.c_int
+    # int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed);
+    lib.fc_stats.argtypes = [i64, ctypes.c_char_p, ctypes.c_size_t, p(ctypes.c_size_t)]
+    lib.fc_stats.restype = ctypes.c_int
+    # int fc_errmsg(char *buf, size_t len);
+    lib.fc_errmsg.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.fc_errmsg.restype = ctypes.c_int
+    # const char *fc_version(void);
+    lib.fc_version.argtypes = []
+    lib.fc_version.restype = ctypes.c_char_p
+    return lib
+
+
+def _raise(lib, rc, path=None):
+    """Raises the exception for a negative return code, with the native message."""
+    buf = ctypes.create_string_buffer(4096)
+    lib.fc_errmsg(buf, len(buf))
+    code = -rc
+    cls = _ERRORS.get(code, FitCacheError)
+    msg = buf.value.decode(errors="replace") or os.strerror(code)
+    if path is not None:
+        raise cls(code, msg, path)
+    raise cls(code, msg)
+
+
+def _fs(path):
+    return os.fsencode(path)
+
+
+class _Owner:
+    """Owns one buffer from fc_read and releases it when the last view of it is gone."""
+
+    __slots__ = ("_lib", "_id")
+
+    def __init__(self, lib, buf_id):
+        self._lib, self._id = lib, buf_id
+
+    def release(self):
+        buf_id, self._id = self._id, 0
+        if buf_id and _lib_pid == os.getpid():
+            self._lib.fc_release(buf_id)
+
+    __del__ = release
+
+
+def _array_type(size):
+    """A ctypes byte-array type at least size long, from a small set of sizes: ctypes caches
+    every array type it makes forever, so one per distinct file size would leak."""
+    n = max(size, 64)
+    step = 1 << max(n.bit_length() - 4, 0)  # 8 to 16 size classes per doubling
+    return ctypes.c_ubyte * (-(-n // step) * step)
+
+
+class Client:
+    """A client of FitCache for one dataset root. Use ``with`` or call :meth:`close`."""
+
+    def __init__(self, root, **options):
+        lib = library()
+        self._lib = lib
+        self.root = os.path.abspath(root)
+        handle = ctypes.c_int64()
+        opts = json.dumps({k: str(v) for k, v in options.items() if v is not None}).encode()
+        rc = lib.fc_open(_fs(self.root), opts, ctypes.byref(handle))
+        if rc < 0:
+            _raise(lib, rc, self.root)
+        self._handle = handle.value
+
+    def read(self, path):
+        """Returns the whole file as a read-only memoryview; zero copy when it is cached. The
+        mapping behind it lives as long as the view (or any view derived from it)."""
+        lib, data, size, buf = self._lib, ctypes.c_void_p(), ctypes.c_int64(), ctypes.c_int64()
+        rc = lib.fc_read(self._checked(), _fs(path), ctypes.byref(data), ctypes.byref(size), ctypes.byref(buf))
+        if rc < 0:
+            _raise(lib, rc, path)
+        owner = _Owner(lib, buf.value)
+        if size.value == 0:
+            owner.release()
+            return memoryview(b"")
+        arr = _array_type(size.value).from_address(data.value)
+        arr._fitcache_owner = owner  # the array keeps the buffer; every view keeps the array
+        return memoryview(arr)[:size.value].toreadonly()
+
+    def pread(self, path, length, offset=0):
+        """Returns up to length bytes of the file from offset, copied into new bytes."""
+        out = ctypes.create_string_buffer(length)
+        n = self._lib.fc_pread(self._checked(), _fs(path), out, length, offset)
+        if n < 0:
+            _raise(self._lib, n, path)
+        return out.raw[:n]
+
+    def size(self, path):
+        """Returns the file's size in bytes."""
+        size = ctypes.c_int64()
+        rc = self._lib.fc_size(self._checked(), _fs(path), ctypes.byref(size))
+        if rc < 0:
+            _raise(self._lib, rc, path)
+        return size.value
+
+    def stats(self):
+        """Returns this client's and its server's counters as a dict."""
+        needed = ctypes.c_size_t(1 << 14)
+        while True:
+            buf = ctypes.create_string_buffer(needed.value)
+            rc = self._lib.fc_stats(self._checked(), buf, len(buf), ctypes.byref(needed))
+            if rc == -errno.ERANGE and needed.value > len(buf):
+                continue
+            if rc < 0:
+                _raise(self._lib, rc)
+            return json.loads(buf.value)
+
+    def _checked(self):
+        if self._handle is None:
+            raise ValueError("I/O operation on a closed fitcache.Client")
+        return self._handle
+
+    def close(self):
+        """Reports pending counters and closes the client; idempotent. Buffers already read
+        stay valid."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None and _lib_pid == os.getpid():
+            self._lib.fc_close(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+def version():
+    """The native library's version."""
+    return library().fc_version().decode()

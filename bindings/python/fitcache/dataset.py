@@ -1,0 +1,153 @@
+"""FitCacheDataset: a map-style PyTorch dataset whose reads go through FitCache."""
+
+import errno
+import json
+import multiprocessing.util
+import os
+import subprocess
+import warnings
+
+from . import _native
+
+try:  # torch is optional: without it the dataset is a plain sequence.
+    from torch.utils.data import Dataset as _Base
+except ImportError:  # pragma: no cover - exercised only where torch is missing
+    _Base = object
+
+
+def list_files(root, filter=None):
+    """Sorted paths, relative to root, of the regular files under root (recursively; links to
+    directories are not followed). ``filter`` keeps a path when it is a callable returning
+    true for it, or a suffix (or tuple of suffixes) it ends with."""
+    if isinstance(filter, (str, tuple)):
+        suffixes = filter
+        filter = lambda rel: rel.endswith(suffixes)  # noqa: E731
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            if os.path.isfile(full) and (filter is None or filter(rel)):
+                out.append(rel)
+    out.sort()
+    return out
+
+
+class FitCacheDataset(_Base):
+    """The files under ``root`` as a map-style dataset, read through FitCache.
+
+    ``ds[i]`` is the i-th file (in sorted order of relative path) as a read-only, zero-copy
+    ``memoryview``, or ``transform(view)`` when a transform is given. A memoryview cannot be
+    sent from a DataLoader worker to the main process, so with ``num_workers > 0`` give a
+    transform that decodes the bytes (for example into a tensor or a numpy array).
+
+    The native library is loaded lazily in each process that reads, so the dataset pickles
+    and works with DataLoader workers under fork, forkserver and spawn. Options (``tiers``,
+    ``read_timeout``, ...; see the README) take precedence over FITCACHE_* variables.
+    """
+
+    def __init__(self, root, transform=None, *, filter=None, files=None, **options):
+        root = os.path.abspath(os.fspath(root))
+        if not os.path.exists(root):
+            raise FileNotFoundError(errno.ENOENT, "dataset root does not exist", root)
+        if not os.path.isdir(root):
+            raise NotADirectoryError(errno.ENOTDIR, "dataset root is not a directory", root)
+        self.root = root
+        self.transform = transform
+        self.options = options
+        self.files = list(files) if files is not None else list_files(root, filter)
+        self._client = None
+        self._client_pid = None
+
+    def __len__(self):
+        return len(self.files)
+
+    def path(self, index):
+        """The absolute path of item ``index``."""
+        return os.path.join(self.root, self.files[index])
+
+    def __getitem__(self, index):
+        if not isinstance(index, int) and hasattr(index, "__index__"):
+            index = index.__index__()  # numpy and torch integers, as samplers yield them
+        path = self.path(index)
+        data = self._read(path)
+        return self.transform(data) if self.transform is not None else data
+
+    def _read(self, path):
+        try:
+            return self._get_client().read(path)
+        except _native.ForkedAfterLoad as err:
+            _warn_forked(err)
+            return _read_source(path)
+
+    def _get_client(self):
+        pid = os.getpid()
+        if self._client is None or self._client_pid != pid:
+            self._client = None  # a parent's client is unusable after fork
+            client = _native.Client(self.root, **self.options)
+            self._client, self._client_pid = client, pid
+            # Workers exit through multiprocessing, which runs these finalizers (not atexit):
+            # closing reports the worker's cache hits to the server.
+            multiprocessing.util.Finalize(self, client.close, exitpriority=10)
+        return self._client
+
+    def stats(self):
+        """Counters of the cache as a dict: ``server`` (hits per tier, misses, source reads,
+        bytes, evictions, errors, tiers) and, when this process has read, ``client``.
+
+        Hits that DataLoader workers served themselves reach the server when the worker
+        exits, or within a second for persistent workers. In a process that has not loaded
+        the native library this asks the ``fitcache`` command, so that workers forked later
+        can still load it."""
+        if self._client is not None and self._client_pid == os.getpid():
+            return self._client.stats()
+        return {"server": server_stats(**self.options)}
+
+    def close(self):
+        """Closes this process's client (idempotent); the dataset reopens one if used again."""
+        client, self._client = self._client, None
+        if client is not None and self._client_pid == os.getpid():
+            client.close()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_client"] = None
+        state["_client_pid"] = None
+        return state
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def server_stats(**options):
+    """The embedded server's counters, asked through the ``fitcache`` command (a separate
+    process, so the caller never loads the Go runtime)."""
+    env = dict(os.environ)
+    for key, value in options.items():
+        env["FITCACHE_" + key.upper()] = str(value)
+    out = subprocess.run([_native.server_binary(), "stats", "--json"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise _native.FitCacheError(errno.EIO, out.stderr.strip() or "fitcache stats failed")
+    return json.loads(out.stdout)
+
+
+_warned_forked = False
+
+
+def _warn_forked(err):
+    global _warned_forked
+    if not _warned_forked:
+        _warned_forked = True
+        warnings.warn(f"FitCache: {err.strerror}; reading from the source without the cache",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _read_source(path):
+    """The fallback read: the source file's bytes, uncached."""
+    with open(path, "rb") as f:
+        return memoryview(f.read()).toreadonly()

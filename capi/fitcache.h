@@ -1,0 +1,68 @@
+/*
+ * fitcache.h -- the C interface of libfitcache.
+ *
+ * Every function returns 0 (or a non-negative count) on success and a negated errno value on
+ * failure: -ENOENT for a missing file, -EACCES for a path outside the dataset root, -EISDIR,
+ * -EINVAL for bad arguments, -EBADF for an unknown handle, -ECHILD when called in a process
+ * forked after the library was loaded (see below), -EIO otherwise. fc_errmsg() then gives the
+ * detail for the calling thread.
+ *
+ * Handles are plain integers, never pointers. All functions are thread-safe.
+ *
+ * Fork: a Go runtime does not survive fork(). A process that forks after loading libfitcache
+ * must not use it in the child: every call there returns -ECHILD at once (it never hangs).
+ * Load the library after forking (the Python package does this per process), or use a
+ * spawn/forkserver start method.
+ */
+#ifndef FITCACHE_H
+#define FITCACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Opens a client for the dataset under root. options_json is NULL or a JSON object of string
+ * options ({"tiers": "memory:/dev/shm/fc:4GiB", "read_timeout": "30s", ...}), which take
+ * precedence over FITCACHE_* environment variables. With no servers configured the client
+ * uses the per-user embedded server, starting it if needed. Stores the handle in *handle. */
+int fc_open(const char *root, const char *options_json, int64_t *handle);
+
+/* Closes a client (reporting its pending counters). Buffers already read stay valid until
+ * released. Closing an unknown or closed handle returns -EBADF. */
+int fc_close(int64_t handle);
+
+/* Reads the whole file at path (absolute, or relative to the root) without copying it when it
+ * is cached: *data points to size read-only bytes (NULL when size is 0) that stay valid until
+ * fc_release(*buffer) is called exactly once. Writing to *data crashes. */
+int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
+/* Releases a buffer from fc_read. Returns -EBADF for an unknown or released buffer. */
+int fc_release(int64_t buffer);
+
+/* Copies up to len bytes of the file at path, from offset off, into the caller's buf.
+ * Returns the number of bytes copied (0 at or past the end of the file). */
+int64_t fc_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off);
+
+/* Stores the size of the file at path in *size. */
+int fc_size(int64_t handle, const char *path, int64_t *size);
+
+/* Writes the client's and its server's counters as a NUL-terminated JSON object into buf.
+ * If len is too small, returns -ERANGE and stores the length needed (with the NUL) in
+ * *needed (when needed is not NULL). */
+int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed);
+
+/* Copies the calling thread's last error message into buf, always NUL-terminated. Returns 0,
+ * or -ERANGE if the message was truncated. */
+int fc_errmsg(char *buf, size_t len);
+
+/* The library's version, a static string. */
+const char *fc_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FITCACHE_H */

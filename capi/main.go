@@ -1,0 +1,269 @@
+// Command capi builds libfitcache.so, the C interface of FitCache (go build
+// -buildmode=c-shared). fitcache.h is the contract; fitcache.c holds the fc_* entry points,
+// which check the fork guard and call the Go exports below. This is the only package main
+// with exports.
+//
+// Rules kept by every export: handles are integers from a mutex-guarded registry (unknown
+// ones give -EBADF); results are 0 or -errno, with the message stored for fc_errmsg; panics
+// are recovered into -EIO.
+package main
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+void fcSetErrmsg(const char *msg);
+const char *fcLibraryPath(void);
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+func main() {}
+
+func init() { rpc.QuietKitexLogs() }
+
+// registry maps integer handles to Go objects, so that C never holds a Go pointer.
+type registry[T any] struct {
+	mu   sync.Mutex // protects next and objs
+	next int64
+	objs map[int64]T
+}
+
+func (r *registry[T]) add(v T) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.objs == nil {
+		r.objs = make(map[int64]T)
+	}
+	r.next++
+	r.objs[r.next] = v
+	return r.next
+}
+
+func (r *registry[T]) get(h int64) (T, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	v, ok := r.objs[h]
+	return v, ok
+}
+
+func (r *registry[T]) remove(h int64) (T, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	v, ok := r.objs[h]
+	delete(r.objs, h)
+	return v, ok
+}
+
+// buffer is what fc_read handed out: a mapping, or C memory holding bytes that were in Go
+// memory (C may not keep pointers to Go memory).
+type buffer struct {
+	mapping client.Buffer  // nil for C memory
+	cmem    unsafe.Pointer // from C.malloc, or nil
+}
+
+var (
+	clients registry[*client.Client]
+	buffers registry[buffer]
+)
+
+var log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("lib", "fitcache")
+
+// fail stores err's message for fc_errmsg and returns its negated errno.
+func fail(err error) C.int {
+	msg := C.CString(err.Error())
+	C.fcSetErrmsg(msg)
+	C.free(unsafe.Pointer(msg))
+	return -C.int(core.Errno(err))
+}
+
+// guard recovers a panic into -EIO; every export defers it.
+func guard(rc *C.int) {
+	if r := recover(); r != nil {
+		*rc = fail(fmt.Errorf("%w: internal error: %v", syscall.EIO, r))
+	}
+}
+
+var errBadHandle = fmt.Errorf("%w: unknown fitcache handle", syscall.EBADF)
+
+//export goOpen
+func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	opts := map[string]string{}
+	if optionsJSON != nil {
+		if err := json.Unmarshal([]byte(C.GoString(optionsJSON)), &opts); err != nil {
+			return fail(fmt.Errorf("%w: options must be a JSON object of strings: %v", syscall.EINVAL, err))
+		}
+	}
+	cfg, err := core.LoadConfig(opts)
+	if err != nil {
+		return fail(fmt.Errorf("%w: %v", syscall.EINVAL, err))
+	}
+	if cfg.ServerBin == "" {
+		cfg.ServerBin = serverBinBesideLibrary()
+	}
+	c, err := client.Open(C.GoString(root), cfg, log)
+	if err != nil {
+		return fail(err)
+	}
+	*handle = C.int64_t(clients.add(c))
+	return 0
+}
+
+// serverBinBesideLibrary finds the fitcache executable installed with the library
+// (bin/fitcache next to libfitcache.so), or returns "" to look it up on PATH.
+func serverBinBesideLibrary() string {
+	lib := C.GoString(C.fcLibraryPath())
+	if lib == "" {
+		return ""
+	}
+	bin := filepath.Join(filepath.Dir(lib), "bin", "fitcache")
+	if fi, err := os.Stat(bin); err == nil && fi.Mode()&0o111 != 0 {
+		return bin
+	}
+	return ""
+}
+
+//export goClose
+func goClose(handle C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	c, ok := clients.remove(int64(handle))
+	if !ok {
+		return fail(errBadHandle)
+	}
+	if err := c.Close(); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+//export goRead
+func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_t, bufID *C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	c, ok := clients.get(int64(handle))
+	if !ok {
+		return fail(errBadHandle)
+	}
+	buf, err := c.Read(C.GoString(path))
+	if err != nil {
+		return fail(err)
+	}
+	b := buf.Bytes()
+	var out buffer
+	var ptr unsafe.Pointer
+	switch {
+	case len(b) == 0:
+		buf.Release()
+	case isMapped(buf):
+		out.mapping = buf
+		ptr = unsafe.Pointer(&b[0]) // mapped memory, outside the Go heap
+	default:
+		out.cmem = C.malloc(C.size_t(len(b)))
+		if out.cmem == nil {
+			return fail(fmt.Errorf("%w: out of memory for %d bytes", syscall.ENOMEM, len(b)))
+		}
+		C.memcpy(out.cmem, unsafe.Pointer(&b[0]), C.size_t(len(b)))
+		ptr = out.cmem
+		buf.Release()
+	}
+	*data = ptr
+	*size = C.int64_t(len(b))
+	*bufID = C.int64_t(buffers.add(out))
+	return 0
+}
+
+// isMapped reports whether a buffer's bytes live in a file mapping (which C may hold).
+func isMapped(b client.Buffer) bool {
+	_, ok := b.(*tiers.Mapping)
+	return ok
+}
+
+//export goRelease
+func goRelease(bufID C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	b, ok := buffers.remove(int64(bufID))
+	if !ok {
+		return fail(fmt.Errorf("%w: unknown or released fitcache buffer %d", syscall.EBADF, int64(bufID)))
+	}
+	if b.cmem != nil {
+		C.free(b.cmem)
+	}
+	if b.mapping != nil {
+		if err := b.mapping.Release(); err != nil {
+			return fail(err)
+		}
+	}
+	return 0
+}
+
+//export goPread
+func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.int64_t) (rc C.int64_t) {
+	defer func() {
+		if r := recover(); r != nil {
+			rc = C.int64_t(fail(fmt.Errorf("%w: internal error: %v", syscall.EIO, r)))
+		}
+	}()
+	c, ok := clients.get(int64(handle))
+	if !ok {
+		return C.int64_t(fail(errBadHandle))
+	}
+	dst := unsafe.Slice((*byte)(buf), int(length))
+	n, err := c.ReadAt(C.GoString(path), dst, int64(off))
+	if err != nil {
+		return C.int64_t(fail(err))
+	}
+	return C.int64_t(n)
+}
+
+//export goSize
+func goSize(handle C.int64_t, path *C.char, size *C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	c, ok := clients.get(int64(handle))
+	if !ok {
+		return fail(errBadHandle)
+	}
+	n, err := c.Size(C.GoString(path))
+	if err != nil {
+		return fail(err)
+	}
+	*size = C.int64_t(n)
+	return 0
+}
+
+//export goStats
+func goStats(handle C.int64_t, buf *C.char, length C.size_t, needed *C.size_t) (rc C.int) {
+	defer guard(&rc)
+	c, ok := clients.get(int64(handle))
+	if !ok {
+		return fail(errBadHandle)
+	}
+	js, err := c.Stats()
+	if err != nil {
+		return fail(err)
+	}
+	if needed != nil {
+		*needed = C.size_t(len(js) + 1)
+	}
+	if C.size_t(len(js)+1) > length {
+		return fail(fmt.Errorf("%w: stats need %d bytes", syscall.ERANGE, len(js)+1))
+	}
+	dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), len(js)+1)
+	copy(dst, js)
+	dst[len(js)] = 0
+	return 0
+}

@@ -1,0 +1,68 @@
+"""Builds the fitcache Python package, compiling its Go parts with the Go toolchain:
+libfitcache.so (the C interface, loaded with ctypes) and bin/fitcache (the server and the
+command-line tool). The wheel is platform-specific."""
+
+import os
+import shutil
+import subprocess
+
+from setuptools import Distribution, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def go_binary():
+    go = os.environ.get("FITCACHE_GO") or shutil.which("go")
+    if not go:
+        raise SystemExit(
+            "error: building fitcache needs the Go toolchain (go 1.26 or newer) on PATH, or its "
+            "path in FITCACHE_GO; see https://go.dev/doc/install")
+    return go
+
+
+def build_native(dest):
+    """Compiles libfitcache.so and bin/fitcache into the package directory dest."""
+    go = go_binary()
+    os.makedirs(os.path.join(dest, "bin"), exist_ok=True)
+    flags = ["-trimpath", "-ldflags=-s -w"]
+    env = dict(os.environ, CGO_ENABLED="1")
+    for args in (["-buildmode=c-shared", "-o", os.path.join(dest, "libfitcache.so"), "./capi"],
+                 ["-o", os.path.join(dest, "bin", "fitcache"), "./cmd/fitcache"]):
+        print("fitcache: go build", " ".join(args), flush=True)
+        subprocess.run([go, "build", *flags, *args], cwd=HERE, env=env, check=True)
+    header = os.path.join(dest, "libfitcache.h")  # Go's generated header; capi/fitcache.h is the contract
+    if os.path.exists(header):
+        os.remove(header)
+    shutil.copy(os.path.join(HERE, "capi", "fitcache.h"), os.path.join(dest, "fitcache.h"))
+
+
+class BuildPyWithGo(build_py):
+    def run(self):
+        super().run()
+        build_native(os.path.join(self.build_lib, "fitcache"))
+
+
+class BinaryDistribution(Distribution):
+    """The package ships native code: make the wheel platform-specific."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(
+    name="fitcache",
+    version="0.1.0",
+    description="Multi-tier, fault-tolerant cache for deep-learning datasets on HPC file systems",
+    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    package_dir={"": "bindings/python"},
+    packages=["fitcache"],
+    cmdclass={"build_py": BuildPyWithGo},
+    distclass=BinaryDistribution,
+    entry_points={"console_scripts": ["fitcache = fitcache.__main__:main"]},
+    extras_require={"torch": ["torch"], "test": ["pytest", "numpy"]},
+    zip_safe=False,
+)
