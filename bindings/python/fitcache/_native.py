@@ -191,7 +191,7 @@ class Client:
             return memoryview(b"")
         arr = _array_type(size.value).from_address(data.value)
         arr._fitcache_owner = owner  # the array keeps the buffer; every view keeps the array
-        return memoryview(arr)[:size.value].toreadonly()
+        return memoryview(arr).cast("B")[:size.value].toreadonly()
 
     def pread(self, path, length, offset=0):
         """Returns up to length bytes of the file from offset, copied into new bytes."""

@@ -1,0 +1,95 @@
+package rpc
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+func serve(t *testing.T, token string) string {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "16MiB"}}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := ListenUnix(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := Serve(e, ln, ServerConfig{Token: token})
+	t.Cleanup(func() { srv.Stop(); e.Close() })
+	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm()&0o077 != 0 {
+		t.Errorf("socket mode %v (%v): others must not connect", fi.Mode(), err)
+	}
+	return sock
+}
+
+func TestTokenIsRequired(t *testing.T) {
+	sock := serve(t, "secret")
+	for _, tc := range []struct {
+		token string
+		want  syscall.Errno
+	}{{"", syscall.EACCES}, {"wrong", syscall.EACCES}, {"secret", 0}} {
+		c, err := Dial(sock, ClientConfig{Token: tc.token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.Hello(context.Background())
+		if got := core.Errno(err); got != tc.want {
+			t.Errorf("token %q: errno %v (%v), want %v", tc.token, got, err, tc.want)
+		}
+	}
+}
+
+func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
+	sock := serve(t, "")
+	root := t.TempDir()
+	want := bytes.Repeat([]byte{1, 2, 3}, 5000)
+	path := filepath.Join(root, "a.bin")
+	os.WriteFile(path, want, 0o644)
+	c, _ := Dial(sock, ClientConfig{})
+	ctx := context.Background()
+
+	r, err := c.Read(ctx, root, path, false)
+	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != "source" {
+		t.Fatalf("remote read: origin %q, %d bytes, err %v", r.GetOrigin(), len(r.GetData()), err)
+	}
+	r, err = c.Read(ctx, root, path, true)
+	if err != nil || r.CachedPath == "" || len(r.Data) != 0 {
+		t.Fatalf("local read of a cached file: %+v, %v", r, err)
+	}
+	m, err := tiers.Dir{Path: filepath.Dir(filepath.Dir(filepath.Dir(r.CachedPath)))}.Open(path)
+	if err != nil || !bytes.Equal(m.Bytes(), want) {
+		t.Fatalf("mapping the named tier file: %v", err)
+	}
+	m.Release()
+	r, err = c.Read(ctx, root, path, false)
+	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != "memory" {
+		t.Errorf("remote read of a cached file: origin %q, err %v", r.GetOrigin(), err)
+	}
+
+	_, err = c.Read(ctx, root, filepath.Join(root, "missing"), false)
+	if !errors.Is(err, fs.ErrNotExist) || errors.Is(err, ErrUnavailable) {
+		t.Errorf("missing file: got %v, want ErrNotExist from the server", err)
+	}
+	js, err := c.Stats(ctx)
+	if err != nil || !bytes.Contains([]byte(js), []byte(`"source_reads":1`)) {
+		t.Errorf("stats %s, %v", js, err)
+	}
+}
+
+func TestDeadServerIsUnavailable(t *testing.T) {
+	c, _ := Dial(filepath.Join(t.TempDir(), "nobody.sock"), ClientConfig{})
+	if _, err := c.Hello(context.Background()); !errors.Is(err, ErrUnavailable) {
+		t.Errorf("no server: got %v, want ErrUnavailable", err)
+	}
+}

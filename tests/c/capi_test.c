@@ -1,0 +1,137 @@
+/* Tests the C interface of libfitcache: run as `capi_test DATASET_ROOT`, where the dataset
+ * holds a.bin (any bytes), empty.bin (0 bytes) and a directory sub/. Exits 0 when every check
+ * passes; prints each failure. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "fitcache.h"
+
+static int failures;
+
+#define CHECK(cond, ...)                                             \
+	do {                                                             \
+		if (!(cond)) {                                               \
+			failures++;                                              \
+			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+			fprintf(stderr, __VA_ARGS__);                            \
+			fputc('\n', stderr);                                     \
+		}                                                            \
+	} while (0)
+
+static char *slurp(const char *path, long *len) {
+	FILE *f = fopen(path, "rb");
+	if (!f) return NULL;
+	fseek(f, 0, SEEK_END);
+	*len = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	char *buf = malloc(*len + 1);
+	if (fread(buf, 1, *len, f) != (size_t)*len) { free(buf); buf = NULL; }
+	fclose(f);
+	return buf;
+}
+
+static const char *errmsg(void) {
+	static char buf[512];
+	fc_errmsg(buf, sizeof buf);
+	return buf;
+}
+
+int main(int argc, char **argv) {
+	if (argc != 2) { fprintf(stderr, "usage: capi_test DATASET_ROOT\n"); return 2; }
+	const char *root = argv[1];
+	char path[4096];
+	snprintf(path, sizeof path, "%s/a.bin", root);
+	long want_len;
+	char *want = slurp(path, &want_len);
+	if (!want) { perror(path); return 2; }
+
+	int64_t h = 0;
+	int rc = fc_open(root, NULL, &h);
+	CHECK(rc == 0 && h > 0, "fc_open: %d %s", rc, errmsg());
+
+	/* Whole-file zero-copy reads, twice (a miss, then a hit), by relative and absolute path. */
+	const char *names[] = {"a.bin", path};
+	for (int i = 0; i < 2; i++) {
+		const void *data = NULL; int64_t size = -1, buf = 0;
+		rc = fc_read(h, names[i], &data, &size, &buf);
+		CHECK(rc == 0, "fc_read %s: %d %s", names[i], rc, errmsg());
+		CHECK(size == want_len && data && memcmp(data, want, want_len) == 0, "fc_read %s: wrong bytes", names[i]);
+		CHECK(fc_release(buf) == 0, "fc_release: %s", errmsg());
+		CHECK(fc_release(buf) == -EBADF, "second fc_release must be -EBADF");
+	}
+	{
+		const void *data = (void *)1; int64_t size = -1, buf = 0;
+		rc = fc_read(h, "empty.bin", &data, &size, &buf);
+		CHECK(rc == 0 && size == 0 && data == NULL, "empty file: rc %d size %lld", rc, (long long)size);
+		CHECK(fc_release(buf) == 0, "release of empty buffer");
+	}
+
+	/* pread into a caller buffer, size. */
+	char part[100];
+	int64_t n = fc_pread(h, "a.bin", part, sizeof part, 10);
+	CHECK(n == 100 && memcmp(part, want + 10, 100) == 0, "fc_pread: %lld %s", (long long)n, errmsg());
+	CHECK(fc_pread(h, "a.bin", part, sizeof part, want_len) == 0, "fc_pread at EOF must return 0");
+	CHECK(fc_pread(h, "a.bin", part, sizeof part, -1) == -EINVAL, "negative offset");
+	int64_t size = 0;
+	CHECK(fc_size(h, "a.bin", &size) == 0 && size == want_len, "fc_size: %lld", (long long)size);
+
+	/* Errors map to errno values with a message. */
+	const void *data; int64_t sz, buf;
+	rc = fc_read(h, "missing.bin", &data, &sz, &buf);
+	CHECK(rc == -ENOENT, "missing file: %d", rc);
+	CHECK(strstr(errmsg(), "missing.bin") != NULL, "message names the file: %s", errmsg());
+	CHECK(fc_read(h, "/etc/passwd", &data, &sz, &buf) == -EACCES, "outside root");
+	CHECK(fc_read(h, "../outside", &data, &sz, &buf) == -EACCES, "dot-dot escape");
+	CHECK(fc_read(h, "sub", &data, &sz, &buf) == -EISDIR, "directory");
+	CHECK(fc_read(h, NULL, &data, &sz, &buf) == -EINVAL, "NULL path");
+	CHECK(fc_read(h + 1000, "a.bin", &data, &sz, &buf) == -EBADF, "unknown handle");
+	int64_t bad;
+	CHECK(fc_open("/nonexistent/dataset", NULL, &bad) == -ENOENT, "missing root");
+	CHECK(fc_open(root, "{\"no_such_option\": \"1\"}", &bad) == -EINVAL, "unknown option");
+	CHECK(fc_open(root, "not json", &bad) == -EINVAL, "bad options JSON");
+
+	/* fc_errmsg truncates with -ERANGE and always terminates. */
+	fc_read(h, "missing.bin", &data, &sz, &buf);
+	char small[8];
+	CHECK(fc_errmsg(small, sizeof small) == -ERANGE && strlen(small) == 7, "errmsg truncation");
+
+	/* Stats as JSON, with -ERANGE and the needed size when the buffer is small. */
+	size_t needed = 0;
+	char tiny[4];
+	CHECK(fc_stats(h, tiny, sizeof tiny, &needed) == -ERANGE && needed > sizeof tiny, "stats ERANGE");
+	char *js = malloc(needed + 1024);
+	CHECK(fc_stats(h, js, needed + 1024, NULL) == 0 && strstr(js, "\"source_reads\"") != NULL, "stats: %s", js);
+	free(js);
+
+	/* Fork after load: the child gets -ECHILD at once, never a hang. */
+	pid_t pid = fork();
+	if (pid == 0) {
+		alarm(10); /* a hang would be killed by SIGALRM and fail the check below */
+		int64_t ch;
+		int r1 = fc_read(h, "a.bin", &data, &sz, &buf);
+		int r2 = fc_open(root, NULL, &ch);
+		char msg[512];
+		fc_errmsg(msg, sizeof msg);
+		_exit(r1 == -ECHILD && r2 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
+	}
+	int status = 0;
+	waitpid(pid, &status, 0);
+	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "forked child: status %d", status);
+
+	CHECK(fc_close(h) == 0, "fc_close");
+	CHECK(fc_close(h) == -EBADF, "second fc_close");
+	CHECK(strlen(fc_version()) > 0, "version");
+	free(want);
+	if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
+	printf("capi_test: all checks passed\n");
+	return 0;
+}

@@ -1,0 +1,70 @@
+"""Counts opens of the files under a directory with Linux inotify, from outside FitCache.
+
+The tests use it to check that the source (the slow file system) is read exactly as often as
+FitCache promises, without trusting FitCache's own counters."""
+
+import collections
+import ctypes
+import ctypes.util
+import os
+import select
+import struct
+
+IN_OPEN = 0x00000020
+IN_ISDIR = 0x40000000
+IN_NONBLOCK = 0o4000
+IN_CLOEXEC = 0o2000000
+_EVENT = struct.Struct("iIII")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.inotify_init1.argtypes = [ctypes.c_int]
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+
+
+class OpenCounter:
+    """Counts IN_OPEN events per regular file in every directory under root (directories
+    existing when it starts). Use as a context manager; read ``counts()`` at any time."""
+
+    def __init__(self, root):
+        self.root = root
+        self._fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self._dirs = {}
+        for dirpath, _, _ in os.walk(root):
+            wd = _libc.inotify_add_watch(self._fd, os.fsencode(dirpath), IN_OPEN)
+            if wd < 0:
+                raise OSError(ctypes.get_errno(), "inotify_add_watch", dirpath)
+            self._dirs[wd] = dirpath
+        self._counts = collections.Counter()
+
+    def _drain(self):
+        while select.select([self._fd], [], [], 0)[0]:
+            try:
+                buf = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                break
+            off = 0
+            while off < len(buf):
+                wd, mask, _, length = _EVENT.unpack_from(buf, off)
+                name = buf[off + _EVENT.size: off + _EVENT.size + length].rstrip(b"\0")
+                off += _EVENT.size + length
+                if mask & IN_OPEN and not mask & IN_ISDIR and name:
+                    rel = os.path.relpath(os.path.join(self._dirs[wd], os.fsdecode(name)), self.root)
+                    self._counts[rel] += 1
+
+    def counts(self):
+        """Opens seen so far, by path relative to root."""
+        self._drain()
+        return collections.Counter(self._counts)
+
+    def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

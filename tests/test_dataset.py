@@ -1,0 +1,294 @@
+"""FitCacheDataset end to end: bytes, source-read counts (seen from outside with inotify),
+DataLoader start methods, samplers, errors, fork orders and server death."""
+
+import errno
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import fitcache
+from conftest import digest, server_pid, wait_gone
+from inotify import OpenCounter
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+
+class Digest:
+    """Transform that turns a zero-copy view into its sha256 (picklable for spawn)."""
+
+    def __call__(self, view):
+        return digest(view)
+
+
+def indexed(ds):
+    """A dataset of (index, digest) so that results can be matched whatever the order."""
+
+    class Indexed(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ds)
+
+        def __getitem__(self, i):
+            return i, ds[i]
+
+    return Indexed()
+
+
+class IndexedDigests(torch.utils.data.Dataset):
+    """Picklable wrapper: item i is (i, sha256 of file i)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        return i, digest(self.ds[i])
+
+
+def check_epoch(loader, ds, digests):
+    seen = {}
+    for idx, dig in loader:
+        for i, d in zip(idx.tolist(), dig):
+            seen[i] = d
+    assert len(seen) == len(ds)
+    for i, d in seen.items():
+        assert d == digests[ds.files[i]], f"wrong bytes for {ds.files[i]}"
+
+
+def test_items_are_exact_readonly_zero_copy_views(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    assert ds.files == sorted(digests)
+    assert len(ds) == len(digests)
+    for epoch in range(2):
+        for i in range(len(ds)):
+            view = ds[i]
+            assert isinstance(view, memoryview) and view.readonly
+            assert digest(view) == digests[ds.files[i]]
+    with pytest.raises(TypeError):
+        ds[len(ds) - 1][0:1] = b"x"
+    assert digest(ds[-1]) == digests[ds.files[-1]]
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    stats = ds.stats()
+    assert stats["client"]["local_hits"] >= len(ds)  # the second epoch never asked the server
+    assert stats["server"]["source_reads"] == len(ds)
+    ds.close()
+
+
+def test_each_file_read_from_source_once_across_epochs_and_workers(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    with OpenCounter(root) as opens:
+        for method, workers, persistent in (("fork", 2, False), ("spawn", 2, True), ("forkserver", 2, False)):
+            loader = DataLoader(IndexedDigests(ds), batch_size=4, shuffle=True, num_workers=workers,
+                                multiprocessing_context=method, persistent_workers=persistent)
+            for _ in range(2):
+                check_epoch(loader, ds, digests)
+            del loader
+        counts = opens.counts()
+    assert set(counts) == set(digests), "every file read from the source"
+    assert all(n == 1 for n in counts.values()), f"files read more than once: {counts}, {ds.stats()}"
+    assert not fitcache._native.loaded_here(), "the main process should not have loaded the Go runtime"
+    stats = ds.stats()["server"]
+    assert stats["source_reads"] == len(ds)
+    hits = sum(stats["hits"].values())
+    assert hits >= 5 * len(ds), f"later epochs should be hits: {stats}"
+
+
+def test_workers_with_transform_to_tensor_and_distributed_sampler(dataset, cache_options):
+    root, digests = dataset
+    to_len = lambda v: torch.tensor(len(v))  # noqa: E731
+    ds = fitcache.FitCacheDataset(root, transform=to_len, **cache_options)
+    covered = []
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        covered += list(sampler)
+        loader = DataLoader(ds, batch_size=None, sampler=sampler, num_workers=1, multiprocessing_context="fork")
+        lengths = [int(x) for x in loader]
+        assert lengths == [os.path.getsize(ds.path(i)) for i in sampler]
+    assert set(covered) == set(range(len(ds)))
+
+
+def test_filter_and_explicit_file_list(dataset, cache_options):
+    root, digests = dataset
+    only = fitcache.FitCacheDataset(root, filter=lambda rel: rel.startswith("class1"), **cache_options)
+    assert only.files == sorted(f for f in digests if f.startswith("class1"))
+    by_suffix = fitcache.FitCacheDataset(root, filter=(".nothing",), **cache_options)
+    assert len(by_suffix) == 0
+    chosen = fitcache.FitCacheDataset(root, files=["class0/sub0/sample_000.bin"], **cache_options)
+    assert digest(chosen[0]) == digests["class0/sub0/sample_000.bin"]
+
+
+def test_dataset_pickles_and_reads_after_unpickling(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._client is None
+    assert digest(clone[1]) == digests[clone.files[1]]
+
+
+def test_bad_inputs_raise_clear_errors(dataset, cache_options, tmp_path):
+    root, digests = dataset
+    with pytest.raises(FileNotFoundError):
+        fitcache.FitCacheDataset(str(tmp_path / "missing"), **cache_options)
+    with pytest.raises(NotADirectoryError):
+        fitcache.FitCacheDataset(os.path.join(root, sorted(digests)[0]), **cache_options)
+
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    os.remove(ds.path(3))  # deleted after listing
+    with pytest.raises(FileNotFoundError) as err:
+        ds[3]
+    assert err.value.errno == errno.ENOENT and ds.files[3] in str(err.value)
+    assert isinstance(err.value, fitcache.NotFound)
+
+    client = ds._get_client()
+    with pytest.raises(PermissionError, match="outside the dataset root"):
+        client.read("/etc/hostname")
+    with pytest.raises(PermissionError):
+        client.read("../../etc/hostname")
+    with pytest.raises(IsADirectoryError):
+        client.read("class0")
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"secret")
+    os.symlink(outside, os.path.join(root, "escape"))
+    with pytest.raises(PermissionError, match="outside"):
+        client.read("escape")
+    with pytest.raises(fitcache.FitCacheError, match="unknown option"):
+        fitcache.Client(root, no_such_option=1)
+    with pytest.raises(fitcache.FitCacheError, match="kind"):
+        fitcache.Client(root, **{**cache_options, "tiers": "ssd:/tmp/x"})
+    client.close()
+    client.close()  # idempotent
+    with pytest.raises(ValueError):
+        client.read("class0/sub0/sample_000.bin")
+
+
+def test_pread_size_and_views_outlive_client(dataset, cache_options):
+    root, digests = dataset
+    rel = "class1/sub1/sample_007.bin"  # 256 KiB
+    with fitcache.Client(root, **cache_options) as client:
+        with open(os.path.join(root, rel), "rb") as f:
+            want = f.read()
+        assert client.size(rel) == len(want)
+        assert client.pread(rel, 100, 5) == want[5:105]
+        assert client.pread(rel, 100, len(want)) == b""
+        view = client.read(rel)
+    assert bytes(view) == want  # the mapping outlives the client
+
+
+def tier_mappings():
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/fitcache-test-" in line or "/disk/" in line)
+
+
+def test_released_views_unmap(dataset, cache_options):
+    root, _ = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    for i in range(len(ds)):
+        ds[i]  # cache everything
+    gc.collect()
+    before = tier_mappings()
+    views = [ds[i] for i in range(len(ds))]
+    assert tier_mappings() >= before + len(ds) - 1  # the empty file has no mapping
+    derived = views[5][10:20]
+    del views
+    gc.collect()
+    assert tier_mappings() == before + 1, "only the view still referenced keeps a mapping"
+    del derived
+    gc.collect()
+    assert tier_mappings() == before
+
+
+def test_damaged_cache_entry_is_never_returned(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    rel = "class1/sub1/sample_007.bin"
+    i = ds.files.index(rel)
+    ds[i]
+    shm = cache_options["tiers"].split(",")[0].split(":")[1]
+    cached = [os.path.join(d, f) for d, _, fs in os.walk(shm) for f in fs if f.endswith("sample_007.bin")]
+    assert len(cached) == 1
+    with open(cached[0], "r+b") as f:
+        f.truncate(1000)
+    assert digest(ds[i]) == digests[rel]
+
+
+def test_killing_the_server_mid_epoch_loses_nothing(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    loader = DataLoader(IndexedDigests(ds), batch_size=2, shuffle=True, num_workers=2,
+                        multiprocessing_context="fork")
+    seen, killed = {}, 0
+    for batch, (idx, dig) in enumerate(loader):
+        seen.update(zip(idx.tolist(), dig))
+        if batch == 3:
+            killed = server_pid(cache_options["runtime_dir"])
+            assert killed
+            os.kill(killed, signal.SIGKILL)
+            assert wait_gone(killed)
+    assert len(seen) == len(ds)
+    for i, d in seen.items():
+        assert d == digests[ds.files[i]]
+    # The next reads restarted the server (or, failing that, read the source directly).
+    restarted = server_pid(cache_options["runtime_dir"])
+    assert restarted and restarted != killed
+    check_epoch(loader, ds, digests)
+
+
+def run_python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_fork_after_load_falls_back_to_source_without_hanging(dataset, cache_options):
+    root, digests = dataset
+    code = f"""
+import os, hashlib, warnings, fitcache
+ds = fitcache.FitCacheDataset({root!r}, **{cache_options!r})
+ds[0]  # loads the Go runtime in this process
+pid = os.fork()
+if pid == 0:
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ok = all(hashlib.sha256(ds[i]).hexdigest() == {digests!r}[ds.files[i]] for i in range(len(ds)))
+        ok = ok and any("fork" in str(x.message) for x in w)
+    try:
+        fitcache.Client({root!r})
+        ok = False
+    except fitcache.ForkedAfterLoad:
+        pass
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print("child status", status)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_fork_before_load_uses_the_cache(dataset, cache_options):
+    root, digests = dataset
+    code = f"""
+import os, hashlib, fitcache
+ds = fitcache.FitCacheDataset({root!r}, **{cache_options!r})
+pid = os.fork()
+if pid == 0:
+    ok = all(hashlib.sha256(ds[i]).hexdigest() == {digests!r}[ds.files[i]] for i in range(len(ds)))
+    ok = ok and ds.stats()["client"]["direct_reads"] == 0
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stdout + out.stderr
