@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -14,6 +15,10 @@ import (
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
+
+// exitNoServer is the exit status of `fitcache stats` when no server runs, so that scripts
+// can tell "nothing cached yet" from a failure.
+const exitNoServer = 3
 
 func stats(args []string) error {
 	fs := flag.NewFlagSet("stats", flag.ExitOnError)
@@ -34,8 +39,12 @@ func stats(args []string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	js, err := c.Stats(ctx)
+	if errors.Is(err, rpc.ErrUnavailable) {
+		fmt.Fprintf(os.Stderr, "fitcache stats: no fitcache server answers at %s\n", *socket)
+		os.Exit(exitNoServer)
+	}
 	if err != nil {
-		return fmt.Errorf("no fitcache server answers at %s: %w", *socket, err)
+		return err
 	}
 	if *asJSON {
 		var out bytes.Buffer

@@ -99,7 +99,7 @@ class FitCacheDataset(_Base):
         Hits that DataLoader workers served themselves reach the server when the worker
         exits, or within a second for persistent workers. In a process that has not loaded
         the native library this asks the ``fitcache`` command, so that workers forked later
-        can still load it."""
+        can still load it. ``server`` is None while no server runs (nothing read yet)."""
         if self._client is not None and self._client_pid == os.getpid():
             return self._client.stats()
         return {"server": server_stats(**self.options)}
@@ -123,14 +123,19 @@ class FitCacheDataset(_Base):
         self.close()
 
 
+_EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
+
+
 def server_stats(**options):
-    """The embedded server's counters, asked through the ``fitcache`` command (a separate
-    process, so the caller never loads the Go runtime)."""
+    """The embedded server's counters as a dict, or None when no server runs. Asked through
+    the ``fitcache`` command (a separate process, so the caller never loads the Go runtime)."""
     env = dict(os.environ)
     for key, value in options.items():
         env["FITCACHE_" + key.upper()] = str(value)
     out = subprocess.run([_native.server_binary(), "stats", "--json"], env=env,
                          capture_output=True, text=True, timeout=30)
+    if out.returncode == _EXIT_NO_SERVER:
+        return None
     if out.returncode != 0:
         raise _native.FitCacheError(errno.EIO, out.stderr.strip() or "fitcache stats failed")
     return json.loads(out.stdout)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs every test: Go vet and unit tests (with the race detector), a check that the
+# generated Kitex code matches the IDL, then the Python and C tests against the installed
+# package. Installs what it needs (scripts/setup-env.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== Go: vet and unit tests"
+go vet ./...
+go test -race -count=1 ./...
+
+echo "== Kitex: generated code matches rpc/fitcache.thrift"
+bash rpc/generate.sh >/dev/null
+if ! git diff --quiet -- rpc/kitex_gen || [ -n "$(git status --porcelain -- rpc/kitex_gen)" ]; then
+  echo "rpc/kitex_gen is out of date: run rpc/generate.sh and commit the result" >&2
+  git status --short -- rpc/kitex_gen >&2
+  exit 1
+fi
+
+echo "== Python and C: pytest against the installed package"
+bash scripts/setup-env.sh
+cd tests
+set +e
+../.venv/bin/python -m pytest -v "$@"
+status=$?
+set -e
+if [ "$status" = 5 ]; then
+  echo "pytest collected no tests: the test setup is broken" >&2
+  exit 1
+fi
+exit "$status"
