@@ -30,7 +30,6 @@ import (
 	"github.com/fitcache/fitcache/client"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
-	"github.com/fitcache/fitcache/tiers"
 )
 
 func main() {}
@@ -169,7 +168,7 @@ func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_
 	switch {
 	case len(b) == 0:
 		buf.Release()
-	case isMapped(buf):
+	case client.IsMapped(buf):
 		out.mapping = buf
 		ptr = unsafe.Pointer(&b[0]) // mapped memory, outside the Go heap
 	default:
@@ -185,12 +184,6 @@ func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_
 	*size = C.int64_t(len(b))
 	*bufID = C.int64_t(buffers.add(out))
 	return 0
-}
-
-// isMapped reports whether a buffer's bytes live in a file mapping (which C may hold).
-func isMapped(b client.Buffer) bool {
-	_, ok := b.(*tiers.Mapping)
-	return ok
 }
 
 //export goRelease

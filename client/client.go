@@ -64,10 +64,13 @@ type Client struct {
 	cfg      core.Config
 	log      *slog.Logger
 
-	mu        sync.Mutex // protects server, dirs and downUntil
+	mu        sync.Mutex // protects server, dirs, gen and downUntil
 	server    *rpc.Client
-	dirs      []tiers.Dir // the server's tier directories, fastest first
-	downUntil time.Time   // before then, read the source directly
+	dirs      []tiers.Dir       // the server's tier directories, fastest first
+	gen       *tiers.Generation // the server's removal counter, or nil
+	downUntil time.Time         // before then, read the source directly
+
+	maps *mapCache // mappings kept between reads
 
 	counts  counters
 	pending hitReport // local hits not yet reported to the server
@@ -112,7 +115,7 @@ func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log,
+	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log, maps: newMapCache(defaultMaxMappings()),
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	c.pending.byTier = make(map[string]int64)
 	if err := c.connect(); err != nil {
@@ -138,11 +141,13 @@ func (c *Client) connectLocked() error {
 		return err
 	}
 	var dirs []tiers.Dir
+	var genFile string
 	ping := func(ctx context.Context) error {
 		hello, err := server.Hello(ctx)
 		if err != nil {
 			return err
 		}
+		genFile = hello.GenerationFile
 		dirs = dirs[:0]
 		for _, t := range hello.Tiers {
 			kind, err := tiers.ParseKind(t.Kind)
@@ -159,6 +164,13 @@ func (c *Client) connectLocked() error {
 		return err
 	}
 	c.server, c.dirs, c.downUntil = server, dirs, time.Time{}
+	// An older counter stays mapped (one page): readers may still be loading it.
+	c.gen = nil
+	if genFile != "" {
+		if c.gen, err = tiers.OpenGeneration(genFile); err != nil {
+			c.log.Warn("cannot watch the server's removals; not keeping mappings", "err", err)
+		}
+	}
 	return nil
 }
 
@@ -195,13 +207,16 @@ func (c *Client) read(path string, tries int) (Buffer, error) {
 		return nil, err
 	}
 	c.mu.Lock()
-	server, dirs, down := c.server, c.dirs, time.Now().Before(c.downUntil)
+	server, dirs, gen, down := c.server, c.dirs, c.gen, time.Now().Before(c.downUntil)
 	c.mu.Unlock()
 
+	if buf := c.maps.get(path, gen.Load()); buf != nil {
+		c.hit(buf.(*mapHandle).s.m)
+		return buf, nil
+	}
 	if m, err := tiers.Probe(dirs, path); err == nil {
-		c.counts.localHits.Add(1)
-		c.pending.add(m.Tier.String(), m.Size)
-		return m, nil
+		c.hit(m)
+		return c.keep(path, m, gen), nil
 	}
 	if server == nil || down {
 		if !down && tries > 0 && c.reconnect(nil) == nil {
@@ -209,7 +224,7 @@ func (c *Client) read(path string, tries int) (Buffer, error) {
 		}
 		return c.readDirect(path)
 	}
-	buf, err := c.readFromServer(server, dirs, path)
+	buf, err := c.readFromServer(server, dirs, gen, path)
 	if errors.Is(err, rpc.ErrUnavailable) {
 		c.log.Warn("fitcache server unavailable", "err", err)
 		if tries > 0 && c.reconnect(server) == nil {
@@ -220,7 +235,21 @@ func (c *Client) read(path string, tries int) (Buffer, error) {
 	return buf, err
 }
 
-func (c *Client) readFromServer(server *rpc.Client, dirs []tiers.Dir, path string) (Buffer, error) {
+// hit counts a read served from a tier file by this client.
+func (c *Client) hit(m *tiers.Mapping) {
+	c.counts.localHits.Add(1)
+	c.pending.add(m.Tier.String(), m.Size)
+}
+
+// keep hands out m through the mapping cache when the server's removals can be watched.
+func (c *Client) keep(path string, m *tiers.Mapping, gen *tiers.Generation) Buffer {
+	if gen == nil {
+		return m
+	}
+	return c.maps.put(path, m, gen.Load())
+}
+
+func (c *Client) readFromServer(server *rpc.Client, dirs []tiers.Dir, gen *tiers.Generation, path string) (Buffer, error) {
 	reply, err := server.Read(context.Background(), c.root, path, true)
 	if err != nil {
 		return nil, err
@@ -230,7 +259,7 @@ func (c *Client) readFromServer(server *rpc.Client, dirs []tiers.Dir, path strin
 		return heapBuffer(reply.Data), nil
 	}
 	if m, err := tiers.Probe(dirs, path); err == nil {
-		return m, nil
+		return c.keep(path, m, gen), nil
 	}
 	// Evicted between the reply and our open: ask for the bytes instead.
 	reply, err = server.Read(context.Background(), c.root, path, false)
@@ -422,5 +451,6 @@ func (c *Client) Close() error {
 	if server != nil {
 		c.flushHits(server)
 	}
+	c.maps.flush()
 	return nil
 }

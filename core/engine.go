@@ -19,6 +19,9 @@ type EngineConfig struct {
 	// Roots the engine serves files under. Empty means any root the caller names, for a
 	// per-user server reachable only by its user.
 	Roots []string
+	// GenerationFile, if set, is where the engine keeps the counter of removed cached files
+	// that local clients watch to drop mappings they keep (see tiers.Generation).
+	GenerationFile string
 	// MoverQueueBytes bounds the bytes waiting for the data mover; past it, the reader that
 	// missed publishes the file itself before answering. 0 means 256 MiB.
 	MoverQueueBytes int64
@@ -26,11 +29,13 @@ type EngineConfig struct {
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
 type Engine struct {
-	tiers []*tiers.Tier
-	roots []string
-	stats Stats
-	log   *slog.Logger
-	mover *mover
+	tiers   []*tiers.Tier
+	roots   []string
+	stats   Stats
+	log     *slog.Logger
+	mover   *mover
+	gen     *tiers.Generation // nil without EngineConfig.GenerationFile
+	genFile string
 
 	mu        sync.Mutex // protects flights and realRoots
 	flights   map[string]*flight
@@ -59,7 +64,15 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		}
 		e.roots = append(e.roots, abs)
 	}
+	if cfg.GenerationFile != "" {
+		gen, err := tiers.CreateGeneration(cfg.GenerationFile)
+		if err != nil {
+			return nil, fmt.Errorf("generation file: %w", err)
+		}
+		e.gen, e.genFile = gen, cfg.GenerationFile
+	}
 	for _, tc := range cfg.Tiers {
+		tc.OnRemove = e.gen.Bump
 		t, err := tiers.New(tc, log)
 		if err != nil {
 			log.Warn("skipping tier", "kind", tc.Kind.String(), "dir", tc.Dir, "err", err)
@@ -81,8 +94,11 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 // Close stops the data mover after it has published what it holds.
 func (e *Engine) Close() error {
 	e.mover.stop()
-	return nil
+	return e.gen.Close()
 }
+
+// GenerationFile returns the path of the removal counter clients watch, or "".
+func (e *Engine) GenerationFile() string { return e.genFile }
 
 // Stats returns the engine's counters and the state of its tiers.
 func (e *Engine) Stats() StatsSnapshot {

@@ -20,6 +20,9 @@ struct HelloReply {
   3: string server_id
   4: i32 pid
   5: list<TierInfo> tiers
+  // A file holding a counter the server bumps whenever it removes a cached file: clients on
+  // the node that keep mappings between reads watch it (see tiers.Generation). May be empty.
+  6: string generation_file
 }
 
 struct ReadRequest {

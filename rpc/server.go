@@ -96,7 +96,7 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 		errno, msg := errnoOf(err)
 		return &fitcachepb.HelloReply{Errno: errno, Message: msg}, nil
 	}
-	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid())}
+	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile()}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})
 	}

@@ -192,22 +192,31 @@ def tier_mappings():
         return sum(1 for line in f if "/fitcache-test-" in line or "/disk/" in line)
 
 
-def test_released_views_unmap(dataset, cache_options):
+def test_mappings_are_shared_kept_and_released(dataset, cache_options):
     root, _ = dataset
     ds = fitcache.FitCacheDataset(root, **cache_options)
+    assert tier_mappings() == 0
     for i in range(len(ds)):
-        ds[i]  # cache everything
+        ds[i]  # cache everything; the client keeps one mapping per file for the next epoch
     gc.collect()
-    before = tier_mappings()
+    kept = tier_mappings()
+    assert kept == len(ds)
+    for _ in range(3):
+        for i in range(len(ds)):
+            ds[i]
     views = [ds[i] for i in range(len(ds))]
-    assert tier_mappings() >= before + len(ds) - 1  # the empty file has no mapping
     derived = views[5][10:20]
+    gc.collect()
+    assert tier_mappings() == kept, "reads again share the kept mappings instead of mapping anew"
+    ds.close()  # drops the kept mappings; views still hold theirs (an empty file's view holds none)
+    gc.collect()
+    assert tier_mappings() == sum(1 for v in views if len(v))
     del views
     gc.collect()
-    assert tier_mappings() == before + 1, "only the view still referenced keeps a mapping"
+    assert tier_mappings() == 1, "only the file of the derived view stays mapped"
     del derived
     gc.collect()
-    assert tier_mappings() == before
+    assert tier_mappings() == 0
 
 
 def test_damaged_cache_entry_is_never_returned(dataset, cache_options):

@@ -59,7 +59,7 @@ func (d Dir) Open(sourcePath string) (*Mapping, error) {
 		m.Unmap()
 		return nil, ErrNotCached // another file with the same key and base name
 	}
-	return &Mapping{Entry: e, Tier: d.Kind, Path: path, m: m}, nil
+	return &Mapping{Entry: e, Tier: d.Kind, Path: path, m: m, ino: inodeOf(f)}, nil
 }
 
 // readTrailer parses a mapped file's trailer. Reading mapped memory can fault if the file

@@ -15,6 +15,19 @@ type Mapping struct {
 
 	mu sync.Mutex // protects m
 	m  mmap.MMap  // the whole file, trailer included; nil once released
+
+	ino uint64 // inode of the file mapped, for Unchanged
+}
+
+// Unchanged reports whether Path still names the very file mapped, at its mapped size. A
+// reader that keeps a mapping between reads checks it first: a cached file is never
+// rewritten by FitCache, but a person could truncate it in place, and touching a page past
+// the new end of file would kill the reader with SIGBUS.
+func (m *Mapping) Unchanged() bool {
+	ino, size, err := statFile(m.Path)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return err == nil && m.m != nil && ino == m.ino && size == int64(len(m.m))
 }
 
 // Bytes returns the file's data: exactly Entry.Size bytes of read-only memory. Writing to it

@@ -4,6 +4,7 @@ package tiers
 
 import (
 	"os"
+	"syscall"
 
 	"github.com/edsrzf/mmap-go"
 )
@@ -12,4 +13,22 @@ import (
 // (or tmpfs), with no copy. The mapping outlives f.
 func mapFile(f *os.File) (mmap.MMap, error) {
 	return mmap.Map(f, mmap.RDONLY, 0)
+}
+
+// statFile returns the inode number and size of the file at path.
+func statFile(path string) (ino uint64, size int64, err error) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		return 0, 0, err
+	}
+	return st.Ino, st.Size, nil
+}
+
+// inodeOf returns the inode number of an open file (0 if unknown).
+func inodeOf(f *os.File) uint64 {
+	var st syscall.Stat_t
+	if syscall.Fstat(int(f.Fd()), &st) != nil {
+		return 0
+	}
+	return st.Ino
 }

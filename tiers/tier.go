@@ -23,6 +23,9 @@ type Config struct {
 	Dir    string
 	Kind   Kind
 	Budget string // bytes ("4GiB") or percent of the file system ("80%"); "" = the kind's default
+	// OnRemove, if set, is called after a published file was unlinked (evicted or damaged),
+	// so that readers keeping mappings can learn of it (see Generation).
+	OnRemove func()
 }
 
 // Info is a snapshot of a tier's state, for statistics and reports.
@@ -43,6 +46,7 @@ type Tier struct {
 	fsType   string
 	capacity int64
 	log      *slog.Logger
+	onRemove func()
 
 	mu     sync.Mutex // protects budget, used, fifo and byRel
 	budget int64
@@ -96,6 +100,7 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 		fsType:   fsi.Type,
 		capacity: fsi.Capacity,
 		log:      log.With("tier", cfg.Kind.String(), "dir", dir),
+		onRemove: cfg.OnRemove,
 		budget:   size.Resolve(fsi.Capacity),
 		byRel:    make(map[string]*list.Element),
 	}
@@ -190,6 +195,7 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			t.log.Warn("evict", "file", path, "err", err)
 		}
+		t.removed()
 		t.mu.Lock()
 		t.used -= rec.size
 		t.mu.Unlock()
@@ -294,6 +300,13 @@ func (t *Tier) remove(rel string) {
 		t.used -= el.Value.(*record).size
 		t.fifo.Remove(el)
 		delete(t.byRel, rel)
+	}
+	t.removed()
+}
+
+func (t *Tier) removed() {
+	if t.onRemove != nil {
+		t.onRemove()
 	}
 }
 

@@ -68,7 +68,7 @@ func serve(args []string) error {
 	if err != nil {
 		return err
 	}
-	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots}, log)
+	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: *socket + ".gen"}, log)
 	if err != nil {
 		return err
 	}

@@ -75,11 +75,12 @@ var fieldIDToName_HelloRequest = map[int16]string{
 }
 
 type HelloReply struct {
-	Errno    int32       `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
-	Message  string      `thrift:"message,2" frugal:"2,default,string" json:"message"`
-	ServerId string      `thrift:"server_id,3" frugal:"3,default,string" json:"server_id"`
-	Pid      int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
-	Tiers    []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
+	Errno          int32       `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message        string      `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	ServerId       string      `thrift:"server_id,3" frugal:"3,default,string" json:"server_id"`
+	Pid            int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
+	Tiers          []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
+	GenerationFile string      `thrift:"generation_file,6" frugal:"6,default,string" json:"generation_file"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -108,6 +109,10 @@ func (p *HelloReply) GetPid() (v int32) {
 func (p *HelloReply) GetTiers() (v []*TierInfo) {
 	return p.Tiers
 }
+
+func (p *HelloReply) GetGenerationFile() (v string) {
+	return p.GenerationFile
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -123,6 +128,9 @@ func (p *HelloReply) SetPid(val int32) {
 func (p *HelloReply) SetTiers(val []*TierInfo) {
 	p.Tiers = val
 }
+func (p *HelloReply) SetGenerationFile(val string) {
+	p.GenerationFile = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -137,6 +145,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	3: "server_id",
 	4: "pid",
 	5: "tiers",
+	6: "generation_file",
 }
 
 type ReadRequest struct {
