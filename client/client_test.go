@@ -189,6 +189,7 @@ func TestMappingsAreKeptUntilTheServerRemovesFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	readBytes(t, c, "f0") // a miss: the server sends small files' bytes and caches them
 	first, err := c.Read("f0")
 	if err != nil {
 		t.Fatal(err)
@@ -196,6 +197,9 @@ func TestMappingsAreKeptUntilTheServerRemovesFiles(t *testing.T) {
 	again, _ := c.Read("f0")
 	if &first.Bytes()[0] != &again.Bytes()[0] {
 		t.Error("a second read of a cached file mapped it again instead of reusing the mapping")
+	}
+	if !IsMapped(first) {
+		t.Errorf("a read of a cached file returned %T, want a mapping", first)
 	}
 	first.Release()
 	again.Release()

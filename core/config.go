@@ -120,7 +120,7 @@ func DefaultTiers() []tiers.Config {
 	user := strconv.Itoa(os.Getuid())
 	cfgs := []tiers.Config{{Kind: tiers.Memory, Dir: "/dev/shm/fitcache-" + user, Budget: "25%"}}
 	if dir, err := os.UserCacheDir(); err == nil {
-		cfgs = append(cfgs, tiers.Config{Kind: tiers.Disk, Dir: filepath.Join(dir, "fitcache"), Budget: "10%"})
+		cfgs = append(cfgs, tiers.Config{Kind: tiers.Disk, Dir: filepath.Join(dir, "fitcache"), Budget: "10%", CreateParents: true})
 	}
 	return cfgs
 }

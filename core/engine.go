@@ -22,6 +22,12 @@ type EngineConfig struct {
 	// GenerationFile, if set, is where the engine keeps the counter of removed cached files
 	// that local clients watch to drop mappings they keep (see tiers.Generation).
 	GenerationFile string
+	// InlineMissBytes: a local caller that misses a file of at most this size gets the bytes
+	// at once instead of waiting for the data mover to publish the file for it to map.
+	// Publishing writes the file into a tier, which costs about as much as the copies of
+	// sending it (page allocation in tmpfs), so for small files waiting only adds latency;
+	// for large ones the copies cost more. 0 means 1 MiB; negative means never.
+	InlineMissBytes int64
 	// MoverQueueBytes bounds the bytes waiting for the data mover; past it, the reader that
 	// missed publishes the file itself before answering. 0 means 256 MiB.
 	MoverQueueBytes int64
@@ -36,6 +42,7 @@ type Engine struct {
 	mover   *mover
 	gen     *tiers.Generation // nil without EngineConfig.GenerationFile
 	genFile string
+	inline  int64 // see EngineConfig.InlineMissBytes
 
 	mu        sync.Mutex // protects flights and realRoots
 	flights   map[string]*flight
@@ -56,7 +63,11 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string)}
+	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
+		inline: cfg.InlineMissBytes}
+	if e.inline == 0 {
+		e.inline = 1 << 20
+	}
 	for _, r := range cfg.Roots {
 		abs, err := filepath.Abs(r)
 		if err != nil {
@@ -146,8 +157,9 @@ func (r Result) Release() {
 }
 
 // Read returns the file at path, which must be inside root. With wantMapping, a file that is
-// cached, or that this read caches, comes back as a mapping of the tier file (for a client on
-// this node that maps it itself); otherwise the bytes may come from memory.
+// cached comes back as a mapping of the tier file (for a client on this node that maps it
+// itself), and so does a missed file larger than EngineConfig.InlineMissBytes, once the data
+// mover has published it; otherwise the bytes come from memory.
 func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) (Result, error) {
 	res, err := e.read(ctx, root, path, wantMapping)
 	if err != nil {
@@ -188,7 +200,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if leader {
 		origin = "source"
 	}
-	if wantMapping {
+	if wantMapping && int64(len(f.data)) > e.inline {
 		select {
 		case <-f.published:
 			if m, err := tiers.Probe(e.tiers, path); err == nil {

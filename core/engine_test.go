@@ -125,7 +125,12 @@ func TestConcurrentMissesReadSourceOnce(t *testing.T) {
 
 func TestWantMappingReturnsPublishedTierFile(t *testing.T) {
 	root, paths := dataset(t, 5000)
-	e := newEngine(t, "1MiB")
+	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "1MiB"}},
+		InlineMissBytes: 4096}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
 	res, err := e.Read(context.Background(), root, paths[0], true)
 	if err != nil {
 		t.Fatal(err)

@@ -23,6 +23,10 @@ type Config struct {
 	Dir    string
 	Kind   Kind
 	Budget string // bytes ("4GiB") or percent of the file system ("80%"); "" = the kind's default
+	// CreateParents creates missing parent directories of Dir. Without it the parent must
+	// exist, so that a tier configured on a device that is not mounted on this node is
+	// skipped instead of silently landing on the root file system.
+	CreateParents bool
 	// OnRemove, if set, is called after a published file was unlinked (evicted or damaged),
 	// so that readers keeping mappings can learn of it (see Generation).
 	OnRemove func()
@@ -82,7 +86,11 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tier %s budget: %w", dir, err)
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	mkdir := os.Mkdir
+	if cfg.CreateParents {
+		mkdir = os.MkdirAll
+	}
+	if err := mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return nil, fmt.Errorf("create tier %s: %w", dir, err)
 	}
 	if err := os.Chmod(dir, 0o700); err != nil {
@@ -106,6 +114,10 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 	}
 	if t.budget <= 0 {
 		return nil, fmt.Errorf("tier %s: budget %s resolves to %d bytes", dir, size, t.budget)
+	}
+	if (cfg.Kind == Memory) != (fsi.Type == "tmpfs" || fsi.Type == "ramfs") {
+		t.log.Warn("tier kind does not match its file system: reads will not run at the expected speed",
+			"fs", fsi.Type)
 	}
 	if err := t.rescan(); err != nil {
 		return nil, fmt.Errorf("rescan tier %s: %w", dir, err)

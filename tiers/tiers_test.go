@@ -381,6 +381,13 @@ func TestNewRejectsUnusableDirectory(t *testing.T) {
 	if _, err := New(Config{Dir: filepath.Join(file, "tier"), Kind: NVMe}, nil); err == nil {
 		t.Error("New under a regular file succeeded")
 	}
+	if _, err := New(Config{Dir: filepath.Join(t.TempDir(), "not-mounted", "fitcache"), Kind: NVMe}, nil); err == nil {
+		t.Error("New created a tier whose parent directory (a mount point) is missing")
+	}
+	deep := filepath.Join(t.TempDir(), "a", "b")
+	if _, err := New(Config{Dir: deep, Kind: Disk, CreateParents: true}, nil); err != nil {
+		t.Errorf("New with CreateParents: %v", err)
+	}
 	if _, err := New(Config{Dir: t.TempDir(), Kind: NVMe, Budget: "lots"}, nil); err == nil {
 		t.Error("New with a bad budget succeeded")
 	}

@@ -30,6 +30,9 @@ func warmup(args []string) error {
 	if err != nil {
 		return err
 	}
+	if cfg.ServerBin == "" {
+		cfg.ServerBin, _ = os.Executable() // this program is also the server
+	}
 	root := fset.Arg(0)
 	c, err := client.Open(root, cfg, logger())
 	if err != nil {

@@ -1,0 +1,109 @@
+"""The embedded server: started on demand exactly once however many processes start at the
+same time, reused by later runs (warm), and restarted after it exits."""
+
+import os
+import subprocess
+import sys
+import time
+
+import fitcache
+from conftest import digest, server_pid
+
+READER = """
+import sys, time, hashlib, fitcache
+root, start_at = sys.argv[1], float(sys.argv[2])
+options = dict(runtime_dir=sys.argv[3], tiers=sys.argv[4])
+while time.time() < start_at:
+    pass
+with fitcache.Client(root, **options) as c:
+    for name in sys.argv[5:]:
+        print(name, hashlib.sha256(c.read(name)).hexdigest())
+"""
+
+
+def test_many_processes_start_exactly_one_server(dataset, cache_options):
+    root, digests = dataset
+    names = sorted(digests)[:6]
+    start_at = time.time() + 1.5  # all readers open their client at the same moment
+    procs = [subprocess.Popen([sys.executable, "-c", READER, root, str(start_at), cache_options["runtime_dir"],
+                               cache_options["tiers"], *names], stdout=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        got = dict(line.split() for line in out.splitlines())
+        assert got == {n: digests[n] for n in names}
+    with open(os.path.join(cache_options["runtime_dir"], "server.log")) as f:
+        log = f.read()
+    assert log.count("fitcache server ready") == 1, log
+    assert server_pid(cache_options["runtime_dir"])
+
+
+def test_second_run_starts_warm(dataset, cache_options):
+    root, digests = dataset
+    with fitcache.Client(root, **cache_options) as c:
+        for name in digests:
+            c.read(name)
+    stats = fitcache.server_stats(**cache_options)
+    assert stats["source_reads"] == len(digests)
+    # A later run (another process) finds everything cached: no source read.
+    out = subprocess.run([sys.executable, "-c", READER, root, "0", cache_options["runtime_dir"],
+                          cache_options["tiers"], *digests], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert fitcache.server_stats(**cache_options)["source_reads"] == len(digests)
+
+
+def test_server_restarts_warm_after_exit(dataset, cache_options):
+    root, digests = dataset
+    with fitcache.Client(root, **cache_options) as c:
+        for name in digests:
+            c.read(name)
+    pid = server_pid(cache_options["runtime_dir"])
+    os.kill(pid, 15)
+    deadline = time.time() + 10
+    while server_pid(cache_options["runtime_dir"]) and time.time() < deadline:
+        time.sleep(0.02)
+    assert fitcache.server_stats(**cache_options) is None
+    with fitcache.Client(root, **cache_options) as c:
+        for name in digests:
+            assert digest(c.read(name)) == digests[name]
+    stats = fitcache.server_stats(**cache_options)
+    assert stats["source_reads"] == 0, "the restarted server rescanned its tiers and served from them"
+    assert sum(t["files"] for t in stats["tiers"]) == len(digests)
+
+
+def fitcache_cli(cache_options, *args):
+    env = {**os.environ, **{"FITCACHE_" + k.upper(): v for k, v in cache_options.items()}}
+    return subprocess.run([fitcache._native.server_binary(), *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_warmup_caches_everything_and_reports_progress(dataset, cache_options):
+    root, digests = dataset
+    out = fitcache_cli(cache_options, "warmup", root)
+    assert out.returncode == 0, out.stderr
+    assert f"{len(digests)}/{len(digests)} files" in out.stderr
+    stats = fitcache.server_stats(**cache_options)
+    assert stats["source_reads"] == len(digests)
+    assert sum(t["files"] for t in stats["tiers"]) == len(digests)
+    again = fitcache_cli(cache_options, "warmup", "--quiet", root)
+    assert again.returncode == 0
+    assert fitcache.server_stats(**cache_options)["source_reads"] == len(digests)
+
+
+def test_stats_and_info_commands(dataset, cache_options):
+    out = fitcache_cli(cache_options, "stats")
+    assert out.returncode == 3 and "no fitcache server" in out.stderr
+    root, digests = dataset
+    fitcache_cli(cache_options, "warmup", "--quiet", root)
+    out = fitcache_cli(cache_options, "stats")
+    assert out.returncode == 0 and f"source reads {len(digests)}" in out.stdout, out.stdout
+    info = fitcache_cli(cache_options, "info", "--json")
+    assert info.returncode == 0, info.stderr
+    import json
+    report = json.loads(info.stdout)
+    assert report["hardware"]["logical_cpus"] >= 1 and report["hardware"]["cpu"]
+    assert [t["kind"] for t in report["tiers"]] == ["memory", "disk"]
+    assert report["embedded_server_pid"] == server_pid(cache_options["runtime_dir"])
+    bad = fitcache_cli(cache_options, "frobnicate")
+    assert bad.returncode == 2 and "unknown command" in bad.stderr
