@@ -311,7 +311,14 @@ func (c *Client) Size(path string) (int64, error) {
 		defer m.Release()
 		return m.Size, nil
 	}
-	fi, err := os.Stat(path)
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return 0, err
+	}
+	if !core.Within(real, c.realRoot) {
+		return 0, fmt.Errorf("%w: %s resolves to %s, outside %s", core.ErrOutsideRoot, path, real, c.realRoot)
+	}
+	fi, err := os.Stat(real)
 	if err != nil {
 		return 0, err
 	}

@@ -170,6 +170,13 @@ func TestOpenAndPathErrors(t *testing.T) {
 	if _, err := c.Read("../etc/passwd"); !errors.Is(err, core.ErrOutsideRoot) {
 		t.Errorf("escape: got %v, want ErrOutsideRoot", err)
 	}
+	os.Symlink("/etc/passwd", filepath.Join(root, "link"))
+	if _, err := c.Size("link"); !errors.Is(err, core.ErrOutsideRoot) {
+		t.Errorf("size through a symbolic link out of the root: got %v, want ErrOutsideRoot", err)
+	}
+	if _, err := c.Read("link"); !errors.Is(err, core.ErrOutsideRoot) {
+		t.Errorf("read through a symbolic link out of the root: got %v, want ErrOutsideRoot", err)
+	}
 	c.Close()
 	c.Close()
 	if _, err := c.Read("f"); !errors.Is(err, core.ErrClosed) {
