@@ -1,0 +1,197 @@
+package ring
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// DefaultVirtualNodes is the number of points per member when New is given 0: the trade-off
+// paper 000 found best between balance and the number of servers a failed server's files are
+// spread over.
+const DefaultVirtualNodes = 100
+
+// Hash maps a key to a point on the ring.
+type Hash func(string) uint64
+
+// Member is a ring member: a server, and the node (host) it runs on, so that replicas can be
+// placed on distinct nodes.
+type Member struct {
+	ID   string // unique; must not contain NUL
+	Node string
+}
+
+type point struct {
+	hash   uint64
+	member int // index in Ring.members
+	index  uint32
+}
+
+// Ring is a consistent hash ring. The zero value is not usable; call New.
+type Ring struct {
+	vnodes  int
+	hash    Hash
+	members []Member       // by insertion; removed members are compacted away
+	byID    map[string]int // member id -> index in members
+	points  []point        // sorted by (hash, member id, index)
+}
+
+// New returns an empty ring with vnodes points per member (DefaultVirtualNodes if <= 0) and
+// the given hash (nil: 64-bit FNV-1a followed by a mixing finalizer).
+func New(vnodes int, hash Hash) *Ring {
+	if vnodes <= 0 {
+		vnodes = DefaultVirtualNodes
+	}
+	if hash == nil {
+		hash = DefaultHash
+	}
+	return &Ring{vnodes: vnodes, hash: hash, byID: make(map[string]int)}
+}
+
+// DefaultHash is FNV-1a 64 with the MurmurHash3 finalizer: FNV alone spreads keys that
+// differ in their last bytes (like virtual-node keys) poorly over the high bits.
+func DefaultHash(s string) uint64 {
+	const offset, prime = 14695981039346656037, 1099511628211
+	x := uint64(offset)
+	for i := 0; i < len(s); i++ { // FNV-1a, without allocating
+		x ^= uint64(s[i])
+		x *= prime
+	}
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	x ^= x >> 33
+	return x
+}
+
+// VirtualNodeKey is the key hashed for point i of a member: unambiguous because ids contain
+// no NUL and the index has a fixed width.
+func VirtualNodeKey(id string, i uint32) string {
+	b := make([]byte, 0, len(id)+5)
+	b = append(b, id...)
+	b = append(b, 0)
+	return string(binary.BigEndian.AppendUint32(b, i))
+}
+
+// Add adds members (ignoring ids already present). It panics on an id with a NUL byte.
+func (r *Ring) Add(ms ...Member) {
+	added := false
+	for _, m := range ms {
+		if strings.IndexByte(m.ID, 0) >= 0 {
+			panic(fmt.Sprintf("ring: member id %q contains NUL", m.ID))
+		}
+		if _, ok := r.byID[m.ID]; ok {
+			continue
+		}
+		idx := len(r.members)
+		r.members = append(r.members, m)
+		r.byID[m.ID] = idx
+		for i := 0; i < r.vnodes; i++ {
+			r.points = append(r.points, point{hash: r.hash(VirtualNodeKey(m.ID, uint32(i))), member: idx, index: uint32(i)})
+		}
+		added = true
+	}
+	if added {
+		r.sortPoints()
+	}
+}
+
+// Remove removes the member with the given id, if present.
+func (r *Ring) Remove(id string) {
+	idx, ok := r.byID[id]
+	if !ok {
+		return
+	}
+	last := len(r.members) - 1
+	r.members[idx] = r.members[last] // move the last member into the hole
+	r.members = r.members[:last]
+	delete(r.byID, id)
+	if idx != last {
+		r.byID[r.members[idx].ID] = idx
+	}
+	kept := r.points[:0]
+	for _, p := range r.points {
+		switch p.member {
+		case idx:
+			continue
+		case last:
+			p.member = idx
+		}
+		kept = append(kept, p)
+	}
+	r.points = kept
+}
+
+func (r *Ring) sortPoints() {
+	sort.Slice(r.points, func(i, j int) bool { return r.less(r.points[i], r.points[j]) })
+}
+
+func (r *Ring) less(a, b point) bool {
+	if a.hash != b.hash {
+		return a.hash < b.hash
+	}
+	if ia, ib := r.members[a.member].ID, r.members[b.member].ID; ia != ib {
+		return ia < ib
+	}
+	return a.index < b.index
+}
+
+// Len returns the number of members.
+func (r *Ring) Len() int { return len(r.members) }
+
+// Members returns the members sorted by id.
+func (r *Ring) Members() []Member {
+	out := append([]Member(nil), r.members...)
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// Has reports whether a member with the given id is in the ring.
+func (r *Ring) Has(id string) bool {
+	_, ok := r.byID[id]
+	return ok
+}
+
+// first returns the index of the first point at or after the key's hash, wrapping around.
+func (r *Ring) first(key string) int {
+	h := r.hash(key)
+	i := sort.Search(len(r.points), func(i int) bool { return r.points[i].hash >= h })
+	if i == len(r.points) {
+		i = 0
+	}
+	return i
+}
+
+// Lookup returns the member owning key; false if the ring is empty. O(log points).
+func (r *Ring) Lookup(key string) (Member, bool) {
+	if len(r.points) == 0 {
+		return Member{}, false
+	}
+	return r.members[r.points[r.first(key)].member], true
+}
+
+// Successors returns up to n distinct members for key, walking clockwise from its owner (which
+// comes first). With distinctNodes, it skips members on a node already chosen, so replicas
+// land on different nodes; it then returns fewer than n when there are fewer nodes.
+func (r *Ring) Successors(key string, n int, distinctNodes bool) []Member {
+	if len(r.points) == 0 || n <= 0 {
+		return nil
+	}
+	out := make([]Member, 0, n)
+	seenMember := make(map[int]bool, n)
+	seenNode := make(map[string]bool, n)
+	start := r.first(key)
+	for k := 0; k < len(r.points) && len(out) < n; k++ {
+		p := r.points[(start+k)%len(r.points)]
+		m := r.members[p.member]
+		if seenMember[p.member] || (distinctNodes && seenNode[m.Node]) {
+			continue
+		}
+		seenMember[p.member] = true
+		seenNode[m.Node] = true
+		out = append(out, m)
+	}
+	return out
+}

@@ -1,0 +1,190 @@
+package ring
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func servers(n, perNode int) []Member {
+	var ms []Member
+	for i := 0; i < n; i++ {
+		node := fmt.Sprintf("node%03d", i/perNode)
+		ms = append(ms, Member{ID: fmt.Sprintf("%s:%d", node, 7000+i%perNode), Node: node})
+	}
+	return ms
+}
+
+func keys(n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("/data/train/class%03d/img_%07d.jpg", i%1000, i)
+	}
+	return out
+}
+
+func owners(r *Ring, ks []string) []string {
+	out := make([]string, len(ks))
+	for i, k := range ks {
+		m, _ := r.Lookup(k)
+		out[i] = m.ID
+	}
+	return out
+}
+
+func TestEmptyRing(t *testing.T) {
+	r := New(0, nil)
+	if _, ok := r.Lookup("x"); ok {
+		t.Error("Lookup on an empty ring succeeded")
+	}
+	if got := r.Successors("x", 3, false); len(got) != 0 {
+		t.Errorf("Successors on an empty ring = %v", got)
+	}
+	r.Remove("absent") // no panic
+}
+
+func TestRemoveMovesOnlyItsKeysToTheNextClockwiseServer(t *testing.T) {
+	r := New(100, nil)
+	r.Add(servers(10, 1)...)
+	ks := keys(20000)
+	before := owners(r, ks)
+	next := make([]string, len(ks))
+	for i, k := range ks {
+		next[i] = r.Successors(k, 2, false)[1].ID
+	}
+	victim := r.Members()[3].ID
+	r.Remove(victim)
+	after := owners(r, ks)
+	moved := 0
+	for i := range ks {
+		switch {
+		case before[i] != victim && after[i] != before[i]:
+			t.Fatalf("key %s moved from %s to %s though %s was removed", ks[i], before[i], after[i], victim)
+		case before[i] == victim && after[i] != next[i]:
+			t.Fatalf("key %s of the removed server went to %s, want the next clockwise %s", ks[i], after[i], next[i])
+		case before[i] == victim:
+			moved++
+		}
+	}
+	if moved == 0 {
+		t.Fatal("the removed server owned no key")
+	}
+	r.Add(Member{ID: victim, Node: victim})
+	if diff := cmp.Diff(before, owners(r, ks)); diff != "" {
+		t.Errorf("adding the server back did not restore placement (-want +got):\n%s", diff)
+	}
+}
+
+func FuzzInsertionOrderDoesNotMatter(f *testing.F) {
+	f.Add(uint64(1), 5)
+	f.Add(uint64(42), 17)
+	ks := keys(500)
+	f.Fuzz(func(t *testing.T, seed uint64, n int) {
+		n = 1 + (n%40+40)%40
+		ms := servers(n, 2)
+		sorted := New(20, nil)
+		sorted.Add(ms...)
+		shuffled := append([]Member(nil), ms...)
+		rand.New(rand.NewPCG(seed, 0)).Shuffle(len(shuffled), func(i, j int) { shuffled[i], shuffled[j] = shuffled[j], shuffled[i] })
+		oneByOne := New(20, nil)
+		for _, m := range shuffled {
+			oneByOne.Add(m)
+		}
+		// Removing and re-adding a member must not change placement either.
+		oneByOne.Remove(shuffled[0].ID)
+		oneByOne.Add(shuffled[0])
+		if diff := cmp.Diff(owners(sorted, ks), owners(oneByOne, ks)); diff != "" {
+			t.Fatalf("placement depends on insertion order (-sorted +shuffled):\n%s", diff)
+		}
+	})
+}
+
+func TestTiesBreakByMemberID(t *testing.T) {
+	constant := func(string) uint64 { return 7 } // every point collides
+	a, b := New(3, constant), New(3, constant)
+	a.Add(Member{ID: "s2"}, Member{ID: "s1"})
+	b.Add(Member{ID: "s1"}, Member{ID: "s2"})
+	for _, r := range []*Ring{a, b} {
+		if m, _ := r.Lookup("k"); m.ID != "s1" {
+			t.Errorf("tie went to %q, want s1 (lowest id)", m.ID)
+		}
+	}
+}
+
+// TestLoadBalance checks the bound we state for 100 virtual nodes: with 16 servers and 100,000
+// keys, no server gets more than 1.35x or less than 0.65x the mean. (Each server's share of
+// the circle is a sum of 100 arc lengths, so its standard deviation is about 10% of the mean;
+// 3.5 standard deviations stay inside the bound.)
+func TestLoadBalance(t *testing.T) {
+	r := New(100, nil)
+	r.Add(servers(16, 1)...)
+	count := map[string]int{}
+	ks := keys(100000)
+	for _, o := range owners(r, ks) {
+		count[o]++
+	}
+	mean := float64(len(ks)) / 16
+	for id, n := range count {
+		if ratio := float64(n) / mean; ratio > 1.35 || ratio < 0.65 {
+			t.Errorf("server %s holds %d keys, %.2fx the mean", id, n, ratio)
+		}
+	}
+	if len(count) != 16 {
+		t.Errorf("%d servers hold keys, want 16", len(count))
+	}
+}
+
+func TestSuccessorsDistinctServersAndNodes(t *testing.T) {
+	r := New(50, nil)
+	r.Add(servers(8, 2)...) // 4 nodes with 2 servers each
+	for _, k := range keys(200) {
+		owner, _ := r.Lookup(k)
+		got := r.Successors(k, 2, true)
+		if len(got) != 2 || got[0] != owner || got[0].Node == got[1].Node {
+			t.Fatalf("Successors(%s, 2, distinct nodes) = %v (owner %v)", k, got, owner)
+		}
+		if all := r.Successors(k, 10, true); len(all) != 4 {
+			t.Fatalf("distinct-node walk returned %d members, want the 4 nodes", len(all))
+		}
+		if all := r.Successors(k, 10, false); len(all) != 8 {
+			t.Fatalf("distinct-server walk returned %d members, want 8", len(all))
+		}
+	}
+}
+
+func TestVirtualNodeKeysAreUnambiguous(t *testing.T) {
+	seen := map[string]string{}
+	for _, id := range []string{"a", "ab", "a1", "1", "a:1", "a:10"} {
+		for i := uint32(0); i < 300; i++ {
+			k := VirtualNodeKey(id, i)
+			if prev, ok := seen[k]; ok {
+				t.Fatalf("key of (%q, %d) equals that of %s", id, i, prev)
+			}
+			seen[k] = fmt.Sprintf("(%q, %d)", id, i)
+		}
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("an id with NUL was accepted")
+		}
+	}()
+	New(1, nil).Add(Member{ID: "bad\x00id"})
+}
+
+func BenchmarkLookup(b *testing.B) {
+	for _, n := range []int{16, 1024} {
+		b.Run(fmt.Sprintf("servers=%d/vnodes=100", n), func(b *testing.B) {
+			r := New(100, nil)
+			r.Add(servers(n, 1)...)
+			ks := keys(4096)
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				r.Lookup(ks[i&4095])
+				i++
+			}
+		})
+	}
+}
