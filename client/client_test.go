@@ -71,6 +71,23 @@ func readBytes(t *testing.T, c *Client, path string) []byte {
 	return bytes.Clone(buf.Bytes())
 }
 
+// waitCached waits until the server has published path (a miss is answered before the data
+// mover publishes small files).
+func waitCached(t *testing.T, c *Client, path string) {
+	t.Helper()
+	abs, _ := c.Resolve(path)
+	waitFor(t, func() bool {
+		c.mu.Lock()
+		dirs := c.dirs
+		c.mu.Unlock()
+		m, err := tiers.Probe(dirs, abs)
+		if err == nil {
+			m.Release()
+		}
+		return err == nil
+	})
+}
+
 func clientStats(t *testing.T, c *Client) (ClientStats, core.StatsSnapshot) {
 	t.Helper()
 	js, err := c.Stats()
@@ -100,6 +117,9 @@ func TestReadsMissThenMapLocally(t *testing.T) {
 	for i := 0; i < 3; i++ {
 		if got := readBytes(t, c, "a.bin"); !bytes.Equal(got, want) {
 			t.Fatalf("read %d: wrong bytes", i)
+		}
+		if i == 0 {
+			waitCached(t, c, "a.bin")
 		}
 	}
 	buf, _ := c.Read("a.bin")
@@ -197,6 +217,7 @@ func TestMappingsAreKeptUntilTheServerRemovesFiles(t *testing.T) {
 	}
 	defer c.Close()
 	readBytes(t, c, "f0") // a miss: the server sends small files' bytes and caches them
+	waitCached(t, c, "f0")
 	first, err := c.Read("f0")
 	if err != nil {
 		t.Fatal(err)
@@ -215,6 +236,7 @@ func TestMappingsAreKeptUntilTheServerRemovesFiles(t *testing.T) {
 	}
 	for _, name := range []string{"f1", "f2", "f3"} { // f3 evicts f0 on the server
 		readBytes(t, c, name)
+		waitCached(t, c, name)
 	}
 	waitFor(t, func() bool { return c.gen.Load() > 0 })
 	if got := readBytes(t, c, "f1"); got[0] != 1 {

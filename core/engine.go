@@ -52,8 +52,9 @@ type Engine struct {
 // flight is a file being read from the source or published. Readers that miss while it exists
 // share its result, so the source is read once (invariant 3).
 type flight struct {
-	done      chan struct{} // closed when data and err are set
+	done      chan struct{} // closed when data, mtime and err are set
 	data      []byte
+	mtime     int64 // the source's modification time, Unix nanoseconds
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
 }
@@ -139,6 +140,8 @@ type Result struct {
 	Mapping *tiers.Mapping // set when the file was served from (or just published to) a tier
 	Data    []byte         // set otherwise
 	Origin  string         // a tier kind, "inflight" or "source"
+	// MTimeNanos is the source file's modification time, for a replica's copy.
+	MTimeNanos int64
 }
 
 // Bytes returns the file's bytes.
@@ -176,7 +179,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	}
 	if m, err := tiers.Probe(e.tiers, path); err == nil {
 		e.stats.hits[m.Tier].Add(1)
-		return Result{Mapping: m, Origin: m.Tier.String()}, nil
+		return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos}, nil
 	} else if !errors.Is(err, tiers.ErrNotCached) || errors.Is(err, tiers.ErrDamaged) {
 		e.log.Warn("probe", "path", path, "err", err)
 	}
@@ -204,13 +207,35 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		select {
 		case <-f.published:
 			if m, err := tiers.Probe(e.tiers, path); err == nil {
-				return Result{Mapping: m, Origin: origin}, nil
+				return Result{Mapping: m, Origin: origin, MTimeNanos: f.mtime}, nil
 			}
 		case <-ctx.Done():
 			return Result{}, ctx.Err()
 		}
 	}
-	return Result{Data: f.data, Origin: origin}, nil
+	return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime}, nil
+}
+
+// Store caches a file's bytes that a client read from the file's owner, so that this server,
+// a replica, holds a copy without reading the source. A file already cached or on its way is
+// left alone.
+func (e *Engine) Store(root, path string, data []byte, mtimeNanos int64) error {
+	if err := e.checkRoot(root, path); err != nil {
+		return err
+	}
+	if m, err := tiers.Probe(e.tiers, path); err == nil {
+		m.Release()
+		return nil
+	}
+	f, leader := e.join(path)
+	if !leader {
+		return nil
+	}
+	f.data, f.mtime = data, mtimeNanos
+	close(f.done)
+	e.stats.stored.Add(1)
+	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(data)), MTimeNanos: mtimeNanos}, flight: f})
+	return nil
 }
 
 // join returns the flight for path, creating it if there is none; leader is true for the
@@ -230,9 +255,8 @@ func (e *Engine) join(path string) (f *flight, leader bool) {
 // flight once the file is published.
 func (e *Engine) fill(f *flight, root, path string) {
 	realRoot, err := e.realRoot(root)
-	var mtime int64
 	if err == nil {
-		f.data, mtime, err = ReadSource(path, realRoot)
+		f.data, f.mtime, err = ReadSource(path, realRoot)
 	}
 	if err == nil {
 		e.stats.sourceReads.Add(1)
@@ -244,7 +268,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 		e.land(path, f)
 		return
 	}
-	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(f.data)), MTimeNanos: mtime}, flight: f})
+	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(f.data)), MTimeNanos: f.mtime}, flight: f})
 }
 
 // land ends a flight: later readers go to the tiers (or, after an error, try the source again).

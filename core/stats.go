@@ -21,6 +21,7 @@ type Stats struct {
 	errors        atomic.Int64 // reads that failed
 	publishErrors atomic.Int64 // publications that failed (the read itself succeeded)
 	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
+	stored        atomic.Int64 // files received from clients for a replica copy
 }
 
 // StatsSnapshot is a point-in-time copy of the counters, as reported in JSON.
@@ -38,6 +39,7 @@ type StatsSnapshot struct {
 	Errors        int64            `json:"errors"`
 	PublishErrors int64            `json:"publish_errors"`
 	ClientHits    int64            `json:"client_hits"`
+	Stored        int64            `json:"stored"`
 	Tiers         []tiers.Info     `json:"tiers"`
 }
 
@@ -52,7 +54,7 @@ func (s *Stats) Snapshot() StatsSnapshot {
 		SourceReads: s.sourceReads.Load(), SourceBytes: s.sourceBytes.Load(),
 		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
 		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
-		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(),
+		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(),
 	}
 }
 

@@ -100,6 +100,18 @@ func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes 
 	return core.NewErrnoError(r.Errno, r.Message)
 }
 
+// Store sends a file's bytes to a replica server, which caches them.
+func (c *Client) Store(ctx context.Context, root, path string, data []byte, mtimeNanos int64) error {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
+	defer cancel()
+	r, err := c.kc.Store(ctx, &fitcachepb.StoreRequest{Token: c.cfg.Token, Root: root, Path: path, Data: data,
+		MtimeNanos: mtimeNanos}, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+	if err != nil {
+		return c.unavailable(err)
+	}
+	return core.NewErrnoError(r.Errno, r.Message)
+}
+
 // Stats returns the server's counters as JSON.
 func (c *Client) Stats(ctx context.Context) (string, error) {
 	r, err := c.kc.Stats(ctx, &fitcachepb.StatsRequest{Token: c.cfg.Token}, c.target())

@@ -47,6 +47,8 @@ struct ReadReply {
   5: binary data
   // Where the server found the file: a tier kind, "inflight" or "source".
   6: string origin
+  // The source file's modification time (Unix nanoseconds), when known.
+  7: i64 mtime_nanos
 }
 
 // Hits that clients served from tier files themselves, reported so that server counters see
@@ -58,6 +60,21 @@ struct HitReport {
 }
 
 struct HitReportReply {
+  1: i32 errno
+  2: string message
+}
+
+// A file's bytes that a client read from the file's owner, sent to a replica so that the
+// replica caches it without reading the source.
+struct StoreRequest {
+  1: string token
+  2: string root
+  3: string path
+  4: binary data
+  5: i64 mtime_nanos
+}
+
+struct StoreReply {
   1: i32 errno
   2: string message
 }
@@ -78,4 +95,5 @@ service FitCache {
   ReadReply Read(1: ReadRequest req)
   HitReportReply ReportHits(1: HitReport req)
   StatsReply Stats(1: StatsRequest req)
+  StoreReply Store(1: StoreRequest req)
 }

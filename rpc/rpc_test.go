@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/tiers"
@@ -63,9 +64,16 @@ func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
 	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != "source" {
 		t.Fatalf("remote read: origin %q, %d bytes, err %v", r.GetOrigin(), len(r.GetData()), err)
 	}
-	r, err = c.Read(ctx, root, path, true)
+	// The first read answered before the data mover published the file: wait for it.
+	for i := 0; i < 500; i++ {
+		if r, err = c.Read(ctx, root, path, true); err != nil || r.CachedPath != "" {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	if err != nil || r.CachedPath == "" || len(r.Data) != 0 {
-		t.Fatalf("local read of a cached file: %+v, %v", r, err)
+		t.Fatalf("local read of a cached file: origin %q, cached path %q, %d bytes, err %v",
+			r.GetOrigin(), r.GetCachedPath(), len(r.GetData()), err)
 	}
 	m, err := tiers.Dir{Path: filepath.Dir(filepath.Dir(filepath.Dir(r.CachedPath)))}.Open(path)
 	if err != nil || !bytes.Equal(m.Bytes(), want) {

@@ -115,7 +115,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg}, nil
 	}
 	defer res.Release()
-	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin}
+	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos}
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
@@ -125,6 +125,16 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		reply.Data = res.Data
 	}
 	return reply, nil
+}
+
+// Store caches bytes a client read from the file's owner (this server is a replica).
+func (h *Handler) Store(ctx context.Context, req *fitcachepb.StoreRequest) (*fitcachepb.StoreReply, error) {
+	if err := h.begin(req.Token); err != nil {
+		errno, msg := errnoOf(err)
+		return &fitcachepb.StoreReply{Errno: errno, Message: msg}, nil
+	}
+	errno, msg := errnoOf(h.engine.Store(req.Root, req.Path, req.Data, req.MtimeNanos))
+	return &fitcachepb.StoreReply{Errno: errno, Message: msg}, nil
 }
 
 // ReportHits adds hits that a client served from this server's tier files itself.

@@ -97,6 +97,18 @@ def cache_options(tmp_path):
     shutil.rmtree(shm, ignore_errors=True)
 
 
+def wait_published(cache_options, count, timeout=30):
+    """Waits until the cache's server has published count files: a miss of a small file is
+    answered before the data mover has written it into a tier."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = fitcache.server_stats(**cache_options)
+        if stats and stats["published"] >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not publish {count} files within {timeout}s")
+
+
 def digest(view):
     return hashlib.sha256(view).hexdigest()
 

@@ -8,12 +8,13 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
 
 import fitcache
-from conftest import digest, server_pid, wait_gone
+from conftest import digest, server_pid, wait_gone, wait_published
 from inotify import OpenCounter
 
 torch = pytest.importorskip("torch")
@@ -196,9 +197,11 @@ def test_mappings_are_shared_kept_and_released(dataset, cache_options):
     root, _ = dataset
     ds = fitcache.FitCacheDataset(root, **cache_options)
     assert tier_mappings() == 0
-    for _ in range(2):  # the first pass caches (small misses come back as bytes), the second maps
-        for i in range(len(ds)):
-            ds[i]  # the client keeps one mapping per file for the next epoch
+    for i in range(len(ds)):
+        ds[i]  # caches everything (small misses come back as bytes, published in the background)
+    wait_published(cache_options, len(ds))
+    for i in range(len(ds)):
+        ds[i]  # maps every file; the client keeps one mapping per file for the next epoch
     gc.collect()
     kept = tier_mappings()
     assert kept == len(ds)
@@ -226,6 +229,7 @@ def test_damaged_cache_entry_is_never_returned(dataset, cache_options):
     rel = "class1/sub1/sample_007.bin"
     i = ds.files.index(rel)
     ds[i]
+    wait_published(cache_options, 1)
     shm = cache_options["tiers"].split(",")[0].split(":")[1]
     cached = [os.path.join(d, f) for d, _, fs in os.walk(shm) for f in fs if f.endswith("sample_007.bin")]
     assert len(cached) == 1

@@ -7,7 +7,7 @@ import sys
 import time
 
 import fitcache
-from conftest import digest, server_pid
+from conftest import digest, server_pid, wait_published
 
 READER = """
 import sys, time, hashlib, fitcache
@@ -83,6 +83,7 @@ def test_warmup_caches_everything_and_reports_progress(dataset, cache_options):
     out = fitcache_cli(cache_options, "warmup", root)
     assert out.returncode == 0, out.stderr
     assert f"{len(digests)}/{len(digests)} files" in out.stderr
+    wait_published(cache_options, len(digests))
     stats = fitcache.server_stats(**cache_options)
     assert stats["source_reads"] == len(digests)
     assert sum(t["files"] for t in stats["tiers"]) == len(digests)

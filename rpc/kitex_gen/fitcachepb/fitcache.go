@@ -211,6 +211,7 @@ type ReadReply struct {
 	CachedPath string `thrift:"cached_path,4" frugal:"4,default,string" json:"cached_path"`
 	Data       []byte `thrift:"data,5" frugal:"5,default,binary" json:"data"`
 	Origin     string `thrift:"origin,6" frugal:"6,default,string" json:"origin"`
+	MtimeNanos int64  `thrift:"mtime_nanos,7" frugal:"7,default,i64" json:"mtime_nanos"`
 }
 
 func NewReadReply() *ReadReply {
@@ -243,6 +244,10 @@ func (p *ReadReply) GetData() (v []byte) {
 func (p *ReadReply) GetOrigin() (v string) {
 	return p.Origin
 }
+
+func (p *ReadReply) GetMtimeNanos() (v int64) {
+	return p.MtimeNanos
+}
 func (p *ReadReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -261,6 +266,9 @@ func (p *ReadReply) SetData(val []byte) {
 func (p *ReadReply) SetOrigin(val string) {
 	p.Origin = val
 }
+func (p *ReadReply) SetMtimeNanos(val int64) {
+	p.MtimeNanos = val
+}
 
 func (p *ReadReply) String() string {
 	if p == nil {
@@ -276,6 +284,7 @@ var fieldIDToName_ReadReply = map[int16]string{
 	4: "cached_path",
 	5: "data",
 	6: "origin",
+	7: "mtime_nanos",
 }
 
 type HitReport struct {
@@ -359,6 +368,109 @@ func (p *HitReportReply) String() string {
 }
 
 var fieldIDToName_HitReportReply = map[int16]string{
+	1: "errno",
+	2: "message",
+}
+
+type StoreRequest struct {
+	Token      string `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Root       string `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Path       string `thrift:"path,3" frugal:"3,default,string" json:"path"`
+	Data       []byte `thrift:"data,4" frugal:"4,default,binary" json:"data"`
+	MtimeNanos int64  `thrift:"mtime_nanos,5" frugal:"5,default,i64" json:"mtime_nanos"`
+}
+
+func NewStoreRequest() *StoreRequest {
+	return &StoreRequest{}
+}
+
+func (p *StoreRequest) InitDefault() {
+}
+
+func (p *StoreRequest) GetToken() (v string) {
+	return p.Token
+}
+
+func (p *StoreRequest) GetRoot() (v string) {
+	return p.Root
+}
+
+func (p *StoreRequest) GetPath() (v string) {
+	return p.Path
+}
+
+func (p *StoreRequest) GetData() (v []byte) {
+	return p.Data
+}
+
+func (p *StoreRequest) GetMtimeNanos() (v int64) {
+	return p.MtimeNanos
+}
+func (p *StoreRequest) SetToken(val string) {
+	p.Token = val
+}
+func (p *StoreRequest) SetRoot(val string) {
+	p.Root = val
+}
+func (p *StoreRequest) SetPath(val string) {
+	p.Path = val
+}
+func (p *StoreRequest) SetData(val []byte) {
+	p.Data = val
+}
+func (p *StoreRequest) SetMtimeNanos(val int64) {
+	p.MtimeNanos = val
+}
+
+func (p *StoreRequest) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("StoreRequest(%+v)", *p)
+}
+
+var fieldIDToName_StoreRequest = map[int16]string{
+	1: "token",
+	2: "root",
+	3: "path",
+	4: "data",
+	5: "mtime_nanos",
+}
+
+type StoreReply struct {
+	Errno   int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message string `thrift:"message,2" frugal:"2,default,string" json:"message"`
+}
+
+func NewStoreReply() *StoreReply {
+	return &StoreReply{}
+}
+
+func (p *StoreReply) InitDefault() {
+}
+
+func (p *StoreReply) GetErrno() (v int32) {
+	return p.Errno
+}
+
+func (p *StoreReply) GetMessage() (v string) {
+	return p.Message
+}
+func (p *StoreReply) SetErrno(val int32) {
+	p.Errno = val
+}
+func (p *StoreReply) SetMessage(val string) {
+	p.Message = val
+}
+
+func (p *StoreReply) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("StoreReply(%+v)", *p)
+}
+
+var fieldIDToName_StoreReply = map[int16]string{
 	1: "errno",
 	2: "message",
 }
@@ -447,6 +559,8 @@ type FitCache interface {
 	ReportHits(ctx context.Context, req *HitReport) (r *HitReportReply, err error)
 
 	Stats(ctx context.Context, req *StatsRequest) (r *StatsReply, err error)
+
+	Store(ctx context.Context, req *StoreRequest) (r *StoreReply, err error)
 }
 
 type FitCacheHelloArgs struct {
@@ -750,5 +864,81 @@ func (p *FitCacheStatsResult) String() string {
 }
 
 var fieldIDToName_FitCacheStatsResult = map[int16]string{
+	0: "success",
+}
+
+type FitCacheStoreArgs struct {
+	Req *StoreRequest `thrift:"req,1" frugal:"1,default,StoreRequest" json:"req"`
+}
+
+func NewFitCacheStoreArgs() *FitCacheStoreArgs {
+	return &FitCacheStoreArgs{}
+}
+
+func (p *FitCacheStoreArgs) InitDefault() {
+}
+
+var FitCacheStoreArgs_Req_DEFAULT *StoreRequest
+
+func (p *FitCacheStoreArgs) GetReq() (v *StoreRequest) {
+	if !p.IsSetReq() {
+		return FitCacheStoreArgs_Req_DEFAULT
+	}
+	return p.Req
+}
+func (p *FitCacheStoreArgs) SetReq(val *StoreRequest) {
+	p.Req = val
+}
+
+func (p *FitCacheStoreArgs) IsSetReq() bool {
+	return p.Req != nil
+}
+
+func (p *FitCacheStoreArgs) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheStoreArgs(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheStoreArgs = map[int16]string{
+	1: "req",
+}
+
+type FitCacheStoreResult struct {
+	Success *StoreReply `thrift:"success,0,optional" frugal:"0,optional,StoreReply" json:"success,omitempty"`
+}
+
+func NewFitCacheStoreResult() *FitCacheStoreResult {
+	return &FitCacheStoreResult{}
+}
+
+func (p *FitCacheStoreResult) InitDefault() {
+}
+
+var FitCacheStoreResult_Success_DEFAULT *StoreReply
+
+func (p *FitCacheStoreResult) GetSuccess() (v *StoreReply) {
+	if !p.IsSetSuccess() {
+		return FitCacheStoreResult_Success_DEFAULT
+	}
+	return p.Success
+}
+func (p *FitCacheStoreResult) SetSuccess(x interface{}) {
+	p.Success = x.(*StoreReply)
+}
+
+func (p *FitCacheStoreResult) IsSetSuccess() bool {
+	return p.Success != nil
+}
+
+func (p *FitCacheStoreResult) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheStoreResult(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheStoreResult = map[int16]string{
 	0: "success",
 }

@@ -15,6 +15,7 @@ type Client interface {
 	Read(ctx context.Context, req *fitcachepb.ReadRequest, callOptions ...callopt.Option) (r *fitcachepb.ReadReply, err error)
 	ReportHits(ctx context.Context, req *fitcachepb.HitReport, callOptions ...callopt.Option) (r *fitcachepb.HitReportReply, err error)
 	Stats(ctx context.Context, req *fitcachepb.StatsRequest, callOptions ...callopt.Option) (r *fitcachepb.StatsReply, err error)
+	Store(ctx context.Context, req *fitcachepb.StoreRequest, callOptions ...callopt.Option) (r *fitcachepb.StoreReply, err error)
 }
 
 // NewClient creates a client for the service defined in IDL.
@@ -64,4 +65,9 @@ func (p *kFitCacheClient) ReportHits(ctx context.Context, req *fitcachepb.HitRep
 func (p *kFitCacheClient) Stats(ctx context.Context, req *fitcachepb.StatsRequest, callOptions ...callopt.Option) (r *fitcachepb.StatsReply, err error) {
 	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
 	return p.kClient.Stats(ctx, req)
+}
+
+func (p *kFitCacheClient) Store(ctx context.Context, req *fitcachepb.StoreRequest, callOptions ...callopt.Option) (r *fitcachepb.StoreReply, err error) {
+	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
+	return p.kClient.Store(ctx, req)
 }

@@ -41,6 +41,13 @@ var serviceMethods = map[string]kitex.MethodInfo{
 		false,
 		kitex.WithStreamingMode(kitex.StreamingNone),
 	),
+	"Store": kitex.NewMethodInfo(
+		storeHandler,
+		newFitCacheStoreArgs,
+		newFitCacheStoreResult,
+		false,
+		kitex.WithStreamingMode(kitex.StreamingNone),
+	),
 }
 
 var (
@@ -179,6 +186,24 @@ func newFitCacheStatsResult() interface{} {
 	return fitcachepb.NewFitCacheStatsResult()
 }
 
+func storeHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
+	realArg := arg.(*fitcachepb.FitCacheStoreArgs)
+	realResult := result.(*fitcachepb.FitCacheStoreResult)
+	success, err := handler.(fitcachepb.FitCache).Store(ctx, realArg.Req)
+	if err != nil {
+		return err
+	}
+	realResult.Success = success
+	return nil
+}
+func newFitCacheStoreArgs() interface{} {
+	return fitcachepb.NewFitCacheStoreArgs()
+}
+
+func newFitCacheStoreResult() interface{} {
+	return fitcachepb.NewFitCacheStoreResult()
+}
+
 type kClient struct {
 	c client.Client
 }
@@ -224,6 +249,16 @@ func (p *kClient) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (r *f
 	_args.Req = req
 	var _result fitcachepb.FitCacheStatsResult
 	if err = p.c.Call(ctx, "Stats", &_args, &_result); err != nil {
+		return
+	}
+	return _result.GetSuccess(), nil
+}
+
+func (p *kClient) Store(ctx context.Context, req *fitcachepb.StoreRequest) (r *fitcachepb.StoreReply, err error) {
+	var _args fitcachepb.FitCacheStoreArgs
+	_args.Req = req
+	var _result fitcachepb.FitCacheStoreResult
+	if err = p.c.Call(ctx, "Store", &_args, &_result); err != nil {
 		return
 	}
 	return _result.GetSuccess(), nil
