@@ -70,7 +70,8 @@ type Client struct {
 	gen       *tiers.Generation // the server's removal counter, or nil
 	downUntil time.Time         // before then, read the source directly
 
-	maps *mapCache // mappings kept between reads
+	maps    *mapCache      // mappings kept between reads
+	cluster *clusterRouter // set in cluster mode (Config.Servers)
 
 	counts  counters
 	pending hitReport // local hits not yet reported to the server
@@ -118,7 +119,16 @@ func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
 	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log, maps: newMapCache(defaultMaxMappings()),
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	c.pending.byTier = make(map[string]int64)
-	if err := c.connect(); err != nil {
+	if cfg.Servers != "" {
+		if c.cluster, err = newClusterRouter(cfg, log); err != nil {
+			return nil, err
+		}
+		for _, p := range c.cluster.peers {
+			if p.local && (c.server == nil || p.member.ID < c.server.Addr()) {
+				c.server = p.rpc // hits served from local tier files are reported to it
+			}
+		}
+	} else if err := c.connect(); err != nil {
 		log.Warn("fitcache server unavailable; reading from the source", "err", err)
 	}
 	go c.reportLoop()
@@ -205,6 +215,9 @@ func (c *Client) read(path string, tries int) (Buffer, error) {
 	path, err := c.Resolve(path)
 	if err != nil {
 		return nil, err
+	}
+	if c.cluster != nil {
+		return c.readCluster(path)
 	}
 	c.mu.Lock()
 	server, dirs, gen, down := c.server, c.dirs, c.gen, time.Now().Before(c.downUntil)
@@ -353,20 +366,33 @@ type ClientStats struct {
 	DirectReads int64 `json:"direct_reads"`
 	Connects    int64 `json:"connects"`
 	Errors      int64 `json:"errors"`
+	// Cluster mode: servers this client declared dead, and dead servers that came back.
+	ServersDead     int64 `json:"servers_declared_dead,omitempty"`
+	ServersRejoined int64 `json:"servers_rejoined,omitempty"`
 }
 
 // Stats returns this client's counters and, when the server answers, the server's (after
 // reporting this client's pending hits to it), as JSON: {"client": {...}, "server": {...}}.
 func (c *Client) Stats() (string, error) {
 	out := struct {
-		Client ClientStats     `json:"client"`
-		Server json.RawMessage `json:"server,omitempty"`
-		Error  string          `json:"server_error,omitempty"`
+		Client  ClientStats                `json:"client"`
+		Server  json.RawMessage            `json:"server,omitempty"`
+		Servers map[string]json.RawMessage `json:"servers,omitempty"`
+		Error   string                     `json:"server_error,omitempty"`
 	}{Client: ClientStats{
 		LocalHits: c.counts.localHits.Load(), ServerReads: c.counts.serverReads.Load(),
 		DirectReads: c.counts.directReads.Load(), Connects: c.counts.restarts.Load(),
 		Errors: c.counts.errors.Load(),
 	}}
+	if c.cluster != nil {
+		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
+		if c.server != nil {
+			c.flushHits(c.server)
+		}
+		out.Servers = c.cluster.stats()
+		b, err := json.Marshal(out)
+		return string(b), err
+	}
 	c.mu.Lock()
 	server := c.server
 	c.mu.Unlock()
@@ -457,6 +483,9 @@ func (c *Client) Close() error {
 	c.mu.Unlock()
 	if server != nil {
 		c.flushHits(server)
+	}
+	if c.cluster != nil {
+		c.cluster.close()
 	}
 	c.maps.flush()
 	return nil

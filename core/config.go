@@ -27,10 +27,45 @@ type Config struct {
 	ReadTimeout time.Duration
 	// StartTimeout bounds how long a client waits for the embedded server it started.
 	StartTimeout time.Duration
+
+	// Cluster mode (Servers set):
+
+	// Servers of the job: "host:port,...", "@HOSTFILE" or "slurm" (see cluster.Spec).
+	// Empty means the embedded per-user server.
+	Servers string
+	// PerNode and BasePort place the servers of hosts named without a port.
+	PerNode, BasePort int
+	// Token every request carries (or TokenFile holding it).
+	Token, TokenFile string
+	// Policy for a dead server's files: "recache" (their next owner on the ring caches them)
+	// or "pfs" (they are read from the source from then on).
+	Policy string
+	// FailureThreshold: consecutive timeouts after which a server is declared dead (a refused
+	// connection declares it dead at once).
+	FailureThreshold int
+	// RPCTimeout is the deadline of a read from a server of the cluster.
+	RPCTimeout time.Duration
+	// Replicas: copies of each file on distinct nodes (1: no replica).
+	Replicas int
+	// Node is this machine's name as it appears in Servers, so that the client maps the
+	// cached files of servers on its own node. Default: the host name.
+	Node string
+	// WaitTimeout bounds how long a client waits at start for the servers to answer.
+	WaitTimeout time.Duration
+	// VirtualNodes per server on the hash ring.
+	VirtualNodes int
 }
 
+// Policies for a dead server's files.
+const (
+	PolicyRecache = "recache"
+	PolicyPFS     = "pfs"
+)
+
 // configKeys lists the option names, each also read from FITCACHE_<NAME in upper case>.
-var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout"}
+var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
+	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
+	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes"}
 
 // LoadConfig resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -50,7 +85,36 @@ func LoadConfig(options map[string]string) (Config, error) {
 		}
 		return os.Getenv("FITCACHE_" + strings.ToUpper(key))
 	}
-	cfg := Config{Tiers: get("tiers"), RuntimeDir: get("runtime_dir"), ServerBin: get("server_bin")}
+	cfg := Config{Tiers: get("tiers"), RuntimeDir: get("runtime_dir"), ServerBin: get("server_bin"),
+		Servers: get("servers"), Token: get("token"), TokenFile: get("token_file"), Policy: get("policy"),
+		Node: get("node")}
+	if cfg.Policy == "" {
+		cfg.Policy = PolicyRecache
+	}
+	if cfg.Policy != PolicyRecache && cfg.Policy != PolicyPFS {
+		return Config{}, fmt.Errorf("option policy: %q is neither %q nor %q", cfg.Policy, PolicyRecache, PolicyPFS)
+	}
+	if cfg.Node == "" {
+		cfg.Node, _ = os.Hostname()
+	}
+	for _, n := range []struct {
+		key  string
+		dst  *int
+		dflt int
+	}{
+		{"servers_per_node", &cfg.PerNode, 1}, {"base_port", &cfg.BasePort, 7070},
+		{"failure_threshold", &cfg.FailureThreshold, 3}, {"replicas", &cfg.Replicas, 1},
+		{"virtual_nodes", &cfg.VirtualNodes, 100},
+	} {
+		*n.dst = n.dflt
+		if v := get(n.key); v != "" {
+			i, err := strconv.Atoi(v)
+			if err != nil || i < 1 {
+				return Config{}, fmt.Errorf("option %s: want a positive whole number, got %q", n.key, v)
+			}
+			*n.dst = i
+		}
+	}
 	if cfg.RuntimeDir == "" {
 		cfg.RuntimeDir = defaultRuntimeDir()
 	}
@@ -62,6 +126,8 @@ func LoadConfig(options map[string]string) (Config, error) {
 		{"idle_timeout", &cfg.IdleTimeout, 15 * time.Minute},
 		{"read_timeout", &cfg.ReadTimeout, 60 * time.Second},
 		{"start_timeout", &cfg.StartTimeout, 15 * time.Second},
+		{"rpc_timeout", &cfg.RPCTimeout, 5 * time.Second},
+		{"wait_timeout", &cfg.WaitTimeout, 60 * time.Second},
 	} {
 		*d.dst = d.dflt
 		if v := get(d.key); v != "" {

@@ -126,6 +126,9 @@ func (e *Engine) AddClientHits(byKind map[string]int64, bytes int64) {
 	e.stats.AddClientHits(byKind, bytes)
 }
 
+// CountRefusal records a request refused for a wrong or missing job token.
+func (e *Engine) CountRefusal() { e.stats.refusals.Add(1) }
+
 // TierDirs returns the read side of the engine's tiers, fastest first.
 func (e *Engine) TierDirs() []tiers.Dir {
 	dirs := make([]tiers.Dir, len(e.tiers))

@@ -22,6 +22,7 @@ type Stats struct {
 	publishErrors atomic.Int64 // publications that failed (the read itself succeeded)
 	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
 	stored        atomic.Int64 // files received from clients for a replica copy
+	refusals      atomic.Int64 // requests refused for a wrong or missing job token
 }
 
 // StatsSnapshot is a point-in-time copy of the counters, as reported in JSON.
@@ -40,6 +41,7 @@ type StatsSnapshot struct {
 	PublishErrors int64            `json:"publish_errors"`
 	ClientHits    int64            `json:"client_hits"`
 	Stored        int64            `json:"stored"`
+	Refusals      int64            `json:"refusals"`
 	Tiers         []tiers.Info     `json:"tiers"`
 }
 
@@ -54,7 +56,7 @@ func (s *Stats) Snapshot() StatsSnapshot {
 		SourceReads: s.sourceReads.Load(), SourceBytes: s.sourceBytes.Load(),
 		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
 		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
-		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(),
+		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(), Refusals: s.refusals.Load(),
 	}
 }
 

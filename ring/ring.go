@@ -172,26 +172,41 @@ func (r *Ring) Lookup(key string) (Member, bool) {
 	return r.members[r.points[r.first(key)].member], true
 }
 
+// Walk calls visit with each member once, walking clockwise from key's owner (which comes
+// first), until visit returns false or every member was visited.
+func (r *Ring) Walk(key string, visit func(Member) bool) {
+	if len(r.points) == 0 {
+		return
+	}
+	seen := make(map[int]bool)
+	start := r.first(key)
+	for k := 0; k < len(r.points) && len(seen) < len(r.members); k++ {
+		p := r.points[(start+k)%len(r.points)]
+		if seen[p.member] {
+			continue
+		}
+		seen[p.member] = true
+		if !visit(r.members[p.member]) {
+			return
+		}
+	}
+}
+
 // Successors returns up to n distinct members for key, walking clockwise from its owner (which
 // comes first). With distinctNodes, it skips members on a node already chosen, so replicas
 // land on different nodes; it then returns fewer than n when there are fewer nodes.
 func (r *Ring) Successors(key string, n int, distinctNodes bool) []Member {
-	if len(r.points) == 0 || n <= 0 {
+	if n <= 0 {
 		return nil
 	}
-	out := make([]Member, 0, n)
-	seenMember := make(map[int]bool, n)
-	seenNode := make(map[string]bool, n)
-	start := r.first(key)
-	for k := 0; k < len(r.points) && len(out) < n; k++ {
-		p := r.points[(start+k)%len(r.points)]
-		m := r.members[p.member]
-		if seenMember[p.member] || (distinctNodes && seenNode[m.Node]) {
-			continue
+	var out []Member
+	nodes := make(map[string]bool, n)
+	r.Walk(key, func(m Member) bool {
+		if !distinctNodes || !nodes[m.Node] {
+			nodes[m.Node] = true
+			out = append(out, m)
 		}
-		seenMember[p.member] = true
-		seenNode[m.Node] = true
-		out = append(out, m)
-	}
+		return len(out) < n
+	})
 	return out
 }

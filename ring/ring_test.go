@@ -154,6 +154,24 @@ func TestSuccessorsDistinctServersAndNodes(t *testing.T) {
 	}
 }
 
+func TestWalkVisitsEachMemberOnceOwnerFirst(t *testing.T) {
+	r := New(50, nil)
+	r.Add(servers(6, 2)...)
+	for _, k := range keys(100) {
+		owner, _ := r.Lookup(k)
+		var got []string
+		r.Walk(k, func(m Member) bool { got = append(got, m.ID); return true })
+		if len(got) != 6 || got[0] != owner.ID {
+			t.Fatalf("Walk(%s) = %v, want 6 members starting with the owner %s", k, got, owner.ID)
+		}
+		stopped := 0
+		r.Walk(k, func(Member) bool { stopped++; return stopped < 2 })
+		if stopped != 2 {
+			t.Fatalf("Walk did not stop when told: %d visits", stopped)
+		}
+	}
+}
+
 func TestVirtualNodeKeysAreUnambiguous(t *testing.T) {
 	seen := map[string]string{}
 	for _, id := range []string{"a", "ab", "a1", "1", "a:1", "a:10"} {

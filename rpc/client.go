@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/cloudwego/kitex/client"
 	"github.com/cloudwego/kitex/client/callopt"
+	"github.com/cloudwego/kitex/pkg/kerrors"
 	"github.com/cloudwego/kitex/pkg/klog"
 
 	"github.com/fitcache/fitcache/core"
@@ -33,6 +35,20 @@ type Client struct {
 // ErrUnavailable wraps failures to reach a server or get its answer in time, as opposed to
 // errors the server answered with.
 var ErrUnavailable = errors.New("fitcache server unavailable")
+
+// IsRefused reports a failure to reach the server at all (nothing listens there, the
+// connection was refused or closed while connecting), as opposed to a call that timed out:
+// a server that refuses connections is certainly down.
+func IsRefused(err error) bool {
+	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+		return true
+	}
+	var timeout interface{ Timeout() bool }
+	if errors.As(err, &timeout) && timeout.Timeout() {
+		return false
+	}
+	return errors.Is(err, kerrors.ErrGetConnection)
+}
 
 // Dial returns a client of the server at addr: a Unix socket path or host:port. No
 // connection is made until the first call.

@@ -16,6 +16,11 @@ import (
 )
 
 func serve(t *testing.T, token string) string {
+	sock, _ := serveEngine(t, token)
+	return sock
+}
+
+func serveEngine(t *testing.T, token string) (string, *core.Engine) {
 	t.Helper()
 	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "16MiB"}}}, nil)
 	if err != nil {
@@ -31,11 +36,11 @@ func serve(t *testing.T, token string) string {
 	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm()&0o077 != 0 {
 		t.Errorf("socket mode %v (%v): others must not connect", fi.Mode(), err)
 	}
-	return sock
+	return sock, e
 }
 
 func TestTokenIsRequired(t *testing.T) {
-	sock := serve(t, "secret")
+	sock, e := serveEngine(t, "secret")
 	for _, tc := range []struct {
 		token string
 		want  syscall.Errno
@@ -48,6 +53,9 @@ func TestTokenIsRequired(t *testing.T) {
 		if got := core.Errno(err); got != tc.want {
 			t.Errorf("token %q: errno %v (%v), want %v", tc.token, got, err, tc.want)
 		}
+	}
+	if n := e.Stats().Refusals; n != 2 {
+		t.Errorf("refusals counted: %d, want 2", n)
 	}
 }
 
@@ -97,7 +105,7 @@ func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
 
 func TestDeadServerIsUnavailable(t *testing.T) {
 	c, _ := Dial(filepath.Join(t.TempDir(), "nobody.sock"), ClientConfig{})
-	if _, err := c.Hello(context.Background()); !errors.Is(err, ErrUnavailable) {
-		t.Errorf("no server: got %v, want ErrUnavailable", err)
+	if _, err := c.Hello(context.Background()); !errors.Is(err, ErrUnavailable) || !IsRefused(err) {
+		t.Errorf("no server: got %v, want ErrUnavailable and refused", err)
 	}
 }

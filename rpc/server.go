@@ -77,7 +77,8 @@ func (h *Handler) begin(token string) error {
 		h.cfg.OnRequest()
 	}
 	if h.cfg.Token != "" && subtle.ConstantTimeCompare([]byte(token), []byte(h.cfg.Token)) != 1 {
-		h.cfg.Log.Warn("refused request with a wrong token")
+		h.engine.CountRefusal()
+		h.cfg.Log.Warn("refused request with a wrong or missing job token")
 		return &core.ErrnoError{Errno: syscall.EACCES, Message: "fitcache: wrong or missing job token"}
 	}
 	return nil

@@ -1,9 +1,10 @@
 // Command fitcache runs and inspects FitCache servers.
 //
-//	fitcache serve [--embedded] [--socket PATH] [--tiers SPEC] [--root DIR]...
+//	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]...
 //	fitcache stats [--json]
 //	fitcache info  [--json]
 //	fitcache warmup [--workers N] DIR
+//	fitcache token FILE
 //
 // Configuration comes from flags, then FITCACHE_* environment variables, then defaults (see
 // core.LoadConfig). The Python package installs this program as its `fitcache` command.
@@ -20,6 +21,7 @@ var commands = map[string]func(args []string) error{
 	"stats":  stats,
 	"info":   info,
 	"warmup": warmup,
+	"token":  tokenCmd,
 }
 
 func usage() {
@@ -30,6 +32,7 @@ commands:
   stats    print the counters of the embedded server
   info     print the tiers and hardware FitCache finds on this node
   warmup   read every file under a directory through the cache, with progress
+  token    create a job token file (0600) for the servers and clients of a cluster job
 
 Run 'fitcache <command> -h' for a command's flags.
 `)

@@ -4,12 +4,16 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
 
+	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
 	"github.com/fitcache/fitcache/rpc"
@@ -24,6 +28,9 @@ func serve(args []string) error {
 	fs := flag.NewFlagSet("serve", flag.ExitOnError)
 	embedded := fs.Bool("embedded", false, "run as the per-user embedded server in the runtime directory (one at a time; exits when idle)")
 	socket := fs.String("socket", "", "Unix socket to listen on (default: the runtime directory's, with --embedded)")
+	listen := fs.String("listen", "", "TCP address to listen on (host:port), for cluster mode; needs a job token")
+	tokenFile := fs.String("token-file", "", "file holding the job token (0600; see 'fitcache token'); default FITCACHE_TOKEN / FITCACHE_TOKEN_FILE")
+	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
 	var roots stringList
@@ -39,9 +46,16 @@ func serve(args []string) error {
 		return err
 	}
 	log := logger()
-	if *socket == "" {
+	token, err := cluster.LoadToken(cfg.Token, firstNonEmpty(*tokenFile, cfg.TokenFile))
+	if err != nil {
+		return err
+	}
+	if *listen != "" && token == "" {
+		return errors.New("a TCP server needs a job token: --token-file FILE (make one with 'fitcache token FILE') or FITCACHE_TOKEN")
+	}
+	if *socket == "" && *listen == "" {
 		if !*embedded {
-			return errors.New("give --socket PATH, or --embedded for the per-user server")
+			return errors.New("give --listen HOST:PORT, --socket PATH, or --embedded for the per-user server")
 		}
 		if err := local.PrepareDir(cfg.RuntimeDir); err != nil {
 			return err
@@ -68,23 +82,39 @@ func serve(args []string) error {
 	if err != nil {
 		return err
 	}
-	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: *socket + ".gen"}, log)
-	if err != nil {
+	var ln net.Listener
+	genFile := *socket + ".gen"
+	if *listen != "" {
+		if err := local.PrepareDir(cfg.RuntimeDir); err != nil {
+			return err
+		}
+		genFile = filepath.Join(cfg.RuntimeDir, "server-"+strings.NewReplacer(":", "_", "/", "_").Replace(*listen)+".gen")
+		if ln, err = net.Listen("tcp", *listen); err != nil {
+			return fmt.Errorf("listen on %s: %w", *listen, err)
+		}
+	} else if ln, err = rpc.ListenUnix(*socket); err != nil {
 		return err
 	}
-	ln, err := rpc.ListenUnix(*socket)
+	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile}, log)
 	if err != nil {
+		ln.Close()
 		return err
 	}
 	var lastRequest atomic.Int64
 	lastRequest.Store(time.Now().UnixNano())
 	id, _ := os.Hostname()
 	srv, done := rpc.Serve(engine, ln, rpc.ServerConfig{
-		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log,
+		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token,
 		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
 	})
-	log.Info("fitcache server ready", "socket", *socket, "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
-		"idle_timeout", idleTimeout)
+	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
+		"idle_timeout", idleTimeout, "roots", roots)
+	if *readyFile != "" {
+		if err := os.WriteFile(*readyFile, []byte(ln.Addr().String()+"\n"), 0o600); err != nil {
+			log.Warn("cannot write the ready file", "file", *readyFile, "err", err)
+		}
+		defer os.Remove(*readyFile)
+	}
 
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
@@ -106,9 +136,29 @@ func serve(args []string) error {
 	log.Info("fitcache server stopping", "reason", reason)
 	// Remove the socket first so that new clients start a fresh server instead of reaching
 	// this one while it stops.
-	os.Remove(*socket)
+	if *socket != "" {
+		os.Remove(*socket)
+	}
 	srv.Stop()
 	engine.Close()
 	log.Info("fitcache server stopped")
 	return nil
+}
+
+func firstNonEmpty(vals ...string) string {
+	for _, v := range vals {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+// tokenCmd creates a job token file for servers and clients of a job to share.
+func tokenCmd(args []string) error {
+	if len(args) != 1 || strings.HasPrefix(args[0], "-") {
+		return errors.New("usage: fitcache token FILE (creates FILE, mode 0600, with a new random token)")
+	}
+	_, err := cluster.CreateTokenFile(args[0])
+	return err
 }

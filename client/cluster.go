@@ -1,0 +1,343 @@
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/fitcache/fitcache/cluster"
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/ring"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// probeInterval is how often a client asks a dead server whether it is back.
+const probeInterval = time.Second
+
+// peer is one server of the cluster as this client sees it.
+type peer struct {
+	member ring.Member
+	rpc    *rpc.Client
+	local  bool // on this node: its tier files can be mapped
+
+	mu       sync.Mutex // protects dirs, gen, timeouts and dead
+	dirs     []tiers.Dir
+	gen      *tiers.Generation
+	timeouts int // consecutive failed calls
+	dead     bool
+}
+
+func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.dirs, p.gen, p.dead
+}
+
+// clusterRouter routes reads over the servers of a job with a consistent hash ring, detects
+// dead servers and applies the failure policy:
+//
+//   - recache: a dead server is skipped when walking the ring, exactly as if it had been
+//     removed, so each of its files goes to the next live server clockwise, which reads it
+//     from the source once and caches it. When the server answers again it is walked again,
+//     and placement is what it was before.
+//   - pfs: a dead server's files are read from the source by the clients.
+//
+// A server is dead after FailureThreshold consecutive failed calls, or at once when its
+// connection is refused; until then a read it fails is served from the source.
+type clusterRouter struct {
+	cfg   core.Config
+	log   *slog.Logger
+	ring  *ring.Ring // every server of the job; never changes
+	peers map[string]*peer
+
+	deaths  atomic.Int64 // servers declared dead
+	rejoins atomic.Int64 // dead servers that answered again
+	stop    chan struct{}
+	stopped chan struct{}
+}
+
+// newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
+// answer. Servers that do not answer by then start dead (and are probed); if none answers,
+// it fails with a message naming them.
+func newClusterRouter(cfg core.Config, log *slog.Logger) (*clusterRouter, error) {
+	members, err := cluster.Discover(cluster.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	if err != nil {
+		return nil, err
+	}
+	token, err := cluster.LoadToken(cfg.Token, cfg.TokenFile)
+	if err != nil {
+		return nil, err
+	}
+	r := &clusterRouter{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*peer{},
+		stop: make(chan struct{}), stopped: make(chan struct{})}
+	r.ring.Add(members...)
+	for _, m := range members {
+		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, ConnectTimeout: cfg.RPCTimeout,
+			CallTimeout: cfg.RPCTimeout, ReadTimeout: cfg.RPCTimeout})
+		if err != nil {
+			return nil, err
+		}
+		r.peers[m.ID] = &peer{member: m, rpc: c, local: m.Node == cfg.Node, dead: true}
+	}
+	if err := r.waitForServers(); err != nil {
+		return nil, err
+	}
+	go r.probeLoop()
+	return r, nil
+}
+
+// waitForServers says hello to every server until all answered or WaitTimeout passed.
+func (r *clusterRouter) waitForServers() error {
+	deadline := time.Now().Add(r.cfg.WaitTimeout)
+	var lastErr error
+	for {
+		missing := 0
+		for _, p := range r.peers {
+			if _, _, dead := p.state(); dead {
+				if err := r.hello(p); err != nil {
+					missing++
+					lastErr = err
+					if errors.Is(err, fs.ErrPermission) {
+						return fmt.Errorf("fitcache server %s refused this client: %w", p.member.ID, err)
+					}
+				}
+			}
+		}
+		if missing == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			var down []string
+			for id, p := range r.peers {
+				if _, _, dead := p.state(); dead {
+					down = append(down, id)
+				}
+			}
+			sort.Strings(down)
+			if missing == len(r.peers) {
+				return fmt.Errorf("no fitcache server of the job answered within %s (%s): %w",
+					r.cfg.WaitTimeout, strings.Join(down, ", "), lastErr)
+			}
+			r.log.Warn("fitcache servers not answering; starting without them", "servers", down)
+			r.deaths.Add(int64(len(down)))
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// hello asks a server to describe itself and marks it alive if it answers.
+func (r *clusterRouter) hello(p *peer) error {
+	ctx, cancel := context.WithTimeout(context.Background(), min(r.cfg.RPCTimeout, time.Second))
+	defer cancel()
+	reply, err := p.rpc.Hello(ctx)
+	if err != nil {
+		return err
+	}
+	var dirs []tiers.Dir
+	for _, t := range reply.Tiers {
+		if kind, err := tiers.ParseKind(t.Kind); err == nil {
+			dirs = append(dirs, tiers.Dir{Path: t.Dir, Kind: kind})
+		}
+	}
+	var gen *tiers.Generation
+	if p.local && reply.GenerationFile != "" {
+		gen, _ = tiers.OpenGeneration(reply.GenerationFile)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.local {
+		p.dirs, p.gen = dirs, gen
+	}
+	p.timeouts, p.dead = 0, false
+	return nil
+}
+
+// targets returns the servers to read key from, in order: the first Replicas servers on
+// distinct nodes walking clockwise, skipping dead ones under the recache policy; under the pfs
+// policy the walk does not go past dead ones (their files come from the source).
+func (r *clusterRouter) targets(key string) []*peer {
+	var out []*peer
+	nodes := map[string]bool{}
+	r.ring.Walk(key, func(m ring.Member) bool {
+		if nodes[m.Node] {
+			return true
+		}
+		p := r.peers[m.ID]
+		if _, _, dead := p.state(); dead {
+			if r.cfg.Policy == core.PolicyPFS {
+				nodes[m.Node] = true
+				return len(nodes) < r.cfg.Replicas
+			}
+			return true
+		}
+		nodes[m.Node] = true
+		out = append(out, p)
+		return len(out) < r.cfg.Replicas
+	})
+	return out
+}
+
+// failed records a failed call; it reports whether the server is now dead.
+func (r *clusterRouter) failed(p *peer, err error) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.dead {
+		return true
+	}
+	p.timeouts++
+	if rpc.IsRefused(err) || p.timeouts >= r.cfg.FailureThreshold {
+		p.dead = true
+		r.deaths.Add(1)
+		r.log.Warn("fitcache server declared dead", "server", p.member.ID, "policy", r.cfg.Policy, "err", err)
+	}
+	return p.dead
+}
+
+func (r *clusterRouter) succeeded(p *peer) {
+	p.mu.Lock()
+	p.timeouts = 0
+	p.mu.Unlock()
+}
+
+// probeLoop asks dead servers whether they are back, so that they rejoin.
+func (r *clusterRouter) probeLoop() {
+	defer close(r.stopped)
+	tick := time.NewTicker(probeInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-r.stop:
+			return
+		case <-tick.C:
+			for _, p := range r.peers {
+				if _, _, dead := p.state(); dead && r.hello(p) == nil {
+					r.rejoins.Add(1)
+					r.log.Info("fitcache server answers again: rejoined", "server", p.member.ID)
+				}
+			}
+		}
+	}
+}
+
+func (r *clusterRouter) close() {
+	close(r.stop)
+	<-r.stopped
+}
+
+// generation sums the removal counters of the servers on this node: it changes whenever one
+// of them removes a cached file.
+func (r *clusterRouter) generation() uint64 {
+	var sum uint64
+	for _, p := range r.peers {
+		if p.local {
+			_, gen, _ := p.state()
+			sum += gen.Load()
+		}
+	}
+	return sum
+}
+
+// readCluster serves a read in cluster mode.
+func (c *Client) readCluster(path string) (Buffer, error) {
+	r := c.cluster
+	gen := r.generation()
+	if buf := c.maps.get(path, gen); buf != nil {
+		c.hit(buf.(*mapHandle).s.m)
+		return buf, nil
+	}
+	for attempt := 0; attempt < 2; attempt++ {
+		targets := r.targets(path)
+		died := false
+		for i, p := range targets {
+			buf, reply, err := c.readFromPeer(p, path, gen)
+			if err == nil {
+				r.succeeded(p)
+				if reply != nil && reply.Origin == "source" && len(targets) > 1 {
+					c.replicate(targets[i+1:], path, buf.Bytes(), reply.MtimeNanos)
+				}
+				return buf, nil
+			}
+			if !errors.Is(err, rpc.ErrUnavailable) {
+				return nil, err // the file's own error, as the server saw it
+			}
+			died = r.failed(p, err) || died
+		}
+		// Under recache, a server that just died hands its files to the next one: walk again.
+		if !died || r.cfg.Policy != core.PolicyRecache {
+			break
+		}
+	}
+	return c.readDirect(path)
+}
+
+// readFromPeer reads from one server: from its tier files directly when it is on this node
+// and has the file, else over RPC. reply is nil for a local hit.
+func (c *Client) readFromPeer(p *peer, path string, gen uint64) (Buffer, *readReply, error) {
+	dirs, _, _ := p.state()
+	if p.local {
+		if m, err := tiers.Probe(dirs, path); err == nil {
+			c.hit(m)
+			return c.maps.put(path, m, gen), nil, nil
+		}
+	}
+	reply, err := p.rpc.Read(context.Background(), c.root, path, p.local)
+	if err != nil {
+		return nil, nil, err
+	}
+	c.counts.serverReads.Add(1)
+	rr := &readReply{Origin: reply.Origin, MtimeNanos: reply.MtimeNanos}
+	if reply.CachedPath != "" {
+		if m, err := tiers.Probe(dirs, path); err == nil {
+			return c.maps.put(path, m, gen), rr, nil
+		}
+		if reply, err = p.rpc.Read(context.Background(), c.root, path, false); err != nil {
+			return nil, nil, err
+		}
+	}
+	return heapBuffer(reply.Data), rr, nil
+}
+
+type readReply struct {
+	Origin     string
+	MtimeNanos int64
+}
+
+// replicate sends a file just read from the source to the other servers meant to hold it,
+// in the background: a replica copy must not slow the read down.
+func (c *Client) replicate(to []*peer, path string, data []byte, mtime int64) {
+	data = append([]byte(nil), data...) // the caller may release its buffer
+	for _, p := range to {
+		go func() {
+			if err := p.rpc.Store(context.Background(), c.root, path, data, mtime); err != nil {
+				c.log.Debug("replica copy failed", "server", p.member.ID, "path", path, "err", err)
+			}
+		}()
+	}
+}
+
+// stats asks every live server for its counters.
+func (r *clusterRouter) stats() map[string]json.RawMessage {
+	out := map[string]json.RawMessage{}
+	for id, p := range r.peers {
+		if _, _, dead := p.state(); dead {
+			out[id] = json.RawMessage(`{"dead":true}`)
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), min(r.cfg.RPCTimeout, 2*time.Second))
+		if js, err := p.rpc.Stats(ctx); err == nil {
+			out[id] = json.RawMessage(js)
+		}
+		cancel()
+	}
+	return out
+}
