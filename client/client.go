@@ -366,9 +366,12 @@ type ClientStats struct {
 	DirectReads int64 `json:"direct_reads"`
 	Connects    int64 `json:"connects"`
 	Errors      int64 `json:"errors"`
-	// Cluster mode: servers this client declared dead, and dead servers that came back.
+	// Cluster mode: servers this client declared dead itself, or because a server's other
+	// clients had; dead servers that came back; calls that got no answer.
 	ServersDead     int64 `json:"servers_declared_dead,omitempty"`
+	ServersGossiped int64 `json:"servers_dead_by_gossip,omitempty"`
 	ServersRejoined int64 `json:"servers_rejoined,omitempty"`
+	ServerFailures  int64 `json:"server_failures,omitempty"`
 }
 
 // Stats returns this client's counters and, when the server answers, the server's (after
@@ -386,6 +389,7 @@ func (c *Client) Stats() (string, error) {
 	}}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
+		out.Client.ServersGossiped, out.Client.ServerFailures = c.cluster.gossiped.Load(), c.cluster.failures.Load()
 		if c.server != nil {
 			c.flushHits(c.server)
 		}

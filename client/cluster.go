@@ -17,6 +17,7 @@ import (
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -29,11 +30,45 @@ type peer struct {
 	rpc    *rpc.Client
 	local  bool // on this node: its tier files can be mapped
 
-	mu       sync.Mutex // protects dirs, gen, timeouts and dead
+	mu       sync.Mutex // protects all below
 	dirs     []tiers.Dir
 	gen      *tiers.Generation
 	timeouts int // consecutive failed calls
 	dead     bool
+	// Membership gossip with this server: the newest version it told us, and the deaths and
+	// rejoins we have seen and not yet told it.
+	version             int64
+	tellDead, tellAlive map[string]bool
+}
+
+// gossip takes what there is to tell this server.
+func (p *peer) gossip() (version int64, dead, alive []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for id := range p.tellDead {
+		dead = append(dead, id)
+	}
+	for id := range p.tellAlive {
+		alive = append(alive, id)
+	}
+	p.tellDead, p.tellAlive = nil, nil
+	return p.version, dead, alive
+}
+
+// tell queues news about another server for this one.
+func (p *peer) tell(id string, dead bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.tellDead == nil {
+		p.tellDead, p.tellAlive = map[string]bool{}, map[string]bool{}
+	}
+	if dead {
+		p.tellDead[id] = true
+		delete(p.tellAlive, id)
+	} else {
+		p.tellAlive[id] = true
+		delete(p.tellDead, id)
+	}
 }
 
 func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {
@@ -59,10 +94,12 @@ type clusterRouter struct {
 	ring  *ring.Ring // every server of the job; never changes
 	peers map[string]*peer
 
-	deaths  atomic.Int64 // servers declared dead
-	rejoins atomic.Int64 // dead servers that answered again
-	stop    chan struct{}
-	stopped chan struct{}
+	deaths   atomic.Int64 // servers this client declared dead
+	gossiped atomic.Int64 // servers declared dead because a server said its clients found them dead
+	rejoins  atomic.Int64 // dead servers that answered again
+	failures atomic.Int64 // calls that failed for want of an answer
+	stop     chan struct{}
+	stopped  chan struct{}
 }
 
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
@@ -189,18 +226,62 @@ func (r *clusterRouter) targets(key string) []*peer {
 
 // failed records a failed call; it reports whether the server is now dead.
 func (r *clusterRouter) failed(p *peer, err error) bool {
+	r.failures.Add(1)
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.dead {
+		p.mu.Unlock()
 		return true
 	}
 	p.timeouts++
-	if rpc.IsRefused(err) || p.timeouts >= r.cfg.FailureThreshold {
+	died := rpc.IsRefused(err) || p.timeouts >= r.cfg.FailureThreshold
+	if died {
 		p.dead = true
+	}
+	p.mu.Unlock()
+	if died {
 		r.deaths.Add(1)
 		r.log.Warn("fitcache server declared dead", "server", p.member.ID, "policy", r.cfg.Policy, "err", err)
+		r.spread(p.member.ID, true)
 	}
-	return p.dead
+	return died
+}
+
+// spread queues news about a server for every other server, which pass it on to their
+// other clients.
+func (r *clusterRouter) spread(id string, dead bool) {
+	for other, p := range r.peers {
+		if other != id {
+			p.tell(id, dead)
+		}
+	}
+}
+
+// learn applies a server's membership view from a read reply: servers its clients found dead
+// are dead for this client too, without waiting for its own timeouts.
+func (r *clusterRouter) learn(from *peer, version int64, dead []string) {
+	from.mu.Lock()
+	newer := version > from.version
+	if newer {
+		from.version = version
+	}
+	from.mu.Unlock()
+	if !newer {
+		return
+	}
+	for _, id := range dead {
+		p, ok := r.peers[id]
+		if !ok || p == from {
+			continue
+		}
+		p.mu.Lock()
+		wasAlive := !p.dead
+		p.dead = true
+		p.mu.Unlock()
+		if wasAlive {
+			r.gossiped.Add(1)
+			r.log.Warn("fitcache server declared dead by its peers' clients", "server", id, "told_by", from.member.ID)
+		}
+	}
 }
 
 func (r *clusterRouter) succeeded(p *peer) {
@@ -223,6 +304,7 @@ func (r *clusterRouter) probeLoop() {
 				if _, _, dead := p.state(); dead && r.hello(p) == nil {
 					r.rejoins.Add(1)
 					r.log.Info("fitcache server answers again: rejoined", "server", p.member.ID)
+					r.spread(p.member.ID, false)
 				}
 			}
 		}
@@ -290,8 +372,21 @@ func (c *Client) readFromPeer(p *peer, path string, gen uint64) (Buffer, *readRe
 			return c.maps.put(path, m, gen), nil, nil
 		}
 	}
-	reply, err := p.rpc.Read(context.Background(), c.root, path, p.local)
+	version, dead, alive := p.gossip()
+	reply, err := p.rpc.ReadGossip(context.Background(), &fitcachepb.ReadRequest{Root: c.root, Path: path,
+		Local: p.local, MembershipVersion: version, Dead: dead, Alive: alive})
+	if reply != nil {
+		c.cluster.learn(p, reply.MembershipVersion, reply.Dead)
+	}
 	if err != nil {
+		if errors.Is(err, rpc.ErrUnavailable) { // the news did not get through: tell it next time
+			for _, id := range dead {
+				p.tell(id, true)
+			}
+			for _, id := range alive {
+				p.tell(id, false)
+			}
+		}
 		return nil, nil, err
 	}
 	c.counts.serverReads.Add(1)

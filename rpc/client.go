@@ -97,10 +97,15 @@ func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 // Read asks the server for a file. With local set, a cached file comes back as the tier file
 // to map (CachedPath) rather than as bytes.
 func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitcachepb.ReadReply, error) {
+	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local})
+}
+
+// ReadGossip is Read with a request that may carry membership gossip (see the IDL).
+func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
-	r, err := c.kc.Read(ctx, &fitcachepb.ReadRequest{Token: c.cfg.Token, Root: root, Path: path, Local: local},
-		c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+	req.Token = c.cfg.Token
+	r, err := c.kc.Read(ctx, req, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
 	if err != nil {
 		return nil, c.unavailable(err)
 	}

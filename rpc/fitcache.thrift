@@ -34,6 +34,11 @@ struct ReadRequest {
   // The caller runs on this server's node and maps tier files itself: when the file is cached
   // (or was just cached) the reply names the tier file instead of carrying the bytes.
   4: bool local
+  // Membership gossip: the newest membership version the caller has seen from this server,
+  // and the servers the caller found dead or alive again since it last told this server.
+  5: i64 membership_version
+  6: list<string> dead
+  7: list<string> alive
 }
 
 struct ReadReply {
@@ -49,6 +54,10 @@ struct ReadReply {
   6: string origin
   // The source file's modification time (Unix nanoseconds), when known.
   7: i64 mtime_nanos
+  // Membership gossip: this server's membership version and, when the caller's is older,
+  // the servers its clients reported dead (so that other clients need not time out on them).
+  8: i64 membership_version
+  9: list<string> dead
 }
 
 // Hits that clients served from tier files themselves, reported so that server counters see

@@ -32,8 +32,9 @@ type ServerConfig struct {
 
 // Handler implements the FitCache service over an engine.
 type Handler struct {
-	engine *core.Engine
-	cfg    ServerConfig
+	engine  *core.Engine
+	cfg     ServerConfig
+	members membership
 }
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
@@ -110,13 +111,16 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		errno, msg := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg}, nil
 	}
+	h.members.apply(req.Dead, req.Alive)
+	version, dead := h.members.since(req.MembershipVersion)
 	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
 		errno, msg := errnoOf(err)
-		return &fitcachepb.ReadReply{Errno: errno, Message: msg}, nil
+		return &fitcachepb.ReadReply{Errno: errno, Message: msg, MembershipVersion: version, Dead: dead}, nil
 	}
 	defer res.Release()
-	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos}
+	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
+		MembershipVersion: version, Dead: dead}
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path

@@ -149,10 +149,13 @@ var fieldIDToName_HelloReply = map[int16]string{
 }
 
 type ReadRequest struct {
-	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
-	Root  string `thrift:"root,2" frugal:"2,default,string" json:"root"`
-	Path  string `thrift:"path,3" frugal:"3,default,string" json:"path"`
-	Local bool   `thrift:"local,4" frugal:"4,default,bool" json:"local"`
+	Token             string   `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Root              string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Path              string   `thrift:"path,3" frugal:"3,default,string" json:"path"`
+	Local             bool     `thrift:"local,4" frugal:"4,default,bool" json:"local"`
+	MembershipVersion int64    `thrift:"membership_version,5" frugal:"5,default,i64" json:"membership_version"`
+	Dead              []string `thrift:"dead,6" frugal:"6,default,list<string>" json:"dead"`
+	Alive             []string `thrift:"alive,7" frugal:"7,default,list<string>" json:"alive"`
 }
 
 func NewReadRequest() *ReadRequest {
@@ -177,6 +180,18 @@ func (p *ReadRequest) GetPath() (v string) {
 func (p *ReadRequest) GetLocal() (v bool) {
 	return p.Local
 }
+
+func (p *ReadRequest) GetMembershipVersion() (v int64) {
+	return p.MembershipVersion
+}
+
+func (p *ReadRequest) GetDead() (v []string) {
+	return p.Dead
+}
+
+func (p *ReadRequest) GetAlive() (v []string) {
+	return p.Alive
+}
 func (p *ReadRequest) SetToken(val string) {
 	p.Token = val
 }
@@ -188,6 +203,15 @@ func (p *ReadRequest) SetPath(val string) {
 }
 func (p *ReadRequest) SetLocal(val bool) {
 	p.Local = val
+}
+func (p *ReadRequest) SetMembershipVersion(val int64) {
+	p.MembershipVersion = val
+}
+func (p *ReadRequest) SetDead(val []string) {
+	p.Dead = val
+}
+func (p *ReadRequest) SetAlive(val []string) {
+	p.Alive = val
 }
 
 func (p *ReadRequest) String() string {
@@ -202,16 +226,21 @@ var fieldIDToName_ReadRequest = map[int16]string{
 	2: "root",
 	3: "path",
 	4: "local",
+	5: "membership_version",
+	6: "dead",
+	7: "alive",
 }
 
 type ReadReply struct {
-	Errno      int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
-	Message    string `thrift:"message,2" frugal:"2,default,string" json:"message"`
-	Size       int64  `thrift:"size,3" frugal:"3,default,i64" json:"size"`
-	CachedPath string `thrift:"cached_path,4" frugal:"4,default,string" json:"cached_path"`
-	Data       []byte `thrift:"data,5" frugal:"5,default,binary" json:"data"`
-	Origin     string `thrift:"origin,6" frugal:"6,default,string" json:"origin"`
-	MtimeNanos int64  `thrift:"mtime_nanos,7" frugal:"7,default,i64" json:"mtime_nanos"`
+	Errno             int32    `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message           string   `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Size              int64    `thrift:"size,3" frugal:"3,default,i64" json:"size"`
+	CachedPath        string   `thrift:"cached_path,4" frugal:"4,default,string" json:"cached_path"`
+	Data              []byte   `thrift:"data,5" frugal:"5,default,binary" json:"data"`
+	Origin            string   `thrift:"origin,6" frugal:"6,default,string" json:"origin"`
+	MtimeNanos        int64    `thrift:"mtime_nanos,7" frugal:"7,default,i64" json:"mtime_nanos"`
+	MembershipVersion int64    `thrift:"membership_version,8" frugal:"8,default,i64" json:"membership_version"`
+	Dead              []string `thrift:"dead,9" frugal:"9,default,list<string>" json:"dead"`
 }
 
 func NewReadReply() *ReadReply {
@@ -248,6 +277,14 @@ func (p *ReadReply) GetOrigin() (v string) {
 func (p *ReadReply) GetMtimeNanos() (v int64) {
 	return p.MtimeNanos
 }
+
+func (p *ReadReply) GetMembershipVersion() (v int64) {
+	return p.MembershipVersion
+}
+
+func (p *ReadReply) GetDead() (v []string) {
+	return p.Dead
+}
 func (p *ReadReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -269,6 +306,12 @@ func (p *ReadReply) SetOrigin(val string) {
 func (p *ReadReply) SetMtimeNanos(val int64) {
 	p.MtimeNanos = val
 }
+func (p *ReadReply) SetMembershipVersion(val int64) {
+	p.MembershipVersion = val
+}
+func (p *ReadReply) SetDead(val []string) {
+	p.Dead = val
+}
 
 func (p *ReadReply) String() string {
 	if p == nil {
@@ -285,6 +328,8 @@ var fieldIDToName_ReadReply = map[int16]string{
 	5: "data",
 	6: "origin",
 	7: "mtime_nanos",
+	8: "membership_version",
+	9: "dead",
 }
 
 type HitReport struct {
