@@ -38,7 +38,7 @@ func startServerWithBudget(t *testing.T, budget string) (core.Config, func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, _ := rpc.Serve(e, ln, rpc.ServerConfig{})
+	srv, _, _ := rpc.Serve(e, ln, rpc.ServerConfig{})
 	stopped := false
 	stop := func() {
 		if !stopped {

@@ -72,3 +72,28 @@ func (s *Stats) AddClientHits(byKind map[string]int64, bytes int64) {
 		s.bytesServed.Add(bytes)
 	}
 }
+
+// Add adds o's counters (and tiers) to s, to total the servers of a job.
+func (s *StatsSnapshot) Add(o StatsSnapshot) {
+	if s.Hits == nil {
+		s.Hits = map[string]int64{}
+	}
+	for k, v := range o.Hits {
+		s.Hits[k] += v
+	}
+	s.InflightHits += o.InflightHits
+	s.Misses += o.Misses
+	s.SourceReads += o.SourceReads
+	s.SourceBytes += o.SourceBytes
+	s.BytesServed += o.BytesServed
+	s.Published += o.Published
+	s.Spilled += o.Spilled
+	s.Evictions += o.Evictions
+	s.Uncached += o.Uncached
+	s.Errors += o.Errors
+	s.PublishErrors += o.PublishErrors
+	s.ClientHits += o.ClientHits
+	s.Stored += o.Stored
+	s.Refusals += o.Refusals
+	s.Tiers = append(s.Tiers, o.Tiers...)
+}

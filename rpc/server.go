@@ -50,12 +50,13 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 // Serve starts serving e on ln in the background and returns the running server; Stop it to
 // end. The server ignores SIGINT and SIGTERM (Kitex's default would take them over from the
 // host process); the host decides when to stop.
-func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, <-chan error) {
+func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
-	srv := fitcache.NewServer(NewHandler(e, cfg), server.WithListener(ln), server.WithExitSignal(never))
+	h := NewHandler(e, cfg)
+	srv := fitcache.NewServer(h, server.WithListener(ln), server.WithExitSignal(never))
 	done := make(chan error, 1)
 	go func() { done <- srv.Run() }()
-	return srv, done
+	return srv, h, done
 }
 
 // ListenUnix listens on a Unix socket that only this user can connect to, replacing a stale

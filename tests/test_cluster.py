@@ -33,6 +33,7 @@ class Cluster:
         self.token_file = str(tmp_path / "token")
         subprocess.run([fitcache._native.server_binary(), "token", self.token_file], check=True)
         self.addrs = [f"{host}:{free_port(host)}" for host in NODES]
+        self.metrics = f"127.0.0.1:{free_port('127.0.0.1')}"  # the first server's metrics
         self.procs = {}
         for addr in self.addrs:
             self.start(addr)
@@ -44,9 +45,10 @@ class Cluster:
         ready = self.tmp / f"ready-{addr}"
         env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(self.tmp / "run")}
         log = open(self.tmp / f"server-{addr}.log", "a")
+        extra = ["--metrics", self.metrics] if addr == self.addrs[0] else []
         proc = subprocess.Popen([fitcache._native.server_binary(), "serve", "--listen", addr, "--token-file",
                                  self.token_file, "--tiers", self.tiers(addr), "--root", self.root,
-                                 "--ready-file", str(ready)], stdout=log, stderr=log, env=env)
+                                 "--ready-file", str(ready), *extra], stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + 30
         while not ready.exists():
             assert proc.poll() is None, f"server {addr} exited: see {log.name}"
@@ -221,3 +223,24 @@ def test_hung_server_is_detected_by_timeouts_and_other_clients_learn_it(cluster,
     # While suspected, threshold - 1 reads went to the source; then each of the victim's files
     # was re-cached once by its next owner.
     assert sum(counts.values()) - len(digests) == (threshold - 1) + len(held)
+
+
+def test_job_stats_and_metrics(cluster, dataset):
+    import json
+    import urllib.request
+    root, digests = dataset
+    with fitcache.Client(root, **cluster.options()) as client:
+        run_epochs(client, digests, 2)
+    env = {**os.environ, "FITCACHE_SERVERS": ",".join(cluster.addrs), "FITCACHE_TOKEN_FILE": cluster.token_file}
+    out = subprocess.run([fitcache._native.server_binary(), "stats", "--json"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    assert len(job["servers"]) == len(NODES)
+    assert job["total"]["source_reads"] == len(digests)
+    assert sum(job["total"]["hits"].values()) + job["total"]["inflight_hits"] >= len(digests)
+    with urllib.request.urlopen(f"http://{cluster.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    first = job["servers"][cluster.addrs[0]]
+    assert f"fitcache_source_reads_total {first['source_reads']}\n" in text
+    assert "# TYPE fitcache_tier_used_bytes gauge" in text

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -30,6 +31,7 @@ func serve(args []string) error {
 	socket := fs.String("socket", "", "Unix socket to listen on (default: the runtime directory's, with --embedded)")
 	listen := fs.String("listen", "", "TCP address to listen on (host:port), for cluster mode; needs a job token")
 	tokenFile := fs.String("token-file", "", "file holding the job token (0600; see 'fitcache token'); default FITCACHE_TOKEN / FITCACHE_TOKEN_FILE")
+	metricsAddr := fs.String("metrics", "", "serve Prometheus metrics over HTTP at this address (host:port), path /metrics; off by default")
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
@@ -103,12 +105,20 @@ func serve(args []string) error {
 	var lastRequest atomic.Int64
 	lastRequest.Store(time.Now().UnixNano())
 	id, _ := os.Hostname()
-	srv, done := rpc.Serve(engine, ln, rpc.ServerConfig{
+	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
 		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token,
 		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
 	})
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
 		"idle_timeout", idleTimeout, "roots", roots)
+	if *metricsAddr != "" {
+		mln, err := net.Listen("tcp", *metricsAddr)
+		if err != nil {
+			return fmt.Errorf("metrics: %w", err)
+		}
+		go http.Serve(mln, handler.MetricsHandler())
+		log.Info("metrics at /metrics", "address", mln.Addr().String())
+	}
 	if *readyFile != "" {
 		if err := os.WriteFile(*readyFile, []byte(ln.Addr().String()+"\n"), 0o600); err != nil {
 			log.Warn("cannot write the ready file", "file", *readyFile, "err", err)

@@ -10,6 +10,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
 	"github.com/fitcache/fitcache/rpc"
@@ -28,6 +29,9 @@ func stats(args []string) error {
 	cfg, err := core.LoadConfig(nil)
 	if err != nil {
 		return err
+	}
+	if cfg.Servers != "" && *socket == "" {
+		return clusterStats(cfg, *asJSON)
 	}
 	if *socket == "" {
 		*socket = local.SocketPath(cfg.RuntimeDir)
@@ -80,4 +84,54 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files (%s)\n", t.Kind, t.Dir,
 			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, t.FSType)
 	}
+}
+
+// clusterStats totals the counters of every server of a cluster job (FITCACHE_SERVERS).
+func clusterStats(cfg core.Config, asJSON bool) error {
+	members, err := cluster.Discover(cluster.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	if err != nil {
+		return err
+	}
+	token, err := cluster.LoadToken(cfg.Token, cfg.TokenFile)
+	if err != nil {
+		return err
+	}
+	out := struct {
+		Total   core.StatsSnapshot         `json:"total"`
+		Servers map[string]json.RawMessage `json:"servers"`
+		Down    map[string]string          `json:"unreachable,omitempty"`
+	}{Servers: map[string]json.RawMessage{}, Down: map[string]string{}}
+	for _, m := range members {
+		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token})
+		if err != nil {
+			return err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		js, err := c.Stats(ctx)
+		cancel()
+		if err != nil {
+			out.Down[m.ID] = err.Error()
+			continue
+		}
+		var s core.StatsSnapshot
+		if err := json.Unmarshal([]byte(js), &s); err != nil {
+			return err
+		}
+		out.Total.Add(s)
+		out.Servers[m.ID] = json.RawMessage(js)
+	}
+	if asJSON {
+		b, _ := json.MarshalIndent(out, "", "  ")
+		fmt.Println(string(b))
+	} else {
+		fmt.Printf("%d servers answered, %d unreachable\n", len(out.Servers), len(out.Down))
+		for id, e := range out.Down {
+			fmt.Printf("  unreachable %s: %s\n", id, e)
+		}
+		printStats(os.Stdout, out.Total)
+	}
+	if len(out.Servers) == 0 {
+		os.Exit(exitNoServer)
+	}
+	return nil
 }
