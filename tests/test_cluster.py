@@ -3,77 +3,17 @@ client reading a dataset for several epochs, one server killed with SIGKILL afte
 epoch. Source reads are counted from outside with inotify."""
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import time
 
 import pytest
 
 import fitcache
-from conftest import digest, wait_gone
+from conftest import digest
+from harness import NODES, Cluster, cached_names, server_stats, wait_for
 from inotify import OpenCounter
 
-NODES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
 EPOCHS = 4
-
-
-def free_port(host):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """Servers started by the test (and stopped by it, by pid)."""
-
-    def __init__(self, tmp_path, root):
-        self.tmp, self.root = tmp_path, root
-        self.token_file = str(tmp_path / "token")
-        subprocess.run([fitcache._native.server_binary(), "token", self.token_file], check=True)
-        self.addrs = [f"{host}:{free_port(host)}" for host in NODES]
-        self.metrics = f"127.0.0.1:{free_port('127.0.0.1')}"  # the first server's metrics
-        self.procs = {}
-        for addr in self.addrs:
-            self.start(addr)
-
-    def tiers(self, addr):
-        return f"memory:/dev/shm/fitcache-test-{os.getpid()}-{addr.replace(':', '_')}:256MiB"
-
-    def start(self, addr):
-        ready = self.tmp / f"ready-{addr}"
-        env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(self.tmp / "run")}
-        log = open(self.tmp / f"server-{addr}.log", "a")
-        extra = ["--metrics", self.metrics] if addr == self.addrs[0] else []
-        proc = subprocess.Popen([fitcache._native.server_binary(), "serve", "--listen", addr, "--token-file",
-                                 self.token_file, "--tiers", self.tiers(addr), "--root", self.root,
-                                 "--ready-file", str(ready), *extra], stdout=log, stderr=log, env=env)
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None, f"server {addr} exited: see {log.name}"
-            assert time.monotonic() < deadline, f"server {addr} not ready"
-            time.sleep(0.02)
-        self.procs[addr] = proc
-
-    def kill(self, addr):
-        proc = self.procs.pop(addr)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def options(self, **extra):
-        return {"servers": ",".join(self.addrs), "token_file": self.token_file, "node": NODES[0],
-                "rpc_timeout": "2", "wait_timeout": "10", **extra}
-
-    def stop(self):
-        for addr, proc in list(self.procs.items()):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for addr in self.addrs:
-            shutil.rmtree(self.tiers(addr).split(":")[1], ignore_errors=True)
 
 
 @pytest.fixture
@@ -84,10 +24,6 @@ def cluster(dataset, tmp_path):
     c.stop()
 
 
-def owner_of(client_stats_before, client, files):
-    """Not used: ownership is observed through source reads instead."""
-
-
 def run_epochs(client, digests, epochs, after_first=None):
     names = sorted(digests)
     for epoch in range(epochs):
@@ -95,17 +31,6 @@ def run_epochs(client, digests, epochs, after_first=None):
             assert digest(client.read(name)) == digests[name], f"epoch {epoch}: wrong bytes for {name}"
         if epoch == 0 and after_first:
             after_first()
-
-
-def server_stats(client):
-    return {addr: s for addr, s in client.stats()["servers"].items() if not s.get("dead")}
-
-
-def wait_for(cond, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("policy", ["recache", "pfs"])
@@ -182,13 +107,6 @@ def test_wrong_token_and_paths_outside_the_roots_are_refused(cluster, dataset, t
             client.read("../other/f")
         refusals = sum(s["refusals"] for s in server_stats(client).values())
     assert refusals >= 1
-
-
-def cached_names(cluster, addr):
-    """Base names of the files a server holds in its memory tier (the cached file names end
-    with the source's base name)."""
-    tier = cluster.tiers(addr).split(":")[1]
-    return {name.split("-", 1)[1] for _, _, files in os.walk(tier) for name in files}
 
 
 def test_hung_server_is_detected_by_timeouts_and_other_clients_learn_it(cluster, dataset):
