@@ -14,6 +14,67 @@ import fitcache
 NODES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 
+class NetnsNodes:
+    """Test hosts in network namespaces: one namespace per node, each with its own address on
+    a bridge in the caller's namespace, which keeps the bridge's address (the client's node,
+    with no server). Needs root and iproute2; everything is removed by close()."""
+
+    def __init__(self, count=4):
+        tag = f"fc{os.getpid() % 100000}"
+        self.subnet = 200 + os.getpid() % 50  # 10.231.<subnet>.0/24: private to this test
+        self.bridge = f"{tag}br"
+        self.client_addr = f"10.231.{self.subnet}.254"
+        self.namespaces, self.links, self.addrs = [], [], []
+        try:
+            self._ip("link", "add", self.bridge, "type", "bridge")
+            self.links.append(self.bridge)
+            self._ip("addr", "add", f"{self.client_addr}/24", "dev", self.bridge)
+            self._ip("link", "set", self.bridge, "up")
+            for i in range(1, count + 1):
+                ns, veth = f"{tag}n{i}", f"{tag}v{i}"
+                self._ip("netns", "add", ns)
+                self.namespaces.append(ns)
+                self._ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                self.links.append(veth)
+                self._ip("link", "set", veth, "master", self.bridge, "up")
+                addr = f"10.231.{self.subnet}.{i}"
+                self._ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+                self._ip("-n", ns, "link", "set", "eth0", "up")
+                self._ip("-n", ns, "link", "set", "lo", "up")
+                self.addrs.append(addr)
+        except Exception:
+            self.close()
+            raise
+
+    @staticmethod
+    def available():
+        if os.geteuid() != 0 or shutil.which("ip") is None or os.environ.get("FITCACHE_TEST_NO_NETNS"):
+            return False
+        probe = f"fcprobe{os.getpid()}"
+        ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        return ok
+
+    def namespace_of(self, addr):
+        return self.namespaces[self.addrs.index(addr)]
+
+    def cut(self, addr, down=True):
+        """Cuts a node off the network (its link goes down) or restores it."""
+        veth = self.links[1 + self.addrs.index(addr)]
+        self._ip("link", "set", veth, "down" if down else "up")
+
+    @staticmethod
+    def _ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def close(self):
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for link in reversed(self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        self.namespaces, self.links = [], []
+
+
 def free_port(host):
     with socket.socket() as s:
         s.bind((host, 0))
@@ -23,12 +84,20 @@ def free_port(host):
 class Cluster:
     """Servers started by the test (and stopped by it, by pid)."""
 
-    def __init__(self, tmp_path, root, nodes=NODES):
-        self.tmp, self.root = tmp_path, root
+    def __init__(self, tmp_path, root, nodes=NODES, netns=None):
+        """Servers on nodes (addresses); with netns (a NetnsNodes), each runs inside the
+        namespace that owns its address and the client is on the bridge."""
+        self.tmp, self.root, self.netns = tmp_path, root, netns
         self.token_file = str(tmp_path / "token")
         subprocess.run([fitcache._native.server_binary(), "token", self.token_file], check=True)
-        self.addrs = [f"{host}:{free_port(host)}" for host in nodes]
-        self.metrics = f"127.0.0.1:{free_port('127.0.0.1')}"  # the first server's metrics
+        if netns:
+            self.addrs = [f"{host}:7070" for host in netns.addrs]
+            self.node = netns.client_addr
+        else:
+            self.addrs = [f"{host}:{free_port(host)}" for host in nodes]
+            self.node = nodes[0]
+        first = self.addrs[0].split(":")[0]
+        self.metrics = f"{first}:7071" if netns else f"{first}:{free_port(first)}"  # the first server's metrics
         self.procs = {}
         for addr in self.addrs:
             self.start(addr)
@@ -41,7 +110,10 @@ class Cluster:
         env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(self.tmp / "run")}
         log = open(self.tmp / f"server-{addr}.log", "a")
         extra = ["--metrics", self.metrics] if addr == self.addrs[0] else []
-        proc = subprocess.Popen([fitcache._native.server_binary(), "serve", "--listen", addr, "--token-file",
+        # nsenter, not `ip netns exec`: that one also makes a mount namespace, which would pin
+        # FUSE mounts (such as the benchmark PFS) for the server's lifetime.
+        prefix = ["nsenter", f"--net=/run/netns/{self.netns.namespace_of(addr.split(':')[0])}"] if self.netns else []
+        proc = subprocess.Popen([*prefix, fitcache._native.server_binary(), "serve", "--listen", addr, "--token-file",
                                  self.token_file, "--tiers", self.tiers(addr), "--root", self.root,
                                  "--ready-file", str(ready), *extra], stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + 30
@@ -57,7 +129,7 @@ class Cluster:
         proc.wait(timeout=10)
 
     def options(self, **extra):
-        return {"servers": ",".join(self.addrs), "token_file": self.token_file, "node": self.addrs[0].split(":")[0],
+        return {"servers": ",".join(self.addrs), "token_file": self.token_file, "node": self.node,
                 "rpc_timeout": "2", "wait_timeout": "10", **extra}
 
     def stop(self):

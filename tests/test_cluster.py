@@ -10,16 +10,25 @@ import pytest
 
 import fitcache
 from conftest import digest
-from harness import NODES, Cluster, cached_names, server_stats, wait_for
+from harness import NODES, Cluster, NetnsNodes, cached_names, server_stats, wait_for
 from inotify import OpenCounter
 
 EPOCHS = 4
 
 
-@pytest.fixture
-def cluster(dataset, tmp_path):
+@pytest.fixture(params=["netns", "loopback"])
+def cluster(request, dataset, tmp_path):
+    """Four servers, each on its own node: a network namespace with its own address (as root),
+    or a 127.0.0.x address. On loopback the client shares the first server's node, so it
+    also maps that server's cached files itself."""
     root, _ = dataset
-    c = Cluster(tmp_path, root)
+    netns = None
+    if request.param == "netns":
+        if not NetnsNodes.available():
+            pytest.skip("network namespaces need root and iproute2")
+        netns = NetnsNodes()
+        request.addfinalizer(netns.close)
+    c = Cluster(tmp_path, root, netns=netns)
     yield c
     c.stop()
 
@@ -162,3 +171,21 @@ def test_job_stats_and_metrics(cluster, dataset):
     first = job["servers"][cluster.addrs[0]]
     assert f"fitcache_source_reads_total {first['source_reads']}\n" in text
     assert "# TYPE fitcache_tier_used_bytes gauge" in text
+
+
+def test_partitioned_node_is_dropped_and_rejoins(cluster, dataset):
+    if cluster.netns is None:
+        pytest.skip("cutting a node off the network needs network namespaces")
+    root, digests = dataset
+    victim = cluster.addrs[1]
+    with fitcache.Client(root, **cluster.options(rpc_timeout="0.5")) as client:
+        run_epochs(client, digests, 1)
+        cluster.netns.cut(victim.split(":")[0])
+        try:
+            run_epochs(client, digests, 2)  # every read is still right
+            stats = client.stats()["client"]
+            assert stats.get("servers_declared_dead") == 1 and stats.get("server_failures", 0) >= 3
+        finally:
+            cluster.netns.cut(victim.split(":")[0], down=False)
+        wait_for(lambda: client.stats()["client"].get("servers_rejoined", 0) == 1)
+        run_epochs(client, digests, 1)
