@@ -127,7 +127,8 @@ _EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
 
 
 def server_stats(**options):
-    """The embedded server's counters as a dict, or None when no server runs. Asked through
+    """The embedded server's counters as a dict (in cluster mode, the totals of the job's
+    servers, with each server's under "servers"), or None when no server runs. Asked through
     the ``fitcache`` command (a separate process, so the caller never loads the Go runtime)."""
     env = dict(os.environ)
     for key, value in options.items():
@@ -138,7 +139,10 @@ def server_stats(**options):
         return None
     if out.returncode != 0:
         raise _native.FitCacheError(errno.EIO, out.stderr.strip() or "fitcache stats failed")
-    return json.loads(out.stdout)
+    stats = json.loads(out.stdout)
+    if "total" in stats:  # a cluster: the job's totals, with each server's counters beside them
+        return {**stats["total"], "servers": stats["servers"], "unreachable": stats.get("unreachable", {})}
+    return stats
 
 
 _warned_forked = False
