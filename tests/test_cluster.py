@@ -158,6 +158,11 @@ def test_job_stats_and_metrics(cluster, dataset):
     root, digests = dataset
     with fitcache.Client(root, **cluster.options()) as client:
         run_epochs(client, digests, 2)
+        local_hits = client.stats()["client"]["local_hits"]
+    if cluster.netns is None:  # the client shares the first server's node: it maps its files
+        assert local_hits > 0
+    else:
+        assert local_hits == 0
     env = {**os.environ, "FITCACHE_SERVERS": ",".join(cluster.addrs), "FITCACHE_TOKEN_FILE": cluster.token_file}
     out = subprocess.run([fitcache._native.server_binary(), "stats", "--json"], capture_output=True, text=True,
                          env=env, timeout=60)
