@@ -5,6 +5,7 @@
 //	fitcache info  [--json]
 //	fitcache warmup [--workers N] DIR
 //	fitcache token FILE
+//	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR
 //
 // Configuration comes from flags, then FITCACHE_* environment variables, then defaults (see
 // core.LoadConfig). The Python package installs this program as its `fitcache` command.
@@ -22,6 +23,7 @@ var commands = map[string]func(args []string) error{
 	"info":   info,
 	"warmup": warmup,
 	"token":  tokenCmd,
+	"size":   size,
 }
 
 func usage() {
@@ -33,6 +35,7 @@ commands:
   info     print the tiers and hardware FitCache finds on this node
   warmup   read every file under a directory through the cache, with progress
   token    create a job token file (0600) for the servers and clients of a cluster job
+  size     how many servers a job needs: the sizing rule of FITCACHE with a measured server
 
 Run 'fitcache <command> -h' for a command's flags.
 `)
