@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Fault tolerance in cluster mode, measured: four servers on loopback addresses, one client
-reading a dataset for several epochs, one server killed (SIGKILL) or hung (SIGSTOP) after the
-first epoch. For each policy it reports the source reads per epoch (counted with inotify,
-from outside FitCache), the files the failed server held, and the time from the failure to
-the client's declaring the server dead.
+"""Fault tolerance in cluster mode, measured: four servers (on loopback addresses, or in
+network namespaces with --netns), one client reading a dataset for several epochs, one server
+killed (SIGKILL) or hung (SIGSTOP) at a random point of the second epoch. For each policy it
+reports the time and the source reads (counted with inotify, from outside FitCache) of each
+epoch, the files the failed server held, and the time from the failure to the client's
+declaring the server dead.
 
     python bench/bench_failover.py --files 400 --epochs 5
+    python bench/bench_failover.py --netns --source /mnt/pfs/fitcache-failover   # paper 000, sec. V
 """
 
 import argparse
@@ -20,36 +22,50 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fitcache  # noqa: E402
-from harness import Cluster, cached_names, server_stats, wait_for  # noqa: E402
+from harness import Cluster, NetnsNodes, cached_names, server_stats, wait_for  # noqa: E402
 from inotify import OpenCounter  # noqa: E402
 
 
 def make_dataset(root, files, size):
     rng = random.Random(0)
+    names = []
     for i in range(files):
         p = Path(root, f"d{i % 10}", f"f{i:05d}.bin")
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(rng.randbytes(size))
-    return sorted(str(p.relative_to(root)) for p in Path(root).rglob("*.bin"))
+        data = rng.randbytes(size)
+        if not (p.exists() and p.stat().st_size == size):
+            p.write_bytes(data)
+        names.append(str(p.relative_to(root)))
+    return sorted(names)
 
 
-def run(policy, failure, files, epochs, work, names):
-    root = os.path.join(work, "data")
+def run(policy, failure, epochs, work, root, names, netns, seed):
     run_dir = Path(work) / f"run-{policy}-{failure}"
     run_dir.mkdir()
-    cluster = Cluster(run_dir, root)
+    nodes = NetnsNodes() if netns else None
+    cluster = Cluster(run_dir, root, netns=nodes)
     opts = {"policy": "recache" if policy == "replicas=2" else policy, "rpc_timeout": "0.5",
             "failure_threshold": "3"}
     if policy == "replicas=2":
         opts["replicas"] = "2"
     victim = cluster.addrs[2]
     row = {"policy": policy, "failure": failure}
+    rng = random.Random(seed)
     try:
         with fitcache.Client(root, **cluster.options(**opts)) as client, OpenCounter(root) as opens:
-            per_epoch, seen = [], 0
+            per_epoch, seconds, seen = [], [], 0
+            kill_at = rng.randrange(len(names))  # a random point of the second epoch
             for epoch in range(epochs):
-                for n in names:
+                order = list(names)
+                rng.shuffle(order)
+                t0, paused = time.perf_counter(), 0.0
+                for i, n in enumerate(order):
                     client.read(n)
+                    if epoch == 1 and i == kill_at:
+                        p0 = time.perf_counter()
+                        fail_now()
+                        paused += time.perf_counter() - p0
+                seconds.append(time.perf_counter() - t0 - paused)
                 total = sum(opens.counts().values())
                 per_epoch.append(total - seen)
                 seen = total
@@ -60,25 +76,30 @@ def run(policy, failure, files, epochs, work, names):
                     row["held"] = len(held)
                     victim_files = [n for n in names if os.path.basename(n) in held]
                     pid = cluster.procs[victim].pid
-                    t = time.perf_counter()
-                    if failure == "kill":
-                        cluster.kill(victim)
-                    else:
-                        os.kill(pid, signal.SIGSTOP)
-                    # Time the reads that run into the failure (not the stats calls in between,
-                    # which also wait for the hung server).
-                    elapsed, i = time.perf_counter() - t, 0
-                    while not client.stats()["client"].get("servers_declared_dead"):
+
+                    def fail_now():
                         t = time.perf_counter()
-                        client.read(victim_files[i % len(victim_files)])
-                        elapsed += time.perf_counter() - t
-                        i += 1
-                    row["detect_ms"], row["detect_reads"] = elapsed * 1e3, i
+                        if failure == "kill":
+                            cluster.kill(victim)
+                        else:
+                            os.kill(pid, signal.SIGSTOP)
+                        # Time the reads that run into the failure (not the stats calls in
+                        # between, which also wait for a hung server).
+                        elapsed, i = time.perf_counter() - t, 0
+                        while not client.stats()["client"].get("servers_declared_dead"):
+                            t = time.perf_counter()
+                            client.read(victim_files[i % len(victim_files)])
+                            elapsed += time.perf_counter() - t
+                            i += 1
+                        row["detect_ms"], row["detect_reads"] = elapsed * 1e3, i
             row["source_reads_per_epoch"] = per_epoch
+            row["seconds_per_epoch"] = seconds
             if failure == "hang":
                 os.kill(pid, signal.SIGCONT)
     finally:
         cluster.stop()
+        if nodes:
+            nodes.close()
     return row
 
 
@@ -87,17 +108,27 @@ def main():
     ap.add_argument("--files", type=int, default=400)
     ap.add_argument("--size", type=int, default=64 << 10)
     ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--source", help="directory for the dataset (for example on the PFS); default: a temporary one")
+    ap.add_argument("--netns", action="store_true", help="one network namespace per node (root)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fitcache-failover-") as work:
-        names = make_dataset(os.path.join(work, "data"), args.files, args.size)
-        rows = [run(p, f, args.files, args.epochs, work, names)
+        root = args.source or os.path.join(work, "data")
+        names = make_dataset(root, args.files, args.size)
+        rows = [run(p, f, args.epochs, work, root, names, args.netns, args.seed)
                 for p, f in (("recache", "kill"), ("pfs", "kill"), ("replicas=2", "kill"), ("recache", "hang"))]
-    print(f"\n{args.files} files, 4 servers on loopback addresses, failure after epoch 1, rpc_timeout 0.5 s, threshold 3\n")
-    print("| policy | failure | files on the failed server | failure to declared dead (reads) | source reads per epoch |")
-    print("|---|---|---|---|---|")
+    where = "network namespaces" if args.netns else "loopback addresses"
+    print(f"\n{args.files} files of {args.size >> 10} KiB in {root}, 4 servers on {where}, failure at a random "
+          f"point of epoch 2, rpc_timeout 0.5 s, threshold 3\n")
+    print("| policy | failure | files on the failed server | failure to declared dead (reads) | source reads per epoch | seconds per epoch | total s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['failure']} | {r['held']} | {r['detect_ms']:.1f} ms ({r['detect_reads']}) | "
-              f"{', '.join(map(str, r['source_reads_per_epoch']))} |")
+              f"{', '.join(map(str, r['source_reads_per_epoch']))} | "
+              f"{', '.join(f'{x:.2f}' for x in r['seconds_per_epoch'])} | {sum(r['seconds_per_epoch']):.2f} |")
+    if args.out:
+        Path(args.out).write_text(__import__("json").dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

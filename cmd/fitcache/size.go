@@ -33,6 +33,7 @@ func size(args []string) error {
 	duration := fset.Duration("duration", 5*time.Second, "how long to measure the server's throughput")
 	readers := fset.Int("readers", 4, "concurrent readers driving the server")
 	sample := fset.Int("sample", 256, "dataset files used for the measurement (at most 1 GiB)")
+	volumeFlag := fset.String("volume", "", "per-epoch data volume V_epoch (e.g. 2TB) instead of the size of DATASET_DIR, whose files are then only the measurement's sample")
 	fset.Parse(args)
 	if fset.NArg() != 1 || *compute <= 0 || *eta <= 0 || *eta > 1 || *beta <= 0 {
 		return fmt.Errorf("usage: fitcache size --compute-time DURATION [--eta 0.75] [--beta 1] DATASET_DIR")
@@ -47,6 +48,13 @@ func size(args []string) error {
 	}
 	if len(files) == 0 {
 		return fmt.Errorf("no files under %s", root)
+	}
+	if *volumeFlag != "" {
+		v, err := tiers.ParseSize(*volumeFlag)
+		if err != nil || v.Percent > 0 {
+			return fmt.Errorf("--volume %q: want a size such as 2TB", *volumeFlag)
+		}
+		volume = v.Bytes
 	}
 	fmt.Printf("dataset   %s: %d files, V_epoch = %s\n", root, len(files), tiers.FormatBytes(volume))
 	bsrv, err := measureServer(root, pickSample(files, *sample, 1<<30), *duration, *readers)
