@@ -210,6 +210,7 @@ def main():
     ap.add_argument("--compute-ms", type=float, default=10, help="extra time per batch, mimicking a GPU step")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache between epochs (root)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over all configurations; each epoch's figures are medians over rounds")
     ap.add_argument("--out", help="write OUT.json, OUT.md and OUT.png")
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -229,27 +230,12 @@ def main():
             for n in names:
                 os.makedirs(os.path.dirname(os.path.join(shm, n)), exist_ok=True)
                 shutil.copyfile(os.path.join(src, n), os.path.join(shm, n))
-            runs = []
-            for config in args.configs.split(","):
-                cwork = work / f"{label}-{config}"
-                cwork.mkdir(parents=True)
-                subprocess.run(["sync"])
-                Path("/proc/sys/vm/drop_caches").write_text("3\n")
-                spec = {"source": src, "names": names, "config": config, "work": str(cwork), "shm": shm, "size": size}
-                cmd = [sys.executable, __file__, "--run-one", json.dumps(spec), *passthrough(args)]
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-                line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-                if out.returncode != 0 or not line:
-                    raise SystemExit(f"{config} failed:\n{out.stderr[-3000:]}")
-                run = json.loads(line[0][7:])
-                runs.append(run)
-                print(f"[{label}] {config}: " + ", ".join(f"{e['seconds']:.2f}s" for e in run["epochs"]),
-                      file=sys.stderr, flush=True)
-                shutil.rmtree(cwork, ignore_errors=True)
-                for d in Path("/dev/shm").glob("fitcache-training-[0-9]*"):
-                    shutil.rmtree(d, ignore_errors=True)
+            rounds = {c: [] for c in args.configs.split(",")}
+            for rnd in range(args.repeats):
+                for config in args.configs.split(","):
+                    rounds[config].append(run_one(args, label, config, rnd, src, names, shm, size, work))
             shutil.rmtree(shm, ignore_errors=True)
-            results[label] = runs
+            results[label] = [median_run(rs) for rs in rounds.values()]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = markdown(results, args)
@@ -258,6 +244,41 @@ def main():
         Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
         Path(args.out + ".md").write_text(table)
         plot(results, args.out + ".png")
+
+
+def run_one(args, label, config, rnd, src, names, shm, size, work):
+    """Runs one configuration in a fresh process, with the page cache dropped first."""
+    cwork = work / f"{label}-{config}-{rnd}"
+    cwork.mkdir(parents=True)
+    subprocess.run(["sync"])
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    spec = {"source": src, "names": names, "config": config, "work": str(cwork), "shm": shm, "size": size}
+    cmd = [sys.executable, __file__, "--run-one", json.dumps(spec), *passthrough(args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if out.returncode != 0 or not line:
+        raise SystemExit(f"{config} failed:\n{out.stderr[-3000:]}")
+    run = json.loads(line[0][7:])
+    print(f"[{label}] round {rnd + 1} {config}: " + ", ".join(f"{e['seconds']:.2f}s" for e in run["epochs"]),
+          file=sys.stderr, flush=True)
+    shutil.rmtree(cwork, ignore_errors=True)
+    for d in Path("/dev/shm").glob("fitcache-training-[0-9]*"):
+        shutil.rmtree(d, ignore_errors=True)
+    return run
+
+
+def median_run(runs):
+    """One run whose every per-epoch figure is the median over rounds (source reads and hit
+    rates from the first round: they do not vary)."""
+    import statistics
+    out = json.loads(json.dumps(runs[0]))
+    for i, e in enumerate(out["epochs"]):
+        for key in ("seconds", "files_per_s", "MB_per_s"):
+            e[key] = statistics.median(r["epochs"][i][key] for r in runs)
+        e["seconds_all"] = [r["epochs"][i]["seconds"] for r in runs]
+    out["rounds"] = len(runs)
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
+    return out
 
 
 def passthrough(args):
@@ -272,7 +293,7 @@ def passthrough(args):
 
 def markdown(results, args):
     lines = [f"{args.workers} workers{' (persistent)' if args.persistent else ''}, batch {args.batch_size}, "
-             f"{args.compute_ms:g} ms compute per batch, {args.epochs} shuffled epochs"
+             f"{args.compute_ms:g} ms compute per batch, {args.epochs} shuffled epochs, medians over {args.repeats} rounds"
              f"{', page cache dropped between epochs' if args.drop_caches else ''}.", "",
              "| files | reader | epoch | s | files/s | MB/s | vs pfs | source reads | hit rate | peak RSS |",
              "|---|---|---|---|---|---|---|---|---|---|"]
