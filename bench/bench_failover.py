@@ -13,7 +13,9 @@ declaring the server dead.
 import argparse
 import os
 import random
+import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -103,6 +105,17 @@ def run(policy, failure, epochs, work, root, names, netns, seed):
     return row
 
 
+def median_row(rows):
+    """Medians over rounds of every per-epoch figure and of the detection time."""
+    out = dict(rows[0])
+    for key in ("held", "detect_ms", "detect_reads"):
+        out[key] = statistics.median(r[key] for r in rows)
+    for key in ("source_reads_per_epoch", "seconds_per_epoch"):
+        out[key] = [statistics.median(r[key][i] for r in rows) for i in range(len(rows[0][key]))]
+    out["rounds"] = rows
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=400)
@@ -111,21 +124,27 @@ def main():
     ap.add_argument("--source", help="directory for the dataset (for example on the PFS); default: a temporary one")
     ap.add_argument("--netns", action="store_true", help="one network namespace per node (root)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds (a new random failure point each); figures are medians")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fitcache-failover-") as work:
         root = args.source or os.path.join(work, "data")
         names = make_dataset(root, args.files, args.size)
-        rows = [run(p, f, args.epochs, work, root, names, args.netns, args.seed)
-                for p, f in (("recache", "kill"), ("pfs", "kill"), ("replicas=2", "kill"), ("recache", "hang"))]
+        cases = (("recache", "kill"), ("pfs", "kill"), ("replicas=2", "kill"), ("recache", "hang"))
+        rounds = {c: [] for c in cases}
+        for rnd in range(args.repeats):
+            for p, f in cases:
+                rounds[(p, f)].append(run(p, f, args.epochs, work, root, names, args.netns, args.seed + rnd))
+                shutil.rmtree(Path(work) / f"run-{p}-{f}", ignore_errors=True)
+        rows = [median_row(rs) for rs in rounds.values()]
     where = "network namespaces" if args.netns else "loopback addresses"
     print(f"\n{args.files} files of {args.size >> 10} KiB in {root}, 4 servers on {where}, failure at a random "
-          f"point of epoch 2, rpc_timeout 0.5 s, threshold 3\n")
+          f"point of epoch 2, rpc_timeout 0.5 s, threshold 3, medians over {args.repeats} rounds\n")
     print("| policy | failure | files on the failed server | failure to declared dead (reads) | source reads per epoch | seconds per epoch | total s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['failure']} | {r['held']} | {r['detect_ms']:.1f} ms ({r['detect_reads']}) | "
-              f"{', '.join(map(str, r['source_reads_per_epoch']))} | "
+        print(f"| {r['policy']} | {r['failure']} | {r['held']:g} | {r['detect_ms']:.1f} ms ({r['detect_reads']:g}) | "
+              f"{', '.join(f'{x:g}' for x in r['source_reads_per_epoch'])} | "
               f"{', '.join(f'{x:.2f}' for x in r['seconds_per_epoch'])} | {sum(r['seconds_per_epoch']):.2f} |")
     if args.out:
         Path(args.out).write_text(__import__("json").dumps(rows, indent=2))
