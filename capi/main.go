@@ -100,6 +100,15 @@ func guard(rc *C.int) {
 
 var errBadHandle = fmt.Errorf("%w: unknown fitcache handle", syscall.EBADF)
 
+// lookupClient returns the client behind a handle, or errBadHandle.
+func lookupClient(handle C.int64_t) (*client.Client, error) {
+	c, ok := clients.get(int64(handle))
+	if !ok {
+		return nil, errBadHandle
+	}
+	return c, nil
+}
+
 //export goOpen
 func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 	defer guard(&rc)
@@ -154,9 +163,9 @@ func goClose(handle C.int64_t) (rc C.int) {
 //export goRead
 func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_t, bufID *C.int64_t) (rc C.int) {
 	defer guard(&rc)
-	c, ok := clients.get(int64(handle))
-	if !ok {
-		return fail(errBadHandle)
+	c, err := lookupClient(handle)
+	if err != nil {
+		return fail(err)
 	}
 	buf, err := c.Read(C.GoString(path))
 	if err != nil {
@@ -211,9 +220,9 @@ func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.i
 			rc = C.int64_t(fail(fmt.Errorf("%w: internal error: %v", syscall.EIO, r)))
 		}
 	}()
-	c, ok := clients.get(int64(handle))
-	if !ok {
-		return C.int64_t(fail(errBadHandle))
+	c, err := lookupClient(handle)
+	if err != nil {
+		return C.int64_t(fail(err))
 	}
 	dst := unsafe.Slice((*byte)(buf), int(length))
 	n, err := c.ReadAt(C.GoString(path), dst, int64(off))
@@ -226,9 +235,9 @@ func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.i
 //export goSize
 func goSize(handle C.int64_t, path *C.char, size *C.int64_t) (rc C.int) {
 	defer guard(&rc)
-	c, ok := clients.get(int64(handle))
-	if !ok {
-		return fail(errBadHandle)
+	c, err := lookupClient(handle)
+	if err != nil {
+		return fail(err)
 	}
 	n, err := c.Size(C.GoString(path))
 	if err != nil {
@@ -241,9 +250,9 @@ func goSize(handle C.int64_t, path *C.char, size *C.int64_t) (rc C.int) {
 //export goStats
 func goStats(handle C.int64_t, buf *C.char, length C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)
-	c, ok := clients.get(int64(handle))
-	if !ok {
-		return fail(errBadHandle)
+	c, err := lookupClient(handle)
+	if err != nil {
+		return fail(err)
 	}
 	js, err := c.Stats()
 	if err != nil {

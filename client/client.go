@@ -38,6 +38,7 @@ import (
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -268,16 +269,22 @@ func (c *Client) readFromServer(server *rpc.Client, dirs []tiers.Dir, gen *tiers
 		return nil, err
 	}
 	c.counts.serverReads.Add(1)
-	if reply.CachedPath == "" {
-		return heapBuffer(reply.Data), nil
-	}
-	if m, err := tiers.Probe(dirs, path); err == nil {
-		return c.keep(path, m, gen), nil
-	}
-	// Evicted between the reply and our open: ask for the bytes instead.
-	reply, err = server.Read(context.Background(), c.root, path, false)
-	if err != nil {
-		return nil, err
+	return c.replyBuffer(server, reply, dirs, path, func(m *tiers.Mapping) Buffer { return c.keep(path, m, gen) })
+}
+
+// replyBuffer turns a server's reply to a local read into a buffer: the tier file it names,
+// mapped and handed to keep, or the bytes it carries. A tier file evicted between the reply
+// and our open is asked for again, as bytes.
+func (c *Client) replyBuffer(server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string,
+	keep func(*tiers.Mapping) Buffer) (Buffer, error) {
+	if reply.CachedPath != "" {
+		if m, err := tiers.Probe(dirs, path); err == nil {
+			return keep(m), nil
+		}
+		var err error
+		if reply, err = server.Read(context.Background(), c.root, path, false); err != nil {
+			return nil, err
+		}
 	}
 	return heapBuffer(reply.Data), nil
 }

@@ -390,16 +390,11 @@ func (c *Client) readFromPeer(p *peer, path string, gen uint64) (Buffer, *readRe
 		return nil, nil, err
 	}
 	c.counts.serverReads.Add(1)
-	rr := &readReply{Origin: reply.Origin, MtimeNanos: reply.MtimeNanos}
-	if reply.CachedPath != "" {
-		if m, err := tiers.Probe(dirs, path); err == nil {
-			return c.maps.put(path, m, gen), rr, nil
-		}
-		if reply, err = p.rpc.Read(context.Background(), c.root, path, false); err != nil {
-			return nil, nil, err
-		}
+	buf, err := c.replyBuffer(p.rpc, reply, dirs, path, func(m *tiers.Mapping) Buffer { return c.maps.put(path, m, gen) })
+	if err != nil {
+		return nil, nil, err
 	}
-	return heapBuffer(reply.Data), rr, nil
+	return buf, &readReply{Origin: reply.Origin, MtimeNanos: reply.MtimeNanos}, nil
 }
 
 type readReply struct {
