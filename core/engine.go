@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -22,12 +23,16 @@ type EngineConfig struct {
 	// GenerationFile, if set, is where the engine keeps the counter of removed cached files
 	// that local clients watch to drop mappings they keep (see tiers.Generation).
 	GenerationFile string
-	// InlineMissBytes: a local caller that misses a file of at most this size gets the bytes
-	// at once instead of waiting for the data mover to publish the file for it to map.
-	// Publishing writes the file into a tier, which costs about as much as the copies of
-	// sending it (page allocation in tmpfs), so for small files waiting only adds latency;
-	// for large ones the copies cost more. 0 means 1 MiB; negative means never.
+	// InlineMissBytes: a missed file of at most this size is read into memory and answered
+	// at once, and the data mover publishes it in the background. A larger file is copied
+	// from the source into a tier, never held whole in memory, and answered from there.
+	// Publishing costs about as much as the copies of sending (page allocation in tmpfs), so
+	// for small files waiting for it only adds latency. 0 means 1 MiB; negative means never.
 	InlineMissBytes int64
+	// MaxSendBytes bounds the files served as bytes (to callers that cannot map tier files,
+	// such as clients on other nodes): larger ones fail with ErrTooLarge and the caller reads
+	// the source. It must stay below the RPC frame limit. 0 means 64 MiB.
+	MaxSendBytes int64
 	// MoverQueueBytes bounds the bytes waiting for the data mover; past it, the reader that
 	// missed publishes the file itself before answering. 0 means 256 MiB.
 	MoverQueueBytes int64
@@ -43,6 +48,8 @@ type Engine struct {
 	gen     *tiers.Generation // nil without EngineConfig.GenerationFile
 	genFile string
 	inline  int64 // see EngineConfig.InlineMissBytes
+	maxSend int64 // see EngineConfig.MaxSendBytes
+	closed  atomic.Bool
 
 	mu        sync.Mutex // protects flights and realRoots
 	flights   map[string]*flight
@@ -53,8 +60,9 @@ type Engine struct {
 // share its result, so the source is read once (invariant 3).
 type flight struct {
 	done      chan struct{} // closed when data, mtime and err are set
-	data      []byte
-	mtime     int64 // the source's modification time, Unix nanoseconds
+	data      []byte        // a small file's bytes
+	large     bool          // a large file: readers map it from the tier it was published to
+	mtime     int64         // the source's modification time, Unix nanoseconds
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
 }
@@ -68,6 +76,10 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		inline: cfg.InlineMissBytes}
 	if e.inline == 0 {
 		e.inline = 1 << 20
+	}
+	e.maxSend = cfg.MaxSendBytes
+	if e.maxSend <= 0 {
+		e.maxSend = 64 << 20
 	}
 	for _, r := range cfg.Roots {
 		abs, err := filepath.Abs(r)
@@ -103,8 +115,10 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	return e, nil
 }
 
-// Close stops the data mover after it has published what it holds.
+// Close stops the data mover after it has published what it holds. Reads after Close fail
+// with ErrClosed.
 func (e *Engine) Close() error {
+	e.closed.Store(true)
 	e.mover.stop()
 	return e.gen.Close()
 }
@@ -162,11 +176,17 @@ func (r Result) Release() {
 	}
 }
 
-// Read returns the file at path, which must be inside root. With wantMapping, a file that is
-// cached comes back as a mapping of the tier file (for a client on this node that maps it
-// itself), and so does a missed file larger than EngineConfig.InlineMissBytes, once the data
-// mover has published it; otherwise the bytes come from memory.
+// Read returns the file at path, which must be inside root. With wantMapping (a client on
+// this node, which maps tier files itself), a cached file comes back as a mapping of its tier
+// file; without, a file is only served if it is at most EngineConfig.MaxSendBytes long.
+//
+// No file larger than EngineConfig.InlineMissBytes is ever held in memory: on a miss it is
+// copied from the source into a tier and served from there. A file that no tier can take
+// fails with ErrTooLarge, and the caller reads the source itself (a client maps it).
 func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) (Result, error) {
+	if e.closed.Load() {
+		return Result{}, ErrClosed
+	}
 	res, err := e.read(ctx, root, path, wantMapping)
 	if err != nil {
 		e.stats.errors.Add(1)
@@ -180,17 +200,17 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if err := e.checkRoot(root, path); err != nil {
 		return Result{}, err
 	}
-	if m, err := tiers.Probe(e.tiers, path); err == nil {
-		e.stats.hits[m.Tier].Add(1)
-		return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos}, nil
-	} else if !errors.Is(err, tiers.ErrNotCached) || errors.Is(err, tiers.ErrDamaged) {
-		e.log.Warn("probe", "path", path, "err", err)
+	if res, err := e.probe(path, wantMapping); err == nil {
+		e.stats.hits[res.Mapping.Tier].Add(1)
+		return res, nil
+	} else if !errors.Is(err, tiers.ErrNotCached) {
+		return Result{}, err
 	}
 
 	f, leader := e.join(path)
 	if leader {
 		e.stats.misses.Add(1)
-		e.fill(f, root, path)
+		go e.fill(f, root, path) // not tied to this request: waiters share it
 	} else {
 		e.stats.inflightHits.Add(1)
 	}
@@ -206,23 +226,41 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if leader {
 		origin = "source"
 	}
-	if wantMapping && int64(len(f.data)) > e.inline {
-		select {
-		case <-f.published:
-			if m, err := tiers.Probe(e.tiers, path); err == nil {
-				return Result{Mapping: m, Origin: origin, MTimeNanos: f.mtime}, nil
-			}
-		case <-ctx.Done():
-			return Result{}, ctx.Err()
-		}
+	if !f.large {
+		return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime}, nil
 	}
-	return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime}, nil
+	res, err := e.probe(path, wantMapping)
+	if errors.Is(err, tiers.ErrNotCached) { // evicted at once by a burst of larger files
+		return Result{}, fmt.Errorf("%w: %s was evicted before it could be served", ErrTooLarge, path)
+	}
+	res.Origin = origin
+	return res, err
+}
+
+// probe looks path up in the tiers. A cached file too large to send to a caller that cannot
+// map it is ErrTooLarge; a damaged entry is logged (and removed by the tier) and is a miss.
+func (e *Engine) probe(path string, wantMapping bool) (Result, error) {
+	m, err := tiers.Probe(e.tiers, path)
+	if err != nil {
+		if !errors.Is(err, tiers.ErrNotCached) || errors.Is(err, tiers.ErrDamaged) {
+			e.log.Warn("probe", "path", path, "err", err)
+		}
+		return Result{}, tiers.ErrNotCached
+	}
+	if !wantMapping && m.Size > e.maxSend {
+		m.Release()
+		return Result{}, fmt.Errorf("%w: %s has %d bytes, more than the %d a reply carries", ErrTooLarge, path, m.Size, e.maxSend)
+	}
+	return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos}, nil
 }
 
 // Store caches a file's bytes that a client read from the file's owner, so that this server,
 // a replica, holds a copy without reading the source. A file already cached or on its way is
 // left alone.
 func (e *Engine) Store(root, path string, data []byte, mtimeNanos int64) error {
+	if e.closed.Load() {
+		return ErrClosed
+	}
 	if err := e.checkRoot(root, path); err != nil {
 		return err
 	}
@@ -254,24 +292,73 @@ func (e *Engine) join(path string) (f *flight, leader bool) {
 	return f, true
 }
 
-// fill reads the source for a flight and hands the bytes to the data mover, which ends the
-// flight once the file is published.
+// fill reads the source for a flight. A small file is read into memory, answered at once and
+// handed to the data mover, which ends the flight once the file is published. A large one is
+// copied into a tier without passing through memory whole, then answered from there.
 func (e *Engine) fill(f *flight, root, path string) {
-	realRoot, err := e.realRoot(root)
-	if err == nil {
-		f.data, f.mtime, err = ReadSource(path, realRoot)
-	}
-	if err == nil {
-		e.stats.sourceReads.Add(1)
-		e.stats.sourceBytes.Add(int64(len(f.data)))
-	}
-	f.err = err
-	close(f.done)
+	src, err := e.openSource(root, path)
 	if err != nil {
-		e.land(path, f)
+		f.err = err
+		e.finish(path, f)
 		return
 	}
-	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(f.data)), MTimeNanos: f.mtime}, flight: f})
+	defer src.Close()
+	f.mtime = src.MTimeNanos()
+	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime}
+	if src.Size() > e.inline {
+		f.large = true
+		f.err = e.fillLarge(src, entry)
+		e.finish(path, f)
+		return
+	}
+	if f.data, f.err = src.ReadAll(); f.err != nil {
+		e.finish(path, f)
+		return
+	}
+	e.stats.sourceReads.Add(1)
+	e.stats.sourceBytes.Add(int64(len(f.data)))
+	close(f.done)
+	e.mover.enqueue(job{entry: entry, flight: f})
+}
+
+// finish ends a flight that the data mover does not take: it leaves the table first, so
+// that a reader that comes after the answer never joins it.
+func (e *Engine) finish(path string, f *flight) {
+	e.land(path, f)
+	close(f.done)
+}
+
+// fillLarge copies a large source file into the fastest tier that takes it. It returns
+// ErrTooLarge when no tier takes it, so that the caller reads the source itself.
+func (e *Engine) fillLarge(src *Source, entry tiers.Entry) error {
+	err := e.place(0, entry, content{src: src})
+	if err != nil {
+		if cerr := src.Unchanged(); cerr != nil {
+			return cerr // whatever the tier made of the error it was given
+		}
+	}
+	switch {
+	case err == nil:
+		e.stats.published.Add(1)
+	case errors.Is(err, tiers.ErrNoRoom):
+		e.stats.uncached.Add(1)
+		return fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, entry.SourcePath, entry.Size)
+	default:
+		e.stats.publishErrors.Add(1)
+		e.log.Warn("publish", "path", entry.SourcePath, "err", err)
+		return fmt.Errorf("%w: %s could not be cached: %v", ErrTooLarge, entry.SourcePath, err)
+	}
+	e.stats.sourceReads.Add(1)
+	e.stats.sourceBytes.Add(entry.Size)
+	return nil
+}
+
+func (e *Engine) openSource(root, path string) (*Source, error) {
+	realRoot, err := e.realRoot(root)
+	if err != nil {
+		return nil, err
+	}
+	return OpenSource(path, realRoot)
 }
 
 // land ends a flight: later readers go to the tiers (or, after an error, try the source again).

@@ -15,8 +15,12 @@ var (
 	ErrOutsideRoot = errors.New("path outside the dataset root")
 	// ErrBadPath reports a path that is not absolute or not clean.
 	ErrBadPath = errors.New("bad path")
-	// ErrChanged reports a source file whose size changed while it was read.
+	// ErrChanged reports a source file that changed (size, times or identity) while it was
+	// read: the bytes may mix two versions, so they are neither served nor cached.
 	ErrChanged = errors.New("source file changed while being read")
+	// ErrTooLarge reports a file that is not cached and too large to hold in memory or to
+	// send in one reply: the caller reads it from the source itself (a client maps it).
+	ErrTooLarge = errors.New("file not cached and too large to send")
 	// ErrClosed reports use of a closed engine or client.
 	ErrClosed = errors.New("closed")
 )
@@ -36,6 +40,10 @@ func Errno(err error) syscall.Errno {
 		return syscall.EINVAL
 	case errors.Is(err, ErrClosed):
 		return syscall.EBADF
+	case errors.Is(err, ErrTooLarge):
+		return syscall.EFBIG
+	case errors.Is(err, ErrChanged):
+		return syscall.EAGAIN
 	case errors.Is(err, fs.ErrNotExist):
 		return syscall.ENOENT
 	case errors.Is(err, fs.ErrPermission):
@@ -61,6 +69,10 @@ func (e *ErrnoError) Is(target error) bool {
 		return e.Errno == syscall.EACCES && strings.Contains(e.Message, ErrOutsideRoot.Error())
 	case ErrBadPath:
 		return e.Errno == syscall.EINVAL && strings.Contains(e.Message, ErrBadPath.Error())
+	case ErrTooLarge:
+		return e.Errno == syscall.EFBIG
+	case ErrChanged:
+		return e.Errno == syscall.EAGAIN
 	}
 	return e.Errno.Is(target)
 }

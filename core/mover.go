@@ -83,7 +83,7 @@ func (m *mover) stop() {
 // publish places a job's file and ends its flight.
 func (e *Engine) publish(j job) {
 	defer e.land(j.entry.SourcePath, j.flight)
-	if err := e.place(0, j.entry, j.flight.data); err != nil {
+	if err := e.place(0, j.entry, content{data: j.flight.data}); err != nil {
 		if errors.Is(err, tiers.ErrNoRoom) {
 			e.stats.uncached.Add(1)
 			return
@@ -95,16 +95,31 @@ func (e *Engine) publish(j job) {
 	e.stats.published.Add(1)
 }
 
+// content is what place writes into a tier: bytes in memory, or a source file, read anew
+// for each attempt.
+type content struct {
+	data []byte
+	src  *Source // when set, data is unused
+}
+
+func (c content) publish(t *tiers.Tier, entry tiers.Entry) error {
+	if c.src != nil {
+		return t.PublishFrom(entry, c.src.Reader())
+	}
+	return t.Publish(entry, c.data)
+}
+
 // place publishes a file into the fastest tier from index first on that has room without
 // eviction; if none has, into the fastest tier that can hold it at all, after evicting its
 // oldest files, which spill into the next tiers the same way. It returns ErrNoRoom when the
-// file is larger than every tier from first on.
-func (e *Engine) place(first int, entry tiers.Entry, data []byte) error {
+// file is larger than every tier from first on. Several goroutines may place files at once:
+// each tier reserves room for a file before writing it, so budgets hold.
+func (e *Engine) place(first int, entry tiers.Entry, c content) error {
 	need := tiers.EntrySize(entry.SourcePath, entry.Size)
 	candidates := e.tiers[first:]
 	for _, t := range candidates {
 		if t.HasRoom(need) {
-			err := t.Publish(entry, data)
+			err := c.publish(t, entry)
 			if err == nil || !errors.Is(err, tiers.ErrNoRoom) {
 				return err
 			}
@@ -117,12 +132,12 @@ func (e *Engine) place(first int, entry tiers.Entry, data []byte) error {
 		next := first + i + 1
 		err := t.MakeRoom(need, func(victim *tiers.Mapping) {
 			e.stats.evictions.Add(1)
-			if next < len(e.tiers) && e.place(next, victim.Entry, victim.Bytes()) == nil {
+			if next < len(e.tiers) && e.place(next, victim.Entry, content{data: victim.Bytes()}) == nil {
 				e.stats.spilled.Add(1)
 			}
 		})
 		if err == nil {
-			err = t.Publish(entry, data)
+			err = c.publish(t, entry)
 		}
 		if err == nil || !errors.Is(err, tiers.ErrNoRoom) {
 			return err

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/edsrzf/mmap-go"
 )
 
 // Within reports whether path is root or inside it. Both must be clean and absolute.
@@ -31,38 +33,168 @@ func CheckPath(root, path string) error {
 	return nil
 }
 
-// ReadSource reads a whole source file that must lie inside the dataset root also after
-// symbolic links are followed: the opened file's real path is checked against realRoot (the
-// root with its links resolved), so a link inside the dataset that points outside it is
-// refused. It returns the bytes and the file's modification time.
-func ReadSource(path, realRoot string) (data []byte, mtimeNanos int64, err error) {
+// Source is an open source file that lies inside its dataset root, also after symbolic links
+// are followed. It remembers the file's identity when it was opened (device, inode, size,
+// modification and change times), so that a reader can tell whether the file changed while
+// it was being read: bytes read across a change may mix two versions and must never be
+// cached (see Unchanged).
+type Source struct {
+	f     *os.File
+	path  string
+	stamp sourceStamp
+}
+
+// sourceStamp is what identifies one version of a source file.
+type sourceStamp struct {
+	dev, ino    uint64
+	size        int64
+	mtime, ctim syscall.Timespec
+}
+
+func stampOf(st *syscall.Stat_t) sourceStamp {
+	return sourceStamp{dev: uint64(st.Dev), ino: st.Ino, size: st.Size, mtime: st.Mtim, ctim: st.Ctim}
+}
+
+// OpenSource opens the source file at path for reading. The opened file's real path (symbolic
+// links resolved) must lie inside realRoot (the dataset root with its links resolved), so a
+// link inside the dataset that points outside it is refused; directories, FIFOs, devices and
+// sockets are refused without blocking.
+func OpenSource(path, realRoot string) (*Source, error) {
 	// O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
-	defer f.Close()
-	fi, err := f.Stat()
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, pathError("stat", path, err)
+	}
+	switch st.Mode & syscall.S_IFMT {
+	case syscall.S_IFREG:
+	case syscall.S_IFDIR:
+		f.Close()
+		return nil, pathError("read", path, syscall.EISDIR)
+	default:
+		f.Close()
+		return nil, pathError("read", path, syscall.EINVAL)
+	}
+	if err := checkRealPath(f, realRoot); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return &Source{f: f, path: path, stamp: stampOf(&st)}, nil
+}
+
+// Size returns the file's size when it was opened.
+func (s *Source) Size() int64 { return s.stamp.size }
+
+// MTimeNanos returns the file's modification time when it was opened, in Unix nanoseconds.
+func (s *Source) MTimeNanos() int64 { return s.stamp.mtime.Nano() }
+
+// Close closes the file.
+func (s *Source) Close() error { return s.f.Close() }
+
+// Unchanged checks that the file is still the version that was opened: same size and times
+// through the open descriptor, and the path still names the same file (not replaced by a
+// rename). It returns an error wrapping ErrChanged otherwise.
+func (s *Source) Unchanged() error {
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(s.f.Fd()), &st); err != nil {
+		return pathError("stat", s.path, err)
+	}
+	now := stampOf(&st)
+	if now != s.stamp {
+		return fmt.Errorf("%w: %s (size %d -> %d)", ErrChanged, s.path, s.stamp.size, now.size)
+	}
+	if err := syscall.Stat(s.path, &st); err != nil || uint64(st.Dev) != s.stamp.dev || st.Ino != s.stamp.ino {
+		return fmt.Errorf("%w: %s was replaced", ErrChanged, s.path)
+	}
+	return nil
+}
+
+// testHookSourceRead, when set by a test, runs after a source file's bytes were read and
+// before the check that the file did not change meanwhile.
+var testHookSourceRead func(path string)
+
+// ReadAll reads the whole file into memory and checks that it did not change meanwhile.
+func (s *Source) ReadAll() ([]byte, error) {
+	data := make([]byte, s.stamp.size)
+	if _, err := s.f.ReadAt(data, 0); err != nil {
+		if err == io.EOF {
+			return nil, fmt.Errorf("%w: %s shrank while being read", ErrChanged, s.path)
+		}
+		return nil, err
+	}
+	if testHookSourceRead != nil {
+		testHookSourceRead(s.path)
+	}
+	if err := s.Unchanged(); err != nil {
+		return nil, err
+	}
+	return data, nil
+}
+
+// Reader returns a reader of the file's bytes from the start. When it has delivered the
+// last byte it checks that the file did not change meanwhile, and fails with ErrChanged if
+// it did, so that a writer copying it (into a tier) discards the copy.
+func (s *Source) Reader() io.Reader {
+	return &checkedReader{s: s, r: io.NewSectionReader(s.f, 0, s.stamp.size)}
+}
+
+type checkedReader struct {
+	s   *Source
+	r   *io.SectionReader
+	n   int64 // bytes delivered
+	err error // the change found after the last byte, returned by every later Read
+}
+
+func (c *checkedReader) Read(p []byte) (int, error) {
+	if c.err != nil {
+		return 0, c.err
+	}
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	if err == io.EOF && c.n < c.s.stamp.size {
+		return n, fmt.Errorf("%w: %s shrank while being read", ErrChanged, c.s.path)
+	}
+	if c.n == c.s.stamp.size && (err == nil || err == io.EOF) {
+		if testHookSourceRead != nil {
+			testHookSourceRead(c.s.path)
+		}
+		if cerr := c.s.Unchanged(); cerr != nil {
+			c.err = cerr
+			return n, cerr
+		}
+	}
+	return n, err
+}
+
+// Map maps the whole file read-only, so that a file too large to cache or to hold in memory
+// can still be served without a copy. An empty file gives an empty mapping. The caller
+// must Unmap it. A reader of the mapping takes a SIGBUS if the file is truncated meanwhile;
+// Go code reading it must run under debug.SetPanicOnFault.
+func (s *Source) Map() (mmap.MMap, error) {
+	if s.stamp.size == 0 {
+		return nil, nil
+	}
+	m, err := mmap.MapRegion(s.f, int(s.stamp.size), mmap.RDONLY, 0, 0)
+	if err != nil {
+		return nil, fmt.Errorf("map %s: %w", s.path, err)
+	}
+	return m, nil
+}
+
+// ReadSource reads a whole source file inside realRoot (see OpenSource) and returns its bytes
+// and modification time; it fails with ErrChanged if the file changed while it was read.
+func ReadSource(path, realRoot string) (data []byte, mtimeNanos int64, err error) {
+	s, err := OpenSource(path, realRoot)
 	if err != nil {
 		return nil, 0, err
 	}
-	if fi.IsDir() {
-		return nil, 0, pathError("read", path, syscall.EISDIR)
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, 0, pathError("read", path, syscall.EINVAL)
-	}
-	if err := checkRealPath(f, realRoot); err != nil {
-		return nil, 0, err
-	}
-	data = make([]byte, fi.Size())
-	if _, err := io.ReadFull(f, data); err != nil {
-		if err == io.ErrUnexpectedEOF || err == io.EOF {
-			return nil, 0, fmt.Errorf("%w: %s", ErrChanged, path)
-		}
-		return nil, 0, err
-	}
-	return data, fi.ModTime().UnixNano(), nil
+	defer s.Close()
+	data, err = s.ReadAll()
+	return data, s.MTimeNanos(), err
 }
 
 // checkRealPath refuses a file whose real path (symbolic links resolved) is outside realRoot.

@@ -1,0 +1,192 @@
+package core
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// heapGrowth runs f and returns how much the Go heap grew at its peak, sampled while f runs.
+func heapGrowth(t *testing.T, f func()) uint64 {
+	t.Helper()
+	runtime.GC()
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	done := make(chan struct{})
+	peak := make(chan uint64)
+	go func() {
+		var max uint64
+		for {
+			var m runtime.MemStats
+			runtime.ReadMemStats(&m)
+			if m.HeapAlloc > max {
+				max = m.HeapAlloc
+			}
+			select {
+			case <-done:
+				peak <- max
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}()
+	f()
+	close(done)
+	max := <-peak
+	if max < before.HeapAlloc {
+		return 0
+	}
+	return max - before.HeapAlloc
+}
+
+// sparseFile creates a file of size bytes that takes no space (and no time to write).
+func sparseFile(t *testing.T, dir, name string, size int64) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// A file larger than every tier is refused before it is read: the caller reads the source.
+// On the main branch before this change the engine read it whole into memory (10 GiB).
+func TestFileLargerThanTiersIsNotReadIntoMemory(t *testing.T) {
+	root := t.TempDir()
+	huge := sparseFile(t, root, "huge.bin", 10<<30)
+	e := newEngine(t, "64MiB")
+	for _, wantMapping := range []bool{true, false} {
+		var err error
+		grew := heapGrowth(t, func() { _, err = e.Read(context.Background(), root, huge, wantMapping) })
+		if !errors.Is(err, ErrTooLarge) || Errno(err) != 27 { // EFBIG
+			t.Errorf("wantMapping=%v: got %v (errno %d), want ErrTooLarge (EFBIG)", wantMapping, err, Errno(err))
+		}
+		if grew > 64<<20 {
+			t.Errorf("wantMapping=%v: heap grew by %d MiB", wantMapping, grew>>20)
+		}
+	}
+	if s := e.Stats(); s.Uncached < 1 {
+		t.Errorf("uncached = %d, want >= 1", s.Uncached)
+	}
+}
+
+// A large file that fits a tier is copied into it through a small buffer and served as a
+// mapping; a caller that needs bytes gets them only up to MaxSendBytes.
+func TestLargeFileIsStreamedIntoATier(t *testing.T) {
+	root := t.TempDir()
+	big := sparseFile(t, root, "big.bin", 256<<20)
+	f, _ := os.OpenFile(big, os.O_WRONLY, 0)
+	f.WriteAt([]byte("end"), 256<<20-3)
+	f.Close()
+	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Disk, Budget: "1GiB"}},
+		MaxSendBytes: 1 << 20}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	var res Result
+	grew := heapGrowth(t, func() { res, err = e.Read(context.Background(), root, big, true) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Release()
+	if res.Mapping == nil || res.Origin != "source" || len(res.Bytes()) != 256<<20 || string(res.Bytes()[256<<20-3:]) != "end" {
+		t.Fatalf("got mapping %v, origin %q, %d bytes; want the whole file mapped from a tier", res.Mapping != nil, res.Origin, len(res.Bytes()))
+	}
+	if grew > 64<<20 {
+		t.Errorf("copying a 256 MiB file into a tier grew the heap by %d MiB", grew>>20)
+	}
+	if _, err := e.Read(context.Background(), root, big, false); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("bytes of a cached file over MaxSendBytes: got %v, want ErrTooLarge", err)
+	}
+	if s := e.Stats(); s.SourceReads != 1 || s.Published != 1 {
+		t.Errorf("source reads %d, published %d; want 1 and 1", s.SourceReads, s.Published)
+	}
+}
+
+// A source file that changes while it is read is neither served nor cached; once it is
+// stable, its new bytes are. On the main branch before this change a same-size rewrite
+// during the first read was cached as a mix of both versions.
+func TestSourceChangedDuringReadIsNotCached(t *testing.T) {
+	for _, size := range []int{4096, 3 << 20} { // read into memory; copied into a tier
+		root, paths := dataset(t, size)
+		e := newEngine(t, "64MiB")
+		newBytes := make([]byte, size)
+		for i := range newBytes {
+			newBytes[i] = 0xAB
+		}
+		testHookSourceRead = func(path string) {
+			testHookSourceRead = nil
+			// File times advance with the kernel's clock tick (a few ms): a rewrite within
+			// the same tick as the previous write cannot be told from stat, so wait one.
+			time.Sleep(20 * time.Millisecond)
+			if err := os.WriteFile(path, newBytes, 0o644); err != nil { // same size, new bytes
+				t.Error(err)
+			}
+		}
+		_, err := e.Read(context.Background(), root, paths[0], true)
+		testHookSourceRead = nil
+		if !errors.Is(err, ErrChanged) {
+			t.Fatalf("size %d: read during a rewrite: got %v, want ErrChanged", size, err)
+		}
+		settle(e)
+		if s := e.Stats(); s.Published != 0 {
+			t.Errorf("size %d: %d files published from a changing source, want 0", size, s.Published)
+		}
+		res, err := e.Read(context.Background(), root, paths[0], true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := res.Bytes(); len(got) != size || got[0] != 0xAB || got[size-1] != 0xAB {
+			t.Errorf("size %d: after the rewrite got old or mixed bytes", size)
+		}
+		res.Release()
+	}
+}
+
+// A file replaced by a rename while it is read is not cached either.
+func TestSourceReplacedDuringReadIsNotCached(t *testing.T) {
+	root, paths := dataset(t, 4096)
+	e := newEngine(t, "64MiB")
+	testHookSourceRead = func(path string) {
+		testHookSourceRead = nil
+		tmp := path + ".new"
+		os.WriteFile(tmp, make([]byte, 4096), 0o644)
+		os.Rename(tmp, path)
+	}
+	_, err := e.Read(context.Background(), root, paths[0], false)
+	testHookSourceRead = nil
+	if !errors.Is(err, ErrChanged) {
+		t.Fatalf("read during a replacement: got %v, want ErrChanged", err)
+	}
+}
+
+// Reads after Close fail cleanly. On the main branch before this change they panicked on
+// the unmapped removal counter.
+func TestReadAfterCloseIsErrClosed(t *testing.T) {
+	root, paths := dataset(t, 100)
+	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "1MiB"}},
+		GenerationFile: filepath.Join(t.TempDir(), "gen")}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, e, root, paths[0])
+	e.Close()
+	if _, err := e.Read(context.Background(), root, paths[0], false); !errors.Is(err, ErrClosed) {
+		t.Errorf("read after Close: got %v, want ErrClosed", err)
+	}
+	if err := e.Store(root, paths[0], []byte("x"), 0); !errors.Is(err, ErrClosed) {
+		t.Errorf("store after Close: got %v, want ErrClosed", err)
+	}
+}
