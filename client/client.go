@@ -35,6 +35,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/edsrzf/mmap-go"
+
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
 	"github.com/fitcache/fitcache/rpc"
@@ -54,9 +56,35 @@ type heapBuffer []byte
 func (b heapBuffer) Bytes() []byte  { return b }
 func (b heapBuffer) Release() error { return nil }
 
-// retryDelay is how long a client reads the source directly after it failed to reach or
-// restart the server, before it tries the server again.
-const retryDelay = 5 * time.Second
+// sourceMapping is a read-only mapping of a source file too large to copy.
+type sourceMapping struct {
+	mu sync.Mutex // protects m
+	m  mmap.MMap  // nil once released
+}
+
+func (s *sourceMapping) Bytes() []byte {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.m
+}
+
+func (s *sourceMapping) Release() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.m == nil {
+		return nil
+	}
+	err := s.m.Unmap()
+	s.m = nil
+	return err
+}
+
+// Back-off after the embedded server could not be reached or restarted: reads go to the
+// source for this long, doubling up to the maximum while the server stays unusable.
+const (
+	minBackoff = time.Second
+	maxBackoff = 30 * time.Second
+)
 
 // Client reads files under one dataset root. It is safe for concurrent use.
 type Client struct {
@@ -65,14 +93,20 @@ type Client struct {
 	cfg      core.Config
 	log      *slog.Logger
 
-	mu        sync.Mutex // protects server, dirs, gen and downUntil
-	server    *rpc.Client
-	dirs      []tiers.Dir       // the server's tier directories, fastest first
-	gen       *tiers.Generation // the server's removal counter, or nil
-	downUntil time.Time         // before then, read the source directly
+	// life is held shared by every read and exclusively by Close, which so waits for reads
+	// in progress (each bounded by the read timeout) before it frees what they use.
+	life sync.RWMutex
+
+	mu        sync.Mutex    // protects conn, retired, downUntil, backoff and attempt; never held while waiting
+	conn      *serverConn   // the embedded server, or nil while not connected
+	retired   []*serverConn // replaced connections, freed at Close: readers may still use them
+	downUntil time.Time     // before then, read the source directly
+	backoff   time.Duration // the next back-off
+	attempt   *connectAttempt
 
 	maps    *mapCache      // mappings kept between reads
 	cluster *clusterRouter // set in cluster mode (Config.Servers)
+	spawned atomic.Bool    // set once this client started (or waited for) a server
 
 	counts  counters
 	pending hitReport // local hits not yet reported to the server
@@ -81,11 +115,30 @@ type Client struct {
 	stopped chan struct{}
 }
 
+// serverConn is a connection to the embedded server and what it told about itself.
+type serverConn struct {
+	rpc  *rpc.Client
+	dirs []tiers.Dir       // the server's tier directories, fastest first
+	gen  *tiers.Generation // the server's removal counter, or nil
+}
+
+func (s *serverConn) close() {
+	s.rpc.Close()
+	s.gen.Close()
+}
+
+// connectAttempt is one try at reaching (or starting) the embedded server; readers that need
+// the server while it runs wait for it, each no longer than its read timeout.
+type connectAttempt struct {
+	done chan struct{} // closed when err is set
+	err  error
+}
+
 type counters struct {
 	localHits   atomic.Int64 // served from a tier file mapped by this client
 	serverReads atomic.Int64 // answered by the server
 	directReads atomic.Int64 // read from the source because the server was unavailable
-	restarts    atomic.Int64 // embedded server (re)starts this client did or waited for
+	connects    atomic.Int64 // attempts to reach or start the embedded server
 	errors      atomic.Int64
 }
 
@@ -124,12 +177,7 @@ func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
 		if c.cluster, err = newClusterRouter(cfg, log); err != nil {
 			return nil, err
 		}
-		for _, p := range c.cluster.peers {
-			if p.local && (c.server == nil || p.member.ID < c.server.Addr()) {
-				c.server = p.rpc // hits served from local tier files are reported to it
-			}
-		}
-	} else if err := c.connect(); err != nil {
+	} else if _, err := c.ensureConn(nil, cfg.StartTimeout+cfg.ReadTimeout); err != nil {
 		log.Warn("fitcache server unavailable; reading from the source", "err", err)
 	}
 	go c.reportLoop()
@@ -139,50 +187,122 @@ func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
 // Root returns the dataset root.
 func (c *Client) Root() string { return c.root }
 
-// connect reaches the embedded server, starting it if needed, and learns its tiers.
-func (c *Client) connect() error {
+// current returns the connection to the embedded server and whether reads should skip it
+// for now (it failed recently).
+func (c *Client) current() (conn *serverConn, down bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.connectLocked()
+	return c.conn, time.Now().Before(c.downUntil)
 }
 
-func (c *Client) connectLocked() error {
-	server, err := rpc.Dial(local.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{ReadTimeout: c.cfg.ReadTimeout})
+// ensureConn returns a working connection to the embedded server: the current one unless it
+// is failed, else the result of a connection attempt (started here, or already running),
+// waited for at most wait. While the server is backing off it returns ErrUnavailable at once.
+// No lock is held while waiting, so reads of cached files never wait on the server.
+func (c *Client) ensureConn(failed *serverConn, wait time.Duration) (*serverConn, error) {
+	c.mu.Lock()
+	if c.conn != nil && c.conn != failed {
+		conn := c.conn
+		c.mu.Unlock()
+		return conn, nil
+	}
+	if failed != nil && c.conn == failed {
+		c.conn = nil
+		c.retired = append(c.retired, failed)
+	}
+	if time.Now().Before(c.downUntil) {
+		c.mu.Unlock()
+		return nil, fmt.Errorf("%w: backing off after a failure", rpc.ErrUnavailable)
+	}
+	a := c.attempt
+	if a == nil {
+		a = &connectAttempt{done: make(chan struct{})}
+		c.attempt = a
+		go c.connect(a)
+	}
+	c.mu.Unlock()
+
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-a.done:
+	case <-timer.C:
+		return nil, fmt.Errorf("%w: no answer within %s", rpc.ErrUnavailable, wait)
+	}
+	if a.err != nil {
+		return nil, a.err
+	}
+	conn, _ := c.current()
+	if conn == nil {
+		return nil, fmt.Errorf("%w: connection lost", rpc.ErrUnavailable)
+	}
+	return conn, nil
+}
+
+// connect runs one connection attempt: it reaches the embedded server, starting it if none
+// runs (see local.EnsureRunning, which gives up at once on a server that holds the lock but
+// does not answer), and learns its tiers. On failure reads go to the source for a back-off
+// that doubles while the server stays unusable.
+func (c *Client) connect(a *connectAttempt) {
+	c.counts.connects.Add(1)
+	conn, err := c.dial()
+	c.mu.Lock()
+	if err == nil && c.closed.Load() {
+		conn.close()
+		err = core.ErrClosed
+	}
+	if err == nil {
+		c.conn, c.downUntil, c.backoff = conn, time.Time{}, 0
+	} else {
+		c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
+		c.downUntil = time.Now().Add(c.backoff)
+		c.log.Warn("fitcache server unavailable; reading from the source", "err", err, "retry_in", c.backoff)
+	}
+	a.err = err
+	c.attempt = nil
+	c.mu.Unlock()
+	close(a.done)
+}
+
+// dial connects to the embedded server, starting it if needed.
+func (c *Client) dial() (*serverConn, error) {
+	server, err := rpc.Dial(local.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{ReadTimeout: c.cfg.ReadTimeout,
+		CallTimeout: min(2*time.Second, c.cfg.ReadTimeout)})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	var dirs []tiers.Dir
-	var genFile string
+	var hello *fitcachepb.HelloReply
 	ping := func(ctx context.Context) error {
-		hello, err := server.Hello(ctx)
-		if err != nil {
-			return err
-		}
-		genFile = hello.GenerationFile
-		dirs = dirs[:0]
-		for _, t := range hello.Tiers {
-			kind, err := tiers.ParseKind(t.Kind)
-			if err != nil {
-				return err
-			}
-			dirs = append(dirs, tiers.Dir{Path: t.Dir, Kind: kind})
-		}
-		return nil
-	}
-	c.counts.restarts.Add(1)
-	if err := local.EnsureRunning(context.Background(), c.cfg, ping); err != nil {
-		c.downUntil = time.Now().Add(retryDelay)
+		var err error
+		hello, err = server.Hello(ctx)
 		return err
 	}
-	c.server, c.dirs, c.downUntil = server, dirs, time.Time{}
-	// An older counter stays mapped (one page): readers may still be loading it.
-	c.gen = nil
-	if genFile != "" {
-		if c.gen, err = tiers.OpenGeneration(genFile); err != nil {
+	if err := local.EnsureRunning(context.Background(), c.cfg, ping); err != nil {
+		server.Close()
+		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
+	}
+	conn := &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, c.log)}
+	if hello.GenerationFile != "" {
+		if conn.gen, err = tiers.OpenGeneration(hello.GenerationFile); err != nil {
 			c.log.Warn("cannot watch the server's removals; not keeping mappings", "err", err)
 		}
 	}
-	return nil
+	return conn, nil
+}
+
+// tierDirs turns the tiers of a Hello reply into directories to read, skipping (with a log
+// line) a kind this client does not know.
+func tierDirs(infos []*fitcachepb.TierInfo, log *slog.Logger) []tiers.Dir {
+	var dirs []tiers.Dir
+	for _, t := range infos {
+		kind, err := tiers.ParseKind(t.Kind)
+		if err != nil {
+			log.Warn("ignoring a tier of the server", "dir", t.Dir, "err", err)
+			continue
+		}
+		dirs = append(dirs, tiers.Dir{Path: t.Dir, Kind: kind})
+	}
+	return dirs
 }
 
 // Resolve turns a path relative to the root, or absolute, into a clean absolute path inside
@@ -200,19 +320,22 @@ func (c *Client) Resolve(path string) (string, error) {
 
 // Read returns the whole file at path (absolute, or relative to the root).
 func (c *Client) Read(path string) (Buffer, error) {
+	c.life.RLock()
+	defer c.life.RUnlock()
 	if c.closed.Load() {
 		return nil, core.ErrClosed
 	}
-	buf, err := c.read(path, 2)
+	buf, err := c.read(path)
 	if err != nil {
 		c.counts.errors.Add(1)
 	}
 	return buf, err
 }
 
-// read serves path, reconnecting to the server at most tries times before it reads the
-// source directly.
-func (c *Client) read(path string, tries int) (Buffer, error) {
+// read serves path: from a mapping kept or a tier file of the server, from the server, or
+// from the source when the server is unavailable. It waits for a server problem no longer
+// than the read timeout.
+func (c *Client) read(path string) (Buffer, error) {
 	path, err := c.Resolve(path)
 	if err != nil {
 		return nil, err
@@ -220,10 +343,12 @@ func (c *Client) read(path string, tries int) (Buffer, error) {
 	if c.cluster != nil {
 		return c.readCluster(path)
 	}
-	c.mu.Lock()
-	server, dirs, gen, down := c.server, c.dirs, c.gen, time.Now().Before(c.downUntil)
-	c.mu.Unlock()
-
+	conn, down := c.current()
+	var dirs []tiers.Dir
+	var gen *tiers.Generation
+	if conn != nil {
+		dirs, gen = conn.dirs, conn.gen
+	}
 	if buf := c.maps.get(path, gen.Load()); buf != nil {
 		c.hit(buf.(*mapHandle).s.m)
 		return buf, nil
@@ -232,21 +357,27 @@ func (c *Client) read(path string, tries int) (Buffer, error) {
 		c.hit(m)
 		return c.keep(path, m, gen), nil
 	}
-	if server == nil || down {
-		if !down && tries > 0 && c.reconnect(nil) == nil {
-			return c.read(path, tries-1)
-		}
+	if down {
 		return c.readDirect(path)
 	}
-	buf, err := c.readFromServer(server, dirs, gen, path)
-	if errors.Is(err, rpc.ErrUnavailable) {
+	deadline := time.Now().Add(c.cfg.ReadTimeout)
+	var failed *serverConn
+	for try := 0; try < 2; try++ {
+		conn, err := c.ensureConn(failed, time.Until(deadline))
+		if err != nil {
+			break
+		}
+		buf, err := c.readFromServer(conn, path, deadline)
+		if errors.Is(err, core.ErrTooLarge) {
+			return c.readDirect(path)
+		}
+		if !errors.Is(err, rpc.ErrUnavailable) {
+			return buf, err
+		}
 		c.log.Warn("fitcache server unavailable", "err", err)
-		if tries > 0 && c.reconnect(server) == nil {
-			return c.read(path, tries-1)
-		}
-		return c.readDirect(path)
+		failed = conn
 	}
-	return buf, err
+	return c.readDirect(path)
 }
 
 // hit counts a read served from a tier file by this client.
@@ -263,58 +394,62 @@ func (c *Client) keep(path string, m *tiers.Mapping, gen *tiers.Generation) Buff
 	return c.maps.put(path, m, gen.Load())
 }
 
-func (c *Client) readFromServer(server *rpc.Client, dirs []tiers.Dir, gen *tiers.Generation, path string) (Buffer, error) {
-	reply, err := server.Read(context.Background(), c.root, path, true)
+func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Time) (Buffer, error) {
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	reply, err := conn.rpc.Read(ctx, c.root, path, true)
 	if err != nil {
 		return nil, err
 	}
 	c.counts.serverReads.Add(1)
-	return c.replyBuffer(server, reply, dirs, path, func(m *tiers.Mapping) Buffer { return c.keep(path, m, gen) })
+	return c.replyBuffer(ctx, conn.rpc, reply, conn.dirs, path, func(m *tiers.Mapping) Buffer { return c.keep(path, m, conn.gen) })
 }
 
 // replyBuffer turns a server's reply to a local read into a buffer: the tier file it names,
 // mapped and handed to keep, or the bytes it carries. A tier file evicted between the reply
 // and our open is asked for again, as bytes.
-func (c *Client) replyBuffer(server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string,
+func (c *Client) replyBuffer(ctx context.Context, server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string,
 	keep func(*tiers.Mapping) Buffer) (Buffer, error) {
 	if reply.CachedPath != "" {
 		if m, err := tiers.Probe(dirs, path); err == nil {
 			return keep(m), nil
 		}
 		var err error
-		if reply, err = server.Read(context.Background(), c.root, path, false); err != nil {
+		if reply, err = server.Read(ctx, c.root, path, false); err != nil {
 			return nil, err
 		}
 	}
 	return heapBuffer(reply.Data), nil
 }
 
-// reconnect replaces a server that failed (nil: none yet), unless another reader already did.
-func (c *Client) reconnect(failed *rpc.Client) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.server != failed && c.server != nil {
-		return nil // someone else reconnected meanwhile
-	}
-	if time.Now().Before(c.downUntil) {
-		return rpc.ErrUnavailable
-	}
-	c.server = nil
-	err := c.connectLocked()
-	if err != nil {
-		c.log.Warn("cannot restart the fitcache server; reading from the source", "err", err, "retry_in", retryDelay)
-	}
-	return err
-}
+// directReadMax is the largest file a direct source read copies into memory; larger files are
+// mapped, so that no file is ever held whole in this process's memory.
+const directReadMax = 1 << 20
 
-// readDirect reads the source without the cache; the dataset-root checks still apply.
+// readDirect reads the source without the cache; the dataset-root checks still apply. A
+// large file is mapped rather than copied.
 func (c *Client) readDirect(path string) (Buffer, error) {
-	data, _, err := core.ReadSource(path, c.realRoot)
+	src, err := core.OpenSource(path, c.realRoot)
 	if err != nil {
 		return nil, err
 	}
+	defer src.Close()
+	var buf Buffer
+	if src.Size() > directReadMax {
+		m, err := src.Map()
+		if err != nil {
+			return nil, err
+		}
+		buf = &sourceMapping{m: m}
+	} else {
+		data, err := src.ReadAll()
+		if err != nil {
+			return nil, err
+		}
+		buf = heapBuffer(data)
+	}
 	c.counts.directReads.Add(1)
-	return heapBuffer(data), nil
+	return buf, nil
 }
 
 // Size returns the size of the file at path: from its cached copy when there is one, else
@@ -324,10 +459,7 @@ func (c *Client) Size(path string) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	c.mu.Lock()
-	dirs := c.dirs
-	c.mu.Unlock()
-	if m, err := tiers.Probe(dirs, path); err == nil {
+	if m, err := tiers.Probe(c.localDirs(), path); err == nil {
 		defer m.Release()
 		return m.Size, nil
 	}
@@ -391,23 +523,20 @@ func (c *Client) Stats() (string, error) {
 		Error   string                     `json:"server_error,omitempty"`
 	}{Client: ClientStats{
 		LocalHits: c.counts.localHits.Load(), ServerReads: c.counts.serverReads.Load(),
-		DirectReads: c.counts.directReads.Load(), Connects: c.counts.restarts.Load(),
+		DirectReads: c.counts.directReads.Load(), Connects: c.counts.connects.Load(),
 		Errors: c.counts.errors.Load(),
 	}}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
 		out.Client.ServersGossiped, out.Client.ServerFailures = c.cluster.gossiped.Load(), c.cluster.failures.Load()
-		if c.server != nil {
-			c.flushHits(c.server)
+		if server := c.reportTo(); server != nil {
+			c.flushHits(server)
 		}
 		out.Servers = c.cluster.stats()
 		b, err := json.Marshal(out)
 		return string(b), err
 	}
-	c.mu.Lock()
-	server := c.server
-	c.mu.Unlock()
-	if server != nil {
+	if server := c.reportTo(); server != nil {
 		c.flushHits(server)
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
@@ -461,7 +590,8 @@ func (c *Client) flushHits(server *rpc.Client) {
 }
 
 // reportLoop reports local hits to the server once a second, so that server statistics
-// count reads the server never saw.
+// count reads the server never saw, and drops kept mappings of files the server removed
+// meanwhile, so that an idle client does not keep evicted files alive in the tiers.
 func (c *Client) reportLoop() {
 	defer close(c.stopped)
 	tick := time.NewTicker(time.Second)
@@ -471,29 +601,74 @@ func (c *Client) reportLoop() {
 		case <-c.stop:
 			return
 		case <-tick.C:
-			c.mu.Lock()
-			server := c.server
-			c.mu.Unlock()
-			if server != nil {
+			c.maps.sync(c.generation())
+			if server := c.reportTo(); server != nil {
 				c.flushHits(server)
 			}
 		}
 	}
 }
 
-// Close reports pending hits and stops the client. It is idempotent. Buffers already handed
-// out stay valid until released.
+// reportTo returns the server that local hits are reported to: the embedded server, or in
+// cluster mode the first server on this node.
+func (c *Client) reportTo() *rpc.Client {
+	if c.cluster != nil {
+		return c.cluster.localServer()
+	}
+	if conn, _ := c.current(); conn != nil {
+		return conn.rpc
+	}
+	return nil
+}
+
+// localDirs returns the tier directories this client maps files from.
+func (c *Client) localDirs() []tiers.Dir {
+	if c.cluster != nil {
+		return c.cluster.localDirs()
+	}
+	if conn, _ := c.current(); conn != nil {
+		return conn.dirs
+	}
+	return nil
+}
+
+// generation returns the removal generation of the servers whose files this client maps.
+func (c *Client) generation() uint64 {
+	if c.cluster != nil {
+		return c.cluster.generation()
+	}
+	if conn, _ := c.current(); conn != nil {
+		return conn.gen.Load()
+	}
+	return 0
+}
+
+// Close reports pending hits and stops the client, after reads in progress have ended. It
+// closes the client's connections and unmaps what it kept. It is idempotent. Buffers already
+// handed out stay valid until released.
 func (c *Client) Close() error {
 	if c.closed.Swap(true) {
 		return nil
 	}
 	close(c.stop)
 	<-c.stopped
-	c.mu.Lock()
-	server := c.server
-	c.mu.Unlock()
-	if server != nil {
+	if server := c.reportTo(); server != nil {
 		c.flushHits(server)
+	}
+	c.life.Lock() // no read is in progress from here on
+	defer c.life.Unlock()
+	c.mu.Lock()
+	conns := append(c.retired, c.conn)
+	c.conn, c.retired = nil, nil
+	attempt := c.attempt
+	c.mu.Unlock()
+	if attempt != nil { // it frees its connection itself, seeing closed
+		<-attempt.done
+	}
+	for _, conn := range conns {
+		if conn != nil {
+			conn.close()
+		}
 	}
 	if c.cluster != nil {
 		c.cluster.close()

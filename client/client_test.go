@@ -77,10 +77,7 @@ func waitCached(t *testing.T, c *Client, path string) {
 	t.Helper()
 	abs, _ := c.Resolve(path)
 	waitFor(t, func() bool {
-		c.mu.Lock()
-		dirs := c.dirs
-		c.mu.Unlock()
-		m, err := tiers.Probe(dirs, abs)
+		m, err := tiers.Probe(c.localDirs(), abs)
 		if err == nil {
 			m.Release()
 		}
@@ -238,7 +235,7 @@ func TestMappingsAreKeptUntilTheServerRemovesFiles(t *testing.T) {
 		readBytes(t, c, name)
 		waitCached(t, c, name)
 	}
-	waitFor(t, func() bool { return c.gen.Load() > 0 })
+	waitFor(t, func() bool { return c.generation() > 0 })
 	if got := readBytes(t, c, "f1"); got[0] != 1 {
 		t.Fatalf("f1: wrong bytes")
 	}

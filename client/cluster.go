@@ -1,6 +1,7 @@
 package client
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -98,8 +99,12 @@ type clusterRouter struct {
 	gossiped atomic.Int64 // servers declared dead because a server said its clients found them dead
 	rejoins  atomic.Int64 // dead servers that answered again
 	failures atomic.Int64 // calls that failed for want of an answer
-	stop     chan struct{}
-	stopped  chan struct{}
+
+	replicas        sync.WaitGroup // replica copies in flight
+	replicaBytes    atomic.Int64   // bytes they hold
+	replicasSkipped atomic.Int64   // replica copies not sent for the bounds above
+	stop            chan struct{}
+	stopped         chan struct{}
 }
 
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
@@ -180,20 +185,14 @@ func (r *clusterRouter) hello(p *peer) error {
 	if err != nil {
 		return err
 	}
-	var dirs []tiers.Dir
-	for _, t := range reply.Tiers {
-		if kind, err := tiers.ParseKind(t.Kind); err == nil {
-			dirs = append(dirs, tiers.Dir{Path: t.Dir, Kind: kind})
-		}
-	}
-	var gen *tiers.Generation
-	if p.local && reply.GenerationFile != "" {
-		gen, _ = tiers.OpenGeneration(reply.GenerationFile)
-	}
+	dirs := tierDirs(reply.Tiers, r.log)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.local {
-		p.dirs, p.gen = dirs, gen
+		p.dirs = dirs
+		if p.gen == nil && reply.GenerationFile != "" {
+			p.gen, _ = tiers.OpenGeneration(reply.GenerationFile)
+		}
 	}
 	p.timeouts, p.dead = 0, false
 	return nil
@@ -311,9 +310,44 @@ func (r *clusterRouter) probeLoop() {
 	}
 }
 
+// close stops probing and frees the connections and the mapped removal counters.
 func (r *clusterRouter) close() {
 	close(r.stop)
 	<-r.stopped
+	r.replicas.Wait()
+	for _, p := range r.peers {
+		p.rpc.Close()
+		p.mu.Lock()
+		p.gen.Close()
+		p.gen = nil
+		p.mu.Unlock()
+	}
+}
+
+// localServer returns the server on this node that hits on its tier files are reported to
+// (the first by address), or nil.
+func (r *clusterRouter) localServer() *rpc.Client {
+	var best *peer
+	for _, p := range r.peers {
+		if p.local && (best == nil || p.member.ID < best.member.ID) {
+			best = p
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	return best.rpc
+}
+
+// localDirs returns the tier directories of the live servers on this node.
+func (r *clusterRouter) localDirs() []tiers.Dir {
+	var dirs []tiers.Dir
+	for _, p := range r.peers {
+		if d, _, dead := p.state(); p.local && !dead {
+			dirs = append(dirs, d...)
+		}
+	}
+	return dirs
 }
 
 // generation sums the removal counters of the servers on this node: it changes whenever one
@@ -390,7 +424,7 @@ func (c *Client) readFromPeer(p *peer, path string, gen uint64) (Buffer, *readRe
 		return nil, nil, err
 	}
 	c.counts.serverReads.Add(1)
-	buf, err := c.replyBuffer(p.rpc, reply, dirs, path, func(m *tiers.Mapping) Buffer { return c.maps.put(path, m, gen) })
+	buf, err := c.replyBuffer(context.Background(), p.rpc, reply, dirs, path, func(m *tiers.Mapping) Buffer { return c.maps.put(path, m, gen) })
 	if err != nil {
 		return nil, nil, err
 	}
@@ -402,12 +436,32 @@ type readReply struct {
 	MtimeNanos int64
 }
 
+// Replica copies are sent in the background and hold a copy of the file meanwhile: they are
+// bounded in size and in bytes in flight, and skipped beyond the bounds (a replica is an
+// optimisation; the file's owner holds it).
+const (
+	replicaMaxFile       = 32 << 20
+	replicaBytesInFlight = 128 << 20
+)
+
 // replicate sends a file just read from the source to the other servers meant to hold it,
-// in the background: a replica copy must not slow the read down.
+// in the background: a replica copy must not slow the read down. Close waits for them.
 func (c *Client) replicate(to []*peer, path string, data []byte, mtime int64) {
-	data = append([]byte(nil), data...) // the caller may release its buffer
+	r := c.cluster
+	need := int64(len(data)) * int64(len(to))
+	if len(data) > replicaMaxFile || r.replicaBytes.Add(need) > replicaBytesInFlight {
+		if len(data) <= replicaMaxFile {
+			r.replicaBytes.Add(-need)
+		}
+		r.replicasSkipped.Add(int64(len(to)))
+		return
+	}
+	data = bytes.Clone(data) // the caller may release its buffer
+	r.replicas.Add(len(to))
 	for _, p := range to {
 		go func() {
+			defer r.replicas.Done()
+			defer r.replicaBytes.Add(-int64(len(data)))
 			if err := p.rpc.Store(context.Background(), c.root, path, data, mtime); err != nil {
 				c.log.Debug("replica copy failed", "server", p.member.ID, "path", path, "err", err)
 			}

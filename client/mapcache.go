@@ -155,6 +155,18 @@ func (c *mapCache) flushLocked(gen uint64) []*tiers.Mapping {
 	return drop
 }
 
+// sync empties the cache if the server's removal generation changed: called periodically, so
+// that kept mappings never pin removed files for long even when no read comes.
+func (c *mapCache) sync(gen uint64) {
+	c.mu.Lock()
+	var drop []*tiers.Mapping
+	if gen != c.gen {
+		drop = c.flushLocked(gen)
+	}
+	c.mu.Unlock()
+	releaseAll(drop)
+}
+
 // flush empties the cache (at close); handles already out stay valid until released.
 func (c *mapCache) flush() {
 	c.mu.Lock()
@@ -173,7 +185,7 @@ func releaseAll(ms []*tiers.Mapping) {
 // heap (which C code must not keep).
 func IsMapped(b Buffer) bool {
 	switch b.(type) {
-	case *mapHandle, *tiers.Mapping:
+	case *mapHandle, *tiers.Mapping, *sourceMapping:
 		return true
 	}
 	return false

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc"
 )
 
 // File names inside the runtime directory.
@@ -64,20 +65,30 @@ func PrepareDir(dir string) error {
 	return nil
 }
 
-// LockServer takes the lock that a running embedded server holds until it exits. It returns
-// ErrAlreadyRunning when another server holds it. Closing the file releases the lock (so does
-// the process's death, whatever kills it).
-func LockServer(dir string) (*os.File, error) {
-	f, err := os.OpenFile(filepath.Join(dir, serverLock), os.O_RDWR|os.O_CREATE, 0o600)
+// LockServer takes the lock that a running embedded server holds until it exits, waiting up
+// to wait for a server that is exiting to release it. It returns an error wrapping
+// ErrAlreadyRunning when another server still holds it. Closing the file releases the lock
+// (so does the process's death, whatever kills it).
+func LockServer(dir string, wait time.Duration) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, serverLock), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		f.Close()
-		if errors.Is(err, syscall.EWOULDBLOCK) {
-			return nil, ErrAlreadyRunning
+	deadline := time.Now().Add(wait)
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			break
 		}
-		return nil, err
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			f.Close()
+			return nil, err
+		}
+		if time.Now().After(deadline) {
+			f.Close()
+			return nil, fmt.Errorf("%w (pid %d)", ErrAlreadyRunning, RunningPID(dir))
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 	f.Truncate(0)
 	fmt.Fprintf(f, "%d\n", os.Getpid())
@@ -86,7 +97,7 @@ func LockServer(dir string) (*os.File, error) {
 
 // RunningPID returns the pid of the embedded server running in dir, or 0 if none runs.
 func RunningPID(dir string) int {
-	f, err := os.Open(filepath.Join(dir, serverLock))
+	f, err := os.OpenFile(filepath.Join(dir, serverLock), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return 0
 	}
@@ -99,13 +110,25 @@ func RunningPID(dir string) int {
 	return pid
 }
 
-// EnsureRunning makes sure an embedded server answers ping, starting one if none does.
+// ErrNotAnswering reports an embedded server that holds the server lock but does not answer
+// (stopped, hung, or still rescanning its tiers): clients read the source meanwhile.
+var ErrNotAnswering = errors.New("the embedded fitcache server does not answer")
+
+// EnsureRunning makes sure an embedded server answers ping, starting one if none runs.
 // Among clients that call it at the same time, the one that takes the spawn lock starts the
-// server and the others wait for the lock, then find the server running. It gives up when ctx
-// ends or after cfg.StartTimeout.
+// server and the others wait for the lock, then find the server running.
+//
+// It never waits long on a server that cannot answer: if ping fails while a server holds the
+// server lock, it returns ErrNotAnswering at once, and it stops waiting as soon as the
+// server it started exits. Otherwise it gives up when ctx ends or after cfg.StartTimeout.
 func EnsureRunning(ctx context.Context, cfg core.Config, ping func(context.Context) error) error {
-	if ping(ctx) == nil {
+	err := ping(ctx)
+	if err == nil {
 		return nil
+	}
+	if pid := RunningPID(cfg.RuntimeDir); pid != 0 && !rpc.IsRefused(err) {
+		return fmt.Errorf("%w (pid %d, which holds %s): %v", ErrNotAnswering, pid,
+			filepath.Join(cfg.RuntimeDir, serverLock), err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, cfg.StartTimeout)
 	defer cancel()
@@ -126,21 +149,26 @@ func EnsureRunning(ctx context.Context, cfg core.Config, ping func(context.Conte
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- proc.Wait() }() // reap it if it exits while we live
+	logPath := filepath.Join(cfg.RuntimeDir, LogName)
 	for {
 		if ping(ctx) == nil {
 			return nil
 		}
 		select {
 		case err := <-exited:
-			// A server that found another one holding the server lock exits 0; that one
-			// may still be starting, so keep pinging until the deadline.
-			if err != nil {
-				return fmt.Errorf("embedded fitcache server exited: %v (see %s)", err, filepath.Join(cfg.RuntimeDir, LogName))
+			// Exit 0: it found another server holding the lock that did not let go in time.
+			if ping(ctx) == nil {
+				return nil
 			}
-			exited = nil
+			if pid := RunningPID(cfg.RuntimeDir); err == nil && pid != 0 {
+				return fmt.Errorf("%w: another server (pid %d) holds the lock (see %s)", ErrNotAnswering, pid, logPath)
+			}
+			if err == nil {
+				return fmt.Errorf("embedded fitcache server %s exited without serving (see %s)", proc.Path, logPath)
+			}
+			return fmt.Errorf("embedded fitcache server exited: %v (see %s)", err, logPath)
 		case <-ctx.Done():
-			return fmt.Errorf("embedded fitcache server did not answer within %s (see %s)",
-				cfg.StartTimeout, filepath.Join(cfg.RuntimeDir, LogName))
+			return fmt.Errorf("embedded fitcache server did not answer within %s (see %s)", cfg.StartTimeout, logPath)
 		case <-time.After(20 * time.Millisecond):
 		}
 	}

@@ -3,6 +3,7 @@ package tiers
 import (
 	"fmt"
 	"os"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -12,10 +13,12 @@ import (
 // Generation is a counter shared through a small memory-mapped file: the server owning a set
 // of tiers bumps it whenever it removes a cached file (eviction, damage), and readers on the
 // node load it without a system call to learn that mappings they kept may now pin removed
-// files. It is safe for concurrent use.
+// files. It is safe for concurrent use, also with Close: a closed (or nil) Generation loads
+// as 0 and ignores Bump.
 type Generation struct {
+	mu   sync.RWMutex // protects m and word against Close; held shared to use them
 	m    mmap.MMap
-	word *uint64 // the counter, in m
+	word *uint64 // the counter, in m; nil once closed
 }
 
 // CreateGeneration creates (or reuses) the counter file at path for the server, mapped
@@ -58,19 +61,34 @@ func (g *Generation) Load() uint64 {
 	if g == nil {
 		return 0
 	}
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	if g.word == nil {
+		return 0
+	}
 	return atomic.LoadUint64(g.word)
 }
 
 // Bump increments the counter (server side only).
 func (g *Generation) Bump() {
-	if g != nil {
+	if g == nil {
+		return
+	}
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	if g.word != nil {
 		atomic.AddUint64(g.word, 1)
 	}
 }
 
-// Close unmaps the counter.
+// Close unmaps the counter. It is idempotent.
 func (g *Generation) Close() error {
-	if g == nil || g.m == nil {
+	if g == nil {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.m == nil {
 		return nil
 	}
 	err := g.m.Unmap()

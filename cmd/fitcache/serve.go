@@ -66,9 +66,11 @@ func serve(args []string) error {
 	}
 	idleTimeout := time.Duration(0)
 	if *embedded {
-		lock, err := local.LockServer(cfg.RuntimeDir)
+		// A server that is exiting (its socket was removed, say) lets go of the lock within
+		// a second: wait for it rather than leave its clients without a server.
+		lock, err := local.LockServer(cfg.RuntimeDir, 3*time.Second)
 		if errors.Is(err, local.ErrAlreadyRunning) {
-			log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir)
+			log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir, "err", err)
 			return nil
 		}
 		if err != nil {
@@ -126,6 +128,7 @@ func serve(args []string) error {
 		defer os.Remove(*readyFile)
 	}
 
+	socketID := socketIdentity(*socket)
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
 	tick := time.NewTicker(time.Second)
@@ -141,18 +144,36 @@ func serve(args []string) error {
 			if idleTimeout > 0 && time.Since(time.Unix(0, lastRequest.Load())) > idleTimeout {
 				reason = "idle for " + idleTimeout.String()
 			}
+			// Clients find this server by its socket's path: if the socket was removed or
+			// replaced, none can reach it any more, so exit and let a new server start.
+			if socketID != 0 && socketIdentity(*socket) != socketID {
+				reason = "socket " + *socket + " was removed or replaced"
+				socketID = 0 // not ours to remove any more
+			}
 		}
 	}
 	log.Info("fitcache server stopping", "reason", reason)
 	// Remove the socket first so that new clients start a fresh server instead of reaching
 	// this one while it stops.
-	if *socket != "" {
+	if socketID != 0 && socketIdentity(*socket) == socketID {
 		os.Remove(*socket)
 	}
 	srv.Stop()
 	engine.Close()
 	log.Info("fitcache server stopped")
 	return nil
+}
+
+// socketIdentity returns the inode of the socket file at path, or 0 if there is none.
+func socketIdentity(path string) uint64 {
+	if path == "" {
+		return 0
+	}
+	var st syscall.Stat_t
+	if err := syscall.Lstat(path, &st); err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFSOCK {
+		return 0
+	}
+	return st.Ino
 }
 
 func firstNonEmpty(vals ...string) string {
