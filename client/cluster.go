@@ -383,6 +383,9 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 				}
 				return buf, nil
 			}
+			if errors.Is(err, core.ErrTooLarge) {
+				return c.readDirect(path) // too large for the owner to cache or send: map the source
+			}
 			if !errors.Is(err, rpc.ErrUnavailable) {
 				return nil, err // the file's own error, as the server saw it
 			}
