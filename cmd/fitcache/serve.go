@@ -96,13 +96,22 @@ func serve(args []string) error {
 		if ln, err = net.Listen("tcp", *listen); err != nil {
 			return fmt.Errorf("listen on %s: %w", *listen, err)
 		}
-	} else if ln, err = rpc.ListenUnix(*socket); err != nil {
-		return err
 	}
 	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile}, log)
 	if err != nil {
-		ln.Close()
+		if ln != nil {
+			ln.Close()
+		}
 		return err
+	}
+	if ln == nil {
+		// The socket appears only once the engine is ready (its tiers rescanned): a client
+		// that finds no socket waits for the server being started, while one whose ping
+		// gets no answer on an existing socket takes the server for hung.
+		if ln, err = rpc.ListenUnix(*socket); err != nil {
+			engine.Close()
+			return err
+		}
 	}
 	var lastRequest atomic.Int64
 	lastRequest.Store(time.Now().UnixNano())
