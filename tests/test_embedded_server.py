@@ -1,7 +1,9 @@
 """The embedded server: started on demand exactly once however many processes start at the
 same time, reused by later runs (warm), and restarted after it exits."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,3 +110,41 @@ def test_stats_and_info_commands(dataset, cache_options):
     assert report["embedded_server_pid"] == server_pid(cache_options["runtime_dir"])
     bad = fitcache_cli(cache_options, "frobnicate")
     assert bad.returncode == 2 and "unknown command" in bad.stderr
+
+
+TIMED_READER = """
+import sys, time, hashlib, json, fitcache
+root, runtime_dir, tiers, read_timeout = sys.argv[1:5]
+start = time.monotonic()
+out = {}
+with fitcache.Client(root, runtime_dir=runtime_dir, tiers=tiers, read_timeout=read_timeout) as c:
+    for name in sys.argv[5:]:
+        out[name] = hashlib.sha256(c.read(name)).hexdigest()
+    stats = c.stats()["client"]
+print(json.dumps({"seconds": time.monotonic() - start, "digests": out, "client": stats}))
+"""
+
+
+def test_stopped_server_is_bypassed_within_the_read_timeout(dataset, cache_options):
+    """A server stopped with SIGSTOP holds its lock but answers nothing: a new process, which
+    cannot learn the server's tiers, reads every file right from the source within the read
+    timeout (before: 77 s for the first read with the defaults, then 17 s stalls)."""
+    root, digests = dataset
+    names = sorted(digests)
+    cached = names[: len(names) // 2]
+    with fitcache.Client(root, **cache_options) as c:
+        for name in cached:
+            c.read(name)
+    wait_published(cache_options, len(cached))
+    pid = server_pid(cache_options["runtime_dir"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = subprocess.run([sys.executable, "-c", TIMED_READER, root, cache_options["runtime_dir"],
+                              cache_options["tiers"], "3", *names], capture_output=True, text=True, timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["digests"] == digests
+    assert result["seconds"] < 3 + 2, f"reads with a stopped server took {result['seconds']:.1f}s"
+    assert result["client"]["direct_reads"] == len(names)
