@@ -115,6 +115,9 @@ def _declare(lib):
     # int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed);
     lib.fc_stats.argtypes = [i64, ctypes.c_char_p, ctypes.c_size_t, p(ctypes.c_size_t)]
     lib.fc_stats.restype = ctypes.c_int
+    # int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
+    lib.fc_debug_open_handles.argtypes = [p(i64), p(i64)]
+    lib.fc_debug_open_handles.restype = ctypes.c_int
     # int fc_errmsg(char *buf, size_t len);
     lib.fc_errmsg.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.fc_errmsg.restype = ctypes.c_int
@@ -241,6 +244,15 @@ class Client:
 
     def __del__(self):
         self.close()
+
+
+def open_handles():
+    """Diagnostic for leak tests: (open clients, unreleased buffers) in this process's library."""
+    lib, clients, buffers = library(), ctypes.c_int64(), ctypes.c_int64()
+    rc = lib.fc_debug_open_handles(ctypes.byref(clients), ctypes.byref(buffers))
+    if rc < 0:
+        _raise(lib, rc)
+    return clients.value, buffers.value
 
 
 def version():

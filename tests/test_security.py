@@ -1,0 +1,46 @@
+"""Attacks on the Python binding and the C handles: reads that try to leave the dataset root
+(also in a process forked after loading the library, where reads fall back to plain reads of
+the source), NUL bytes in paths, symbolic links in listings, and handles of the wrong kind."""
+
+import errno
+import gc
+
+import pytest
+
+import fitcache
+from fitcache import _native
+from conftest import digest
+
+
+def test_handles_of_one_kind_are_not_valid_as_the_other(dataset, cache_options):
+    root, digests = dataset
+    rel = sorted(digests)[5]
+    lib = _native.library()
+    with fitcache.Client(root, **cache_options) as client:
+        view = client.read(rel)
+        buf_id = view.obj._fitcache_owner._id
+        assert lib.fc_close(buf_id) == -errno.EBADF, "a buffer handle closed a client"
+        assert lib.fc_release(client._handle) == -errno.EBADF
+        assert digest(client.read(rel)) == digests[rel], "the client still works"
+        assert digest(view) == digests[rel], "the buffer is still mapped"
+        assert _native.open_handles() == (1, 1)
+        del view
+        gc.collect()
+        assert _native.open_handles() == (1, 0)
+
+
+def test_no_handle_left_after_close_and_release(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    views = [ds[i] for i in range(len(ds))]
+    other = fitcache.Client(root, **cache_options)
+    more = [other.read(f) for f in ds.files[:5]]
+    buffers = sum(1 for v in views + more if len(v))  # an empty file's view holds no buffer
+    assert _native.open_handles() == (2, buffers)
+    ds.close()
+    other.close()
+    assert _native.open_handles() == (0, buffers), "buffers outlive their client"
+    assert [digest(v) for v in views] == [digests[f] for f in ds.files]
+    del views, more
+    gc.collect()
+    assert _native.open_handles() == (0, 0)
