@@ -4,12 +4,32 @@ the source), NUL bytes in paths, symbolic links in listings, and handles of the 
 
 import errno
 import gc
+import os
 
 import pytest
 
 import fitcache
 from fitcache import _native
 from conftest import digest
+
+
+def test_nul_byte_in_a_path_is_refused(dataset, cache_options):
+    root, digests = dataset
+    rel = sorted(digests)[1]
+    with fitcache.Client(root, **cache_options) as client:
+        assert digest(client.read(rel)) == digests[rel]
+        for call in (lambda p: client.read(p), lambda p: client.pread(p, 10), lambda p: client.size(p)):
+            with pytest.raises(ValueError, match="embedded null byte"):
+                call(rel + "\0.jpg")
+            with pytest.raises(ValueError, match="embedded null byte"):
+                call(os.fsencode(rel) + b"\0.jpg")
+    with pytest.raises(ValueError, match="embedded null byte"):
+        fitcache.Client(root + "\0/elsewhere", **cache_options)
+    with pytest.raises(ValueError, match="embedded null byte"):
+        fitcache.FitCacheDataset(root + "\0/elsewhere", **cache_options)
+    ds = fitcache.FitCacheDataset(root, files=[rel + "\0.jpg"], **cache_options)
+    with pytest.raises(ValueError, match="embedded null byte"):
+        ds[0]
 
 
 def test_handles_of_one_kind_are_not_valid_as_the_other(dataset, cache_options):

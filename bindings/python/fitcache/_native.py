@@ -140,7 +140,12 @@ def _raise(lib, rc, path=None):
 
 
 def _fs(path):
-    return os.fsencode(path)
+    """The path as bytes for C. A NUL byte would end the C string early and name another file
+    ("a.bin\\0.jpg" is "a.bin"), so it is refused as open() refuses it."""
+    path = os.fsencode(path)
+    if b"\0" in path:
+        raise ValueError("embedded null byte")
+    return path
 
 
 class _Owner:
@@ -171,9 +176,10 @@ class Client:
     """A client of FitCache for one dataset root. Use ``with`` or call :meth:`close`."""
 
     def __init__(self, root, **options):
+        root = _fs(root)  # ValueError for a NUL byte, before anything is loaded
         lib = library()
         self._lib = lib
-        self.root = os.path.abspath(root)
+        self.root = os.fsdecode(os.path.abspath(root))
         handle = ctypes.c_int64()
         opts = json.dumps({k: str(v) for k, v in options.items() if v is not None}).encode()
         rc = lib.fc_open(_fs(self.root), opts, ctypes.byref(handle))

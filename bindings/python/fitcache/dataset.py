@@ -48,7 +48,8 @@ class FitCacheDataset(_Base):
     """
 
     def __init__(self, root, transform=None, *, filter=None, files=None, **options):
-        root = os.path.abspath(os.fspath(root))
+        root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
+        root = os.path.abspath(root)
         if not os.path.exists(root):
             raise FileNotFoundError(errno.ENOENT, "dataset root does not exist", root)
         if not os.path.isdir(root):
