@@ -13,6 +13,38 @@ from fitcache import _native
 from conftest import digest
 
 
+def outcome(ds, i):
+    """What reading item i gives: ("ok", sha256) or (exception class names, errno)."""
+    try:
+        return "ok", digest(ds[i])
+    except Exception as err:  # noqa: BLE001 - the test compares exceptions
+        return [c.__name__ for c in type(err).__mro__], getattr(err, "errno", None)
+
+
+def outcomes(ds):
+    return {name: outcome(ds, i) for i, name in enumerate(ds.files)}
+
+
+@pytest.fixture
+def hostile_root(tmp_path):
+    """A dataset root holding a good file, links inside and outside, a FIFO and a directory,
+    beside a secret outside it. Returns (root, secret path, secret dir, good bytes)."""
+    root = tmp_path / "data"
+    (root / "sub").mkdir(parents=True)
+    good = os.urandom(5000)
+    (root / "good.bin").write_bytes(good)
+    secret_dir = tmp_path / "private"
+    secret_dir.mkdir()
+    secret = secret_dir / "secret.bin"
+    secret.write_bytes(b"secret bytes")
+    os.symlink(secret, root / "escape.bin")               # a link to a file outside
+    os.symlink(secret_dir, root / "escape_dir")           # a link to a directory outside
+    os.symlink(root / "good.bin", root / "inside.bin")    # a link that stays inside
+    os.symlink("../good.bin", root / "sub" / "relative_inside.bin")
+    os.mkfifo(root / "fifo")
+    return str(root), str(secret), str(secret_dir), good
+
+
 def test_nul_byte_in_a_path_is_refused(dataset, cache_options):
     root, digests = dataset
     rel = sorted(digests)[1]
@@ -30,6 +62,25 @@ def test_nul_byte_in_a_path_is_refused(dataset, cache_options):
     ds = fitcache.FitCacheDataset(root, files=[rel + "\0.jpg"], **cache_options)
     with pytest.raises(ValueError, match="embedded null byte"):
         ds[0]
+
+
+def test_listing_leaves_out_links_that_leave_the_root(hostile_root, cache_options):
+    root, _, _, good = hostile_root
+    os.symlink(os.path.join(root, "sub"), os.path.join(root, "linked_sub"))  # not followed
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    assert ds.files == ["good.bin", "inside.bin", "sub/relative_inside.bin"]
+    assert fitcache.list_files(root) == ds.files
+    for i in range(len(ds)):  # every listed file reads: nothing fails mid-epoch
+        assert digest(ds[i]) == digest(good)
+
+
+def test_listing_through_a_linked_root(hostile_root, cache_options, tmp_path):
+    root, _, _, _ = hostile_root
+    linked = tmp_path / "linked_root"
+    os.symlink(root, linked)  # links inside the real root stay inside when it is reached by a link
+    ds = fitcache.FitCacheDataset(str(linked), **cache_options)
+    assert ds.files == ["good.bin", "inside.bin", "sub/relative_inside.bin"]
+    assert all(outcome(ds, i)[0] == "ok" for i in range(len(ds)))
 
 
 def test_handles_of_one_kind_are_not_valid_as_the_other(dataset, cache_options):

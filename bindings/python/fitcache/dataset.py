@@ -17,21 +17,33 @@ except ImportError:  # pragma: no cover - exercised only where torch is missing
 
 def list_files(root, filter=None):
     """Sorted paths, relative to root, of the regular files under root (recursively; links to
-    directories are not followed). ``filter`` keeps a path when it is a callable returning
-    true for it, or a suffix (or tuple of suffixes) it ends with."""
+    directories are not followed). A symbolic link to a file inside root is listed; one that
+    leads outside root (its real path is outside the real path of root) is left out, since
+    reading it would be refused. ``filter`` keeps a path when it is a callable returning true
+    for it, or a suffix (or tuple of suffixes) it ends with."""
     if isinstance(filter, (str, tuple)):
         suffixes = filter
         filter = lambda rel: rel.endswith(suffixes)  # noqa: E731
+    real_root = os.path.realpath(root)
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root):  # followlinks=False: stays in root
         dirnames.sort()
         for name in filenames:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root)
-            if os.path.isfile(full) and (filter is None or filter(rel)):
-                out.append(rel)
+            if not os.path.isfile(full) or (filter is not None and not filter(rel)):
+                continue
+            # Only a link can lead out: the directories walked are real ones under root.
+            if os.path.islink(full) and not _within(os.path.realpath(full), real_root):
+                continue
+            out.append(rel)
     out.sort()
     return out
+
+
+def _within(path, root):
+    """True if the normalised absolute path is root or under it (lexically)."""
+    return path == root or path.startswith(root if root.endswith("/") else root + "/")
 
 
 class FitCacheDataset(_Base):
@@ -45,6 +57,9 @@ class FitCacheDataset(_Base):
     The native library is loaded lazily in each process that reads, so the dataset pickles
     and works with DataLoader workers under fork, forkserver and spawn. Options (``tiers``,
     ``read_timeout``, ...; see the README) take precedence over FITCACHE_* variables.
+
+    The listing leaves out symbolic links that lead outside ``root`` (links inside it stay
+    listed, links to directories are not followed): reading them would be refused.
     """
 
     def __init__(self, root, transform=None, *, filter=None, files=None, **options):
