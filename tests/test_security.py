@@ -4,6 +4,7 @@ the source), NUL bytes in paths, symbolic links in listings, and handles of the 
 
 import errno
 import gc
+import multiprocessing
 import os
 
 import pytest
@@ -23,6 +24,19 @@ def outcome(ds, i):
 
 def outcomes(ds):
     return {name: outcome(ds, i) for i, name in enumerate(ds.files)}
+
+
+def outcomes_after_fork(ds, timeout=30):
+    """The outcomes of reading every item in a child forked after this process loaded the
+    library (so the child reads through the plain fallback). A read that blocks fails the test
+    after timeout seconds instead of hanging it."""
+    ds[ds.files.index("good.bin")]  # loads the Go runtime here, before the fork
+    assert _native.loaded_here()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        try:
+            return pool.apply_async(outcomes, (ds,)).get(timeout=timeout)
+        except multiprocessing.TimeoutError:
+            pytest.fail(f"a read in the forked child blocked for {timeout}s")
 
 
 @pytest.fixture
@@ -45,6 +59,37 @@ def hostile_root(tmp_path):
     return str(root), str(secret), str(secret_dir), good
 
 
+def test_fork_fallback_refuses_paths_outside_the_root(hostile_root, cache_options):
+    root, secret, secret_dir, good = hostile_root
+    outside = [os.path.relpath(secret, root),  # ../private/secret.bin
+               secret,                         # an absolute path
+               "sub/../../private/secret.bin",
+               "escape.bin",                   # a symlink to a file outside
+               "escape_dir/secret.bin"]        # through a symlinked directory
+    files = ["good.bin", "inside.bin", "sub/relative_inside.bin", *outside]
+    ds = fitcache.FitCacheDataset(root, files=files, **cache_options)
+    native, forked = outcomes(ds), outcomes_after_fork(ds)
+    want_good = ("ok", digest(good))
+    for name in ("good.bin", "inside.bin", "sub/relative_inside.bin"):
+        assert native[name] == want_good and forked[name] == want_good, (name, native[name], forked[name])
+    for name in outside:
+        assert "PermissionError" in forked[name][0] and forked[name][1] == errno.EACCES, \
+            f"fork fallback read {name}: {forked[name]}"
+        assert forked[name] == native[name], f"{name}: forked {forked[name]}, native {native[name]}"
+
+
+def test_fork_fallback_fifo_does_not_block_and_errors_match_native(hostile_root, cache_options):
+    root, _, _, good = hostile_root
+    ds = fitcache.FitCacheDataset(root, files=["good.bin", "fifo", "sub", "missing.bin"], **cache_options)
+    forked = outcomes_after_fork(ds, timeout=20)
+    assert forked["good.bin"] == ("ok", digest(good))
+    assert "OSError" in forked["fifo"][0] and forked["fifo"][1] == errno.EINVAL, forked["fifo"]
+    assert "IsADirectoryError" in forked["sub"][0] and forked["sub"][1] == errno.EISDIR, forked["sub"]
+    assert "FileNotFoundError" in forked["missing.bin"][0] and forked["missing.bin"][1] == errno.ENOENT
+    for name in ("fifo", "sub", "missing.bin"):  # the same classes as the native path raises
+        assert forked[name] == outcome(ds, ds.files.index(name)), name
+
+
 def test_nul_byte_in_a_path_is_refused(dataset, cache_options):
     root, digests = dataset
     rel = sorted(digests)[1]
@@ -62,6 +107,13 @@ def test_nul_byte_in_a_path_is_refused(dataset, cache_options):
     ds = fitcache.FitCacheDataset(root, files=[rel + "\0.jpg"], **cache_options)
     with pytest.raises(ValueError, match="embedded null byte"):
         ds[0]
+
+
+def test_fork_fallback_refuses_a_nul_byte(hostile_root, cache_options):
+    root, _, _, _ = hostile_root
+    ds = fitcache.FitCacheDataset(root, files=["good.bin", "good.bin\0.jpg"], **cache_options)
+    forked = outcomes_after_fork(ds)
+    assert "ValueError" in forked["good.bin\0.jpg"][0], forked
 
 
 def test_listing_leaves_out_links_that_leave_the_root(hostile_root, cache_options):
