@@ -89,6 +89,11 @@ int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed) {
 	return goStats(handle, buf, len, needed);
 }
 
+int fc_debug_open_handles(int64_t *clients, int64_t *buffers) {
+	if (forked()) return -ECHILD;
+	return goDebugOpenHandles(clients, buffers);
+}
+
 int fc_errmsg(char *buf, size_t len) {
 	if (!buf || len == 0) return -EINVAL;
 	size_t n = strlen(errmsg);

@@ -7,7 +7,9 @@
  * forked after the library was loaded (see below), -EIO otherwise. fc_errmsg() then gives the
  * detail for the calling thread.
  *
- * Handles are plain integers, never pointers. All functions are thread-safe.
+ * Handles are plain integers, never pointers; client handles and buffer handles come from
+ * disjoint ranges, so passing one kind where the other is expected returns -EBADF and changes
+ * nothing. All functions are thread-safe.
  *
  * Fork: a Go runtime does not survive fork(). A process that forks after loading libfitcache
  * must not use it in the child: every call there returns -ECHILD at once (it never hangs).
@@ -53,6 +55,10 @@ int fc_size(int64_t handle, const char *path, int64_t *size);
  * If len is too small, returns -ERANGE and stores the length needed (with the NUL) in
  * *needed (when needed is not NULL). */
 int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed);
+
+/* Diagnostic, for tests that check for leaks: stores the number of open client handles in
+ * *clients and of unreleased buffers in *buffers (either pointer may be NULL). Returns 0. */
+int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
 
 /* Copies the calling thread's last error message into buf, always NUL-terminated. Returns 0,
  * or -ERANGE if the message was truncated. */

@@ -36,22 +36,34 @@ func main() {}
 
 func init() { rpc.QuietKitexLogs() }
 
-// registry maps integer handles to Go objects, so that C never holds a Go pointer.
+// registry maps integer handles to Go objects, so that C never holds a Go pointer. Each
+// registry hands out handles from its own range [first, limit), so that a handle of one kind
+// (a buffer) is never valid as another (a client): using it gives EBADF. The zero value hands
+// out 1, 2, 3...
 type registry[T any] struct {
-	mu   sync.Mutex // protects next and objs
-	next int64
-	objs map[int64]T
+	first, limit int64      // the range of handles (limit 0: no limit); set before use
+	mu           sync.Mutex // protects next and objs
+	next         int64      // the last handle given out, or 0
+	objs         map[int64]T
 }
 
-func (r *registry[T]) add(v T) int64 {
+var errTooManyHandles = fmt.Errorf("%w: out of fitcache handles", syscall.EMFILE)
+
+func (r *registry[T]) add(v T) (int64, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.objs == nil {
 		r.objs = make(map[int64]T)
 	}
+	if r.next < r.first {
+		r.next = r.first - 1
+	}
+	if r.limit != 0 && r.next+1 >= r.limit {
+		return 0, errTooManyHandles
+	}
 	r.next++
 	r.objs[r.next] = v
-	return r.next
+	return r.next, nil
 }
 
 func (r *registry[T]) get(h int64) (T, bool) {
@@ -69,6 +81,13 @@ func (r *registry[T]) remove(h int64) (T, bool) {
 	return v, ok
 }
 
+// len returns the number of live handles.
+func (r *registry[T]) len() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.objs)
+}
+
 // buffer is what fc_read handed out: a mapping, or C memory holding bytes that were in Go
 // memory (C may not keep pointers to Go memory).
 type buffer struct {
@@ -76,9 +95,11 @@ type buffer struct {
 	cmem    unsafe.Pointer // from C.malloc, or nil
 }
 
+// Client handles are 1 to 2^40-1, buffer handles 2^40 to 2^62-1: disjoint, so that fc_close
+// of a buffer, or fc_release of a client, is -EBADF and touches nothing.
 var (
-	clients registry[*client.Client]
-	buffers registry[buffer]
+	clients = registry[*client.Client]{first: 1, limit: 1 << 40}
+	buffers = registry[buffer]{first: 1 << 40, limit: 1 << 62}
 )
 
 var log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("lib", "fitcache")
@@ -129,7 +150,12 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 	if err != nil {
 		return fail(err)
 	}
-	*handle = C.int64_t(clients.add(c))
+	h, err := clients.add(c)
+	if err != nil {
+		c.Close()
+		return fail(err)
+	}
+	*handle = C.int64_t(h)
 	return 0
 }
 
@@ -189,9 +215,14 @@ func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_
 		ptr = out.cmem
 		buf.Release()
 	}
+	id, err := buffers.add(out)
+	if err != nil {
+		releaseBuffer(out)
+		return fail(err)
+	}
 	*data = ptr
 	*size = C.int64_t(len(b))
-	*bufID = C.int64_t(buffers.add(out))
+	*bufID = C.int64_t(id)
 	return 0
 }
 
@@ -202,13 +233,31 @@ func goRelease(bufID C.int64_t) (rc C.int) {
 	if !ok {
 		return fail(fmt.Errorf("%w: unknown or released fitcache buffer %d", syscall.EBADF, int64(bufID)))
 	}
+	if err := releaseBuffer(b); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// releaseBuffer frees a buffer's C memory or unmaps its mapping.
+func releaseBuffer(b buffer) error {
 	if b.cmem != nil {
 		C.free(b.cmem)
 	}
 	if b.mapping != nil {
-		if err := b.mapping.Release(); err != nil {
-			return fail(err)
-		}
+		return b.mapping.Release()
+	}
+	return nil
+}
+
+//export goDebugOpenHandles
+func goDebugOpenHandles(nClients, nBuffers *C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	if nClients != nil {
+		*nClients = C.int64_t(clients.len())
+	}
+	if nBuffers != nil {
+		*nBuffers = C.int64_t(buffers.len())
 	}
 	return 0
 }

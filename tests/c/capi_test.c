@@ -121,14 +121,41 @@ int main(int argc, char **argv) {
 		int r2 = fc_open(root, NULL, &ch);
 		char msg[512];
 		fc_errmsg(msg, sizeof msg);
-		_exit(r1 == -ECHILD && r2 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
+		int r3 = fc_debug_open_handles(NULL, NULL);
+		_exit(r1 == -ECHILD && r2 == -ECHILD && r3 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
 	}
 	int status = 0;
 	waitpid(pid, &status, 0);
 	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "forked child: status %d", status);
 
+	/* A handle of one kind is never valid as the other: fc_close of a buffer and fc_release of
+	 * a client are -EBADF and change nothing. */
+	{
+		int64_t h2 = 0, nc = -1, nb = -1;
+		CHECK(fc_open(root, NULL, &h2) == 0, "second fc_open: %s", errmsg());
+		const void *d1 = NULL; int64_t s1 = 0, b1 = 0;
+		CHECK(fc_read(h2, "a.bin", &d1, &s1, &b1) == 0 && s1 == want_len, "fc_read: %s", errmsg());
+		CHECK(fc_debug_open_handles(&nc, &nb) == 0 && nc == 2 && nb == 1,
+		      "open handles with a buffer out: %lld clients, %lld buffers", (long long)nc, (long long)nb);
+		CHECK(b1 != h && b1 != h2, "buffer %lld has a client's number", (long long)b1);
+		CHECK(fc_close(b1) == -EBADF, "fc_close of a buffer must be -EBADF");
+		CHECK(fc_release(h) == -EBADF && fc_release(h2) == -EBADF, "fc_release of a client must be -EBADF");
+		CHECK(fc_size(b1, "a.bin", &size) == -EBADF, "a buffer is not a client");
+		CHECK(fc_size(h, "a.bin", &size) == 0 && fc_size(h2, "a.bin", &size) == 0, "clients still open: %s", errmsg());
+		CHECK(memcmp(d1, want, want_len) == 0, "buffer still valid");
+		CHECK(fc_close(h2) == 0, "fc_close of the second client");
+		CHECK(memcmp(d1, want, want_len) == 0, "buffer outlives its client");
+		CHECK(fc_release(b1) == 0, "fc_release: %s", errmsg());
+		CHECK(fc_debug_open_handles(NULL, NULL) == 0, "NULL counts");
+	}
+
 	CHECK(fc_close(h) == 0, "fc_close");
 	CHECK(fc_close(h) == -EBADF, "second fc_close");
+	{
+		int64_t nc = -1, nb = -1;
+		CHECK(fc_debug_open_handles(&nc, &nb) == 0 && nc == 0 && nb == 0,
+		      "everything closed and released: %lld clients, %lld buffers left", (long long)nc, (long long)nb);
+	}
 	CHECK(strlen(fc_version()) > 0, "version");
 	free(want);
 	if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }

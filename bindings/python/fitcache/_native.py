@@ -115,6 +115,9 @@ def _declare(lib):
     # int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed);
     lib.fc_stats.argtypes = [i64, ctypes.c_char_p, ctypes.c_size_t, p(ctypes.c_size_t)]
     lib.fc_stats.restype = ctypes.c_int
+    # int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
+    lib.fc_debug_open_handles.argtypes = [p(i64), p(i64)]
+    lib.fc_debug_open_handles.restype = ctypes.c_int
     # int fc_errmsg(char *buf, size_t len);
     lib.fc_errmsg.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.fc_errmsg.restype = ctypes.c_int
@@ -137,7 +140,12 @@ def _raise(lib, rc, path=None):
 
 
 def _fs(path):
-    return os.fsencode(path)
+    """The path as bytes for C. A NUL byte would end the C string early and name another file
+    ("a.bin\\0.jpg" is "a.bin"), so it is refused as open() refuses it."""
+    path = os.fsencode(path)
+    if b"\0" in path:
+        raise ValueError("embedded null byte")
+    return path
 
 
 class _Owner:
@@ -168,9 +176,10 @@ class Client:
     """A client of FitCache for one dataset root. Use ``with`` or call :meth:`close`."""
 
     def __init__(self, root, **options):
+        root = _fs(root)  # ValueError for a NUL byte, before anything is loaded
         lib = library()
         self._lib = lib
-        self.root = os.path.abspath(root)
+        self.root = os.fsdecode(os.path.abspath(root))
         handle = ctypes.c_int64()
         opts = json.dumps({k: str(v) for k, v in options.items() if v is not None}).encode()
         rc = lib.fc_open(_fs(self.root), opts, ctypes.byref(handle))
@@ -241,6 +250,15 @@ class Client:
 
     def __del__(self):
         self.close()
+
+
+def open_handles():
+    """Diagnostic for leak tests: (open clients, unreleased buffers) in this process's library."""
+    lib, clients, buffers = library(), ctypes.c_int64(), ctypes.c_int64()
+    rc = lib.fc_debug_open_handles(ctypes.byref(clients), ctypes.byref(buffers))
+    if rc < 0:
+        _raise(lib, rc)
+    return clients.value, buffers.value
 
 
 def version():

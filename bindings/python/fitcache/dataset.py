@@ -4,6 +4,7 @@ import errno
 import json
 import multiprocessing.util
 import os
+import stat
 import subprocess
 import warnings
 
@@ -17,21 +18,33 @@ except ImportError:  # pragma: no cover - exercised only where torch is missing
 
 def list_files(root, filter=None):
     """Sorted paths, relative to root, of the regular files under root (recursively; links to
-    directories are not followed). ``filter`` keeps a path when it is a callable returning
-    true for it, or a suffix (or tuple of suffixes) it ends with."""
+    directories are not followed). A symbolic link to a file inside root is listed; one that
+    leads outside root (its real path is outside the real path of root) is left out, since
+    reading it would be refused. ``filter`` keeps a path when it is a callable returning true
+    for it, or a suffix (or tuple of suffixes) it ends with."""
     if isinstance(filter, (str, tuple)):
         suffixes = filter
         filter = lambda rel: rel.endswith(suffixes)  # noqa: E731
+    real_root = os.path.realpath(root)
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root):  # followlinks=False: stays in root
         dirnames.sort()
         for name in filenames:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root)
-            if os.path.isfile(full) and (filter is None or filter(rel)):
-                out.append(rel)
+            if not os.path.isfile(full) or (filter is not None and not filter(rel)):
+                continue
+            # Only a link can lead out: the directories walked are real ones under root.
+            if os.path.islink(full) and not _within(os.path.realpath(full), real_root):
+                continue
+            out.append(rel)
     out.sort()
     return out
+
+
+def _within(path, root):
+    """True if the normalised absolute path is root or under it (lexically)."""
+    return path == root or path.startswith(root if root.endswith("/") else root + "/")
 
 
 class FitCacheDataset(_Base):
@@ -45,15 +58,23 @@ class FitCacheDataset(_Base):
     The native library is loaded lazily in each process that reads, so the dataset pickles
     and works with DataLoader workers under fork, forkserver and spawn. Options (``tiers``,
     ``read_timeout``, ...; see the README) take precedence over FITCACHE_* variables.
+
+    Only files inside ``root`` are read, also after symbolic links are followed: the listing
+    leaves out links that lead outside ``root`` (links inside it stay listed, links to
+    directories are not followed), and reading any other path outside ``root`` raises
+    PermissionError, also in a process forked after loading the library, whose plain reads of
+    the source apply the native library's checks.
     """
 
     def __init__(self, root, transform=None, *, filter=None, files=None, **options):
-        root = os.path.abspath(os.fspath(root))
+        root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
+        root = os.path.abspath(root)
         if not os.path.exists(root):
             raise FileNotFoundError(errno.ENOENT, "dataset root does not exist", root)
         if not os.path.isdir(root):
             raise NotADirectoryError(errno.ENOTDIR, "dataset root is not a directory", root)
         self.root = root
+        self._real_root = os.path.realpath(root)  # the fork fallback checks reads against it
         self.transform = transform
         self.options = options
         self.files = list(files) if files is not None else list_files(root, filter)
@@ -79,7 +100,7 @@ class FitCacheDataset(_Base):
             return self._get_client().read(path)
         except _native.ForkedAfterLoad as err:
             _warn_forked(err)
-            return _read_source(path)
+            return _read_source(path, self.root, self._real_root)
 
     def _get_client(self):
         pid = os.getpid()
@@ -156,7 +177,37 @@ def _warn_forked(err):
                       RuntimeWarning, stacklevel=4)
 
 
-def _read_source(path):
-    """The fallback read: the source file's bytes, uncached."""
-    with open(path, "rb") as f:
-        return memoryview(f.read()).toreadonly()
+def _read_source(path, root, real_root):
+    """The fallback read: the source file's bytes, uncached, with the checks of the native
+    library's source read (core.ReadSource): path (absolute, or relative to root) must stay
+    under root once normalised, and its real path under real_root; it must be a regular file
+    (a FIFO is refused without waiting for a writer). Raises the exceptions the native path
+    raises: NotFound, PermissionDenied, IsADirectory, or FitCacheError with EINVAL."""
+    path = os.fsdecode(_native._fs(path))
+    full = os.path.normpath(os.path.join(root, path))
+    if not _within(full, root):
+        raise _native.PermissionDenied(errno.EACCES, f"path outside the dataset root: {full} "
+                                       f"is not under {root}", path)
+    try:
+        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        cls = _native._ERRORS.get(err.errno, _native.FitCacheError)
+        raise cls(err.errno, err.strerror, path) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise _native.IsADirectory(errno.EISDIR, "is a directory", path)
+        if not stat.S_ISREG(st.st_mode):
+            raise _native.FitCacheError(errno.EINVAL, "not a regular file", path)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = None  # no /proc: the lexical check stands, as in the native library
+        if real is not None and not _within(real, real_root):
+            raise _native.PermissionDenied(errno.EACCES, f"path outside the dataset root: {full} "
+                                           f"resolves to {real}, outside {real_root}", path)
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    return memoryview(data).toreadonly()
