@@ -95,7 +95,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		t, err := tiers.New(tc, log)
 		if err != nil {
 			log.Warn("skipping tier", "kind", tc.Kind.String(), "dir", tc.Dir, "err", err)
-			e.stats.Warn(fmt.Sprintf("%s tier %s skipped: %v", tc.Kind, tc.Dir, err))
+			e.stats.Warn(fmt.Sprintf("%s tier skipped: %v", tc.Kind, err))
 			continue
 		}
 		if w := t.Warning(); w != "" {

@@ -33,23 +33,43 @@ func (e *NotPrivateError) Unwrap() error { return ErrNotPrivate }
 // component and checks that it is private (see Check); a directory of ours with a mode other
 // than 0700 is set to 0700 through the descriptor. The caller closes the result.
 func Open(dir string) (*os.File, error) {
-	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err := openNoFollow(dir)
 	if err != nil {
-		if fi, lerr := os.Lstat(dir); lerr == nil {
-			if fi.Mode()&fs.ModeSymlink != 0 {
-				return nil, &NotPrivateError{Path: dir, Reason: "is a symbolic link", Owner: -1}
-			}
-			if !fi.IsDir() {
-				return nil, &NotPrivateError{Path: dir, Reason: "is not a directory", Owner: -1}
-			}
-		}
-		return nil, &fs.PathError{Op: "open", Path: dir, Err: err}
+		return nil, err
 	}
 	if err := Check(fd, dir, true); err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
 	return os.NewFile(uintptr(fd), dir), nil
+}
+
+// Inspect reports whether the existing directory dir is private like Check without fix,
+// changing nothing: for reports.
+func Inspect(dir string) error {
+	fd, err := openNoFollow(dir)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return Check(fd, dir, false)
+}
+
+// openNoFollow opens the directory dir, explaining a link or a file in its place.
+func openNoFollow(dir string) (int, error) {
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err == nil {
+		return fd, nil
+	}
+	if fi, lerr := os.Lstat(dir); lerr == nil {
+		if fi.Mode()&fs.ModeSymlink != 0 {
+			return -1, &NotPrivateError{Path: dir, Reason: "is a symbolic link", Owner: -1}
+		}
+		if !fi.IsDir() {
+			return -1, &NotPrivateError{Path: dir, Reason: "is not a directory", Owner: -1}
+		}
+	}
+	return -1, &fs.PathError{Op: "open", Path: dir, Err: err}
 }
 
 // Check verifies that the open descriptor fd, named dir in messages, is a directory owned

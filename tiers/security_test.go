@@ -357,3 +357,34 @@ func TestPublishFromBoundsMemory(t *testing.T) {
 type zeros struct{}
 
 func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
+func TestVerifyReportsWhileHeldAndRepairsOtherwise(t *testing.T) {
+	cfg := Config{Dir: t.TempDir(), Kind: Disk, Budget: "1MiB", Holder: "runtime dir /run/one"}
+	tier, err := New(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publish(t, tier, "/d/good", []byte("good bytes"))
+	publish(t, tier, "/d/bad", []byte("good bytes"))
+	overwrite(t, tier.CachedPath("/d/bad"), 3, []byte("!"))
+
+	held, err := Verify(cfg, nil)
+	if err != nil || held.Removed || held.Valid != 1 || len(held.Damaged) != 1 || !strings.Contains(held.Holder, "/run/one") {
+		t.Fatalf("Verify while held: %+v, %v; want 1 valid, 1 damaged not removed, the holder named", held, err)
+	}
+	if _, err := os.Stat(tier.CachedPath("/d/bad")); err != nil {
+		t.Errorf("Verify removed an entry of a held tier: %v", err)
+	}
+	tier.Close()
+
+	repaired, err := Verify(cfg, nil)
+	if err != nil || !repaired.Removed || repaired.Valid != 1 || len(repaired.Damaged) != 1 {
+		t.Fatalf("Verify of a free tier: %+v, %v; want 1 damaged entry removed", repaired, err)
+	}
+	if again, err := Verify(cfg, nil); err != nil || len(again.Damaged) != 0 || again.Valid != 1 {
+		t.Errorf("Verify after repair: %+v, %v", again, err)
+	}
+	if _, err := Verify(Config{Dir: filepath.Join(cfg.Dir, "missing"), Kind: Disk}, nil); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("Verify of a missing tier: got %v, want ErrNotExist", err)
+	}
+}
