@@ -12,6 +12,8 @@ import (
 	"testing"
 	"testing/iotest"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/privdir/privdirtest"
 )
@@ -123,6 +125,22 @@ func TestPlantedBinOfAnotherUserIsRefused(t *testing.T) {
 }
 
 func TestLinksInOwnTierAreMisses(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		openat2 func(int, string, *unix.OpenHow) (int, error)
+	}{
+		{"openat2", unix.Openat2},
+		{"openat per level (kernel without openat2)", func(int, string, *unix.OpenHow) (int, error) { return -1, unix.ENOSYS }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			defer func(f func(int, string, *unix.OpenHow) (int, error)) { openat2 = f }(openat2)
+			openat2 = tc.openat2
+			testLinksInOwnTierAreMisses(t)
+		})
+	}
+}
+
+func testLinksInOwnTierAreMisses(t *testing.T) {
 	tier := newTier(t, Disk, "1MiB")
 	outside := t.TempDir()
 	for _, tc := range []struct {
