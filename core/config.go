@@ -17,8 +17,12 @@ type Config struct {
 	// Tiers of the embedded server: "kind:dir[:budget],..." fastest first. Empty means a
 	// memory tier under /dev/shm and a disk tier under the user's cache directory.
 	Tiers string
-	// RuntimeDir holds the embedded server's socket, locks and log.
+	// RuntimeDir holds the embedded server's socket, locks and log. It must be a private
+	// directory (see privdir): a real directory of this user's, mode 0700.
 	RuntimeDir string
+	// Verify checks the data checksum of every cached file when a server opens its tiers,
+	// and removes the damaged ones (see tiers.Config.Verify).
+	Verify bool
 	// ServerBin is the fitcache executable a client starts the embedded server with.
 	ServerBin string
 	// IdleTimeout: the embedded server exits after this long without a request.
@@ -65,7 +69,7 @@ const (
 // configKeys lists the option names, each also read from FITCACHE_<NAME in upper case>.
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
-	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes"}
+	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify"}
 
 // LoadConfig resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -96,6 +100,13 @@ func LoadConfig(options map[string]string) (Config, error) {
 	}
 	if cfg.Node == "" {
 		cfg.Node, _ = os.Hostname()
+	}
+	if v := get("verify"); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return Config{}, fmt.Errorf("option verify: want 1/true or 0/false, got %q", v)
+		}
+		cfg.Verify = b
 	}
 	for _, n := range []struct {
 		key  string
@@ -155,7 +166,7 @@ func parseDuration(s string) (time.Duration, error) {
 // TierConfigs returns the tiers to use: parsed from Tiers, or the embedded defaults.
 func (c Config) TierConfigs() ([]tiers.Config, error) {
 	if c.Tiers == "" {
-		return DefaultTiers(), nil
+		return DefaultTiers(c.RuntimeDir), nil
 	}
 	var out []tiers.Config
 	for _, item := range strings.Split(c.Tiers, ",") {
@@ -182,18 +193,33 @@ func (c Config) TierConfigs() ([]tiers.Config, error) {
 // DefaultTiers are the embedded server's tiers: memory under /dev/shm taking a quarter of it
 // (tmpfs there is usually half the RAM, so about an eighth of RAM), and a disk tier under the
 // user's cache directory taking a tenth of that file system, so the machine stays usable.
-func DefaultTiers() []tiers.Config {
-	user := strconv.Itoa(os.Getuid())
-	cfgs := []tiers.Config{{Kind: tiers.Memory, Dir: "/dev/shm/fitcache-" + user, Budget: "25%"}}
+//
+// The memory tier's name, /dev/shm/fitcache-UID, is predictable, so another user may have
+// created it first: the server then uses a private directory with a random name instead,
+// recorded in runtimeDir (see tiers.Config.FallbackRecord), and says so in its warnings.
+func DefaultTiers(runtimeDir string) []tiers.Config {
+	user := strconv.Itoa(os.Geteuid())
+	mem := tiers.Config{Kind: tiers.Memory, Dir: "/dev/shm/fitcache-" + user, Budget: "25%"}
+	if runtimeDir != "" {
+		mem.FallbackRecord = filepath.Join(runtimeDir, MemoryTierRecord)
+	}
+	cfgs := []tiers.Config{mem}
 	if dir, err := os.UserCacheDir(); err == nil {
 		cfgs = append(cfgs, tiers.Config{Kind: tiers.Disk, Dir: filepath.Join(dir, "fitcache"), Budget: "10%", CreateParents: true})
 	}
 	return cfgs
 }
 
+// MemoryTierRecord is the file in the runtime directory that names the private stand-in of
+// the default memory tier, when there is one.
+const MemoryTierRecord = "memory-tier"
+
+// defaultRuntimeDir is $XDG_RUNTIME_DIR/fitcache, else /tmp/fitcache-UID. The latter is
+// predictable: if another user created it first, it is refused (see local.PrepareDir) and
+// the error says to set FITCACHE_RUNTIME_DIR.
 func defaultRuntimeDir() string {
 	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
 		return filepath.Join(d, "fitcache")
 	}
-	return filepath.Join(os.TempDir(), "fitcache-"+strconv.Itoa(os.Getuid()))
+	return filepath.Join(os.TempDir(), "fitcache-"+strconv.Itoa(os.Geteuid()))
 }

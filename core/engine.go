@@ -14,9 +14,16 @@ import (
 
 // EngineConfig configures an Engine.
 type EngineConfig struct {
-	// Tiers, fastest first. A tier that cannot be opened (missing, not writable) is skipped
-	// with a log line; an engine with no tier serves every read from the source.
+	// Tiers, fastest first. A tier that cannot be opened (missing, not writable, not private,
+	// held by another server) is skipped with a warning in the engine's stats; an engine with
+	// no tier serves every read from the source.
 	Tiers []tiers.Config
+	// Verify checks every cached file's data checksum when the tiers are opened and removes
+	// the damaged ones (tiers.Config.Verify).
+	Verify bool
+	// Holder describes this server (runtime directory, address) in its tiers' lock files, so
+	// that a second server names it when it finds a tier taken.
+	Holder string
 	// Roots the engine serves files under. Empty means any root the caller names, for a
 	// per-user server reachable only by its user.
 	Roots []string
@@ -96,11 +103,18 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		e.gen, e.genFile = gen, cfg.GenerationFile
 	}
 	for _, tc := range cfg.Tiers {
-		tc.OnRemove = e.gen.Bump
+		tc.OnRemove, tc.Verify, tc.Holder = e.gen.Bump, cfg.Verify, cfg.Holder
 		t, err := tiers.New(tc, log)
 		if err != nil {
 			log.Warn("skipping tier", "kind", tc.Kind.String(), "dir", tc.Dir, "err", err)
+			e.stats.Warn(fmt.Sprintf("%s tier skipped: %v", tc.Kind, err))
 			continue
+		}
+		if w := t.Warning(); w != "" {
+			e.stats.Warn(w)
+		}
+		if n := len(t.Damaged()); n > 0 {
+			e.stats.Warn(fmt.Sprintf("%s tier %s: removed %d damaged or foreign entries (see the log)", tc.Kind, t.Path, n))
 		}
 		e.tiers = append(e.tiers, t)
 	}
@@ -115,11 +129,14 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	return e, nil
 }
 
-// Close stops the data mover after it has published what it holds. Reads after Close fail
-// with ErrClosed.
+// Close stops the data mover after it has published what it holds, then closes the tiers,
+// releasing their locks for another server. Reads after Close fail with ErrClosed.
 func (e *Engine) Close() error {
 	e.closed.Store(true)
 	e.mover.stop()
+	for _, t := range e.tiers {
+		t.Close()
+	}
 	return e.gen.Close()
 }
 

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"sync"
 	"sync/atomic"
 
 	"github.com/fitcache/fitcache/tiers"
@@ -23,6 +24,9 @@ type Stats struct {
 	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
 	stored        atomic.Int64 // files received from clients for a replica copy
 	refusals      atomic.Int64 // requests refused for a wrong or missing job token
+
+	mu       sync.Mutex // protects warnings
+	warnings []string   // problems the user should see (a tier skipped or moved)
 }
 
 // StatsSnapshot is a point-in-time copy of the counters, as reported in JSON.
@@ -43,6 +47,9 @@ type StatsSnapshot struct {
 	Stored        int64            `json:"stored"`
 	Refusals      int64            `json:"refusals"`
 	Tiers         []tiers.Info     `json:"tiers"`
+	// Warnings are problems the user should see: a tier skipped (another user's directory,
+	// another server holding it) or moved to a private stand-in, damaged entries removed.
+	Warnings []string `json:"warnings,omitempty"`
 }
 
 // Snapshot copies the counters.
@@ -51,13 +58,23 @@ func (s *Stats) Snapshot() StatsSnapshot {
 	for k := range s.hits {
 		hits[tiers.Kind(k).String()] = s.hits[k].Load()
 	}
-	return StatsSnapshot{
+	s.mu.Lock()
+	warnings := append([]string(nil), s.warnings...)
+	s.mu.Unlock()
+	return StatsSnapshot{Warnings: warnings,
 		Hits: hits, InflightHits: s.inflightHits.Load(), Misses: s.misses.Load(),
 		SourceReads: s.sourceReads.Load(), SourceBytes: s.sourceBytes.Load(),
 		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
 		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
 		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(), Refusals: s.refusals.Load(),
 	}
+}
+
+// Warn records a problem for the user to see in the snapshot's Warnings.
+func (s *Stats) Warn(msg string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.warnings = append(s.warnings, msg)
 }
 
 // AddClientHits records hits that clients on this node served from tier files themselves.
@@ -96,4 +113,5 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.Stored += o.Stored
 	s.Refusals += o.Refusals
 	s.Tiers = append(s.Tiers, o.Tiers...)
+	s.Warnings = append(s.Warnings, o.Warnings...)
 }

@@ -22,10 +22,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/rpc"
 )
 
@@ -43,26 +45,19 @@ var ErrAlreadyRunning = errors.New("an embedded fitcache server is already runni
 // SocketPath returns the embedded server's socket in a runtime directory.
 func SocketPath(runtimeDir string) string { return filepath.Join(runtimeDir, SocketName) }
 
-// PrepareDir creates the runtime directory with mode 0700 and refuses one that another user
-// owns or that others can enter: its socket must reach only this user's server.
+// PrepareDir creates the runtime directory (and missing parents) with mode 0700 and refuses
+// one that is not private (see privdir): a symbolic link, or another user's directory. Its
+// socket must reach only this user's server. A directory of ours with a looser mode is set to
+// 0700 without following links.
 func PrepareDir(dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	d, err := privdir.Make(dir, true)
+	if errors.Is(err, privdir.ErrNotPrivate) {
+		return fmt.Errorf("runtime directory: %w (set FITCACHE_RUNTIME_DIR to a directory of yours)", err)
+	}
+	if err != nil {
 		return fmt.Errorf("runtime directory: %w", err)
 	}
-	fi, err := os.Stat(dir)
-	if err != nil {
-		return err
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if ok && int(st.Uid) != os.Getuid() {
-		return fmt.Errorf("runtime directory %s belongs to uid %d, not to this user", dir, st.Uid)
-	}
-	if fi.Mode().Perm()&0o077 != 0 {
-		if err := os.Chmod(dir, 0o700); err != nil {
-			return fmt.Errorf("runtime directory %s: %w", dir, err)
-		}
-	}
-	return nil
+	return d.Close()
 }
 
 // LockServer takes the lock that a running embedded server holds until it exits, waiting up
@@ -218,7 +213,8 @@ func spawn(cfg core.Config) (*exec.Cmd, error) {
 	cmd.Env = append(os.Environ(),
 		"FITCACHE_RUNTIME_DIR="+cfg.RuntimeDir,
 		"FITCACHE_TIERS="+cfg.Tiers,
-		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String())
+		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String(),
+		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify))
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = "/"
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}

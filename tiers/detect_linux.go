@@ -27,9 +27,22 @@ func StatFS(dir string) (FSInfo, error) {
 	if err := unix.Statfs(dir, &st); err != nil {
 		return FSInfo{}, err
 	}
+	return fsInfo(&st), nil
+}
+
+// fstatFS reports the file system that holds the open directory dirfd.
+func fstatFS(dirfd int) (FSInfo, error) {
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(dirfd, &st); err != nil {
+		return FSInfo{}, err
+	}
+	return fsInfo(&st), nil
+}
+
+func fsInfo(st *unix.Statfs_t) FSInfo {
 	name, ok := fsNames[int64(st.Type)]
 	if !ok {
 		name = fmt.Sprintf("%#x", uint64(st.Type))
 	}
-	return FSInfo{Type: name, Capacity: int64(st.Blocks) * st.Bsize, Free: int64(st.Bavail) * st.Bsize}, nil
+	return FSInfo{Type: name, Capacity: int64(st.Blocks) * st.Bsize, Free: int64(st.Bavail) * st.Bsize}
 }

@@ -9,6 +9,9 @@ import (
 	"runtime/debug"
 
 	"github.com/edsrzf/mmap-go"
+	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/privdir"
 )
 
 // ErrNotCached reports that a tier holds no valid copy of the requested file.
@@ -32,34 +35,59 @@ func (d Dir) CachedPath(sourcePath string) string {
 
 // Open maps the cached copy of sourcePath. It returns an error wrapping ErrNotCached when d
 // has no copy, when the copy belongs to another path with the same key (a hash collision), or
-// when the copy is damaged (then the error wraps ErrDamaged too). The caller must Release the
-// mapping.
+// when the copy is damaged (then the error wraps ErrDamaged too). It follows no symbolic
+// link at any level and uses the directory only if it is private to this user (see
+// privdir); otherwise the error wraps ErrNotCached and privdir.ErrNotPrivate. The caller
+// must Release the mapping.
 func (d Dir) Open(sourcePath string) (*Mapping, error) {
 	sourcePath = filepath.Clean(sourcePath)
-	path := d.CachedPath(sourcePath)
-	f, err := os.Open(path)
+	dirfd, err := unix.Open(d.Path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: tier %s: %w", ErrNotCached, d.Path, err)
+	}
+	defer unix.Close(dirfd)
+	if err := privdir.Check(dirfd, d.Path, false); err != nil {
+		return nil, fmt.Errorf("%w: tier %w", ErrNotCached, err)
+	}
+	return openAt(dirfd, d, sourcePath)
+}
+
+// openAt maps the cached copy of the clean sourcePath in the tier d open at dirfd.
+func openAt(dirfd int, d Dir, sourcePath string) (*Mapping, error) {
+	rel := RelPath(sourcePath)
+	path := filepath.Join(d.Path, rel)
+	f, err := openEntry(dirfd, rel)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, ErrNotCached
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
+		return nil, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
 	}
 	defer f.Close()
+	m, err := mapEntry(f, path, d.Kind)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
+	}
+	if m.SourcePath != sourcePath {
+		m.Release()
+		return nil, ErrNotCached // another file with the same key and base name
+	}
+	return m, nil
+}
+
+// mapEntry maps the cached file f, at path, and reads its trailer.
+func mapEntry(f *os.File, path string, kind Kind) (*Mapping, error) {
 	m, err := mapFile(f)
 	if err != nil {
 		// An empty file cannot be mapped; a real entry is never empty (it has a trailer).
-		return nil, fmt.Errorf("%w: map %s: %w: %w", ErrNotCached, path, ErrDamaged, err)
+		return nil, fmt.Errorf("map %s: %w: %w", path, ErrDamaged, err)
 	}
 	e, err := readTrailer(m)
 	if err != nil {
 		m.Unmap()
-		return nil, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if e.SourcePath != sourcePath {
-		m.Unmap()
-		return nil, ErrNotCached // another file with the same key and base name
-	}
-	return &Mapping{Entry: e, Tier: d.Kind, Path: path, m: m, ino: inodeOf(f)}, nil
+	return &Mapping{Entry: e, Tier: kind, Path: path, m: m, ino: inodeOf(f)}, nil
 }
 
 // readTrailer parses a mapped file's trailer. Reading mapped memory can fault if the file

@@ -3,6 +3,7 @@ package tiers
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"hash/crc32"
 )
 
@@ -13,16 +14,18 @@ import (
 //	n           uint32       length of path
 //	size        uint64       length of data
 //	mtime       int64        the source file's modification time, Unix nanoseconds
-//	crc         uint32       CRC-32C of path, n, size and mtime
+//	checksum    uint32       CRC-32C of data
+//	crc         uint32       CRC-32C of path, n, size, mtime and checksum
 //	version     uint32       trailerVersion
 //	magic       [8]byte      "FCENTRY\x01"
 //
 // All integers are little-endian. The trailer sits at the end so that a truncated file loses
-// its magic and is recognised as damaged.
+// its magic and is recognised as damaged. Version 1 had no checksum; its entries are misses
+// (a rescan removes them). The version always sits just before the magic.
 
 const (
-	trailerVersion   = 1
-	trailerFixedSize = 4 + 8 + 8 + 4 + 4 + 8
+	trailerVersion   = 2
+	trailerFixedSize = 4 + 8 + 8 + 4 + 4 + 4 + 8
 	trailerMagic     = "FCENTRY\x01"
 )
 
@@ -33,10 +36,20 @@ type Entry struct {
 	SourcePath string
 	Size       int64
 	MTimeNanos int64
+	// Checksum is the CRC-32C (Castagnoli) of the data. Publish and PublishFrom compute it;
+	// a value the caller sets is ignored. A rescan with Config.Verify checks it.
+	Checksum uint32
 }
 
 // errDamaged reports a cached file whose trailer is missing, inconsistent or for another path.
 var errDamaged = errors.New("damaged cache entry")
+
+// errOldVersion reports an entry written with another trailer version: a miss, removed by a
+// rescan.
+var errOldVersion = fmt.Errorf("%w: written by another version of FitCache", errDamaged)
+
+// errChecksum reports an entry whose data no longer matches the checksum of its trailer.
+var errChecksum = fmt.Errorf("%w: data does not match its checksum", errDamaged)
 
 // appendTrailer appends e's trailer to b.
 func appendTrailer(b []byte, e Entry) []byte {
@@ -45,6 +58,7 @@ func appendTrailer(b []byte, e Entry) []byte {
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(e.SourcePath)))
 	b = binary.LittleEndian.AppendUint64(b, uint64(e.Size))
 	b = binary.LittleEndian.AppendUint64(b, uint64(e.MTimeNanos))
+	b = binary.LittleEndian.AppendUint32(b, e.Checksum)
 	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(b[start:], castagnoli))
 	b = binary.LittleEndian.AppendUint32(b, trailerVersion)
 	return append(b, trailerMagic...)
@@ -57,24 +71,41 @@ func trailerSize(sourcePath string) int64 { return int64(len(sourcePath)) + trai
 // consistent with the file's length. It copies the path out, so the result outlives file.
 func parseTrailer(file []byte) (Entry, error) {
 	n := len(file)
-	if n < trailerFixedSize || string(file[n-8:]) != trailerMagic {
+	le := binary.LittleEndian
+	if n < 12 || string(file[n-8:]) != trailerMagic {
+		return Entry{}, errDamaged
+	}
+	if le.Uint32(file[n-12:n-8]) != trailerVersion {
+		return Entry{}, errOldVersion
+	}
+	if n < trailerFixedSize {
 		return Entry{}, errDamaged
 	}
 	fixed := file[n-trailerFixedSize:]
-	le := binary.LittleEndian
 	pathLen := int(le.Uint32(fixed[0:4]))
 	size := int64(le.Uint64(fixed[4:12]))
 	mtime := int64(le.Uint64(fixed[12:20]))
-	crc := le.Uint32(fixed[20:24])
-	version := le.Uint32(fixed[24:28])
-	if version != trailerVersion || pathLen > n-trailerFixedSize || size < 0 ||
-		size != int64(n-trailerFixedSize-pathLen) {
+	checksum := le.Uint32(fixed[20:24])
+	crc := le.Uint32(fixed[24:28])
+	if pathLen > n-trailerFixedSize || size < 0 || size != int64(n-trailerFixedSize-pathLen) {
 		return Entry{}, errDamaged
 	}
-	covered := file[n-trailerFixedSize-pathLen : n-trailerFixedSize+20]
+	covered := file[n-trailerFixedSize-pathLen : n-trailerFixedSize+24]
 	if crc32.Checksum(covered, castagnoli) != crc {
 		return Entry{}, errDamaged
 	}
 	path := string(file[n-trailerFixedSize-pathLen : n-trailerFixedSize])
-	return Entry{SourcePath: path, Size: size, MTimeNanos: mtime}, nil
+	return Entry{SourcePath: path, Size: size, MTimeNanos: mtime, Checksum: checksum}, nil
 }
+
+// checkData reports errChecksum if the data of a whole cached file, whose trailer parsed as
+// e, does not match e.Checksum.
+func checkData(file []byte, e Entry) error {
+	if crc32.Checksum(file[:e.Size], castagnoli) != e.Checksum {
+		return errChecksum
+	}
+	return nil
+}
+
+// crc32c returns the CRC-32C of b, the checksum an entry records for its data.
+func crc32c(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }

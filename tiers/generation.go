@@ -5,6 +5,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"unsafe"
 
 	"github.com/edsrzf/mmap-go"
@@ -24,7 +25,7 @@ type Generation struct {
 // CreateGeneration creates (or reuses) the counter file at path for the server, mapped
 // writable. A reused file keeps counting upwards, so readers never see an old value again.
 func CreateGeneration(path string) (*Generation, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
@@ -41,7 +42,7 @@ func CreateGeneration(path string) (*Generation, error) {
 
 // OpenGeneration maps an existing counter file read-only, for readers.
 func OpenGeneration(path string) (*Generation, error) {
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return nil, err
 	}

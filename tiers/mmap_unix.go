@@ -15,10 +15,11 @@ func mapFile(f *os.File) (mmap.MMap, error) {
 	return mmap.Map(f, mmap.RDONLY, 0)
 }
 
-// statFile returns the inode number and size of the file at path.
+// statFile returns the inode number and size of the file at path (of a link itself, not
+// of what it points to).
 func statFile(path string) (ino uint64, size int64, err error) {
 	var st syscall.Stat_t
-	if err := syscall.Stat(path, &st); err != nil {
+	if err := syscall.Lstat(path, &st); err != nil {
 		return 0, 0, err
 	}
 	return st.Ino, st.Size, nil

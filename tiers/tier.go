@@ -4,15 +4,19 @@ import (
 	"container/list"
 	"errors"
 	"fmt"
+	"hash/crc32"
+	"io"
 	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sort"
 	"strconv"
 	"sync"
 	"syscall"
-	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/privdir"
 )
 
 // ErrNoRoom reports that a file does not fit in a tier without eviction (Publish), or at all.
@@ -30,6 +34,17 @@ type Config struct {
 	// OnRemove, if set, is called after a published file was unlinked (evicted or damaged),
 	// so that readers keeping mappings can learn of it (see Generation).
 	OnRemove func()
+	// Verify checks the data checksum of every entry at start (rescan) and removes the
+	// entries that fail it, so that bytes changed in a tier file are never served.
+	Verify bool
+	// Holder describes this server (its runtime directory or address) in the tier's lock
+	// file, so that a second server can say who holds the directory.
+	Holder string
+	// FallbackRecord, if set, lets New use a private stand-in directory when Dir is not
+	// private (another user created it first, or it is a link): a new directory with a random
+	// name beside Dir, whose path is kept in the file FallbackRecord (in the runtime
+	// directory) so that a restart finds it again. See privdir.Fallback and Tier.Warning.
+	FallbackRecord string
 }
 
 // Info is a snapshot of a tier's state, for statistics and reports.
@@ -51,6 +66,12 @@ type Tier struct {
 	capacity int64
 	log      *slog.Logger
 	onRemove func()
+	verify   bool
+	warning  string   // why the tier is not at Config.Dir, or ""
+	damaged  []Damage // what the rescan removed
+	dir      *os.File // the tier directory: every file operation is relative to it
+	lock     *os.File // holds the tier's lock (flock) until Close
+	closed   sync.Once
 
 	mu     sync.Mutex // protects budget, used, fifo and byRel
 	budget int64
@@ -64,9 +85,11 @@ type record struct {
 	size int64  // file size, trailer included
 }
 
-// New opens the tier described by cfg: it creates the directory (0700) if needed, checks that
-// it is writable, resolves the budget against the file system and rescans existing content.
-// A nil logger discards messages.
+// New opens the tier described by cfg: it creates the directory (0700) if needed, refuses
+// one that is not private (a link, another user's: see privdir) unless cfg.FallbackRecord
+// allows a stand-in, takes the tier's lock (ErrLocked if another server holds it), checks
+// that it is writable, resolves the budget against the file system and rescans existing
+// content. The caller must Close the tier. A nil logger discards messages.
 func New(cfg Config, log *slog.Logger) (*Tier, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -86,55 +109,112 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tier %s budget: %w", dir, err)
 	}
-	mkdir := os.Mkdir
-	if cfg.CreateParents {
-		mkdir = os.MkdirAll
-	}
-	if err := mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
-		return nil, fmt.Errorf("create tier %s: %w", dir, err)
-	}
-	if err := os.Chmod(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("tier %s: %w", dir, err)
-	}
-	if err := checkWritable(dir); err != nil {
-		return nil, fmt.Errorf("tier %s is not writable: %w", dir, err)
-	}
-	fsi, err := StatFS(dir)
+	d, warning, err := openDir(dir, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("tier %s: %w", dir, err)
+		return nil, err
+	}
+	if warning != "" {
+		log.Warn(warning)
+		dir = d.Name()
 	}
 	t := &Tier{
 		Dir:      Dir{Path: dir, Kind: cfg.Kind},
-		fsType:   fsi.Type,
-		capacity: fsi.Capacity,
 		log:      log.With("tier", cfg.Kind.String(), "dir", dir),
 		onRemove: cfg.OnRemove,
-		budget:   size.Resolve(fsi.Capacity),
+		verify:   cfg.Verify,
+		warning:  warning,
+		dir:      d,
 		byRel:    make(map[string]*list.Element),
 	}
-	if t.budget <= 0 {
-		return nil, fmt.Errorf("tier %s: budget %s resolves to %d bytes", dir, size, t.budget)
-	}
-	if (cfg.Kind == Memory) != (fsi.Type == "tmpfs" || fsi.Type == "ramfs") {
-		t.log.Warn("tier kind does not match its file system: reads will not run at the expected speed",
-			"fs", fsi.Type)
-	}
-	if err := t.rescan(); err != nil {
-		return nil, fmt.Errorf("rescan tier %s: %w", dir, err)
+	if err := t.init(size, cfg.Holder); err != nil {
+		t.Close()
+		return nil, fmt.Errorf("tier %s: %w", dir, err)
 	}
 	t.log.Info("tier ready", "fs", t.fsType, "budget", FormatBytes(t.budget),
 		"used", FormatBytes(t.used), "files", t.fifo.Len())
 	return t, nil
 }
 
-func checkWritable(dir string) error {
-	f, err := os.CreateTemp(dir, tempPrefix+"probe-")
+// openDir opens (creating it if needed) the private tier directory, or its stand-in.
+func openDir(dir string, cfg Config) (d *os.File, warning string, err error) {
+	d, err = privdir.Make(dir, cfg.CreateParents)
+	if err == nil {
+		return d, "", nil
+	}
+	if cfg.FallbackRecord == "" || !errors.Is(err, privdir.ErrNotPrivate) {
+		return nil, "", fmt.Errorf("tier %s: %w", dir, err)
+	}
+	alt, ferr := privdir.Fallback(dir, cfg.FallbackRecord)
+	if ferr != nil {
+		return nil, "", fmt.Errorf("tier %s: %w; no private stand-in either: %w", dir, err, ferr)
+	}
+	return alt, fmt.Sprintf("%s tier: %v; using the private directory %s instead", cfg.Kind, err, alt.Name()), nil
+}
+
+// init locks the tier, checks it and rescans it.
+func (t *Tier) init(size SizeOrPercent, holder string) error {
+	err := withFd(t.dir, func(dirfd int) error {
+		var err error
+		if t.lock, err = lockDir(dirfd, t.Path, holder); err != nil {
+			return err
+		}
+		if err := checkWritable(dirfd); err != nil {
+			return fmt.Errorf("not writable: %w", err)
+		}
+		fsi, err := fstatFS(dirfd)
+		t.fsType, t.capacity = fsi.Type, fsi.Capacity
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	t.budget = size.Resolve(t.capacity)
+	if t.budget <= 0 {
+		return fmt.Errorf("budget %s resolves to %d bytes", size, t.budget)
+	}
+	if (t.Kind == Memory) != (t.fsType == "tmpfs" || t.fsType == "ramfs") {
+		t.log.Warn("tier kind does not match its file system: reads will not run at the expected speed",
+			"fs", t.fsType)
+	}
+	if err := t.rescan(); err != nil {
+		return fmt.Errorf("rescan: %w", err)
+	}
+	return nil
+}
+
+func checkWritable(dirfd int) error {
+	f, name, err := createTemp(dirfd, tempPrefix+"probe-")
 	if err != nil {
 		return err
 	}
 	f.Close()
-	return os.Remove(f.Name())
+	return unix.Unlinkat(dirfd, name, 0)
 }
+
+// Close releases the tier's lock, so that another server may take the directory, and its
+// descriptor. The tier must not be used afterwards: Publish fails and Open misses. Close is
+// idempotent.
+func (t *Tier) Close() error {
+	var err error
+	t.closed.Do(func() {
+		if t.lock != nil {
+			err = t.lock.Close()
+		}
+		if cerr := t.dir.Close(); err == nil {
+			err = cerr
+		}
+	})
+	return err
+}
+
+// Warning says why the tier is not where it was configured (another user's directory was
+// there, say), or is "".
+func (t *Tier) Warning() string { return t.warning }
+
+// Damaged lists the entries the start-up rescan found unusable and removed: links or
+// other users' files planted in the tier, entries of an older format, damaged entries and,
+// with Config.Verify, entries whose data no longer match their checksum.
+func (t *Tier) Damaged() []Damage { return t.damaged }
 
 // Info returns a snapshot of the tier's state.
 func (t *Tier) Info() Info {
@@ -165,10 +245,19 @@ func (t *Tier) HasRoom(n int64) bool {
 
 // Open maps the cached copy of sourcePath like Dir.Open, and deletes the copy if it is damaged.
 func (t *Tier) Open(sourcePath string) (*Mapping, error) {
-	m, err := t.Dir.Open(sourcePath)
+	sourcePath = filepath.Clean(sourcePath)
+	var m *Mapping
+	err := withFd(t.dir, func(dirfd int) error {
+		var err error
+		m, err = openAt(dirfd, t.Dir, sourcePath)
+		return err
+	})
 	if err != nil && errors.Is(err, ErrDamaged) {
 		t.log.Warn("removing damaged cache entry", "source", sourcePath, "err", err)
-		t.remove(RelPath(filepath.Clean(sourcePath)))
+		t.remove(RelPath(sourcePath))
+	}
+	if err != nil && !errors.Is(err, ErrNotCached) {
+		err = fmt.Errorf("%w: %w", ErrNotCached, err) // the tier was closed
 	}
 	return m, err
 }
@@ -197,15 +286,14 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 		delete(t.byRel, rec.rel)
 		t.mu.Unlock()
 
-		path := filepath.Join(t.Path, rec.rel)
 		if spill != nil {
-			if m, err := t.openRecord(path); err == nil {
+			if m, err := t.openRecord(rec.rel); err == nil {
 				spill(m)
 				m.Release()
 			}
 		}
-		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			t.log.Warn("evict", "file", path, "err", err)
+		if err := t.unlink(rec.rel); err != nil {
+			t.log.Warn("evict", "file", rec.rel, "err", err)
 		}
 		t.removed()
 		t.mu.Lock()
@@ -214,23 +302,28 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 	}
 }
 
-// openRecord maps a file by its path in the tier, whatever source it holds.
-func (t *Tier) openRecord(path string) (*Mapping, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
+// openRecord maps a file by its path relative to the tier, whatever source it holds.
+func (t *Tier) openRecord(rel string) (*Mapping, error) {
+	var m *Mapping
+	err := withFd(t.dir, func(dirfd int) error {
+		f, err := openEntry(dirfd, rel)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		m, err = mapEntry(f, filepath.Join(t.Path, rel), t.Kind)
+		return err
+	})
+	return m, err
+}
+
+// unlink removes a file by its path relative to the tier; a file already gone is no error.
+func (t *Tier) unlink(rel string) error {
+	err := withFd(t.dir, func(dirfd int) error { return unlinkEntry(dirfd, rel) })
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
 	}
-	defer f.Close()
-	m, err := mapFile(f)
-	if err != nil {
-		return nil, err
-	}
-	e, err := readTrailer(m)
-	if err != nil {
-		m.Unmap()
-		return nil, err
-	}
-	return &Mapping{Entry: e, Tier: t.Kind, Path: path, m: m}, nil
+	return err
 }
 
 // Publish writes data as the cached copy of e.SourcePath: to a temporary file first, then
@@ -238,10 +331,61 @@ func (t *Tier) openRecord(path string) (*Mapping, error) {
 // when the entry does not fit without eviction (see MakeRoom). A full file system lowers the
 // budget to what the tier holds, so later files go elsewhere.
 func (t *Tier) Publish(e Entry, data []byte) error {
-	e.SourcePath = filepath.Clean(e.SourcePath)
 	if int64(len(data)) != e.Size {
 		return fmt.Errorf("publish %s: have %d bytes, entry says %d", e.SourcePath, len(data), e.Size)
 	}
+	return t.publish(e, func(w io.Writer) (uint32, error) {
+		_, err := w.Write(data)
+		return crc32c(data), err
+	})
+}
+
+// PublishFrom is Publish with the data read from r, which must give exactly e.Size bytes:
+// it is copied into the temporary file at most copyChunk bytes at a time, so a large file is
+// never held whole in memory. If r gives fewer or more bytes, or fails, nothing is published.
+func (t *Tier) PublishFrom(e Entry, r io.Reader) error {
+	return t.publish(e, func(w io.Writer) (uint32, error) { return copyExactly(w, r, e.Size) })
+}
+
+// copyChunk bounds the memory PublishFrom uses for a file.
+const copyChunk = 1 << 20
+
+// copyExactly copies exactly n bytes from r to w and returns their CRC-32C; it fails if r
+// ends before n bytes or still has bytes after them.
+func copyExactly(w io.Writer, r io.Reader, n int64) (uint32, error) {
+	buf := make([]byte, max(1, min(n, copyChunk)))
+	var crc uint32
+	for done := int64(0); done < n; {
+		k, err := io.ReadFull(r, buf[:min(int64(len(buf)), n-done)])
+		if err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+				return 0, fmt.Errorf("%w: source ended after %d bytes", ErrShortSource, done+int64(k))
+			}
+			return 0, err
+		}
+		crc = crc32.Update(crc, castagnoli, buf[:k])
+		if _, err := w.Write(buf[:k]); err != nil {
+			return 0, err
+		}
+		done += int64(k)
+	}
+	switch k, err := io.ReadFull(r, buf[:1]); {
+	case k > 0:
+		return 0, fmt.Errorf("%w: source has more than %d bytes", ErrShortSource, n)
+	case err != nil && !errors.Is(err, io.EOF):
+		return 0, err
+	}
+	return crc, nil
+}
+
+// ErrShortSource reports that the reader given to PublishFrom did not give exactly the
+// entry's size.
+var ErrShortSource = errors.New("source size differs from the entry's")
+
+// publish reserves room for e, writes it with fill (which writes the data and returns its
+// checksum) and accounts for it.
+func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
+	e.SourcePath = filepath.Clean(e.SourcePath)
 	rel := RelPath(e.SourcePath)
 	n := EntrySize(e.SourcePath, e.Size)
 
@@ -253,7 +397,7 @@ func (t *Tier) Publish(e Entry, data []byte) error {
 	t.used += n // reserved while writing
 	t.mu.Unlock()
 
-	err := t.write(rel, e, data)
+	err := withFd(t.dir, func(dirfd int) error { return write(dirfd, rel, e, fill) })
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err != nil {
@@ -263,7 +407,7 @@ func (t *Tier) Publish(e Entry, data []byte) error {
 			t.budget = t.used
 			return fmt.Errorf("%w: %w", ErrNoRoom, err)
 		}
-		return err
+		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)
 	}
 	if old, ok := t.byRel[rel]; ok { // replaced an older copy of the same file
 		t.used -= old.Value.(*record).size
@@ -273,18 +417,19 @@ func (t *Tier) Publish(e Entry, data []byte) error {
 	return nil
 }
 
-func (t *Tier) write(rel string, e Entry, data []byte) error {
-	final := filepath.Join(t.Path, rel)
-	binDir := filepath.Dir(final)
-	if err := os.MkdirAll(binDir, 0o700); err != nil {
-		return err
-	}
-	f, err := os.CreateTemp(binDir, tempPrefix)
+// write creates the entry rel below dirfd: data and trailer into a new temporary file
+// (0600, O_EXCL, in bins opened without following links), then renamed into place.
+func write(dirfd int, rel string, e Entry, fill func(io.Writer) (uint32, error)) error {
+	binfd, name, err := openBin(dirfd, rel, true)
 	if err != nil {
 		return err
 	}
-	tmp := f.Name()
-	_, err = f.Write(data)
+	defer unix.Close(binfd)
+	f, tmp, err := createTemp(binfd, tempPrefix)
+	if err != nil {
+		return err
+	}
+	e.Checksum, err = fill(f)
 	if err == nil {
 		_, err = f.Write(appendTrailer(nil, e))
 	}
@@ -292,20 +437,19 @@ func (t *Tier) write(rel string, e Entry, data []byte) error {
 		err = cerr
 	}
 	if err == nil {
-		err = os.Rename(tmp, final)
+		err = unix.Renameat(binfd, tmp, binfd, name)
 	}
 	if err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)
+		unix.Unlinkat(binfd, tmp, 0)
 	}
-	return nil
+	return err
 }
 
 // remove deletes a cached file and its accounting.
 func (t *Tier) remove(rel string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if err := os.Remove(filepath.Join(t.Path, rel)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err := t.unlink(rel); err != nil {
 		t.log.Warn("remove", "file", rel, "err", err)
 	}
 	if el, ok := t.byRel[rel]; ok {
@@ -323,69 +467,24 @@ func (t *Tier) removed() {
 }
 
 // rescan rebuilds usage and FIFO order (by modification time, the time of publication) from
-// the directory, deletes leftover temporary files, and evicts the oldest files if the content
-// exceeds the budget (after the budget was lowered, say).
+// the directory, removes leftover temporary files and whatever must not be served (see
+// scan), and evicts the oldest files if the content exceeds the budget (after the budget was
+// lowered, say).
 func (t *Tier) rescan() error {
-	type found struct {
-		rel   string
-		size  int64
-		mtime time.Time
-	}
-	var files []found
-	temps := 0
-	bins1, err := os.ReadDir(t.Path)
-	if err != nil {
+	s := scan{root: t.Path, verify: t.verify, fix: true}
+	if err := withFd(t.dir, s.run); err != nil {
 		return err
 	}
-	for _, b1 := range bins1 {
-		if isTempName(b1.Name()) {
-			os.Remove(filepath.Join(t.Path, b1.Name()))
-			temps++
-			continue
-		}
-		if !b1.IsDir() || !isBinName(b1.Name()) {
-			continue
-		}
-		bins2, err := os.ReadDir(filepath.Join(t.Path, b1.Name()))
-		if err != nil {
-			return err
-		}
-		for _, b2 := range bins2 {
-			if !b2.IsDir() || !isBinName(b2.Name()) {
-				continue
-			}
-			binRel := filepath.Join(b1.Name(), b2.Name())
-			ents, err := os.ReadDir(filepath.Join(t.Path, binRel))
-			if err != nil {
-				return err
-			}
-			for _, ent := range ents {
-				rel := filepath.Join(binRel, ent.Name())
-				if isTempName(ent.Name()) {
-					os.Remove(filepath.Join(t.Path, rel))
-					temps++
-					continue
-				}
-				fi, err := ent.Info()
-				if err != nil || !fi.Mode().IsRegular() {
-					continue
-				}
-				files = append(files, found{rel, fi.Size(), fi.ModTime()})
-			}
-		}
-	}
-	sort.Slice(files, func(i, j int) bool {
-		if !files[i].mtime.Equal(files[j].mtime) {
-			return files[i].mtime.Before(files[j].mtime)
-		}
-		return files[i].rel < files[j].rel
-	})
-	for _, f := range files {
+	for _, f := range s.sorted() {
 		t.byRel[f.rel] = t.fifo.PushBack(&record{rel: f.rel, size: f.size})
 		t.used += f.size
 	}
-	if temps > 0 {
-		t.log.Info("removed leftover temporary files", "count", temps)
+	t.damaged = s.damaged
+	if s.temps > 0 {
+		t.log.Info("removed leftover temporary files", "count", s.temps)
+	}
+	for _, d := range s.damaged {
+		t.log.Warn("removed unusable cache entry", "file", d.Rel, "err", d.Err)
 	}
 	if t.used > t.budget {
 		t.log.Info("content exceeds budget: evicting oldest", "used", FormatBytes(t.used))

@@ -19,6 +19,7 @@ func newTier(t *testing.T, kind Kind, budget string) *Tier {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { tier.Close() })
 	return tier
 }
 
@@ -254,6 +255,7 @@ func TestRescanRebuildsUsageAndOrderAndRemovesTemps(t *testing.T) {
 		}
 	}
 	before := tier.Info()
+	tier.Close()
 
 	again, err := New(Config{Dir: dir, Kind: Disk, Budget: "1MiB"}, nil)
 	if err != nil {
@@ -274,6 +276,8 @@ func TestRescanRebuildsUsageAndOrderAndRemovesTemps(t *testing.T) {
 	if diff := cmp.Diff([]string{"/d/f0"}, evicted); diff != "" {
 		t.Errorf("evicted after rescan (-want +got):\n%s", diff)
 	}
+
+	again.Close()
 
 	// A smaller budget at restart evicts the oldest files down to it.
 	small, err := New(Config{Dir: dir, Kind: Disk, Budget: fmt.Sprint(EntrySize("/d/f0", 100))}, nil)

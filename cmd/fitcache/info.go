@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -28,6 +30,9 @@ type tierReport struct {
 	Capacity int64  `json:"capacity_bytes,omitempty"`
 	Free     int64  `json:"free_bytes,omitempty"`
 	Budget   int64  `json:"budget_bytes,omitempty"`
+	// Warning: the directory is not private (a server uses a stand-in or skips it) or
+	// another server holds it.
+	Warning string `json:"warning,omitempty"`
 }
 
 type hardware struct {
@@ -57,9 +62,17 @@ func info(args []string) error {
 		Tiers      []tierReport `json:"tiers"`
 		RuntimeDir string       `json:"runtime_dir"`
 		ServerPID  int          `json:"embedded_server_pid,omitempty"`
+		Warnings   []string     `json:"warnings,omitempty"`
 	}{Hardware: detectHardware(), RuntimeDir: cfg.RuntimeDir}
+	if err := privdir.Inspect(cfg.RuntimeDir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		report.Warnings = append(report.Warnings, "runtime directory: "+err.Error())
+	}
 	for _, tc := range tierCfgs {
-		report.Tiers = append(report.Tiers, inspectTier(tc))
+		r := inspectTier(tc)
+		report.Tiers = append(report.Tiers, r)
+		if r.Warning != "" {
+			report.Warnings = append(report.Warnings, fmt.Sprintf("%s tier %s: %s", r.Kind, r.Dir, r.Warning))
+		}
 	}
 	report.ServerPID = local.RunningPID(cfg.RuntimeDir)
 	if *asJSON {
@@ -78,6 +91,9 @@ func info(args []string) error {
 		}
 		fmt.Printf("tier %-6s %s: %s, %s capacity, %s free, budget %s\n", t.Kind, t.Dir, t.FSType,
 			tiers.FormatBytes(t.Capacity), tiers.FormatBytes(t.Free), tiers.FormatBytes(t.Budget))
+	}
+	for _, w := range report.Warnings {
+		fmt.Printf("warning  %s\n", w)
 	}
 	if report.ServerPID != 0 {
 		fmt.Printf("embedded server running, pid %d, in %s\n", report.ServerPID, cfg.RuntimeDir)
@@ -121,7 +137,28 @@ func inspectTier(tc tiers.Config) tierReport {
 	}
 	r.Usable = r.Problem == ""
 	r.FSType, r.Capacity, r.Free, r.Budget = fsi.Type, fsi.Capacity, fsi.Free, size.Resolve(fsi.Capacity)
+	r.Warning = privacyWarning(tc)
 	return r
+}
+
+// privacyWarning says what a server will do about a tier directory that is not private
+// (another user's, a link) or that another server holds, or is "".
+func privacyWarning(tc tiers.Config) string {
+	err := privdir.Inspect(tc.Dir)
+	var npe *privdir.NotPrivateError
+	switch {
+	case errors.As(err, &npe) && npe.Owner == -1 && strings.HasPrefix(npe.Reason, "has mode"):
+		return "" // ours: a server sets it to 0700
+	case errors.Is(err, privdir.ErrNotPrivate) && tc.FallbackRecord != "":
+		return err.Error() + "; a server uses a private directory elsewhere in " + filepath.Dir(tc.Dir) +
+			" (recorded in " + tc.FallbackRecord + ")"
+	case errors.Is(err, privdir.ErrNotPrivate):
+		return err.Error() + "; a server skips this tier"
+	}
+	if h := tiers.Holder(tc.Dir); h != "" {
+		return "held by " + h + " (another server using it skips it)"
+	}
+	return ""
 }
 
 func detectHardware() hardware {

@@ -3,6 +3,7 @@
 //	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]...
 //	fitcache stats [--json]
 //	fitcache info  [--json]
+//	fitcache verify [--tiers SPEC]
 //	fitcache warmup [--workers N] DIR
 //	fitcache token FILE
 //	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR
@@ -21,6 +22,7 @@ var commands = map[string]func(args []string) error{
 	"serve":  serve,
 	"stats":  stats,
 	"info":   info,
+	"verify": verifyCmd,
 	"warmup": warmup,
 	"token":  tokenCmd,
 	"size":   size,
@@ -33,6 +35,7 @@ commands:
   serve    run a cache server (--embedded: the per-user server clients start on demand)
   stats    print the counters of the embedded server
   info     print the tiers and hardware FitCache finds on this node
+  verify   check the checksum of every cached file; remove damaged ones (or say how)
   warmup   read every file under a directory through the cache, with progress
   token    create a job token file (0600) for the servers and clients of a cluster job
   size     how many servers a job needs: the sizing rule of FITCACHE with a measured server

@@ -35,6 +35,7 @@ func serve(args []string) error {
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
+	verify := fs.Bool("verify", false, "check the data checksum of every cached file at start and remove damaged ones (default: FITCACHE_VERIFY)")
 	var roots stringList
 	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; default: any root the caller names)")
 	fs.Parse(args)
@@ -42,6 +43,9 @@ func serve(args []string) error {
 	opts := map[string]string{"tiers": *tierSpec}
 	if *idle > 0 {
 		opts["idle_timeout"] = idle.String()
+	}
+	if *verify {
+		opts["verify"] = "true"
 	}
 	cfg, err := core.LoadConfig(opts)
 	if err != nil {
@@ -97,7 +101,8 @@ func serve(args []string) error {
 			return fmt.Errorf("listen on %s: %w", *listen, err)
 		}
 	}
-	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile}, log)
+	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile,
+		Verify: cfg.Verify, Holder: "listening on " + firstNonEmpty(*listen, *socket) + ", runtime dir " + cfg.RuntimeDir}, log)
 	if err != nil {
 		if ln != nil {
 			ln.Close()

@@ -84,6 +84,9 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files (%s)\n", t.Kind, t.Dir,
 			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, t.FSType)
 	}
+	for _, msg := range s.Warnings {
+		fmt.Fprintf(w, "warning      %s\n", msg)
+	}
 }
 
 // clusterStats totals the counters of every server of a cluster job (FITCACHE_SERVERS).

@@ -1,0 +1,59 @@
+package local
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/fitcache/fitcache/privdir"
+	"github.com/fitcache/fitcache/privdir/privdirtest"
+)
+
+func TestPrepareDir(t *testing.T) {
+	base := t.TempDir()
+	target := filepath.Join(base, "target")
+	os.Mkdir(target, 0o755)
+	os.WriteFile(filepath.Join(target, spawnLock), nil, 0o644)
+	link := filepath.Join(base, "link")
+	os.Symlink(target, link)
+	loose := filepath.Join(base, "loose")
+	os.Mkdir(loose, 0o700)
+	os.Chmod(loose, 0o755)
+	for _, tc := range []struct {
+		name, dir string
+		wantErr   bool
+	}{
+		{"missing with parents", filepath.Join(base, "a", "b"), false},
+		{"ours with a loose mode", loose, false},
+		{"symbolic link", link, true},
+	} {
+		err := PrepareDir(tc.dir)
+		if tc.wantErr {
+			if !errors.Is(err, privdir.ErrNotPrivate) || !strings.Contains(err.Error(), "FITCACHE_RUNTIME_DIR") {
+				t.Errorf("%s: got %v, want ErrNotPrivate with a hint", tc.name, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+		} else if fi, _ := os.Lstat(tc.dir); fi.Mode() != os.ModeDir|0o700 {
+			t.Errorf("%s: mode %v, want drwx------", tc.name, fi.Mode())
+		}
+	}
+	if fi, _ := os.Stat(target); fi.Mode().Perm() != 0o755 {
+		t.Errorf("the link's target was chmodded to %v", fi.Mode().Perm())
+	}
+}
+
+func TestPrepareDirRefusesAnotherUsersDirectory(t *testing.T) {
+	planted := filepath.Join(privdirtest.SharedDir(t), "fitcache-0")
+	privdirtest.AsNobody(t, "mkdir -m 777 "+planted)
+	if err := PrepareDir(planted); !errors.Is(err, privdir.ErrNotPrivate) || !strings.Contains(err.Error(), "nobody") {
+		t.Fatalf("got %v, want ErrNotPrivate naming nobody", err)
+	}
+	if fi, _ := os.Stat(planted); fi.Mode().Perm() != 0o777 {
+		t.Errorf("nobody's directory was chmodded to %v", fi.Mode().Perm())
+	}
+}

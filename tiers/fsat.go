@@ -1,0 +1,125 @@
+package tiers
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Everything a tier does below its directory goes through a descriptor of that directory
+// and follows no symbolic link at any level, so a link planted as a bin or an entry can
+// neither redirect a write nor serve another file's bytes.
+
+const (
+	dirFlags = unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
+	// entryMode is the mode of cached files and bins: this user only.
+	entryMode = 0o600
+	binMode   = 0o700
+)
+
+// openBin opens the bin directory of rel ("ab/cd/name") below dirfd, following no link,
+// and returns its descriptor and the entry's name in it. With create, missing bins are made.
+func openBin(dirfd int, rel string, create bool) (binfd int, name string, err error) {
+	parts := strings.Split(rel, "/")
+	fd := dirfd
+	for _, p := range parts[:len(parts)-1] {
+		if create {
+			if err := unix.Mkdirat(fd, p, binMode); err != nil && !errors.Is(err, unix.EEXIST) {
+				closeUnless(fd, dirfd)
+				return -1, "", err
+			}
+		}
+		next, err := unix.Openat(fd, p, dirFlags, 0)
+		closeUnless(fd, dirfd)
+		if err != nil {
+			return -1, "", err
+		}
+		fd = next
+	}
+	if fd == dirfd { // rel has no bin: hand out a descriptor of our own
+		if fd, err = unix.Dup(dirfd); err != nil {
+			return -1, "", err
+		}
+	}
+	return fd, parts[len(parts)-1], nil
+}
+
+func closeUnless(fd, keep int) {
+	if fd != keep {
+		unix.Close(fd)
+	}
+}
+
+// openat2 is unix.Openat2; tests replace it to exercise the fallback for older kernels.
+var openat2 = unix.Openat2
+
+// openEntry opens rel below dirfd read-only, following no link at any level: with one
+// openat2 (RESOLVE_NO_SYMLINKS) where the kernel has it, else one openat per level.
+func openEntry(dirfd int, rel string) (*os.File, error) {
+	fd, err := openat2(dirfd, rel, &unix.OpenHow{
+		Flags:   unix.O_RDONLY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_BENEATH,
+	})
+	if err == nil {
+		return os.NewFile(uintptr(fd), rel), nil
+	}
+	if !errors.Is(err, unix.ENOSYS) && !errors.Is(err, unix.EPERM) { // EPERM: a seccomp filter
+		return nil, err
+	}
+	binfd, name, err := openBin(dirfd, rel, false)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(binfd)
+	fd, err = unix.Openat(binfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), rel), nil
+}
+
+// unlinkEntry removes rel below dirfd; a link planted as a bin is not followed.
+func unlinkEntry(dirfd int, rel string) error {
+	binfd, name, err := openBin(dirfd, rel, false)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(binfd)
+	return unix.Unlinkat(binfd, name, 0)
+}
+
+// createTemp creates a new temporary file (0600, O_EXCL, not through a link) in the
+// directory binfd and returns it and its name there.
+func createTemp(binfd int, prefix string) (*os.File, string, error) {
+	for range 10 {
+		name := fmt.Sprintf("%s%016x", prefix, rand.Uint64())
+		fd, err := unix.Openat(binfd, name,
+			unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+		if errors.Is(err, unix.EEXIST) {
+			continue
+		}
+		if err != nil {
+			return nil, "", err
+		}
+		return os.NewFile(uintptr(fd), name), name, nil
+	}
+	return nil, "", fmt.Errorf("create temporary file: %w", unix.EEXIST)
+}
+
+// withFd runs fn with the descriptor of f, which cannot be closed (and its number reused)
+// while fn runs. It fails with os.ErrClosed once f is closed.
+func withFd(f *os.File, fn func(fd int) error) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var ferr error
+	if err := rc.Control(func(fd uintptr) { ferr = fn(int(fd)) }); err != nil {
+		return fmt.Errorf("%s: %w", f.Name(), os.ErrClosed)
+	}
+	return ferr
+}

@@ -1,0 +1,48 @@
+package tiers
+
+import (
+	"errors"
+	"log/slog"
+	"os"
+)
+
+// VerifyReport is what Verify found in a tier.
+type VerifyReport struct {
+	Dir     string   // the directory checked (the private stand-in, if the tier has one)
+	Valid   int      // entries whose data match their checksum
+	Damaged []Damage // entries that must not be served
+	// Removed says whether the damaged entries were removed. They are not when a running
+	// server holds the tier (Holder names it): it must restart with Config.Verify.
+	Removed bool
+	Holder  string
+}
+
+// Verify checks every entry of the tier cfg describes, data checksums included. When it
+// can take the tier's lock it repairs the tier as a server starting with Config.Verify would
+// (damaged entries removed); when a running server holds the tier it only reports. A
+// missing tier directory is not created: the error wraps fs.ErrNotExist.
+func Verify(cfg Config, log *slog.Logger) (VerifyReport, error) {
+	if _, err := os.Lstat(cfg.Dir); err != nil && cfg.FallbackRecord == "" {
+		return VerifyReport{Dir: cfg.Dir}, err
+	}
+	cfg.CreateParents = false
+	d, _, err := openDir(cfg.Dir, cfg)
+	if err != nil {
+		return VerifyReport{Dir: cfg.Dir}, err
+	}
+	cfg.Dir, cfg.FallbackRecord, cfg.Verify = d.Name(), "", true
+	d.Close()
+	r := VerifyReport{Dir: cfg.Dir}
+	t, err := New(cfg, log)
+	if errors.Is(err, ErrLocked) {
+		r.Holder = Holder(cfg.Dir)
+		r.Valid, r.Damaged, err = Dir{Path: cfg.Dir, Kind: cfg.Kind}.Check()
+		return r, err
+	}
+	if err != nil {
+		return r, err
+	}
+	defer t.Close()
+	r.Valid, r.Damaged, r.Removed = t.Info().Files, t.Damaged(), true
+	return r, nil
+}
