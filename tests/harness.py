@@ -144,10 +144,11 @@ class Cluster:
 
 
 def cached_names(cluster, addr):
-    """Base names of the files a server holds in its memory tier (the cached file names end
-    with the source's base name)."""
+    """Base names of the files a server holds in its memory tier (the cached file names, in
+    the hash-bin directories, are the key, a dash and the source's base name)."""
     tier = cluster.tiers(addr).split(":")[1]
-    return {name.split("-", 1)[1] for _, _, files in os.walk(tier) for name in files}
+    return {name.split("-", 1)[1] for dirpath, _, files in os.walk(tier) if dirpath != tier
+            for name in files if "-" in name}
 
 
 def wait_for(cond, timeout=20):
