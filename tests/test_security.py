@@ -167,3 +167,55 @@ def test_no_handle_left_after_close_and_release(dataset, cache_options):
     del views, more
     gc.collect()
     assert _native.open_handles() == (0, 0)
+
+
+LARGE_READER = """
+import hashlib, json, sys, fitcache
+root, runtime_dir, tiers, name = sys.argv[1:5]
+
+def rss_anon_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+with fitcache.Client(root, runtime_dir=runtime_dir, tiers=tiers) as c:
+    view = c.read(name)
+    print(json.dumps({"size": len(view), "sha256": hashlib.sha256(view).hexdigest(),
+                      "tail": bytes(view[-4:]).decode(), "rss_anon_kib": rss_anon_kib()}))
+"""
+
+
+def rss_anon_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.parametrize("size_mib,cached", [(300, True), (1024, False)])
+def test_large_files_are_never_held_whole_in_memory(tmp_path, cache_options, size_mib, cached):
+    """A 300 MiB file fits the disk tier: the server copies it there through a small buffer and
+    the client maps it. A 1 GiB file fits no tier: the client maps the source. Neither process
+    holds the file in its own memory (before: an uncached 300 MB file cost the client 2.4 GB,
+    and a 10 GiB file got the server OOM-killed)."""
+    from conftest import server_pid
+    import hashlib
+    import subprocess
+    import sys
+    root = tmp_path / "data"
+    root.mkdir()
+    path = root / "big.bin"
+    chunk = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(size_mib - 1):
+            f.write(chunk)
+        f.write(chunk[:-4] + b"tail")
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    out = subprocess.run([sys.executable, "-c", LARGE_READER, str(root), cache_options["runtime_dir"],
+                          cache_options["tiers"], "big.bin"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = __import__("json").loads(out.stdout)
+    assert got["size"] == size_mib << 20 and got["sha256"] == want and got["tail"] == "tail"
+    assert got["rss_anon_kib"] < 150 << 10, f"client holds {got['rss_anon_kib'] >> 10} MiB of anonymous memory"
+    server = server_pid(cache_options["runtime_dir"])
+    assert rss_anon_kib(server) < 150 << 10, f"server holds {rss_anon_kib(server) >> 10} MiB"
+    stats = fitcache.server_stats(**cache_options)
+    assert stats["uncached"] == (0 if cached else 1)
+    assert sum(t["files"] for t in stats["tiers"]) == (1 if cached else 0)
