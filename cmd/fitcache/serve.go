@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -36,7 +37,7 @@ func serve(args []string) error {
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
 	var roots stringList
-	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; default: any root the caller names)")
+	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
 	fs.Parse(args)
 
 	opts := map[string]string{"tiers": *tierSpec}
@@ -54,6 +55,17 @@ func serve(args []string) error {
 	}
 	if *listen != "" && token == "" {
 		return errors.New("a TCP server needs a job token: --token-file FILE (make one with 'fitcache token FILE') or FITCACHE_TOKEN")
+	}
+	if *listen != "" && len(roots) == 0 {
+		return errors.New("a TCP server needs --root DIR (repeatable): the dataset directories it may serve; --root / serves every file this user can read to every holder of the job token")
+	}
+	if *listen != "" && slices.Contains(roots, "/") {
+		log.Warn("--root / serves every file this user can read to every holder of the job token")
+	}
+	if *readyFile != "" {
+		if err := checkReadyFile(*readyFile); err != nil {
+			return err
+		}
 	}
 	if *socket == "" && *listen == "" {
 		if !*embedded {
@@ -120,7 +132,7 @@ func serve(args []string) error {
 		log.Info("metrics at /metrics", "address", mln.Addr().String())
 	}
 	if *readyFile != "" {
-		if err := os.WriteFile(*readyFile, []byte(ln.Addr().String()+"\n"), 0o600); err != nil {
+		if err := writeReadyFile(*readyFile, ln.Addr().String()+"\n"); err != nil {
 			log.Warn("cannot write the ready file", "file", *readyFile, "err", err)
 		}
 		defer os.Remove(*readyFile)
