@@ -19,6 +19,7 @@ import (
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
 )
 
 type stringList []string
@@ -36,6 +37,8 @@ func serve(args []string) error {
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
+	maxFrame := fs.String("max-frame", "64MiB", "largest request or reply (a file larger than this cannot be served as bytes; clients hold replies to 64MiB)")
+	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
 	var roots stringList
 	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
 	fs.Parse(args)
@@ -61,6 +64,13 @@ func serve(args []string) error {
 	}
 	if *listen != "" && slices.Contains(roots, "/") {
 		log.Warn("--root / serves every file this user can read to every holder of the job token")
+	}
+	frame, err := tiers.ParseSize(*maxFrame)
+	if err != nil || frame.Percent != 0 || frame.Bytes < 1<<20 || frame.Bytes > 1<<31-1 {
+		return fmt.Errorf("--max-frame %q: want a size from 1MiB to 2GiB", *maxFrame)
+	}
+	if *maxConns < 1 {
+		return fmt.Errorf("--max-conns %d: want at least 1", *maxConns)
 	}
 	if *readyFile != "" {
 		if err := checkReadyFile(*readyFile); err != nil {
@@ -119,6 +129,7 @@ func serve(args []string) error {
 	id, _ := os.Hostname()
 	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
 		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token,
+		MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns,
 		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
 	})
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),

@@ -36,6 +36,7 @@ func TestServeRefusesUnsafeSetups(t *testing.T) {
 		want string
 	}{
 		{"TCP without a root", []string{"--listen", "127.0.0.1:0"}, "needs --root"},
+		{"frame limit beyond 2GiB", []string{"--socket", filepath.Join(dir, "s.sock"), "--max-frame", "4GiB"}, "--max-frame"},
 		{"ready file planted as a link", []string{"--socket", filepath.Join(dir, "s.sock"), "--ready-file", link}, "symbolic link"},
 	} {
 		done := make(chan error, 1)
