@@ -12,7 +12,7 @@ import (
 	"github.com/cloudwego/kitex/client/callopt"
 	"github.com/cloudwego/kitex/pkg/kerrors"
 	"github.com/cloudwego/kitex/pkg/klog"
-	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
+	"github.com/cloudwego/kitex/pkg/remote/trans/netpoll"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -79,9 +79,9 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout),
 		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
-		// The preamble needs a plain net.Conn, which netpoll's transport does not take.
-		opts = append(opts, client.WithTransHandlerFactory(gonet.NewCliTransHandlerFactory()),
-			client.WithDialer(preambleDialer{inner: gonet.NewDialer(), token: cfg.Token}))
+		// Kitex's default (netpoll) dialer, with the preamble sent and answered before Kitex
+		// gets the connection.
+		opts = append(opts, client.WithDialer(preambleDialer{inner: netpoll.NewDialer(), token: cfg.Token}))
 	}
 	kc, err := client.NewClient(fitcache.NewServiceInfoForClient(), opts...)
 	if err != nil {

@@ -7,11 +7,12 @@
 //
 // A server with a job token trusts no byte before a connection has sent the authentication
 // preamble (see preamble.go) carrying the token: Serve wraps the listener to read it, cap
-// connections and refuse the rest before Kitex sees them, and Dial sends it through its
-// dialer. Both sides then use Kitex's Go net transport and a codec that limits frames to
-// [DefaultMaxFrameBytes] (configurable) before reading a body. Servers and clients without
-// a token (the per-user server on a private Unix socket) use neither and Kitex's default
-// transport. Every request still carries the token, compared in constant time.
+// connections and refuse the rest before Kitex sees them (such a server uses Kitex's Go net
+// transport: netpoll takes no wrapped listener), and Dial sends it through its dialer before
+// Kitex gets the connection. Both sides use a codec that checks a frame's size against
+// [DefaultMaxFrameBytes] (configurable) before reading its body. Servers and clients without
+// a token (the per-user server on a private Unix socket) send and expect no preamble. Every
+// request still carries the token, compared in constant time.
 //
 // Usage:
 //

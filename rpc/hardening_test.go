@@ -25,7 +25,7 @@ import (
 const testToken = "job-token"
 
 // serveTCP serves a fresh engine on a loopback TCP port with cfg and returns the address.
-func serveTCP(t *testing.T, cfg ServerConfig) (string, *Handler, *core.Engine) {
+func serveTCP(t testing.TB, cfg ServerConfig) (string, *Handler, *core.Engine) {
 	t.Helper()
 	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "16MiB"}}}, nil)
 	if err != nil {
@@ -318,4 +318,35 @@ func (b *lockedBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// TestDialerGivesUpOnASilentServer: a server that never answers the preamble costs a client
+// its connect timeout, not a hang.
+func TestDialerGivesUpOnASilentServer(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() { // accept and say nothing
+		for range 10 {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	c, _ := Dial(ln.Addr().String(), ClientConfig{Token: testToken, ConnectTimeout: 200 * time.Millisecond, CallTimeout: 10 * time.Second})
+	defer c.Close()
+	done := make(chan error, 1)
+	go func() { _, err := c.Hello(context.Background()); done <- err }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrUnavailable) {
+			t.Errorf("Hello to a silent server: got %v, want ErrUnavailable", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("Hello to a server that never answers the preamble still waiting after 5s")
+	}
 }

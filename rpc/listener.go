@@ -77,31 +77,32 @@ func (g *guardListener) acceptLoop() {
 		backoff = 5 * time.Millisecond
 		if g.active.Add(1) > g.maxConns {
 			g.active.Add(-1)
-			c.Close()
 			g.refuse(peerHost(c.RemoteAddr()), "too many connections")
+			c.Close()
 			continue
 		}
 		go g.authenticate(&countedConn{Conn: c, active: &g.active})
 	}
 }
 
-// authenticate reads c's preamble and hands c to Accept, or closes it.
+// authenticate reads c's preamble and hands c to Accept, or closes it. A refusal is counted
+// before the client hears of it.
 func (g *guardListener) authenticate(c *countedConn) {
 	c.SetDeadline(time.Now().Add(g.timeout))
 	ok, err := readPreamble(c, g.token)
-	if err == nil && !ok {
-		c.Write([]byte{preambleRefused})
-		err = ErrTokenRefused
-	}
-	if err == nil {
-		_, err = c.Write([]byte{preambleOK})
-	}
-	if err == nil {
-		err = c.SetDeadline(time.Time{})
-	}
-	if err != nil {
-		c.Close()
+	switch {
+	case err != nil:
 		g.refuse(peerHost(c.RemoteAddr()), err.Error())
+		c.Close()
+		return
+	case !ok:
+		g.refuse(peerHost(c.RemoteAddr()), "wrong job token")
+		c.Write([]byte{preambleRefused})
+		c.Close()
+		return
+	}
+	if _, err := c.Write([]byte{preambleOK}); err != nil || c.SetDeadline(time.Time{}) != nil {
+		c.Close()
 		return
 	}
 	select {
