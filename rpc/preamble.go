@@ -87,9 +87,27 @@ func (d preambleDialer) DialTimeout(network, address string, timeout time.Durati
 	}
 	if err := handshake(conn, d.token, deadline); err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("authenticate to %s: %w", address, err)
+		return nil, &handshakeError{addr: address, err: err}
 	}
 	return conn, nil
+}
+
+// handshakeError is a failed preamble exchange. Its Timeout method lets os.IsTimeout, which
+// Kitex applies to a dialer's error without unwrapping it, tell a server that did not answer
+// in time (hung: count a timeout) from one that closed the connection.
+type handshakeError struct {
+	addr string
+	err  error
+}
+
+func (e *handshakeError) Error() string { return "authenticate to " + e.addr + ": " + e.err.Error() }
+
+func (e *handshakeError) Unwrap() error { return e.err }
+
+// Timeout reports whether the server did not answer the preamble in time.
+func (e *handshakeError) Timeout() bool {
+	var t interface{ Timeout() bool }
+	return errors.As(e.err, &t) && t.Timeout()
 }
 
 func handshake(conn net.Conn, token string, deadline time.Time) error {
