@@ -27,7 +27,7 @@ type ClientConfig struct {
 	ConnectTimeout time.Duration // 1s: also bounds the preamble exchange
 	CallTimeout    time.Duration // 2s: deadline of Hello, ReportHits and Stats
 	ReadTimeout    time.Duration // 60s: deadline of Read, which may read a large source file
-	MaxFrameBytes  int           // DefaultMaxFrameBytes: largest request or reply
+	MaxFrameBytes  int           // largest request or reply: DefaultMaxFrameBytes with a token, else no limit
 }
 
 // Client calls one FitCache server. Every call has a deadline. It is safe for concurrent use.
@@ -72,12 +72,14 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 	if cfg.ReadTimeout <= 0 {
 		cfg.ReadTimeout = 60 * time.Second
 	}
-	if cfg.MaxFrameBytes <= 0 {
+	if cfg.MaxFrameBytes <= 0 && cfg.Token != "" {
 		cfg.MaxFrameBytes = DefaultMaxFrameBytes
 	}
 	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
-		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout),
-		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes))}
+		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout)}
+	if cfg.MaxFrameBytes > 0 {
+		opts = append(opts, client.WithCodec(newFramedCodec(cfg.MaxFrameBytes)))
+	}
 	if cfg.Token != "" {
 		// Kitex's default (netpoll) dialer, with the preamble sent and answered before Kitex
 		// gets the connection.

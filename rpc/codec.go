@@ -8,9 +8,9 @@ import (
 	"github.com/cloudwego/kitex/pkg/remote/codec"
 )
 
-// DefaultMaxFrameBytes is the largest Thrift frame a server or client accepts unless
-// configured otherwise: a request or reply larger than this fails (a file larger than this
-// cannot travel as bytes in one reply).
+// DefaultMaxFrameBytes is the largest Thrift frame a server or client with a job token
+// accepts unless configured otherwise: a request or reply larger than this fails (a file
+// larger than this cannot travel as bytes in one reply).
 const DefaultMaxFrameBytes = 64 << 20
 
 // errUnframed reports a request without a length prefix, whose size cannot be checked

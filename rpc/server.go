@@ -32,9 +32,10 @@ type ServerConfig struct {
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
 	Log       *slog.Logger
-	// MaxFrameBytes bounds a request or reply: DefaultMaxFrameBytes (64 MiB). A larger
-	// request is refused before its body is read; a file larger than this cannot be served
-	// as bytes (its Read fails with EFBIG).
+	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
+	// is read, and a file larger than this cannot be served as bytes (its Read fails with
+	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
+	// private Unix socket, reachable only by its user).
 	MaxFrameBytes int
 	// MaxConns bounds the open connections of a server with a token (1024); an excess
 	// connection is closed at once and counted as a refusal.
@@ -62,7 +63,7 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	if cfg.MaxFrameBytes <= 0 {
+	if cfg.MaxFrameBytes <= 0 && cfg.Token != "" {
 		cfg.MaxFrameBytes = DefaultMaxFrameBytes
 	}
 	if cfg.MaxConns <= 0 {
@@ -87,7 +88,10 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := NewHandler(e, cfg)
-	opts := []server.Option{server.WithExitSignal(never), server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes))}
+	opts := []server.Option{server.WithExitSignal(never)}
+	if h.cfg.MaxFrameBytes > 0 {
+		opts = append(opts, server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)))
+	}
 	if cfg.Token != "" {
 		h.guard = newGuardListener(ln, cfg.Token, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
 		opts = append(opts, server.WithListener(h.guard),
@@ -189,7 +193,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
-	case int64(len(res.Bytes())) > int64(h.cfg.MaxFrameBytes)-frameSlack:
+	case h.cfg.MaxFrameBytes > 0 && int64(len(res.Bytes())) > int64(h.cfg.MaxFrameBytes)-frameSlack:
 		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), MembershipVersion: version, Dead: dead,
 			Message: fmt.Sprintf("fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", req.Path,
 				len(res.Bytes()), h.cfg.MaxFrameBytes)}, nil

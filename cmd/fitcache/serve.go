@@ -37,7 +37,7 @@ func serve(args []string) error {
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
-	maxFrame := fs.String("max-frame", "64MiB", "largest request or reply (a file larger than this cannot be served as bytes; clients hold replies to 64MiB)")
+	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
 	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
 	var roots stringList
 	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
@@ -65,9 +65,12 @@ func serve(args []string) error {
 	if *listen != "" && slices.Contains(roots, "/") {
 		log.Warn("--root / serves every file this user can read to every holder of the job token")
 	}
-	frame, err := tiers.ParseSize(*maxFrame)
-	if err != nil || frame.Percent != 0 || frame.Bytes < 1<<20 || frame.Bytes > 1<<31-1 {
-		return fmt.Errorf("--max-frame %q: want a size from 1MiB to 2GiB", *maxFrame)
+	var frame tiers.SizeOrPercent
+	if *maxFrame != "" {
+		frame, err = tiers.ParseSize(*maxFrame)
+		if err != nil || frame.Percent != 0 || frame.Bytes < 1<<20 || frame.Bytes > 1<<31-1 {
+			return fmt.Errorf("--max-frame %q: want a size from 1MiB to 2GiB", *maxFrame)
+		}
 	}
 	if *maxConns < 1 {
 		return fmt.Errorf("--max-conns %d: want at least 1", *maxConns)
