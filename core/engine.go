@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -25,7 +26,8 @@ type EngineConfig struct {
 	// that a second server names it when it finds a tier taken.
 	Holder string
 	// Roots the engine serves files under. Empty means any root the caller names, for a
-	// per-user server reachable only by its user.
+	// per-user server reachable only by its user. Each must exist: its symbolic links are
+	// resolved once, at start, and a caller's root is served only if it resolves inside one.
 	Roots []string
 	// GenerationFile, if set, is where the engine keeps the counter of removed cached files
 	// that local clients watch to drop mappings they keep (see tiers.Generation).
@@ -48,7 +50,7 @@ type EngineConfig struct {
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
 type Engine struct {
 	tiers   []*tiers.Tier
-	roots   []string
+	roots   []string // EngineConfig.Roots with symbolic links resolved
 	stats   Stats
 	log     *slog.Logger
 	mover   *mover
@@ -90,6 +92,9 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	}
 	for _, r := range cfg.Roots {
 		abs, err := filepath.Abs(r)
+		if err == nil {
+			abs, err = filepath.EvalSymlinks(abs)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("dataset root %q: %w", r, err)
 		}
@@ -386,6 +391,10 @@ func (e *Engine) land(path string, f *flight) {
 	close(f.published)
 }
 
+// checkRoot validates a request: root and path clean and absolute, path inside root, and,
+// for an engine with dataset roots, root inside one of them once its symbolic links are
+// resolved (a link inside a dataset root that points elsewhere is no way out). The file's
+// own real path is checked against the resolved root when it is opened (ReadSource).
 func (e *Engine) checkRoot(root, path string) error {
 	if err := CheckPath(root, path); err != nil {
 		return err
@@ -393,14 +402,17 @@ func (e *Engine) checkRoot(root, path string) error {
 	if len(e.roots) == 0 {
 		return nil
 	}
-	for _, r := range e.roots {
-		if Within(root, r) {
-			return nil
-		}
-	}
-	return fmt.Errorf("%w: %s is not under a dataset root of this server", ErrOutsideRoot, root)
+	_, err := e.realRoot(root)
+	return err
 }
 
+// maxRealRoots bounds the resolved roots remembered; past it, the cache starts over.
+const maxRealRoots = 1024
+
+// realRoot returns root with its symbolic links resolved, which for an engine with dataset
+// roots must lie inside one of them (ErrOutsideRoot otherwise). Only roots that passed are
+// remembered. A remembered root stays safe if the directory is later replaced by a link:
+// files are checked against the remembered real path, which is inside a dataset root.
 func (e *Engine) realRoot(root string) (string, error) {
 	e.mu.Lock()
 	real, ok := e.realRoots[root]
@@ -412,7 +424,13 @@ func (e *Engine) realRoot(root string) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	if len(e.roots) > 0 && !slices.ContainsFunc(e.roots, func(r string) bool { return Within(real, r) }) {
+		return "", fmt.Errorf("%w: %s (resolved to %s) is not under a dataset root of this server", ErrOutsideRoot, root, real)
+	}
 	e.mu.Lock()
+	if len(e.realRoots) >= maxRealRoots {
+		clear(e.realRoots)
+	}
 	e.realRoots[root] = real
 	e.mu.Unlock()
 	return real, nil

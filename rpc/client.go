@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
 	"time"
 
@@ -11,25 +12,34 @@ import (
 	"github.com/cloudwego/kitex/client/callopt"
 	"github.com/cloudwego/kitex/pkg/kerrors"
 	"github.com/cloudwego/kitex/pkg/klog"
+	"github.com/cloudwego/kitex/pkg/remote/trans/netpoll"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 )
 
-// ClientConfig configures a Client. Zero durations take the defaults shown.
+// ClientConfig configures a Client. Zero values take the defaults shown.
 type ClientConfig struct {
+	// Token of the job. When set, every new connection starts with the authentication
+	// preamble (the server must have the same token) and every request carries it.
 	Token          string
-	ConnectTimeout time.Duration // 1s
+	ConnectTimeout time.Duration // 1s: also bounds the preamble exchange
 	CallTimeout    time.Duration // 2s: deadline of Hello, ReportHits and Stats
 	ReadTimeout    time.Duration // 60s: deadline of Read, which may read a large source file
+	MaxFrameBytes  int           // largest request or reply: DefaultMaxFrameBytes with a token, else no limit
 }
 
 // Client calls one FitCache server. Every call has a deadline. It is safe for concurrent use.
 type Client struct {
 	addr string
 	cfg  ClientConfig
-	kc   fitcache.Client
+	kc   typedClient
+	// closer closes the Kitex client's connections; the generated client hides it.
+	closer interface{ Close() error }
+
+	mu     sync.RWMutex // protects closed; held for reading during calls
+	closed bool
 }
 
 // ErrUnavailable wraps failures to reach a server or get its answer in time, as opposed to
@@ -62,12 +72,50 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 	if cfg.ReadTimeout <= 0 {
 		cfg.ReadTimeout = 60 * time.Second
 	}
-	kc, err := fitcache.NewClient("fitcache", client.WithHostPorts(addr),
-		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout))
+	if cfg.MaxFrameBytes <= 0 && cfg.Token != "" {
+		cfg.MaxFrameBytes = DefaultMaxFrameBytes
+	}
+	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
+		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout)}
+	if cfg.MaxFrameBytes > 0 {
+		opts = append(opts, client.WithCodec(newFramedCodec(cfg.MaxFrameBytes)))
+	}
+	if cfg.Token != "" {
+		// Kitex's default (netpoll) dialer, with the preamble sent and answered before Kitex
+		// gets the connection.
+		opts = append(opts, client.WithDialer(preambleDialer{inner: netpoll.NewDialer(), token: cfg.Token}))
+	}
+	kc, err := client.NewClient(fitcache.NewServiceInfoForClient(), opts...)
 	if err != nil {
 		return nil, fmt.Errorf("fitcache client for %s: %w", addr, err)
 	}
-	return &Client{addr: addr, cfg: cfg, kc: kc}, nil
+	closer, _ := kc.(interface{ Close() error })
+	return &Client{addr: addr, cfg: cfg, kc: typedClient{kc}, closer: closer}, nil
+}
+
+// Close closes the client's connections. Calls in flight finish first; later calls fail
+// with core.ErrClosed. Closing again does nothing.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil
+	}
+	c.closed = true
+	if c.closer == nil {
+		return nil
+	}
+	return c.closer.Close()
+}
+
+// call runs f unless the client is closed.
+func (c *Client) call(f func() error) error {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.closed {
+		return fmt.Errorf("fitcache client for %s: %w", c.addr, core.ErrClosed)
+	}
+	return f()
 }
 
 // Addr returns the server's address.
@@ -81,15 +129,27 @@ func (c *Client) target() callopt.Option { return callopt.WithHostPort(c.addr) }
 // host process's stderr: the client reports what matters through its errors and counters.
 func QuietKitexLogs() { klog.SetLevel(klog.LevelFatal) }
 
-func (c *Client) unavailable(err error) error {
+// failed turns a call's error into ours: a refused job token is an answer (EACCES), like a
+// request refused for its token; anything else means the server was not reached.
+func (c *Client) failed(err error) error {
+	switch {
+	case errors.Is(err, core.ErrClosed):
+		return err
+	case errors.Is(err, ErrTokenRefused):
+		return &core.ErrnoError{Errno: syscall.EACCES, Message: fmt.Sprintf("%s: %v", c.addr, ErrTokenRefused)}
+	}
 	return fmt.Errorf("%w: %s: %w", ErrUnavailable, c.addr, err)
 }
 
 // Hello asks the server to describe itself.
 func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
-	r, err := c.kc.Hello(ctx, &fitcachepb.HelloRequest{Token: c.cfg.Token}, c.target())
+	var r *fitcachepb.HelloReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Token: c.cfg.Token}, c.target())
+		return err
+	})
 	if err != nil {
-		return nil, c.unavailable(err)
+		return nil, c.failed(err)
 	}
 	return r, core.NewErrnoError(r.Errno, r.Message)
 }
@@ -105,18 +165,26 @@ func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
 	req.Token = c.cfg.Token
-	r, err := c.kc.Read(ctx, req, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+	var r *fitcachepb.ReadReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Read(ctx, req, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+		return err
+	})
 	if err != nil {
-		return nil, c.unavailable(err)
+		return nil, c.failed(err)
 	}
 	return r, core.NewErrnoError(r.Errno, r.Message)
 }
 
 // ReportHits reports hits served from this server's tier files by the caller.
 func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes int64) error {
-	r, err := c.kc.ReportHits(ctx, &fitcachepb.HitReport{Token: c.cfg.Token, HitsByTier: byTier, Bytes: bytes}, c.target())
+	var r *fitcachepb.HitReportReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.ReportHits(ctx, &fitcachepb.HitReport{Token: c.cfg.Token, HitsByTier: byTier, Bytes: bytes}, c.target())
+		return err
+	})
 	if err != nil {
-		return c.unavailable(err)
+		return c.failed(err)
 	}
 	return core.NewErrnoError(r.Errno, r.Message)
 }
@@ -125,19 +193,27 @@ func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes 
 func (c *Client) Store(ctx context.Context, root, path string, data []byte, mtimeNanos int64) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
-	r, err := c.kc.Store(ctx, &fitcachepb.StoreRequest{Token: c.cfg.Token, Root: root, Path: path, Data: data,
-		MtimeNanos: mtimeNanos}, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+	var r *fitcachepb.StoreReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Store(ctx, &fitcachepb.StoreRequest{Token: c.cfg.Token, Root: root, Path: path, Data: data,
+			MtimeNanos: mtimeNanos}, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+		return err
+	})
 	if err != nil {
-		return c.unavailable(err)
+		return c.failed(err)
 	}
 	return core.NewErrnoError(r.Errno, r.Message)
 }
 
 // Stats returns the server's counters as JSON.
 func (c *Client) Stats(ctx context.Context) (string, error) {
-	r, err := c.kc.Stats(ctx, &fitcachepb.StatsRequest{Token: c.cfg.Token}, c.target())
+	var r *fitcachepb.StatsReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Stats(ctx, &fitcachepb.StatsRequest{Token: c.cfg.Token}, c.target())
+		return err
+	})
 	if err != nil {
-		return "", c.unavailable(err)
+		return "", c.failed(err)
 	}
 	return r.Json, core.NewErrnoError(r.Errno, r.Message)
 }

@@ -43,17 +43,22 @@ func serveEngine(t *testing.T, token string) (string, *core.Engine) {
 func TestTokenIsRequired(t *testing.T) {
 	sock, e := serveEngine(t, "secret")
 	for _, tc := range []struct {
-		token string
-		want  syscall.Errno
-	}{{"", syscall.EACCES}, {"wrong", syscall.EACCES}, {"secret", 0}} {
+		token       string
+		want        syscall.Errno
+		unavailable bool // no preamble: the server closes the connection without an answer
+	}{{"", 0, true}, {"wrong", syscall.EACCES, false}, {"secret", 0, false}} {
 		c, err := Dial(sock, ClientConfig{Token: tc.token})
 		if err != nil {
 			t.Fatal(err)
 		}
 		_, err = c.Hello(context.Background())
-		if got := core.Errno(err); got != tc.want {
+		if got := errors.Is(err, ErrUnavailable); got != tc.unavailable {
+			t.Errorf("token %q: unavailable %v (%v), want %v", tc.token, got, err, tc.unavailable)
+		}
+		if got := core.Errno(err); !tc.unavailable && got != tc.want {
 			t.Errorf("token %q: errno %v (%v), want %v", tc.token, got, err, tc.want)
 		}
+		c.Close()
 	}
 	if n := e.Stats().Refusals; n != 2 {
 		t.Errorf("refusals counted: %d, want 2", n)

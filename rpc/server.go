@@ -10,7 +10,10 @@ import (
 	"net"
 	"os"
 	"syscall"
+	"time"
 
+	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
+	"github.com/cloudwego/kitex/pkg/rpcinfo"
 	"github.com/cloudwego/kitex/server"
 
 	"github.com/fitcache/fitcache/core"
@@ -18,23 +21,39 @@ import (
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 )
 
-// ServerConfig configures the protocol side of a server.
+// ServerConfig configures the protocol side of a server. Zero values take the defaults shown.
 type ServerConfig struct {
-	// Token every request must carry; empty accepts any (a per-user server on a private
-	// Unix socket).
+	// Token every connection and request must carry; empty accepts any (a per-user server
+	// on a private Unix socket). With a token, a connection must start with the
+	// authentication preamble (see Dial) before any request is read.
 	Token string
 	// ID names the server in replies and logs.
 	ID string
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
 	Log       *slog.Logger
+	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
+	// is read, and a file larger than this cannot be served as bytes (its Read fails with
+	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
+	// private Unix socket, reachable only by its user).
+	MaxFrameBytes int
+	// MaxConns bounds the open connections of a server with a token (1024); an excess
+	// connection is closed at once and counted as a refusal.
+	MaxConns int
+	// HandshakeTimeout bounds the reading of a connection's preamble (2s).
+	HandshakeTimeout time.Duration
+	// RefusalLogInterval: refusals are logged at most once per client host per interval,
+	// with a count of the unlogged ones (10s).
+	RefusalLogInterval time.Duration
 }
 
 // Handler implements the FitCache service over an engine.
 type Handler struct {
-	engine  *core.Engine
-	cfg     ServerConfig
-	members membership
+	engine   *core.Engine
+	cfg      ServerConfig
+	members  membership
+	refusals *refusalLog
+	guard    *guardListener // nil without a token
 }
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
@@ -44,20 +63,51 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	return &Handler{engine: e, cfg: cfg}
+	if cfg.MaxFrameBytes <= 0 && cfg.Token != "" {
+		cfg.MaxFrameBytes = DefaultMaxFrameBytes
+	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = 1024
+	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = 2 * time.Second
+	}
+	if cfg.RefusalLogInterval <= 0 {
+		cfg.RefusalLogInterval = 10 * time.Second
+	}
+	return &Handler{engine: e, cfg: cfg, refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
 }
 
 // Serve starts serving e on ln in the background and returns the running server; Stop it to
 // end. The server ignores SIGINT and SIGTERM (Kitex's default would take them over from the
 // host process); the host decides when to stop.
+//
+// With a token, connections are authenticated by their preamble and capped in number before
+// Kitex sees them, over Kitex's Go net transport (netpoll cannot take a wrapped listener);
+// without one, the server uses Kitex's default transport and accepts any connection.
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := NewHandler(e, cfg)
-	srv := fitcache.NewServer(h, server.WithListener(ln), server.WithExitSignal(never))
+	opts := []server.Option{server.WithExitSignal(never)}
+	if h.cfg.MaxFrameBytes > 0 {
+		opts = append(opts, server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)))
+	}
+	if cfg.Token != "" {
+		h.guard = newGuardListener(ln, cfg.Token, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
+		opts = append(opts, server.WithListener(h.guard),
+			server.WithTransServerFactory(gonet.NewTransServerFactory()),
+			server.WithTransHandlerFactory(gonet.NewSvrTransHandlerFactory()))
+	} else {
+		opts = append(opts, server.WithListener(ln))
+	}
+	srv := fitcache.NewServer(h, opts...)
 	done := make(chan error, 1)
 	go func() { done <- srv.Run() }()
 	return srv, h, done
 }
+
+// frameSlack is room left in a frame for everything of a reply but the file's bytes.
+const frameSlack = 64 << 10
 
 // ListenUnix listens on a Unix socket that only this user can connect to, replacing a stale
 // socket file left by a dead server.
@@ -74,13 +124,31 @@ func ListenUnix(path string) (net.Listener, error) {
 	return ln, nil
 }
 
-func (h *Handler) begin(token string) error {
+// Conns returns the number of open connections of a server with a token (authenticated or
+// authenticating), or 0 without one.
+func (h *Handler) Conns() int {
+	if h.guard == nil {
+		return 0
+	}
+	return h.guard.Active()
+}
+
+// refuse counts a refused connection or request and logs it, rate-limited per peer.
+func (h *Handler) refuse(peer, reason string) {
+	h.engine.CountRefusal()
+	h.refusals.refuse(peer, reason)
+}
+
+func (h *Handler) begin(ctx context.Context, token string) error {
 	if h.cfg.OnRequest != nil {
 		h.cfg.OnRequest()
 	}
 	if h.cfg.Token != "" && subtle.ConstantTimeCompare([]byte(token), []byte(h.cfg.Token)) != 1 {
-		h.engine.CountRefusal()
-		h.cfg.Log.Warn("refused request with a wrong or missing job token")
+		peer := "unknown"
+		if ri := rpcinfo.GetRPCInfo(ctx); ri != nil && ri.From() != nil && ri.From().Address() != nil {
+			peer = peerHost(ri.From().Address())
+		}
+		h.refuse(peer, "request with a wrong or missing job token")
 		return &core.ErrnoError{Errno: syscall.EACCES, Message: "fitcache: wrong or missing job token"}
 	}
 	return nil
@@ -95,7 +163,7 @@ func errnoOf(err error) (int32, string) {
 
 // Hello describes the server: its id, pid and tier directories (fastest first).
 func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fitcachepb.HelloReply, error) {
-	if err := h.begin(req.Token); err != nil {
+	if err := h.begin(ctx, req.Token); err != nil {
 		errno, msg := errnoOf(err)
 		return &fitcachepb.HelloReply{Errno: errno, Message: msg}, nil
 	}
@@ -108,7 +176,7 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 
 // Read serves a file: the tier file to map for local callers when it is cached, else the bytes.
 func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
-	if err := h.begin(req.Token); err != nil {
+	if err := h.begin(ctx, req.Token); err != nil {
 		errno, msg := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg}, nil
 	}
@@ -125,6 +193,10 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
+	case h.cfg.MaxFrameBytes > 0 && int64(len(res.Bytes())) > int64(h.cfg.MaxFrameBytes)-frameSlack:
+		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), MembershipVersion: version, Dead: dead,
+			Message: fmt.Sprintf("fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", req.Path,
+				len(res.Bytes()), h.cfg.MaxFrameBytes)}, nil
 	case res.Mapping != nil:
 		reply.Data = bytes.Clone(res.Bytes()) // the mapping is released before the reply is sent
 	default:
@@ -135,7 +207,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 
 // Store caches bytes a client read from the file's owner (this server is a replica).
 func (h *Handler) Store(ctx context.Context, req *fitcachepb.StoreRequest) (*fitcachepb.StoreReply, error) {
-	if err := h.begin(req.Token); err != nil {
+	if err := h.begin(ctx, req.Token); err != nil {
 		errno, msg := errnoOf(err)
 		return &fitcachepb.StoreReply{Errno: errno, Message: msg}, nil
 	}
@@ -145,7 +217,7 @@ func (h *Handler) Store(ctx context.Context, req *fitcachepb.StoreRequest) (*fit
 
 // ReportHits adds hits that a client served from this server's tier files itself.
 func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*fitcachepb.HitReportReply, error) {
-	if err := h.begin(req.Token); err != nil {
+	if err := h.begin(ctx, req.Token); err != nil {
 		errno, msg := errnoOf(err)
 		return &fitcachepb.HitReportReply{Errno: errno, Message: msg}, nil
 	}
@@ -155,7 +227,7 @@ func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*f
 
 // Stats returns the engine's counters as JSON.
 func (h *Handler) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (*fitcachepb.StatsReply, error) {
-	if err := h.begin(req.Token); err != nil {
+	if err := h.begin(ctx, req.Token); err != nil {
 		errno, msg := errnoOf(err)
 		return &fitcachepb.StatsReply{Errno: errno, Message: msg}, nil
 	}

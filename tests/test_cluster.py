@@ -194,3 +194,12 @@ def test_partitioned_node_is_dropped_and_rejoins(cluster, dataset):
             cluster.netns.cut(victim.split(":")[0], down=False)
         wait_for(lambda: client.stats()["client"].get("servers_rejoined", 0) == 1)
         run_epochs(client, digests, 1)
+
+
+def test_tcp_server_without_root_refuses_to_start(tmp_path):
+    token_file = str(tmp_path / "token")
+    subprocess.run([fitcache._native.server_binary(), "token", token_file], check=True)
+    proc = subprocess.run([fitcache._native.server_binary(), "serve", "--listen", "127.0.0.1:0", "--token-file",
+                           token_file, "--tiers", f"memory:{tmp_path / 'tier'}"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and "--root" in proc.stderr, proc.stderr

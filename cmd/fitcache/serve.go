@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -18,6 +19,7 @@ import (
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
 )
 
 type stringList []string
@@ -36,8 +38,10 @@ func serve(args []string) error {
 	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
 	verify := fs.Bool("verify", false, "check the data checksum of every cached file at start and remove damaged ones (default: FITCACHE_VERIFY)")
+	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
+	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
 	var roots stringList
-	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; default: any root the caller names)")
+	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
 	fs.Parse(args)
 
 	opts := map[string]string{"tiers": *tierSpec}
@@ -58,6 +62,27 @@ func serve(args []string) error {
 	}
 	if *listen != "" && token == "" {
 		return errors.New("a TCP server needs a job token: --token-file FILE (make one with 'fitcache token FILE') or FITCACHE_TOKEN")
+	}
+	if *listen != "" && len(roots) == 0 {
+		return errors.New("a TCP server needs --root DIR (repeatable): the dataset directories it may serve; --root / serves every file this user can read to every holder of the job token")
+	}
+	if *listen != "" && slices.Contains(roots, "/") {
+		log.Warn("--root / serves every file this user can read to every holder of the job token")
+	}
+	var frame tiers.SizeOrPercent
+	if *maxFrame != "" {
+		frame, err = tiers.ParseSize(*maxFrame)
+		if err != nil || frame.Percent != 0 || frame.Bytes < 1<<20 || frame.Bytes > 1<<31-1 {
+			return fmt.Errorf("--max-frame %q: want a size from 1MiB to 2GiB", *maxFrame)
+		}
+	}
+	if *maxConns < 1 {
+		return fmt.Errorf("--max-conns %d: want at least 1", *maxConns)
+	}
+	if *readyFile != "" {
+		if err := checkReadyFile(*readyFile); err != nil {
+			return err
+		}
 	}
 	if *socket == "" && *listen == "" {
 		if !*embedded {
@@ -123,6 +148,7 @@ func serve(args []string) error {
 	id, _ := os.Hostname()
 	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
 		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token,
+		MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns,
 		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
 	})
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
@@ -136,7 +162,7 @@ func serve(args []string) error {
 		log.Info("metrics at /metrics", "address", mln.Addr().String())
 	}
 	if *readyFile != "" {
-		if err := os.WriteFile(*readyFile, []byte(ln.Addr().String()+"\n"), 0o600); err != nil {
+		if err := writeReadyFile(*readyFile, ln.Addr().String()+"\n"); err != nil {
 			log.Warn("cannot write the ready file", "file", *readyFile, "err", err)
 		}
 		defer os.Remove(*readyFile)

@@ -1,0 +1,352 @@
+package rpc
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+const testToken = "job-token"
+
+// serveTCP serves a fresh engine on a loopback TCP port with cfg and returns the address.
+func serveTCP(t testing.TB, cfg ServerConfig) (string, *Handler, *core.Engine) {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "16MiB"}}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, h, _ := Serve(e, ln, cfg)
+	t.Cleanup(func() { srv.Stop(); e.Close() })
+	return ln.Addr().String(), h, e
+}
+
+// dialRaw opens a plain TCP connection, closed at the end of the test.
+func dialRaw(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// authenticate sends the preamble for token on c and returns the server's answer byte.
+func authenticate(t *testing.T, c net.Conn, token string) byte {
+	t.Helper()
+	if err := writePreamble(c, token); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var ack [1]byte
+	if _, err := io.ReadFull(c, ack[:]); err != nil {
+		t.Fatalf("no answer to the preamble: %v", err)
+	}
+	c.SetReadDeadline(time.Time{})
+	return ack[0]
+}
+
+// closedWithin reports whether the server closes c (EOF or reset) within d, reading and
+// discarding whatever it sends first.
+func closedWithin(c net.Conn, d time.Duration) bool {
+	c.SetReadDeadline(time.Now().Add(d))
+	_, err := io.Copy(io.Discard, c)
+	var ne net.Error
+	return !(errors.As(err, &ne) && ne.Timeout())
+}
+
+// hugeThriftCall returns the start of a Thrift "Read" call whose first string field claims
+// 2 GiB: framed, the frame's length prefix claims 2 GiB too.
+func hugeThriftCall(framed bool) []byte {
+	var b []byte
+	if framed {
+		b = binary.BigEndian.AppendUint32(b, 1<<31-1)
+	}
+	b = binary.BigEndian.AppendUint32(b, 0x80010001) // binary protocol version 1, CALL
+	b = binary.BigEndian.AppendUint32(b, 4)
+	b = append(b, "Read"...)
+	b = binary.BigEndian.AppendUint32(b, 1)       // sequence id
+	b = append(b, 12, 0, 1)                       // field 1: struct ReadRequest
+	b = append(b, 11, 0, 1)                       // field 1: string token
+	b = binary.BigEndian.AppendUint32(b, 1<<31-1) // of 2 GiB
+	return b
+}
+
+func heapInUse() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapInuse
+}
+
+// TestHugeRequestIsRefusedBeforeItsBody: a request claiming 2 GiB, sent by clients with and
+// without the job token, gets its connection closed at once and costs the server no memory.
+func TestHugeRequestIsRefusedBeforeItsBody(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	for _, tc := range []struct {
+		name         string
+		token        string // "" sends no preamble
+		framed, acks bool
+	}{
+		{"no preamble, framed", "", true, false},
+		{"no preamble, unframed", "", false, false},
+		{"wrong token", "guess", true, false},
+		{"job token, framed", testToken, true, true},
+		{"job token, unframed", testToken, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := heapInUse()
+			var wg sync.WaitGroup
+			for range 3 {
+				c := dialRaw(t, addr)
+				if tc.token != "" {
+					if got := authenticate(t, c, tc.token) == preambleOK; got != tc.acks {
+						t.Fatalf("preamble accepted: %v, want %v", got, tc.acks)
+					}
+				}
+				wg.Add(1)
+				go func() { // the body, until the server closes the connection
+					defer wg.Done()
+					c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+					c.Write(hugeThriftCall(tc.framed))
+					chunk := make([]byte, 1<<20)
+					for range 64 {
+						if _, err := c.Write(chunk); err != nil {
+							return
+						}
+					}
+				}()
+				if !closedWithin(c, 5*time.Second) {
+					t.Errorf("connection still open 5s after a 2 GiB request")
+				}
+				c.Close()
+			}
+			wg.Wait()
+			if grown := int64(heapInUse()) - int64(before); grown > 32<<20 {
+				t.Errorf("server heap grew by %d MiB", grown>>20)
+			}
+		})
+	}
+}
+
+func TestConnectionsBeyondTheCapAreClosed(t *testing.T) {
+	const maxConns = 3
+	addr, h, e := serveTCP(t, ServerConfig{Token: testToken, MaxConns: maxConns})
+	var kept []net.Conn
+	for range maxConns {
+		c := dialRaw(t, addr)
+		if ack := authenticate(t, c, testToken); ack != preambleOK {
+			t.Fatalf("connection within the cap refused: %q", ack)
+		}
+		kept = append(kept, c)
+	}
+	extra := dialRaw(t, addr)
+	if !closedWithin(extra, 5*time.Second) {
+		t.Errorf("connection %d of %d still open", maxConns+1, maxConns)
+	}
+	if got := h.Conns(); got != maxConns {
+		t.Errorf("open connections: got %d, want %d", got, maxConns)
+	}
+	if got := e.Stats().Refusals; got != 1 {
+		t.Errorf("refusals: got %d, want 1", got)
+	}
+	kept[0].Close()
+	waitFor(t, "a closed connection to free its place", func() bool { return h.Conns() < maxConns })
+	if ack := authenticate(t, dialRaw(t, addr), testToken); ack != preambleOK {
+		t.Errorf("connection after one closed: refused (%q)", ack)
+	}
+}
+
+// TestUnauthenticatedConnectionsReachNoHandler: clients without the token never get a
+// request decoded; refusals are counted each time and logged once per peer and interval.
+func TestUnauthenticatedConnectionsReachNoHandler(t *testing.T) {
+	var requests atomic.Int64
+	var logs lockedBuffer
+	addr, _, e := serveTCP(t, ServerConfig{Token: testToken, OnRequest: func() { requests.Add(1) },
+		Log: slog.New(slog.NewTextHandler(&logs, nil)), RefusalLogInterval: time.Hour})
+	const attempts = 10
+	for i := range attempts {
+		token := []string{"", "wrong"}[i%2]
+		c, err := Dial(addr, ClientConfig{Token: token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Hello(context.Background()); err == nil {
+			t.Errorf("token %q: Hello succeeded", token)
+		}
+		c.Close()
+	}
+	if n := requests.Load(); n != 0 {
+		t.Errorf("requests that reached the handler: %d, want 0", n)
+	}
+	if n := e.Stats().Refusals; n != attempts {
+		t.Errorf("refusals counted: %d, want %d", n, attempts)
+	}
+	if n := strings.Count(logs.String(), "refused a client"); n != 1 {
+		t.Errorf("refusal lines logged: %d, want 1:\n%s", n, logs.String())
+	}
+	if !strings.Contains(logs.String(), "peer=127.0.0.1") {
+		t.Errorf("refusal line without the peer's address:\n%s", logs.String())
+	}
+
+	c, _ := Dial(addr, ClientConfig{Token: testToken})
+	defer c.Close()
+	if _, err := c.Hello(context.Background()); err != nil || requests.Load() != 1 {
+		t.Errorf("client with the token: %v, %d requests", err, requests.Load())
+	}
+}
+
+func TestRefusalLogIsRateLimited(t *testing.T) {
+	var out lockedBuffer
+	now := time.Unix(1000, 0)
+	l := &refusalLog{log: slog.New(slog.NewTextHandler(&out, nil)), every: 10 * time.Second,
+		now: func() time.Time { return now }}
+	for _, step := range []struct {
+		peer    string
+		advance time.Duration
+		want    string // the line expected, "" for none
+	}{
+		{"10.0.0.1", 0, "suppressed_since_last=0"},
+		{"10.0.0.1", time.Second, ""},
+		{"10.0.0.1", time.Second, ""},
+		{"10.0.0.2", 0, "peer=10.0.0.2"},
+		{"10.0.0.1", 9 * time.Second, "suppressed_since_last=2"},
+		{"10.0.0.1", time.Second, ""},
+	} {
+		now = now.Add(step.advance)
+		before := out.String()
+		l.refuse(step.peer, "test")
+		line := strings.TrimPrefix(out.String(), before)
+		if (line != "") != (step.want != "") || !strings.Contains(line, step.want) {
+			t.Errorf("refusal by %s after %v: got line %q, want one containing %q", step.peer, step.advance, line, step.want)
+		}
+	}
+}
+
+func TestClientClose(t *testing.T) {
+	addr, h, _ := serveTCP(t, ServerConfig{Token: testToken})
+	c, err := Dial(addr, ClientConfig{Token: testToken})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Hello(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.Conns(); got != 1 {
+		t.Fatalf("server connections: got %d, want 1", got)
+	}
+	if err := c.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	waitFor(t, "the server to see the connection closed", func() bool { return h.Conns() == 0 })
+	if err := c.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+	if _, err := c.Hello(context.Background()); !errors.Is(err, core.ErrClosed) {
+		t.Errorf("Hello after Close: got %v, want core.ErrClosed", err)
+	}
+}
+
+func TestFileLargerThanAFrameIsRefused(t *testing.T) {
+	const frame = 1 << 20
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, MaxFrameBytes: frame})
+	root := t.TempDir()
+	for _, tc := range []struct {
+		size int
+		want syscall.Errno
+	}{{frame / 2, 0}, {2 * frame, syscall.EFBIG}} {
+		path := filepath.Join(root, "f"+string(rune('a'+tc.size%26)))
+		want := bytes.Repeat([]byte{7}, tc.size)
+		os.WriteFile(path, want, 0o644)
+		c, _ := Dial(addr, ClientConfig{Token: testToken})
+		r, err := c.Read(context.Background(), root, path, false)
+		if got := core.Errno(err); got != tc.want {
+			t.Errorf("%d bytes: errno %v (%v), want %v", tc.size, got, err, tc.want)
+		}
+		if tc.want == 0 && !bytes.Equal(r.GetData(), want) {
+			t.Errorf("%d bytes: got %d bytes back", tc.size, len(r.GetData()))
+		}
+		c.Close()
+	}
+}
+
+// waitFor polls cond for up to 5 seconds.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for range 500 {
+		if cond() {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("timed out waiting for %s", what)
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent use (a log destination).
+type lockedBuffer struct {
+	mu  sync.Mutex // protects buf
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// TestDialerGivesUpOnASilentServer: a server that never answers the preamble costs a client
+// its connect timeout, not a hang.
+func TestDialerGivesUpOnASilentServer(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() { // accept and say nothing
+		for range 10 {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	c, _ := Dial(ln.Addr().String(), ClientConfig{Token: testToken, ConnectTimeout: 200 * time.Millisecond, CallTimeout: 10 * time.Second})
+	defer c.Close()
+	done := make(chan error, 1)
+	go func() { _, err := c.Hello(context.Background()); done <- err }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrUnavailable) || IsRefused(err) {
+			t.Errorf("Hello to a silent server: got %v (refused %v), want ErrUnavailable, a timeout", err, IsRefused(err))
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("Hello to a server that never answers the preamble still waiting after 5s")
+	}
+}

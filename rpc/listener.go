@@ -1,0 +1,148 @@
+package rpc
+
+import (
+	"crypto/sha256"
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// guardListener hands Kitex only connections that passed the authentication preamble, and
+// at most maxConns at a time (counting those still authenticating): an excess connection is
+// closed at once. Refused connections are counted and logged through refuse. Authentication
+// runs in a goroutine per connection with a deadline, so a slow client delays no one else.
+type guardListener struct {
+	inner    net.Listener
+	token    [sha256.Size]byte
+	maxConns int64
+	timeout  time.Duration             // for reading the preamble
+	refuse   func(peer, reason string) // counts and logs a refused connection
+
+	active atomic.Int64  // connections open, authenticated or authenticating
+	ready  chan net.Conn // authenticated connections waiting for Accept
+	done   chan struct{} // closed by Close
+	once   sync.Once     // closes done
+}
+
+func newGuardListener(inner net.Listener, token string, maxConns int, timeout time.Duration,
+	refuse func(peer, reason string)) *guardListener {
+	g := &guardListener{inner: inner, token: sha256.Sum256([]byte(token)), maxConns: int64(maxConns),
+		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{})}
+	go g.acceptLoop()
+	return g
+}
+
+// Accept returns the next authenticated connection.
+func (g *guardListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-g.ready:
+		return c, nil
+	case <-g.done:
+		return nil, net.ErrClosed
+	}
+}
+
+// Close stops accepting; connections already handed out stay open.
+func (g *guardListener) Close() error {
+	g.once.Do(func() { close(g.done) })
+	return g.inner.Close()
+}
+
+// Addr returns the inner listener's address.
+func (g *guardListener) Addr() net.Addr { return g.inner.Addr() }
+
+// Active returns the number of open connections, authenticated or authenticating.
+func (g *guardListener) Active() int { return int(g.active.Load()) }
+
+func (g *guardListener) acceptLoop() {
+	backoff := 5 * time.Millisecond
+	for {
+		c, err := g.inner.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				g.Close()
+				return
+			}
+			// Out of descriptors or the like: wait a little, as net/http does.
+			select {
+			case <-g.done:
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, time.Second)
+			continue
+		}
+		backoff = 5 * time.Millisecond
+		if g.active.Add(1) > g.maxConns {
+			g.active.Add(-1)
+			g.refuse(peerHost(c.RemoteAddr()), "too many connections")
+			c.Close()
+			continue
+		}
+		go g.authenticate(&countedConn{Conn: c, active: &g.active})
+	}
+}
+
+// authenticate reads c's preamble and hands c to Accept, or closes it. A refusal is counted
+// before the client hears of it.
+func (g *guardListener) authenticate(c *countedConn) {
+	c.SetDeadline(time.Now().Add(g.timeout))
+	ok, err := readPreamble(c, g.token)
+	switch {
+	case err != nil:
+		g.refuse(peerHost(c.RemoteAddr()), err.Error())
+		c.Close()
+		return
+	case !ok:
+		g.refuse(peerHost(c.RemoteAddr()), "wrong job token")
+		c.Write([]byte{preambleRefused})
+		c.Close()
+		return
+	}
+	if _, err := c.Write([]byte{preambleOK}); err != nil || c.SetDeadline(time.Time{}) != nil {
+		c.Close()
+		return
+	}
+	select {
+	case g.ready <- c:
+	case <-g.done:
+		c.Close()
+	}
+}
+
+// countedConn decrements active once when closed.
+type countedConn struct {
+	net.Conn
+	active *atomic.Int64
+	once   sync.Once
+}
+
+// Close closes the connection and releases its place.
+func (c *countedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() { c.active.Add(-1) })
+	return err
+}
+
+// peerHost returns the host part of a peer's address ("unix" for Unix sockets), which is
+// what refusals are grouped by: a client's port changes with every connection.
+func peerHost(a net.Addr) string {
+	if a == nil {
+		return "unknown"
+	}
+	if a.Network() == "unix" {
+		return "unix"
+	}
+	host, _, err := net.SplitHostPort(a.String())
+	if err != nil {
+		return a.String()
+	}
+	return host
+}
+
+// String describes the listener without reading its state (Kitex prints its options).
+func (g *guardListener) String() string {
+	return "fitcache preamble guard on " + g.inner.Addr().String()
+}
