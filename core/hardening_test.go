@@ -190,3 +190,66 @@ func TestReadAfterCloseIsErrClosed(t *testing.T) {
 		t.Errorf("store after Close: got %v, want ErrClosed", err)
 	}
 }
+
+// A directory inside the root swapped back and forth with a link to a directory outside it,
+// while reads run, never lets a read return the outside file's bytes.
+func TestSymlinkSwapRaceNeverEscapes(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	os.WriteFile(filepath.Join(outside, "f"), []byte("secret"), 0o644)
+	real := filepath.Join(root, "real")
+	os.Mkdir(real, 0o755)
+	os.WriteFile(filepath.Join(real, "f"), []byte("public"), 0o644)
+	os.Symlink(outside, filepath.Join(root, "evil"))
+	dir := filepath.Join(root, "dir")
+	os.Symlink(real, dir)
+	e, err := NewEngine(EngineConfig{}, nil) // no tier: every read goes to the source
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	stop := make(chan struct{})
+	swapped := make(chan int)
+	go func() { // swap dir between the link to real and a link to outside
+		n := 0
+		defer func() { swapped <- n }()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			tmp := filepath.Join(root, ".swap")
+			target := real
+			if n%2 == 0 {
+				target = outside
+			}
+			os.Remove(tmp)
+			os.Symlink(target, tmp)
+			os.Rename(tmp, dir)
+			n++
+		}
+	}()
+	deadline := time.Now().Add(2 * time.Second)
+	reads, good := 0, 0
+	for time.Now().Before(deadline) {
+		res, err := e.Read(context.Background(), root, filepath.Join(dir, "f"), false)
+		reads++
+		if err != nil {
+			if !errors.Is(err, ErrOutsideRoot) && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, ErrChanged) {
+				t.Fatalf("unexpected error: %v", err)
+			}
+			continue
+		}
+		if got := string(res.Bytes()); got != "public" {
+			t.Fatalf("read %d returned %q through the swapped link", reads, got)
+		}
+		good++
+		res.Release()
+	}
+	close(stop)
+	n := <-swapped
+	t.Logf("%d reads (%d served) during %d swaps", reads, good, n)
+	if n < 100 || reads < 100 {
+		t.Errorf("only %d swaps and %d reads: the race was not exercised", n, reads)
+	}
+}

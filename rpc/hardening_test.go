@@ -350,3 +350,43 @@ func TestDialerGivesUpOnASilentServer(t *testing.T) {
 		t.Error("Hello to a server that never answers the preamble still waiting after 5s")
 	}
 }
+
+// Garbage on many connections at once, before and after authentication, does not bring the
+// server down: a real client is served afterwards.
+func TestGarbageOnManyConnectionsIsSurvived(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	garbage := bytes.Repeat([]byte{0xff, 0x00, 0x13, 0x37, 0x80, 0x01, 0x00, 0x00}, 512)
+	var wg sync.WaitGroup
+	for i := range 200 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+			if err != nil {
+				return // the accept queue may overflow for a moment: that is the server's right
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			if i%2 == 1 { // half of them past the token
+				if writePreamble(c, testToken) != nil {
+					return
+				}
+				var ack [1]byte
+				if _, err := io.ReadFull(c, ack[:]); err != nil {
+					return
+				}
+			}
+			c.Write(garbage)
+			io.Copy(io.Discard, c)
+		}()
+	}
+	wg.Wait()
+	c, err := Dial(addr, ClientConfig{Token: testToken})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Hello(context.Background()); err != nil {
+		t.Fatalf("after 200 connections of garbage the server does not answer: %v", err)
+	}
+}

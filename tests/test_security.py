@@ -219,3 +219,38 @@ def test_large_files_are_never_held_whole_in_memory(tmp_path, cache_options, siz
     stats = fitcache.server_stats(**cache_options)
     assert stats["uncached"] == (0 if cached else 1)
     assert sum(t["files"] for t in stats["tiers"]) == (1 if cached else 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the attack as another user (nobody)")
+def test_other_users_cannot_reach_the_embedded_server(dataset, cache_options, tmp_path):
+    """The embedded server's runtime directory is 0700: another user can neither connect to
+    its socket nor read its files, even where the directory sits in a shared place (/tmp)."""
+    import shutil
+    import subprocess
+    import sys
+    runtime_dir = f"/tmp/fitcache-test-{os.getpid()}-{tmp_path.name}"
+    options = {**cache_options, "runtime_dir": runtime_dir}
+    root, digests = dataset
+    try:
+        with fitcache.Client(root, **options) as c:
+            name = sorted(digests)[0]
+            assert digest(c.read(name)) == digests[name]
+        attack = ("import socket, sys\n"
+                  "s = socket.socket(socket.AF_UNIX)\n"
+                  "try:\n"
+                  "    s.connect(sys.argv[1])\n"
+                  "except PermissionError:\n"
+                  "    print('refused')\n"
+                  "else:\n"
+                  "    print('connected')\n")
+        out = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", attack,
+                              os.path.join(runtime_dir, "server.sock")], capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "refused", out.stdout + out.stderr
+    finally:
+        from conftest import server_pid, wait_gone
+        import signal
+        pid = server_pid(runtime_dir)
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            wait_gone(pid)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
