@@ -97,12 +97,16 @@ type Client struct {
 	// in progress (each bounded by the read timeout) before it frees what they use.
 	life sync.RWMutex
 
-	mu        sync.Mutex    // protects conn, retired, downUntil, backoff and attempt; never held while waiting
+	mu        sync.Mutex    // protects conn, downUntil, backoff and attempt; never held while waiting
 	conn      *serverConn   // the embedded server, or nil while not connected
-	retired   []*serverConn // replaced connections, freed at Close: readers may still use them
 	downUntil time.Time     // before then, read the source directly
 	backoff   time.Duration // the next back-off
 	attempt   *connectAttempt
+
+	// view is the last connection that succeeded, kept when it fails: its tier directories
+	// and removal counter stay usable while the server does not answer, so files cached
+	// before keep being served from the tiers without waiting for it.
+	view atomic.Pointer[serverConn]
 
 	maps    *mapCache      // mappings kept between reads
 	cluster *clusterRouter // set in cluster mode (Config.Servers)
@@ -122,9 +126,13 @@ type serverConn struct {
 	gen  *tiers.Generation // the server's removal counter, or nil
 }
 
-func (s *serverConn) close() {
-	s.rpc.Close()
-	s.gen.Close()
+// tierView returns the tier directories and removal counter of the last server that
+// answered (none before the first).
+func (c *Client) tierView() ([]tiers.Dir, *tiers.Generation) {
+	if v := c.view.Load(); v != nil {
+		return v.dirs, v.gen
+	}
+	return nil, nil
 }
 
 // connectAttempt is one try at reaching (or starting) the embedded server; readers that need
@@ -208,7 +216,7 @@ func (c *Client) ensureConn(failed *serverConn, wait time.Duration) (*serverConn
 	}
 	if failed != nil && c.conn == failed {
 		c.conn = nil
-		c.retired = append(c.retired, failed)
+		go failed.rpc.Close() // it waits for calls still in flight on it
 	}
 	if time.Now().Before(c.downUntil) {
 		c.mu.Unlock()
@@ -248,11 +256,15 @@ func (c *Client) connect(a *connectAttempt) {
 	conn, err := c.dial()
 	c.mu.Lock()
 	if err == nil && c.closed.Load() {
-		conn.close()
+		conn.rpc.Close()
+		conn.gen.Close()
 		err = core.ErrClosed
 	}
 	if err == nil {
 		c.conn, c.downUntil, c.backoff = conn, time.Time{}, 0
+		if old := c.view.Swap(conn); old != nil && old.gen != conn.gen {
+			old.gen.Close() // safe while readers load it: a closed counter reads 0
+		}
 	} else {
 		c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
 		c.downUntil = time.Now().Add(c.backoff)
@@ -266,6 +278,9 @@ func (c *Client) connect(a *connectAttempt) {
 
 // dial connects to the embedded server, starting it if needed.
 func (c *Client) dial() (*serverConn, error) {
+	if err := local.CheckSocket(c.cfg.RuntimeDir); err != nil {
+		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
+	}
 	server, err := rpc.Dial(local.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{ReadTimeout: c.cfg.ReadTimeout,
 		CallTimeout: min(2*time.Second, c.cfg.ReadTimeout)})
 	if err != nil {
@@ -343,12 +358,7 @@ func (c *Client) read(path string) (Buffer, error) {
 	if c.cluster != nil {
 		return c.readCluster(path)
 	}
-	conn, down := c.current()
-	var dirs []tiers.Dir
-	var gen *tiers.Generation
-	if conn != nil {
-		dirs, gen = conn.dirs, conn.gen
-	}
+	dirs, gen := c.tierView()
 	if buf := c.maps.get(path, gen.Load()); buf != nil {
 		c.hit(buf.(*mapHandle).s.m)
 		return buf, nil
@@ -357,7 +367,7 @@ func (c *Client) read(path string) (Buffer, error) {
 		c.hit(m)
 		return c.keep(path, m, gen), nil
 	}
-	if down {
+	if _, down := c.current(); down {
 		return c.readDirect(path)
 	}
 	deadline := time.Now().Add(c.cfg.ReadTimeout)
@@ -626,10 +636,8 @@ func (c *Client) localDirs() []tiers.Dir {
 	if c.cluster != nil {
 		return c.cluster.localDirs()
 	}
-	if conn, _ := c.current(); conn != nil {
-		return conn.dirs
-	}
-	return nil
+	dirs, _ := c.tierView()
+	return dirs
 }
 
 // generation returns the removal generation of the servers whose files this client maps.
@@ -637,10 +645,8 @@ func (c *Client) generation() uint64 {
 	if c.cluster != nil {
 		return c.cluster.generation()
 	}
-	if conn, _ := c.current(); conn != nil {
-		return conn.gen.Load()
-	}
-	return 0
+	_, gen := c.tierView()
+	return gen.Load()
 }
 
 // Close reports pending hits and stops the client, after reads in progress have ended. It
@@ -655,20 +661,25 @@ func (c *Client) Close() error {
 	if server := c.reportTo(); server != nil {
 		c.flushHits(server)
 	}
+	// A connection attempt still running frees what it made itself, seeing closed; wait for
+	// it (no lock held: reads go on meanwhile) so that nothing outlives the client.
+	c.mu.Lock()
+	attempt := c.attempt
+	c.mu.Unlock()
+	if attempt != nil {
+		<-attempt.done
+	}
 	c.life.Lock() // no read is in progress from here on
 	defer c.life.Unlock()
 	c.mu.Lock()
-	conns := append(c.retired, c.conn)
-	c.conn, c.retired = nil, nil
-	attempt := c.attempt
+	conn := c.conn
+	c.conn = nil
 	c.mu.Unlock()
-	if attempt != nil { // it frees its connection itself, seeing closed
-		<-attempt.done
+	if conn != nil {
+		conn.rpc.Close()
 	}
-	for _, conn := range conns {
-		if conn != nil {
-			conn.close()
-		}
+	if v := c.view.Swap(nil); v != nil {
+		v.gen.Close()
 	}
 	if c.cluster != nil {
 		c.cluster.close()

@@ -138,6 +138,15 @@ func TestHitsDoNotWaitForAStuckServer(t *testing.T) {
 	if missAt := <-missDone; !hitDone.Before(missAt) {
 		t.Errorf("the hit finished after the miss that waits on the stuck server (hit %s, miss %s)", hitDone, missAt)
 	}
+	// The server stays stuck: the cached file is still served from its tier, not the source.
+	before, _ := clientStats(t, c)
+	for range 10 {
+		readBytes(t, c, "cached")
+	}
+	after, _ := clientStats(t, c)
+	if hits, direct := after.LocalHits-before.LocalHits, after.DirectReads-before.DirectReads; hits != 10 || direct != 0 {
+		t.Errorf("10 reads of a cached file with the server stuck: %d local hits, %d direct reads; want 10 and 0", hits, direct)
+	}
 }
 
 // fitcacheBinary builds the fitcache command once for the tests that need a real server.

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -20,6 +22,9 @@ type Config struct {
 	// RuntimeDir holds the embedded server's socket, locks and log. It must be a private
 	// directory (see privdir): a real directory of this user's, mode 0700.
 	RuntimeDir string
+	// RuntimeDirWarning says why the default runtime directory was replaced by a private
+	// stand-in, if it was (see defaultRuntimeDir); not an option.
+	RuntimeDirWarning string
 	// Verify checks the data checksum of every cached file when a server opens its tiers,
 	// and removes the damaged ones (see tiers.Config.Verify).
 	Verify bool
@@ -127,7 +132,7 @@ func LoadConfig(options map[string]string) (Config, error) {
 		}
 	}
 	if cfg.RuntimeDir == "" {
-		cfg.RuntimeDir = defaultRuntimeDir()
+		cfg.RuntimeDir, cfg.RuntimeDirWarning = defaultRuntimeDir()
 	}
 	for _, d := range []struct {
 		key  string
@@ -214,12 +219,29 @@ func DefaultTiers(runtimeDir string) []tiers.Config {
 // the default memory tier, when there is one.
 const MemoryTierRecord = "memory-tier"
 
-// defaultRuntimeDir is $XDG_RUNTIME_DIR/fitcache, else /tmp/fitcache-UID. The latter is
-// predictable: if another user created it first, it is refused (see local.PrepareDir) and
-// the error says to set FITCACHE_RUNTIME_DIR.
-func defaultRuntimeDir() string {
+// defaultRuntimeDir is $XDG_RUNTIME_DIR/fitcache (the login manager makes that directory
+// private), else /tmp/fitcache-UID. The latter is predictable: if another user created it
+// first, a private stand-in with a random name is used instead (see privdir.Fallback), and
+// its name is recorded in the user's cache directory, per host, so that every process of the
+// user on this node finds the same one. The warning says so, for the server to report.
+func defaultRuntimeDir() (dir, warning string) {
 	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
-		return filepath.Join(d, "fitcache")
+		return filepath.Join(d, "fitcache"), ""
 	}
-	return filepath.Join(os.TempDir(), "fitcache-"+strconv.Itoa(os.Geteuid()))
+	dir = filepath.Join(os.TempDir(), "fitcache-"+strconv.Itoa(os.Geteuid()))
+	err := privdir.Inspect(dir)
+	if !errors.Is(err, privdir.ErrNotPrivate) {
+		return dir, "" // private, or missing: it is created private
+	}
+	cache, cerr := os.UserCacheDir()
+	host, herr := os.Hostname()
+	if cerr != nil || herr != nil {
+		return dir, "" // refused with a clear error when used (local.PrepareDir)
+	}
+	f, ferr := privdir.Fallback(dir, filepath.Join(cache, "fitcache-run", host))
+	if ferr != nil {
+		return dir, ""
+	}
+	defer f.Close()
+	return f.Name(), fmt.Sprintf("default runtime directory %s cannot be used (%v): using %s", dir, err, f.Name())
 }

@@ -42,6 +42,9 @@ type EngineConfig struct {
 	// such as clients on other nodes): larger ones fail with ErrTooLarge and the caller reads
 	// the source. It must stay below the RPC frame limit. 0 means 64 MiB.
 	MaxSendBytes int64
+	// Warnings are problems found before the engine started (a default directory that could
+	// not be used, say), reported with its statistics.
+	Warnings []string
 	// MoverQueueBytes bounds the bytes waiting for the data mover; past it, the reader that
 	// missed publishes the file itself before answering. 0 means 256 MiB.
 	MoverQueueBytes int64
@@ -83,6 +86,9 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	}
 	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
 		inline: cfg.InlineMissBytes}
+	for _, w := range cfg.Warnings {
+		e.stats.Warn(w)
+	}
 	if e.inline == 0 {
 		e.inline = 1 << 20
 	}

@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/privdir/privdirtest"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -148,5 +150,34 @@ func TestConfigVerifyAndDefaultTiers(t *testing.T) {
 	mem := DefaultTiers("/run/x")[0]
 	if mem.Kind != tiers.Memory || mem.FallbackRecord != "/run/x/"+MemoryTierRecord {
 		t.Errorf("default memory tier %+v: want a fallback record in the runtime directory", mem)
+	}
+}
+
+// When another user created the default runtime directory (/tmp/fitcache-UID) first, a
+// private stand-in is used instead, the same one by every process, with a warning. On the
+// main branch before this change the planted directory was used.
+func TestPlantedDefaultRuntimeDirFallsBack(t *testing.T) {
+	shared := privdirtest.SharedDir(t)
+	t.Setenv("XDG_RUNTIME_DIR", "")
+	t.Setenv("TMPDIR", shared)
+	t.Setenv("XDG_CACHE_HOME", t.TempDir())
+	planted := filepath.Join(shared, "fitcache-"+strconv.Itoa(os.Geteuid()))
+	privdirtest.AsNobody(t, "mkdir -m 777 "+planted)
+	cfg, err := LoadConfig(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.RuntimeDir == planted || !strings.HasPrefix(cfg.RuntimeDir, planted+"-") {
+		t.Fatalf("runtime directory %s, want a stand-in beside the planted %s", cfg.RuntimeDir, planted)
+	}
+	if err := privdir.Inspect(cfg.RuntimeDir); err != nil {
+		t.Errorf("stand-in is not private: %v", err)
+	}
+	if !strings.Contains(cfg.RuntimeDirWarning, planted) {
+		t.Errorf("warning %q does not name the planted directory", cfg.RuntimeDirWarning)
+	}
+	again, err := LoadConfig(nil)
+	if err != nil || again.RuntimeDir != cfg.RuntimeDir {
+		t.Errorf("a second process gets %s (%v), want the same stand-in %s", again.RuntimeDir, err, cfg.RuntimeDir)
 	}
 }

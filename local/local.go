@@ -19,6 +19,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -58,6 +59,31 @@ func PrepareDir(dir string) error {
 		return fmt.Errorf("runtime directory: %w", err)
 	}
 	return d.Close()
+}
+
+// CheckSocket makes sure that a client talking to the embedded server in dir talks to this
+// user's server: an existing runtime directory must be this user's (see PrepareDir), and a socket
+// file in it that is not a socket of this user (left there while the directory was open to
+// others) is removed, so that a server of this user is started instead. A missing directory
+// is fine: EnsureRunning creates it.
+func CheckSocket(dir string) error {
+	if err := privdir.Inspect(dir); errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err := PrepareDir(dir); err != nil { // ours with a loose mode is made private
+		return err
+	}
+	path := SocketPath(dir)
+	var st syscall.Stat_t
+	if err := syscall.Lstat(path, &st); err != nil {
+		return nil // no server yet
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFSOCK || int(st.Uid) != os.Geteuid() {
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("%s is not a socket of this user and cannot be removed: %w", path, err)
+		}
+	}
+	return nil
 }
 
 // LockServer takes the lock that a running embedded server holds until it exits, waiting up
@@ -171,7 +197,7 @@ func EnsureRunning(ctx context.Context, cfg core.Config, ping func(context.Conte
 
 // lockSpawn takes the spawn lock, polling so that the wait honours ctx.
 func lockSpawn(ctx context.Context, dir string) (unlock func(), err error) {
-	f, err := os.OpenFile(filepath.Join(dir, spawnLock), os.O_RDWR|os.O_CREATE, 0o600)
+	f, err := os.OpenFile(filepath.Join(dir, spawnLock), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
@@ -204,17 +230,21 @@ func spawn(cfg core.Config) (*exec.Cmd, error) {
 				"FITCACHE_SERVER_BIN or fitcache executable on PATH")
 		}
 	}
-	logf, err := os.OpenFile(filepath.Join(cfg.RuntimeDir, LogName), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	logf, err := os.OpenFile(filepath.Join(cfg.RuntimeDir, LogName), os.O_WRONLY|os.O_CREATE|os.O_APPEND|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
 	defer logf.Close()
 	cmd := exec.Command(bin, "serve", "--embedded")
 	cmd.Env = append(os.Environ(),
-		"FITCACHE_RUNTIME_DIR="+cfg.RuntimeDir,
 		"FITCACHE_TIERS="+cfg.Tiers,
 		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String(),
 		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify))
+	if cfg.RuntimeDirWarning == "" {
+		// Else the runtime directory is the private stand-in for the default one: the server
+		// finds it the same way, and reports why.
+		cmd.Env = append(cmd.Env, "FITCACHE_RUNTIME_DIR="+cfg.RuntimeDir)
+	}
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = "/"
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}

@@ -57,3 +57,31 @@ func TestPrepareDirRefusesAnotherUsersDirectory(t *testing.T) {
 		t.Errorf("nobody's directory was chmodded to %v", fi.Mode().Perm())
 	}
 }
+
+// A client checks the runtime directory before it talks to the socket in it: another user's
+// directory is refused, and a socket another user left in a directory of ours is removed.
+// On the main branch before this change a client connected to whatever answered there.
+func TestCheckSocket(t *testing.T) {
+	shared := privdirtest.SharedDir(t)
+	foreign := filepath.Join(shared, "foreign")
+	privdirtest.AsNobody(t, "mkdir -m 777 "+foreign)
+	if err := CheckSocket(foreign); !errors.Is(err, privdir.ErrNotPrivate) {
+		t.Errorf("another user's runtime directory: got %v, want ErrNotPrivate", err)
+	}
+	if err := CheckSocket(filepath.Join(shared, "missing")); err != nil {
+		t.Errorf("missing runtime directory: %v", err)
+	}
+	ours := filepath.Join(shared, "ours")
+	if err := PrepareDir(ours); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(ours, 0o777) // open to others for a while, as after a careless chmod
+	privdirtest.AsNobody(t, "python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\""+SocketPath(ours)+"\")'")
+	os.Chmod(ours, 0o700)
+	if err := CheckSocket(ours); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(SocketPath(ours)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a socket of another user was left in place: %v", err)
+	}
+}

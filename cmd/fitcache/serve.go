@@ -56,6 +56,9 @@ func serve(args []string) error {
 		return err
 	}
 	log := logger()
+	if cfg.RuntimeDirWarning != "" {
+		log.Warn(cfg.RuntimeDirWarning)
+	}
 	token, err := cluster.LoadToken(cfg.Token, firstNonEmpty(*tokenFile, cfg.TokenFile))
 	if err != nil {
 		return err
@@ -127,7 +130,7 @@ func serve(args []string) error {
 		}
 	}
 	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile,
-		Verify: cfg.Verify, Holder: "listening on " + firstNonEmpty(*listen, *socket) + ", runtime dir " + cfg.RuntimeDir}, log)
+		Verify: cfg.Verify, Warnings: warnings(cfg.RuntimeDirWarning), Holder: "listening on " + firstNonEmpty(*listen, *socket) + ", runtime dir " + cfg.RuntimeDir}, log)
 	if err != nil {
 		if ln != nil {
 			ln.Close()
@@ -214,6 +217,17 @@ func socketIdentity(path string) uint64 {
 		return 0
 	}
 	return st.Ino
+}
+
+// warnings returns the non-empty messages.
+func warnings(msgs ...string) []string {
+	var out []string
+	for _, m := range msgs {
+		if m != "" {
+			out = append(out, m)
+		}
+	}
+	return out
 }
 
 func firstNonEmpty(vals ...string) string {
