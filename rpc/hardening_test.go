@@ -390,3 +390,45 @@ func TestGarbageOnManyConnectionsIsSurvived(t *testing.T) {
 		t.Fatalf("after 200 connections of garbage the server does not answer: %v", err)
 	}
 }
+
+// Connections that do not authenticate take only the few places of their own host: a client
+// of another host still gets in. On the main branch before this change connections still
+// authenticating counted towards the one cap, so anyone reaching the port could fill it.
+func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
+	for range 2 * maxPendingPerHost {
+		dialRaw(t, addr) // from 127.0.0.1, silent
+	}
+	_, port, _ := net.SplitHostPort(addr)
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.2")}, Timeout: 2 * time.Second}
+	c, err := d.Dial("tcp", "127.0.0.1:"+port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if ack := authenticate(t, c, testToken); ack != preambleOK {
+		t.Errorf("a client of another host during a flood: answer %q, want %q", ack, preambleOK)
+	}
+}
+
+// A server that closes a new connection because it has too many is busy, not dead: the
+// client's error is not a refused connection (which declares a cluster server dead at once).
+func TestServerAtItsCapIsNotRefused(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, MaxConns: 1})
+	held := dialRaw(t, addr)
+	if ack := authenticate(t, held, testToken); ack != preambleOK {
+		t.Fatal("first connection refused")
+	}
+	c, err := Dial(addr, ClientConfig{Token: testToken, ConnectTimeout: time.Second, CallTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, err = c.Hello(context.Background())
+	if err == nil {
+		t.Fatal("a call beyond the cap succeeded")
+	}
+	if IsRefused(err) {
+		t.Errorf("a server at its connection cap looks refused (dead at once): %v", err)
+	}
+}

@@ -10,9 +10,13 @@ import (
 )
 
 // guardListener hands Kitex only connections that passed the authentication preamble, and
-// at most maxConns at a time (counting those still authenticating): an excess connection is
-// closed at once. Refused connections are counted and logged through refuse. Authentication
-// runs in a goroutine per connection with a deadline, so a slow client delays no one else.
+// at most maxConns at a time (counting those still authenticating). Connections that have not
+// authenticated yet are further limited, in all and per peer host, so that whoever can reach
+// the port without the token cannot take the places of the job's clients: it can only use
+// the few places of its own host. An excess connection is closed at once (a client takes that
+// as a server too busy to answer, not as a dead one). Refused connections are counted and
+// logged through refuse. Authentication runs in a goroutine per connection with a deadline,
+// so a slow client delays no one else.
 type guardListener struct {
 	inner    net.Listener
 	token    [sha256.Size]byte
@@ -24,12 +28,22 @@ type guardListener struct {
 	ready  chan net.Conn // authenticated connections waiting for Accept
 	done   chan struct{} // closed by Close
 	once   sync.Once     // closes done
+
+	mu      sync.Mutex     // protects pending
+	pending map[string]int // connections authenticating, by peer host
 }
+
+// Limits on connections that have not authenticated yet.
+const (
+	maxPending        = 128 // in all
+	maxPendingPerHost = 16
+)
 
 func newGuardListener(inner net.Listener, token string, maxConns int, timeout time.Duration,
 	refuse func(peer, reason string)) *guardListener {
 	g := &guardListener{inner: inner, token: sha256.Sum256([]byte(token)), maxConns: int64(maxConns),
-		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{})}
+		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{}),
+		pending: make(map[string]int)}
 	go g.acceptLoop()
 	return g
 }
@@ -75,21 +89,52 @@ func (g *guardListener) acceptLoop() {
 			continue
 		}
 		backoff = 5 * time.Millisecond
+		host := peerHost(c.RemoteAddr())
 		if g.active.Add(1) > g.maxConns {
 			g.active.Add(-1)
-			g.refuse(peerHost(c.RemoteAddr()), "too many connections")
+			g.refuse(host, "too many connections")
 			c.Close()
 			continue
 		}
-		go g.authenticate(&countedConn{Conn: c, active: &g.active})
+		if !g.startPending(host) {
+			g.active.Add(-1)
+			g.refuse(host, "too many connections authenticating")
+			c.Close()
+			continue
+		}
+		go g.authenticate(&countedConn{Conn: c, active: &g.active}, host)
+	}
+}
+
+// startPending takes a place for a connection of host to authenticate, if one is free.
+func (g *guardListener) startPending(host string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	total := 0
+	for _, n := range g.pending {
+		total += n
+	}
+	if total >= maxPending || g.pending[host] >= maxPendingPerHost {
+		return false
+	}
+	g.pending[host]++
+	return true
+}
+
+func (g *guardListener) endPending(host string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.pending[host]--; g.pending[host] <= 0 {
+		delete(g.pending, host)
 	}
 }
 
 // authenticate reads c's preamble and hands c to Accept, or closes it. A refusal is counted
 // before the client hears of it.
-func (g *guardListener) authenticate(c *countedConn) {
+func (g *guardListener) authenticate(c *countedConn, host string) {
 	c.SetDeadline(time.Now().Add(g.timeout))
 	ok, err := readPreamble(c, g.token)
+	g.endPending(host)
 	switch {
 	case err != nil:
 		g.refuse(peerHost(c.RemoteAddr()), err.Error())

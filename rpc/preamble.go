@@ -104,10 +104,13 @@ func (e *handshakeError) Error() string { return "authenticate to " + e.addr + "
 
 func (e *handshakeError) Unwrap() error { return e.err }
 
-// Timeout reports whether the server did not answer the preamble in time.
+// Timeout reports whether the failure is of the kind that counts towards declaring the
+// server dead (see client's failure threshold) rather than proving it dead at once: the
+// server did not answer the preamble in time, or closed the connection without answering
+// (it had too many connections, or was stopping). A refused token is not a timeout; a
+// server that is down refuses the connection before any preamble is sent.
 func (e *handshakeError) Timeout() bool {
-	var t interface{ Timeout() bool }
-	return errors.As(e.err, &t) && t.Timeout()
+	return !errors.Is(e.err, ErrTokenRefused)
 }
 
 func handshake(conn net.Conn, token string, deadline time.Time) error {
