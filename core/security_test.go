@@ -3,7 +3,9 @@ package core
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -179,5 +181,39 @@ func TestPlantedDefaultRuntimeDirFallsBack(t *testing.T) {
 	again, err := LoadConfig(nil)
 	if err != nil || again.RuntimeDir != cfg.RuntimeDir {
 		t.Errorf("a second process gets %s (%v), want the same stand-in %s", again.RuntimeDir, err, cfg.RuntimeDir)
+	}
+}
+
+// An entry overwritten in place is not spilled to a slower tier when evicted: the slower
+// tier would record a fresh checksum of the damaged bytes, and verification could no longer
+// find them. On the main branch before this change it was spilled.
+func TestDamagedEntryIsNotSpilled(t *testing.T) {
+	root, paths := dataset(t, 5000, 5000, 5000)
+	one := tiers.EntrySize(paths[0], 5000)
+	memDir, diskDir := t.TempDir(), t.TempDir()
+	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{
+		{Dir: memDir, Kind: tiers.Memory, Budget: fmt.Sprint(one)},
+		{Dir: diskDir, Kind: tiers.Disk, Budget: fmt.Sprint(one)}}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	readAll(t, e, root, paths[0])
+	settle(e)
+	f, err := os.OpenFile((tiers.Dir{Path: memDir}).CachedPath(paths[0]), os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte("EVIL"), 100)
+	f.Close()
+	readAll(t, e, root, paths[1]) // fills the disk tier
+	settle(e)
+	readAll(t, e, root, paths[2]) // evicts paths[0] from memory, which would spill to disk
+	settle(e)
+	if _, err := os.Stat((tiers.Dir{Path: diskDir}).CachedPath(paths[0])); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("the damaged entry was spilled to disk (stat: %v)", err)
+	}
+	if s := e.Stats(); s.Spilled != 0 {
+		t.Errorf("spilled %d, want 0", s.Spilled)
 	}
 }

@@ -6,12 +6,16 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
 
 // ErrLocked reports a tier directory that another server holds (see Tier).
 var ErrLocked = errors.New("tier directory in use by another fitcache server")
+
+// lockWait is how long a server waits for the lock of a tier directory held by someone else.
+const lockWait = 2 * time.Second
 
 // lockName is the lock file in a tier directory: a server holds an exclusive flock on it for
 // the Tier's life, and writes its pid and Config.Holder in it for others to name.
@@ -25,12 +29,23 @@ func lockDir(dirfd int, dir, holder string) (*os.File, error) {
 		return nil, fmt.Errorf("lock file: %w", err)
 	}
 	f := os.NewFile(uintptr(fd), filepath.Join(dir, lockName))
-	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		defer f.Close()
-		if errors.Is(err, unix.EWOULDBLOCK) {
+	// Others hold the lock briefly (fitcache info reading the holder, a server exiting):
+	// wait a little before deciding that another server owns the directory.
+	deadline := time.Now().Add(lockWait)
+	for {
+		err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			f.Close()
+			return nil, fmt.Errorf("lock %s: %w", f.Name(), err)
+		}
+		if time.Now().After(deadline) {
+			defer f.Close()
 			return nil, fmt.Errorf("%w: held by %s", ErrLocked, readHolder(f))
 		}
-		return nil, fmt.Errorf("lock %s: %w", f.Name(), err)
+		time.Sleep(20 * time.Millisecond)
 	}
 	text := fmt.Sprintf("pid %d", os.Getpid())
 	if holder != "" {

@@ -185,7 +185,8 @@ func verifyData(m []byte, e Entry) (err error) {
 }
 
 // Check verifies every entry of the tier directory d, data checksums included, without
-// changing anything, and returns how many entries are valid and which are damaged. It is
+// changing any entry (a directory of ours with a loose mode is set to 0700, see
+// privdir.Open), and returns how many entries are valid and which are damaged. It is
 // for a tier that a running server holds; see Config.Verify for one that can be repaired.
 func (d Dir) Check() (valid int, damaged []Damage, err error) {
 	dir, err := privdir.Open(d.Path)

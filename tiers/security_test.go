@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -405,4 +406,32 @@ func TestVerifyReportsWhileHeldAndRepairsOtherwise(t *testing.T) {
 	if _, err := Verify(Config{Dir: filepath.Join(cfg.Dir, "missing"), Kind: Disk}, nil); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("Verify of a missing tier: got %v, want ErrNotExist", err)
 	}
+}
+
+// A tier whose lock someone holds for a moment (fitcache info reading the holder) is still
+// taken by a starting server. On the main branch before this change the server skipped the
+// tier for its whole life.
+func TestTierLockWaitsForABriefHolder(t *testing.T) {
+	dir := t.TempDir()
+	first, err := New(Config{Dir: dir, Kind: Disk, Budget: "1MiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.Close()
+	f, err := os.Open(filepath.Join(dir, lockName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_SH); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		f.Close()
+	}()
+	tier, err := New(Config{Dir: dir, Kind: Disk, Budget: "1MiB"}, nil)
+	if err != nil {
+		t.Fatalf("a lock held for 300 ms: %v", err)
+	}
+	tier.Close()
 }

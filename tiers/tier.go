@@ -288,7 +288,13 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 
 		if spill != nil {
 			if m, err := t.openRecord(rec.rel); err == nil {
-				spill(m)
+				// The slower tier records a new checksum of what it is given: check the
+				// old one first, so that damage is dropped rather than made valid.
+				if err := checkData(m.Bytes(), m.Entry); err == nil {
+					spill(m)
+				} else {
+					t.log.Warn("not spilling a damaged entry", "file", rec.rel, "err", err)
+				}
 				m.Release()
 			}
 		}

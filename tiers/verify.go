@@ -20,9 +20,11 @@ type VerifyReport struct {
 // Verify checks every entry of the tier cfg describes, data checksums included. When it
 // can take the tier's lock it repairs the tier as a server starting with Config.Verify would
 // (damaged entries removed); when a running server holds the tier it only reports. A
-// missing tier directory is not created: the error wraps fs.ErrNotExist.
+// missing tier directory is not created: the error wraps fs.ErrNotExist. A tier with a
+// fallback record (the default memory tier) is checked where a server would put it: its
+// private stand-in when the configured directory cannot be used.
 func Verify(cfg Config, log *slog.Logger) (VerifyReport, error) {
-	if _, err := os.Lstat(cfg.Dir); err != nil && cfg.FallbackRecord == "" {
+	if _, err := os.Lstat(cfg.Dir); err != nil {
 		return VerifyReport{Dir: cfg.Dir}, err
 	}
 	cfg.CreateParents = false
