@@ -439,7 +439,7 @@ const directReadMax = 1 << 20
 // readDirect reads the source without the cache; the dataset-root checks still apply. A
 // large file is mapped rather than copied.
 func (c *Client) readDirect(path string) (Buffer, error) {
-	src, err := core.OpenSource(path, c.realRoot)
+	src, err := core.OpenSource(c.root, c.realRoot, path)
 	if err != nil {
 		return nil, err
 	}

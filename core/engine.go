@@ -386,7 +386,7 @@ func (e *Engine) openSource(root, path string) (*Source, error) {
 	if err != nil {
 		return nil, err
 	}
-	return OpenSource(path, realRoot)
+	return OpenSource(root, realRoot, path)
 }
 
 // land ends a flight: later readers go to the tiers (or, after an error, try the source again).
@@ -400,7 +400,7 @@ func (e *Engine) land(path string, f *flight) {
 // checkRoot validates a request: root and path clean and absolute, path inside root, and,
 // for an engine with dataset roots, root inside one of them once its symbolic links are
 // resolved (a link inside a dataset root that points elsewhere is no way out). The file's
-// own real path is checked against the resolved root when it is opened (ReadSource).
+// own path is resolved beneath the resolved root when it is opened (OpenSource).
 func (e *Engine) checkRoot(root, path string) error {
 	if err := CheckPath(root, path); err != nil {
 		return err

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -251,5 +253,36 @@ func TestSymlinkSwapRaceNeverEscapes(t *testing.T) {
 	t.Logf("%d reads (%d served) during %d swaps", reads, good, n)
 	if n < 100 || reads < 100 {
 		t.Errorf("only %d swaps and %d reads: the race was not exercised", n, reads)
+	}
+}
+
+// A link out of the dataset is refused before the file it points to is opened (opening can
+// have effects: a device, a FIFO, a file's access time); an absolute link to another file of
+// the dataset still reads. On the main branch before this change the outside file was opened
+// and only then refused.
+func TestLinkOutOfTheRootIsNotOpened(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	os.WriteFile(filepath.Join(outside, "secret"), []byte("secret"), 0o644)
+	os.WriteFile(filepath.Join(root, "b"), []byte("inside"), 0o644)
+	os.Symlink(filepath.Join(outside, "secret"), filepath.Join(root, "out"))
+	os.Symlink(filepath.Join(root, "b"), filepath.Join(root, "abs")) // absolute, stays inside
+	ifd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	if err != nil {
+		t.Skip("no inotify:", err)
+	}
+	defer unix.Close(ifd)
+	if _, err := unix.InotifyAddWatch(ifd, outside, unix.IN_OPEN); err != nil {
+		t.Fatal(err)
+	}
+	e := newEngine(t, "1MiB")
+	if _, err := e.Read(context.Background(), root, filepath.Join(root, "out"), false); !errors.Is(err, ErrOutsideRoot) {
+		t.Errorf("link out of the root: got %v, want ErrOutsideRoot", err)
+	}
+	buf := make([]byte, 4096)
+	if n, _ := unix.Read(ifd, buf); n > 0 {
+		t.Errorf("the file outside the root was opened (%d bytes of inotify events)", n)
+	}
+	if _, got := readAll(t, e, root, filepath.Join(root, "abs")); string(got) != "inside" {
+		t.Errorf("absolute link inside the root: got %q", got)
 	}
 }

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/edsrzf/mmap-go"
+	"golang.org/x/sys/unix"
 )
 
 // Within reports whether path is root or inside it. Both must be clean and absolute.
@@ -55,13 +57,18 @@ func stampOf(st *syscall.Stat_t) sourceStamp {
 	return sourceStamp{dev: uint64(st.Dev), ino: st.Ino, size: st.Size, mtime: st.Mtim, ctim: st.Ctim}
 }
 
-// OpenSource opens the source file at path for reading. The opened file's real path (symbolic
-// links resolved) must lie inside realRoot (the dataset root with its links resolved), so a
-// link inside the dataset that points outside it is refused; directories, FIFOs, devices and
-// sockets are refused without blocking.
-func OpenSource(path, realRoot string) (*Source, error) {
-	// O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+// OpenSource opens the source file at path for reading. path lies lexically under root,
+// whose symbolic links resolve to realRoot; the file opened must lie inside realRoot also
+// after every link is followed, so a link inside the dataset that points outside it is
+// refused (ErrOutsideRoot) before anything outside is opened: the kernel resolves the path
+// beneath the root (openat2 with RESOLVE_BENEATH). Directories, FIFOs, devices and sockets
+// are refused without blocking.
+func OpenSource(root, realRoot, path string) (*Source, error) {
+	rel, err := filepath.Rel(root, path)
+	if err != nil || !filepath.IsLocal(rel) && rel != "." {
+		return nil, fmt.Errorf("%w: %s is not under %s", ErrOutsideRoot, path, root)
+	}
+	f, err := openBeneath(realRoot, rel, path)
 	if err != nil {
 		return nil, err
 	}
@@ -79,11 +86,68 @@ func OpenSource(path, realRoot string) (*Source, error) {
 		f.Close()
 		return nil, pathError("read", path, syscall.EINVAL)
 	}
-	if err := checkRealPath(f, realRoot); err != nil {
-		f.Close()
+	return &Source{f: f, path: path, stamp: stampOf(&st)}, nil
+}
+
+// sourceOpenFlags: O_NONBLOCK so that opening a FIFO does not wait for a writer (it is
+// refused after the open).
+const sourceOpenFlags = unix.O_RDONLY | unix.O_NONBLOCK | unix.O_CLOEXEC
+
+// openBeneath opens rel inside realRoot without ever leaving it. A path through an absolute
+// link, or a link that leaves the root, fails in the kernel with EXDEV; such a path is then
+// resolved here, and opened if it stays inside the root (an absolute link to another file of
+// the dataset, say), again beneath the root, so that a link swapped meanwhile is refused.
+func openBeneath(realRoot, rel, path string) (*os.File, error) {
+	// realRoot has its links resolved: one that has a link in it now was swapped since.
+	dirfd, err := unix.Openat2(unix.AT_FDCWD, realRoot, &unix.OpenHow{
+		Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: unix.RESOLVE_NO_SYMLINKS})
+	switch {
+	case errors.Is(err, unix.ENOSYS): // a kernel older than 5.6
+		return openChecked(path, realRoot)
+	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR):
+		return nil, fmt.Errorf("%w: %s is no longer the directory it was (a link now)", ErrOutsideRoot, realRoot)
+	case err != nil:
+		return nil, pathError("open", realRoot, err)
+	}
+	defer unix.Close(dirfd)
+	how := unix.OpenHow{Flags: sourceOpenFlags, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
+	fd, err := unix.Openat2(dirfd, rel, &how)
+	if errors.Is(err, unix.EXDEV) {
+		real, rerr := filepath.EvalSymlinks(path)
+		if rerr != nil {
+			return nil, rerr
+		}
+		if !Within(real, realRoot) {
+			return nil, fmt.Errorf("%w: %s resolves to %s, outside %s", ErrOutsideRoot, path, real, realRoot)
+		}
+		resolved, _ := filepath.Rel(realRoot, real)
+		if fd, err = unix.Openat2(dirfd, resolved, &how); errors.Is(err, unix.EXDEV) {
+			return nil, fmt.Errorf("%w: %s changed to leave %s while being opened", ErrOutsideRoot, path, realRoot)
+		}
+	}
+	if err != nil {
+		return nil, pathError("open", path, err)
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// openChecked opens path and then checks the opened file's real path against realRoot, for
+// kernels without openat2. It refuses when the real path cannot be learnt (no /proc).
+func openChecked(path, realRoot string) (*os.File, error) {
+	f, err := os.OpenFile(path, sourceOpenFlags, 0)
+	if err != nil {
 		return nil, err
 	}
-	return &Source{f: f, path: path, stamp: stampOf(&st)}, nil
+	real, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(int(f.Fd())))
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%w: cannot check where %s leads (no /proc): %v", ErrOutsideRoot, path, err)
+	}
+	if !Within(real, realRoot) {
+		f.Close()
+		return nil, fmt.Errorf("%w: %s resolves to %s, outside %s", ErrOutsideRoot, path, real, realRoot)
+	}
+	return f, nil
 }
 
 // Size returns the file's size when it was opened.
@@ -185,26 +249,14 @@ func (s *Source) Map() (mmap.MMap, error) {
 	return m, nil
 }
 
-// ReadSource reads a whole source file inside realRoot (see OpenSource) and returns its bytes
-// and modification time; it fails with ErrChanged if the file changed while it was read.
-func ReadSource(path, realRoot string) (data []byte, mtimeNanos int64, err error) {
-	s, err := OpenSource(path, realRoot)
+// ReadSource reads a whole source file (see OpenSource) and returns its bytes and
+// modification time; it fails with ErrChanged if the file changed while it was read.
+func ReadSource(root, realRoot, path string) (data []byte, mtimeNanos int64, err error) {
+	s, err := OpenSource(root, realRoot, path)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer s.Close()
 	data, err = s.ReadAll()
 	return data, s.MTimeNanos(), err
-}
-
-// checkRealPath refuses a file whose real path (symbolic links resolved) is outside realRoot.
-func checkRealPath(f *os.File, realRoot string) error {
-	real, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(int(f.Fd())))
-	if err != nil {
-		return nil // no /proc: the lexical check done by the caller stands
-	}
-	if !Within(real, realRoot) {
-		return fmt.Errorf("%w: %s resolves to %s, outside %s", ErrOutsideRoot, f.Name(), real, realRoot)
-	}
-	return nil
 }

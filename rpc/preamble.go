@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"syscall"
 	"time"
 
 	"github.com/cloudwego/kitex/pkg/remote"
@@ -83,7 +84,12 @@ func (d preambleDialer) DialTimeout(network, address string, timeout time.Durati
 	deadline := time.Now().Add(timeout)
 	conn, err := d.inner.DialTimeout(network, address, timeout)
 	if err != nil {
-		return nil, err
+		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+			return nil, err // nothing listens: the server is down
+		}
+		// Connected, then closed at once (a server at its connection cap), or the like:
+		// the server is there, so this counts as a timeout, not as proof of its death.
+		return nil, &handshakeError{addr: address, err: err}
 	}
 	if err := handshake(conn, d.token, deadline); err != nil {
 		conn.Close()

@@ -254,3 +254,21 @@ def test_other_users_cannot_reach_the_embedded_server(dataset, cache_options, tm
             os.kill(pid, signal.SIGTERM)
             wait_gone(pid)
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_fork_fallback_maps_large_files(tmp_path):
+    """The fallback read of a file over 1 MiB maps it instead of reading it into memory, as
+    the native library does (before: a 10 GiB file was read whole)."""
+    import hashlib
+    import mmap
+    from fitcache.dataset import _read_source
+    root = tmp_path / "data"
+    root.mkdir()
+    big = root / "big.bin"
+    payload = os.urandom(3 << 20)
+    big.write_bytes(payload)
+    (root / "small.bin").write_bytes(b"small")
+    view = _read_source("big.bin", str(root), os.path.realpath(root))
+    assert isinstance(view.obj, mmap.mmap)
+    assert hashlib.sha256(view).hexdigest() == hashlib.sha256(payload).hexdigest()
+    assert bytes(_read_source("small.bin", str(root), os.path.realpath(root))) == b"small"

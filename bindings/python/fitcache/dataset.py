@@ -2,6 +2,7 @@
 
 import errno
 import json
+import mmap
 import multiprocessing.util
 import os
 import stat
@@ -206,8 +207,20 @@ def _read_source(path, root, real_root):
         if real is not None and not _within(real, real_root):
             raise _native.PermissionDenied(errno.EACCES, f"path outside the dataset root: {full} "
                                            f"resolves to {real}, outside {real_root}", path)
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            data = f.read()
+        if st.st_size > _DIRECT_READ_MAX:  # mapped, as the native library does: never copied whole
+            return memoryview(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)).toreadonly()
+        data = os.pread(fd, st.st_size, 0)
+        now = os.fstat(fd)
+        if len(data) != st.st_size or _stamp(now) != _stamp(st):
+            raise _native.FitCacheError(errno.EAGAIN, "source file changed while being read", path)
     finally:
         os.close(fd)
     return memoryview(data).toreadonly()
+
+
+_DIRECT_READ_MAX = 1 << 20  # larger files are mapped rather than read into memory
+
+
+def _stamp(st):
+    """What identifies one version of a file: its change would make a read mix two versions."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
