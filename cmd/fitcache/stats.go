@@ -34,6 +34,9 @@ func stats(args []string) error {
 		return clusterStats(cfg, *asJSON)
 	}
 	if *socket == "" {
+		if err := local.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
+			return err
+		}
 		*socket = local.SocketPath(cfg.RuntimeDir)
 	}
 	c, err := rpc.Dial(*socket, rpc.ClientConfig{})
