@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cloudwego/kitex/pkg/kerrors"
+
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -430,5 +432,33 @@ func TestServerAtItsCapIsNotRefused(t *testing.T) {
 	}
 	if IsRefused(err) {
 		t.Errorf("a server at its connection cap looks refused (dead at once): %v", err)
+	}
+}
+
+// failingDialer fails every dial with err.
+type failingDialer struct{ err error }
+
+func (d failingDialer) DialTimeout(network, address string, timeout time.Duration) (net.Conn, error) {
+	return nil, d.err
+}
+
+// A connection that could not be made in time (netpoll reports it as a plain "i/o timeout"
+// whose Timeout method says false) is a timeout, not a refusal: one slow connect on a loaded
+// machine must not declare a cluster server dead at once. Only "nothing listens" is refused.
+func TestConnectTimeoutIsNotRefused(t *testing.T) {
+	netpollTimeout := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("i/o timeout")}
+	for _, tc := range []struct {
+		name    string
+		err     error
+		refused bool
+	}{
+		{"connect timeout", netpollTimeout, false},
+		{"connection refused", &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, true},
+	} {
+		d := preambleDialer{inner: failingDialer{tc.err}, token: testToken}
+		_, err := d.DialTimeout("tcp", "127.0.0.1:1", time.Second)
+		if got := IsRefused(kerrors.ErrGetConnection.WithCause(err)); got != tc.refused {
+			t.Errorf("%s: IsRefused = %v, want %v", tc.name, got, tc.refused)
+		}
 	}
 }
