@@ -443,22 +443,38 @@ func (d failingDialer) DialTimeout(network, address string, timeout time.Duratio
 }
 
 // A connection that could not be made in time (netpoll reports it as a plain "i/o timeout"
-// whose Timeout method says false) is a timeout, not a refusal: one slow connect on a loaded
-// machine must not declare a cluster server dead at once. Only "nothing listens" is refused.
+// whose Timeout method says false), or that was closed right after it was accepted, is a
+// timeout, not a refusal: one slow connect on a loaded machine must not declare a cluster
+// server dead at once. Only "nothing listens" is refused, which netpoll reports as a
+// connection closed by the peer.
 func TestConnectTimeoutIsNotRefused(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closedAddr := closed.Addr().String()
+	closed.Close()
 	netpollTimeout := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("i/o timeout")}
+	netpollClosed := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection has been closed by peer")}
 	for _, tc := range []struct {
-		name    string
-		err     error
-		refused bool
+		name, addr string
+		err        error
+		refused    bool
 	}{
-		{"connect timeout", netpollTimeout, false},
-		{"connection refused", &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, true},
+		{"connect timeout, server listening", ln.Addr().String(), netpollTimeout, false},
+		{"closed after accept, server listening", ln.Addr().String(), netpollClosed, false},
+		{"closed by peer, nothing listening", closedAddr, netpollClosed, true},
+		{"connection refused", closedAddr, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, true},
 	} {
 		d := preambleDialer{inner: failingDialer{tc.err}, token: testToken}
-		_, err := d.DialTimeout("tcp", "127.0.0.1:1", time.Second)
+		_, err := d.DialTimeout("tcp", tc.addr, time.Second)
 		if got := IsRefused(kerrors.ErrGetConnection.WithCause(err)); got != tc.refused {
-			t.Errorf("%s: IsRefused = %v, want %v", tc.name, got, tc.refused)
+			t.Errorf("%s: IsRefused = %v, want %v (%v)", tc.name, got, tc.refused, err)
 		}
 	}
 }

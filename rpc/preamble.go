@@ -87,8 +87,13 @@ func (d preambleDialer) DialTimeout(network, address string, timeout time.Durati
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
 			return nil, err // nothing listens: the server is down
 		}
-		// Connected, then closed at once (a server at its connection cap), or the like:
-		// the server is there, so this counts as a timeout, not as proof of its death.
+		// netpoll reports a refused connection and one closed right after it was accepted
+		// (a server at its connection cap) alike, and a connect timeout as an error that
+		// is no timeout. Ask the kernel once more: only nothing listening proves the server
+		// down; anything else counts as a timeout.
+		if perr := probeRefused(network, address, timeout); perr != nil {
+			return nil, perr
+		}
 		return nil, &handshakeError{addr: address, err: err}
 	}
 	if err := handshake(conn, d.token, deadline); err != nil {
@@ -96,6 +101,20 @@ func (d preambleDialer) DialTimeout(network, address string, timeout time.Durati
 		return nil, &handshakeError{addr: address, err: err}
 	}
 	return conn, nil
+}
+
+// probeRefused connects to address with the standard library and returns its error if the
+// connection is refused (nothing listens), else nil. It runs only after a failed dial.
+func probeRefused(network, address string, timeout time.Duration) error {
+	c, err := net.DialTimeout(network, address, min(timeout, 500*time.Millisecond))
+	if err == nil {
+		c.Close()
+		return nil
+	}
+	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+		return err
+	}
+	return nil
 }
 
 // handshakeError is a failed preamble exchange. Its Timeout method lets os.IsTimeout, which

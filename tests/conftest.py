@@ -5,6 +5,7 @@ test's reads started."""
 import hashlib
 import os
 import random
+import secrets
 import signal
 import time
 
@@ -82,7 +83,7 @@ def wait_gone(pid, timeout=10):
 def cache_options(tmp_path):
     """Options for a private cache: its own runtime directory and tiers (memory under
     /dev/shm, disk under tmp). Kills the embedded server the test started, at teardown."""
-    shm = f"/dev/shm/fitcache-test-{os.getpid()}-{tmp_path.name}"
+    shm = f"/dev/shm/fitcache-test-{os.getpid()}-{secrets.token_hex(4)}"  # pids come round again
     opts = {
         "runtime_dir": str(tmp_path / "run"),
         "tiers": f"memory:{shm}:256MiB,disk:{tmp_path / 'disk'}:512MiB",

@@ -3,6 +3,7 @@ server listens on its own 127.0.0.x address (a "node") with its own memory tier,
 job token. Every process it starts it also stops, by pid."""
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -88,6 +89,7 @@ class Cluster:
         """Servers on nodes (addresses); with netns (a NetnsNodes), each runs inside the
         namespace that owns its address and the client is on the bridge."""
         self.tmp, self.root, self.netns = tmp_path, root, netns
+        self.run_id = secrets.token_hex(4)
         self.token_file = str(tmp_path / "token")
         subprocess.run([fitcache._native.server_binary(), "token", self.token_file], check=True)
         if netns:
@@ -103,7 +105,9 @@ class Cluster:
             self.start(addr)
 
     def tiers(self, addr):
-        return f"memory:/dev/shm/fitcache-test-{os.getpid()}-{addr.replace(':', '_')}:256MiB"
+        # A random part: pids come round again, and a tier left by an interrupted run must
+        # not be rescanned into this one.
+        return f"memory:/dev/shm/fitcache-test-{os.getpid()}-{self.run_id}-{addr.replace(':', '_')}:256MiB"
 
     def start(self, addr):
         ready = self.tmp / f"ready-{addr}"
