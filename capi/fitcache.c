@@ -66,6 +66,20 @@ int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, 
 	return goRead(handle, (char *)path, (void **)data, size, buffer);
 }
 
+int fc_read_many(int64_t handle, int count, const char *const *paths, const void **data, int64_t *sizes,
+                 int64_t *buffers, int *results) {
+	if (forked()) return -ECHILD;
+	if (count < 0 || (count > 0 && (!paths || !data || !sizes || !buffers || !results))) {
+		snprintf(errmsg, sizeof errmsg, "fc_read_many: bad argument");
+		return -EINVAL;
+	}
+	for (int i = 0; i < count; i++) {
+		if (!paths[i]) { snprintf(errmsg, sizeof errmsg, "fc_read_many: NULL path %d", i); return -EINVAL; }
+	}
+	if (count == 0) return 0;
+	return goReadMany(handle, count, (char **)paths, (void **)data, sizes, buffers, results);
+}
+
 int fc_release(int64_t buffer) {
 	if (forked()) return -ECHILD;
 	return goRelease(buffer);

@@ -41,6 +41,14 @@ int fc_close(int64_t handle);
  * fc_release(*buffer) is called exactly once. Writing to *data crashes. */
 int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* Reads count files in one call, as count calls of fc_read would (files that miss the cache
+ * are fetched concurrently): for each i, results[i] is 0 and data[i], sizes[i] and buffers[i]
+ * are set as by fc_read (each buffer to release with fc_release), or results[i] is the
+ * negated errno for paths[i] and data[i] is NULL. Returns 0 when the call itself worked
+ * (look at results), or a negated errno (bad handle or arguments), and then sets nothing. */
+int fc_read_many(int64_t handle, int count, const char *const *paths, const void **data, int64_t *sizes,
+                 int64_t *buffers, int *results);
+
 /* Releases a buffer from fc_read. Returns -EBADF for an unknown or released buffer. */
 int fc_release(int64_t buffer);
 

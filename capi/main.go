@@ -193,13 +193,23 @@ func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_
 	if err != nil {
 		return fail(err)
 	}
-	buf, err := c.Read(C.GoString(path))
+	ptr, n, id, err := readExported(c, C.GoString(path))
 	if err != nil {
 		return fail(err)
 	}
+	*data, *size, *bufID = ptr, C.int64_t(n), C.int64_t(id)
+	return 0
+}
+
+// readExported reads a file and hands it out as a registered buffer: the mapping itself when
+// the bytes are mapped, else a copy in C memory (C may not keep pointers to Go memory).
+func readExported(c *client.Client, path string) (ptr unsafe.Pointer, size int, id int64, err error) {
+	buf, err := c.Read(path)
+	if err != nil {
+		return nil, 0, 0, err
+	}
 	b := buf.Bytes()
 	var out buffer
-	var ptr unsafe.Pointer
 	switch {
 	case len(b) == 0:
 		buf.Release()
@@ -209,20 +219,78 @@ func goRead(handle C.int64_t, path *C.char, data *unsafe.Pointer, size *C.int64_
 	default:
 		out.cmem = C.malloc(C.size_t(len(b)))
 		if out.cmem == nil {
-			return fail(fmt.Errorf("%w: out of memory for %d bytes", syscall.ENOMEM, len(b)))
+			buf.Release()
+			return nil, 0, 0, fmt.Errorf("%w: out of memory for %d bytes", syscall.ENOMEM, len(b))
 		}
 		C.memcpy(out.cmem, unsafe.Pointer(&b[0]), C.size_t(len(b)))
 		ptr = out.cmem
 		buf.Release()
 	}
-	id, err := buffers.add(out)
-	if err != nil {
+	if id, err = buffers.add(out); err != nil {
 		releaseBuffer(out)
+		return nil, 0, 0, err
+	}
+	return ptr, len(b), id, nil
+}
+
+// readManyConcurrency bounds the files of one fc_read_many read at once: misses then wait
+// on the source together, hits cost no more than read one by one.
+const readManyConcurrency = 8
+
+//export goReadMany
+func goReadMany(handle C.int64_t, count C.int, paths **C.char, data *unsafe.Pointer, sizes *C.int64_t,
+	bufIDs *C.int64_t, results *C.int) (rc C.int) {
+	defer guard(&rc)
+	c, err := lookupClient(handle)
+	if err != nil {
 		return fail(err)
 	}
-	*data = ptr
-	*size = C.int64_t(len(b))
-	*bufID = C.int64_t(id)
+	n := int(count)
+	pathv := unsafe.Slice(paths, n)
+	datav, sizev, idv, resv := unsafe.Slice(data, n), unsafe.Slice(sizes, n), unsafe.Slice(bufIDs, n), unsafe.Slice(results, n)
+	goPaths := make([]string, n) // C strings are read before any goroutine starts
+	for i := range pathv {
+		goPaths[i] = C.GoString(pathv[i])
+		datav[i], sizev[i], idv[i], resv[i] = nil, 0, 0, -C.int(syscall.EIO)
+	}
+	var wg sync.WaitGroup
+	next := make(chan int)
+	var firstErr error
+	var errOnce sync.Once
+	for range min(n, readManyConcurrency) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() {
+				if r := recover(); r != nil {
+					errOnce.Do(func() { firstErr = fmt.Errorf("%w: internal error: %v", syscall.EIO, r) })
+				}
+			}()
+			for i := range next {
+				ptr, size, id, err := readExported(c, goPaths[i])
+				if err != nil {
+					datav[i], sizev[i], idv[i], resv[i] = nil, 0, 0, -C.int(core.Errno(err))
+					continue
+				}
+				datav[i], sizev[i], idv[i], resv[i] = ptr, C.int64_t(size), C.int64_t(id), 0
+			}
+		}()
+	}
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	if firstErr != nil { // hand nothing out: release what was read
+		for i := range n {
+			if resv[i] == 0 && idv[i] != 0 {
+				if b, ok := buffers.remove(int64(idv[i])); ok {
+					releaseBuffer(b)
+				}
+			}
+		}
+		return fail(firstErr)
+	}
 	return 0
 }
 

@@ -306,3 +306,28 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 """
     out = run_python(code)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_getitems_returns_what_getitem_does(dataset, cache_options):
+    """__getitems__ (PyTorch 2's DataLoader calls it for a batch) gives the items __getitem__
+    gives, in order, with the transform applied, in one native call; a failing file raises its
+    own error, and nothing it read is left open."""
+    import fitcache._native as native
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    order = list(range(len(ds)))[::-1] + [0, 0]  # reversed, with a repeat
+    one_by_one = [digest(ds[i]) for i in order]
+    batched = ds.__getitems__(order)
+    assert [digest(v) for v in batched] == one_by_one
+    assert all(v.readonly for v in batched)
+    del batched
+    assert native.open_handles()[1] == 0
+    sized = fitcache.FitCacheDataset(root, transform=len, **cache_options)
+    assert sized.__getitems__([1, 2]) == [sized[1], sized[2]] == [len(ds[1]), len(ds[2])]
+    assert ds.__getitems__([]) == []
+    broken = fitcache.FitCacheDataset(root, files=[ds.files[0], "no-such-file.bin"], **cache_options)
+    with pytest.raises(FileNotFoundError):
+        broken.__getitems__([0, 1])
+    import gc
+    gc.collect()
+    assert native.open_handles()[1] == 0

@@ -103,6 +103,11 @@ def _declare(lib):
     # int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
     lib.fc_read.argtypes = [i64, ctypes.c_char_p, p(ctypes.c_void_p), p(i64), p(i64)]
     lib.fc_read.restype = ctypes.c_int
+    # int fc_read_many(int64_t handle, int count, const char *const *paths, const void **data,
+    #                  int64_t *sizes, int64_t *buffers, int *results);
+    lib.fc_read_many.argtypes = [i64, ctypes.c_int, p(ctypes.c_char_p), p(ctypes.c_void_p), p(i64), p(i64),
+                                 p(ctypes.c_int)]
+    lib.fc_read_many.restype = ctypes.c_int
     # int fc_release(int64_t buffer);
     lib.fc_release.argtypes = [i64]
     lib.fc_release.restype = ctypes.c_int
@@ -172,6 +177,18 @@ def _array_type(size):
     return ctypes.c_ubyte * (-(-n // step) * step)
 
 
+def _view(lib, address, size, buf_id):
+    """A read-only memoryview of size bytes at address, owning buffer buf_id: the buffer is
+    released when the last view derived from it is gone."""
+    owner = _Owner(lib, buf_id)
+    if size == 0:
+        owner.release()
+        return memoryview(b"")
+    arr = _array_type(size).from_address(address)
+    arr._fitcache_owner = owner  # the array keeps the buffer; every view keeps the array
+    return memoryview(arr).cast("B")[:size].toreadonly()
+
+
 class Client:
     """A client of FitCache for one dataset root. Use ``with`` or call :meth:`close`."""
 
@@ -194,13 +211,34 @@ class Client:
         rc = lib.fc_read(self._checked(), _fs(path), ctypes.byref(data), ctypes.byref(size), ctypes.byref(buf))
         if rc < 0:
             _raise(lib, rc, path)
-        owner = _Owner(lib, buf.value)
-        if size.value == 0:
-            owner.release()
-            return memoryview(b"")
-        arr = _array_type(size.value).from_address(data.value)
-        arr._fitcache_owner = owner  # the array keeps the buffer; every view keeps the array
-        return memoryview(arr).cast("B")[:size.value].toreadonly()
+        return _view(lib, data.value, size.value, buf.value)
+
+    def read_many(self, paths):
+        """Returns the files at paths as read-only memoryviews, like :meth:`read` for each, in
+        one native call (files that miss the cache are fetched concurrently). If a file
+        fails, the exception :meth:`read` would raise for the first failing one is raised, and
+        the files already read are released."""
+        paths = list(paths)
+        n = len(paths)
+        if n == 0:
+            return []
+        lib = self._lib
+        c_paths = (ctypes.c_char_p * n)(*[_fs(p) for p in paths])
+        data, sizes = (ctypes.c_void_p * n)(), (ctypes.c_int64 * n)()
+        bufs, results = (ctypes.c_int64 * n)(), (ctypes.c_int * n)()
+        rc = lib.fc_read_many(self._checked(), n, c_paths, data, sizes, bufs, results)
+        if rc < 0:
+            _raise(lib, rc)
+        views = [_view(lib, data[i], sizes[i], bufs[i]) for i in range(n) if results[i] == 0]
+        failed = next((i for i in range(n) if results[i] < 0), None)
+        if failed is None:
+            return views
+        views.clear()  # releases what was read
+        # Read the failing file alone for its exception with the native message; should it
+        # succeed this time, report the code the batch got.
+        self.read(paths[failed])
+        code = -results[failed]
+        raise _ERRORS.get(code, FitCacheError)(code, os.strerror(code), paths[failed])
 
     def pread(self, path, length, offset=0):
         """Returns up to length bytes of the file from offset, copied into new bytes."""
