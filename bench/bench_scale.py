@@ -529,7 +529,8 @@ def markdown(results, args):
                 ratio += f" ({v['ratio_vs_shm_loader']:.2f}x shm)"
             lines.append(f"| {k} | {w} | {v['seconds_median']:.3f} | {v['files_per_s']:.0f} | "
                          f"{v['MB_per_s']:.0f} | {ratio} |")
-        lines += ["", f"Embedded server start (median, not in the cold epoch): "
+        lines += ["", f"Embedded server start from a fresh Python process (interpreter, imports of fitcache "
+                  f"and torch, server start; median, not in the cold epoch): "
                   f"{statistics.median(loc['server_start_seconds']) * 1e3:.0f} ms; client open in the one-process "
                   f"run (not in its epoch): {statistics.median(loc['client_open_seconds']) * 1e3:.0f} ms.",
                   f"Server source reads after the cold epoch: {loc['source_reads_cold']}, after the warm "
