@@ -18,9 +18,9 @@ import (
 
 // startServer runs an engine and its RPC server in this process, on the embedded socket of
 // a new runtime directory, and returns a config pointing clients at it and a stop function.
-func startServer(t *testing.T) (core.Config, func()) { return startServerWithBudget(t, "64MiB") }
+func startServer(t testing.TB) (core.Config, func()) { return startServerWithBudget(t, "64MiB") }
 
-func startServerWithBudget(t *testing.T, budget string) (core.Config, func()) {
+func startServerWithBudget(t testing.TB, budget string) (core.Config, func()) {
 	t.Helper()
 	cfg, err := core.LoadConfig(map[string]string{
 		"runtime_dir": t.TempDir(), "tiers": "memory:" + t.TempDir() + ":" + budget, "start_timeout": "1",
