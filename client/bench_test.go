@@ -30,7 +30,12 @@ func BenchmarkColdMiss(b *testing.B) {
 		}
 	})
 	b.Run("fitcache", func(b *testing.B) {
-		cfg, _ := startServerWithBudget(b, "4GiB")
+		shm, err := os.MkdirTemp("/dev/shm", "fitcache-bench-") // a real memory tier (tmpfs)
+		if err != nil {
+			b.Skip("no /dev/shm:", err)
+		}
+		defer os.RemoveAll(shm)
+		cfg, _ := startServerWithTier(b, shm, "4GiB")
 		c, err := Open(root, cfg, nil)
 		if err != nil {
 			b.Fatal(err)

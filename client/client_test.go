@@ -22,8 +22,14 @@ func startServer(t testing.TB) (core.Config, func()) { return startServerWithBud
 
 func startServerWithBudget(t testing.TB, budget string) (core.Config, func()) {
 	t.Helper()
+	return startServerWithTier(t, t.TempDir(), budget)
+}
+
+// startServerWithTier is startServer with its memory tier in dir.
+func startServerWithTier(t testing.TB, dir, budget string) (core.Config, func()) {
+	t.Helper()
 	cfg, err := core.LoadConfig(map[string]string{
-		"runtime_dir": t.TempDir(), "tiers": "memory:" + t.TempDir() + ":" + budget, "start_timeout": "1",
+		"runtime_dir": t.TempDir(), "tiers": "memory:" + dir + ":" + budget, "start_timeout": "1",
 	})
 	if err != nil {
 		t.Fatal(err)
