@@ -253,8 +253,12 @@ func goReadMany(handle C.int64_t, count C.int, paths **C.char, data *unsafe.Poin
 		goPaths[i] = C.GoString(pathv[i])
 		datav[i], sizev[i], idv[i], resv[i] = nil, 0, 0, -C.int(syscall.EIO)
 	}
+	next := make(chan int, n) // filled up front: a worker that stops early blocks no one
+	for i := range n {
+		next <- i
+	}
+	close(next)
 	var wg sync.WaitGroup
-	next := make(chan int)
 	var firstErr error
 	var errOnce sync.Once
 	for range min(n, readManyConcurrency) {
@@ -276,10 +280,6 @@ func goReadMany(handle C.int64_t, count C.int, paths **C.char, data *unsafe.Poin
 			}
 		}()
 	}
-	for i := range n {
-		next <- i
-	}
-	close(next)
 	wg.Wait()
 	if firstErr != nil { // hand nothing out: release what was read
 		for i := range n {
