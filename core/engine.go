@@ -62,8 +62,9 @@ type Engine struct {
 	inline  int64 // see EngineConfig.InlineMissBytes
 	maxSend int64 // see EngineConfig.MaxSendBytes
 	closed  atomic.Bool
+	fills   sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
-	mu        sync.Mutex // protects flights and realRoots
+	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
 	flights   map[string]*flight
 	realRoots map[string]string // dataset root -> root with symbolic links resolved
 }
@@ -143,7 +144,10 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 // Close stops the data mover after it has published what it holds, then closes the tiers,
 // releasing their locks for another server. Reads after Close fail with ErrClosed.
 func (e *Engine) Close() error {
-	e.closed.Store(true)
+	e.mu.Lock()
+	e.closed.Store(true) // no fill starts after this (see startFill)
+	e.mu.Unlock()
+	e.fills.Wait()
 	e.mover.stop()
 	for _, t := range e.tiers {
 		t.Close()
@@ -238,7 +242,15 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	f, leader := e.join(path)
 	if leader {
 		e.stats.misses.Add(1)
-		go e.fill(f, root, path) // not tied to this request: waiters share it
+		if e.startFill() {
+			go func() { // not tied to this request: waiters share it
+				defer e.fills.Done()
+				e.fill(f, root, path)
+			}()
+		} else {
+			f.err = ErrClosed
+			e.finish(path, f)
+		}
 	} else {
 		e.stats.inflightHits.Add(1)
 	}
@@ -307,6 +319,17 @@ func (e *Engine) Store(root, path string, data []byte, mtimeNanos int64) error {
 	return nil
 }
 
+// startFill counts a source read about to start, unless the engine is closing.
+func (e *Engine) startFill() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed.Load() {
+		return false
+	}
+	e.fills.Add(1)
+	return true
+}
+
 // join returns the flight for path, creating it if there is none; leader is true for the
 // caller that created it and must fill it.
 func (e *Engine) join(path string) (f *flight, leader bool) {
@@ -345,8 +368,10 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	e.stats.sourceReads.Add(1)
 	e.stats.sourceBytes.Add(int64(len(f.data)))
-	close(f.done)
+	// Queued before the answer, so that a reader that got it and closes the engine finds
+	// the file published (Close publishes what the mover holds).
 	e.mover.enqueue(job{entry: entry, flight: f})
+	close(f.done)
 }
 
 // finish ends a flight that the data mover does not take: it leaves the table first, so
