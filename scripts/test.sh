@@ -5,6 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+echo "== Repository: no build output tracked"
+# Files over 1 MB are build outputs (binaries, test executables, profiles) unless they are
+# the documented plots in docs/.
+large=$(git ls-files -z | xargs -0 -r stat -c '%s %n' 2>/dev/null | awk '$1 > 1000000 && $2 !~ /^docs\/.*\.png$/ {print $2}')
+if [ -n "$large" ]; then
+  echo "tracked files over 1 MB (build outputs belong in .gitignore): $large" >&2
+  exit 1
+fi
+
 echo "== Go: vet and unit tests"
 go vet ./...
 go test -race -count=1 ./...
