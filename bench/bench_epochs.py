@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 import zlib
 
 import fitcache
+from privatecache import PrivateCache
 
 SIZES = {"256KiB": 256 << 10, "8MiB": 8 << 20}
 
@@ -74,36 +74,11 @@ def fitcache_epoch(ds, order):
     return time.perf_counter() - t, n
 
 
-class Cache:
-    """A private FitCache setup (runtime directory and tiers) that can be wiped between rounds."""
-
-    def __init__(self, work, name):
-        self.run = os.path.join(work, name, "run")
-        self.shm = f"/dev/shm/fitcache-bench-{os.getpid()}-{name}"
-        self.disk = os.path.join(work, name, "disk")
-        self.options = {"runtime_dir": self.run, "tiers": f"memory:{self.shm}:8GiB,disk:{self.disk}:16GiB"}
-
-    def server_pid(self):
-        try:
-            with open(os.path.join(self.run, "server.lock")) as f:
-                pid = int(f.read().strip() or 0)
-            os.kill(pid, 0)
-            return pid
-        except (OSError, ValueError):
-            return 0
-
-    def wipe(self):
-        pid = self.server_pid()
-        if pid:
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(500):
-                try:
-                    os.kill(pid, 0)
-                    time.sleep(0.01)
-                except ProcessLookupError:
-                    break
-        for d in (self.run, self.shm, self.disk):
-            shutil.rmtree(d, ignore_errors=True)
+def private_cache(work, name):
+    """A private cache with a memory tier under /dev/shm and a disk tier under work."""
+    shm = f"/dev/shm/fitcache-bench-{os.getpid()}-{name}"
+    disk = os.path.join(work, name, "disk")
+    return PrivateCache(os.path.join(work, name, "run"), f"memory:{shm}:8GiB,disk:{disk}:16GiB", [shm, disk])
 
 
 def median_rate(samples, nbytes, nfiles):
@@ -128,7 +103,7 @@ def bench_size(label, size, count, args, work):
     shm_order = [shm_paths[i] for i in order]
     nbytes = size * len(paths)
 
-    cache = Cache(work, label)
+    cache = private_cache(work, label)
     times = {k: [] for k in ("source", "shm", "fitcache-cold", "fitcache-warm")}
     startup = []
     try:

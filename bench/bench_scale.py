@@ -80,6 +80,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import fitcache
+from privatecache import PrivateCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from inotify import OpenCounter  # noqa: E402
@@ -250,26 +251,15 @@ def timed_epoch(dl, sampler, epoch, check, on_batch=None):
 
 # ---- FitCache set-up ----
 
-class Cache:
-    """Private runtime directory and memory tier; wipe() stops the server this run started
-    (the PID in its runtime directory's server.lock) and removes both."""
+class Cache(PrivateCache):
+    """A private runtime directory and memory tier sized to hold the dataset, with the
+    server started apart from the timed epochs."""
 
     def __init__(self, work, name, budget_bytes):
-        self.run = os.path.join(work, name, "run")
-        self.tier = f"/dev/shm/fitcache-scale-{os.getpid()}-{name}"
+        tier = f"/dev/shm/fitcache-scale-{os.getpid()}-{name}"
         budget_mib = int(budget_bytes * 1.1 / 2**20) + 64
-        self.options = {"runtime_dir": self.run, "tiers": f"memory:{self.tier}:{budget_mib}MiB"}
-
-    def server_pid(self):
-        try:
-            with open(os.path.join(self.run, "server.lock")) as f:
-                pid = int(f.read().strip() or 0)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"fitcache" not in f.read():
-                    return 0  # the PID came round to some other process
-            return pid
-        except (OSError, ValueError):
-            return 0
+        super().__init__(os.path.join(work, name, "run"), f"memory:{tier}:{budget_mib}MiB", [tier])
+        self.tier = tier
 
     def start(self, root):
         """Starts the embedded server from a separate process (this one must not load the
@@ -284,19 +274,6 @@ class Cache:
     def source_reads(self):
         stats = fitcache.dataset.server_stats(**self.options)
         return None if stats is None else stats.get("source_reads")
-
-    def wipe(self):
-        pid = self.server_pid()
-        if pid:
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(500):
-                try:
-                    os.kill(pid, 0)
-                    time.sleep(0.01)
-                except ProcessLookupError:
-                    break
-        for d in (self.run, self.tier):
-            shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- one configuration in a fresh process ----
