@@ -258,12 +258,16 @@ func (c *Client) connect(a *connectAttempt) {
 	if err == nil && c.closed.Load() {
 		conn.rpc.Close()
 		conn.gen.Close()
+		closeDirs(conn.dirs)
 		err = core.ErrClosed
 	}
 	if err == nil {
 		c.conn, c.downUntil, c.backoff = conn, time.Time{}, 0
-		if old := c.view.Swap(conn); old != nil && old.gen != conn.gen {
-			old.gen.Close() // safe while readers load it: a closed counter reads 0
+		if old := c.view.Swap(conn); old != nil {
+			// Safe while readers use them: a closed counter reads 0, a closed directory
+			// gives misses.
+			old.gen.Close()
+			closeDirs(old.dirs)
 		}
 	} else {
 		c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
@@ -305,19 +309,31 @@ func (c *Client) dial() (*serverConn, error) {
 	return conn, nil
 }
 
-// tierDirs turns the tiers of a Hello reply into directories to read, skipping (with a log
-// line) a kind this client does not know.
+// tierDirs opens the tiers of a Hello reply as directories to read (held open and checked
+// once, see tiers.OpenDir), skipping with a log line a tier of an unknown kind or one that
+// cannot be used. Close them with closeDirs.
 func tierDirs(infos []*fitcachepb.TierInfo, log *slog.Logger) []tiers.Dir {
 	var dirs []tiers.Dir
 	for _, t := range infos {
 		kind, err := tiers.ParseKind(t.Kind)
+		var d tiers.Dir
+		if err == nil {
+			d, err = tiers.OpenDir(t.Dir, kind)
+		}
 		if err != nil {
 			log.Warn("ignoring a tier of the server", "dir", t.Dir, "err", err)
 			continue
 		}
-		dirs = append(dirs, tiers.Dir{Path: t.Dir, Kind: kind})
+		dirs = append(dirs, d)
 	}
 	return dirs
+}
+
+// closeDirs closes directories from tierDirs; readers still using them get misses.
+func closeDirs(dirs []tiers.Dir) {
+	for _, d := range dirs {
+		d.Close()
+	}
 }
 
 // Resolve turns a path relative to the root, or absolute, into a clean absolute path inside
@@ -680,6 +696,7 @@ func (c *Client) Close() error {
 	}
 	if v := c.view.Swap(nil); v != nil {
 		v.gen.Close()
+		closeDirs(v.dirs)
 	}
 	if c.cluster != nil {
 		c.cluster.close()

@@ -185,10 +185,14 @@ func (r *clusterRouter) hello(p *peer) error {
 	if err != nil {
 		return err
 	}
-	dirs := tierDirs(reply.Tiers, r.log)
+	var dirs []tiers.Dir
+	if p.local {
+		dirs = tierDirs(reply.Tiers, r.log)
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.local {
+		closeDirs(p.dirs) // of an earlier hello; readers still using them get misses
 		p.dirs = dirs
 		if p.gen == nil && reply.GenerationFile != "" {
 			p.gen, _ = tiers.OpenGeneration(reply.GenerationFile)
@@ -319,7 +323,8 @@ func (r *clusterRouter) close() {
 		p.rpc.Close()
 		p.mu.Lock()
 		p.gen.Close()
-		p.gen = nil
+		closeDirs(p.dirs)
+		p.gen, p.dirs = nil, nil
 		p.mu.Unlock()
 	}
 }

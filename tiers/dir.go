@@ -21,11 +21,40 @@ var ErrNotCached = errors.New("not cached")
 // is always returned together with ErrNotCached: a damaged file is a miss, never data.
 var ErrDamaged = errDamaged
 
-// Dir is the read side of a tier: a directory with the hash-bin layout. It has no state, so it
-// is safe for concurrent use, and a client can open the files of a server's tier itself.
+// Dir is the read side of a tier: a directory with the hash-bin layout. It is safe for
+// concurrent use, and a client can open the files of a server's tier itself.
+//
+// A Dir made by OpenDir holds the directory open, checked once, and opens every file relative
+// to it: a reader's hit then costs no more system calls than a plain read. A Dir literal
+// opens and checks the directory by its path on every Open.
 type Dir struct {
 	Path string // the tier directory
 	Kind Kind
+
+	dir *os.File // the directory, opened and checked by OpenDir; nil: open Path each time
+}
+
+// OpenDir opens the tier directory at path for reading, following no symbolic link, and
+// checks once that it is private to this user (see privdir). Close it when done; a Close
+// while other goroutines Open files is safe (they get misses).
+func OpenDir(path string, kind Kind) (Dir, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return Dir{}, &fs.PathError{Op: "open tier", Path: path, Err: err}
+	}
+	if err := privdir.Check(fd, path, false); err != nil {
+		unix.Close(fd)
+		return Dir{}, err
+	}
+	return Dir{Path: path, Kind: kind, dir: os.NewFile(uintptr(fd), path)}, nil
+}
+
+// Close closes a directory held by OpenDir; it does nothing for other Dirs.
+func (d Dir) Close() error {
+	if d.dir == nil {
+		return nil
+	}
+	return d.dir.Close()
 }
 
 // CachedPath returns where the cached copy of sourcePath lives in d.
@@ -41,6 +70,17 @@ func (d Dir) CachedPath(sourcePath string) string {
 // must Release the mapping.
 func (d Dir) Open(sourcePath string) (*Mapping, error) {
 	sourcePath = filepath.Clean(sourcePath)
+	if d.dir != nil {
+		var m *Mapping
+		err := withFd(d.dir, func(dirfd int) (err error) {
+			m, err = openAt(dirfd, d, sourcePath)
+			return err
+		})
+		if err != nil && !errors.Is(err, ErrNotCached) { // closed meanwhile
+			return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
+		}
+		return m, err
+	}
 	dirfd, err := unix.Open(d.Path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("%w: tier %s: %w", ErrNotCached, d.Path, err)

@@ -435,3 +435,36 @@ func TestTierLockWaitsForABriefHolder(t *testing.T) {
 	}
 	tier.Close()
 }
+
+// A Dir held open by OpenDir keeps reading the directory it checked, even if its path is
+// renamed away and replaced, and gives misses once closed (no panic, no other directory).
+func TestHeldDirReadsWhatItChecked(t *testing.T) {
+	base := t.TempDir()
+	path := filepath.Join(base, "tier")
+	tier, err := New(Config{Dir: path, Kind: Memory, Budget: "1MiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	if err := tier.Publish(Entry{SourcePath: "/d/f", Size: 4}, []byte("real")); err != nil {
+		t.Fatal(err)
+	}
+	d, err := OpenDir(path, Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Rename(path, filepath.Join(base, "moved"))
+	os.Mkdir(path, 0o700) // an empty stand-in at the old path
+	m, err := d.Open("/d/f")
+	if err != nil {
+		t.Fatalf("held directory after its path was replaced: %v", err)
+	}
+	if string(m.Bytes()) != "real" {
+		t.Errorf("got %q", m.Bytes())
+	}
+	m.Release()
+	d.Close()
+	if _, err := d.Open("/d/f"); !errors.Is(err, ErrNotCached) {
+		t.Errorf("closed directory: got %v, want ErrNotCached", err)
+	}
+}
