@@ -248,15 +248,3 @@ func (s *Source) Map() (mmap.MMap, error) {
 	}
 	return m, nil
 }
-
-// ReadSource reads a whole source file (see OpenSource) and returns its bytes and
-// modification time; it fails with ErrChanged if the file changed while it was read.
-func ReadSource(root, realRoot, path string) (data []byte, mtimeNanos int64, err error) {
-	s, err := OpenSource(root, realRoot, path)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer s.Close()
-	data, err = s.ReadAll()
-	return data, s.MTimeNanos(), err
-}
