@@ -194,7 +194,7 @@ def _warn_forked(err):
 
 def _read_source(path, root, real_root):
     """The fallback read: the source file's bytes, uncached, with the checks of the native
-    library's source read (core.ReadSource): path (absolute, or relative to root) must stay
+    library's source read (core.OpenSource): path (absolute, or relative to root) must stay
     under root once normalised, and its real path under real_root; it must be a regular file
     (a FIFO is refused without waiting for a writer). Raises the exceptions the native path
     raises: NotFound, PermissionDenied, IsADirectory, or FitCacheError with EINVAL."""
