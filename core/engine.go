@@ -163,6 +163,12 @@ func (e *Engine) Stats() StatsSnapshot {
 	s := e.stats.Snapshot()
 	for _, t := range e.tiers {
 		s.Tiers = append(s.Tiers, t.Info())
+		// Hits that readers on this node served from the tier without asking (the C hit
+		// path of libfitcache counts them in the tier's index).
+		n, bytes := t.Hits()
+		s.Hits[t.Kind.String()] += n
+		s.ClientHits += n
+		s.BytesServed += bytes
 	}
 	return s
 }

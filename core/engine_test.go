@@ -143,7 +143,7 @@ func TestWantMappingReturnsPublishedTierFile(t *testing.T) {
 }
 
 func TestSpillToNextTierAndOversize(t *testing.T) {
-	root, paths := dataset(t, 3000, 3000, 3000, 9000)
+	root, paths := dataset(t, 3000, 3000, 3000, 20000)
 	one := tiers.EntrySize(paths[0], 3000)
 	e := newEngine(t, fmt.Sprint(2*one), fmt.Sprint(4*one)) // memory holds 2 files, disk 4
 	for _, p := range paths[:3] {
@@ -163,7 +163,7 @@ func TestSpillToNextTierAndOversize(t *testing.T) {
 	if s.Spilled != 0 || s.Evictions != 0 {
 		t.Errorf("spills before the tiers were full: %+v", s)
 	}
-	// The 9000-byte file is larger than memory but fits on disk.
+	// The 20000-byte file is larger than memory but fits on disk.
 	origin, got := readAll(t, e, root, paths[3])
 	wantBytes(t, paths[3], got)
 	settle(e)

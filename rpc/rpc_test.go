@@ -89,7 +89,12 @@ func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
 		t.Fatalf("local read of a cached file: origin %q, cached path %q, %d bytes, err %v",
 			r.GetOrigin(), r.GetCachedPath(), len(r.GetData()), err)
 	}
-	m, err := tiers.Dir{Path: filepath.Dir(filepath.Dir(filepath.Dir(r.CachedPath)))}.Open(path)
+	d, err := tiers.OpenDir(filepath.Dir(filepath.Dir(filepath.Dir(r.CachedPath))), tiers.Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	m, err := d.Open(path)
 	if err != nil || !bytes.Equal(m.Bytes(), want) {
 		t.Fatalf("mapping the named tier file: %v", err)
 	}

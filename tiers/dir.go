@@ -6,9 +6,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"runtime/debug"
-
-	"github.com/edsrzf/mmap-go"
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/privdir"
@@ -17,26 +14,29 @@ import (
 // ErrNotCached reports that a tier holds no valid copy of the requested file.
 var ErrNotCached = errors.New("not cached")
 
-// ErrDamaged reports a cached file that exists but is truncated or has a broken trailer. It
-// is always returned together with ErrNotCached: a damaged file is a miss, never data.
+// ErrDamaged reports a cached file that exists but does not match its record or index entry
+// (truncated, replaced, changed). It is always returned together with ErrNotCached: a
+// damaged file is a miss, never data.
 var ErrDamaged = errDamaged
 
-// Dir is the read side of a tier: a directory with the hash-bin layout. It is safe for
-// concurrent use, and a client can open the files of a server's tier itself.
+// Dir is the read side of a tier: a directory with the hash-bin layout and its index. It
+// is safe for concurrent use, and a client can open the files of a server's tier itself.
 //
-// A Dir made by OpenDir holds the directory open, checked once, and opens every file relative
-// to it: a reader's hit then costs no more system calls than a plain read. A Dir literal
-// opens and checks the directory by its path on every Open.
+// A Dir made by OpenDir holds the directory open, checked once, and the index mapped: a hit
+// then costs a lookup in memory and the system calls of a plain read. A Dir literal only
+// names the directory (for Check); its Open always misses.
 type Dir struct {
 	Path string // the tier directory
 	Kind Kind
 
-	dir *os.File // the directory, opened and checked by OpenDir; nil: open Path each time
+	dir  *os.File   // the directory, opened and checked by OpenDir
+	view *indexView // the tier's index
 }
 
-// OpenDir opens the tier directory at path for reading, following no symbolic link, and
-// checks once that it is private to this user (see privdir). Close it when done; a Close
-// while other goroutines Open files is safe (they get misses).
+// OpenDir opens the tier directory at path for reading, following no symbolic link, checks
+// once that it is private to this user (see privdir) and maps its index (or will, once a
+// server made one). Close it when done; a Close while other goroutines Open files is safe
+// (they get misses).
 func OpenDir(path string, kind Kind) (Dir, error) {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -46,14 +46,18 @@ func OpenDir(path string, kind Kind) (Dir, error) {
 		unix.Close(fd)
 		return Dir{}, err
 	}
-	return Dir{Path: path, Kind: kind, dir: os.NewFile(uintptr(fd), path)}, nil
+	d := Dir{Path: path, Kind: kind, dir: os.NewFile(uintptr(fd), path), view: &indexView{}}
+	d.view.reopen(fd)
+	return d, nil
 }
 
-// Close closes a directory held by OpenDir; it does nothing for other Dirs.
+// Close closes a directory held by OpenDir and unmaps its index; it does nothing for other
+// Dirs.
 func (d Dir) Close() error {
 	if d.dir == nil {
 		return nil
 	}
+	d.view.close()
 	return d.dir.Close()
 }
 
@@ -63,82 +67,70 @@ func (d Dir) CachedPath(sourcePath string) string {
 }
 
 // Open maps the cached copy of sourcePath. It returns an error wrapping ErrNotCached when d
-// has no copy, when the copy belongs to another path with the same key (a hash collision), or
-// when the copy is damaged (then the error wraps ErrDamaged too). It follows no symbolic
-// link at any level and uses the directory only if it is private to this user (see
-// privdir); otherwise the error wraps ErrNotCached and privdir.ErrNotPrivate. The caller
-// must Release the mapping.
+// has no copy (its index has no entry for the path), or when the file in its place is not
+// the one the index describes (another inode or size: damaged, or replaced meanwhile). It
+// follows no symbolic link at any level. The caller must Release the mapping.
 func (d Dir) Open(sourcePath string) (*Mapping, error) {
+	if d.dir == nil {
+		return nil, fmt.Errorf("%w: tier %s not opened", ErrNotCached, d.Path)
+	}
 	sourcePath = filepath.Clean(sourcePath)
-	if d.dir != nil {
-		var m *Mapping
-		err := withFd(d.dir, func(dirfd int) (err error) {
-			m, err = openAt(dirfd, d, sourcePath)
-			return err
-		})
-		if err != nil && !errors.Is(err, ErrNotCached) { // closed meanwhile
-			return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
-		}
-		return m, err
+	var m *Mapping
+	err := withFd(d.dir, func(dirfd int) (err error) {
+		m, err = openAt(dirfd, d, sourcePath)
+		return err
+	})
+	if err != nil && !errors.Is(err, ErrNotCached) { // closed meanwhile
+		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
 	}
-	dirfd, err := unix.Open(d.Path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("%w: tier %s: %w", ErrNotCached, d.Path, err)
-	}
-	defer unix.Close(dirfd)
-	if err := privdir.Check(dirfd, d.Path, false); err != nil {
-		return nil, fmt.Errorf("%w: tier %w", ErrNotCached, err)
-	}
-	return openAt(dirfd, d, sourcePath)
+	return m, err
 }
 
 // openAt maps the cached copy of the clean sourcePath in the tier d open at dirfd.
 func openAt(dirfd int, d Dir, sourcePath string) (*Mapping, error) {
+	s, ok := d.view.lookup(dirfd, idOf(sourcePath))
+	if !ok {
+		return nil, ErrNotCached
+	}
 	rel := RelPath(sourcePath)
 	path := filepath.Join(d.Path, rel)
 	f, err := openEntry(dirfd, rel)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, ErrNotCached
+		return nil, ErrNotCached // evicted since the lookup
 	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
 	}
 	defer f.Close()
-	m, err := mapEntry(f, path, d.Kind)
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
+	}
+	switch {
+	case st.Ino != s.ino:
+		return nil, ErrNotCached // replaced or evicted since the lookup
+	case st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size != s.size:
+		return nil, fmt.Errorf("%w: %w: %s is not the file the index describes (%d bytes, want %d)",
+			ErrNotCached, errDamaged, path, st.Size, s.size)
+	}
+	e := Entry{SourcePath: sourcePath, Size: s.size, MTimeNanos: s.mtime, Checksum: s.checksum}
+	return mapData(f, path, d.Kind, e, st.Ino)
+}
+
+// mapData maps the data of the cached file f, at path, described by e.
+func mapData(f *os.File, path string, kind Kind, e Entry, ino uint64) (*Mapping, error) {
+	m := &Mapping{Entry: e, Tier: kind, Path: path, ino: ino}
+	if e.Size == 0 {
+		return m, nil // nothing to map
+	}
+	mm, err := mapFile(f)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
+		return nil, fmt.Errorf("%w: map %s: %w", ErrNotCached, path, err)
 	}
-	if m.SourcePath != sourcePath {
-		m.Release()
-		return nil, ErrNotCached // another file with the same key and base name
+	if int64(len(mm)) != e.Size {
+		mm.Unmap()
+		return nil, fmt.Errorf("%w: %w: %s changed size while mapped", ErrNotCached, errDamaged, path)
 	}
+	m.m = mm
 	return m, nil
-}
-
-// mapEntry maps the cached file f, at path, and reads its trailer.
-func mapEntry(f *os.File, path string, kind Kind) (*Mapping, error) {
-	m, err := mapFile(f)
-	if err != nil {
-		// An empty file cannot be mapped; a real entry is never empty (it has a trailer).
-		return nil, fmt.Errorf("map %s: %w: %w", path, ErrDamaged, err)
-	}
-	e, err := readTrailer(m)
-	if err != nil {
-		m.Unmap()
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	return &Mapping{Entry: e, Tier: kind, Path: path, m: m, ino: inodeOf(f)}, nil
-}
-
-// readTrailer parses a mapped file's trailer. Reading mapped memory can fault if the file
-// was truncated behind our back (never by FitCache, but a person can): the fault becomes a
-// damaged entry instead of a crash.
-func readTrailer(m mmap.MMap) (e Entry, err error) {
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: fault while reading trailer: %v", errDamaged, r)
-		}
-	}()
-	return parseTrailer(m)
 }

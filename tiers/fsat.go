@@ -98,7 +98,7 @@ func createTemp(binfd int, prefix string) (*os.File, string, error) {
 	for range 10 {
 		name := fmt.Sprintf("%s%016x", prefix, rand.Uint64())
 		fd, err := unix.Openat(binfd, name,
-			unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+			unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
 		if errors.Is(err, unix.EEXIST) {
 			continue
 		}

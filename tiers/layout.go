@@ -44,3 +44,9 @@ func safeName(name string) string {
 const tempPrefix = ".tmp-"
 
 func isTempName(name string) bool { return strings.HasPrefix(name, tempPrefix) }
+
+// recordPrefix starts the name of an entry's record, beside its data file in the same bin:
+// ".rec-" + the data file's name. Data file names never start with a dot (see safeName).
+const recordPrefix = ".rec-"
+
+func isRecordName(name string) bool { return strings.HasPrefix(name, recordPrefix) }

@@ -9,12 +9,13 @@ import (
 // Mapping is a read-only memory mapping of a cached file's data. The mapping stays valid until
 // Release, even if the file is evicted (unlinked) meanwhile. It is safe for concurrent use.
 type Mapping struct {
-	Entry        // what the trailer recorded
+	Entry        // what the tier recorded
 	Tier  Kind   // the tier the file was mapped from
 	Path  string // the cached file mapped
 
-	mu sync.Mutex // protects m
-	m  mmap.MMap  // the whole file, trailer included; nil once released
+	mu       sync.Mutex // protects m and released
+	m        mmap.MMap  // the whole file; nil for an empty file or once released
+	released bool
 
 	ino uint64 // inode of the file mapped, for Unchanged
 }
@@ -27,7 +28,7 @@ func (m *Mapping) Unchanged() bool {
 	ino, size, err := statFile(m.Path)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return err == nil && m.m != nil && ino == m.ino && size == int64(len(m.m))
+	return err == nil && !m.released && ino == m.ino && size == m.Size
 }
 
 // Bytes returns the file's data: exactly Entry.Size bytes of read-only memory. Writing to it
@@ -35,20 +36,18 @@ func (m *Mapping) Unchanged() bool {
 func (m *Mapping) Bytes() []byte {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.m == nil {
-		return nil
-	}
-	return m.m[:m.Size]
+	return m.m
 }
 
 // Release unmaps the file. It is idempotent.
 func (m *Mapping) Release() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.m == nil {
+	if m.released || m.m == nil {
+		m.released = true
 		return nil
 	}
 	err := m.m.Unmap()
-	m.m = nil
+	m.m, m.released = nil, true
 	return err
 }

@@ -8,7 +8,7 @@ import (
 	"runtime/debug"
 	"sort"
 	"strconv"
-	"time"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -24,9 +24,10 @@ type Damage struct {
 func (d Damage) String() string { return d.Rel + ": " + d.Err.Error() }
 
 // scan walks a tier directory with lstat semantics: it never follows a link. Each entry is
-// checked (regular file of ours, valid trailer for its place, and with verify its data
-// checksum); the valid ones are collected, the others reported. With fix it removes what
-// must not stay: leftover temporary files, links and files planted as bins or entries, and
+// checked (a regular data file of ours with a valid record that belongs at its place and
+// describes this very file, and with verify its data checksum); the valid ones are
+// collected, the others reported. With fix it removes what must not stay: leftover
+// temporary files, links and files planted as bins or entries, records without data, and
 // damaged entries. Without fix it changes nothing (a running server may own the tier).
 type scan struct {
 	root        string // the tier directory, for messages
@@ -37,9 +38,9 @@ type scan struct {
 }
 
 type found struct {
-	rel   string
-	size  int64
-	mtime time.Time
+	stored
+	rel  string // of the data file
+	size int64  // see EntrySize
 }
 
 func (s *scan) run(dirfd int) error {
@@ -58,6 +59,10 @@ func (s *scan) dir(fd int, rel string, depth int) error {
 	if err != nil {
 		return fmt.Errorf("read %s: %w", rel, err)
 	}
+	present := make(map[string]bool, len(names))
+	for _, name := range names {
+		present[name] = true
+	}
 	for _, name := range names {
 		r := filepath.Join(rel, name)
 		if isTempName(name) {
@@ -71,11 +76,17 @@ func (s *scan) dir(fd int, rel string, depth int) error {
 			continue // gone meanwhile
 		}
 		if depth == 2 {
+			if isRecordName(name) {
+				if !present[strings.TrimPrefix(name, recordPrefix)] {
+					s.bad(fd, r, name, fmt.Errorf("%w: a record without its data file", errDamaged))
+				}
+				continue
+			}
 			s.entry(fd, r, name, &st)
 			continue
 		}
 		if !isBinName(name) {
-			continue // the lock file, or something of the user's: not ours to judge
+			continue // the lock file, the index, or something of the user's: not ours to judge
 		}
 		if err := s.bin(fd, r, name, &st, depth); err != nil {
 			return err
@@ -106,7 +117,7 @@ func (s *scan) bin(parent int, rel, name string, st *unix.Stat_t, depth int) err
 	return s.dir(fd, rel, depth+1)
 }
 
-// entry checks one cached file.
+// entry checks one data file and its record.
 func (s *scan) entry(binfd int, rel, name string, st *unix.Stat_t) {
 	switch {
 	case st.Mode&unix.S_IFMT == unix.S_IFDIR:
@@ -118,58 +129,71 @@ func (s *scan) entry(binfd int, rel, name string, st *unix.Stat_t) {
 		s.bad(binfd, rel, name, fmt.Errorf("%w: belongs to uid %d", errDamaged, st.Uid))
 		return
 	}
-	if err := checkEntry(binfd, rel, name, s.verify); err != nil {
+	rec, err := checkEntry(binfd, rel, name, st, s.verify)
+	if err != nil {
 		s.bad(binfd, rel, name, err)
 		return
 	}
-	s.found = append(s.found, found{rel, st.Size, time.Unix(st.Mtim.Unix())})
+	s.found = append(s.found, found{stored: rec, rel: rel, size: EntrySize(rec.SourcePath, rec.Size)})
 }
 
-// bad records a damaged entry and, with fix, removes it.
+// bad records a damaged entry and, with fix, removes it and its record.
 func (s *scan) bad(dirfd int, rel, name string, err error) {
 	s.damaged = append(s.damaged, Damage{Rel: rel, Err: err})
 	if s.fix {
 		unix.Unlinkat(dirfd, name, 0)
+		if !isRecordName(name) {
+			unix.Unlinkat(dirfd, recordPrefix+name, 0)
+		}
 	}
 }
 
-// sorted returns the valid entries oldest first (by modification time, the time of
-// publication), which is FIFO order.
+// sorted returns the valid entries oldest first (by publication sequence number), which is
+// FIFO order.
 func (s *scan) sorted() []found {
 	sort.Slice(s.found, func(i, j int) bool {
-		if !s.found[i].mtime.Equal(s.found[j].mtime) {
-			return s.found[i].mtime.Before(s.found[j].mtime)
+		if s.found[i].seq != s.found[j].seq {
+			return s.found[i].seq < s.found[j].seq
 		}
 		return s.found[i].rel < s.found[j].rel
 	})
 	return s.found
 }
 
-// checkEntry maps a cached file and checks its trailer, that the trailer's source path
-// belongs at rel, and with verify that the data match the checksum.
-func checkEntry(binfd int, rel, name string, verify bool) error {
+// checkEntry reads the record of the data file name (with status st) and checks that its
+// source path belongs at rel and that it describes this file (inode number and size), and
+// with verify that the data match the checksum.
+func checkEntry(binfd int, rel, name string, st *unix.Stat_t, verify bool) (stored, error) {
+	rec, err := readRecord(binfd, name)
+	if err != nil {
+		return stored{}, err
+	}
+	switch {
+	case RelPath(rec.SourcePath) != rel:
+		return stored{}, fmt.Errorf("%w: holds %s, which belongs elsewhere", errDamaged, rec.SourcePath)
+	case rec.ino != st.Ino:
+		return stored{}, fmt.Errorf("%w: the record describes another file (an older copy?)", errDamaged)
+	case rec.Size != st.Size:
+		return stored{}, fmt.Errorf("%w: %d bytes, the record says %d", errDamaged, st.Size, rec.Size)
+	}
+	if !verify || rec.Size == 0 {
+		return rec, nil
+	}
 	fd, err := unix.Openat(binfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("%w: %w", errDamaged, err)
+		return stored{}, fmt.Errorf("%w: %w", errDamaged, err)
 	}
 	f := os.NewFile(uintptr(fd), rel)
 	defer f.Close()
 	m, err := mapFile(f)
 	if err != nil {
-		return fmt.Errorf("%w: map: %w", errDamaged, err)
+		return stored{}, fmt.Errorf("%w: map: %w", errDamaged, err)
 	}
 	defer m.Unmap()
-	e, err := readTrailer(m)
-	if err != nil {
-		return err
+	if int64(len(m)) != rec.Size {
+		return stored{}, fmt.Errorf("%w: changed size", errDamaged)
 	}
-	if RelPath(e.SourcePath) != rel {
-		return fmt.Errorf("%w: holds %s, which belongs elsewhere", errDamaged, e.SourcePath)
-	}
-	if verify {
-		return verifyData(m, e)
-	}
-	return nil
+	return rec, verifyData(m, rec.Entry)
 }
 
 // verifyData checks a mapped file's data against its checksum; a fault (the file was
@@ -181,7 +205,10 @@ func verifyData(m []byte, e Entry) (err error) {
 			err = fmt.Errorf("%w: fault while reading data: %v", errDamaged, r)
 		}
 	}()
-	return checkData(m, e)
+	if crc32c(m[:e.Size]) != e.Checksum {
+		return errChecksum
+	}
+	return nil
 }
 
 // Check verifies every entry of the tier directory d, data checksums included, without

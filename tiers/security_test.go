@@ -13,17 +13,16 @@ import (
 	"testing/iotest"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/privdir/privdirtest"
 )
 
-// forged returns a valid cached file (data and trailer) claiming to be src's copy.
-func forged(src string, data []byte) []byte {
-	e := Entry{SourcePath: src, Size: int64(len(data)), Checksum: crc32c(data)}
-	return appendTrailer(bytes.Clone(data), e)
-}
+// forged returns the data file of a cached copy of src: cached files hold exactly the
+// source's bytes, so anyone can make one.
+func forged(src string, data []byte) []byte { return bytes.Clone(data) }
 
 // plantAsNobody writes file contents at path as the user nobody (creating its bins).
 func plantAsNobody(t *testing.T, path string, contents []byte) {
@@ -49,9 +48,9 @@ func TestPlantedTierDirectoryIsRefused(t *testing.T) {
 		}
 		t.Fatalf("New on nobody's directory: got %v, want ErrNotPrivate naming nobody", err)
 	}
-	if m, err := (Dir{Path: planted, Kind: Memory}).Open(src); !errors.Is(err, ErrNotCached) {
-		m.Release()
-		t.Fatalf("Dir.Open served a forged entry of nobody's directory: err %v", err)
+	if d, err := OpenDir(planted, Memory); !errors.Is(err, privdir.ErrNotPrivate) {
+		d.Close()
+		t.Fatalf("OpenDir of nobody's directory: got %v, want ErrNotPrivate", err)
 	}
 
 	// With a fallback record (the default memory tier), a private stand-in is used instead
@@ -294,24 +293,41 @@ func TestVerifyRemovesOverwrittenData(t *testing.T) {
 	}
 }
 
-func TestOldTrailerVersionIsAMissAndRemoved(t *testing.T) {
+// What a crash or an older FitCache can leave in a tier is removed by the rescan, never
+// served: a data file without its record (an entry of the format with a trailer, or a crash
+// between the renames of publication), a record without its data file, and a record left
+// from an older copy (it names another inode).
+func TestEntriesWithoutValidRecordsAreRemoved(t *testing.T) {
 	tier := newTier(t, Disk, "1MiB")
-	publish(t, tier, "/d/old", []byte("abc"))
-	path := tier.CachedPath("/d/old")
-	b, _ := os.ReadFile(path)
-	b[len(b)-12] = 1 // version 1, as written before checksums
-	os.WriteFile(path, b, 0o600)
-	if _, err := tier.Dir.Open("/d/old"); !errors.Is(err, ErrNotCached) || !errors.Is(err, ErrDamaged) {
-		t.Errorf("old entry: got %v, want a damaged miss", err)
+	for _, src := range []string{"/d/no-record", "/d/no-data", "/d/old-record", "/d/good"} {
+		publish(t, tier, src, []byte("bytes of "+src))
 	}
+	record := func(src string) string {
+		p := tier.CachedPath(src)
+		return filepath.Join(filepath.Dir(p), recordPrefix+filepath.Base(p))
+	}
+	os.Remove(record("/d/no-record"))
+	os.Remove(tier.CachedPath("/d/no-data"))
+	oldRecord, _ := os.ReadFile(record("/d/old-record"))
+	publish(t, tier, "/d/old-record", []byte("new bytes"))
+	os.WriteFile(record("/d/old-record"), oldRecord, 0o600)
 	tier.Close()
+
 	again, err := New(Config{Dir: tier.Path, Kind: Disk, Budget: "1MiB"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer again.Close()
-	if _, err := os.Stat(path); !os.IsNotExist(err) {
-		t.Errorf("old entry not removed by the rescan: %v", err)
+	if diff := cmp.Diff([]string{"/d/good"}, cached(t, again, "/d/no-record", "/d/no-data", "/d/old-record", "/d/good")); diff != "" {
+		t.Errorf("cached after rescan (-want +got):\n%s", diff)
+	}
+	if n := len(again.Damaged()); n != 3 {
+		t.Errorf("rescan found %d damaged entries, want 3: %v", n, again.Damaged())
+	}
+	for _, p := range []string{tier.CachedPath("/d/no-record"), record("/d/no-data"), tier.CachedPath("/d/old-record"), record("/d/old-record")} {
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Errorf("%s left by the rescan: %v", p, err)
+		}
 	}
 }
 

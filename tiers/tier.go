@@ -73,16 +73,22 @@ type Tier struct {
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
-	mu     sync.Mutex // protects budget, used, fifo and byRel
-	budget int64
-	used   int64                    // bytes of published files, plus reservations being written
-	fifo   list.List                // of *record, oldest first
-	byRel  map[string]*list.Element // relative path -> element of fifo
+	mu      sync.Mutex // protects budget, used, fifo, byID, nextSeq and the index's slots
+	budget  int64
+	used    int64                     // bytes of published entries, plus reservations being written
+	fifo    list.List                 // of *record, oldest first
+	byID    map[entryID]*list.Element // element of fifo of each entry
+	nextSeq uint64                    // publication sequence number of the next entry
+	ix      *index                    // the tier's index, written under mu
+	// indexEvictions counts entries evicted because their index bucket was full.
+	indexEvictions int64
 }
 
+// record is what the tier keeps in memory about an entry.
 type record struct {
-	rel  string // path relative to the tier directory
-	size int64  // file size, trailer included
+	rel  string  // path of the data file relative to the tier directory
+	id   entryID // its index identity
+	size int64   // bytes it takes (see EntrySize)
 }
 
 // New opens the tier described by cfg: it creates the directory (0700) if needed, refuses
@@ -124,7 +130,7 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 		verify:   cfg.Verify,
 		warning:  warning,
 		dir:      d,
-		byRel:    make(map[string]*list.Element),
+		byID:     make(map[entryID]*list.Element),
 	}
 	if err := t.init(size, cfg.Holder); err != nil {
 		t.Close()
@@ -193,10 +199,13 @@ func checkWritable(dirfd int) error {
 
 // Close releases the tier's lock, so that another server may take the directory, and its
 // descriptor. The tier must not be used afterwards: Publish fails and Open misses. Close is
-// idempotent.
+// idempotent. The index stays in the directory: readers keep serving what it lists.
 func (t *Tier) Close() error {
 	var err error
 	t.closed.Do(func() {
+		if t.view != nil {
+			t.view.close()
+		}
 		if t.lock != nil {
 			err = t.lock.Close()
 		}
@@ -224,9 +233,22 @@ func (t *Tier) Info() Info {
 		Budget: t.budget, Used: t.used, Files: t.fifo.Len()}
 }
 
-// EntrySize returns the bytes a source file of dataSize bytes takes in a tier.
+// EntrySize returns the bytes a source file of dataSize bytes takes in a tier: its data and
+// its record, each rounded up to whole 4 KiB blocks, as tmpfs and disk file systems store
+// them. (The tier's index is outside the budget: see indexBuckets.)
 func EntrySize(sourcePath string, dataSize int64) int64 {
-	return dataSize + trailerSize(filepath.Clean(sourcePath))
+	return blocks(dataSize) + blocks(recordSize(filepath.Clean(sourcePath)))
+}
+
+func blocks(n int64) int64 { return (n + 4095) &^ 4095 }
+
+// Hits returns the reads, and their bytes, that readers outside the server served from the
+// tier themselves (counted in the tier's index).
+func (t *Tier) Hits() (n, bytes int64) {
+	if t.ix == nil {
+		return 0, 0
+	}
+	return t.ix.hits()
 }
 
 // CanHold reports whether an entry of n bytes fits in the budget at all.
@@ -254,7 +276,7 @@ func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 	})
 	if err != nil && errors.Is(err, ErrDamaged) {
 		t.log.Warn("removing damaged cache entry", "source", sourcePath, "err", err)
-		t.remove(RelPath(sourcePath))
+		t.remove(idOf(sourcePath))
 	}
 	if err != nil && !errors.Is(err, ErrNotCached) {
 		err = fmt.Errorf("%w: %w", ErrNotCached, err) // the tier was closed
@@ -283,14 +305,15 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 			return fmt.Errorf("%w: %s in flight", ErrNoRoom, FormatBytes(t.used))
 		}
 		rec := t.fifo.Remove(front).(*record)
-		delete(t.byRel, rec.rel)
+		delete(t.byID, rec.id)
+		t.ix.remove(rec.id) // readers stop finding it before it goes
 		t.mu.Unlock()
 
 		if spill != nil {
 			if m, err := t.openRecord(rec.rel); err == nil {
 				// The slower tier records a new checksum of what it is given: check the
 				// old one first, so that damage is dropped rather than made valid.
-				if err := checkData(m.Bytes(), m.Entry); err == nil {
+				if err := verifyData(m.Bytes(), m.Entry); err == nil {
 					spill(m)
 				} else {
 					t.log.Warn("not spilling a damaged entry", "file", rec.rel, "err", err)
@@ -298,9 +321,7 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 				m.Release()
 			}
 		}
-		if err := t.unlink(rec.rel); err != nil {
-			t.log.Warn("evict", "file", rec.rel, "err", err)
-		}
+		t.unlink(rec.rel)
 		t.removed()
 		t.mu.Lock()
 		t.used -= rec.size
@@ -308,28 +329,56 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 	}
 }
 
-// openRecord maps a file by its path relative to the tier, whatever source it holds.
+// openRecord maps an entry's data by the path of its data file relative to the tier, with
+// what its record says, whatever source it holds.
 func (t *Tier) openRecord(rel string) (*Mapping, error) {
 	var m *Mapping
 	err := withFd(t.dir, func(dirfd int) error {
+		binfd, name, err := openBin(dirfd, rel, false)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(binfd)
+		s, err := readRecord(binfd, name)
+		if err != nil {
+			return err
+		}
 		f, err := openEntry(dirfd, rel)
 		if err != nil {
 			return err
 		}
 		defer f.Close()
-		m, err = mapEntry(f, filepath.Join(t.Path, rel), t.Kind)
+		var st unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+			return err
+		}
+		if st.Ino != s.ino || st.Size != s.Size {
+			return fmt.Errorf("%w: %s does not match its record", errDamaged, rel)
+		}
+		m, err = mapData(f, filepath.Join(t.Path, rel), t.Kind, s.Entry, st.Ino)
 		return err
 	})
 	return m, err
 }
 
-// unlink removes a file by its path relative to the tier; a file already gone is no error.
-func (t *Tier) unlink(rel string) error {
-	err := withFd(t.dir, func(dirfd int) error { return unlinkEntry(dirfd, rel) })
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
+// unlink removes an entry's data file and record by the data file's path relative to the
+// tier; files already gone are no error.
+func (t *Tier) unlink(rel string) {
+	err := withFd(t.dir, func(dirfd int) error {
+		binfd, name, err := openBin(dirfd, rel, false)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(binfd)
+		err = unix.Unlinkat(binfd, name, 0)
+		if rerr := unix.Unlinkat(binfd, recordPrefix+name, 0); err == nil || errors.Is(err, fs.ErrNotExist) {
+			err = rerr
+		}
+		return err
+	})
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.log.Warn("remove cache entry", "file", rel, "err", err)
 	}
-	return err
 }
 
 // Publish writes data as the cached copy of e.SourcePath: to a temporary file first, then
@@ -356,10 +405,16 @@ func (t *Tier) PublishFrom(e Entry, r io.Reader) error {
 // copyChunk bounds the memory PublishFrom uses for a file.
 const copyChunk = 1 << 20
 
+// copyBuffers holds the buffers of copyExactly: a miss then allocates nothing the garbage
+// collector has to scan and free.
+var copyBuffers = sync.Pool{New: func() any { b := make([]byte, copyChunk); return &b }}
+
 // copyExactly copies exactly n bytes from r to w and returns their CRC-32C; it fails if r
 // ends before n bytes or still has bytes after them.
 func copyExactly(w io.Writer, r io.Reader, n int64) (uint32, error) {
-	buf := make([]byte, max(1, min(n, copyChunk)))
+	bp := copyBuffers.Get().(*[]byte)
+	defer copyBuffers.Put(bp)
+	buf := *bp
 	var crc uint32
 	for done := int64(0); done < n; {
 		k, err := io.ReadFull(r, buf[:min(int64(len(buf)), n-done)])
@@ -389,7 +444,7 @@ func copyExactly(w io.Writer, r io.Reader, n int64) (uint32, error) {
 var ErrShortSource = errors.New("source size differs from the entry's")
 
 // publish reserves room for e, writes it with fill (which writes the data and returns its
-// checksum) and accounts for it.
+// checksum), then lists it in the index and the FIFO order.
 func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 	e.SourcePath = filepath.Clean(e.SourcePath)
 	rel := RelPath(e.SourcePath)
@@ -401,9 +456,15 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 		return ErrNoRoom
 	}
 	t.used += n // reserved while writing
+	seq := t.nextSeq
+	t.nextSeq++
 	t.mu.Unlock()
 
-	err := withFd(t.dir, func(dirfd int) error { return write(dirfd, rel, e, fill) })
+	var s stored
+	err := withFd(t.dir, func(dirfd int) (err error) {
+		s, err = write(dirfd, rel, stored{Entry: e, seq: seq}, fill)
+		return err
+	})
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err != nil {
@@ -415,54 +476,117 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 		}
 		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)
 	}
-	if old, ok := t.byRel[rel]; ok { // replaced an older copy of the same file
+	id := idOf(e.SourcePath)
+	if old, ok := t.byID[id]; ok { // replaced an older copy of the same file
 		t.used -= old.Value.(*record).size
 		t.fifo.Remove(old)
 	}
-	t.byRel[rel] = t.fifo.PushBack(&record{rel: rel, size: n})
+	t.byID[id] = t.fifo.PushBack(&record{rel: rel, id: id, size: n})
+	t.index(s, id)
 	return nil
 }
 
-// write creates the entry rel below dirfd: data and trailer into a new temporary file
-// (0600, O_EXCL, in bins opened without following links), then renamed into place.
-func write(dirfd int, rel string, e Entry, fill func(io.Writer) (uint32, error)) error {
+// index lists an entry in the index (t.mu held). When the entry's bucket is full, the
+// bucket's oldest entry is evicted to make way.
+func (t *Tier) index(s stored, id entryID) {
+	victim, evicted := t.ix.put(slot{id: id, size: s.Size, mtime: s.MTimeNanos, ino: s.ino,
+		checksum: s.Checksum, pubSeq: s.seq})
+	if !evicted {
+		return
+	}
+	el, ok := t.byID[victim.id]
+	if !ok {
+		return
+	}
+	rec := t.fifo.Remove(el).(*record)
+	delete(t.byID, victim.id)
+	t.used -= rec.size
+	t.indexEvictions++
+	t.unlink(rec.rel)
+	t.removed()
+}
+
+// write creates the entry rel below dirfd: the data into a new temporary file (0600,
+// O_EXCL, in bins opened without following links) whose times are set to the source's
+// modification time, its record into another, then both renamed into place, data first. It
+// returns s with the data file's checksum and inode number.
+func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)) (stored, error) {
 	binfd, name, err := openBin(dirfd, rel, true)
 	if err != nil {
-		return err
+		return s, err
 	}
 	defer unix.Close(binfd)
 	f, tmp, err := createTemp(binfd, tempPrefix)
 	if err != nil {
-		return err
+		return s, err
 	}
-	e.Checksum, err = fill(f)
+	var rtmp string
+	defer func() {
+		if err != nil {
+			unix.Unlinkat(binfd, tmp, 0)
+			if rtmp != "" {
+				unix.Unlinkat(binfd, rtmp, 0)
+			}
+		}
+	}()
+	s.Checksum, err = fill(f)
 	if err == nil {
-		_, err = f.Write(appendTrailer(nil, e))
+		s.ino, err = finishData(f, s.MTimeNanos)
 	}
 	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return s, err
+	}
+	var rf *os.File
+	if rf, rtmp, err = createTemp(binfd, tempPrefix); err != nil {
+		return s, err
+	}
+	_, err = rf.Write(appendRecord(nil, s))
+	if cerr := rf.Close(); err == nil {
 		err = cerr
 	}
 	if err == nil {
 		err = unix.Renameat(binfd, tmp, binfd, name)
 	}
-	if err != nil {
-		unix.Unlinkat(binfd, tmp, 0)
+	if err == nil {
+		err = unix.Renameat(binfd, rtmp, binfd, recordPrefix+name)
 	}
-	return err
+	return s, err
 }
 
-// remove deletes a cached file and its accounting.
-func (t *Tier) remove(rel string) {
+// finishData sets a written data file's access and modification times to the source's
+// modification time (so that stat of the cached copy agrees with the source) and returns
+// its inode number.
+func finishData(f *os.File, mtimeNanos int64) (ino uint64, err error) {
+	ts := unix.NsecToTimespec(mtimeNanos)
+	fd := int(f.Fd())
+	if err := unix.UtimesNanoAt(fd, "", []unix.Timespec{ts, ts}, unix.AT_EMPTY_PATH); err != nil {
+		if err := unix.Futimes(fd, []unix.Timeval{unix.NsecToTimeval(mtimeNanos), unix.NsecToTimeval(mtimeNanos)}); err != nil {
+			return 0, fmt.Errorf("set times: %w", err)
+		}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, err
+	}
+	return st.Ino, nil
+}
+
+// remove deletes a cached entry and its accounting.
+func (t *Tier) remove(id entryID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if err := t.unlink(rel); err != nil {
-		t.log.Warn("remove", "file", rel, "err", err)
+	el, ok := t.byID[id]
+	if !ok {
+		return
 	}
-	if el, ok := t.byRel[rel]; ok {
-		t.used -= el.Value.(*record).size
-		t.fifo.Remove(el)
-		delete(t.byRel, rel)
-	}
+	rec := t.fifo.Remove(el).(*record)
+	delete(t.byID, id)
+	t.ix.remove(id)
+	t.used -= rec.size
+	t.unlink(rec.rel)
 	t.removed()
 }
 
@@ -472,19 +596,34 @@ func (t *Tier) removed() {
 	}
 }
 
-// rescan rebuilds usage and FIFO order (by modification time, the time of publication) from
+// rescan rebuilds usage and FIFO order (by publication sequence number) from the records in
 // the directory, removes leftover temporary files and whatever must not be served (see
-// scan), and evicts the oldest files if the content exceeds the budget (after the budget was
+// scan), writes a new index listing the entries (readers of the old one move to it), and
+// evicts the oldest entries if the content exceeds the budget (after the budget was
 // lowered, say).
 func (t *Tier) rescan() error {
 	s := scan{root: t.Path, verify: t.verify, fix: true}
-	if err := withFd(t.dir, s.run); err != nil {
+	err := withFd(t.dir, func(dirfd int) error {
+		if err := s.run(dirfd); err != nil {
+			return err
+		}
+		var err error
+		t.ix, err = createIndex(dirfd, t.budget)
+		return err
+	})
+	if err != nil {
 		return err
 	}
+	t.Dir.dir, t.Dir.view = t.dir, &indexView{cur: t.ix}
+	t.mu.Lock()
 	for _, f := range s.sorted() {
-		t.byRel[f.rel] = t.fifo.PushBack(&record{rel: f.rel, size: f.size})
+		id := idOf(f.SourcePath)
+		t.byID[id] = t.fifo.PushBack(&record{rel: f.rel, id: id, size: f.size})
 		t.used += f.size
+		t.index(f.stored, id)
+		t.nextSeq = max(t.nextSeq, f.seq+1)
 	}
+	t.mu.Unlock()
 	t.damaged = s.damaged
 	if s.temps > 0 {
 		t.log.Info("removed leftover temporary files", "count", s.temps)

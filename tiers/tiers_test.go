@@ -82,25 +82,26 @@ func FuzzRelPath(f *testing.F) {
 	})
 }
 
-func TestTrailerRoundTripAndDamage(t *testing.T) {
-	e := Entry{SourcePath: "/data/x.bin", Size: 5, MTimeNanos: 42}
-	file := appendTrailer([]byte("hello"), e)
-	got, err := parseTrailer(file)
+func TestRecordRoundTripAndDamage(t *testing.T) {
+	want := stored{Entry: Entry{SourcePath: "/data/x.bin", Size: 5, MTimeNanos: 42, Checksum: 7}, ino: 99, seq: 3}
+	rec := appendRecord(nil, want)
+	got, err := parseRecord(rec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if diff := cmp.Diff(e, got); diff != "" {
-		t.Errorf("trailer (-want +got):\n%s", diff)
+	if diff := cmp.Diff(want, got, cmp.AllowUnexported(stored{})); diff != "" {
+		t.Errorf("record (-want +got):\n%s", diff)
 	}
 	damaged := map[string][]byte{
-		"truncated":   file[:len(file)-1],
-		"data lost":   file[1:],
+		"truncated":   rec[:len(rec)-1],
+		"first lost":  rec[1:],
 		"empty":       nil,
-		"bit flipped": flip(file, len(file)-trailerFixedSize-3),
-		"size field":  flip(file, len(file)-trailerFixedSize+4),
+		"bit flipped": flip(rec, 20),
+		"size field":  flip(rec, len(rec)-recordFixed+16+2),
+		"longer":      append(bytes.Clone(rec), 0),
 	}
 	for name, b := range damaged {
-		if _, err := parseTrailer(b); !errors.Is(err, errDamaged) {
+		if _, err := parseRecord(b); !errors.Is(err, errDamaged) {
 			t.Errorf("%s: got %v, want errDamaged", name, err)
 		}
 	}
@@ -112,14 +113,34 @@ func flip(b []byte, i int) []byte {
 	return c
 }
 
-func FuzzParseTrailer(f *testing.F) {
-	f.Add(appendTrailer([]byte("abc"), Entry{SourcePath: "/a", Size: 3}))
+func FuzzParseRecord(f *testing.F) {
+	f.Add(appendRecord(nil, stored{Entry: Entry{SourcePath: "/a", Size: 3}}))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		e, err := parseTrailer(b)
-		if err == nil && int64(len(b)) != e.Size+trailerSize(e.SourcePath) {
-			t.Fatalf("accepted inconsistent entry %+v of %d bytes", e, len(b))
+		s, err := parseRecord(b)
+		if err == nil && (int64(len(b)) != recordSize(s.SourcePath) || s.Size < 0) {
+			t.Fatalf("accepted inconsistent record %+v of %d bytes", s, len(b))
 		}
 	})
+}
+
+func TestCachedFileIsByteExact(t *testing.T) {
+	tier := newTier(t, Disk, "1MiB")
+	data := []byte("exactly these bytes, nothing after them")
+	mtime := time.Date(2020, 1, 2, 3, 4, 5, 6000, time.UTC)
+	if err := tier.Publish(Entry{SourcePath: "/d/exact", Size: int64(len(data)), MTimeNanos: mtime.UnixNano()}, data); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(tier.CachedPath("/d/exact"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data) {
+		t.Errorf("cached file holds %q, want exactly %q", got, data)
+	}
+	fi, _ := os.Stat(tier.CachedPath("/d/exact"))
+	if !fi.ModTime().Equal(mtime) {
+		t.Errorf("cached file mtime %v, want the source's %v", fi.ModTime(), mtime)
+	}
 }
 
 func TestPublishOpen(t *testing.T) {
@@ -238,11 +259,9 @@ func TestRescanRebuildsUsageAndOrderAndRemovesTemps(t *testing.T) {
 	}
 	data := make([]byte, 100)
 	for i := 0; i < 3; i++ {
-		publish(t, tier, fmt.Sprintf("/d/f%d", i), data)
-		// Give each file its own modification time: rescan orders by it.
-		p := tier.CachedPath(fmt.Sprintf("/d/f%d", i))
-		mt := time.Unix(1_000_000+int64(i), 0)
-		if err := os.Chtimes(p, mt, mt); err != nil {
+		// Modification times in the opposite order: rescan orders by publication, not by them.
+		mt := time.Unix(1_000_000-int64(i), 0)
+		if err := tier.Publish(Entry{SourcePath: fmt.Sprintf("/d/f%d", i), Size: 100, MTimeNanos: mt.UnixNano()}, data); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -310,17 +329,26 @@ func TestDamagedAndCollidingEntriesAreMisses(t *testing.T) {
 		t.Errorf("accounting after removing damaged entry: %+v", info)
 	}
 
-	// An empty file where an entry should be.
-	os.MkdirAll(filepath.Dir(path), 0o700)
-	os.WriteFile(path, nil, 0o600)
+	// A file in the entry's place that is not the one published (replaced behind our back;
+	// the file system may give it the same inode number, but not the same size here).
+	publish(t, tier, "/d/a", []byte("0123456789"))
+	os.Remove(path)
+	os.WriteFile(path, []byte("012345678"), 0o600)
 	if _, err := tier.Dir.Open("/d/a"); !errors.Is(err, ErrNotCached) {
-		t.Errorf("empty entry: got %v", err)
+		t.Errorf("replaced entry: got %v, want ErrNotCached", err)
 	}
 
-	// A valid entry for another source path at the same place (a hash collision).
-	os.WriteFile(path, appendTrailer([]byte("other"), Entry{SourcePath: "/e/a", Size: 5}), 0o600)
-	if _, err := tier.Dir.Open("/d/a"); err != ErrNotCached {
-		t.Errorf("colliding entry: got %v, want ErrNotCached", err)
+	// An entry for another source path with the same key (a hash collision): the index
+	// keeps a second hash, so the other path misses.
+	publish(t, tier, "/d/b", []byte("b"))
+	tier.mu.Lock()
+	s, ok := tier.ix.lookup(idOf("/d/b"))
+	tier.mu.Unlock()
+	if !ok {
+		t.Fatal("/d/b not in the index")
+	}
+	if _, found := tier.ix.lookup(entryID{s.id.key, s.id.check ^ 1}); found {
+		t.Error("lookup with the same key and another check hash found an entry")
 	}
 }
 

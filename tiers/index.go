@@ -1,0 +1,405 @@
+package tiers
+
+import (
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math/bits"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/edsrzf/mmap-go"
+	"golang.org/x/sys/unix"
+)
+
+// The index of a tier is the file "fitcache.index" in the tier directory: a hash table of the
+// entries the tier holds, with what a reader must check before it serves a cached file. The
+// server owning the tier is its only writer; every reader on the node (Go clients, the C hit
+// path of libfitcache, the preload shim) maps it, so that a hit costs a lookup in memory plus
+// the system calls of a plain read: open the data file below the tier, fstat it, read it.
+//
+// Layout (integers little-endian, at 8-byte aligned offsets):
+//
+//	header, 4096 bytes:
+//	  0  magic    [8]byte  "FCINDEX\x01"
+//	  8  version  uint32   indexVersion
+//	  12 ways     uint32   slots per bucket (indexWays)
+//	  16 buckets  uint32   number of buckets, a power of two
+//	  20 slotSize uint32   indexSlotSize
+//	  24 retired  uint32   1 once a server replaced this file: readers open the index anew
+//	  64 hits     uint64   reads that readers outside the server served from the tier
+//	  72 hitBytes uint64   their bytes (readers add to both atomically)
+//	slots, 64 bytes each, from offset 4096; bucket b holds slots b*ways .. b*ways+ways-1:
+//	  0  seq      uint32   seqlock: odd while the server changes the slot
+//	  4  used     uint32   1 if the slot holds an entry
+//	  8  key      uint64   KeyOf(source path): names the data file, see RelPath
+//	  16 check    uint64   CheckOf(source path), a second hash: a key collision is no hit
+//	  24 size     uint64   size of the data file
+//	  32 mtime    int64    the source's modification time, Unix nanoseconds
+//	  40 ino      uint64   inode number of the data file
+//	  48 checksum uint32   CRC-32C of the data
+//	  56 pubSeq   uint64   publication sequence number (the server evicts the oldest of a
+//	                       full bucket)
+//
+// The bucket of a key is (key >> 16) & (buckets - 1) (the low 16 bits already name the bins).
+//
+// A reader takes a slot only if seq is even and unchanged across its reads of the slot, and
+// serves the data file only if the file it opened (following no link, below the tier) is a
+// regular file of this user with the slot's inode number and size. Anything else is a miss.
+// A full bucket makes the server evict its oldest entry, so the index never refuses a file.
+
+const (
+	indexName       = "fitcache.index"
+	indexMagic      = "FCINDEX\x01"
+	indexVersion    = 1
+	indexWays       = 8
+	indexSlotSize   = 64
+	indexHeaderSize = 4096
+
+	hdrVersion  = 8
+	hdrWays     = 12
+	hdrBuckets  = 16
+	hdrSlotSize = 20
+	hdrRetired  = 24
+	hdrHits     = 64
+	hdrHitBytes = 72
+)
+
+// Index geometry: one slot per indexBytesPerSlot of budget, so that a tier full of files of
+// that average size fills a quarter of the table... within these bounds in buckets. A tier
+// with many smaller files evicts within full buckets before its budget is used up.
+const (
+	indexBytesPerSlot = 32 << 10
+	minIndexBuckets   = 1 << 10 // 8,192 slots: 516 KiB
+	maxIndexBuckets   = 1 << 19 // 4 Mi slots: 256 MiB
+)
+
+// indexBuckets returns the number of buckets for a tier budget.
+func indexBuckets(budget int64) uint32 {
+	want := budget / indexBytesPerSlot / indexWays
+	b := uint32(minIndexBuckets)
+	for int64(b) < want && b < maxIndexBuckets {
+		b *= 2
+	}
+	return b
+}
+
+// CheckOf returns the second hash of a cleaned source path that the index keeps beside its
+// key: FNV-1a 64 of the path's bytes in reverse order. Two paths share a key and a check
+// only by a collision of both hashes.
+func CheckOf(sourcePath string) uint64 {
+	p := []byte(filepath.Clean(sourcePath))
+	for i, j := 0, len(p)-1; i < j; i, j = i+1, j-1 {
+		p[i], p[j] = p[j], p[i]
+	}
+	h := fnv.New64a()
+	h.Write(p)
+	return h.Sum64()
+}
+
+// entryID identifies an entry in a tier: the two hashes of its source path.
+type entryID struct {
+	key   Key
+	check uint64
+}
+
+func idOf(sourcePath string) entryID {
+	return entryID{KeyOf(sourcePath), CheckOf(sourcePath)}
+}
+
+// slot is the content of an index slot.
+type slot struct {
+	id       entryID
+	size     int64
+	mtime    int64
+	ino      uint64
+	checksum uint32
+	pubSeq   uint64
+}
+
+// index is a mapped index file. The server's copy is writable and has one writer (the
+// Tier, under its mutex); readers' copies are read-only. Lookups are safe for concurrent use.
+type index struct {
+	m       mmap.MMap
+	buckets uint32
+}
+
+func (ix *index) word32(off int) *uint32 { return (*uint32)(unsafe.Pointer(&ix.m[off])) }
+func (ix *index) word64(off int) *uint64 { return (*uint64)(unsafe.Pointer(&ix.m[off])) }
+
+func slotOffset(i uint32) int { return indexHeaderSize + int(i)*indexSlotSize }
+
+func (ix *index) bucketOf(k Key) uint32 { return uint32(uint64(k)>>16) & (ix.buckets - 1) }
+
+// lookup returns the slot holding id, if any. It spins a bounded number of times on a slot
+// being changed, then reports a miss.
+func (ix *index) lookup(id entryID) (slot, bool) {
+	first := ix.bucketOf(id.key) * indexWays
+	for i := first; i < first+indexWays; i++ {
+		off := slotOffset(i)
+		if atomic.LoadUint64(ix.word64(off+8)) != uint64(id.key) {
+			continue // cheap filter; the seqlock below decides
+		}
+		for range 100 {
+			seq := atomic.LoadUint32(ix.word32(off))
+			if seq&1 != 0 {
+				continue
+			}
+			s, used := ix.read(off)
+			if atomic.LoadUint32(ix.word32(off)) != seq {
+				continue
+			}
+			if used && s.id == id {
+				return s, true
+			}
+			break
+		}
+	}
+	return slot{}, false
+}
+
+// read loads a slot's fields (atomically each; the caller checks the seqlock).
+func (ix *index) read(off int) (slot, bool) {
+	used := atomic.LoadUint32(ix.word32(off+4)) == 1
+	return slot{
+		id:       entryID{Key(atomic.LoadUint64(ix.word64(off + 8))), atomic.LoadUint64(ix.word64(off + 16))},
+		size:     int64(atomic.LoadUint64(ix.word64(off + 24))),
+		mtime:    int64(atomic.LoadUint64(ix.word64(off + 32))),
+		ino:      atomic.LoadUint64(ix.word64(off + 40)),
+		checksum: atomic.LoadUint32(ix.word32(off + 48)),
+		pubSeq:   atomic.LoadUint64(ix.word64(off + 56)),
+	}, used
+}
+
+// write stores s in the slot at off (writer only): seq odd, fields, seq even.
+func (ix *index) write(off int, s slot, used bool) {
+	seq := ix.word32(off)
+	atomic.StoreUint32(seq, *seq+1)
+	u := uint32(0)
+	if used {
+		u = 1
+	}
+	atomic.StoreUint32(ix.word32(off+4), u)
+	atomic.StoreUint64(ix.word64(off+8), uint64(s.id.key))
+	atomic.StoreUint64(ix.word64(off+16), s.id.check)
+	atomic.StoreUint64(ix.word64(off+24), uint64(s.size))
+	atomic.StoreUint64(ix.word64(off+32), uint64(s.mtime))
+	atomic.StoreUint64(ix.word64(off+40), s.ino)
+	atomic.StoreUint32(ix.word32(off+48), s.checksum)
+	atomic.StoreUint64(ix.word64(off+56), s.pubSeq)
+	atomic.StoreUint32(seq, *seq+1)
+}
+
+// put adds or replaces s (writer only). When its bucket is full it replaces the bucket's
+// oldest entry and returns it, for the caller to evict.
+func (ix *index) put(s slot) (victim slot, evicted bool) {
+	first := ix.bucketOf(s.id.key) * indexWays
+	free, oldest := -1, -1
+	var oldestSeq uint64
+	for i := first; i < first+indexWays; i++ {
+		off := slotOffset(i)
+		cur, used := ix.read(off)
+		switch {
+		case used && cur.id == s.id:
+			ix.write(off, s, true)
+			return slot{}, false
+		case !used:
+			if free < 0 {
+				free = off
+			}
+		case oldest < 0 || cur.pubSeq < oldestSeq:
+			oldest, oldestSeq = off, cur.pubSeq
+		}
+	}
+	if free >= 0 {
+		ix.write(free, s, true)
+		return slot{}, false
+	}
+	victim, _ = ix.read(oldest)
+	ix.write(oldest, s, true)
+	return victim, true
+}
+
+// remove clears the slot holding id, if any (writer only).
+func (ix *index) remove(id entryID) {
+	first := ix.bucketOf(id.key) * indexWays
+	for i := first; i < first+indexWays; i++ {
+		off := slotOffset(i)
+		if cur, used := ix.read(off); used && cur.id == id {
+			ix.write(off, slot{}, false)
+		}
+	}
+}
+
+// retired reports whether a server replaced this index.
+func (ix *index) retired() bool { return atomic.LoadUint32(ix.word32(hdrRetired)) != 0 }
+
+// hits returns the reads and bytes that readers outside the server served from the tier.
+func (ix *index) hits() (n, bytes int64) {
+	return int64(atomic.LoadUint64(ix.word64(hdrHits))), int64(atomic.LoadUint64(ix.word64(hdrHitBytes)))
+}
+
+func (ix *index) unmap() error { return ix.m.Unmap() }
+
+// createIndex builds a new, empty index for budget in the tier directory dirfd: written in
+// a temporary file, then renamed over the old one, which is then marked retired so that its
+// readers move to the new one. Entries are added with put.
+func createIndex(dirfd int, budget int64) (*index, error) {
+	buckets := indexBuckets(budget)
+	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	size := int64(indexHeaderSize) + int64(buckets)*indexWays*indexSlotSize
+	if err := f.Truncate(size); err != nil {
+		unix.Unlinkat(dirfd, tmp, 0)
+		return nil, err
+	}
+	m, err := mmap.Map(f, mmap.RDWR, 0)
+	if err != nil {
+		unix.Unlinkat(dirfd, tmp, 0)
+		return nil, fmt.Errorf("map index: %w", err)
+	}
+	ix := &index{m: m, buckets: buckets}
+	copy(m, indexMagic)
+	*ix.word32(hdrVersion) = indexVersion
+	*ix.word32(hdrWays) = indexWays
+	*ix.word32(hdrBuckets) = buckets
+	*ix.word32(hdrSlotSize) = indexSlotSize
+	oldFd, oldErr := unix.Openat(dirfd, indexName, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if oldErr == nil {
+		defer unix.Close(oldFd)
+	}
+	if err := unix.Renameat(dirfd, tmp, dirfd, indexName); err != nil {
+		m.Unmap()
+		unix.Unlinkat(dirfd, tmp, 0)
+		return nil, err
+	}
+	if oldErr == nil {
+		retire(oldFd)
+	}
+	return ix, nil
+}
+
+// retire sets the retired flag of the replaced index open at fd, if it is one, so that its
+// readers move to the new one.
+func retire(fd int) {
+	magic := make([]byte, len(indexMagic))
+	if n, _ := unix.Pread(fd, magic, 0); n == len(magic) && string(magic) == indexMagic {
+		unix.Pwrite(fd, []byte{1, 0, 0, 0}, hdrRetired)
+	}
+}
+
+// errNoIndex reports a tier directory without a usable index (no server has opened it yet,
+// or one of another version did).
+var errNoIndex = errors.New("no usable index")
+
+// openIndex maps the index of the tier directory dirfd read-only, for a reader, after
+// checking that it is a regular file of this user with a header that matches its size.
+func openIndex(dirfd int) (*index, error) {
+	fd, err := unix.Openat(dirfd, indexName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoIndex, err)
+	}
+	f := os.NewFile(uintptr(fd), indexName)
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoIndex, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size < indexHeaderSize {
+		return nil, fmt.Errorf("%w: not a regular file of this user, or too short", errNoIndex)
+	}
+	m, err := mmap.Map(f, mmap.RDONLY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: map: %w", errNoIndex, err)
+	}
+	ix := &index{m: m, buckets: *(*uint32)(unsafe.Pointer(&m[hdrBuckets]))}
+	b := ix.buckets
+	if string(m[:8]) != indexMagic || *ix.word32(hdrVersion) != indexVersion || *ix.word32(hdrWays) != indexWays ||
+		*ix.word32(hdrSlotSize) != indexSlotSize || b == 0 || bits.OnesCount32(b) != 1 ||
+		int64(len(m)) != indexHeaderSize+int64(b)*indexWays*indexSlotSize {
+		m.Unmap()
+		return nil, fmt.Errorf("%w: bad header", errNoIndex)
+	}
+	return ix, nil
+}
+
+// indexView is a reader's current index of a tier directory. It opens the index again when
+// the server replaced it (a restart rebuilt it), or when there was none yet, at most every
+// indexRetry. Replaced mappings stay mapped until close, because lookups in other goroutines
+// may still be reading them; a server replaces its index once per start.
+type indexView struct {
+	mu     sync.RWMutex // held shared by lookups; protects cur, old, tried and closed
+	cur    *index       // nil until an index could be opened
+	old    []*index     // replaced indexes, unmapped by close
+	tried  time.Time    // when opening was last tried
+	closed bool
+}
+
+// indexRetry is how often a reader tries again to open an index that was missing or bad.
+const indexRetry = time.Second
+
+// lookup finds id in the index of the tier directory dirfd.
+func (v *indexView) lookup(dirfd int, id entryID) (slot, bool) {
+	for try := 0; try < 2; try++ {
+		v.mu.RLock()
+		if ix := v.cur; ix != nil && !v.closed && (try > 0 || !ix.retired()) {
+			s, ok := ix.lookup(id)
+			v.mu.RUnlock()
+			return s, ok
+		}
+		v.mu.RUnlock()
+		if !v.reopen(dirfd) {
+			return slot{}, false
+		}
+	}
+	return slot{}, false
+}
+
+// reopen opens the index anew if the current one is missing or retired; it reports whether
+// there is an index to look in.
+func (v *indexView) reopen(dirfd int) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.closed {
+		return false
+	}
+	if v.cur != nil && !v.cur.retired() {
+		return true // another goroutine reopened it
+	}
+	if time.Since(v.tried) < indexRetry {
+		return v.cur != nil
+	}
+	v.tried = time.Now()
+	ix, err := openIndex(dirfd)
+	if err != nil {
+		return v.cur != nil
+	}
+	if v.cur != nil {
+		v.old = append(v.old, v.cur)
+	}
+	v.cur = ix
+	return true
+}
+
+// close unmaps every index the view mapped; later lookups miss. It is idempotent.
+func (v *indexView) close() {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.closed {
+		return
+	}
+	v.closed = true
+	for _, ix := range append(v.old, v.cur) {
+		if ix != nil {
+			ix.unmap()
+		}
+	}
+	v.cur, v.old = nil, nil
+}

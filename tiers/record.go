@@ -1,0 +1,146 @@
+package tiers
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// A cached file holds exactly the source file's bytes: same size, end of file at the same
+// place, so that its descriptor can be handed to any program. What FitCache knows about it
+// lives beside it, in two places:
+//
+//   - the record, a small file named recordPrefix + the data file's name in the same bin,
+//     holds the full entry: source path, size, modification time, data checksum, the inode
+//     of the data file it describes and the publication sequence number. A rescan reads the
+//     records to restore usage and FIFO order, and to know which source a file holds.
+//   - the tier's index (index.go) repeats what a reader checks on every hit, in a table that
+//     readers map: no file is read besides the data.
+//
+// Record layout (all integers little-endian):
+//
+//	magic       [8]byte   "FCRECORD"
+//	version     uint32    recordVersion
+//	n           uint32    length of path
+//	path        [n]byte   the cleaned source path
+//	size        uint64    length of the data
+//	mtime       int64     the source file's modification time, Unix nanoseconds
+//	ino         uint64    inode number of the data file
+//	seq         uint64    publication sequence number of the tier (FIFO order)
+//	checksum    uint32    CRC-32C of the data
+//	crc         uint32    CRC-32C of every byte above
+//
+// A record describes one data file only: its inode number must match, so a record left
+// from an older copy of the same source (a crash between the two renames of publication)
+// is never taken for the new one.
+
+const (
+	recordVersion = 3
+	recordMagic   = "FCRECORD"
+	// recordFixed is the size of a record without its path.
+	recordFixed = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 4
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Entry describes a cached file.
+type Entry struct {
+	SourcePath string
+	Size       int64
+	MTimeNanos int64
+	// Checksum is the CRC-32C (Castagnoli) of the data. Publish and PublishFrom compute it;
+	// a value the caller sets is ignored. A rescan with Config.Verify checks it.
+	Checksum uint32
+}
+
+// stored is an Entry as a tier recorded it.
+type stored struct {
+	Entry
+	ino uint64 // inode number of the data file
+	seq uint64 // publication sequence number
+}
+
+// errDamaged reports a cached file whose record is missing, inconsistent or for another file.
+var errDamaged = errors.New("damaged cache entry")
+
+// errChecksum reports an entry whose data no longer matches the checksum of its record.
+var errChecksum = fmt.Errorf("%w: data does not match its checksum", errDamaged)
+
+// appendRecord appends the record of s to b.
+func appendRecord(b []byte, s stored) []byte {
+	start := len(b)
+	le := binary.LittleEndian
+	b = append(b, recordMagic...)
+	b = le.AppendUint32(b, recordVersion)
+	b = le.AppendUint32(b, uint32(len(s.SourcePath)))
+	b = append(b, s.SourcePath...)
+	b = le.AppendUint64(b, uint64(s.Size))
+	b = le.AppendUint64(b, uint64(s.MTimeNanos))
+	b = le.AppendUint64(b, s.ino)
+	b = le.AppendUint64(b, s.seq)
+	b = le.AppendUint32(b, s.Checksum)
+	return le.AppendUint32(b, crc32.Checksum(b[start:], castagnoli))
+}
+
+// recordSize is the number of bytes appendRecord writes for a source path.
+func recordSize(sourcePath string) int64 { return int64(len(sourcePath)) + recordFixed }
+
+// maxRecordBytes bounds the record a scan reads: a path is at most PATH_MAX (4096) bytes.
+const maxRecordBytes = 4096 + recordFixed
+
+// parseRecord reads a whole record file. It copies the path out, so the result outlives b.
+func parseRecord(b []byte) (stored, error) {
+	le := binary.LittleEndian
+	if len(b) < recordFixed || string(b[:8]) != recordMagic {
+		return stored{}, fmt.Errorf("%w: no record", errDamaged)
+	}
+	if v := le.Uint32(b[8:12]); v != recordVersion {
+		return stored{}, fmt.Errorf("%w: record version %d, want %d", errDamaged, v, recordVersion)
+	}
+	n := int(le.Uint32(b[12:16]))
+	if n != len(b)-recordFixed {
+		return stored{}, fmt.Errorf("%w: record of %d bytes for a path of %d", errDamaged, len(b), n)
+	}
+	if crc32.Checksum(b[:len(b)-4], castagnoli) != le.Uint32(b[len(b)-4:]) {
+		return stored{}, fmt.Errorf("%w: record checksum", errDamaged)
+	}
+	p := b[16+n:]
+	s := stored{
+		Entry: Entry{SourcePath: string(b[16 : 16+n]), Size: int64(le.Uint64(p[0:8])),
+			MTimeNanos: int64(le.Uint64(p[8:16])), Checksum: le.Uint32(p[32:36])},
+		ino: le.Uint64(p[16:24]), seq: le.Uint64(p[24:32]),
+	}
+	if s.Size < 0 {
+		return stored{}, fmt.Errorf("%w: negative size", errDamaged)
+	}
+	return s, nil
+}
+
+// crc32c returns the CRC-32C of b, the checksum an entry records for its data.
+func crc32c(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
+
+// readRecord reads and parses the record of the data file name in the bin binfd, following
+// no link; the file must be a regular file of this user.
+func readRecord(binfd int, name string) (stored, error) {
+	fd, err := unix.Openat(binfd, recordPrefix+name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return stored{}, fmt.Errorf("%w: record: %w", errDamaged, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return stored{}, fmt.Errorf("%w: record: %w", errDamaged, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size > maxRecordBytes {
+		return stored{}, fmt.Errorf("%w: record is not a regular file of this user, or too large", errDamaged)
+	}
+	b := make([]byte, st.Size)
+	if n, err := unix.Pread(fd, b, 0); err != nil || n != len(b) {
+		return stored{}, fmt.Errorf("%w: record: short read (%v)", errDamaged, err)
+	}
+	return parseRecord(b)
+}
