@@ -3,10 +3,10 @@ package tiers
 import (
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"io/fs"
 	"os"
 	"path/filepath"
-	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/privdir"
 )
