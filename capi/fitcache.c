@@ -1,15 +1,18 @@
-// The stable fc_* entry points. Each one checks the fork guard before entering Go, because a
-// Go runtime inherited through fork() has no threads and would hang; then it calls the Go
-// export that does the work (see main.go).
+// The stable fc_* entry points. Reads try the hit path first (hitpath.c: cached files served
+// in C); everything else checks the fork guard before entering Go, because a Go runtime
+// inherited through fork() has no threads and would hang, then calls the Go export that does
+// the work (see main.go).
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "fitcache.h"
+#include "hitpath.h"
 #include "_cgo_export.h"
 
 #define FITCACHE_VERSION "0.1.0"
@@ -60,15 +63,26 @@ int fc_close(int64_t handle) {
 	return goClose(handle);
 }
 
+static int forked_miss(void) {
+	snprintf(errmsg, sizeof errmsg,
+		"libfitcache was loaded in process %d before it forked; in this process (%d) it serves "
+		"only cached files: read this one from the source, or load the library after fork",
+		(int)loaded_pid, (int)getpid());
+	return -ECHILD;
+}
+
 int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
-	if (forked()) return -ECHILD;
 	if (!path || !data || !size || !buffer) { snprintf(errmsg, sizeof errmsg, "fc_read: NULL argument"); return -EINVAL; }
-	return goRead(handle, (char *)path, (void **)data, size, buffer);
+	int rc = hit_read(handle, path, data, size, buffer);
+	if (rc != FC_MISS) return rc;
+	if (forked_after_load) return forked_miss();
+	rc = goRead(handle, (char *)path, (void **)data, size, buffer);
+	if (rc == 0 && fcHitTiers(handle) == 0) goRefreshTiers(handle);
+	return rc;
 }
 
 int fc_read_many(int64_t handle, int count, const char *const *paths, const void **data, int64_t *sizes,
                  int64_t *buffers, int *results) {
-	if (forked()) return -ECHILD;
 	if (count < 0 || (count > 0 && (!paths || !data || !sizes || !buffers || !results))) {
 		snprintf(errmsg, sizeof errmsg, "fc_read_many: bad argument");
 		return -EINVAL;
@@ -77,10 +91,54 @@ int fc_read_many(int64_t handle, int count, const char *const *paths, const void
 		if (!paths[i]) { snprintf(errmsg, sizeof errmsg, "fc_read_many: NULL path %d", i); return -EINVAL; }
 	}
 	if (count == 0) return 0;
-	return goReadMany(handle, count, (char **)paths, (void **)data, sizes, buffers, results);
+	// Hits first, in C; the misses then go to Go in one call, fetched concurrently there.
+	int *miss = malloc((size_t)count * sizeof *miss);
+	if (!miss) { snprintf(errmsg, sizeof errmsg, "fc_read_many: out of memory"); return -ENOMEM; }
+	int nmiss = 0;
+	for (int i = 0; i < count; i++) {
+		data[i] = NULL; sizes[i] = 0; buffers[i] = 0;
+		int rc = hit_read(handle, paths[i], &data[i], &sizes[i], &buffers[i]);
+		results[i] = rc == FC_MISS ? -EIO : rc;
+		if (rc == FC_MISS) miss[nmiss++] = i;
+	}
+	int rc = 0;
+	if (nmiss > 0 && forked_after_load) {
+		for (int j = 0; j < nmiss; j++) results[miss[j]] = forked_miss();
+	} else if (nmiss > 0) {
+		const char **mp = malloc((size_t)nmiss * sizeof *mp);
+		const void **md = malloc((size_t)nmiss * sizeof *md);
+		int64_t *ms = malloc((size_t)nmiss * sizeof *ms), *mb = malloc((size_t)nmiss * sizeof *mb);
+		int *mr = malloc((size_t)nmiss * sizeof *mr);
+		if (!mp || !md || !ms || !mb || !mr) {
+			snprintf(errmsg, sizeof errmsg, "fc_read_many: out of memory");
+			rc = -ENOMEM;
+		} else {
+			for (int j = 0; j < nmiss; j++) mp[j] = paths[miss[j]];
+			rc = goReadMany(handle, nmiss, (char **)mp, (void **)md, ms, mb, mr);
+			for (int j = 0; rc == 0 && j < nmiss; j++) {
+				int i = miss[j];
+				data[i] = md[j]; sizes[i] = ms[j]; buffers[i] = mb[j]; results[i] = mr[j];
+			}
+		}
+		free(mp); free(md); free(ms); free(mb); free(mr);
+		if (rc == 0 && fcHitTiers(handle) == 0) goRefreshTiers(handle);
+	}
+	if (rc != 0) { // hand nothing out: release the hits
+		for (int i = 0; i < count; i++) {
+			if (results[i] == 0 && buffers[i] >= FC_CBUF_BASE) hit_release(buffers[i]);
+			data[i] = NULL; sizes[i] = 0; buffers[i] = 0;
+		}
+	}
+	free(miss);
+	return rc;
 }
 
 int fc_release(int64_t buffer) {
+	if (buffer >= FC_CBUF_BASE) {
+		int rc = hit_release(buffer);
+		if (rc != 0) snprintf(errmsg, sizeof errmsg, "unknown or released fitcache buffer %lld", (long long)buffer);
+		return rc;
+	}
 	if (forked()) return -ECHILD;
 	return goRelease(buffer);
 }
@@ -105,7 +163,9 @@ int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed) {
 
 int fc_debug_open_handles(int64_t *clients, int64_t *buffers) {
 	if (forked()) return -ECHILD;
-	return goDebugOpenHandles(clients, buffers);
+	int rc = goDebugOpenHandles(clients, buffers);
+	if (rc == 0 && buffers) *buffers += hit_buffers();
+	return rc;
 }
 
 int fc_errmsg(char *buf, size_t len) {

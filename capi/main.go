@@ -12,6 +12,7 @@ package main
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "hitpath.h"
 void fcSetErrmsg(const char *msg);
 const char *fcLibraryPath(void);
 */
@@ -155,8 +156,46 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		c.Close()
 		return fail(err)
 	}
+	c.SetExternalHits(func() (int64, int64) {
+		var n, bytes C.int64_t
+		C.fcHitCounts(C.int64_t(h), &n, &bytes)
+		return int64(n), int64(bytes)
+	})
+	croot := C.CString(c.Root())
+	defer C.free(unsafe.Pointer(croot))
+	if C.fcHitOpen(C.int64_t(h), croot) == 0 {
+		addHitTiers(h, c)
+	}
 	*handle = C.int64_t(h)
 	return 0
+}
+
+// addHitTiers hands the tier directories of a client's server to the hit path (hitpath.c),
+// which then serves cached files without entering Go.
+func addHitTiers(h int64, c *client.Client) {
+	for _, d := range c.TierDirs() {
+		dir := C.CString(d.Path)
+		if rc := C.fcHitAddTier(C.int64_t(h), dir, C.int(d.Kind)); rc != 0 && rc != -C.int(syscall.EBADF) {
+			log.Warn("tier not used by the C hit path; its files are read through Go", "dir", d.Path, "errno", -rc)
+		}
+		C.free(unsafe.Pointer(dir))
+	}
+}
+
+// refreshMu serialises goRefreshTiers, so that racing readers add a client's tiers once.
+var refreshMu sync.Mutex
+
+// goRefreshTiers gives the hit path the tiers of a client that had none when it opened (its
+// server was not up yet, say); fc_read calls it after a read through Go.
+//
+//export goRefreshTiers
+func goRefreshTiers(handle C.int64_t) {
+	defer func() { recover() }()
+	refreshMu.Lock()
+	defer refreshMu.Unlock()
+	if c, ok := clients.get(int64(handle)); ok && C.fcHitTiers(handle) == 0 {
+		addHitTiers(int64(handle), c)
+	}
 }
 
 // serverBinBesideLibrary finds the fitcache executable installed with the library
@@ -180,6 +219,7 @@ func goClose(handle C.int64_t) (rc C.int) {
 	if !ok {
 		return fail(errBadHandle)
 	}
+	C.fcHitClose(handle)
 	if err := c.Close(); err != nil {
 		return fail(err)
 	}

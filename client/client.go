@@ -108,15 +108,15 @@ type Client struct {
 	// before keep being served from the tiers without waiting for it.
 	view atomic.Pointer[serverConn]
 
-	maps    *mapCache      // mappings kept between reads
 	cluster *clusterRouter // set in cluster mode (Config.Servers)
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
-	counts  counters
-	pending hitReport // local hits not yet reported to the server
-	closed  atomic.Bool
-	stop    chan struct{}
-	stopped chan struct{}
+	counts   counters
+	external atomic.Pointer[func() (hits, bytes int64)] // see SetExternalHits
+	pending  hitReport                                  // local hits not yet reported to the server
+	closed   atomic.Bool
+	stop     chan struct{}
+	stopped  chan struct{}
 }
 
 // serverConn is a connection to the embedded server and what it told about itself.
@@ -178,7 +178,7 @@ func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log, maps: newMapCache(defaultMaxMappings()),
+	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log,
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	c.pending.byTier = make(map[string]int64)
 	if cfg.Servers != "" {
@@ -374,14 +374,10 @@ func (c *Client) read(path string) (Buffer, error) {
 	if c.cluster != nil {
 		return c.readCluster(path)
 	}
-	dirs, gen := c.tierView()
-	if buf := c.maps.get(path, gen.Load()); buf != nil {
-		c.hit(buf.(*mapHandle).s.m)
-		return buf, nil
-	}
+	dirs, _ := c.tierView()
 	if m, err := tiers.Probe(dirs, path); err == nil {
 		c.hit(m)
-		return c.keep(path, m, gen), nil
+		return m, nil
 	}
 	if _, down := c.current(); down {
 		return c.readDirect(path)
@@ -412,14 +408,6 @@ func (c *Client) hit(m *tiers.Mapping) {
 	c.pending.add(m.Tier.String(), m.Size)
 }
 
-// keep hands out m through the mapping cache when the server's removals can be watched.
-func (c *Client) keep(path string, m *tiers.Mapping, gen *tiers.Generation) Buffer {
-	if gen == nil {
-		return m
-	}
-	return c.maps.put(path, m, gen.Load())
-}
-
 func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Time) (Buffer, error) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
@@ -428,17 +416,16 @@ func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Tim
 		return nil, err
 	}
 	c.counts.serverReads.Add(1)
-	return c.replyBuffer(ctx, conn.rpc, reply, conn.dirs, path, func(m *tiers.Mapping) Buffer { return c.keep(path, m, conn.gen) })
+	return c.replyBuffer(ctx, conn.rpc, reply, conn.dirs, path)
 }
 
 // replyBuffer turns a server's reply to a local read into a buffer: the tier file it names,
-// mapped and handed to keep, or the bytes it carries. A tier file evicted between the reply
-// and our open is asked for again, as bytes.
-func (c *Client) replyBuffer(ctx context.Context, server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string,
-	keep func(*tiers.Mapping) Buffer) (Buffer, error) {
+// mapped, or the bytes it carries. A tier file evicted between the reply and our open is
+// asked for again, as bytes.
+func (c *Client) replyBuffer(ctx context.Context, server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string) (Buffer, error) {
 	if reply.CachedPath != "" {
 		if m, err := tiers.Probe(dirs, path); err == nil {
-			return keep(m), nil
+			return m, nil
 		}
 		var err error
 		if reply, err = server.Read(ctx, c.root, path, false); err != nil {
@@ -552,6 +539,10 @@ func (c *Client) Stats() (string, error) {
 		DirectReads: c.counts.directReads.Load(), Connects: c.counts.connects.Load(),
 		Errors: c.counts.errors.Load(),
 	}}
+	if f := c.external.Load(); f != nil {
+		n, _ := (*f)()
+		out.Client.LocalHits += n
+	}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
 		out.Client.ServersGossiped, out.Client.ServerFailures = c.cluster.gossiped.Load(), c.cluster.failures.Load()
@@ -627,7 +618,6 @@ func (c *Client) reportLoop() {
 		case <-c.stop:
 			return
 		case <-tick.C:
-			c.maps.sync(c.generation())
 			if server := c.reportTo(); server != nil {
 				c.flushHits(server)
 			}
@@ -646,6 +636,15 @@ func (c *Client) reportTo() *rpc.Client {
 	}
 	return nil
 }
+
+// SetExternalHits gives the client a count of the reads that were served from its server's
+// tiers without it (the C hit path of libfitcache), which Stats adds to its local hits. The
+// server counts those reads itself, through the tiers' index.
+func (c *Client) SetExternalHits(count func() (hits, bytes int64)) { c.external.Store(&count) }
+
+// TierDirs returns the tier directories on this node that the client reads cached files
+// from (its server's, or in cluster mode those of the servers on this node), fastest first.
+func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
 
 // localDirs returns the tier directories this client maps files from.
 func (c *Client) localDirs() []tiers.Dir {
@@ -701,6 +700,15 @@ func (c *Client) Close() error {
 	if c.cluster != nil {
 		c.cluster.close()
 	}
-	c.maps.flush()
 	return nil
+}
+
+// IsMapped reports whether a buffer's bytes are a file mapping rather than memory of the Go
+// heap (which C code must not keep).
+func IsMapped(b Buffer) bool {
+	switch b.(type) {
+	case *tiers.Mapping, *sourceMapping:
+		return true
+	}
+	return false
 }

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -207,54 +206,6 @@ func TestOpenAndPathErrors(t *testing.T) {
 	}
 }
 
-func TestMappingsAreKeptUntilTheServerRemovesFiles(t *testing.T) {
-	one := tiers.EntrySize("/x/f0", 100_000)
-	cfg, _ := startServerWithBudget(t, fmt.Sprint(3*one+3*100)) // three files fit
-	root := t.TempDir()
-	for i := 0; i < 4; i++ {
-		writeFile(t, root, fmt.Sprintf("f%d", i), bytes.Repeat([]byte{byte(i)}, 100_000))
-	}
-	c, err := Open(root, cfg, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	readBytes(t, c, "f0") // a miss: the server sends small files' bytes and caches them
-	waitCached(t, c, "f0")
-	first, err := c.Read("f0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	again, _ := c.Read("f0")
-	if &first.Bytes()[0] != &again.Bytes()[0] {
-		t.Error("a second read of a cached file mapped it again instead of reusing the mapping")
-	}
-	if !IsMapped(first) {
-		t.Errorf("a read of a cached file returned %T, want a mapping", first)
-	}
-	first.Release()
-	again.Release()
-	if c.maps.fifo.Len() != 1 {
-		t.Fatalf("kept mappings: %d, want 1", c.maps.fifo.Len())
-	}
-	for _, name := range []string{"f1", "f2", "f3"} { // f3 evicts f0 on the server
-		readBytes(t, c, name)
-		waitCached(t, c, name)
-	}
-	waitFor(t, func() bool { return c.generation() > 0 })
-	if got := readBytes(t, c, "f1"); got[0] != 1 {
-		t.Fatalf("f1: wrong bytes")
-	}
-	for _, name := range []string{"f0", "f2"} {
-		if _, kept := c.maps.byPath[filepath.Join(root, name)]; kept {
-			t.Errorf("after an eviction the cache still keeps %s", name)
-		}
-	}
-	if got := readBytes(t, c, "f0"); got[0] != 0 || len(got) != 100_000 {
-		t.Errorf("evicted file read back wrong")
-	}
-}
-
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
@@ -263,37 +214,5 @@ func waitFor(t *testing.T, cond func() bool) {
 			t.Fatal("condition not met within 10s")
 		}
 		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-func TestMapCacheBoundAndHandles(t *testing.T) {
-	dir := t.TempDir()
-	tier, err := tiers.New(tiers.Config{Dir: dir, Kind: tiers.Memory, Budget: "1MiB"}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newMapCache(2)
-	var handles []Buffer
-	for i := 0; i < 3; i++ {
-		src := fmt.Sprintf("/d/f%d", i)
-		tier.Publish(tiers.Entry{SourcePath: src, Size: 3}, []byte{byte(i), 1, 2})
-		m, err := tier.Open(src)
-		if err != nil {
-			t.Fatal(err)
-		}
-		handles = append(handles, c.put(src, m, 0))
-	}
-	if c.fifo.Len() != 2 || c.get("/d/f0", 0) != nil {
-		t.Errorf("cache of 2 holds %d mappings; f0 kept: %v", c.fifo.Len(), c.get("/d/f0", 0) != nil)
-	}
-	if handles[0].Bytes()[0] != 0 {
-		t.Error("a handle lost its mapping when the cache dropped it")
-	}
-	for _, h := range handles {
-		h.Release()
-		h.Release() // idempotent
-	}
-	if c.get("/d/f2", 1) != nil || c.fifo.Len() != 0 {
-		t.Error("a new generation did not empty the cache")
 	}
 }

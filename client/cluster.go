@@ -371,16 +371,11 @@ func (r *clusterRouter) generation() uint64 {
 // readCluster serves a read in cluster mode.
 func (c *Client) readCluster(path string) (Buffer, error) {
 	r := c.cluster
-	gen := r.generation()
-	if buf := c.maps.get(path, gen); buf != nil {
-		c.hit(buf.(*mapHandle).s.m)
-		return buf, nil
-	}
 	for attempt := 0; attempt < 2; attempt++ {
 		targets := r.targets(path)
 		died := false
 		for i, p := range targets {
-			buf, reply, err := c.readFromPeer(p, path, gen)
+			buf, reply, err := c.readFromPeer(p, path)
 			if err == nil {
 				r.succeeded(p)
 				if reply != nil && reply.Origin == "source" && len(targets) > 1 {
@@ -406,12 +401,12 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 
 // readFromPeer reads from one server: from its tier files directly when it is on this node
 // and has the file, else over RPC. reply is nil for a local hit.
-func (c *Client) readFromPeer(p *peer, path string, gen uint64) (Buffer, *readReply, error) {
+func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) {
 	dirs, _, _ := p.state()
 	if p.local {
 		if m, err := tiers.Probe(dirs, path); err == nil {
 			c.hit(m)
-			return c.maps.put(path, m, gen), nil, nil
+			return m, nil, nil
 		}
 	}
 	version, dead, alive := p.gossip()
@@ -432,7 +427,7 @@ func (c *Client) readFromPeer(p *peer, path string, gen uint64) (Buffer, *readRe
 		return nil, nil, err
 	}
 	c.counts.serverReads.Add(1)
-	buf, err := c.replyBuffer(context.Background(), p.rpc, reply, dirs, path, func(m *tiers.Mapping) Buffer { return c.maps.put(path, m, gen) })
+	buf, err := c.replyBuffer(context.Background(), p.rpc, reply, dirs, path)
 	if err != nil {
 		return nil, nil, err
 	}

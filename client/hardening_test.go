@@ -300,43 +300,6 @@ func TestOpenCloseLeaksNothing(t *testing.T) {
 	}
 }
 
-// A client that stops reading drops its kept mappings of files the server evicted, so that
-// it does not keep them alive in the tier (tmpfs held twice its budget). On the main branch
-// before this change it kept them until its next read.
-func TestIdleClientReleasesEvictedFiles(t *testing.T) {
-	one := int64(100_000 + 200)
-	cfg, _ := startServerWithBudget(t, fmt.Sprint(3*one)) // about three files fit
-	root := t.TempDir()
-	for i := range 5 {
-		writeFile(t, root, fmt.Sprintf("f%d", i), bytes.Repeat([]byte{byte(i)}, 100_000))
-	}
-	idle, err := Open(root, cfg, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer idle.Close()
-	readBytes(t, idle, "f0")
-	waitCached(t, idle, "f0")
-	readBytes(t, idle, "f0")
-	if idle.maps.fifo.Len() != 1 {
-		t.Fatalf("kept mappings: %d, want 1", idle.maps.fifo.Len())
-	}
-	busy, err := Open(root, cfg, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer busy.Close()
-	for i := 1; i < 5; i++ { // evicts f0
-		readBytes(t, busy, fmt.Sprintf("f%d", i))
-		waitCached(t, busy, fmt.Sprintf("f%d", i))
-	}
-	waitFor(t, func() bool {
-		idle.maps.mu.Lock()
-		defer idle.maps.mu.Unlock()
-		return idle.maps.fifo.Len() == 0
-	})
-}
-
 // A file too large for the tiers is mapped from the source, never copied into memory, both
 // when the server says so and when the client reads the source without a server. On the main
 // branch before this change the server read a 10 GiB file into memory (and was OOM-killed),

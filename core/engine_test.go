@@ -125,8 +125,7 @@ func TestConcurrentMissesReadSourceOnce(t *testing.T) {
 
 func TestWantMappingReturnsPublishedTierFile(t *testing.T) {
 	root, paths := dataset(t, 5000)
-	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "1MiB"}},
-		InlineMissBytes: 4096}, nil)
+	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "1MiB"}}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

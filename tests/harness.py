@@ -149,10 +149,11 @@ class Cluster:
 
 def cached_names(cluster, addr):
     """Base names of the files a server holds in its memory tier (the cached file names, in
-    the hash-bin directories, are the key, a dash and the source's base name)."""
+    the hash-bin directories, are the key, a dash and the source's base name; each has a
+    record beside it, named with a leading dot)."""
     tier = cluster.tiers(addr).split(":")[1]
     return {name.split("-", 1)[1] for dirpath, _, files in os.walk(tier) if dirpath != tier
-            for name in files if "-" in name}
+            for name in files if "-" in name and not name.startswith(".")}
 
 
 def wait_for(cond, timeout=20):

@@ -193,34 +193,33 @@ def tier_mappings():
         return sum(1 for line in f if "/fitcache-test-" in line or "/disk/" in line)
 
 
-def test_mappings_are_shared_kept_and_released(dataset, cache_options):
-    root, _ = dataset
-    ds = fitcache.FitCacheDataset(root, **cache_options)
-    assert tier_mappings() == 0
+def test_hits_are_copies_or_mappings_released_with_their_views(tmp_path, cache_options):
+    """Cached files up to 1 MiB come back as copies (one copy, like read(): no mapping is left
+    behind), larger ones as mappings that live exactly as long as their views."""
+    root = tmp_path / "mixed"
+    root.mkdir()
+    small, large = os.urandom(100_000), os.urandom(3 << 20)
+    (root / "small.bin").write_bytes(small)
+    (root / "large.bin").write_bytes(large)
+    ds = fitcache.FitCacheDataset(str(root), **cache_options)
     for i in range(len(ds)):
-        ds[i]  # caches everything (small misses come back as bytes, published in the background)
+        ds[i]  # misses: cached by the server
     wait_published(cache_options, len(ds))
-    for i in range(len(ds)):
-        ds[i]  # maps every file; the client keeps one mapping per file for the next epoch
     gc.collect()
-    kept = tier_mappings()
-    assert kept == len(ds)
-    for _ in range(3):
-        for i in range(len(ds)):
-            ds[i]
-    views = [ds[i] for i in range(len(ds))]
-    derived = views[5][10:20]
-    gc.collect()
-    assert tier_mappings() == kept, "reads again share the kept mappings instead of mapping anew"
-    ds.close()  # drops the kept mappings; views still hold theirs (an empty file's view holds none)
-    gc.collect()
-    assert tier_mappings() == sum(1 for v in views if len(v))
+    before = tier_mappings()
+    views = {name: ds[ds.files.index(name)] for name in ("small.bin", "large.bin")}
+    assert bytes(views["small.bin"]) == small and bytes(views["large.bin"]) == large
+    assert ds.stats()["client"]["local_hits"] >= 2, "both reads were hits"
+    assert tier_mappings() == before + 1, "only the large file is mapped"
+    derived = views["large.bin"][10:20]
     del views
     gc.collect()
-    assert tier_mappings() == 1, "only the file of the derived view stays mapped"
+    assert tier_mappings() == before + 1, "the derived view keeps the large file mapped"
     del derived
     gc.collect()
-    assert tier_mappings() == 0
+    assert tier_mappings() == before
+    ds.close()
+    assert fitcache._native.open_handles()[1] == 0, "every buffer released"
 
 
 def test_damaged_cache_entry_is_never_returned(dataset, cache_options):
@@ -231,7 +230,8 @@ def test_damaged_cache_entry_is_never_returned(dataset, cache_options):
     ds[i]
     wait_published(cache_options, 1)
     shm = cache_options["tiers"].split(",")[0].split(":")[1]
-    cached = [os.path.join(d, f) for d, _, fs in os.walk(shm) for f in fs if f.endswith("sample_007.bin")]
+    cached = [os.path.join(d, f) for d, _, fs in os.walk(shm) for f in fs
+              if f.endswith("sample_007.bin") and not f.startswith(".")]  # not its record
     assert len(cached) == 1
     with open(cached[0], "r+b") as f:
         f.truncate(1000)

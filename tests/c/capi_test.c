@@ -133,17 +133,25 @@ int main(int argc, char **argv) {
 	CHECK(fc_stats(h, js, needed + 1024, NULL) == 0 && strstr(js, "\"source_reads\"") != NULL, "stats: %s", js);
 	free(js);
 
-	/* Fork after load: the child gets -ECHILD at once, never a hang. */
+	/* Fork after load: the child serves cached files (the hit path needs no Go runtime) and
+	 * gets -ECHILD at once for everything else, never a hang. */
 	pid_t pid = fork();
 	if (pid == 0) {
 		alarm(10); /* a hang would be killed by SIGALRM and fail the check below */
 		int64_t ch;
-		int r1 = fc_read(h, "a.bin", &data, &sz, &buf);
-		int r2 = fc_open(root, NULL, &ch);
+		const void *d = NULL; int64_t s = 0, b = 0;
+		int hit = fc_read(h, "a.bin", &d, &s, &b);
+		int same = hit == 0 && s == want_len && memcmp(d, want, want_len) == 0;
+		int released = hit == 0 && fc_release(b) == 0;
+		int r1 = fc_read(h, "missing.bin", &data, &sz, &buf);
 		char msg[512];
 		fc_errmsg(msg, sizeof msg);
+		int r2 = fc_open(root, NULL, &ch);
 		int r3 = fc_debug_open_handles(NULL, NULL);
-		_exit(r1 == -ECHILD && r2 == -ECHILD && r3 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
+		if (!same || !released) fprintf(stderr, "child: cached a.bin: rc %d, %lld bytes\n", hit, (long long)s);
+		if (r1 != -ECHILD || r2 != -ECHILD || r3 != -ECHILD || !strstr(msg, "fork"))
+			fprintf(stderr, "child: miss %d open %d handles %d: %s\n", r1, r2, r3, msg);
+		_exit(same && released && r1 == -ECHILD && r2 == -ECHILD && r3 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
 	}
 	int status = 0;
 	waitpid(pid, &status, 0);

@@ -1,9 +1,9 @@
 """ctypes binding of libfitcache (see capi/fitcache.h for the contract).
 
-The library is loaded lazily, once per process: a Go runtime does not survive fork(), so a
-process forked after loading must not use its parent's copy. ``library()`` notices that (the
-pid changed) and raises :class:`ForkedAfterLoad`, which the dataset turns into plain reads of
-the source; the C layer refuses such calls too (-ECHILD), so nothing can hang.
+The library is loaded lazily, once per process. A Go runtime does not survive fork(), so in a
+process forked after loading, the inherited library serves only cached files (its hit path
+is C); everything else fails at once with ECHILD, raised as :class:`ForkedAfterLoad`, which
+the dataset turns into plain reads of the source. Nothing can hang.
 """
 
 import ctypes
@@ -64,32 +64,32 @@ def server_binary():
 
 
 def library():
-    """Returns the loaded library, loading it in this process on first use."""
+    """Returns the loaded library, loading it in this process on first use. In a process
+    forked after its parent loaded it, this is the parent's copy: it serves cached files of
+    the parent's clients (see :func:`forked`) and fails with ForkedAfterLoad otherwise."""
     global _lib, _lib_pid
-    pid = os.getpid()
     lib = _lib
-    if lib is not None and _lib_pid == pid:
+    if lib is not None:
         return lib
     with _lock:
-        if _lib is not None and _lib_pid != pid:
-            raise ForkedAfterLoad(
-                errno.ECHILD,
-                f"libfitcache was loaded in process {_lib_pid} before it forked; process {pid} "
-                "cannot use it (create DataLoader workers before reading from the dataset in the "
-                "main process, or use multiprocessing_context='forkserver' or 'spawn')")
         if _lib is None:
             path = library_path()
             if not os.path.exists(path):
                 raise FitCacheError(errno.ENOENT, f"libfitcache not found at {path}: "
                                     "reinstall the package (pip install .) or set FITCACHE_LIBRARY")
             _lib = _declare(ctypes.CDLL(path))
-            _lib_pid = pid
+            _lib_pid = os.getpid()
         return _lib
 
 
 def loaded_here():
     """True if this very process has loaded the library."""
     return _lib is not None and _lib_pid == os.getpid()
+
+
+def forked():
+    """True if the library was loaded by a parent of this process, before it forked."""
+    return _lib is not None and _lib_pid != os.getpid()
 
 
 def _declare(lib):
@@ -163,7 +163,7 @@ class _Owner:
 
     def release(self):
         buf_id, self._id = self._id, 0
-        if buf_id and _lib_pid == os.getpid():
+        if buf_id:  # in a forked child, only buffers of the C hit path can be released
             self._lib.fc_release(buf_id)
 
     __del__ = release
@@ -219,6 +219,22 @@ class Client:
         fails, the exception :meth:`read` would raise for the first failing one is raised, and
         the files already read are released."""
         paths = list(paths)
+        results = self.read_each(paths)
+        for i, r in enumerate(results):
+            if isinstance(r, FitCacheError):
+                results.clear()  # releases what was read
+                if not isinstance(r, ForkedAfterLoad):
+                    # Read the failing file alone for its exception with the native message;
+                    # should it succeed this time, report the error the batch got.
+                    self.read(paths[i])
+                raise r
+        return results
+
+    def read_each(self, paths):
+        """Like :meth:`read_many`, but returns for each path its memoryview or the
+        FitCacheError that reading it raised (without the native message), and raises only
+        when the call as a whole fails."""
+        paths = list(paths)
         n = len(paths)
         if n == 0:
             return []
@@ -229,16 +245,14 @@ class Client:
         rc = lib.fc_read_many(self._checked(), n, c_paths, data, sizes, bufs, results)
         if rc < 0:
             _raise(lib, rc)
-        views = [_view(lib, data[i], sizes[i], bufs[i]) for i in range(n) if results[i] == 0]
-        failed = next((i for i in range(n) if results[i] < 0), None)
-        if failed is None:
-            return views
-        views.clear()  # releases what was read
-        # Read the failing file alone for its exception with the native message; should it
-        # succeed this time, report the code the batch got.
-        self.read(paths[failed])
-        code = -results[failed]
-        raise _ERRORS.get(code, FitCacheError)(code, os.strerror(code), paths[failed])
+        out = []
+        for i in range(n):
+            if results[i] == 0:
+                out.append(_view(lib, data[i], sizes[i], bufs[i]))
+            else:
+                code = -results[i]
+                out.append(_ERRORS.get(code, FitCacheError)(code, os.strerror(code), paths[i]))
+        return out
 
     def pread(self, path, length, offset=0):
         """Returns up to length bytes of the file from offset, copied into new bytes."""

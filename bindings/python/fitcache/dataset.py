@@ -102,10 +102,17 @@ class FitCacheDataset(_Base):
         indices = [i.__index__() if not isinstance(i, int) and hasattr(i, "__index__") else i for i in indices]
         paths = [self.path(i) for i in indices]
         try:
-            views = self._get_client().read_many(paths)
+            views = self._get_client().read_each(paths)
         except _native.ForkedAfterLoad as err:
-            _warn_forked(err)
-            views = [_read_source(p, self.root, self._real_root) for p in paths]
+            views = [err] * len(paths)
+        for i, v in enumerate(views):
+            if isinstance(v, _native.ForkedAfterLoad):
+                _warn_forked(v)
+                views[i] = _read_source(paths[i], self.root, self._real_root)
+            elif isinstance(v, Exception):
+                views.clear()  # releases what was read
+                self._read(paths[i])  # raises the error with the native message
+                raise v
         if self.transform is None:
             return views
         return [self.transform(v) for v in views]
@@ -119,6 +126,10 @@ class FitCacheDataset(_Base):
 
     def _get_client(self):
         pid = os.getpid()
+        if self._client is not None and self._client_pid != pid and _native.forked():
+            # Forked after this client was opened: it still serves cached files (the hit path
+            # of the library is C); misses raise ForkedAfterLoad, read from the source here.
+            return self._client
         if self._client is None or self._client_pid != pid:
             self._client = None  # a parent's client is unusable after fork
             client = _native.Client(self.root, **self.options)
@@ -188,7 +199,8 @@ def _warn_forked(err):
     global _warned_forked
     if not _warned_forked:
         _warned_forked = True
-        warnings.warn(f"FitCache: {err.strerror}; reading from the source without the cache",
+        warnings.warn(f"FitCache: {err.strerror}. Cached files are still read from the cache; "
+                      "files not cached yet are read from the source in this process",
                       RuntimeWarning, stacklevel=4)
 
 

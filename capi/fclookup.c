@@ -1,0 +1,355 @@
+// Finding a file's cached copy in FitCache tiers without Go: see fclookup.h for the contract
+// and tiers/index.go for the index layout, which this file must match byte for byte
+// (tiers/index_c_test.go checks that against the Go writer).
+#define _GNU_SOURCE
+#include "fclookup.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+// Index layout (tiers/index.go).
+#define INDEX_NAME "fitcache.index"
+#define INDEX_MAGIC "FCINDEX\x01"
+#define INDEX_VERSION 1
+#define INDEX_WAYS 8
+#define INDEX_SLOT 64
+#define INDEX_HEADER 4096
+#define HDR_VERSION 8
+#define HDR_WAYS 12
+#define HDR_BUCKETS 16
+#define HDR_SLOT_SIZE 20
+#define HDR_RETIRED 24
+#define HDR_HITS 64
+#define HDR_HIT_BYTES 72
+
+// A missing or unusable index is sought again after this long.
+#define INDEX_RETRY_NS 1000000000LL
+
+// The longest base name kept in a cached file's name (tiers/layout.go maxNameBytes).
+#define MAX_NAME_BYTES 120
+
+static int64_t now_ns(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+uint64_t fc_key(const char *p, size_t n) {
+	uint64_t h = 0xcbf29ce484222325ULL;
+	for (size_t i = 0; i < n; i++) {
+		h ^= (unsigned char)p[i];
+		h *= 0x100000001b3ULL;
+	}
+	return h;
+}
+
+uint64_t fc_check(const char *p, size_t n) {
+	uint64_t h = 0xcbf29ce484222325ULL;
+	for (size_t i = n; i > 0; i--) {
+		h ^= (unsigned char)p[i - 1];
+		h *= 0x100000001b3ULL;
+	}
+	return h;
+}
+
+int fc_clean_path(const char *in, char *out, size_t cap) {
+	size_t n = strlen(in);
+	if (n == 0 || in[0] != '/' || cap < 2)
+		return -1;
+	size_t w = 1, r = 1;
+	out[0] = '/';
+	while (r < n) {
+		if (in[r] == '/') {
+			r++;
+		} else if (in[r] == '.' && (r + 1 == n || in[r + 1] == '/')) {
+			r++;
+		} else if (in[r] == '.' && in[r + 1] == '.' && (r + 2 == n || in[r + 2] == '/')) {
+			r += 2;
+			if (w > 1) { // back up to the previous slash; ".." at the root stays there
+				w--;
+				while (w > 1 && out[w] != '/')
+					w--;
+			}
+		} else {
+			if (w != 1) {
+				if (w + 1 >= cap)
+					return -1;
+				out[w++] = '/';
+			}
+			for (; r < n && in[r] != '/'; r++) {
+				if (w + 1 >= cap)
+					return -1;
+				out[w++] = in[r];
+			}
+		}
+	}
+	out[w] = '\0';
+	return (int)w;
+}
+
+// Writes the data file's path relative to the tier, "ab/cd/<key>-<base name>", into rel.
+static int rel_path(const char *path, size_t len, uint64_t key, char *rel, size_t cap) {
+	const char *base = path + len;
+	while (base > path && base[-1] != '/')
+		base--;
+	size_t blen = (size_t)(path + len - base);
+	if (blen == 0) { // only "/" has no base name; Go's filepath.Base gives "/"
+		base = "/";
+		blen = 1;
+	}
+	while (blen > 0 && *base == '.') { // tiers/layout.go safeName
+		base++;
+		blen--;
+	}
+	if (blen > MAX_NAME_BYTES)
+		blen = MAX_NAME_BYTES;
+	int n = snprintf(rel, cap, "%02x/%02x/%016llx-%.*s", (unsigned)(key & 0xff), (unsigned)((key >> 8) & 0xff),
+	                 (unsigned long long)key, (int)blen, base);
+	return n > 0 && (size_t)n < cap ? n : -1;
+}
+
+static uint32_t rd32(const uint8_t *p) { return __atomic_load_n((const uint32_t *)p, __ATOMIC_RELAXED); }
+static uint64_t rd64(const uint8_t *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_RELAXED); }
+
+static size_t index_len(uint32_t buckets) { return INDEX_HEADER + (size_t)buckets * INDEX_WAYS * INDEX_SLOT; }
+
+// map_index maps the tier's index read-only (and its header writable, for the hit counters)
+// after checking that it is a regular file of this user whose header matches its size.
+static int map_index(int dirfd, const uint8_t **index, uint64_t **counters) {
+	int fd = openat(dirfd, INDEX_NAME, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	struct stat st;
+	uint8_t hdr[32];
+	int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_HEADER &&
+	         pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
+	uint32_t buckets = 0;
+	if (ok) {
+		uint32_t version, ways, slot;
+		memcpy(&version, hdr + HDR_VERSION, 4);
+		memcpy(&ways, hdr + HDR_WAYS, 4);
+		memcpy(&buckets, hdr + HDR_BUCKETS, 4);
+		memcpy(&slot, hdr + HDR_SLOT_SIZE, 4);
+		ok = memcmp(hdr, INDEX_MAGIC, 8) == 0 && version == INDEX_VERSION && ways == INDEX_WAYS &&
+		     slot == INDEX_SLOT && buckets != 0 && (buckets & (buckets - 1)) == 0 &&
+		     (size_t)st.st_size == index_len(buckets);
+	}
+	void *m = MAP_FAILED, *h = MAP_FAILED;
+	if (ok)
+		m = mmap(NULL, index_len(buckets), PROT_READ, MAP_SHARED, fd, 0);
+	if (m != MAP_FAILED)
+		h = mmap(NULL, INDEX_HEADER, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (h == MAP_FAILED) {
+		if (m != MAP_FAILED)
+			munmap(m, index_len(buckets));
+		return -1;
+	}
+	*index = m;
+	*counters = (uint64_t *)((uint8_t *)h + HDR_HITS);
+	return 0;
+}
+
+static size_t mapped_len(const uint8_t *index) { return index_len(rd32(index + HDR_BUCKETS)); }
+
+// current_index returns the tier's index, mapping it anew when there was none (at most once
+// per INDEX_RETRY_NS) or when its server replaced it (retired). Threads racing to remap
+// each map a copy; the loser's copy is unmapped at once, the replaced one is kept (see
+// FC_TIER_OLD_INDEXES).
+static const uint8_t *current_index(struct fc_tier *t) {
+	const uint8_t *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	if (ix && !rd32(ix + HDR_RETIRED))
+		return ix;
+	int64_t now = now_ns();
+	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED))
+		return ix;
+	const uint8_t *fresh;
+	uint64_t *counters;
+	if (map_index(t->dirfd, &fresh, &counters) != 0) {
+		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
+		return ix; // a retired index is still right about what it lists, if not complete
+	}
+	if (rd32(fresh + HDR_RETIRED)) { // replaced again meanwhile: try later
+		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS / 100, __ATOMIC_RELAXED);
+		munmap((void *)fresh, mapped_len(fresh));
+		munmap((uint8_t *)counters - HDR_HITS, INDEX_HEADER);
+		return ix;
+	}
+	const uint8_t *expected = ix;
+	if (!__atomic_compare_exchange_n(&t->index, &expected, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		munmap((void *)fresh, mapped_len(fresh));
+		munmap((uint8_t *)counters - HDR_HITS, INDEX_HEADER);
+		return expected;
+	}
+	uint64_t *old_counters = __atomic_exchange_n(&t->counters, counters, __ATOMIC_ACQ_REL);
+	if (ix) {
+		int slot = __atomic_fetch_add(&t->nold, 1, __ATOMIC_RELAXED);
+		if (slot < FC_TIER_OLD_INDEXES) {
+			t->old[slot] = ix;
+			t->old_len[slot] = mapped_len(ix);
+			t->old_counters[slot] = old_counters;
+		}
+	}
+	return fresh;
+}
+
+int fc_tier_open(struct fc_tier *t, const char *dir, int kind) {
+	int saved = errno;
+	memset(t, 0, sizeof *t);
+	t->dirfd = -1;
+	int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0) {
+		int err = errno;
+		errno = saved;
+		return -err;
+	}
+	struct stat st;
+	if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+		close(fd);
+		errno = saved;
+		return -EPERM;
+	}
+	t->dirfd = fd;
+	t->kind = kind;
+	current_index(t);
+	errno = saved;
+	return 0;
+}
+
+void fc_tier_close(struct fc_tier *t) {
+	int saved = errno;
+	const uint8_t *ix = __atomic_exchange_n(&t->index, NULL, __ATOMIC_ACQ_REL);
+	uint64_t *counters = __atomic_exchange_n(&t->counters, NULL, __ATOMIC_ACQ_REL);
+	if (ix)
+		munmap((void *)ix, mapped_len(ix));
+	if (counters)
+		munmap((uint8_t *)counters - HDR_HITS, INDEX_HEADER);
+	int nold = t->nold < FC_TIER_OLD_INDEXES ? t->nold : FC_TIER_OLD_INDEXES;
+	for (int i = 0; i < nold; i++) {
+		munmap((void *)t->old[i], t->old_len[i]);
+		munmap((uint8_t *)t->old_counters[i] - HDR_HITS, INDEX_HEADER);
+	}
+	t->nold = 0;
+	if (t->dirfd >= 0)
+		close(t->dirfd);
+	t->dirfd = -1;
+	errno = saved;
+}
+
+// A slot as index_find reads it.
+struct slot {
+	uint64_t size, ino;
+	int64_t mtime;
+};
+
+// index_find looks (key, check) up in a mapped index with the slot's seqlock.
+static int index_find(const uint8_t *ix, uint64_t key, uint64_t check, struct slot *out) {
+	uint32_t buckets = rd32(ix + HDR_BUCKETS);
+	size_t first = (size_t)((key >> 16) & (buckets - 1)) * INDEX_WAYS;
+	for (size_t i = first; i < first + INDEX_WAYS; i++) {
+		const uint8_t *s = ix + INDEX_HEADER + i * INDEX_SLOT;
+		if (rd64(s + 8) != key)
+			continue;
+		for (int spin = 0; spin < 100; spin++) {
+			uint32_t seq = __atomic_load_n((const uint32_t *)s, __ATOMIC_ACQUIRE);
+			if (seq & 1)
+				continue;
+			uint32_t used = rd32(s + 4);
+			uint64_t k = rd64(s + 8), c = rd64(s + 16);
+			out->size = rd64(s + 24);
+			out->mtime = (int64_t)rd64(s + 32);
+			out->ino = rd64(s + 40);
+			__atomic_thread_fence(__ATOMIC_ACQUIRE);
+			if (__atomic_load_n((const uint32_t *)s, __ATOMIC_RELAXED) != seq)
+				continue;
+			if (used == 1 && k == key && c == check)
+				return 1;
+			break;
+		}
+	}
+	return 0;
+}
+
+// Whether the kernel has openat2 (0 unknown, 1 yes, -1 no).
+static int have_openat2;
+
+// open_beneath opens rel below dirfd read-only, following no link at any level.
+static int open_beneath(int dirfd, const char *rel) {
+	if (have_openat2 >= 0) {
+		struct open_how how = {
+			.flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC,
+			.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH,
+		};
+		int fd = (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
+		if (fd >= 0 || (errno != ENOSYS && errno != EPERM)) {
+			have_openat2 = 1;
+			return fd;
+		}
+		have_openat2 = -1; // EPERM: a seccomp filter refuses it
+	}
+	// One level at a time: "ab", "cd", name.
+	char part[3] = {rel[0], rel[1], 0};
+	int a = openat(dirfd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (a < 0)
+		return -1;
+	part[0] = rel[3];
+	part[1] = rel[4];
+	int b = openat(a, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	close(a);
+	if (b < 0)
+		return -1;
+	int fd = openat(b, rel + 6, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+	close(b);
+	return fd;
+}
+
+int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, struct fc_hit *hit) {
+	int saved = errno;
+	uint64_t key = fc_key(path, len), check = fc_check(path, len);
+	char rel[MAX_NAME_BYTES + 32];
+	int have_rel = 0;
+	for (int i = 0; i < n; i++) {
+		struct fc_tier *t = &tiers[i];
+		const uint8_t *ix = t->dirfd >= 0 ? current_index(t) : NULL;
+		struct slot s;
+		if (!ix || !index_find(ix, key, check, &s))
+			continue;
+		if (!have_rel) {
+			if (rel_path(path, len, key, rel, sizeof rel) < 0)
+				break;
+			have_rel = 1;
+		}
+		int fd = open_beneath(t->dirfd, rel);
+		if (fd < 0)
+			continue; // evicted since the lookup
+		struct stat st;
+		if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && (uint64_t)st.st_ino == s.ino &&
+		    (uint64_t)st.st_size == s.size) {
+			hit->fd = fd;
+			hit->tier = i;
+			hit->size = (int64_t)s.size;
+			hit->mtime_ns = s.mtime;
+			errno = saved;
+			return 0;
+		}
+		close(fd); // replaced behind the index's back: the server removes it when it meets it
+	}
+	errno = saved;
+	return -ENOENT;
+}
+
+void fc_count_hit(struct fc_tier *t, int64_t bytes) {
+	uint64_t *c = __atomic_load_n(&t->counters, __ATOMIC_ACQUIRE);
+	if (c) {
+		__atomic_fetch_add(&c[0], 1, __ATOMIC_RELAXED);
+		__atomic_fetch_add(&c[1], (uint64_t)bytes, __ATOMIC_RELAXED);
+	}
+}

@@ -1,0 +1,298 @@
+// The hit path of libfitcache: see hitpath.h.
+#define _GNU_SOURCE
+#include "hitpath.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "fclookup.h"
+
+#define MAX_TIERS 8
+#define CLIENT_SLOTS 256 // clients open at once with a hit path; more go through Go
+
+struct hit_client {
+	int64_t handle;
+	char root[FC_PATH_MAX];
+	size_t rootlen;
+	struct fc_tier tiers[MAX_TIERS];
+	int ntiers;
+	int64_t hits, bytes; // atomic
+};
+
+// clients_lock is held shared by reads and exclusively to change clients (or a client's
+// tiers). clients[h % CLIENT_SLOTS] holds the client of handle h.
+static pthread_rwlock_t clients_lock = PTHREAD_RWLOCK_INITIALIZER;
+static struct hit_client *clients[CLIENT_SLOTS];
+
+// A buffer handed out by the hit path.
+enum { BUF_FREE, BUF_EMPTY, BUF_HEAP, BUF_MAPPED };
+struct cbuf {
+	void *ptr;
+	size_t len;
+	uint32_t gen; // bumped when the slot is freed, so a stale handle is EBADF
+	uint8_t kind;
+};
+
+// bufs_lock protects bufs, nbufs, capbufs, free_slots and nfree.
+static pthread_mutex_t bufs_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct cbuf *bufs;
+static uint32_t nbufs, capbufs;
+static uint32_t *free_slots, nfree;
+static int64_t live_bufs;
+
+// A handle is FC_CBUF_BASE | gen << 32 | slot.
+static int64_t buf_handle(uint32_t slot, uint32_t gen) {
+	return FC_CBUF_BASE | ((int64_t)(gen & 0x3fffffff) << 32) | slot;
+}
+
+static void lock_all(void) {
+	pthread_rwlock_wrlock(&clients_lock);
+	pthread_mutex_lock(&bufs_lock);
+}
+
+static void unlock_all(void) {
+	pthread_mutex_unlock(&bufs_lock);
+	pthread_rwlock_unlock(&clients_lock);
+}
+
+// The child starts with fresh locks: glibc's rwlock unlock compares the writer's thread id,
+// which is not the same in the child, so unlocking there would leave the lock taken.
+static void reset_in_child(void) {
+	pthread_rwlock_t fresh_rw = PTHREAD_RWLOCK_INITIALIZER;
+	pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
+	clients_lock = fresh_rw;
+	bufs_lock = fresh_mu;
+}
+
+// The locks are held across fork, so that a child never inherits state that a thread it
+// lacks was changing.
+__attribute__((constructor)) static void hit_init(void) { pthread_atfork(lock_all, unlock_all, reset_in_child); }
+
+static int64_t add_buf(void *ptr, size_t len, uint8_t kind) {
+	pthread_mutex_lock(&bufs_lock);
+	uint32_t slot;
+	if (nfree > 0) {
+		slot = free_slots[--nfree];
+	} else {
+		if (nbufs == capbufs) {
+			uint32_t cap = capbufs ? 2 * capbufs : 256;
+			struct cbuf *nb = realloc(bufs, cap * sizeof *nb);
+			uint32_t *nf = nb ? realloc(free_slots, cap * sizeof *nf) : NULL;
+			if (nb)
+				bufs = nb;
+			if (!nf) {
+				pthread_mutex_unlock(&bufs_lock);
+				return -ENOMEM;
+			}
+			free_slots = nf;
+			capbufs = cap;
+		}
+		slot = nbufs++;
+		bufs[slot].gen = 0;
+	}
+	bufs[slot].ptr = ptr;
+	bufs[slot].len = len;
+	bufs[slot].kind = kind;
+	live_bufs++;
+	int64_t h = buf_handle(slot, bufs[slot].gen);
+	pthread_mutex_unlock(&bufs_lock);
+	return h;
+}
+
+static void free_mem(void *ptr, size_t len, uint8_t kind) {
+	if (kind == BUF_HEAP)
+		free(ptr);
+	else if (kind == BUF_MAPPED)
+		munmap(ptr, len);
+}
+
+int hit_release(int64_t h) {
+	if (h < FC_CBUF_BASE)
+		return -EBADF;
+	uint32_t slot = (uint32_t)h, gen = (uint32_t)((h >> 32) & 0x3fffffff);
+	pthread_mutex_lock(&bufs_lock);
+	if (slot >= nbufs || bufs[slot].kind == BUF_FREE || (bufs[slot].gen & 0x3fffffff) != gen) {
+		pthread_mutex_unlock(&bufs_lock);
+		return -EBADF;
+	}
+	struct cbuf b = bufs[slot];
+	bufs[slot].kind = BUF_FREE;
+	bufs[slot].ptr = NULL;
+	bufs[slot].gen++;
+	free_slots[nfree++] = slot;
+	live_bufs--;
+	pthread_mutex_unlock(&bufs_lock);
+	free_mem(b.ptr, b.len, b.kind);
+	return 0;
+}
+
+int64_t hit_buffers(void) {
+	pthread_mutex_lock(&bufs_lock);
+	int64_t n = live_bufs;
+	pthread_mutex_unlock(&bufs_lock);
+	return n;
+}
+
+// client returns the client of handle h (clients_lock held), or NULL.
+static struct hit_client *client(int64_t h) {
+	struct hit_client *c = clients[(uint64_t)h % CLIENT_SLOTS];
+	return c && c->handle == h ? c : NULL;
+}
+
+int fcHitOpen(int64_t handle, const char *root) {
+	size_t n = strlen(root);
+	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/')
+		return -1;
+	struct hit_client *c = calloc(1, sizeof *c);
+	if (!c)
+		return -1;
+	c->handle = handle;
+	memcpy(c->root, root, n + 1);
+	c->rootlen = n;
+	pthread_rwlock_wrlock(&clients_lock);
+	struct hit_client **slot = &clients[(uint64_t)handle % CLIENT_SLOTS];
+	int ok = *slot == NULL;
+	if (ok)
+		*slot = c;
+	pthread_rwlock_unlock(&clients_lock);
+	if (!ok)
+		free(c);
+	return ok ? 0 : -1;
+}
+
+int fcHitAddTier(int64_t handle, const char *dir, int kind) {
+	pthread_rwlock_wrlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	int rc = -EBADF;
+	if (c && c->ntiers == MAX_TIERS)
+		rc = -ENOSPC;
+	else if (c && (rc = fc_tier_open(&c->tiers[c->ntiers], dir, kind)) == 0)
+		c->ntiers++;
+	pthread_rwlock_unlock(&clients_lock);
+	return rc;
+}
+
+int fcHitTiers(int64_t handle) {
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	int n = c ? c->ntiers : 0;
+	pthread_rwlock_unlock(&clients_lock);
+	return n;
+}
+
+void fcHitClose(int64_t handle) {
+	pthread_rwlock_wrlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	if (c)
+		clients[(uint64_t)handle % CLIENT_SLOTS] = NULL;
+	pthread_rwlock_unlock(&clients_lock);
+	if (!c)
+		return;
+	for (int i = 0; i < c->ntiers; i++)
+		fc_tier_close(&c->tiers[i]);
+	free(c);
+}
+
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes) {
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	*hits = c ? __atomic_load_n(&c->hits, __ATOMIC_RELAXED) : 0;
+	*bytes = c ? __atomic_load_n(&c->bytes, __ATOMIC_RELAXED) : 0;
+	pthread_rwlock_unlock(&clients_lock);
+}
+
+// source_path writes the clean absolute path of path (absolute, or relative to c's root) into
+// out; it returns its length, or -1 when the path is too long or not under the root (Go then
+// gives the error).
+static int source_path(const struct hit_client *c, const char *path, char *out, size_t cap) {
+	char joined[FC_PATH_MAX];
+	const char *abs = path;
+	if (path[0] != '/') {
+		size_t n = strlen(path);
+		if (c->rootlen + 1 + n >= sizeof joined)
+			return -1;
+		memcpy(joined, c->root, c->rootlen);
+		joined[c->rootlen] = '/';
+		memcpy(joined + c->rootlen + 1, path, n + 1);
+		abs = joined;
+	}
+	int n = fc_clean_path(abs, out, cap);
+	if (n < 0)
+		return -1;
+	int inside = c->rootlen == 1 || ((size_t)n > c->rootlen && memcmp(out, c->root, c->rootlen) == 0 &&
+	                                 out[c->rootlen] == '/');
+	return inside ? n : -1;
+}
+
+// take reads or maps the whole file of a hit; it returns 0, FC_MISS if the file did not give
+// the bytes the index promised, or -ENOMEM.
+static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
+	if (h->size == 0) {
+		*ptr = NULL;
+		*kind = BUF_EMPTY;
+		return 0;
+	}
+	if (h->size > FC_READ_MAX_BYTES) {
+		void *m = mmap(NULL, (size_t)h->size, PROT_READ, MAP_SHARED, h->fd, 0);
+		if (m == MAP_FAILED)
+			return FC_MISS;
+		*ptr = m;
+		*kind = BUF_MAPPED;
+		return 0;
+	}
+	char *p = malloc((size_t)h->size);
+	if (!p)
+		return -ENOMEM;
+	size_t done = 0;
+	while (done < (size_t)h->size) {
+		ssize_t k = pread(h->fd, p + done, (size_t)h->size - done, (off_t)done);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0) {
+			free(p);
+			return FC_MISS;
+		}
+		done += (size_t)k;
+	}
+	*ptr = p;
+	*kind = BUF_HEAP;
+	return 0;
+}
+
+int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int saved = errno;
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	char clean[FC_PATH_MAX];
+	struct fc_hit h;
+	int n, rc = FC_MISS;
+	if (!c || c->ntiers == 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 ||
+	    fc_lookup(c->tiers, c->ntiers, clean, (size_t)n, &h) != 0)
+		goto out;
+	void *ptr;
+	uint8_t kind;
+	rc = take(&h, &ptr, &kind);
+	close(h.fd);
+	if (rc != 0)
+		goto out;
+	int64_t id = add_buf(ptr, (size_t)h.size, kind);
+	if (id < 0) {
+		free_mem(ptr, (size_t)h.size, kind);
+		rc = (int)id;
+		goto out;
+	}
+	fc_count_hit(&c->tiers[h.tier], h.size);
+	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
+	*data = ptr;
+	*size = h.size;
+	*buffer = id;
+out:
+	pthread_rwlock_unlock(&clients_lock);
+	errno = saved;
+	return rc;
+}

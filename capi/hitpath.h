@@ -1,0 +1,53 @@
+/*
+ * hitpath.h -- the hit path of libfitcache: reads of cached files served in C, without Go.
+ *
+ * Go (capi/main.go) registers each client handle with its dataset root and the tier
+ * directories of its server; fc_read and fc_read_many (fitcache.c) then try hit_read first
+ * and enter Go only on a miss. Buffers served here live in a C registry whose handles are
+ * disjoint from Go's (FC_CBUF_BASE and up), so fc_release can tell them apart.
+ *
+ * Everything here also works in a process forked after the library was loaded: descriptors
+ * and mappings are inherited, and the locks are taken around fork (pthread_atfork), so hits
+ * need no Go runtime. Misses there cannot enter Go (see fitcache.c).
+ */
+#ifndef FITCACHE_HITPATH_H
+#define FITCACHE_HITPATH_H
+
+#include <stdint.h>
+
+/* Buffer handles of the hit path are FC_CBUF_BASE and up (Go's are below). */
+#define FC_CBUF_BASE ((int64_t)1 << 62)
+
+/* hit_read's result when the file is not cached (or this handle has no hit path). */
+#define FC_MISS 1
+
+/* Files up to this size are read into memory the caller owns (one copy, like read());
+ * larger ones are mapped (no copy). Measured crossover: see docs/BENCHMARKS.md. */
+#define FC_READ_MAX_BYTES ((int64_t)1 << 20)
+
+/* Serves path (absolute, or relative to the client's root) from a tier if it is cached there:
+ * returns 0 with *data, *size and *buffer set as fc_read sets them, FC_MISS if it is not
+ * cached (or the path is not one the hit path handles: outside the root, too long), or a
+ * negated errno (out of memory). */
+int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
+/* Releases a buffer of the hit path: 0, or -EBADF for an unknown or released one. */
+int hit_release(int64_t buffer);
+
+/* Unreleased buffers of the hit path. */
+int64_t hit_buffers(void);
+
+/* Called from Go. Registers a client handle with its dataset root (absolute, clean); 0 or -1
+ * when the hit path cannot take it (the client still works, through Go). */
+int fcHitOpen(int64_t handle, const char *root);
+/* Adds a tier directory (fastest first) of the client's server, of the given kind
+ * (tiers.Kind); returns 0 or a negated errno (the tier is then not used by the hit path). */
+int fcHitAddTier(int64_t handle, const char *dir, int kind);
+/* Number of tiers the hit path has for a handle. */
+int fcHitTiers(int64_t handle);
+/* Forgets a client handle, closing its tiers. */
+void fcHitClose(int64_t handle);
+/* Reads served by the hit path for a handle, and their bytes. */
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes);
+
+#endif /* FITCACHE_HITPATH_H */
