@@ -66,16 +66,39 @@ int fc_close(int64_t handle) {
 static int forked_miss(void) {
 	snprintf(errmsg, sizeof errmsg,
 		"libfitcache was loaded in process %d before it forked; in this process (%d) it serves "
-		"only cached files: read this one from the source, or load the library after fork",
+		"only cached files and what its server can cache (the embedded server): read this one "
+		"from the source, or load the library after fork",
 		(int)loaded_pid, (int)getpid());
 	return -ECHILD;
 }
 
+// fetch_and_read serves a miss without Go: the server brings the file into its tiers
+// (through its node socket) and the hit path reads it. It returns FC_MISS or FC_UNAVAILABLE
+// when that cannot be done, or fc_read's result.
+static int fetch_and_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	char msg[FC_FETCH_MESSAGE];
+	int rc = hit_fetch(handle, path, msg);
+	if (rc == 0) return hit_read(handle, path, data, size, buffer);
+	if (rc < 0) snprintf(errmsg, sizeof errmsg, "%s", msg[0] ? msg : strerror(-rc));
+	return rc;
+}
+
+// forked_read serves a miss in a process forked after load, where Go cannot run.
+static int forked_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int rc = fetch_and_read(handle, path, data, size, buffer);
+	return rc == FC_MISS || rc == FC_UNAVAILABLE ? forked_miss() : rc;
+}
+
+// Misses go to the server's node socket first; Go serves what that cannot (no server yet,
+// a file no tier takes, cluster mode, a server that does not answer).
 int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	if (!path || !data || !size || !buffer) { snprintf(errmsg, sizeof errmsg, "fc_read: NULL argument"); return -EINVAL; }
 	int rc = hit_read(handle, path, data, size, buffer);
 	if (rc != FC_MISS) return rc;
-	if (forked_after_load) return forked_miss();
+	if (forked_after_load) return forked_read(handle, path, data, size, buffer);
+	rc = fetch_and_read(handle, path, data, size, buffer);
+	if (rc != FC_MISS && rc != FC_UNAVAILABLE) return rc;
+	if (rc == FC_UNAVAILABLE) goServerUnavailable(handle);
 	rc = goRead(handle, (char *)path, (void **)data, size, buffer);
 	if (rc == 0 && fcHitTiers(handle) == 0) goRefreshTiers(handle);
 	return rc;
@@ -103,7 +126,10 @@ int fc_read_many(int64_t handle, int count, const char *const *paths, const void
 	}
 	int rc = 0;
 	if (nmiss > 0 && forked_after_load) {
-		for (int j = 0; j < nmiss; j++) results[miss[j]] = forked_miss();
+		for (int j = 0; j < nmiss; j++) {
+			int i = miss[j];
+			results[i] = forked_read(handle, paths[i], &data[i], &sizes[i], &buffers[i]);
+		}
 	} else if (nmiss > 0) {
 		const char **mp = malloc((size_t)nmiss * sizeof *mp);
 		const void **md = malloc((size_t)nmiss * sizeof *md);

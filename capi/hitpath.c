@@ -7,6 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fclookup.h"
@@ -18,6 +21,11 @@ struct hit_client {
 	int64_t handle;
 	char root[FC_PATH_MAX];
 	size_t rootlen;
+	char node_socket[sizeof(((struct sockaddr_un *)0)->sun_path)]; // "" for none
+	int64_t timeout_ms;
+	int64_t node_down_until; // CLOCK_MONOTONIC ns before which the node socket is skipped (atomic):
+	                         // set by fcHitServerState, and for a while after a timeout
+	int64_t fetches;         // misses the server cached through the node socket (atomic)
 	struct fc_tier tiers[MAX_TIERS];
 	int ntiers;
 	int64_t hits, bytes; // atomic
@@ -143,7 +151,7 @@ static struct hit_client *client(int64_t h) {
 	return c && c->handle == h ? c : NULL;
 }
 
-int fcHitOpen(int64_t handle, const char *root) {
+int fcHitOpen(int64_t handle, const char *root, const char *node_socket, int64_t timeout_ms) {
 	size_t n = strlen(root);
 	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/')
 		return -1;
@@ -151,6 +159,10 @@ int fcHitOpen(int64_t handle, const char *root) {
 	if (!c)
 		return -1;
 	c->handle = handle;
+	if (strlen(node_socket) < sizeof c->node_socket)
+		strcpy(c->node_socket, node_socket);
+	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
+	c->node_down_until = INT64_MAX; // until the Go client reports its server up
 	memcpy(c->root, root, n + 1);
 	c->rootlen = n;
 	pthread_rwlock_wrlock(&clients_lock);
@@ -197,11 +209,12 @@ void fcHitClose(int64_t handle) {
 	free(c);
 }
 
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes) {
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes, int64_t *fetches) {
 	pthread_rwlock_rdlock(&clients_lock);
 	struct hit_client *c = client(handle);
 	*hits = c ? __atomic_load_n(&c->hits, __ATOMIC_RELAXED) : 0;
 	*bytes = c ? __atomic_load_n(&c->bytes, __ATOMIC_RELAXED) : 0;
+	*fetches = c ? __atomic_load_n(&c->fetches, __ATOMIC_RELAXED) : 0;
 	pthread_rwlock_unlock(&clients_lock);
 }
 
@@ -295,4 +308,128 @@ out:
 	pthread_rwlock_unlock(&clients_lock);
 	errno = saved;
 	return rc;
+}
+
+// Node socket protocol (nodesock/nodesock.go).
+#define NODE_MAGIC "FCN1"
+#define NODE_OP_FETCH 1
+#define NODE_MAX_MESSAGE 1000
+
+static int write_all(int fd, const void *p, size_t n) {
+	while (n > 0) {
+		ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return -1;
+		p = (const char *)p + k;
+		n -= (size_t)k;
+	}
+	return 0;
+}
+
+static int read_all(int fd, void *p, size_t n) {
+	while (n > 0) {
+		ssize_t k = recv(fd, p, n, 0);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return -1;
+		p = (char *)p + k;
+		n -= (size_t)k;
+	}
+	return 0;
+}
+
+static uint32_t get32(const uint8_t *p) {
+	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+	p[0] = (uint8_t)v;
+	p[1] = (uint8_t)(v >> 8);
+	p[2] = (uint8_t)(v >> 16);
+	p[3] = (uint8_t)(v >> 24);
+}
+
+// After a node socket timed out, misses skip it for this long (and go through Go, which backs
+// off from a server that does not answer in its own way).
+#define NODE_BACKOFF_NS (5 * 1000000000LL)
+
+static int64_t monotonic_ns(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int hit_fetch(int64_t handle, const char *path, char *msg) {
+	int saved = errno;
+	msg[0] = 0;
+	char root[FC_PATH_MAX], clean[FC_PATH_MAX];
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	int64_t timeout_ms = 0;
+	int n = -1;
+	int64_t *down_until = NULL, *fetches = NULL;
+	pthread_rwlock_rdlock(&clients_lock); // copied out: the fetch runs without the lock
+	struct hit_client *c = client(handle);
+	if (c && c->node_socket[0] && monotonic_ns() >= __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) &&
+	    (n = source_path(c, path, clean, sizeof clean)) >= 0) {
+		memcpy(root, c->root, c->rootlen + 1);
+		strcpy(addr.sun_path, c->node_socket);
+		timeout_ms = c->timeout_ms;
+		down_until = &c->node_down_until; // the client outlives the call: fc_close waits for reads
+		fetches = &c->fetches;
+	}
+	pthread_rwlock_unlock(&clients_lock);
+	if (n < 0)
+		return FC_MISS;
+	size_t rootlen = strlen(root);
+	uint8_t hdr[16];
+	memcpy(hdr, NODE_MAGIC, 4);
+	put32(hdr + 4, NODE_OP_FETCH);
+	put32(hdr + 8, (uint32_t)rootlen);
+	put32(hdr + 12, (uint32_t)n);
+	int rc = FC_MISS; // for anything but a timeout: Go handles it (starts a server, say)
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		goto out;
+	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+	if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
+		goto out; // no server (yet): Go starts one
+	uint8_t reply[12];
+	if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, root, rootlen) != 0 ||
+	    write_all(fd, clean, (size_t)n) != 0 || read_all(fd, reply, sizeof reply) != 0 ||
+	    memcmp(reply, NODE_MAGIC, 4) != 0 || get32(reply + 8) > NODE_MAX_MESSAGE ||
+	    read_all(fd, msg, get32(reply + 8)) != 0) {
+		if (errno == EAGAIN || errno == EWOULDBLOCK) { // timed out: a hung server
+			__atomic_store_n(down_until, monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+			rc = FC_UNAVAILABLE;
+		}
+		goto out;
+	}
+	int32_t err = (int32_t)get32(reply + 4);
+	msg[get32(reply + 8)] = 0;
+	if (err == 0) {
+		rc = 0;
+		__atomic_fetch_add(fetches, 1, __ATOMIC_RELAXED);
+	} else if (err == EFBIG) {
+		rc = FC_MISS; // no tier takes it
+	} else if (err != EBADF && err != ETIMEDOUT && err != EIO) {
+		rc = -err; // the file's own error; for the others, read without the server
+	}
+out:
+	if (fd >= 0)
+		close(fd);
+	errno = saved;
+	return rc;
+}
+
+void fcHitServerState(int64_t handle, bool up, int64_t ms) {
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	if (c)
+		__atomic_store_n(&c->node_down_until, up ? 0 : monotonic_ns() + ms * 1000000LL, __ATOMIC_RELAXED);
+	pthread_rwlock_unlock(&clients_lock);
 }

@@ -13,6 +13,7 @@
 #ifndef FITCACHE_HITPATH_H
 #define FITCACHE_HITPATH_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 /* Buffer handles of the hit path are FC_CBUF_BASE and up (Go's are below). */
@@ -20,6 +21,9 @@
 
 /* hit_read's result when the file is not cached (or this handle has no hit path). */
 #define FC_MISS 1
+
+/* hit_fetch's result when the server did not answer (in time): read without it. */
+#define FC_UNAVAILABLE 2
 
 /* Files up to this size are read into memory the caller owns (one copy, like read());
  * larger ones are mapped (no copy). Measured crossover: see docs/BENCHMARKS.md. */
@@ -31,23 +35,42 @@
  * negated errno (out of memory). */
 int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* Asks the server of a client, over its node socket (package nodesock), to bring path into its
+ * tiers, waiting no longer than the client's read timeout. Returns 0 when the file is cached
+ * now (hit_read finds it), FC_MISS when the server cannot cache it (no node socket, no server
+ * listening, no tier takes the file), FC_UNAVAILABLE when the server did not answer in time
+ * (the client then skips the node socket for a while), or the file's own negated errno (-ENOENT...), with the
+ * server's message in msg (FC_FETCH_MESSAGE bytes, always terminated). Misses
+ * take this way first: it needs no Go, so it also serves processes forked after load. */
+int hit_fetch(int64_t handle, const char *path, char *msg);
+
+/* The size of the message buffer hit_fetch fills (the server's message for an error). */
+#define FC_FETCH_MESSAGE 1001
+
 /* Releases a buffer of the hit path: 0, or -EBADF for an unknown or released one. */
 int hit_release(int64_t buffer);
 
 /* Unreleased buffers of the hit path. */
 int64_t hit_buffers(void);
 
-/* Called from Go. Registers a client handle with its dataset root (absolute, clean); 0 or -1
- * when the hit path cannot take it (the client still works, through Go). */
-int fcHitOpen(int64_t handle, const char *root);
+/* Called from Go. Registers a client handle with its dataset root (absolute, clean), the node
+ * socket of its server ("" for none) and its read timeout; 0 or -1 when the hit path cannot
+ * take it (the client still works, through Go). */
+int fcHitOpen(int64_t handle, const char *root, const char *node_socket, int64_t timeout_ms);
 /* Adds a tier directory (fastest first) of the client's server, of the given kind
  * (tiers.Kind); returns 0 or a negated errno (the tier is then not used by the hit path). */
 int fcHitAddTier(int64_t handle, const char *dir, int kind);
+/* Tells the hit path whether the Go client of a handle is connected to its server (up), or
+ * is reading without it for ms milliseconds (it could not reach or start it, or it did not
+ * answer). Misses use the node socket only while the client is up: a server that holds its
+ * lock but is stopped still accepts connections, and would make every miss wait. */
+void fcHitServerState(int64_t handle, bool up, int64_t ms);
 /* Number of tiers the hit path has for a handle. */
 int fcHitTiers(int64_t handle);
 /* Forgets a client handle, closing its tiers. */
 void fcHitClose(int64_t handle);
-/* Reads served by the hit path for a handle, and their bytes. */
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes);
+/* Reads served by the hit path for a handle, their bytes, and the misses it had the server
+ * cache through the node socket. */
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes, int64_t *fetches);
 
 #endif /* FITCACHE_HITPATH_H */

@@ -9,6 +9,7 @@
 package main
 
 /*
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,7 @@ import (
 	"path/filepath"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"github.com/fitcache/fitcache/client"
@@ -156,15 +158,19 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		c.Close()
 		return fail(err)
 	}
-	c.SetExternalHits(func() (int64, int64) {
-		var n, bytes C.int64_t
-		C.fcHitCounts(C.int64_t(h), &n, &bytes)
-		return int64(n), int64(bytes)
+	c.SetExternalCounts(func() (int64, int64) {
+		var n, bytes, fetches C.int64_t
+		C.fcHitCounts(C.int64_t(h), &n, &bytes, &fetches)
+		return int64(n), int64(fetches)
 	})
-	croot := C.CString(c.Root())
+	croot, cnode := C.CString(c.Root()), C.CString(c.NodeSocket())
 	defer C.free(unsafe.Pointer(croot))
-	if C.fcHitOpen(C.int64_t(h), croot) == 0 {
+	defer C.free(unsafe.Pointer(cnode))
+	if C.fcHitOpen(C.int64_t(h), croot, cnode, C.int64_t(cfg.ReadTimeout.Milliseconds())) == 0 {
 		addHitTiers(h, c)
+		c.SetOnServerState(func(up bool, backoff time.Duration) {
+			C.fcHitServerState(C.int64_t(h), C.bool(up), C.int64_t(backoff.Milliseconds()))
+		})
 	}
 	*handle = C.int64_t(h)
 	return 0
@@ -248,6 +254,11 @@ func readExported(c *client.Client, path string) (ptr unsafe.Pointer, size int, 
 	if err != nil {
 		return nil, 0, 0, err
 	}
+	return exportBuffer(buf)
+}
+
+// exportBuffer registers a buffer for C (see readExported).
+func exportBuffer(buf client.Buffer) (ptr unsafe.Pointer, size int, id int64, err error) {
 	b := buf.Bytes()
 	var out buffer
 	switch {
@@ -311,7 +322,7 @@ func goReadMany(handle C.int64_t, count C.int, paths **C.char, data *unsafe.Poin
 				}
 			}()
 			for i := range next {
-				ptr, size, id, err := readExported(c, goPaths[i])
+				ptr, size, id, err := fetchExported(handle, c, goPaths[i])
 				if err != nil {
 					datav[i], sizev[i], idv[i], resv[i] = nil, 0, 0, -C.int(core.Errno(err))
 					continue
@@ -332,6 +343,39 @@ func goReadMany(handle C.int64_t, count C.int, paths **C.char, data *unsafe.Poin
 		return fail(firstErr)
 	}
 	return 0
+}
+
+// fetchExported is readExported for a file that the server may put into a tier: the hit
+// path then reads it from there (one copy, or a mapping for a large file) instead of Go
+// mapping it.
+func fetchExported(handle C.int64_t, c *client.Client, path string) (ptr unsafe.Pointer, size int, id int64, err error) {
+	cached, buf, err := c.Fetch(path)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	if cached {
+		cpath := C.CString(path)
+		defer C.free(unsafe.Pointer(cpath))
+		var data unsafe.Pointer
+		var n, bufID C.int64_t
+		switch rc := C.hit_read(handle, cpath, &data, &n, &bufID); rc {
+		case 0:
+			return data, int(n), int64(bufID), nil
+		case C.FC_MISS: // evicted at once: read it the usual way
+			return readExported(c, path)
+		default:
+			return nil, 0, 0, fmt.Errorf("%w: reading %s from its tier", syscall.Errno(-rc), path)
+		}
+	}
+	return exportBuffer(buf)
+}
+
+//export goServerUnavailable
+func goServerUnavailable(handle C.int64_t) {
+	defer func() { recover() }()
+	if c, ok := clients.get(int64(handle)); ok {
+		c.MarkUnavailable()
+	}
 }
 
 //export goRelease

@@ -39,6 +39,7 @@ import (
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
@@ -112,7 +113,8 @@ type Client struct {
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
 	counts   counters
-	external atomic.Pointer[func() (hits, bytes int64)] // see SetExternalHits
+	external atomic.Pointer[func() (hits, fetches int64)] // see SetExternalCounts
+	onState  atomic.Pointer[func(up bool, backoff time.Duration)] // see SetOnServerState
 	pending  hitReport                                  // local hits not yet reported to the server
 	closed   atomic.Bool
 	stop     chan struct{}
@@ -263,6 +265,7 @@ func (c *Client) connect(a *connectAttempt) {
 	}
 	if err == nil {
 		c.conn, c.downUntil, c.backoff = conn, time.Time{}, 0
+		c.tellState(true, 0)
 		if old := c.view.Swap(conn); old != nil {
 			// Safe while readers use them: a closed counter reads 0, a closed directory
 			// gives misses.
@@ -273,6 +276,7 @@ func (c *Client) connect(a *connectAttempt) {
 		c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
 		c.downUntil = time.Now().Add(c.backoff)
 		c.log.Warn("fitcache server unavailable; reading from the source", "err", err, "retry_in", c.backoff)
+		c.tellState(false, c.backoff)
 	}
 	a.err = err
 	c.attempt = nil
@@ -363,10 +367,30 @@ func (c *Client) Read(path string) (Buffer, error) {
 	return buf, err
 }
 
-// read serves path: from a mapping kept or a tier file of the server, from the server, or
-// from the source when the server is unavailable. It waits for a server problem no longer
-// than the read timeout.
-func (c *Client) read(path string) (Buffer, error) {
+// Fetch is Read for a caller that reads cached files from the tiers itself (the C hit path of
+// libfitcache): when the file is in a tier of the server on this node, or the server just put
+// it there, it returns cached true and no buffer, without mapping the file. Otherwise it
+// returns the file as Read does (a file no tier takes, no server, cluster mode).
+func (c *Client) Fetch(path string) (cached bool, buf Buffer, err error) {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed.Load() {
+		return false, nil, core.ErrClosed
+	}
+	buf, err = c.readInto(path, false)
+	if err != nil {
+		c.counts.errors.Add(1)
+	}
+	return err == nil && buf == nil, buf, err
+}
+
+// read serves path: from a tier file of the server, from the server, or from the source when
+// the server is unavailable. It waits for a server problem no longer than the read timeout.
+func (c *Client) read(path string) (Buffer, error) { return c.readInto(path, true) }
+
+// readInto is read; without mapTiers, a file found in (or just published into) a tier of
+// the server on this node gives a nil buffer and no error instead of a mapping.
+func (c *Client) readInto(path string, mapTiers bool) (Buffer, error) {
 	path, err := c.Resolve(path)
 	if err != nil {
 		return nil, err
@@ -375,6 +399,9 @@ func (c *Client) read(path string) (Buffer, error) {
 		return c.readCluster(path)
 	}
 	dirs, _ := c.tierView()
+	if !mapTiers && tiers.Listed(dirs, path) {
+		return nil, nil
+	}
 	if m, err := tiers.Probe(dirs, path); err == nil {
 		c.hit(m)
 		return m, nil
@@ -389,7 +416,7 @@ func (c *Client) read(path string) (Buffer, error) {
 		if err != nil {
 			break
 		}
-		buf, err := c.readFromServer(conn, path, deadline)
+		buf, err := c.readFromServer(conn, path, deadline, mapTiers)
 		if errors.Is(err, core.ErrTooLarge) {
 			return c.readDirect(path)
 		}
@@ -408,7 +435,7 @@ func (c *Client) hit(m *tiers.Mapping) {
 	c.pending.add(m.Tier.String(), m.Size)
 }
 
-func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Time) (Buffer, error) {
+func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Time, mapTiers bool) (Buffer, error) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	reply, err := conn.rpc.Read(ctx, c.root, path, true)
@@ -416,6 +443,9 @@ func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Tim
 		return nil, err
 	}
 	c.counts.serverReads.Add(1)
+	if !mapTiers && reply.CachedPath != "" {
+		return nil, nil
+	}
 	return c.replyBuffer(ctx, conn.rpc, reply, conn.dirs, path)
 }
 
@@ -540,8 +570,9 @@ func (c *Client) Stats() (string, error) {
 		Errors: c.counts.errors.Load(),
 	}}
 	if f := c.external.Load(); f != nil {
-		n, _ := (*f)()
-		out.Client.LocalHits += n
+		hits, fetches := (*f)()
+		out.Client.LocalHits += hits
+		out.Client.ServerReads += fetches
 	}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
@@ -637,14 +668,59 @@ func (c *Client) reportTo() *rpc.Client {
 	return nil
 }
 
-// SetExternalHits gives the client a count of the reads that were served from its server's
-// tiers without it (the C hit path of libfitcache), which Stats adds to its local hits. The
-// server counts those reads itself, through the tiers' index.
-func (c *Client) SetExternalHits(count func() (hits, bytes int64)) { c.external.Store(&count) }
+// SetExternalCounts gives the client a count of the reads that were served from its
+// server's tiers without it (the C hit path of libfitcache) and of the misses the server
+// cached for them, which Stats adds to its local hits and server reads. The server counts
+// those reads itself (through the tiers' index and its node socket).
+func (c *Client) SetExternalCounts(count func() (hits, fetches int64)) { c.external.Store(&count) }
+
+// MarkUnavailable tells the client that its server did not answer a caller that went around
+// it (the node socket of the C hit path): reads go to the source for a back-off, as after a
+// failed connection, instead of waiting for the server once more.
+func (c *Client) MarkUnavailable() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if time.Now().Before(c.downUntil) {
+		return
+	}
+	c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
+	c.downUntil = time.Now().Add(c.backoff)
+	c.log.Warn("fitcache server did not answer; reading from the source", "retry_in", c.backoff)
+	c.tellState(false, c.backoff)
+}
+
+// SetOnServerState gives the client a function to call whenever it connects to its server
+// (up) and whenever it decides to read without it for a while (it could not reach or start
+// it, or the server did not answer), with the back-off, so that callers going around the
+// client (the C hit path's node socket) use the server exactly when the client does. It is
+// called at once with the current state.
+func (c *Client) SetOnServerState(f func(up bool, backoff time.Duration)) {
+	c.onState.Store(&f)
+	c.mu.Lock()
+	up, left := c.conn != nil, time.Until(c.downUntil)
+	c.mu.Unlock()
+	f(up && left <= 0, max(left, 0))
+}
+
+// tellState calls the SetOnServerState function, if any.
+func (c *Client) tellState(up bool, backoff time.Duration) {
+	if f := c.onState.Load(); f != nil {
+		(*f)(up, backoff)
+	}
+}
 
 // TierDirs returns the tier directories on this node that the client reads cached files
 // from (its server's, or in cluster mode those of the servers on this node), fastest first.
 func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
+
+// NodeSocket returns the node socket of the embedded server (see package nodesock), where C
+// code without Go asks for misses, or "" in cluster mode.
+func (c *Client) NodeSocket() string {
+	if c.cluster != nil {
+		return ""
+	}
+	return nodesock.PathFor(local.SocketPath(c.cfg.RuntimeDir))
+}
 
 // localDirs returns the tier directories this client maps files from.
 func (c *Client) localDirs() []tiers.Dir {

@@ -68,6 +68,7 @@ type flight struct {
 	done      chan struct{} // closed when data, mtime and err are set
 	data      []byte        // the bytes of a file a client stored (see Store)
 	inTier    bool          // read from the source into a tier: readers are served from there
+	fetchOnly bool          // started by Fetch: a file no tier takes is neither read nor counted
 	mtime     int64         // the source's modification time, Unix nanoseconds
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
@@ -214,7 +215,7 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	if e.closed.Load() {
 		return Result{}, ErrClosed
 	}
-	res, err := e.read(ctx, root, path, wantMapping)
+	res, err := e.read(ctx, root, path, wantMapping, false)
 	if err != nil {
 		e.stats.errors.Add(1)
 		return Result{}, err
@@ -223,7 +224,9 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	return res, nil
 }
 
-func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) (Result, error) {
+// read serves Read and Fetch; with fetchOnly, a file that no tier takes is not read (the
+// caller reads it itself) and not counted.
+func (e *Engine) read(ctx context.Context, root, path string, wantMapping, fetchOnly bool) (Result, error) {
 	if err := e.checkRoot(root, path); err != nil {
 		return Result{}, err
 	}
@@ -238,6 +241,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if leader {
 		e.stats.misses.Add(1)
 		if e.startFill() {
+			f.fetchOnly = fetchOnly
 			go func() { // not tied to this request: waiters share it
 				defer e.fills.Done()
 				e.fill(f, root, path)
@@ -270,6 +274,28 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	}
 	res.Origin = origin
 	return res, err
+}
+
+// Fetch brings the file at path (inside root) into a tier, reading the source once as a miss
+// of Read does, for callers on this node that then read it from the tier themselves (see
+// package nodesock). It returns an error wrapping ErrTooLarge when no tier takes the file:
+// the caller reads the source.
+func (e *Engine) Fetch(ctx context.Context, root, path string) error {
+	if e.closed.Load() {
+		return ErrClosed
+	}
+	res, err := e.read(ctx, root, path, true, true)
+	if err != nil {
+		if !errors.Is(err, ErrTooLarge) {
+			e.stats.errors.Add(1)
+		}
+		return err
+	}
+	defer res.Release()
+	if res.Mapping == nil { // a file read by a Read that no tier took, joined here
+		return fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
+	}
+	return nil
 }
 
 // probe looks path up in the tiers. A cached file too large to send to a caller that cannot
@@ -356,7 +382,15 @@ func (e *Engine) fill(f *flight, root, path string) {
 	defer src.Close()
 	f.mtime = src.MTimeNanos()
 	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime}
-	if !e.canCache(entry) && entry.Size <= uncachedReadMax {
+	if !e.canCache(entry) && (entry.Size > uncachedReadMax || f.fetchOnly) {
+		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
+		if !f.fetchOnly {
+			e.stats.uncached.Add(1)
+		}
+		e.finish(path, f)
+		return
+	}
+	if !e.canCache(entry) {
 		// No tier takes it (an engine without tiers, say): served from memory, uncached.
 		if f.data, f.err = src.ReadAll(); f.err == nil {
 			e.stats.uncached.Add(1)

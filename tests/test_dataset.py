@@ -265,7 +265,10 @@ def run_python(code, **env):
                           env={**os.environ, **env})
 
 
-def test_fork_after_load_falls_back_to_source_without_hanging(dataset, cache_options):
+def test_fork_after_load_is_served_by_the_cache_without_go(dataset, cache_options):
+    """A process forked after its parent loaded the library cannot run Go, yet reads through
+    the cache: hits come from the tiers (C), misses are cached by the server through its node
+    socket. Everything that needs Go fails at once with ForkedAfterLoad, never a hang."""
     root, digests = dataset
     code = f"""
 import os, hashlib, warnings, fitcache
@@ -276,7 +279,9 @@ if pid == 0:
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         ok = all(hashlib.sha256(ds[i]).hexdigest() == {digests!r}[ds.files[i]] for i in range(len(ds)))
-        ok = ok and any("fork" in str(x.message) for x in w)
+        ok = ok and all(hashlib.sha256(v).hexdigest() == {digests!r}[ds.files[i]]
+                        for i, v in enumerate(ds.__getitems__(range(len(ds)))))
+        ok = ok and not w  # nothing fell back to the source
     try:
         fitcache.Client({root!r})
         ok = False
@@ -287,8 +292,32 @@ _, status = os.waitpid(pid, 0)
 print("child status", status)
 raise SystemExit(os.waitstatus_to_exitcode(status))
 """
-    out = run_python(code)
+    with OpenCounter(root) as opens:
+        out = run_python(code)
+        counts = opens.counts()
     assert out.returncode == 0, out.stdout + out.stderr
+    assert counts == {name: 1 for name in digests}, "each file read from the source once"
+
+
+def test_dataloader_forked_after_a_read_in_the_main_process_uses_the_cache(dataset, cache_options):
+    """Users look at a sample before training: the main process loads the library, then the
+    DataLoader forks its workers. Their reads still go through the cache: the first epoch
+    reads each file from the source once, the next ones not at all."""
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    ds[0]
+    loader = DataLoader(IndexedDigests(ds), batch_size=4, shuffle=True, num_workers=2,
+                        multiprocessing_context="fork")
+    with OpenCounter(root) as opens:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to the source
+            check_epoch(loader, ds, digests)
+            first = opens.counts()
+            for _ in range(2):
+                check_epoch(loader, ds, digests)
+        later = opens.counts() - first
+    assert first == {name: 1 for name in digests if name != ds.files[0]}, first
+    assert not later, f"source opens after the first epoch: {later}"
 
 
 def test_fork_before_load_uses_the_cache(dataset, cache_options):

@@ -1,6 +1,9 @@
 package tiers
 
-import "errors"
+import (
+	"errors"
+	"path/filepath"
+)
 
 // Opener opens cached files: a [Dir] for readers, a [*Tier] for the server owning it.
 type Opener interface {
@@ -53,4 +56,24 @@ func releaseLate(results <-chan probeResult, n int) {
 			r.m.Release()
 		}
 	}
+}
+
+// Listed reports whether the index of one of dirs lists sourcePath: a cheap hint that a
+// reader opening the file will find it (it may have been evicted since).
+func Listed(dirs []Dir, sourcePath string) bool {
+	id := idOf(filepath.Clean(sourcePath))
+	for _, d := range dirs {
+		if d.dir == nil {
+			continue
+		}
+		found := false
+		withFd(d.dir, func(dirfd int) error {
+			_, found = d.view.lookup(dirfd, id)
+			return nil
+		})
+		if found {
+			return true
+		}
+	}
+	return false
 }

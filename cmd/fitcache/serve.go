@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -18,6 +19,7 @@ import (
 	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -148,6 +150,18 @@ func serve(args []string) error {
 	}
 	var lastRequest atomic.Int64
 	lastRequest.Store(time.Now().UnixNano())
+	var node *nodesock.Server
+	if *socket != "" {
+		// C code on this node without Go (libfitcache after fork) asks for misses here.
+		node, err = nodesock.Listen(nodesock.PathFor(*socket), nodesock.Config{Log: log, Errno: core.Errno,
+			Fetch: func(ctx context.Context, root, path string) error {
+				lastRequest.Store(time.Now().UnixNano())
+				return engine.Fetch(ctx, root, path)
+			}})
+		if err != nil {
+			log.Warn("no node socket: processes forked after loading libfitcache read misses from the source", "err", err)
+		}
+	}
 	id, _ := os.Hostname()
 	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
 		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token,
@@ -202,6 +216,9 @@ func serve(args []string) error {
 		os.Remove(*socket)
 	}
 	srv.Stop()
+	if node != nil {
+		node.Close()
+	}
 	engine.Close()
 	log.Info("fitcache server stopped")
 	return nil

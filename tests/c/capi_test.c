@@ -133,8 +133,13 @@ int main(int argc, char **argv) {
 	CHECK(fc_stats(h, js, needed + 1024, NULL) == 0 && strstr(js, "\"source_reads\"") != NULL, "stats: %s", js);
 	free(js);
 
-	/* Fork after load: the child serves cached files (the hit path needs no Go runtime) and
-	 * gets -ECHILD at once for everything else, never a hang. */
+	/* Fork after load: the child serves cached files (the hit path needs no Go runtime), has
+	 * the embedded server cache a miss through its node socket, and gets -ECHILD at once for
+	 * everything that needs Go, never a hang. */
+	char late[4096];
+	snprintf(late, sizeof late, "%s/late.bin", root);
+	FILE *lf = fopen(late, "wb");
+	CHECK(lf && fwrite("written late", 1, 12, lf) == 12 && fclose(lf) == 0, "write %s", late);
 	pid_t pid = fork();
 	if (pid == 0) {
 		alarm(10); /* a hang would be killed by SIGALRM and fail the check below */
@@ -143,15 +148,18 @@ int main(int argc, char **argv) {
 		int hit = fc_read(h, "a.bin", &d, &s, &b);
 		int same = hit == 0 && s == want_len && memcmp(d, want, want_len) == 0;
 		int released = hit == 0 && fc_release(b) == 0;
+		int miss = fc_read(h, "late.bin", &d, &s, &b);
+		int fetched = miss == 0 && s == 12 && memcmp(d, "written late", 12) == 0 && fc_release(b) == 0;
 		int r1 = fc_read(h, "missing.bin", &data, &sz, &buf);
+		int r2 = fc_open(root, NULL, &ch);
 		char msg[512];
 		fc_errmsg(msg, sizeof msg);
-		int r2 = fc_open(root, NULL, &ch);
 		int r3 = fc_debug_open_handles(NULL, NULL);
 		if (!same || !released) fprintf(stderr, "child: cached a.bin: rc %d, %lld bytes\n", hit, (long long)s);
-		if (r1 != -ECHILD || r2 != -ECHILD || r3 != -ECHILD || !strstr(msg, "fork"))
-			fprintf(stderr, "child: miss %d open %d handles %d: %s\n", r1, r2, r3, msg);
-		_exit(same && released && r1 == -ECHILD && r2 == -ECHILD && r3 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
+		if (!fetched) fprintf(stderr, "child: late.bin through the node socket: rc %d, %lld bytes\n", miss, (long long)s);
+		if (r1 != -ENOENT || r2 != -ECHILD || r3 != -ECHILD || !strstr(msg, "fork"))
+			fprintf(stderr, "child: missing %d open %d handles %d: %s\n", r1, r2, r3, msg);
+		_exit(same && released && fetched && r1 == -ENOENT && r2 == -ECHILD && r3 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
 	}
 	int status = 0;
 	waitpid(pid, &status, 0);
