@@ -113,9 +113,9 @@ type Client struct {
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
 	counts   counters
-	external atomic.Pointer[func() (hits, fetches int64)] // see SetExternalCounts
+	external atomic.Pointer[func() (hits, fetches int64)]         // see SetExternalCounts
 	onState  atomic.Pointer[func(up bool, backoff time.Duration)] // see SetOnServerState
-	pending  hitReport                                  // local hits not yet reported to the server
+	pending  hitReport                                            // local hits not yet reported to the server
 	closed   atomic.Bool
 	stop     chan struct{}
 	stopped  chan struct{}
