@@ -26,6 +26,9 @@ struct hit_client {
 	int64_t node_down_until; // CLOCK_MONOTONIC ns before which the node socket is skipped (atomic):
 	                         // set by fcHitServerState, and for a while after a timeout
 	int64_t fetches;         // misses the server cached through the node socket (atomic)
+	pthread_mutex_t node_mu; // protects node_fd and node_pid
+	int node_fd;             // the connection kept to the node socket, or -1
+	pid_t node_pid;          // the process that opened node_fd
 	struct fc_tier tiers[MAX_TIERS];
 	int ntiers;
 	int64_t hits, bytes; // atomic
@@ -74,6 +77,9 @@ static void reset_in_child(void) {
 	pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
 	clients_lock = fresh_rw;
 	bufs_lock = fresh_mu;
+	for (int i = 0; i < CLIENT_SLOTS; i++) // a parent's thread may have held one in a fetch
+		if (clients[i])
+			pthread_mutex_init(&clients[i]->node_mu, NULL);
 }
 
 // The locks are held across fork, so that a child never inherits state that a thread it
@@ -163,6 +169,8 @@ int fcHitOpen(int64_t handle, const char *root, const char *node_socket, int64_t
 		strcpy(c->node_socket, node_socket);
 	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
 	c->node_down_until = INT64_MAX; // until the Go client reports its server up
+	c->node_fd = -1;
+	pthread_mutex_init(&c->node_mu, NULL);
 	memcpy(c->root, root, n + 1);
 	c->rootlen = n;
 	pthread_rwlock_wrlock(&clients_lock);
@@ -206,6 +214,9 @@ void fcHitClose(int64_t handle) {
 		return;
 	for (int i = 0; i < c->ntiers; i++)
 		fc_tier_close(&c->tiers[i]);
+	if (c->node_fd >= 0)
+		close(c->node_fd);
+	pthread_mutex_destroy(&c->node_mu);
 	free(c);
 }
 
@@ -241,6 +252,18 @@ static int source_path(const struct hit_client *c, const char *path, char *out, 
 	return inside ? n : -1;
 }
 
+// read_max is FC_READ_MAX_BYTES unless FITCACHE_READ_MAX_BYTES overrides it (for
+// bench/bench_crossover.py, which measures where mapping starts to pay).
+static int64_t read_max = FC_READ_MAX_BYTES;
+
+__attribute__((constructor)) static void read_max_init(void) {
+	const char *v = getenv("FITCACHE_READ_MAX_BYTES");
+	char *end;
+	long long n = v ? strtoll(v, &end, 10) : -1;
+	if (v && *v && *end == 0 && n >= 0)
+		read_max = n;
+}
+
 // take reads or maps the whole file of a hit; it returns 0, FC_MISS if the file did not give
 // the bytes the index promised, or -ENOMEM.
 static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
@@ -249,7 +272,7 @@ static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
 		*kind = BUF_EMPTY;
 		return 0;
 	}
-	if (h->size > FC_READ_MAX_BYTES) {
+	if (h->size > read_max) {
 		void *m = mmap(NULL, (size_t)h->size, PROT_READ, MAP_SHARED, h->fd, 0);
 		if (m == MAP_FAILED)
 			return FC_MISS;
@@ -362,66 +385,101 @@ static int64_t monotonic_ns(void) {
 	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-int hit_fetch(int64_t handle, const char *path, char *msg) {
-	int saved = errno;
-	msg[0] = 0;
-	char root[FC_PATH_MAX], clean[FC_PATH_MAX];
+// node_connect opens a connection to a node socket, with the read timeout on both ways.
+static int node_connect(const char *socket_path, int64_t timeout_ms) {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
-	int64_t timeout_ms = 0;
-	int n = -1;
-	int64_t *down_until = NULL, *fetches = NULL;
-	pthread_rwlock_rdlock(&clients_lock); // copied out: the fetch runs without the lock
-	struct hit_client *c = client(handle);
-	if (c && c->node_socket[0] && monotonic_ns() >= __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) &&
-	    (n = source_path(c, path, clean, sizeof clean)) >= 0) {
-		memcpy(root, c->root, c->rootlen + 1);
-		strcpy(addr.sun_path, c->node_socket);
-		timeout_ms = c->timeout_ms;
-		down_until = &c->node_down_until; // the client outlives the call: fc_close waits for reads
-		fetches = &c->fetches;
-	}
-	pthread_rwlock_unlock(&clients_lock);
-	if (n < 0)
-		return FC_MISS;
-	size_t rootlen = strlen(root);
-	uint8_t hdr[16];
-	memcpy(hdr, NODE_MAGIC, 4);
-	put32(hdr + 4, NODE_OP_FETCH);
-	put32(hdr + 8, (uint32_t)rootlen);
-	put32(hdr + 12, (uint32_t)n);
-	int rc = FC_MISS; // for anything but a timeout: Go handles it (starts a server, say)
+	strcpy(addr.sun_path, socket_path);
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
-		goto out;
+		return -1;
 	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
 	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-	if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
-		goto out; // no server (yet): Go starts one
-	uint8_t reply[12];
-	if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, root, rootlen) != 0 ||
-	    write_all(fd, clean, (size_t)n) != 0 || read_all(fd, reply, sizeof reply) != 0 ||
-	    memcmp(reply, NODE_MAGIC, 4) != 0 || get32(reply + 8) > NODE_MAX_MESSAGE ||
-	    read_all(fd, msg, get32(reply + 8)) != 0) {
-		if (errno == EAGAIN || errno == EWOULDBLOCK) { // timed out: a hung server
-			__atomic_store_n(down_until, monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
-			rc = FC_UNAVAILABLE;
-		}
-		goto out;
-	}
-	int32_t err = (int32_t)get32(reply + 4);
-	msg[get32(reply + 8)] = 0;
-	if (err == 0) {
-		rc = 0;
-		__atomic_fetch_add(fetches, 1, __ATOMIC_RELAXED);
-	} else if (err == EFBIG) {
-		rc = FC_MISS; // no tier takes it
-	} else if (err != EBADF && err != ETIMEDOUT && err != EIO) {
-		rc = -err; // the file's own error; for the others, read without the server
-	}
-out:
-	if (fd >= 0)
+	if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
 		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+// node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in
+// *err and its message in msg, or -1 with errno set when the connection failed.
+static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int32_t *err, char *msg) {
+	uint8_t hdr[16], reply[12];
+	memcpy(hdr, NODE_MAGIC, 4);
+	put32(hdr + 4, NODE_OP_FETCH);
+	put32(hdr + 8, (uint32_t)rootlen);
+	put32(hdr + 12, (uint32_t)len);
+	if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, root, rootlen) != 0 || write_all(fd, path, len) != 0 ||
+	    read_all(fd, reply, sizeof reply) != 0)
+		return -1;
+	if (memcmp(reply, NODE_MAGIC, 4) != 0 || get32(reply + 8) > NODE_MAX_MESSAGE ||
+	    read_all(fd, msg, get32(reply + 8)) != 0) {
+		errno = EPROTO;
+		return -1;
+	}
+	msg[get32(reply + 8)] = 0;
+	*err = (int32_t)get32(reply + 4);
+	return 0;
+}
+
+int hit_fetch(int64_t handle, const char *path, char *msg) {
+	int saved = errno;
+	msg[0] = 0;
+	char clean[FC_PATH_MAX];
+	int n = -1;
+	// The lock is held through the fetch, so that the client cannot go meanwhile; fcHitClose
+	// and a fork wait for fetches in progress (each bounded by the read timeout).
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	if (!c || !c->node_socket[0] || monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
+	    (n = source_path(c, path, clean, sizeof clean)) < 0) {
+		pthread_rwlock_unlock(&clients_lock);
+		return FC_MISS;
+	}
+	// One connection per client is kept for the misses of this process; a thread that finds
+	// it busy uses a connection of its own. A connection that failed is never used again (a
+	// late reply would be taken for the next request's); a broken kept one (the server
+	// restarted) is replaced once.
+	int locked = pthread_mutex_trylock(&c->node_mu) == 0;
+	int fd = -1;
+	if (locked) {
+		if (c->node_fd >= 0 && c->node_pid != getpid()) { // the parent's, inherited by fork
+			close(c->node_fd);
+			c->node_fd = -1;
+		}
+		fd = c->node_fd;
+	}
+	int32_t err = 0;
+	int asked = -1, timed_out = 0;
+	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
+		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0)
+			break; // no server listening: Go starts one
+		asked = node_ask(fd, c->root, c->rootlen, clean, (size_t)n, &err, msg);
+		if (asked != 0) {
+			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+			close(fd);
+			fd = -1;
+		}
+	}
+	if (locked) {
+		c->node_fd = fd;
+		c->node_pid = getpid();
+		pthread_mutex_unlock(&c->node_mu);
+	} else if (fd >= 0) {
+		close(fd);
+	}
+	int rc = FC_MISS; // for anything but a timeout: Go handles it (starts a server, say)
+	if (timed_out) { // a hung server: skip it for a while
+		__atomic_store_n(&c->node_down_until, monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+		rc = FC_UNAVAILABLE;
+	} else if (asked == 0 && err == 0) {
+		rc = 0;
+		__atomic_fetch_add(&c->fetches, 1, __ATOMIC_RELAXED);
+	} else if (asked == 0 && err != EFBIG && err != EBADF && err != ETIMEDOUT && err != EIO) {
+		rc = -err; // the file's own error; for EFBIG (no tier takes it) and the others, Go reads it
+	}
+	pthread_rwlock_unlock(&clients_lock);
 	errno = saved;
 	return rc;
 }

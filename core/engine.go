@@ -278,21 +278,53 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping, fetch
 
 // Fetch brings the file at path (inside root) into a tier, reading the source once as a miss
 // of Read does, for callers on this node that then read it from the tier themselves (see
-// package nodesock). It returns an error wrapping ErrTooLarge when no tier takes the file:
-// the caller reads the source.
+// package nodesock). It maps nothing, and a miss is filled in the calling goroutine (no hand
+// over to another one: on a busy node each costs a scheduling delay). It returns an error
+// wrapping ErrTooLarge, without reading the file, when no tier takes it: the caller reads
+// the source.
 func (e *Engine) Fetch(ctx context.Context, root, path string) error {
 	if e.closed.Load() {
 		return ErrClosed
 	}
-	res, err := e.read(ctx, root, path, true, true)
-	if err != nil {
-		if !errors.Is(err, ErrTooLarge) {
-			e.stats.errors.Add(1)
-		}
+	err := e.fetch(ctx, root, path)
+	if err != nil && !errors.Is(err, ErrTooLarge) {
+		e.stats.errors.Add(1)
+	}
+	return err
+}
+
+func (e *Engine) fetch(ctx context.Context, root, path string) error {
+	if err := e.checkRoot(root, path); err != nil {
 		return err
 	}
-	defer res.Release()
-	if res.Mapping == nil { // a file read by a Read that no tier took, joined here
+	for _, t := range e.tiers {
+		if t.Listed(path) {
+			e.stats.hits[t.Kind].Add(1)
+			return nil
+		}
+	}
+	f, leader := e.join(path)
+	switch {
+	case leader && e.startFill():
+		e.stats.misses.Add(1)
+		f.fetchOnly = true
+		e.fill(f, root, path)
+		e.fills.Done()
+	case leader:
+		f.err = ErrClosed
+		e.finish(path, f)
+	default:
+		e.stats.inflightHits.Add(1)
+		select {
+		case <-f.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if f.err != nil {
+		return f.err
+	}
+	if !f.inTier { // read into memory by a Read that no tier took, joined here
 		return fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
 	}
 	return nil

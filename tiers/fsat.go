@@ -24,6 +24,14 @@ const (
 // openBin opens the bin directory of rel ("ab/cd/name") below dirfd, following no link,
 // and returns its descriptor and the entry's name in it. With create, missing bins are made.
 func openBin(dirfd int, rel string, create bool) (binfd int, name string, err error) {
+	if i := strings.LastIndexByte(rel, '/'); i > 0 {
+		// Bins exist nearly always: one openat2 then, instead of a mkdirat and an openat per level.
+		fd, err := openat2(dirfd, rel[:i], &unix.OpenHow{Flags: dirFlags,
+			Resolve: unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_BENEATH})
+		if err == nil {
+			return fd, rel[i+1:], nil
+		}
+	}
 	parts := strings.Split(rel, "/")
 	fd := dirfd
 	for _, p := range parts[:len(parts)-1] {

@@ -63,17 +63,22 @@ func releaseLate(results <-chan probeResult, n int) {
 func Listed(dirs []Dir, sourcePath string) bool {
 	id := idOf(filepath.Clean(sourcePath))
 	for _, d := range dirs {
-		if d.dir == nil {
-			continue
-		}
-		found := false
-		withFd(d.dir, func(dirfd int) error {
-			_, found = d.view.lookup(dirfd, id)
-			return nil
-		})
-		if found {
+		if d.listed(id) {
 			return true
 		}
 	}
 	return false
+}
+
+// listed reports whether d's index lists id; false for a closed Dir or one not opened.
+func (d Dir) listed(id entryID) bool {
+	if d.dir == nil {
+		return false
+	}
+	found := false
+	withFd(d.dir, func(dirfd int) error {
+		_, found = d.view.lookup(dirfd, id)
+		return nil
+	})
+	return found
 }

@@ -284,6 +284,10 @@ func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 	return m, err
 }
 
+// Listed reports whether the tier's index lists sourcePath (a reader opening it will find
+// it, unless it is evicted meanwhile). It maps nothing.
+func (t *Tier) Listed(sourcePath string) bool { return t.Dir.listed(idOf(filepath.Clean(sourcePath))) }
+
 // MakeRoom evicts files oldest first until n more bytes fit in the budget. Each victim is
 // mapped and handed to spill (when not nil) before it is unlinked, so that a caller can move
 // it to a slower tier; spill must not keep the mapping. Readers that mapped a victim keep a
@@ -508,8 +512,8 @@ func (t *Tier) index(s stored, id entryID) {
 
 // write creates the entry rel below dirfd: the data into a new temporary file (0600,
 // O_EXCL, in bins opened without following links) whose times are set to the source's
-// modification time, its record into another, then both renamed into place, data first. It
-// returns s with the data file's checksum and inode number.
+// modification time, renamed into place, then its record beside it. It returns s with the
+// data file's checksum and inode number.
 func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)) (stored, error) {
 	binfd, name, err := openBin(dirfd, rel, true)
 	if err != nil {
@@ -520,15 +524,6 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 	if err != nil {
 		return s, err
 	}
-	var rtmp string
-	defer func() {
-		if err != nil {
-			unix.Unlinkat(binfd, tmp, 0)
-			if rtmp != "" {
-				unix.Unlinkat(binfd, rtmp, 0)
-			}
-		}
-	}()
 	s.Checksum, err = fill(f)
 	if err == nil {
 		s.ino, err = finishData(f, s.MTimeNanos)
@@ -537,21 +532,31 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 		err = cerr
 	}
 	if err != nil {
+		unix.Unlinkat(binfd, tmp, 0)
 		return s, err
 	}
-	var rf *os.File
-	if rf, rtmp, err = createTemp(binfd, tempPrefix); err != nil {
+	if err = unix.Renameat(binfd, tmp, binfd, name); err != nil {
 		return s, err
 	}
-	_, err = rf.Write(appendRecord(nil, s))
-	if cerr := rf.Close(); err == nil {
+	// The record is written in place, after the data: readers never read it (they use the
+	// index), and one that a crash left short or stale fails its checksum or names another
+	// inode, so a rescan removes the entry.
+	fd, err := unix.Openat(binfd, recordPrefix+name, unix.O_WRONLY|unix.O_CREAT|unix.O_TRUNC|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+	if err != nil {
+		unix.Unlinkat(binfd, name, 0)
+		return s, err
+	}
+	rec := appendRecord(nil, s)
+	n, err := unix.Write(fd, rec)
+	if cerr := unix.Close(fd); err == nil {
 		err = cerr
 	}
-	if err == nil {
-		err = unix.Renameat(binfd, tmp, binfd, name)
+	if err == nil && n != len(rec) {
+		err = io.ErrShortWrite
 	}
-	if err == nil {
-		err = unix.Renameat(binfd, rtmp, binfd, recordPrefix+name)
+	if err != nil {
+		unix.Unlinkat(binfd, name, 0)
+		unix.Unlinkat(binfd, recordPrefix+name, 0)
 	}
 	return s, err
 }
