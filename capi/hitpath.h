@@ -26,8 +26,10 @@
 #define FC_UNAVAILABLE 2
 
 /* Files up to this size are read into memory the caller owns (one copy, like read());
- * larger ones are mapped (no copy). Measured crossover: see docs/BENCHMARKS.md. */
-#define FC_READ_MAX_BYTES ((int64_t)1 << 20)
+ * larger ones are mapped (no copy). Measured (bench/bench_crossover.py, docs/BENCHMARKS.md):
+ * mapping a cached file and reading it once costs as much as copying it at 256-512 KiB, and
+ * less from 1 MiB (1.13x the files/s at 1 MiB, 1.2-1.35x at 4-8 MiB). */
+#define FC_READ_MAX_BYTES ((int64_t)512 << 10)
 
 /* Serves path (absolute, or relative to the client's root) from a tier if it is cached there:
  * returns 0 with *data, *size and *buffer set as fc_read sets them, FC_MISS if it is not

@@ -368,7 +368,7 @@ func (e *Engine) Store(root, path string, data []byte, mtimeNanos int64) error {
 	f.data, f.mtime = data, mtimeNanos
 	close(f.done)
 	e.stats.stored.Add(1)
-	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(data)), MTimeNanos: mtimeNanos}, flight: f})
+	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(data)), MTimeNanos: mtimeNanos, Group: root}, flight: f})
 	return nil
 }
 
@@ -413,7 +413,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	defer src.Close()
 	f.mtime = src.MTimeNanos()
-	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime}
+	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, Group: root}
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || f.fetchOnly) {
 		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
 		if !f.fetchOnly {

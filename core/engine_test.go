@@ -142,7 +142,9 @@ func TestWantMappingReturnsPublishedTierFile(t *testing.T) {
 }
 
 func TestSpillToNextTierAndOversize(t *testing.T) {
-	root, paths := dataset(t, 3000, 3000, 3000, 20000)
+	root, paths := dataset(t, 3000, 3000, 3000)
+	rootBig, big := dataset(t, 20000) // another dataset: its file may be evicted for root's
+	paths = append(paths, big[0])
 	one := tiers.EntrySize(paths[0], 3000)
 	e := newEngine(t, fmt.Sprint(2*one), fmt.Sprint(4*one)) // memory holds 2 files, disk 4
 	for _, p := range paths[:3] {
@@ -163,14 +165,14 @@ func TestSpillToNextTierAndOversize(t *testing.T) {
 		t.Errorf("spills before the tiers were full: %+v", s)
 	}
 	// The 20000-byte file is larger than memory but fits on disk.
-	origin, got := readAll(t, e, root, paths[3])
+	origin, got := readAll(t, e, rootBig, paths[3])
 	wantBytes(t, paths[3], got)
 	settle(e)
-	if origin, _ = readAll(t, e, root, paths[3]); origin != "disk" {
+	if origin, _ = readAll(t, e, rootBig, paths[3]); origin != "disk" {
 		t.Errorf("large file served from %q after caching, want disk", origin)
 	}
-	// Every tier is full now: a new file evicts the oldest memory file, which spills to disk
-	// (evicting the oldest disk file).
+	// Every tier is full now: a file of another dataset evicts the oldest memory file, which
+	// spills to disk, evicting the large file there (of a dataset other than its own).
 	root2, more := dataset(t, 3000)
 	readAll(t, e, root2, more[0])
 	settle(e)
@@ -287,5 +289,55 @@ func TestErrnoErrorRoundTrip(t *testing.T) {
 	}
 	if NewErrnoError(0, "") != nil {
 		t.Error("errno 0 is not nil")
+	}
+}
+
+// A dataset twice the cache, read in a new random order each epoch, as training does: the
+// files cached first stay (nothing of the dataset is evicted for another of its files), so
+// every epoch after the first hits on half the files and reads the other half from the
+// source once. With FIFO eviction a fixed order hit nothing and random orders 40-45%.
+func TestDatasetLargerThanTheCacheDoesNotThrash(t *testing.T) {
+	const n = 40
+	sizes := make([]int, n)
+	for i := range sizes {
+		sizes[i] = 3000
+	}
+	root, paths := dataset(t, sizes...)
+	e := newEngine(t, fmt.Sprint(n/2*tiers.EntrySize(paths[0], 3000)))
+	for epoch := range 4 {
+		order := rand.New(rand.NewPCG(uint64(epoch), 7)).Perm(n)
+		if epoch == 3 {
+			order = order[:0]
+			for i := range n { // a fixed order too
+				order = append(order, i)
+			}
+		}
+		before := e.Stats()
+		hits, direct := 0, 0
+		for _, i := range order {
+			res, err := e.Read(context.Background(), root, paths[i], true)
+			switch {
+			case errors.Is(err, ErrTooLarge): // no room: the client reads the source itself
+				direct++
+			case err != nil:
+				t.Fatal(err)
+			default:
+				if res.Origin == "memory" {
+					hits++
+				}
+				wantBytes(t, paths[i], res.Bytes())
+				res.Release()
+			}
+		}
+		after := e.Stats()
+		if epoch > 0 && (hits != n/2 || direct != n/2) {
+			t.Errorf("epoch %d: %d hits, %d files without room; want %d each", epoch, hits, direct, n/2)
+		}
+		if after.Evictions != 0 {
+			t.Fatalf("epoch %d: %d evictions, want none", epoch, after.Evictions)
+		}
+		if reads := after.SourceReads - before.SourceReads; epoch > 0 && reads != 0 {
+			t.Errorf("epoch %d: the server read %d files from the source, want 0 (the client reads the rest)", epoch, reads)
+		}
 	}
 }

@@ -130,7 +130,7 @@ func (e *Engine) place(first int, entry tiers.Entry, c content) error {
 			continue
 		}
 		next := first + i + 1
-		err := t.MakeRoom(need, func(victim *tiers.Mapping) {
+		err := t.MakeRoom(need, entry.Group, func(victim *tiers.Mapping) {
 			e.stats.evictions.Add(1)
 			if next < len(e.tiers) && e.place(next, victim.Entry, content{data: victim.Bytes()}) == nil {
 				e.stats.spilled.Add(1)

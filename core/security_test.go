@@ -188,7 +188,11 @@ func TestPlantedDefaultRuntimeDirFallsBack(t *testing.T) {
 // tier would record a fresh checksum of the damaged bytes, and verification could no longer
 // find them. On the main branch before this change it was spilled.
 func TestDamagedEntryIsNotSpilled(t *testing.T) {
-	root, paths := dataset(t, 5000, 5000, 5000)
+	// Three datasets: a full tier never evicts a file of the dataset being read to make room
+	// for another of its files (see tiers.Tier.MakeRoom).
+	root, paths := dataset(t, 5000)
+	rootB, pathsB := dataset(t, 5000)
+	rootC, pathsC := dataset(t, 5000)
 	one := tiers.EntrySize(paths[0], 5000)
 	memDir, diskDir := t.TempDir(), t.TempDir()
 	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{
@@ -206,9 +210,9 @@ func TestDamagedEntryIsNotSpilled(t *testing.T) {
 	}
 	f.WriteAt([]byte("EVIL"), 100)
 	f.Close()
-	readAll(t, e, root, paths[1]) // fills the disk tier
+	readAll(t, e, rootB, pathsB[0]) // fills the disk tier
 	settle(e)
-	readAll(t, e, root, paths[2]) // evicts paths[0] from memory, which would spill to disk
+	readAll(t, e, rootC, pathsC[0]) // evicts paths[0] from memory, which would spill to disk
 	settle(e)
 	if _, err := os.Stat((tiers.Dir{Path: diskDir}).CachedPath(paths[0])); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("the damaged entry was spilled to disk (stat: %v)", err)

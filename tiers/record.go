@@ -27,6 +27,8 @@ import (
 //	version     uint32    recordVersion
 //	n           uint32    length of path
 //	path        [n]byte   the cleaned source path
+//	g           uint32    length of group
+//	group       [g]byte   Entry.Group
 //	size        uint64    length of the data
 //	mtime       int64     the source file's modification time, Unix nanoseconds
 //	ino         uint64    inode number of the data file
@@ -41,8 +43,8 @@ import (
 const (
 	recordVersion = 3
 	recordMagic   = "FCRECORD"
-	// recordFixed is the size of a record without its path.
-	recordFixed = 8 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 4
+	// recordFixed is the size of a record without its path and group.
+	recordFixed = 8 + 4 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 4
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -55,6 +57,9 @@ type Entry struct {
 	// Checksum is the CRC-32C (Castagnoli) of the data. Publish and PublishFrom compute it;
 	// a value the caller sets is ignored. A rescan with Config.Verify checks it.
 	Checksum uint32
+	// Group is the dataset root the file was read for: making room for a file never evicts
+	// files of its own group (see Tier.MakeRoom).
+	Group string
 }
 
 // stored is an Entry as a tier recorded it.
@@ -78,6 +83,8 @@ func appendRecord(b []byte, s stored) []byte {
 	b = le.AppendUint32(b, recordVersion)
 	b = le.AppendUint32(b, uint32(len(s.SourcePath)))
 	b = append(b, s.SourcePath...)
+	b = le.AppendUint32(b, uint32(len(s.Group)))
+	b = append(b, s.Group...)
 	b = le.AppendUint64(b, uint64(s.Size))
 	b = le.AppendUint64(b, uint64(s.MTimeNanos))
 	b = le.AppendUint64(b, s.ino)
@@ -86,11 +93,12 @@ func appendRecord(b []byte, s stored) []byte {
 	return le.AppendUint32(b, crc32.Checksum(b[start:], castagnoli))
 }
 
-// recordSize is the number of bytes appendRecord writes for a source path.
-func recordSize(sourcePath string) int64 { return int64(len(sourcePath)) + recordFixed }
+// recordSize is the number of bytes appendRecord writes for an entry.
+func recordSize(e Entry) int64 { return int64(len(e.SourcePath)+len(e.Group)) + recordFixed }
 
-// maxRecordBytes bounds the record a scan reads: a path is at most PATH_MAX (4096) bytes.
-const maxRecordBytes = 4096 + recordFixed
+// maxRecordBytes bounds the record a scan reads: a path and a group are at most PATH_MAX
+// (4096) bytes each.
+const maxRecordBytes = 2*4096 + recordFixed
 
 // parseRecord reads a whole record file. It copies the path out, so the result outlives b.
 func parseRecord(b []byte) (stored, error) {
@@ -102,15 +110,19 @@ func parseRecord(b []byte) (stored, error) {
 		return stored{}, fmt.Errorf("%w: record version %d, want %d", errDamaged, v, recordVersion)
 	}
 	n := int(le.Uint32(b[12:16]))
-	if n != len(b)-recordFixed {
+	if n > len(b)-recordFixed {
 		return stored{}, fmt.Errorf("%w: record of %d bytes for a path of %d", errDamaged, len(b), n)
+	}
+	g := int(le.Uint32(b[16+n : 20+n]))
+	if n+g != len(b)-recordFixed {
+		return stored{}, fmt.Errorf("%w: record of %d bytes for a path of %d and a group of %d", errDamaged, len(b), n, g)
 	}
 	if crc32.Checksum(b[:len(b)-4], castagnoli) != le.Uint32(b[len(b)-4:]) {
 		return stored{}, fmt.Errorf("%w: record checksum", errDamaged)
 	}
-	p := b[16+n:]
+	p := b[20+n+g:]
 	s := stored{
-		Entry: Entry{SourcePath: string(b[16 : 16+n]), Size: int64(le.Uint64(p[0:8])),
+		Entry: Entry{SourcePath: string(b[16 : 16+n]), Group: string(b[20+n : 20+n+g]), Size: int64(le.Uint64(p[0:8])),
 			MTimeNanos: int64(le.Uint64(p[8:16])), Checksum: le.Uint32(p[32:36])},
 		ino: le.Uint64(p[16:24]), seq: le.Uint64(p[24:32]),
 	}

@@ -1,7 +1,6 @@
 package tiers
 
 import (
-	"container/list"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -73,22 +72,14 @@ type Tier struct {
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
-	mu      sync.Mutex // protects budget, used, fifo, byID, nextSeq and the index's slots
+	mu      sync.Mutex // protects budget, used, fifo, nextSeq and the index's slots
 	budget  int64
-	used    int64                     // bytes of published entries, plus reservations being written
-	fifo    list.List                 // of *record, oldest first
-	byID    map[entryID]*list.Element // element of fifo of each entry
-	nextSeq uint64                    // publication sequence number of the next entry
-	ix      *index                    // the tier's index, written under mu
+	used    int64  // bytes of published entries, plus reservations being written
+	fifo    fifo   // the entries in publication order
+	nextSeq uint64 // publication sequence number of the next entry
+	ix      *index // the tier's index, written under mu
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
-}
-
-// record is what the tier keeps in memory about an entry.
-type record struct {
-	rel  string  // path of the data file relative to the tier directory
-	id   entryID // its index identity
-	size int64   // bytes it takes (see EntrySize)
 }
 
 // New opens the tier described by cfg: it creates the directory (0700) if needed, refuses
@@ -130,14 +121,14 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 		verify:   cfg.Verify,
 		warning:  warning,
 		dir:      d,
-		byID:     make(map[entryID]*list.Element),
+		fifo:     newFIFO(),
 	}
 	if err := t.init(size, cfg.Holder); err != nil {
 		t.Close()
 		return nil, fmt.Errorf("tier %s: %w", dir, err)
 	}
 	t.log.Info("tier ready", "fs", t.fsType, "budget", FormatBytes(t.budget),
-		"used", FormatBytes(t.used), "files", t.fifo.Len())
+		"used", FormatBytes(t.used), "files", t.fifo.len())
 	return t, nil
 }
 
@@ -230,14 +221,14 @@ func (t *Tier) Info() Info {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
-		Budget: t.budget, Used: t.used, Files: t.fifo.Len()}
+		Budget: t.budget, Used: t.used, Files: t.fifo.len()}
 }
 
 // EntrySize returns the bytes a source file of dataSize bytes takes in a tier: its data and
 // its record, each rounded up to whole 4 KiB blocks, as tmpfs and disk file systems store
 // them. (The tier's index is outside the budget: see indexBuckets.)
 func EntrySize(sourcePath string, dataSize int64) int64 {
-	return blocks(dataSize) + blocks(recordSize(filepath.Clean(sourcePath)))
+	return blocks(dataSize) + blocks(recordSize(Entry{SourcePath: filepath.Clean(sourcePath)}))
 }
 
 func blocks(n int64) int64 { return (n + 4095) &^ 4095 }
@@ -288,11 +279,18 @@ func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 // it, unless it is evicted meanwhile). It maps nothing.
 func (t *Tier) Listed(sourcePath string) bool { return t.Dir.listed(idOf(filepath.Clean(sourcePath))) }
 
-// MakeRoom evicts files oldest first until n more bytes fit in the budget. Each victim is
-// mapped and handed to spill (when not nil) before it is unlinked, so that a caller can move
-// it to a slower tier; spill must not keep the mapping. Readers that mapped a victim keep a
-// valid mapping. It returns ErrNoRoom if n exceeds the whole budget.
-func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
+// MakeRoom evicts files oldest first until n more bytes fit in the budget, taking none of
+// group keep (see Entry.Group; "" protects nothing). Each victim is mapped and handed to
+// spill (when not nil) before it is unlinked, so that a caller can move it to a slower tier;
+// spill must not keep the mapping. Readers that mapped a victim keep a valid mapping. It
+// returns ErrNoRoom if n exceeds the whole budget, or if what is left belongs to keep.
+//
+// Sparing the group being read is what keeps a dataset larger than the cache from
+// thrashing: training reads every file once per epoch, in a new random order, so any set of
+// cached files gives the same hits, and replacing them (FIFO, LRU) only adds writes. With
+// a fixed order, FIFO would even hit nothing. So the files cached first stay, the others
+// are read from the source, once per epoch.
+func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 	for {
 		t.mu.Lock()
 		if n > t.budget {
@@ -303,13 +301,11 @@ func (t *Tier) MakeRoom(n int64, spill func(*Mapping)) error {
 			t.mu.Unlock()
 			return nil
 		}
-		front := t.fifo.Front()
-		if front == nil { // everything left is being written right now
+		rec := t.fifo.popOldest(keep)
+		if rec == nil { // everything left is being written right now, or is keep's
 			t.mu.Unlock()
-			return fmt.Errorf("%w: %s in flight", ErrNoRoom, FormatBytes(t.used))
+			return fmt.Errorf("%w: %s in flight or of the dataset being read", ErrNoRoom, FormatBytes(t.used))
 		}
-		rec := t.fifo.Remove(front).(*record)
-		delete(t.byID, rec.id)
 		t.ix.remove(rec.id) // readers stop finding it before it goes
 		t.mu.Unlock()
 
@@ -481,11 +477,10 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)
 	}
 	id := idOf(e.SourcePath)
-	if old, ok := t.byID[id]; ok { // replaced an older copy of the same file
-		t.used -= old.Value.(*record).size
-		t.fifo.Remove(old)
+	if old, ok := t.fifo.remove(id); ok { // replaced an older copy of the same file
+		t.used -= old.size
 	}
-	t.byID[id] = t.fifo.PushBack(&record{rel: rel, id: id, size: n})
+	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group})
 	t.index(s, id)
 	return nil
 }
@@ -498,12 +493,10 @@ func (t *Tier) index(s stored, id entryID) {
 	if !evicted {
 		return
 	}
-	el, ok := t.byID[victim.id]
+	rec, ok := t.fifo.remove(victim.id)
 	if !ok {
 		return
 	}
-	rec := t.fifo.Remove(el).(*record)
-	delete(t.byID, victim.id)
 	t.used -= rec.size
 	t.indexEvictions++
 	t.unlink(rec.rel)
@@ -583,12 +576,10 @@ func finishData(f *os.File, mtimeNanos int64) (ino uint64, err error) {
 func (t *Tier) remove(id entryID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	el, ok := t.byID[id]
+	rec, ok := t.fifo.remove(id)
 	if !ok {
 		return
 	}
-	rec := t.fifo.Remove(el).(*record)
-	delete(t.byID, id)
 	t.ix.remove(id)
 	t.used -= rec.size
 	t.unlink(rec.rel)
@@ -623,7 +614,7 @@ func (t *Tier) rescan() error {
 	t.mu.Lock()
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
-		t.byID[id] = t.fifo.PushBack(&record{rel: f.rel, id: id, size: f.size})
+		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group})
 		t.used += f.size
 		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)
@@ -638,7 +629,7 @@ func (t *Tier) rescan() error {
 	}
 	if t.used > t.budget {
 		t.log.Info("content exceeds budget: evicting oldest", "used", FormatBytes(t.used))
-		return t.MakeRoom(0, nil)
+		return t.MakeRoom(0, "", nil)
 	}
 	return nil
 }

@@ -117,7 +117,7 @@ func FuzzParseRecord(f *testing.F) {
 	f.Add(appendRecord(nil, stored{Entry: Entry{SourcePath: "/a", Size: 3}}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		s, err := parseRecord(b)
-		if err == nil && (int64(len(b)) != recordSize(s.SourcePath) || s.Size < 0) {
+		if err == nil && (int64(len(b)) != recordSize(s.Entry) || s.Size < 0) {
 			t.Fatalf("accepted inconsistent record %+v of %d bytes", s, len(b))
 		}
 	})
@@ -187,7 +187,7 @@ func TestMappingSurvivesEvictionAndReleaseIsIdempotent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := tier.MakeRoom(1<<20, nil); err != nil { // evicts everything
+	if err := tier.MakeRoom(1<<20, "", nil); err != nil { // evicts everything
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(m.Path); !os.IsNotExist(err) {
@@ -218,7 +218,7 @@ func TestBudgetAndFIFOEviction(t *testing.T) {
 		t.Fatalf("publish over budget: got %v, want ErrNoRoom", err)
 	}
 	var spilled []string
-	if err := tier.MakeRoom(2*one, func(m *Mapping) {
+	if err := tier.MakeRoom(2*one, "", func(m *Mapping) {
 		if !bytes.Equal(m.Bytes(), data) {
 			t.Errorf("spilled %s with wrong bytes", m.SourcePath)
 		}
@@ -237,7 +237,7 @@ func TestBudgetAndFIFOEviction(t *testing.T) {
 	if info := tier.Info(); info.Used != 3*one || info.Files != 3 || info.Used > info.Budget {
 		t.Errorf("info %+v: want 3 files of %d bytes within budget", info, one)
 	}
-	if err := tier.MakeRoom(4*one, nil); !errors.Is(err, ErrNoRoom) {
+	if err := tier.MakeRoom(4*one, "", nil); !errors.Is(err, ErrNoRoom) {
 		t.Errorf("MakeRoom over the whole budget: got %v, want ErrNoRoom", err)
 	}
 }
@@ -291,7 +291,7 @@ func TestRescanRebuildsUsageAndOrderAndRemovesTemps(t *testing.T) {
 	}
 	// FIFO order survives: making room for one file evicts the oldest.
 	var evicted []string
-	again.MakeRoom(again.budget-after.Used+1, func(m *Mapping) { evicted = append(evicted, m.SourcePath) })
+	again.MakeRoom(again.budget-after.Used+1, "", func(m *Mapping) { evicted = append(evicted, m.SourcePath) })
 	if diff := cmp.Diff([]string{"/d/f0"}, evicted); diff != "" {
 		t.Errorf("evicted after rescan (-want +got):\n%s", diff)
 	}
@@ -429,5 +429,55 @@ func TestNewRejectsUnusableDirectory(t *testing.T) {
 	}
 	if info := tier.Info(); info.Budget != int64(float64(info.Capacity)*0.8) {
 		t.Errorf("default NVMe budget %d, want 80%% of %d", info.Budget, info.Capacity)
+	}
+}
+
+func TestMakeRoomSparesTheGroupBeingRead(t *testing.T) {
+	src := func(g string, i int) string { return fmt.Sprintf("/%s/f%d", g, i) }
+	one := EntrySize(src("a", 0), 1000)
+	tier := newTier(t, Memory, fmt.Sprint(4*one))
+	data := make([]byte, 1000)
+	put := func(g string, i int) error {
+		return tier.Publish(Entry{SourcePath: src(g, i), Size: 1000, Group: "/" + g}, data)
+	}
+	for i, g := range []string{"old", "a", "old", "a"} {
+		if err := put(g, i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var evicted []string
+	spill := func(m *Mapping) { evicted = append(evicted, m.SourcePath) }
+	// Room for a file of a: the files of old go first, oldest first, even though a's are older.
+	if err := tier.MakeRoom(2*one, "/a", spill); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]string{src("old", 0), src("old", 2)}, evicted); diff != "" {
+		t.Errorf("evicted (-want +got):\n%s", diff)
+	}
+	for i := 4; i < 6; i++ {
+		if err := put("a", i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Full of a: a file of a finds no room, a file of another group evicts a's oldest.
+	if err := tier.MakeRoom(one, "/a", nil); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("MakeRoom for a's own file in a tier full of a: got %v, want ErrNoRoom", err)
+	}
+	evicted = nil
+	if err := tier.MakeRoom(one, "/b", spill); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff([]string{src("a", 1)}, evicted); diff != "" {
+		t.Errorf("evicted for b (-want +got):\n%s", diff)
+	}
+	// The group survives a restart (it is in the record).
+	tier.Close()
+	again, err := New(Config{Dir: tier.Path, Kind: Memory, Budget: fmt.Sprint(4 * one)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	if err := again.MakeRoom(2*one, "/a", nil); !errors.Is(err, ErrNoRoom) {
+		t.Errorf("after a restart, MakeRoom for a evicted a's files: %v", err)
 	}
 }

@@ -1,0 +1,70 @@
+package tiers
+
+import "container/list"
+
+// record is what a tier keeps in memory about an entry.
+type record struct {
+	rel   string  // path of the data file relative to the tier directory
+	id    entryID // its index identity
+	size  int64   // bytes it takes (see EntrySize)
+	seq   uint64  // publication sequence number
+	group string  // Entry.Group
+}
+
+// fifo holds a tier's entries in publication order, one list per group (dataset root), so
+// that eviction can take the oldest entry outside a group. It is not safe for concurrent use
+// (Tier.mu guards it).
+type fifo struct {
+	groups map[string]*list.List     // group -> its records, oldest first
+	byID   map[entryID]*list.Element // element of each entry in its group's list
+}
+
+func newFIFO() fifo {
+	return fifo{groups: make(map[string]*list.List), byID: make(map[entryID]*list.Element)}
+}
+
+func (f *fifo) len() int { return len(f.byID) }
+
+// push adds a record as the newest of its group; records must come in publication order.
+func (f *fifo) push(r *record) {
+	l := f.groups[r.group]
+	if l == nil {
+		l = list.New()
+		f.groups[r.group] = l
+	}
+	f.byID[r.id] = l.PushBack(r)
+}
+
+// remove takes the entry id out, if present.
+func (f *fifo) remove(id entryID) (*record, bool) {
+	el, ok := f.byID[id]
+	if !ok {
+		return nil, false
+	}
+	delete(f.byID, id)
+	r := el.Value.(*record)
+	l := f.groups[r.group]
+	l.Remove(el)
+	if l.Len() == 0 {
+		delete(f.groups, r.group)
+	}
+	return r, true
+}
+
+// popOldest takes out and returns the oldest entry outside group keep (any group when keep
+// is ""), or nil if there is none.
+func (f *fifo) popOldest(keep string) *record {
+	var oldest *record
+	for g, l := range f.groups {
+		if keep != "" && g == keep {
+			continue
+		}
+		if r := l.Front().Value.(*record); oldest == nil || r.seq < oldest.seq {
+			oldest = r
+		}
+	}
+	if oldest != nil {
+		f.remove(oldest.id)
+	}
+	return oldest
+}
