@@ -29,6 +29,9 @@ the manifest. Configurations, interleaved within each of --repeats rounds:
                             read once (epoch 1's order): the baseline of the next line
   fitcache-one-process      one fresh process, num_workers=0, each file of the warm cache read
                             once (the client is opened before the clock starts, timed apart)
+  fitcache-half-budget      a memory tier of half what the dataset takes in a tier, --epochs
+                            epochs from empty, fresh workers; the median of epochs 1..E-1 against
+                            the source baseline, with source opens per epoch (inotify)
 
 Epoch figures are medians over a round's epochs, then medians over rounds; ratios divide the
 baseline's median time by the configuration's. Source opens during the FitCache
@@ -255,9 +258,9 @@ class Cache(PrivateCache):
     """A private runtime directory and memory tier sized to hold the dataset, with the
     server started apart from the timed epochs."""
 
-    def __init__(self, work, name, budget_bytes):
+    def __init__(self, work, name, budget_bytes, exact=False):
         tier = f"/dev/shm/fitcache-scale-{os.getpid()}-{name}"
-        budget_mib = int(budget_bytes * 1.1 / 2**20) + 64
+        budget_mib = int(budget_bytes / 2**20) if exact else int(budget_bytes * 1.1 / 2**20) + 64
         super().__init__(os.path.join(work, name, "run"), f"memory:{tier}:{budget_mib}MiB", [tier])
         self.tier = tier
 
@@ -361,9 +364,15 @@ def bench_local(args, work, cleanup):
     cleanup.append(cache.wipe)
     plain_src, plain_shm = PlainCRC(src, names), PlainCRC(shm, names)
     times = {k: [] for k in ("source", "shm", "fitcache-cold", "fitcache-warm-fresh",
-                              "fitcache-warm-persistent", "shm-one-process", "fitcache-one-process")}
+                              "fitcache-warm-persistent", "shm-one-process", "fitcache-one-process",
+                              "fitcache-half-budget")}
     extra = {"server_start_seconds": [], "client_open_seconds": [], "source_reads_cold": [],
-             "source_reads_after_warm": [], "source_opens": []}
+             "source_reads_after_warm": [], "source_opens": [], "half_budget_epochs": []}
+    # What the dataset takes in a tier (data and record, each in 4 KiB blocks): half of it
+    # is the budget of the half-budget configuration.
+    footprint = sum(-(-size // 4096) * 4096 + 4096 for _, size, _ in manifest)
+    half = Cache(work, "half", footprint // 2, exact=True)
+    cleanup.append(half.wipe)
     for r in range(args.repeats):
         times["source"].append(timed_epoch(loader(plain_src, sampler, args, args.workers), sampler, 0, check)[0])
         dl = loader(plain_shm, sampler, args, args.workers)
@@ -397,6 +406,27 @@ def bench_local(args, work, cleanup):
             warm_opens = sum(opens.counts().values()) - cold_opens
         extra["source_reads_after_warm"].append(cache.source_reads())
         extra["source_opens"].append({"cold": cold_opens, "warm": warm_opens})
+        cache.wipe()
+
+        # A dataset twice the cache: every epoch, fresh workers, source opens per epoch.
+        half.wipe()
+        half.start(src)
+        hds = FitCacheCRC(fitcache.FitCacheDataset(src, files=names, **half.options))
+        epochs = []
+        with OpenCounter(src) as opens:
+            dl = loader(hds, sampler, args, args.workers)
+            seen = 0
+            for e in range(args.epochs):
+                secs = timed_epoch(dl, sampler, e, check, opens.counts)[0]
+                total_opens = sum(opens.counts().values())
+                epochs.append({"epoch": e, "seconds": secs, "source_opens": total_opens - seen})
+                seen = total_opens
+            del dl
+        stats = fitcache.dataset.server_stats(**half.options)
+        extra["half_budget_epochs"].append({"epochs": epochs, "tier_files": sum(t["files"] for t in stats["tiers"]),
+                                            "evictions": stats["evictions"]})
+        times["fitcache-half-budget"].append(statistics.median(x["seconds"] for x in epochs[1:]))
+        half.wipe()
         log(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items())
             + f"; source opens cold {cold_opens}, warm {warm_opens}; crc mismatches so far {check.bad}")
     cache.wipe()
@@ -405,7 +435,7 @@ def bench_local(args, work, cleanup):
     res = {k: summarize(v, n, total) for k, v in times.items()}
     baseline = {"source": None, "shm": None, "fitcache-cold": "source", "fitcache-warm-fresh": "shm",
                 "fitcache-warm-persistent": "shm", "shm-one-process": None,
-                "fitcache-one-process": "shm-one-process"}
+                "fitcache-one-process": "shm-one-process", "fitcache-half-budget": "source"}
     for k, b in baseline.items():
         res[k]["baseline"] = b
         res[k]["ratio"] = res[b]["seconds_median"] / res[k]["seconds_median"] if b else 1.0
@@ -512,6 +542,10 @@ def markdown(results, args):
                   f"run (not in its epoch): {statistics.median(loc['client_open_seconds']) * 1e3:.0f} ms.",
                   f"Server source reads after the cold epoch: {loc['source_reads_cold']}, after the warm "
                   f"configurations: {loc['source_reads_after_warm']}; source opens seen by inotify: {loc['source_opens']}."]
+        for r, h in enumerate(loc.get("half_budget_epochs", [])):
+            lines.append(f"Half budget, round {r + 1}: " + ", ".join(
+                f"epoch {x['epoch']} {x['seconds']:.2f}s with {x['source_opens']} source opens" for x in h["epochs"])
+                + f"; {h['tier_files']} files cached, {h['evictions']} evictions.")
     pfs = results.get("pfs")
     if pfs:
         d = pfs["dataset"]

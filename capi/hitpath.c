@@ -3,11 +3,15 @@
 #include "hitpath.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,11 +25,15 @@ struct hit_client {
 	int64_t handle;
 	char root[FC_PATH_MAX];
 	size_t rootlen;
+	char real_root[FC_PATH_MAX]; // root with its links resolved: sources are opened beneath it
 	char node_socket[sizeof(((struct sockaddr_un *)0)->sun_path)]; // "" for none
 	int64_t timeout_ms;
 	int64_t node_down_until; // CLOCK_MONOTONIC ns before which the node socket is skipped (atomic):
 	                         // set by fcHitServerState, and for a while after a timeout
 	int64_t fetches;         // misses the server cached through the node socket (atomic)
+	int64_t direct;          // files read from the source by read_source (atomic)
+	int64_t full_until;      // CLOCK_MONOTONIC ns before which misses skip the server: it said
+	                         // it has no room for this dataset (atomic)
 	pthread_mutex_t node_mu; // protects node_fd and node_pid
 	int node_fd;             // the connection kept to the node socket, or -1
 	pid_t node_pid;          // the process that opened node_fd
@@ -157,14 +165,15 @@ static struct hit_client *client(int64_t h) {
 	return c && c->handle == h ? c : NULL;
 }
 
-int fcHitOpen(int64_t handle, const char *root, const char *node_socket, int64_t timeout_ms) {
+int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms) {
 	size_t n = strlen(root);
-	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/')
+	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/' || strlen(real_root) >= FC_PATH_MAX || real_root[0] != '/')
 		return -1;
 	struct hit_client *c = calloc(1, sizeof *c);
 	if (!c)
 		return -1;
 	c->handle = handle;
+	strcpy(c->real_root, real_root);
 	if (strlen(node_socket) < sizeof c->node_socket)
 		strcpy(c->node_socket, node_socket);
 	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
@@ -220,12 +229,12 @@ void fcHitClose(int64_t handle) {
 	free(c);
 }
 
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes, int64_t *fetches) {
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct) {
 	pthread_rwlock_rdlock(&clients_lock);
 	struct hit_client *c = client(handle);
 	*hits = c ? __atomic_load_n(&c->hits, __ATOMIC_RELAXED) : 0;
-	*bytes = c ? __atomic_load_n(&c->bytes, __ATOMIC_RELAXED) : 0;
 	*fetches = c ? __atomic_load_n(&c->fetches, __ATOMIC_RELAXED) : 0;
+	*direct = c ? __atomic_load_n(&c->direct, __ATOMIC_RELAXED) : 0;
 	pthread_rwlock_unlock(&clients_lock);
 }
 
@@ -375,6 +384,10 @@ static void put32(uint8_t *p, uint32_t v) {
 	p[3] = (uint8_t)(v >> 24);
 }
 
+// After the server said it has no room for a dataset, its misses are read from the source
+// without asking for this long, then the server is asked again (room may have come).
+#define FULL_RECHECK_NS (1000000000LL)
+
 // After a node socket timed out, misses skip it for this long (and go through Go, which backs
 // off from a server that does not answer in its own way).
 #define NODE_BACKOFF_NS (5 * 1000000000LL)
@@ -437,6 +450,10 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 		pthread_rwlock_unlock(&clients_lock);
 		return FC_MISS;
 	}
+	if (monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED)) {
+		pthread_rwlock_unlock(&clients_lock);
+		return FC_DIRECT; // the server said it has no room for this dataset: do not ask again yet
+	}
 	// One connection per client is kept for the misses of this process; a thread that finds
 	// it busy uses a connection of its own. A connection that failed is never used again (a
 	// late reply would be taken for the next request's); a broken kept one (the server
@@ -476,8 +493,12 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	} else if (asked == 0 && err == 0) {
 		rc = 0;
 		__atomic_fetch_add(&c->fetches, 1, __ATOMIC_RELAXED);
-	} else if (asked == 0 && err != EFBIG && err != EBADF && err != ETIMEDOUT && err != EIO) {
-		rc = -err; // the file's own error; for EFBIG (no tier takes it) and the others, Go reads it
+	} else if (asked == 0 && (err == EFBIG || err == ENOSPC)) {
+		rc = FC_DIRECT; // no tier takes it: read the source
+		if (err == ENOSPC) // none takes any more file of this dataset (see tiers.Tier.MakeRoom)
+			__atomic_store_n(&c->full_until, monotonic_ns() + FULL_RECHECK_NS, __ATOMIC_RELAXED);
+	} else if (asked == 0 && err != EBADF && err != ETIMEDOUT && err != EIO) {
+		rc = -err; // the file's own error; for the others, Go reads it
 	}
 	pthread_rwlock_unlock(&clients_lock);
 	errno = saved;
@@ -490,4 +511,60 @@ void fcHitServerState(int64_t handle, bool up, int64_t ms) {
 	if (c)
 		__atomic_store_n(&c->node_down_until, up ? 0 : monotonic_ns() + ms * 1000000LL, __ATOMIC_RELAXED);
 	pthread_rwlock_unlock(&clients_lock);
+}
+
+// Source reads without Go: for files no tier takes (the server said so), and in a process
+// forked after load. They keep the guarantees of core.OpenSource, or leave the file to Go:
+// the file is opened beneath the real root (openat2 RESOLVE_BENEATH, so no link leads out),
+// it must be a regular file (opened O_NONBLOCK: a FIFO never blocks), and it must not change
+// while read. Anything unusual (an absolute link, a kernel without openat2, an error to
+// report with its message) returns FC_MISS, and Go reads the file and says why.
+int hit_read_source(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int saved = errno;
+	char clean[FC_PATH_MAX];
+	int n, rc = FC_MISS, root_fd = -1, fd = -1;
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(handle);
+	if (!c || (n = source_path(c, path, clean, sizeof clean)) < 0 || (size_t)n <= c->rootlen)
+		goto out;
+	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	struct open_how how_root = {.flags = O_PATH | O_DIRECTORY | O_CLOEXEC, .resolve = RESOLVE_NO_SYMLINKS};
+	root_fd = (int)syscall(SYS_openat2, AT_FDCWD, c->real_root, &how_root, sizeof how_root);
+	if (root_fd < 0)
+		goto out;
+	struct open_how how = {.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
+	fd = (int)syscall(SYS_openat2, root_fd, rel, &how, sizeof how);
+	struct stat before, after;
+	if (fd < 0 || fstat(fd, &before) != 0 || !S_ISREG(before.st_mode))
+		goto out;
+	struct fc_hit h = {.fd = fd, .size = before.st_size};
+	void *ptr;
+	uint8_t kind;
+	if ((rc = take(&h, &ptr, &kind)) != 0)
+		goto out;
+	if (fstat(fd, &after) != 0 || after.st_size != before.st_size || after.st_ino != before.st_ino ||
+	    after.st_mtim.tv_sec != before.st_mtim.tv_sec || after.st_mtim.tv_nsec != before.st_mtim.tv_nsec ||
+	    after.st_ctim.tv_sec != before.st_ctim.tv_sec || after.st_ctim.tv_nsec != before.st_ctim.tv_nsec) {
+		free_mem(ptr, (size_t)h.size, kind); // changed while read: Go reads it again, or says so
+		rc = FC_MISS;
+		goto out;
+	}
+	int64_t id = add_buf(ptr, (size_t)h.size, kind);
+	if (id < 0) {
+		free_mem(ptr, (size_t)h.size, kind);
+		rc = (int)id;
+		goto out;
+	}
+	__atomic_fetch_add(&c->direct, 1, __ATOMIC_RELAXED);
+	*data = ptr;
+	*size = h.size;
+	*buffer = id;
+out:
+	if (fd >= 0)
+		close(fd);
+	if (root_fd >= 0)
+		close(root_fd);
+	pthread_rwlock_unlock(&clients_lock);
+	errno = saved;
+	return rc;
 }

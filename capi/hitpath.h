@@ -1,8 +1,8 @@
 /*
  * hitpath.h -- the hit path of libfitcache: reads of cached files served in C, without Go.
  *
- * Go (capi/main.go) registers each client handle with its dataset root and the tier
- * directories of its server; fc_read and fc_read_many (fitcache.c) then try hit_read first
+ * Go (capi/main.go) registers each client handle with its dataset root, the tier directories
+ * of its server and its node socket; fc_read and fc_read_many (fitcache.c) then try hit_read first
  * and enter Go only on a miss. Buffers served here live in a C registry whose handles are
  * disjoint from Go's (FC_CBUF_BASE and up), so fc_release can tell them apart.
  *
@@ -25,6 +25,10 @@
 /* hit_fetch's result when the server did not answer (in time): read without it. */
 #define FC_UNAVAILABLE 2
 
+/* hit_fetch's result when no tier takes the file (too large, or no room left for its
+ * dataset): read it from the source (hit_read_source). */
+#define FC_DIRECT 3
+
 /* Files up to this size are read into memory the caller owns (one copy, like read());
  * larger ones are mapped (no copy). Measured (bench/bench_crossover.py, docs/BENCHMARKS.md):
  * mapping a cached file and reading it once costs as much as copying it at 256-512 KiB, and
@@ -39,9 +43,10 @@ int hit_read(int64_t handle, const char *path, const void **data, int64_t *size,
 
 /* Asks the server of a client, over its node socket (package nodesock), to bring path into its
  * tiers, waiting no longer than the client's read timeout. Returns 0 when the file is cached
- * now (hit_read finds it), FC_MISS when the server cannot cache it (no node socket, no server
- * listening, no tier takes the file), FC_UNAVAILABLE when the server did not answer in time
- * (the client then skips the node socket for a while), or the file's own negated errno (-ENOENT...), with the
+ * now (hit_read finds it), FC_DIRECT when no tier takes the file (after the server said it
+ * has no room for the dataset, misses are FC_DIRECT without asking for a second), FC_MISS
+ * when there is no node socket or no server listening, FC_UNAVAILABLE when the server did not
+ * answer in time (the client then skips the node socket for a while), or the file's own negated errno (-ENOENT...), with the
  * server's message in msg (FC_FETCH_MESSAGE bytes, always terminated). Misses
  * take this way first: it needs no Go, so it also serves processes forked after load. */
 int hit_fetch(int64_t handle, const char *path, char *msg);
@@ -49,16 +54,20 @@ int hit_fetch(int64_t handle, const char *path, char *msg);
 /* The size of the message buffer hit_fetch fills (the server's message for an error). */
 #define FC_FETCH_MESSAGE 1001
 
+/* Reads path from the source, as fc_read hands files out, when that is safe without Go (see
+ * hitpath.c); returns FC_MISS for anything it leaves to Go (errors included). */
+int hit_read_source(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
 /* Releases a buffer of the hit path: 0, or -EBADF for an unknown or released one. */
 int hit_release(int64_t buffer);
 
 /* Unreleased buffers of the hit path. */
 int64_t hit_buffers(void);
 
-/* Called from Go. Registers a client handle with its dataset root (absolute, clean), the node
- * socket of its server ("" for none) and its read timeout; 0 or -1 when the hit path cannot
+/* Called from Go. Registers a client handle with its dataset root (absolute, clean) and its
+ * real path, the node socket of its server ("" for none) and its read timeout; 0 or -1 when the hit path cannot
  * take it (the client still works, through Go). */
-int fcHitOpen(int64_t handle, const char *root, const char *node_socket, int64_t timeout_ms);
+int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms);
 /* Adds a tier directory (fastest first) of the client's server, of the given kind
  * (tiers.Kind); returns 0 or a negated errno (the tier is then not used by the hit path). */
 int fcHitAddTier(int64_t handle, const char *dir, int kind);
@@ -71,8 +80,8 @@ void fcHitServerState(int64_t handle, bool up, int64_t ms);
 int fcHitTiers(int64_t handle);
 /* Forgets a client handle, closing its tiers. */
 void fcHitClose(int64_t handle);
-/* Reads served by the hit path for a handle, their bytes, and the misses it had the server
- * cache through the node socket. */
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *bytes, int64_t *fetches);
+/* Reads served by the hit path for a handle, the misses it had the server cache through the
+ * node socket, and the files it read from the source. */
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct);
 
 #endif /* FITCACHE_HITPATH_H */

@@ -158,15 +158,16 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		c.Close()
 		return fail(err)
 	}
-	c.SetExternalCounts(func() (int64, int64) {
-		var n, bytes, fetches C.int64_t
-		C.fcHitCounts(C.int64_t(h), &n, &bytes, &fetches)
-		return int64(n), int64(fetches)
+	c.SetExternalCounts(func() client.ExternalCounts {
+		var n, fetches, direct C.int64_t
+		C.fcHitCounts(C.int64_t(h), &n, &fetches, &direct)
+		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct)}
 	})
-	croot, cnode := C.CString(c.Root()), C.CString(c.NodeSocket())
+	croot, creal, cnode := C.CString(c.Root()), C.CString(c.RealRoot()), C.CString(c.NodeSocket())
 	defer C.free(unsafe.Pointer(croot))
+	defer C.free(unsafe.Pointer(creal))
 	defer C.free(unsafe.Pointer(cnode))
-	if C.fcHitOpen(C.int64_t(h), croot, cnode, C.int64_t(cfg.ReadTimeout.Milliseconds())) == 0 {
+	if C.fcHitOpen(C.int64_t(h), croot, creal, cnode, C.int64_t(cfg.ReadTimeout.Milliseconds())) == 0 {
 		addHitTiers(h, c)
 		c.SetOnServerState(func(up bool, backoff time.Duration) {
 			C.fcHitServerState(C.int64_t(h), C.bool(up), C.int64_t(backoff.Milliseconds()))

@@ -113,7 +113,7 @@ type Client struct {
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
 	counts   counters
-	external atomic.Pointer[func() (hits, fetches int64)]         // see SetExternalCounts
+	external atomic.Pointer[func() ExternalCounts]                // see SetExternalCounts
 	onState  atomic.Pointer[func(up bool, backoff time.Duration)] // see SetOnServerState
 	pending  hitReport                                            // local hits not yet reported to the server
 	closed   atomic.Bool
@@ -196,6 +196,10 @@ func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
 
 // Root returns the dataset root.
 func (c *Client) Root() string { return c.root }
+
+// RealRoot returns the dataset root with its symbolic links resolved: files are opened
+// beneath it (see core.OpenSource).
+func (c *Client) RealRoot() string { return c.realRoot }
 
 // current returns the connection to the embedded server and whether reads should skip it
 // for now (it failed recently).
@@ -570,9 +574,10 @@ func (c *Client) Stats() (string, error) {
 		Errors: c.counts.errors.Load(),
 	}}
 	if f := c.external.Load(); f != nil {
-		hits, fetches := (*f)()
-		out.Client.LocalHits += hits
-		out.Client.ServerReads += fetches
+		ext := (*f)()
+		out.Client.LocalHits += ext.Hits
+		out.Client.ServerReads += ext.Fetches
+		out.Client.DirectReads += ext.Direct
 	}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
@@ -668,11 +673,17 @@ func (c *Client) reportTo() *rpc.Client {
 	return nil
 }
 
-// SetExternalCounts gives the client a count of the reads that were served from its
-// server's tiers without it (the C hit path of libfitcache) and of the misses the server
-// cached for them, which Stats adds to its local hits and server reads. The server counts
-// those reads itself (through the tiers' index and its node socket).
-func (c *Client) SetExternalCounts(count func() (hits, fetches int64)) { c.external.Store(&count) }
+// ExternalCounts are reads that the C layer of libfitcache served without this client.
+type ExternalCounts struct {
+	Hits    int64 // from the server's tiers (the hit path)
+	Fetches int64 // misses the server cached for it (through its node socket)
+	Direct  int64 // files it read from the source (no room for them in the tiers)
+}
+
+// SetExternalCounts gives the client a count of the reads served around it (see
+// ExternalCounts), which Stats adds to its own. The server counts those hits and fetches
+// itself (through the tiers' index and its node socket).
+func (c *Client) SetExternalCounts(count func() ExternalCounts) { c.external.Store(&count) }
 
 // MarkUnavailable tells the client that its server did not answer a caller that went around
 // it (the node socket of the C hit path): reads go to the source for a back-off, as after a

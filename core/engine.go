@@ -68,7 +68,7 @@ type flight struct {
 	done      chan struct{} // closed when data, mtime and err are set
 	data      []byte        // the bytes of a file a client stored (see Store)
 	inTier    bool          // read from the source into a tier: readers are served from there
-	fetchOnly bool          // started by Fetch: a file no tier takes is neither read nor counted
+	fetchOnly bool          // started by Fetch: a file no tier takes is not read (the caller reads it)
 	mtime     int64         // the source's modification time, Unix nanoseconds
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
@@ -215,7 +215,7 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	if e.closed.Load() {
 		return Result{}, ErrClosed
 	}
-	res, err := e.read(ctx, root, path, wantMapping, false)
+	res, err := e.read(ctx, root, path, wantMapping)
 	if err != nil {
 		e.stats.errors.Add(1)
 		return Result{}, err
@@ -224,9 +224,7 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	return res, nil
 }
 
-// read serves Read and Fetch; with fetchOnly, a file that no tier takes is not read (the
-// caller reads it itself) and not counted.
-func (e *Engine) read(ctx context.Context, root, path string, wantMapping, fetchOnly bool) (Result, error) {
+func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) (Result, error) {
 	if err := e.checkRoot(root, path); err != nil {
 		return Result{}, err
 	}
@@ -241,7 +239,6 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping, fetch
 	if leader {
 		e.stats.misses.Add(1)
 		if e.startFill() {
-			f.fetchOnly = fetchOnly
 			go func() { // not tied to this request: waiters share it
 				defer e.fills.Done()
 				e.fill(f, root, path)
@@ -405,6 +402,13 @@ func (e *Engine) join(path string) (f *flight, leader bool) {
 // collector, the bytes encoded into and decoded from a reply), so every miss now waits for
 // its publication and the client reads the published file, one copy from the page cache.
 func (e *Engine) fill(f *flight, root, path string) {
+	full := e.fullFor(root)
+	if full && f.fetchOnly { // the caller reads it: not even opened here
+		f.err = fmt.Errorf("%w: %s", ErrCacheFull, path)
+		e.stats.uncached.Add(1)
+		e.finish(path, f)
+		return
+	}
 	src, err := e.openSource(root, path)
 	if err != nil {
 		f.err = err
@@ -416,14 +420,18 @@ func (e *Engine) fill(f *flight, root, path string) {
 	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, Group: root}
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || f.fetchOnly) {
 		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
-		if !f.fetchOnly {
-			e.stats.uncached.Add(1)
-		}
+		e.stats.uncached.Add(1)
 		e.finish(path, f)
 		return
 	}
-	if !e.canCache(entry) {
-		// No tier takes it (an engine without tiers, say): served from memory, uncached.
+	if full && entry.Size > uncachedReadMax {
+		f.err = fmt.Errorf("%w: %s", ErrCacheFull, path)
+		e.finish(path, f)
+		return
+	}
+	if full || !e.canCache(entry) {
+		// No tier takes it (an engine without tiers, or tiers full of the dataset being
+		// read): served from memory, uncached.
 		if f.data, f.err = src.ReadAll(); f.err == nil {
 			e.stats.uncached.Add(1)
 			e.stats.sourceReads.Add(1)
@@ -440,6 +448,13 @@ func (e *Engine) fill(f *flight, root, path string) {
 // uncachedReadMax is the largest file an engine reads into memory when no tier can take
 // it; a larger one fails with ErrTooLarge and the caller reads the source itself.
 const uncachedReadMax = 1 << 20
+
+// fullFor reports whether every tier is full of files of group (the dataset being read),
+// so that none takes another file of it (see tiers.Tier.FullFor). An engine without tiers
+// is not full: it never caches.
+func (e *Engine) fullFor(group string) bool {
+	return len(e.tiers) > 0 && !slices.ContainsFunc(e.tiers, func(t *tiers.Tier) bool { return !t.FullFor(group) })
+}
 
 // canCache reports whether some tier can hold the entry at all.
 func (e *Engine) canCache(entry tiers.Entry) bool {
@@ -466,6 +481,9 @@ func (e *Engine) fillFromSource(src *Source, entry tiers.Entry) error {
 	switch {
 	case err == nil:
 		e.stats.published.Add(1)
+	case errors.Is(err, tiers.ErrNoRoom) && e.canCache(entry):
+		e.stats.uncached.Add(1)
+		return fmt.Errorf("%w: %s (%d bytes)", ErrCacheFull, entry.SourcePath, entry.Size)
 	case errors.Is(err, tiers.ErrNoRoom):
 		e.stats.uncached.Add(1)
 		return fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, entry.SourcePath, entry.Size)

@@ -2,6 +2,7 @@ package core
 
 import (
 	"errors"
+	"fmt"
 	"io/fs"
 	"strings"
 	"syscall"
@@ -21,6 +22,10 @@ var (
 	// ErrTooLarge reports a file that is not cached and too large to hold in memory or to
 	// send in one reply: the caller reads it from the source itself (a client maps it).
 	ErrTooLarge = errors.New("file not cached and too large to send")
+	// ErrCacheFull reports a file that could be cached but finds no room: the tiers are full
+	// of the dataset being read, whose files are never evicted for one another (see
+	// tiers.Tier.MakeRoom). The caller reads it from the source itself. It wraps ErrTooLarge.
+	ErrCacheFull = fmt.Errorf("%w: no room left in the cache for this dataset", ErrTooLarge)
 	// ErrClosed reports use of a closed engine or client.
 	ErrClosed = errors.New("closed")
 )
@@ -40,6 +45,8 @@ func Errno(err error) syscall.Errno {
 		return syscall.EINVAL
 	case errors.Is(err, ErrClosed):
 		return syscall.EBADF
+	case errors.Is(err, ErrCacheFull):
+		return syscall.ENOSPC
 	case errors.Is(err, ErrTooLarge):
 		return syscall.EFBIG
 	case errors.Is(err, ErrChanged):
@@ -70,7 +77,9 @@ func (e *ErrnoError) Is(target error) bool {
 	case ErrBadPath:
 		return e.Errno == syscall.EINVAL && strings.Contains(e.Message, ErrBadPath.Error())
 	case ErrTooLarge:
-		return e.Errno == syscall.EFBIG
+		return e.Errno == syscall.EFBIG || e.Errno == syscall.ENOSPC
+	case ErrCacheFull:
+		return e.Errno == syscall.ENOSPC
 	case ErrChanged:
 		return e.Errno == syscall.EAGAIN
 	}

@@ -360,3 +360,40 @@ def test_getitems_returns_what_getitem_does(dataset, cache_options):
     import gc
     gc.collect()
     assert native.open_handles()[1] == 0
+
+
+def test_dataset_twice_the_cache_is_read_from_the_source_once_per_epoch(tmp_path, cache_options):
+    """A memory tier of half the dataset and no other: the files cached first stay, none is
+    evicted for another of the same dataset, and each epoch reads the others from the source
+    once (the C layer reads them itself: the server is not asked again for a second). Every
+    byte is right, and a link leading out of the dataset is still refused."""
+    import random
+    root = tmp_path / "twice"
+    root.mkdir()
+    size, n = 60_000, 40
+    want = {}
+    for i in range(n):
+        data = os.urandom(size)
+        (root / f"f{i:02d}.bin").write_bytes(data)
+        want[f"f{i:02d}.bin"] = digest(data)
+    (root / "escape.bin").symlink_to("/etc/hostname")
+    shm = cache_options["tiers"].split(",")[0].split(":")[1]
+    footprint = -(-size // 4096) * 4096 + 4096  # data and record, in 4 KiB blocks
+    options = {**cache_options, "tiers": f"memory:{shm}:{n // 2 * footprint}"}
+    ds = fitcache.FitCacheDataset(str(root), files=sorted(want), **options)
+    per_epoch = []
+    with OpenCounter(str(root)) as opens:
+        for epoch in range(3):
+            order = list(range(n))
+            random.Random(epoch).shuffle(order)
+            for i in order:
+                assert digest(ds[i]) == want[ds.files[i]]
+            per_epoch.append(sum(opens.counts().values()) - sum(per_epoch))
+    server = ds.stats()["server"]
+    assert server["evictions"] == 0
+    assert sum(t["files"] for t in server["tiers"]) == n // 2
+    assert per_epoch[0] == n and per_epoch[1:] == [n // 2, n // 2], per_epoch
+    assert ds.stats()["client"]["direct_reads"] >= n // 2
+    with pytest.raises(PermissionError):
+        ds._get_client().read("escape.bin")
+    ds.close()

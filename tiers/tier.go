@@ -55,6 +55,9 @@ type Info struct {
 	Budget   int64  `json:"budget_bytes"`
 	Used     int64  `json:"used_bytes"`
 	Files    int    `json:"files"`
+	// IndexEvictions counts files evicted because their bucket of the index was full (see
+	// indexBuckets): many more files than the budget's size suggests.
+	IndexEvictions int64 `json:"index_evictions"`
 }
 
 // Tier is the write side of a tier directory, owned by one cache server: it publishes files,
@@ -221,7 +224,7 @@ func (t *Tier) Info() Info {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
-		Budget: t.budget, Used: t.used, Files: t.fifo.len()}
+		Budget: t.budget, Used: t.used, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
 }
 
 // EntrySize returns the bytes a source file of dataSize bytes takes in a tier: its data and
@@ -273,6 +276,18 @@ func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 		err = fmt.Errorf("%w: %w", ErrNotCached, err) // the tier was closed
 	}
 	return m, err
+}
+
+// FullFor reports whether the tier has no room for another file of group: less than two
+// blocks are free and every file it holds is of group, which MakeRoom never evicts for it.
+func (t *Tier) FullFor(group string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.used+2*4096 <= t.budget {
+		return false
+	}
+	_, ours := t.fifo.groups[group]
+	return len(t.fifo.groups) == 0 || (ours && len(t.fifo.groups) == 1)
 }
 
 // Listed reports whether the tier's index lists sourcePath (a reader opening it will find
