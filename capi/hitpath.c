@@ -308,6 +308,20 @@ static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
 	return 0;
 }
 
+// hand_out registers the memory take made and stores it as fc_read returns it; it returns 0,
+// or -ENOMEM after freeing it.
+static int hand_out(void *ptr, int64_t n, uint8_t kind, const void **data, int64_t *size, int64_t *buffer) {
+	int64_t id = add_buf(ptr, (size_t)n, kind);
+	if (id < 0) {
+		free_mem(ptr, (size_t)n, kind);
+		return (int)id;
+	}
+	*data = ptr;
+	*size = n;
+	*buffer = id;
+	return 0;
+}
+
 int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	int saved = errno;
 	pthread_rwlock_rdlock(&clients_lock);
@@ -324,18 +338,11 @@ int hit_read(int64_t handle, const char *path, const void **data, int64_t *size,
 	close(h.fd);
 	if (rc != 0)
 		goto out;
-	int64_t id = add_buf(ptr, (size_t)h.size, kind);
-	if (id < 0) {
-		free_mem(ptr, (size_t)h.size, kind);
-		rc = (int)id;
+	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
 		goto out;
-	}
 	fc_count_hit(&c->tiers[h.tier], h.size);
 	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
 	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
-	*data = ptr;
-	*size = h.size;
-	*buffer = id;
 out:
 	pthread_rwlock_unlock(&clients_lock);
 	errno = saved;
@@ -549,16 +556,9 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
 		rc = FC_MISS;
 		goto out;
 	}
-	int64_t id = add_buf(ptr, (size_t)h.size, kind);
-	if (id < 0) {
-		free_mem(ptr, (size_t)h.size, kind);
-		rc = (int)id;
+	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
 		goto out;
-	}
 	__atomic_fetch_add(&c->direct, 1, __ATOMIC_RELAXED);
-	*data = ptr;
-	*size = h.size;
-	*buffer = id;
 out:
 	if (fd >= 0)
 		close(fd);
