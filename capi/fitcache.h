@@ -11,10 +11,11 @@
  * disjoint ranges, so passing one kind where the other is expected returns -EBADF and changes
  * nothing. All functions are thread-safe.
  *
- * Fork: a Go runtime does not survive fork(). A process that forks after loading libfitcache
- * must not use it in the child: every call there returns -ECHILD at once (it never hangs).
- * Load the library after forking (the Python package does this per process), or use a
- * spawn/forkserver start method.
+ * Fork: a Go runtime does not survive fork(), so reads do not depend on it: cached files are
+ * found and read in C, and misses are asked of the per-user server over its node socket,
+ * also in C. In a process forked after loading libfitcache, fc_read, fc_read_many and
+ * fc_release of the parent's clients keep working (a read that would need Go returns
+ * -ECHILD), and every other call returns -ECHILD at once; nothing hangs.
  */
 #ifndef FITCACHE_H
 #define FITCACHE_H
@@ -36,9 +37,10 @@ int fc_open(const char *root, const char *options_json, int64_t *handle);
  * released. Closing an unknown or closed handle returns -EBADF. */
 int fc_close(int64_t handle);
 
-/* Reads the whole file at path (absolute, or relative to the root) without copying it when it
- * is cached: *data points to size read-only bytes (NULL when size is 0) that stay valid until
- * fc_release(*buffer) is called exactly once. Writing to *data crashes. */
+/* Reads the whole file at path (absolute, or relative to the root): *data points to size
+ * read-only bytes (NULL when size is 0) that stay valid until fc_release(*buffer) is called
+ * exactly once. A cached file up to 512 KiB is read into memory the library allocated (one
+ * copy, as read() makes), a larger one is mapped (no copy). Writing to *data crashes. */
 int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
 /* Reads count files in one call, as count calls of fc_read would (files that miss the cache

@@ -1,11 +1,13 @@
 // Package client reads dataset files through FitCache. It is what the C ABI and the Python
-// package use.
+// package use for what the C hit path of libfitcache (capi/hitpath.c) does not do itself:
+// reaching and restarting the server, cluster mode, reads while the server is down.
 //
 // A [Client] serves a read from the first place that has the file:
 //
-//  1. the tier directories of the server on this node, mapped directly: no RPC, no copy;
+//  1. the tier directories of the server on this node, mapped directly: no RPC;
 //  2. the server, which reads the source once, publishes the file into a tier and names the
-//     tier file to map (or sends the bytes when the file cannot be cached);
+//     tier file to map (or sends the bytes when the file cannot be cached); [Client.Fetch]
+//     stops there, for callers that read the tier file themselves;
 //  3. the source itself, when the server cannot be reached and cannot be restarted, so that a
 //     cache failure never fails a read.
 //
