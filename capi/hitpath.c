@@ -25,7 +25,9 @@ struct hit_client {
 	int64_t handle;
 	char root[FC_PATH_MAX];
 	size_t rootlen;
-	char real_root[FC_PATH_MAX]; // root with its links resolved: sources are opened beneath it
+	int real_root_fd;            // the root with its links resolved (O_PATH), opened once, checked
+	                             // to be a directory reached through no link: sources are opened
+	                             // beneath it, so a root swapped for a link later leads nowhere
 	char node_socket[sizeof(((struct sockaddr_un *)0)->sun_path)]; // "" for none
 	int64_t timeout_ms;
 	int64_t node_down_until; // CLOCK_MONOTONIC ns before which the node socket is skipped (atomic):
@@ -167,13 +169,14 @@ static struct hit_client *client(int64_t h) {
 
 int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms) {
 	size_t n = strlen(root);
-	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/' || strlen(real_root) >= FC_PATH_MAX || real_root[0] != '/')
+	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/')
 		return -1;
 	struct hit_client *c = calloc(1, sizeof *c);
 	if (!c)
 		return -1;
 	c->handle = handle;
-	strcpy(c->real_root, real_root);
+	struct open_how how_root = {.flags = O_PATH | O_DIRECTORY | O_CLOEXEC, .resolve = RESOLVE_NO_SYMLINKS};
+	c->real_root_fd = (int)syscall(SYS_openat2, AT_FDCWD, real_root, &how_root, sizeof how_root); // -1: Go reads
 	if (strlen(node_socket) < sizeof c->node_socket)
 		strcpy(c->node_socket, node_socket);
 	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
@@ -225,6 +228,8 @@ void fcHitClose(int64_t handle) {
 		fc_tier_close(&c->tiers[i]);
 	if (c->node_fd >= 0)
 		close(c->node_fd);
+	if (c->real_root_fd >= 0)
+		close(c->real_root_fd);
 	pthread_mutex_destroy(&c->node_mu);
 	free(c);
 }
@@ -522,25 +527,22 @@ void fcHitServerState(int64_t handle, bool up, int64_t ms) {
 
 // Source reads without Go: for files no tier takes (the server said so), and in a process
 // forked after load. They keep the guarantees of core.OpenSource, or leave the file to Go:
-// the file is opened beneath the real root (openat2 RESOLVE_BENEATH, so no link leads out),
+// the file is opened beneath the real root, held open since the client opened (openat2
+// RESOLVE_BENEATH, so no link leads out),
 // it must be a regular file (opened O_NONBLOCK: a FIFO never blocks), and it must not change
 // while read. Anything unusual (an absolute link, a kernel without openat2, an error to
 // report with its message) returns FC_MISS, and Go reads the file and says why.
 int hit_read_source(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	int saved = errno;
 	char clean[FC_PATH_MAX];
-	int n, rc = FC_MISS, root_fd = -1, fd = -1;
+	int n, rc = FC_MISS, fd = -1;
 	pthread_rwlock_rdlock(&clients_lock);
 	struct hit_client *c = client(handle);
-	if (!c || (n = source_path(c, path, clean, sizeof clean)) < 0 || (size_t)n <= c->rootlen)
+	if (!c || c->real_root_fd < 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 || (size_t)n <= c->rootlen)
 		goto out;
 	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
-	struct open_how how_root = {.flags = O_PATH | O_DIRECTORY | O_CLOEXEC, .resolve = RESOLVE_NO_SYMLINKS};
-	root_fd = (int)syscall(SYS_openat2, AT_FDCWD, c->real_root, &how_root, sizeof how_root);
-	if (root_fd < 0)
-		goto out;
 	struct open_how how = {.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
-	fd = (int)syscall(SYS_openat2, root_fd, rel, &how, sizeof how);
+	fd = (int)syscall(SYS_openat2, c->real_root_fd, rel, &how, sizeof how);
 	struct stat before, after;
 	if (fd < 0 || fstat(fd, &before) != 0 || !S_ISREG(before.st_mode))
 		goto out;
@@ -562,8 +564,6 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
 out:
 	if (fd >= 0)
 		close(fd);
-	if (root_fd >= 0)
-		close(root_fd);
 	pthread_rwlock_unlock(&clients_lock);
 	errno = saved;
 	return rc;
