@@ -48,6 +48,9 @@ type EngineConfig struct {
 	// MoverQueueBytes bounds the bytes waiting for the data mover; past it, the reader that
 	// missed publishes the file itself before answering. 0 means 256 MiB.
 	MoverQueueBytes int64
+	// Prefetch configures reading files ahead of readers from the lists they hand over (see
+	// Engine.Prefetch); the zero value turns it off.
+	Prefetch PrefetchConfig
 }
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
@@ -57,6 +60,7 @@ type Engine struct {
 	stats   Stats
 	log     *slog.Logger
 	mover   *mover
+	pf      *prefetcher
 	gen     *tiers.Generation // nil without EngineConfig.GenerationFile
 	genFile string
 	inline  int64 // see EngineConfig.InlineMissBytes
@@ -78,6 +82,7 @@ type flight struct {
 	mtime     int64         // the source's modification time, Unix nanoseconds
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
+	noEvict   atomic.Bool   // fetched by prefetch alone: publish without eviction (see noEvict)
 }
 
 // NewEngine opens the configured tiers and starts the data mover. A nil logger discards.
@@ -138,12 +143,15 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		queue = 256 << 20
 	}
 	e.mover = startMover(e, queue)
+	e.pf = newPrefetcher(e, cfg.Prefetch)
 	return e, nil
 }
 
-// Close stops the data mover after it has published what it holds, then closes the tiers,
-// releasing their locks for another server. Reads after Close fail with ErrClosed.
+// Close stops prefetch and the data mover after they have published what they hold, then
+// closes the tiers, releasing their locks for another server. Reads after Close fail with
+// ErrClosed.
 func (e *Engine) Close() error {
+	e.pf.stop() // its workers finish the files they hold, through the mover
 	e.mu.Lock()
 	e.closed.Store(true) // no fill starts after this (see startFill)
 	e.mu.Unlock()
@@ -161,6 +169,7 @@ func (e *Engine) GenerationFile() string { return e.genFile }
 // Stats returns the engine's counters and the state of its tiers.
 func (e *Engine) Stats() StatsSnapshot {
 	s := e.stats.Snapshot()
+	s.Prefetch = e.pf.snapshot()
 	for _, t := range e.tiers {
 		s.Tiers = append(s.Tiers, t.Info())
 	}
@@ -245,7 +254,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		if e.startFill() {
 			go func() { // not tied to this request: waiters share it
 				defer e.fills.Done()
-				e.fill(f, root, path)
+				e.demandFill(f, root, path)
 			}()
 		} else {
 			f.err = ErrClosed
@@ -253,6 +262,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		}
 	} else {
 		e.stats.inflightHits.Add(1)
+		f.noEvict.Store(false) // a reader wants it: it may evict like any miss
 	}
 	select {
 	case <-f.done:
