@@ -26,8 +26,9 @@ const DefaultPrefetch = 16
 const DefaultPrefetchLease = 10 * time.Second
 
 // Bounds on what prefetch jobs hold, so that clients cannot make a server keep lists without
-// limit.
+// limit, and on the prefetch option.
 const (
+	maxPrefetchReads  = 1024
 	maxPrefetchJobs   = 1024
 	maxPrefetchPaths  = 1 << 24 // paths held by all jobs together (16 Mi, about 1.6 GB of paths)
 	maxPrefetchErrors = 8       // failure messages a job keeps for its owners
