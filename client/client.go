@@ -113,7 +113,8 @@ type Client struct {
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
 	counts  counters
-	pending hitReport // local hits not yet reported to the server
+	pending hitReport    // local hits not yet reported to the server
+	pf      prefetchJobs // prefetch jobs to renew (see Prefetch)
 	closed  atomic.Bool
 	stop    chan struct{}
 	stopped chan struct{}
@@ -616,8 +617,9 @@ func (c *Client) flushHits(server *rpc.Client) {
 }
 
 // reportLoop reports local hits to the server once a second, so that server statistics
-// count reads the server never saw, and drops kept mappings of files the server removed
-// meanwhile, so that an idle client does not keep evicted files alive in the tiers.
+// count reads the server never saw, drops kept mappings of files the server removed
+// meanwhile, so that an idle client does not keep evicted files alive in the tiers, and
+// renews the client's prefetch jobs.
 func (c *Client) reportLoop() {
 	defer close(c.stopped)
 	tick := time.NewTicker(time.Second)
@@ -631,6 +633,7 @@ func (c *Client) reportLoop() {
 			if server := c.reportTo(); server != nil {
 				c.flushHits(server)
 			}
+			c.renewPrefetch()
 		}
 	}
 }
