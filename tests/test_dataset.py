@@ -240,7 +240,9 @@ def test_damaged_cache_entry_is_never_returned(dataset, cache_options):
 
 def test_killing_the_server_mid_epoch_loses_nothing(dataset, cache_options):
     root, digests = dataset
-    ds = fitcache.FitCacheDataset(root, **cache_options)
+    # Without prefetch, so that the reads after the kill still miss (with it, the server has
+    # cached every file by then and the reads are hits that need no server).
+    ds = fitcache.FitCacheDataset(root, prefetch=False, **cache_options)
     loader = DataLoader(IndexedDigests(ds), batch_size=2, shuffle=True, num_workers=2,
                         multiprocessing_context="fork")
     seen, killed = {}, 0

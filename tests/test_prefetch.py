@@ -1,0 +1,83 @@
+"""Prefetch through the dataset: the server reads the files ahead of the readers, each file
+from the source once (opens counted with inotify, outside FitCache), and the reads that
+follow are all hits."""
+
+import random
+import time
+
+import pytest
+
+import fitcache
+from conftest import digest
+from inotify import OpenCounter
+
+
+def wait_prefetch_idle(ds, timeout=60):
+    """Waits until the server runs no prefetch job; returns its prefetch counters."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = ds.stats()["server"]["prefetch"]
+        if stats["jobs_active"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"prefetch still running after {timeout}s: {stats}"
+        time.sleep(0.05)
+
+
+def test_prefetch_then_every_read_hits(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    with OpenCounter(root) as opens:
+        info = ds.prefetch(wait=True)
+        assert not fitcache._native.loaded_here(), "prefetch loaded the Go runtime in this process"
+        assert info["state"] == "done" and info["fetched"] == len(ds), info
+        for i in range(len(ds)):
+            assert digest(ds[i]) == digests[ds.files[i]]
+        counts = opens.counts()
+    assert set(counts) == set(digests), "every file read from the source"
+    assert all(n == 1 for n in counts.values()), f"files read more than once: {counts}"
+    stats = ds.stats()["server"]
+    assert stats["misses"] == 0, stats
+    assert stats["source_reads"] == len(ds)
+    assert stats["prefetch"]["fetched"] == len(ds)
+    ds.close()
+
+
+def test_prefetch_in_sampler_order_reads_only_those_files(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    indices = random.Random(3).sample(range(len(ds)), len(ds) // 2)
+    with OpenCounter(root) as opens:
+        info = ds.prefetch(indices + indices[:3], wait=True)  # repeated indices are skipped
+        counts = opens.counts()
+    assert info["state"] == "done" and info["files"] == len(indices) + 3, info
+    assert info["fetched"] == len(indices) and info["skipped_cached"] == 3, info
+    assert set(counts) == {ds.files[i] for i in indices}
+    assert all(n == 1 for n in counts.values())
+    with pytest.raises(IndexError):
+        ds.prefetch([len(ds)])
+
+
+def test_dataset_hands_its_list_over_at_first_read(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    with OpenCounter(root) as opens:
+        assert digest(ds[0]) == digests[ds.files[0]]  # opens the client, which hands the list over
+        stats = wait_prefetch_idle(ds)
+        assert stats["jobs"] == 1 and stats["fetched"] + stats["skipped_inflight"] + stats["skipped_cached"] == len(ds)
+        for i in range(len(ds)):
+            assert digest(ds[i]) == digests[ds.files[i]]
+        counts = opens.counts()
+    assert all(n == 1 for n in counts.values()) and set(counts) == set(digests), counts
+    server = ds.stats()["server"]
+    assert server["source_reads"] == len(ds) and server["misses"] <= 1, server
+    ds.close()
+
+
+def test_prefetch_off(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, prefetch=False, **cache_options)
+    assert digest(ds[1]) == digests[ds.files[1]]
+    assert ds.stats()["server"]["prefetch"]["jobs"] == 0
+    ds.close()
+    off = fitcache.FitCacheDataset(root, prefetch=0, **cache_options)  # also the server's option
+    assert off.options["prefetch"] == 0
