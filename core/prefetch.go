@@ -34,6 +34,15 @@ const (
 	maxPrefetchErrors = 8       // failure messages a job keeps for its owners
 )
 
+// After a reader misses a file of a running job, the files that follow it in the list are
+// handed out first: readers read a list in runs (a DataLoader worker reads its batch), so
+// they are the reader's next files. A job follows at most this many such runs at once, each
+// for at most this many files or until it meets files handed out already.
+const (
+	maxHotRuns   = 32
+	hotRunLength = 256
+)
+
 // States of a prefetch job, as PrefetchInfo.State reports them.
 const (
 	PrefetchRunning   = "running"   // files are being read ahead
@@ -179,6 +188,7 @@ func (e *Engine) Prefetch(req PrefetchRequest) (PrefetchInfo, error) {
 type prefetcher struct {
 	e     *Engine
 	limit int // PrefetchConfig.Reads
+	floor int // reads prefetch keeps however many readers' misses run (see slotFree)
 	lease time.Duration
 	now   func() time.Time
 
@@ -205,16 +215,66 @@ type prefetchJob struct {
 	root, listID string
 	total        int
 	sender       string               // the owner that sends the list, chunk by chunk
-	paths        []string             // received so far; entries handed to workers are cleared
-	next         int                  // index in paths of the next file to hand out
-	busy         int                  // files handed out and not finished
+	paths        []string             // received so far; "" once handed out (or read by a reader)
+	pos          map[string]int       // index in paths of each file not handed out yet
+	next         int                  // no file before this index is left to hand out
+	hot          []hotRun             // runs that follow readers' misses, handed out first
+	busy         int                  // files handed out to workers and not finished
 	owners       map[string]time.Time // owner -> end of its lease
 	state        string
 	info         PrefetchInfo // counters: Fetched, Skipped*, Failed, Bytes, Errors
 }
 
+// hotRun is a stretch of a job's list after a file a reader missed.
+type hotRun struct{ at, left int }
+
+// handOut takes the file at index i off the list.
+func (j *prefetchJob) handOut(i int) string {
+	path := j.paths[i]
+	j.paths[i] = ""
+	delete(j.pos, path)
+	return path
+}
+
+// nextFile hands out the job's next file: from the runs after readers' misses first, in
+// turn, then in list order. It reports false when none is left.
+func (j *prefetchJob) nextFile() (string, bool) {
+	for len(j.hot) > 0 {
+		r := j.hot[0]
+		j.hot = j.hot[1:]
+		if r.at < len(j.paths) && j.paths[r.at] != "" && r.left > 0 {
+			if r.left > 1 {
+				j.hot = append(j.hot, hotRun{r.at + 1, r.left - 1}) // runs take turns
+			}
+			return j.handOut(r.at), true
+		}
+		// The run met files handed out already, or ended: the list order takes over.
+	}
+	for j.next < len(j.paths) && j.paths[j.next] == "" {
+		j.next++
+	}
+	if j.next < len(j.paths) {
+		return j.handOut(j.next), true
+	}
+	return "", false
+}
+
+// follow starts a run after index i, unless one is about to reach it.
+func (j *prefetchJob) follow(i int) {
+	for _, r := range j.hot {
+		if r.at <= i && i-r.at < 16 {
+			return
+		}
+	}
+	if len(j.hot) >= maxHotRuns {
+		j.hot = j.hot[1:]
+	}
+	j.hot = append(j.hot, hotRun{i, hotRunLength})
+}
+
 func newPrefetcher(e *Engine, cfg PrefetchConfig) *prefetcher {
 	p := &prefetcher{e: e, limit: max(cfg.Reads, 0), lease: cfg.Lease, now: cfg.Clock, owned: map[ownerKey]*prefetchJob{}}
+	p.floor = p.limit / 4
 	if p.lease <= 0 {
 		p.lease = DefaultPrefetchLease
 	}
@@ -293,7 +353,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 			return PrefetchInfo{}, fmt.Errorf("%w: %d prefetch jobs held already", syscall.ENOSPC, len(p.jobs))
 		}
 		j = &prefetchJob{root: req.Root, listID: id, total: total, sender: req.Owner, owners: map[string]time.Time{},
-			state: PrefetchRunning}
+			pos: map[string]int{}, state: PrefetchRunning}
 		p.jobs = append(p.jobs, j)
 		p.owned[key] = j
 		p.running++
@@ -310,7 +370,16 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 	if p.paths+len(req.Paths) > maxPrefetchPaths {
 		return PrefetchInfo{}, fmt.Errorf("%w: prefetch jobs hold %d paths already", syscall.ENOSPC, p.paths)
 	}
-	j.paths = append(j.paths, req.Paths...)
+	for _, path := range req.Paths {
+		if _, dup := j.pos[path]; dup { // a file listed twice is handed out once
+			j.paths = append(j.paths, "")
+			j.info.SkippedCached++
+			p.stats.SkippedCached++
+			continue
+		}
+		j.pos[path] = len(j.paths)
+		j.paths = append(j.paths, path)
+	}
 	p.paths += len(req.Paths)
 	j.owners[req.Owner] = until
 	p.settle(j)
@@ -388,7 +457,7 @@ func (p *prefetcher) setState(j *prefetchJob, state string) {
 
 // settle marks a running job done once its whole list was handled.
 func (p *prefetcher) settle(j *prefetchJob) {
-	if j.state == PrefetchRunning && j.busy == 0 && j.next == len(j.paths) && len(j.paths) == j.total {
+	if j.state == PrefetchRunning && j.busy == 0 && len(j.pos) == 0 && len(j.paths) == j.total {
 		p.setState(j, PrefetchDone)
 	}
 }
@@ -412,7 +481,7 @@ func (p *prefetcher) snapshot() PrefetchStats {
 	s.JobsActive = p.running
 	for _, j := range p.jobs {
 		if j.state == PrefetchRunning {
-			s.FilesQueued += int64(j.total - j.next)
+			s.FilesQueued += int64(j.total - len(j.paths) + len(j.pos))
 		}
 	}
 	return s
@@ -441,7 +510,7 @@ func (p *prefetcher) work() {
 func (p *prefetcher) wait() (*prefetchJob, string) {
 	for !p.stopped {
 		p.expire()
-		if p.demand+p.active < p.limit {
+		if p.slotFree() {
 			if j, path := p.take(); j != nil {
 				p.active++
 				return j, path
@@ -452,16 +521,25 @@ func (p *prefetcher) wait() (*prefetchJob, string) {
 	return nil, ""
 }
 
+// slotFree reports whether a worker may start on a file. Readers' misses go first: prefetch
+// reads only while readers' source reads and its own stay below the limit. But it keeps a
+// quarter of the limit however many misses run: readers that miss many files at once (each
+// DataLoader worker reads a whole batch, several files at a time) would otherwise keep it from
+// ever getting ahead of them, and their misses from turning into hits. p.mu is held.
+func (p *prefetcher) slotFree() bool {
+	return p.demand+p.active < p.limit || p.active < p.floor
+}
+
 // take hands out the next file of the running jobs, each job in turn. p.mu is held.
 func (p *prefetcher) take() (*prefetchJob, string) {
 	for i := range p.jobs {
 		k := (p.rr + i) % len(p.jobs)
 		j := p.jobs[k]
-		if j.state == PrefetchRunning && j.next < len(j.paths) {
+		if j.state != PrefetchRunning {
+			continue
+		}
+		if path, ok := j.nextFile(); ok {
 			p.rr = k + 1
-			path := j.paths[j.next]
-			j.paths[j.next] = "" // the job needs it no more
-			j.next++
 			j.busy++
 			return j, path
 		}
@@ -569,6 +647,12 @@ func (p *prefetcher) fetch(root, path string) outcome {
 		}
 		return out
 	}
+	if !f.large && e.hasRoom(tiers.EntrySize(path, int64(len(f.data)))) {
+		// There was room for it: it was published (a failure to write is logged and counted
+		// in publish_errors). Looking would cost a third probe of every file.
+		out.kind, out.bytes = fetchedFile, int64(len(f.data))
+		return out
+	}
 	size, ok := e.cachedSize(path)
 	switch {
 	case ok:
@@ -631,16 +715,29 @@ func (p *prefetcher) fitsSomeTier(path string) bool {
 	return false
 }
 
-// startDemand counts a reader's source read, which prefetch gives way to, and reports
-// whether prefetch jobs are running.
-func (p *prefetcher) startDemand() bool {
+// startDemand counts a reader's source read of path, which prefetch gives way to, and
+// reports whether prefetch jobs are running. Running jobs that list path take it off their
+// list (the reader reads it) and hand out the files after it first.
+func (p *prefetcher) startDemand(path string) bool {
 	if p.limit == 0 {
 		return false
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.demand++
-	return p.running > 0
+	if p.running == 0 {
+		return false
+	}
+	for _, j := range p.jobs {
+		if i, ok := j.pos[path]; ok && j.state == PrefetchRunning {
+			j.handOut(i)
+			j.info.SkippedInflight++
+			p.stats.SkippedInflight++
+			j.follow(i + 1)
+			p.settle(j)
+		}
+	}
+	return true
 }
 
 func (p *prefetcher) endDemand() {
@@ -658,7 +755,7 @@ func (p *prefetcher) endDemand() {
 // may have published the file and ended its flight between the reader's probe and its join,
 // and the source is read once per file.
 func (e *Engine) demandFill(f *flight, root, path string) {
-	if e.pf.startDemand() {
+	if e.pf.startDemand(path) {
 		if _, ok := e.cachedSize(path); ok {
 			e.pf.endDemand()
 			f.large = true // the reader maps it from its tier

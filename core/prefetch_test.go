@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"path/filepath"
 	"sync"
@@ -319,7 +320,7 @@ func TestPrefetchGivesWayToDemandReads(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.pf.mu.Lock()
-	demand, active, free := e.pf.demand, e.pf.active, e.pf.demand+e.pf.active < e.pf.limit
+	demand, active, free := e.pf.demand, e.pf.active, e.pf.slotFree()
 	e.pf.mu.Unlock()
 	if demand != 1 || active != 0 || free {
 		t.Errorf("during a reader's source read: demand %d, prefetch active %d, slot free %v; want 1, 0, false",
@@ -412,5 +413,57 @@ func TestPrefetchRefusesBadPaths(t *testing.T) {
 	}
 	if s := e.Stats().Prefetch; s.Jobs != 0 {
 		t.Errorf("refused requests started %d jobs", s.Jobs)
+	}
+}
+
+// Prefetch keeps a quarter of its reads however many readers' misses run, so that readers
+// missing whole batches at once cannot keep it from getting ahead of them.
+func TestPrefetchSlotFloor(t *testing.T) {
+	for _, tc := range []struct {
+		limit, demand, active int
+		want                  bool
+	}{
+		{16, 0, 15, true}, {16, 0, 16, false}, {16, 10, 5, true}, {16, 10, 6, false},
+		{16, 40, 3, true}, {16, 40, 4, false}, // the floor: 16/4
+		{2, 5, 0, false}, {1, 1, 0, false}, // below 4 reads there is no floor
+	} {
+		p := &prefetcher{limit: tc.limit, floor: tc.limit / 4, demand: tc.demand, active: tc.active}
+		if got := p.slotFree(); got != tc.want {
+			t.Errorf("limit %d, demand %d, active %d: slot free %v, want %v", tc.limit, tc.demand, tc.active, got, tc.want)
+		}
+	}
+}
+
+// After a reader misses a listed file, the files after it go first; the missed one is not
+// handed out (the reader reads it), and a file listed twice is handed out once.
+func TestPrefetchFollowsReadersMisses(t *testing.T) {
+	p := &prefetcher{limit: 4, running: 1, owned: map[ownerKey]*prefetchJob{}}
+	j := &prefetchJob{pos: map[string]int{}, total: 11, state: PrefetchRunning}
+	p.jobs = []*prefetchJob{j}
+	for i := range 10 {
+		path := fmt.Sprintf("/d/%d", i)
+		j.pos[path] = len(j.paths)
+		j.paths = append(j.paths, path)
+	}
+	j.paths = append(j.paths, "") // "/d/0" again: dealt with at once
+	if first, _ := j.nextFile(); first != "/d/0" {
+		t.Fatalf("first file handed out: got %s, want /d/0", first)
+	}
+	p.startDemand("/d/5")
+	p.startDemand("/d/2")
+	var got []string
+	for {
+		path, ok := j.nextFile()
+		if !ok {
+			break
+		}
+		got = append(got, path)
+	}
+	want := []string{"/d/6", "/d/3", "/d/7", "/d/4", "/d/8", "/d/9", "/d/1"}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("files handed out: got %v, want %v", got, want)
+	}
+	if j.info.SkippedInflight != 2 {
+		t.Errorf("files read by readers: got %d, want 2", j.info.SkippedInflight)
 	}
 }
