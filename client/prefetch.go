@@ -23,8 +23,8 @@ var (
 )
 
 // prefetchJobs are a client's prefetch jobs, at most one per server, which the report loop
-// renews every second until they end (a job whose owner stops renewing it stops: see
-// core.DefaultPrefetchLease).
+// renews every second while the server holds them (a job whose owners stop renewing it
+// stops: see core.DefaultPrefetchLease).
 type prefetchJobs struct {
 	mu    sync.Mutex // protects owner and jobs
 	owner string     // this client's owner id, made on first use
@@ -52,13 +52,17 @@ func (j *prefetchJobs) set(server *rpc.Client, info core.PrefetchInfo) {
 	j.jobs[server] = info
 }
 
-// running returns the servers whose job of ours still runs.
-func (j *prefetchJobs) running() []*rpc.Client {
+// held returns the servers that hold a job of ours: running, or ended and kept for its
+// owners. A finished job is renewed too, so that the clients that hand over the same list
+// later (the DataLoader's fresh workers of the next epoch) share it instead of starting a
+// job that looks up every file again.
+func (j *prefetchJobs) held() []*rpc.Client {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	var out []*rpc.Client
 	for s, info := range j.jobs {
-		if !info.Terminal() {
+		switch info.State {
+		case core.PrefetchRunning, core.PrefetchDone, core.PrefetchBudget:
 			out = append(out, s)
 		}
 	}
@@ -142,10 +146,10 @@ func (c *Client) sendPrefetch(server *rpc.Client, owner string, paths []string) 
 	return nil
 }
 
-// renewPrefetch renews the client's running prefetch jobs and records their progress.
+// renewPrefetch renews the client's prefetch jobs and records their progress.
 func (c *Client) renewPrefetch() {
 	owner := c.pf.ownerID()
-	for _, server := range c.pf.running() {
+	for _, server := range c.pf.held() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		info, err := server.Prefetch(ctx, core.PrefetchRequest{Root: c.root, Owner: owner})
 		cancel()
@@ -163,7 +167,7 @@ func (c *Client) renewPrefetch() {
 var prefetchStates = []string{core.PrefetchRunning, core.PrefetchBudget, core.PrefetchAbandoned,
 	core.PrefetchReplaced, core.PrefetchUnknown, core.PrefetchDone, core.PrefetchOff}
 
-// PrefetchStatus renews the client's running prefetch jobs and returns their progress, added
+// PrefetchStatus renews the client's prefetch jobs and returns their progress, added
 // over the servers holding them. The state is "running" while any job runs; once all ended,
 // the worst end ("budget" before "done"); "unknown" when the client has no job.
 func (c *Client) PrefetchStatus() core.PrefetchInfo {

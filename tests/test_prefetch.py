@@ -2,7 +2,9 @@
 from the source once (opens counted with inotify, outside FitCache), and the reads that
 follow are all hits."""
 
+import os
 import random
+import subprocess
 import time
 
 import pytest
@@ -81,3 +83,17 @@ def test_prefetch_off(dataset, cache_options):
     ds.close()
     off = fitcache.FitCacheDataset(root, prefetch=0, **cache_options)  # also the server's option
     assert off.options["prefetch"] == 0
+
+
+def test_warmup_is_a_prefetch_job(dataset, cache_options):
+    root, digests = dataset
+    env = {**os.environ, **{"FITCACHE_" + k.upper(): v for k, v in cache_options.items()}}
+    with OpenCounter(root) as opens:
+        out = subprocess.run([fitcache._native.server_binary(), "warmup", root], env=env, capture_output=True,
+                             text=True, timeout=120)
+        counts = opens.counts()
+    assert out.returncode == 0, out.stderr
+    assert f"{len(digests)}/{len(digests)} files" in out.stderr and "done:" in out.stderr, out.stderr
+    assert set(counts) == set(digests) and all(n == 1 for n in counts.values()), counts
+    stats = fitcache.server_stats(**cache_options)
+    assert stats["prefetch"]["fetched"] == len(digests) and stats["source_reads"] == len(digests), stats

@@ -40,6 +40,9 @@ func prefetchCmd(args []string) error {
 		return err
 	}
 	paths := splitList(input, *null)
+	if len(paths) == 0 {
+		return fmt.Errorf("no paths on standard input")
+	}
 	c, err := openClient(fset.Arg(0))
 	if err != nil {
 		return err
