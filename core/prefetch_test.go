@@ -376,6 +376,7 @@ func TestPrefetchJobsShareReplaceAndChunk(t *testing.T) {
 	if info := waitPrefetch(t, e, root, "a"); info.State != PrefetchDone || info.Done != 2 {
 		t.Errorf("a's job: %+v, want done with 2 files", info)
 	}
+	e.Close() // its workers are gone before the hook is reset
 
 	off := prefetchEngine(t, 0, nil, "1MiB")
 	if info, err := off.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil || info.State != PrefetchOff {

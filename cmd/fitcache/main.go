@@ -1,6 +1,6 @@
 // Command fitcache runs and inspects FitCache servers.
 //
-//	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]...
+//	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]... [--prefetch N]
 //	fitcache stats [--json]
 //	fitcache info  [--json]
 //	fitcache verify [--tiers SPEC]
