@@ -57,6 +57,7 @@ def test_prefetch_in_sampler_order_reads_only_those_files(dataset, cache_options
     assert all(n == 1 for n in counts.values())
     with pytest.raises(IndexError):
         ds.prefetch([len(ds)])
+    assert ds.prefetch([]) is None
 
 
 def test_dataset_hands_its_list_over_at_first_read(dataset, cache_options):

@@ -251,8 +251,10 @@ def prefetch_files(root, paths, wait=False, **options):
     server if none runs. Without ``wait`` the job lives while readers that hand over the same
     list renew it, and at least 10 s; with it, the call returns when the job ended. Returns
     the job's state as a dict (``state``: running, done, budget, off...; files, fetched,
-    skipped_cached, skipped_inflight, failed, bytes, errors)."""
+    skipped_cached, skipped_inflight, failed, bytes, errors), or None for an empty list."""
     data = b"".join(_native._fs(p) + b"\0" for p in paths)
+    if not data:
+        return None
     cmd = [_native.server_binary(), "prefetch", "-0", "--json", "--quiet"] + (["--wait"] if wait else [])
     out = subprocess.run(cmd + [os.fsdecode(_native._fs(root))], input=data, env=_command_env(options),
                          capture_output=True, timeout=None if wait else 120)
