@@ -11,6 +11,7 @@ import pytest
 
 import fitcache
 from conftest import digest
+from harness import NODES, Cluster, server_stats, wait_for
 from inotify import OpenCounter
 
 
@@ -98,3 +99,24 @@ def test_warmup_is_a_prefetch_job(dataset, cache_options):
     assert set(counts) == set(digests) and all(n == 1 for n in counts.values()), counts
     stats = fitcache.server_stats(**cache_options)
     assert stats["prefetch"]["fetched"] == len(digests) and stats["source_reads"] == len(digests), stats
+
+
+def test_cluster_servers_prefetch_the_files_they_own(dataset, tmp_path):
+    root, digests = dataset
+    cluster = Cluster(tmp_path, root, nodes=NODES[:3])
+    try:
+        with fitcache.Client(root, **cluster.options()) as client, OpenCounter(root) as opens:
+            client.prefetch(sorted(digests))
+            wait_for(lambda: all(s["prefetch"]["jobs_active"] == 0 for s in server_stats(client).values())
+                     and sum(s["prefetch"]["fetched"] for s in server_stats(client).values()) == len(digests))
+            for name in sorted(digests):
+                assert digest(client.read(name)) == digests[name]
+            counts = opens.counts()
+            stats = server_stats(client)
+        assert set(counts) == set(digests) and all(n == 1 for n in counts.values()), counts
+        for addr, s in stats.items():
+            # Each server read what it owns, from its own list: nothing was a miss.
+            assert s["prefetch"]["fetched"] == s["source_reads"] and s["misses"] == 0, (addr, s)
+        assert sum(1 for s in stats.values() if s["prefetch"]["fetched"] > 0) >= 2, stats
+    finally:
+        cluster.stop()
