@@ -613,6 +613,11 @@ func (p *prefetcher) fetch(root, path string) outcome {
 	}
 	reserved, ok := p.reserve(path)
 	if !ok {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.stopped {
+			return outcome{kind: stopped}
+		}
 		return outcome{kind: noRoom}
 	}
 	out := outcome{reserved: reserved}
@@ -669,7 +674,7 @@ func (p *prefetcher) fetch(root, path string) outcome {
 // a file read into memory (EngineConfig.InlineMissBytes; a larger file is copied into a tier
 // only after its room is checked), or near the budget the file's own size, from a stat (no
 // open). It waits while files being fetched hold the room it needs, and reports false when
-// there is none left. It returns the bytes set aside.
+// there is none left (or the prefetcher stopped meanwhile). It returns the bytes set aside.
 func (p *prefetcher) reserve(path string) (int64, bool) {
 	need := tiers.EntrySize(path, max(p.e.inline, 0))
 	exact := false
