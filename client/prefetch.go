@@ -26,9 +26,38 @@ var (
 // renews every second while the server holds them (a job whose owners stop renewing it
 // stops: see core.DefaultPrefetchLease).
 type prefetchJobs struct {
-	mu    sync.Mutex // protects owner and jobs
-	owner string     // this client's owner id, made on first use
-	jobs  map[*rpc.Client]core.PrefetchInfo
+	mu     sync.Mutex // protects owner, jobs and failed
+	owner  string     // this client's owner id, made on first use
+	jobs   map[*rpc.Client]core.PrefetchInfo
+	failed map[*rpc.Client]int // renewals in a row that got no answer
+}
+
+// maxRenewFailures: a server that did not answer this many renewals in a row (a second
+// apart) is taken to have lost the job, so that whoever follows it stops waiting.
+const maxRenewFailures = 5
+
+// renewed records the answer to a renewal, or its failure.
+func (j *prefetchJobs) renewed(server *rpc.Client, info core.PrefetchInfo, err error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.failed == nil {
+		j.failed = map[*rpc.Client]int{}
+	}
+	switch {
+	case err == nil:
+		j.jobs[server] = info
+		delete(j.failed, server)
+	case errors.Is(err, core.ErrClosed): // the connection was replaced: the job went with it
+		j.jobs[server] = core.PrefetchInfo{State: core.PrefetchUnknown}
+	default:
+		if j.failed[server]++; j.failed[server] >= maxRenewFailures {
+			lost := j.jobs[server]
+			lost.State = core.PrefetchUnknown
+			lost.Errors = append(lost.Errors, fmt.Sprintf("%s: no answer to %d renewals: %v", server.Addr(), maxRenewFailures, err))
+			j.jobs[server] = lost
+			delete(j.failed, server)
+		}
+	}
 }
 
 // ownerID returns the client's owner id for prefetch jobs.
@@ -153,12 +182,7 @@ func (c *Client) renewPrefetch() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		info, err := server.Prefetch(ctx, core.PrefetchRequest{Root: c.root, Owner: owner})
 		cancel()
-		switch {
-		case err == nil:
-			c.pf.set(server, info)
-		case errors.Is(err, core.ErrClosed): // the connection was replaced: the job went with it
-			c.pf.set(server, core.PrefetchInfo{State: core.PrefetchUnknown})
-		}
+		c.pf.renewed(server, info, err)
 	}
 }
 

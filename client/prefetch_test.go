@@ -174,3 +174,29 @@ func TestPrefetchClusterEachServerItsOwn(t *testing.T) {
 		}
 	}
 }
+
+// A server that stops answering renewals is taken to have lost the job after a few, so that
+// whoever follows the job (fitcache warmup) stops waiting; one answer resets the count.
+func TestPrefetchJobLostWithItsServer(t *testing.T) {
+	server, err := rpc.Dial(filepath.Join(t.TempDir(), "gone.sock"), rpc.ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+	var j prefetchJobs
+	j.set(server, core.PrefetchInfo{State: core.PrefetchRunning, Files: 10})
+	gone := fmt.Errorf("%w: no answer", rpc.ErrUnavailable)
+	for range maxRenewFailures - 1 {
+		j.renewed(server, core.PrefetchInfo{}, gone)
+	}
+	j.renewed(server, core.PrefetchInfo{State: core.PrefetchRunning, Files: 10, Done: 3}, nil)
+	for i := range maxRenewFailures {
+		if got := j.jobs[server].State; got != core.PrefetchRunning {
+			t.Fatalf("after %d failed renewals: state %q, want running", i, got)
+		}
+		j.renewed(server, core.PrefetchInfo{}, gone)
+	}
+	if got := j.jobs[server]; got.State != core.PrefetchUnknown || got.Done != 3 || len(got.Errors) != 1 {
+		t.Errorf("after %d failed renewals in a row: %+v, want unknown, its progress and the reason", maxRenewFailures, got)
+	}
+}
