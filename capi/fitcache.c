@@ -161,6 +161,16 @@ int fc_read_many(int64_t handle, int count, const char *const *paths, const void
 	return rc;
 }
 
+int fc_prefetch(int64_t handle, int count, const char *const *paths) {
+	if (forked()) return -ECHILD;
+	if (count < 0 || (count > 0 && !paths)) { snprintf(errmsg, sizeof errmsg, "fc_prefetch: bad argument"); return -EINVAL; }
+	for (int i = 0; i < count; i++) {
+		if (!paths[i]) { snprintf(errmsg, sizeof errmsg, "fc_prefetch: NULL path %d", i); return -EINVAL; }
+	}
+	if (count == 0) return 0;
+	return goPrefetch(handle, count, (char **)paths);
+}
+
 int fc_release(int64_t buffer) {
 	if (buffer >= FC_CBUF_BASE) {
 		int rc = hit_release(buffer);

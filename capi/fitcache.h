@@ -51,6 +51,18 @@ int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, 
 int fc_read_many(int64_t handle, int count, const char *const *paths, const void **data, int64_t *sizes,
                  int64_t *buffers, int *results);
 
+/* Hands the server the list of files this client's readers are about to read, in the order
+ * they will read them (paths absolute or relative to the root), so that the server reads them
+ * from the source ahead of the readers, with bounded concurrency, giving way to their misses
+ * and stopping when its tiers are full (it never evicts). In cluster mode each server is sent
+ * the files it owns. A new list replaces the client's earlier one; the client keeps the job
+ * alive while it is open (a job whose clients are gone stops within about 10 s). The paths
+ * are copied: the caller keeps ownership of paths. Returns 0 once the servers took the list,
+ * or when they do not prefetch (option prefetch 0); -EACCES for a path outside the root and
+ * -EINVAL for a NULL path (then nothing is sent); -EIO when a server could not be reached
+ * (reads work regardless). Progress is in the "prefetch" counters of fc_stats. */
+int fc_prefetch(int64_t handle, int count, const char *const *paths);
+
 /* Releases a buffer from fc_read. Returns -EBADF for an unknown or released buffer. */
 int fc_release(int64_t buffer);
 

@@ -118,6 +118,7 @@ type Client struct {
 	external atomic.Pointer[func() ExternalCounts]                // see SetExternalCounts
 	onState  atomic.Pointer[func(up bool, backoff time.Duration)] // see SetOnServerState
 	pending  hitReport                                            // local hits not yet reported to the server
+	pf       prefetchJobs                                         // prefetch jobs to renew (see Prefetch)
 	closed   atomic.Bool
 	stop     chan struct{}
 	stopped  chan struct{}
@@ -645,8 +646,9 @@ func (c *Client) flushHits(server *rpc.Client) {
 }
 
 // reportLoop reports local hits to the server once a second, so that server statistics
-// count reads the server never saw, and drops kept mappings of files the server removed
-// meanwhile, so that an idle client does not keep evicted files alive in the tiers.
+// count reads the server never saw, drops kept mappings of files the server removed
+// meanwhile, so that an idle client does not keep evicted files alive in the tiers, and
+// renews the client's prefetch jobs.
 func (c *Client) reportLoop() {
 	defer close(c.stopped)
 	tick := time.NewTicker(time.Second)
@@ -659,6 +661,7 @@ func (c *Client) reportLoop() {
 			if server := c.reportTo(); server != nil {
 				c.flushHits(server)
 			}
+			c.renewPrefetch()
 		}
 	}
 }

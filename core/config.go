@@ -36,6 +36,10 @@ type Config struct {
 	ReadTimeout time.Duration
 	// StartTimeout bounds how long a client waits for the embedded server it started.
 	StartTimeout time.Duration
+	// Prefetch is how many source reads a server's prefetch runs at once (see
+	// core.DefaultPrefetch); 0 turns prefetch off. Servers take it from their options; a
+	// client passes it to the embedded server it starts.
+	Prefetch int
 
 	// Cluster mode (Servers set):
 
@@ -74,7 +78,7 @@ const (
 // configKeys lists the option names, each also read from FITCACHE_<NAME in upper case>.
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
-	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify"}
+	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch"}
 
 // LoadConfig resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -130,6 +134,14 @@ func LoadConfig(options map[string]string) (Config, error) {
 			}
 			*n.dst = i
 		}
+	}
+	cfg.Prefetch = DefaultPrefetch
+	if v := get("prefetch"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 || n > maxPrefetchReads {
+			return Config{}, fmt.Errorf("option prefetch: want a whole number from 0 (off) to %d, got %q", maxPrefetchReads, v)
+		}
+		cfg.Prefetch = n
 	}
 	if cfg.RuntimeDir == "" {
 		cfg.RuntimeDir, cfg.RuntimeDirWarning = defaultRuntimeDir()

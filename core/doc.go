@@ -5,7 +5,10 @@
 // once however many readers ask at the same time, answers, and hands the bytes to a
 // background data mover that publishes them into the fastest tier with room, evicting FIFO
 // and spilling evicted files to the next tier. Files larger than every tier are served
-// uncached.
+// uncached. With prefetch on ([PrefetchConfig]), [Engine.Prefetch] takes the list of files
+// readers are about to read and reads them ahead, through the same miss path, with bounded
+// concurrency that gives way to readers' misses, and only into room the tiers have without
+// eviction.
 //
 // Usage:
 //

@@ -42,6 +42,9 @@ type EngineConfig struct {
 	// MoverQueueBytes bounds the bytes waiting for the data mover; past it, the reader that
 	// missed publishes the file itself before answering. 0 means 256 MiB.
 	MoverQueueBytes int64
+	// Prefetch configures reading files ahead of readers from the lists they hand over (see
+	// Engine.Prefetch); the zero value turns it off.
+	Prefetch PrefetchConfig
 }
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
@@ -51,6 +54,7 @@ type Engine struct {
 	stats   Stats
 	log     *slog.Logger
 	mover   *mover
+	pf      *prefetcher
 	gen     *tiers.Generation // nil without EngineConfig.GenerationFile
 	genFile string
 	maxSend int64 // see EngineConfig.MaxSendBytes
@@ -68,10 +72,12 @@ type flight struct {
 	done      chan struct{} // closed when data, mtime and err are set
 	data      []byte        // the bytes of a file a client stored (see Store)
 	inTier    bool          // read from the source into a tier: readers are served from there
+	size      int64         // the file's size, once the source is open
 	fetchOnly bool          // started by Fetch: a file no tier takes is not read (the caller reads it)
 	mtime     int64         // the source's modification time, Unix nanoseconds
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
+	noEvict   atomic.Bool   // fetched by prefetch alone: publish without eviction (see noEvict)
 }
 
 // NewEngine opens the configured tiers and starts the data mover. A nil logger discards.
@@ -128,12 +134,15 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		queue = 256 << 20
 	}
 	e.mover = startMover(e, queue)
+	e.pf = newPrefetcher(e, cfg.Prefetch)
 	return e, nil
 }
 
-// Close stops the data mover after it has published what it holds, then closes the tiers,
-// releasing their locks for another server. Reads after Close fail with ErrClosed.
+// Close stops prefetch and the data mover after they have published what they hold, then
+// closes the tiers, releasing their locks for another server. Reads after Close fail with
+// ErrClosed.
 func (e *Engine) Close() error {
+	e.pf.stop() // its workers finish the files they hold, through the mover
 	e.mu.Lock()
 	e.closed.Store(true) // no fill starts after this (see startFill)
 	e.mu.Unlock()
@@ -151,6 +160,7 @@ func (e *Engine) GenerationFile() string { return e.genFile }
 // Stats returns the engine's counters and the state of its tiers.
 func (e *Engine) Stats() StatsSnapshot {
 	s := e.stats.Snapshot()
+	s.Prefetch = e.pf.snapshot()
 	for _, t := range e.tiers {
 		s.Tiers = append(s.Tiers, t.Info())
 		// Hits that readers on this node served from the tier without asking (the C hit
@@ -241,7 +251,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		if e.startFill() {
 			go func() { // not tied to this request: waiters share it
 				defer e.fills.Done()
-				e.fill(f, root, path)
+				e.demandFill(f, root, path)
 			}()
 		} else {
 			f.err = ErrClosed
@@ -249,6 +259,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		}
 	} else {
 		e.stats.inflightHits.Add(1)
+		f.noEvict.Store(false) // a reader wants it: it may evict like any miss
 	}
 	select {
 	case <-f.done:
@@ -305,13 +316,14 @@ func (e *Engine) fetch(ctx context.Context, root, path string) error {
 	case leader && e.startFill():
 		e.stats.misses.Add(1)
 		f.fetchOnly = true
-		e.fill(f, root, path)
+		e.demandFill(f, root, path)
 		e.fills.Done()
 	case leader:
 		f.err = ErrClosed
 		e.finish(path, f)
 	default:
 		e.stats.inflightHits.Add(1)
+		f.noEvict.Store(false) // a reader wants it: it may evict like any miss
 		select {
 		case <-f.done:
 		case <-ctx.Done():
@@ -403,7 +415,10 @@ func (e *Engine) join(path string) (f *flight, leader bool) {
 // its publication and the client reads the published file, one copy from the page cache.
 func (e *Engine) fill(f *flight, root, path string) {
 	full := e.fullFor(root)
-	if full && f.fetchOnly { // the caller reads it: not even opened here
+	// Nobody waits for the bytes in memory when a client reads the source itself (fetchOnly)
+	// or prefetch alone wants the file (noEvict): a file no tier takes is then not read.
+	bytesWanted := !f.fetchOnly && !f.noEvict.Load()
+	if full && !bytesWanted { // not even opened here
 		f.err = fmt.Errorf("%w: %s", ErrCacheFull, path)
 		e.stats.uncached.Add(1)
 		e.finish(path, f)
@@ -418,13 +433,14 @@ func (e *Engine) fill(f *flight, root, path string) {
 	defer src.Close()
 	f.mtime = src.MTimeNanos()
 	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, Group: root}
-	if !e.canCache(entry) && (entry.Size > uncachedReadMax || f.fetchOnly) {
+	f.size = entry.Size
+	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {
 		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
 		e.stats.uncached.Add(1)
 		e.finish(path, f)
 		return
 	}
-	if full && entry.Size > uncachedReadMax {
+	if full && (entry.Size > uncachedReadMax || !bytesWanted) {
 		f.err = fmt.Errorf("%w: %s", ErrCacheFull, path)
 		e.finish(path, f)
 		return
@@ -442,6 +458,14 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	f.inTier = true
 	f.err = e.fillFromSource(src, entry)
+	if errors.Is(f.err, ErrCacheFull) && bytesWanted && entry.Size <= uncachedReadMax {
+		// Less room than this file needs, and nothing to evict: served from memory.
+		f.inTier = false
+		if f.data, f.err = src.ReadAll(); f.err == nil {
+			e.stats.sourceReads.Add(1)
+			e.stats.sourceBytes.Add(entry.Size)
+		}
+	}
 	e.finish(path, f)
 }
 

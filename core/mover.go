@@ -125,6 +125,9 @@ func (e *Engine) place(first int, entry tiers.Entry, c content) error {
 			}
 		}
 	}
+	if e.noEvict(entry.SourcePath) {
+		return tiers.ErrNoRoom // prefetch never evicts (see Engine.Prefetch)
+	}
 	for i, t := range candidates {
 		if !t.CanHold(need) {
 			continue

@@ -47,6 +47,8 @@ type StatsSnapshot struct {
 	Stored        int64            `json:"stored"`
 	Refusals      int64            `json:"refusals"`
 	Tiers         []tiers.Info     `json:"tiers"`
+	// Prefetch counts what prefetch jobs did (see Engine.Prefetch).
+	Prefetch PrefetchStats `json:"prefetch"`
 	// Warnings are problems the user should see: a tier skipped (another user's directory,
 	// another server holding it) or moved to a private stand-in, damaged entries removed.
 	Warnings []string `json:"warnings,omitempty"`
@@ -112,6 +114,7 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.ClientHits += o.ClientHits
 	s.Stored += o.Stored
 	s.Refusals += o.Refusals
+	s.Prefetch.Add(o.Prefetch)
 	s.Tiers = append(s.Tiers, o.Tiers...)
 	s.Warnings = append(s.Warnings, o.Warnings...)
 }

@@ -239,7 +239,8 @@ func spawn(cfg core.Config) (*exec.Cmd, error) {
 	cmd.Env = append(os.Environ(),
 		"FITCACHE_TIERS="+cfg.Tiers,
 		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String(),
-		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify))
+		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify),
+		"FITCACHE_PREFETCH="+strconv.Itoa(cfg.Prefetch))
 	if cfg.RuntimeDirWarning == "" {
 		// Else the runtime directory is the private stand-in for the default one: the server
 		// finds it the same way, and reports why.

@@ -99,10 +99,54 @@ struct StatsReply {
   3: string json
 }
 
+// A prefetch job: a list of files the caller's readers are about to read, in their order,
+// for the server to read from the source ahead of them (see core.Engine.Prefetch). A long list
+// is sent in chunks, in order. A request without paths, offset 0 and total 0 renews the
+// caller's job (its lease) and reports its progress.
+struct PrefetchRequest {
+  1: string token
+  // Dataset root the paths must stay within (absolute, cleaned).
+  2: string root
+  // Identifies the caller (one client); a job lives while one of its owners renews it.
+  3: string owner
+  // Identifies the whole list (core.ListDigest): owners that send the same list share a job.
+  4: string list_id
+  // Position of paths[0] in the whole list, and the whole list's length.
+  5: i64 offset
+  6: i64 total
+  // Files to read (absolute, cleaned, inside root).
+  7: list<string> paths
+}
+
+struct PrefetchReply {
+  1: i32 errno
+  2: string message
+  // The job's state: running, done, budget (stopped: the tiers are full), abandoned,
+  // replaced, off (the server does not prefetch) or unknown (no job of this owner).
+  3: string state
+  // The server holds this list already (another owner's job, now shared): send no more of it.
+  4: bool joined
+  // Paths of this request taken.
+  5: i64 accepted
+  // Progress: the list's length, paths received, files dealt with, and how.
+  6: i64 files
+  7: i64 received
+  8: i64 done
+  9: i64 fetched
+  10: i64 skipped_cached
+  11: i64 skipped_inflight
+  12: i64 failed
+  13: i64 bytes
+  14: i64 owners
+  // The first failures, "path: error".
+  15: list<string> errors
+}
+
 service FitCache {
   HelloReply Hello(1: HelloRequest req)
   ReadReply Read(1: ReadRequest req)
   HitReportReply ReportHits(1: HitReport req)
   StatsReply Stats(1: StatsRequest req)
   StoreReply Store(1: StoreRequest req)
+  PrefetchReply Prefetch(1: PrefetchRequest req)
 }

@@ -35,6 +35,7 @@ func (h *Handler) WriteMetrics(w io.Writer) {
 	counter("publish_errors_total", "Publications that failed.", s.PublishErrors)
 	counter("stored_total", "Replica copies received from clients.", s.Stored)
 	counter("refusals_total", "Connections and requests refused: wrong or missing job token, or too many connections.", s.Refusals)
+	writePrefetchMetrics(w, s.Prefetch)
 	version, dead := h.members.since(-1)
 	counter("ring_changes_total", "Membership changes (servers found dead or back) reported by clients.", version)
 	fmt.Fprintf(w, "# HELP fitcache_dead_servers Servers this server's clients report dead.\n# TYPE fitcache_dead_servers gauge\nfitcache_dead_servers %d\n", len(dead))

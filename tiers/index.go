@@ -388,6 +388,16 @@ func (v *indexView) reopen(dirfd int) bool {
 	return true
 }
 
+// hits returns the hit counters of the current index (0 once closed).
+func (v *indexView) hits() (n, bytes int64) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	if v.closed || v.cur == nil {
+		return 0, 0
+	}
+	return v.cur.hits()
+}
+
 // close unmaps every index the view mapped; later lookups miss. It is idempotent.
 func (v *indexView) close() {
 	v.mu.Lock()

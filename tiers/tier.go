@@ -239,10 +239,10 @@ func blocks(n int64) int64 { return (n + 4095) &^ 4095 }
 // Hits returns the reads, and their bytes, that readers outside the server served from the
 // tier themselves (counted in the tier's index).
 func (t *Tier) Hits() (n, bytes int64) {
-	if t.ix == nil {
+	if t.view == nil {
 		return 0, 0
 	}
-	return t.ix.hits()
+	return t.view.hits()
 }
 
 // CanHold reports whether an entry of n bytes fits in the budget at all.

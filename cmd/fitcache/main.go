@@ -1,10 +1,11 @@
 // Command fitcache runs and inspects FitCache servers.
 //
-//	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]...
+//	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]... [--prefetch N]
 //	fitcache stats [--json]
 //	fitcache info  [--json]
 //	fitcache verify [--tiers SPEC]
-//	fitcache warmup [--workers N] DIR
+//	fitcache warmup [--quiet] DIR
+//	fitcache prefetch [--wait] [-0] [--quiet] [--json] DIR < LIST
 //	fitcache token FILE
 //	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR
 //
@@ -19,13 +20,14 @@ import (
 )
 
 var commands = map[string]func(args []string) error{
-	"serve":  serve,
-	"stats":  stats,
-	"info":   info,
-	"verify": verifyCmd,
-	"warmup": warmup,
-	"token":  tokenCmd,
-	"size":   size,
+	"serve":    serve,
+	"stats":    stats,
+	"info":     info,
+	"verify":   verifyCmd,
+	"warmup":   warmup,
+	"prefetch": prefetchCmd,
+	"token":    tokenCmd,
+	"size":     size,
 }
 
 func usage() {
@@ -36,7 +38,8 @@ commands:
   stats    print the counters of the embedded server
   info     print the tiers and hardware FitCache finds on this node
   verify   check the checksum of every cached file; remove damaged ones (or say how)
-  warmup   read every file under a directory through the cache, with progress
+  warmup   cache every file under a directory (a prefetch job), with progress
+  prefetch hand the server a list of files (standard input) to read ahead of the readers
   token    create a job token file (0600) for the servers and clients of a cluster job
   size     how many servers a job needs: the sizing rule of FITCACHE with a measured server
 

@@ -11,6 +11,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -42,6 +43,7 @@ func serve(args []string) error {
 	verify := fs.Bool("verify", false, "check the data checksum of every cached file at start and remove damaged ones (default: FITCACHE_VERIFY)")
 	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
 	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
+	prefetch := fs.Int("prefetch", -1, fmt.Sprintf("source reads prefetch runs at once, reading ahead of readers from the file lists they hand over; 0 turns it off (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
 	var roots stringList
 	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
 	fs.Parse(args)
@@ -52,6 +54,9 @@ func serve(args []string) error {
 	}
 	if *verify {
 		opts["verify"] = "true"
+	}
+	if *prefetch >= 0 {
+		opts["prefetch"] = strconv.Itoa(*prefetch)
 	}
 	cfg, err := core.LoadConfig(opts)
 	if err != nil {
@@ -132,7 +137,7 @@ func serve(args []string) error {
 		}
 	}
 	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile,
-		Verify: cfg.Verify, Warnings: warnings(cfg.RuntimeDirWarning), Holder: "listening on " + firstNonEmpty(*listen, *socket) + ", runtime dir " + cfg.RuntimeDir}, log)
+		Verify: cfg.Verify, Warnings: warnings(cfg.RuntimeDirWarning), Prefetch: core.PrefetchConfig{Reads: cfg.Prefetch}, Holder: "listening on " + firstNonEmpty(*listen, *socket) + ", runtime dir " + cfg.RuntimeDir}, log)
 	if err != nil {
 		if ln != nil {
 			ln.Close()
@@ -169,7 +174,7 @@ func serve(args []string) error {
 		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
 	})
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
-		"idle_timeout", idleTimeout, "roots", roots)
+		"idle_timeout", idleTimeout, "roots", roots, "prefetch", cfg.Prefetch)
 	if *metricsAddr != "" {
 		mln, err := net.Listen("tcp", *metricsAddr)
 		if err != nil {

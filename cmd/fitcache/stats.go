@@ -83,6 +83,7 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 	fmt.Fprintf(w, "served       %s\n", tiers.FormatBytes(s.BytesServed))
 	fmt.Fprintf(w, "published    %d, spilled %d, evicted %d, uncached %d\n", s.Published, s.Spilled, s.Evictions, s.Uncached)
 	fmt.Fprintf(w, "errors       %d read, %d publish\n", s.Errors, s.PublishErrors)
+	printPrefetchStats(w, s.Prefetch)
 	for _, t := range s.Tiers {
 		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files (%s)\n", t.Kind, t.Dir,
 			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, t.FSType)

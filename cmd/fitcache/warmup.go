@@ -17,24 +17,19 @@ import (
 	"github.com/fitcache/fitcache/tiers"
 )
 
+// warmup caches every file under a directory: it hands the list to the servers as a
+// prefetch job (the machinery readers use, see core.Engine.Prefetch), follows it until it
+// ends and reports. A server whose prefetch is off is warmed by reading the files through it.
 func warmup(args []string) error {
 	rpc.QuietKitexLogs()
 	fset := flag.NewFlagSet("warmup", flag.ExitOnError)
-	workers := fset.Int("workers", 8, "files read at once (reads from a parallel file system are latency-bound)")
+	workers := fset.Int("workers", 8, "files read at once when the server does not prefetch (its option prefetch sets how many it reads at once)")
 	quiet := fset.Bool("quiet", false, "no progress line")
 	fset.Parse(args)
 	if fset.NArg() != 1 {
-		return fmt.Errorf("usage: fitcache warmup [--workers N] DIR")
+		return fmt.Errorf("usage: fitcache warmup [--workers N] [--quiet] DIR")
 	}
-	cfg, err := core.LoadConfig(nil)
-	if err != nil {
-		return err
-	}
-	if cfg.ServerBin == "" {
-		cfg.ServerBin, _ = os.Executable() // this program is also the server
-	}
-	root := fset.Arg(0)
-	c, err := client.Open(root, cfg, logger())
+	c, err := openClient(fset.Arg(0))
 	if err != nil {
 		return err
 	}
@@ -53,11 +48,32 @@ func warmup(args []string) error {
 		return err
 	}
 	sort.Strings(files)
+	start := time.Now()
+	if err := c.Prefetch(files); err != nil {
+		return err
+	}
+	info := c.PrefetchStatus()
+	if info.State == core.PrefetchOff {
+		fmt.Fprintf(os.Stderr, "warmup: the server does not prefetch (option prefetch 0): reading the files through it, %d at once\n", *workers)
+		return readThrough(c, files, *workers, *quiet)
+	}
+	info = follow(c, "warmup", *quiet)
+	fmt.Fprintf(os.Stderr, "warmup: %d files in %s: %s\n", len(files), time.Since(start).Round(time.Millisecond), describe(info))
+	switch {
+	case info.Failed > 0:
+		return fmt.Errorf("%d of %d files failed", info.Failed, len(files))
+	case info.State != core.PrefetchDone && info.State != core.PrefetchBudget:
+		return fmt.Errorf("the prefetch job ended before the list did (%s)", info.State)
+	}
+	return nil
+}
 
+// readThrough reads every file through the cache, workers at a time, with a progress line.
+func readThrough(c *client.Client, files []string, workers int, quiet bool) error {
 	var done, bytes, failed atomic.Int64
 	start := time.Now()
 	progress := func(final bool) {
-		if *quiet && !final {
+		if quiet && !final {
 			return
 		}
 		el := time.Since(start).Seconds()
@@ -75,7 +91,7 @@ func warmup(args []string) error {
 	}
 	next := make(chan string)
 	var wg sync.WaitGroup
-	for range max(*workers, 1) {
+	for range max(workers, 1) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

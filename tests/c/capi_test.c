@@ -96,6 +96,19 @@ int main(int argc, char **argv) {
 		CHECK(fc_read_many(h + 1000, 1, batch, datas, sizes, bufs, results) == -EBADF, "batch on an unknown handle");
 	}
 
+	/* Prefetch: the server takes the list; bad arguments and paths are refused, nothing sent. */
+	{
+		const char *list[] = {"a.bin", "empty.bin", path};
+		CHECK(fc_prefetch(h, 3, list) == 0, "fc_prefetch: %s", errmsg());
+		CHECK(fc_prefetch(h, 0, NULL) == 0, "empty prefetch list");
+		CHECK(fc_prefetch(h, -1, list) == -EINVAL, "negative prefetch count");
+		const char *nullpath[] = {"a.bin", NULL};
+		CHECK(fc_prefetch(h, 2, nullpath) == -EINVAL, "NULL path in a prefetch list");
+		const char *outside[] = {"a.bin", "/etc/passwd"};
+		CHECK(fc_prefetch(h, 2, outside) == -EACCES, "prefetch outside the root: %s", errmsg());
+		CHECK(fc_prefetch(h + 1000, 3, list) == -EBADF, "prefetch on an unknown handle");
+	}
+
 	/* pread into a caller buffer, size. */
 	char part[100];
 	int64_t n = fc_pread(h, "a.bin", part, sizeof part, 10);
@@ -131,6 +144,7 @@ int main(int argc, char **argv) {
 	CHECK(fc_stats(h, tiny, sizeof tiny, &needed) == -ERANGE && needed > sizeof tiny, "stats ERANGE");
 	char *js = malloc(needed + 1024);
 	CHECK(fc_stats(h, js, needed + 1024, NULL) == 0 && strstr(js, "\"source_reads\"") != NULL, "stats: %s", js);
+	CHECK(strstr(js, "\"prefetch\"") != NULL, "stats without prefetch counters: %s", js);
 	free(js);
 
 	/* Fork after load: the child serves cached files (the hit path needs no Go runtime), has
@@ -155,11 +169,14 @@ int main(int argc, char **argv) {
 		char msg[512];
 		fc_errmsg(msg, sizeof msg);
 		int r3 = fc_debug_open_handles(NULL, NULL);
+		const char *one[] = {"a.bin"};
+		int r4 = fc_prefetch(h, 1, one);
 		if (!same || !released) fprintf(stderr, "child: cached a.bin: rc %d, %lld bytes\n", hit, (long long)s);
 		if (!fetched) fprintf(stderr, "child: late.bin through the node socket: rc %d, %lld bytes\n", miss, (long long)s);
-		if (r1 != -ENOENT || r2 != -ECHILD || r3 != -ECHILD || !strstr(msg, "fork"))
-			fprintf(stderr, "child: missing %d open %d handles %d: %s\n", r1, r2, r3, msg);
-		_exit(same && released && fetched && r1 == -ENOENT && r2 == -ECHILD && r3 == -ECHILD && strstr(msg, "fork") ? 0 : 1);
+		if (r1 != -ENOENT || r2 != -ECHILD || r3 != -ECHILD || r4 != -ECHILD || !strstr(msg, "fork"))
+			fprintf(stderr, "child: missing %d open %d handles %d prefetch %d: %s\n", r1, r2, r3, r4, msg);
+		_exit(same && released && fetched && r1 == -ENOENT && r2 == -ECHILD && r3 == -ECHILD && r4 == -ECHILD &&
+		      strstr(msg, "fork") ? 0 : 1);
 	}
 	int status = 0;
 	waitpid(pid, &status, 0);

@@ -8,11 +8,11 @@ See the README for configuration, the C interface and how it works.
 
 from ._native import (Client, FitCacheError, ForkedAfterLoad, IsADirectory, NotADirectory,
                       NotFound, PermissionDenied, version)
-from .dataset import FitCacheDataset, list_files, server_stats
+from .dataset import FitCacheDataset, list_files, prefetch_files, server_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Client", "FitCacheDataset", "FitCacheError", "ForkedAfterLoad", "IsADirectory",
-    "NotADirectory", "NotFound", "PermissionDenied", "list_files", "server_stats", "version",
+    "NotADirectory", "NotFound", "PermissionDenied", "list_files", "prefetch_files", "server_stats", "version",
 ]

@@ -108,6 +108,9 @@ def _declare(lib):
     lib.fc_read_many.argtypes = [i64, ctypes.c_int, p(ctypes.c_char_p), p(ctypes.c_void_p), p(i64), p(i64),
                                  p(ctypes.c_int)]
     lib.fc_read_many.restype = ctypes.c_int
+    # int fc_prefetch(int64_t handle, int count, const char *const *paths);
+    lib.fc_prefetch.argtypes = [i64, ctypes.c_int, p(ctypes.c_char_p)]
+    lib.fc_prefetch.restype = ctypes.c_int
     # int fc_release(int64_t buffer);
     lib.fc_release.argtypes = [i64]
     lib.fc_release.restype = ctypes.c_int
@@ -253,6 +256,20 @@ class Client:
                 code = -results[i]
                 out.append(_ERRORS.get(code, FitCacheError)(code, os.strerror(code), paths[i]))
         return out
+
+    def prefetch(self, paths):
+        """Hands the server the files this client's readers are about to read, in the order
+        they will read them, for the server to read from the source ahead of them (see
+        fc_prefetch in fitcache.h). A new list replaces the client's earlier one; the job lives
+        while the client is open. Raises PermissionError for a path outside the root (then
+        nothing is sent)."""
+        paths = [_fs(p) for p in paths]
+        if not paths:
+            return
+        c_paths = (ctypes.c_char_p * len(paths))(*paths)
+        rc = self._lib.fc_prefetch(self._checked(), len(paths), c_paths)
+        if rc < 0:
+            _raise(self._lib, rc)
 
     def pread(self, path, length, offset=0):
         """Returns up to length bytes of the file from offset, copied into new bytes."""

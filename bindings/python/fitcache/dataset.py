@@ -4,6 +4,7 @@ import errno
 import json
 import mmap
 import multiprocessing.util
+import operator
 import os
 import stat
 import subprocess
@@ -65,9 +66,18 @@ class FitCacheDataset(_Base):
     directories are not followed), and reading any other path outside ``root`` raises
     PermissionError, also in a process forked after loading the library, whose plain reads of
     the source apply the native library's checks.
+
+    Prefetch: with ``prefetch=True`` (the default), each process that reads hands the cache
+    server the dataset's file list when it opens its client (at its first read), so that the
+    server reads the files from the source ahead of the readers, several at once, and the
+    first epoch runs at the file system's pace rather than the readers'. The list is in the
+    order given to :meth:`prefetch` (say, the sampler's), else in list order; processes
+    handing over the same list share one job. ``prefetch=False`` (or ``0``) hands nothing
+    over; an integer sets the server's option ``prefetch`` (source reads it runs at once) for
+    a server the dataset starts.
     """
 
-    def __init__(self, root, transform=None, *, filter=None, files=None, **options):
+    def __init__(self, root, transform=None, *, filter=None, files=None, prefetch=True, **options):
         root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
         root = os.path.abspath(root)
         if not os.path.exists(root):
@@ -77,8 +87,16 @@ class FitCacheDataset(_Base):
         self.root = root
         self._real_root = os.path.realpath(root)  # the fork fallback checks reads against it
         self.transform = transform
+        if not isinstance(prefetch, bool):
+            reads = operator.index(prefetch)
+            if reads < 0:
+                raise ValueError(f"prefetch: want True, False or a number of reads >= 0, got {prefetch!r}")
+            options = {**options, "prefetch": reads}
+            prefetch = reads > 0
         self.options = options
         self.files = list(files) if files is not None else list_files(root, filter)
+        self._prefetch = prefetch
+        self._prefetch_order = None  # indices in the order they will be read; None: list order
         self._client = None
         self._client_pid = None
 
@@ -137,11 +155,59 @@ class FitCacheDataset(_Base):
             # Workers exit through multiprocessing, which runs these finalizers (not atexit):
             # closing reports the worker's cache hits to the server.
             multiprocessing.util.Finalize(self, client.close, exitpriority=10)
+            if self._prefetch:
+                self._send_prefetch(client)
         return self._client
+
+    def prefetch(self, indices=None, wait=False):
+        """Hands the cache server the files in the order they will be read, to read from the
+        source ahead of the readers: ``indices`` is any iterable of item indices (for example
+        ``list(sampler)`` for a sampler with a seeded generator, or one rank's share), None for
+        every file in list order. The order is kept: every process that opens its client later
+        (DataLoader workers) hands over the same list, which keeps the job alive while they
+        read. With ``wait=True`` it returns when the server has dealt with every file (or its
+        tiers are full: prefetch never evicts).
+
+        In a process that has not loaded the native library (the main process of a forking
+        DataLoader, before it reads) the list goes through the ``fitcache prefetch`` command, so
+        that workers forked later can still load the library; it starts the server if none runs.
+        Returns the job's state as a dict when it went through the command (always with
+        ``wait=True``), else None. Progress is in ``ds.stats()["server"]["prefetch"]``."""
+        if indices is not None:
+            n = len(self.files)
+            order = []
+            for i in indices:
+                i = operator.index(i)
+                if not -n <= i < n:
+                    raise IndexError(f"prefetch: index {i} out of range for {n} files")
+                order.append(i % n)
+            self._prefetch_order = order
+        self._prefetch = True
+        if not wait:
+            if self._client is not None and self._client_pid == os.getpid():
+                self._send_prefetch(self._client)
+                return None
+            if _native.loaded_here():
+                self._get_client()  # hands the list over
+                return None
+        return prefetch_files(self.root, self._prefetch_paths(), wait=wait, **self.options)
+
+    def _prefetch_paths(self):
+        if self._prefetch_order is None:
+            return [os.path.join(self.root, f) for f in self.files]
+        return [self.path(i) for i in self._prefetch_order]
+
+    def _send_prefetch(self, client):
+        """Hands the list over through client; a failure is a warning, never a failed read."""
+        try:
+            client.prefetch(self._prefetch_paths())
+        except (_native.FitCacheError, ValueError) as err:
+            warnings.warn(f"FitCache: prefetch not started: {err}", RuntimeWarning, stacklevel=4)
 
     def stats(self):
         """Counters of the cache as a dict: ``server`` (hits per tier, misses, source reads,
-        bytes, evictions, errors, tiers) and, when this process has read, ``client``.
+        bytes, evictions, errors, tiers, ``prefetch``: jobs, files fetched, skipped, bytes, jobs
+        stopped at the budget or abandoned) and, when this process has read, ``client``.
 
         Hits that DataLoader workers served themselves reach the server when the worker
         exits, or within a second for persistent workers. In a process that has not loaded
@@ -177,10 +243,7 @@ def server_stats(**options):
     """The embedded server's counters as a dict (in cluster mode, the totals of the job's
     servers, with each server's under "servers"), or None when no server runs. Asked through
     the ``fitcache`` command (a separate process, so the caller never loads the Go runtime)."""
-    env = dict(os.environ)
-    for key, value in options.items():
-        env["FITCACHE_" + key.upper()] = str(value)
-    out = subprocess.run([_native.server_binary(), "stats", "--json"], env=env,
+    out = subprocess.run([_native.server_binary(), "stats", "--json"], env=_command_env(options),
                          capture_output=True, text=True, timeout=30)
     if out.returncode == _EXIT_NO_SERVER:
         return None
@@ -190,6 +253,34 @@ def server_stats(**options):
     if "total" in stats:  # a cluster: the job's totals, with each server's counters beside them
         return {**stats["total"], "servers": stats["servers"], "unreachable": stats.get("unreachable", {})}
     return stats
+
+
+def prefetch_files(root, paths, wait=False, **options):
+    """Hands the server of the dataset under root the files at paths (absolute, or relative to
+    root), in that order, to read ahead of the readers, through the ``fitcache prefetch``
+    command (a separate process, so the caller never loads the Go runtime); it starts the
+    server if none runs. Without ``wait`` the job lives while readers that hand over the same
+    list renew it, and at least 10 s; with it, the call returns when the job ended. Returns
+    the job's state as a dict (``state``: running, done, budget, off...; files, fetched,
+    skipped_cached, skipped_inflight, failed, bytes, errors), or None for an empty list."""
+    data = b"".join(_native._fs(p) + b"\0" for p in paths)
+    if not data:
+        return None
+    cmd = [_native.server_binary(), "prefetch", "-0", "--json", "--quiet"] + (["--wait"] if wait else [])
+    out = subprocess.run(cmd + [os.fsdecode(_native._fs(root))], input=data, env=_command_env(options),
+                         capture_output=True, timeout=None if wait else 120)
+    if out.returncode != 0:
+        msg = out.stderr.decode(errors="replace").strip() or "fitcache prefetch failed"
+        raise _native.FitCacheError(errno.EIO, msg)
+    return json.loads(out.stdout)
+
+
+def _command_env(options):
+    """The environment for the fitcache command: ours, with the options as FITCACHE_*."""
+    env = dict(os.environ)
+    for key, value in options.items():
+        env["FITCACHE_" + key.upper()] = str(value)
+    return env
 
 
 _warned_forked = False

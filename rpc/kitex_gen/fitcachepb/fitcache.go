@@ -596,6 +596,244 @@ var fieldIDToName_StatsReply = map[int16]string{
 	3: "json",
 }
 
+type PrefetchRequest struct {
+	Token  string   `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Root   string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Owner  string   `thrift:"owner,3" frugal:"3,default,string" json:"owner"`
+	ListId string   `thrift:"list_id,4" frugal:"4,default,string" json:"list_id"`
+	Offset int64    `thrift:"offset,5" frugal:"5,default,i64" json:"offset"`
+	Total  int64    `thrift:"total,6" frugal:"6,default,i64" json:"total"`
+	Paths  []string `thrift:"paths,7" frugal:"7,default,list<string>" json:"paths"`
+}
+
+func NewPrefetchRequest() *PrefetchRequest {
+	return &PrefetchRequest{}
+}
+
+func (p *PrefetchRequest) InitDefault() {
+}
+
+func (p *PrefetchRequest) GetToken() (v string) {
+	return p.Token
+}
+
+func (p *PrefetchRequest) GetRoot() (v string) {
+	return p.Root
+}
+
+func (p *PrefetchRequest) GetOwner() (v string) {
+	return p.Owner
+}
+
+func (p *PrefetchRequest) GetListId() (v string) {
+	return p.ListId
+}
+
+func (p *PrefetchRequest) GetOffset() (v int64) {
+	return p.Offset
+}
+
+func (p *PrefetchRequest) GetTotal() (v int64) {
+	return p.Total
+}
+
+func (p *PrefetchRequest) GetPaths() (v []string) {
+	return p.Paths
+}
+func (p *PrefetchRequest) SetToken(val string) {
+	p.Token = val
+}
+func (p *PrefetchRequest) SetRoot(val string) {
+	p.Root = val
+}
+func (p *PrefetchRequest) SetOwner(val string) {
+	p.Owner = val
+}
+func (p *PrefetchRequest) SetListId(val string) {
+	p.ListId = val
+}
+func (p *PrefetchRequest) SetOffset(val int64) {
+	p.Offset = val
+}
+func (p *PrefetchRequest) SetTotal(val int64) {
+	p.Total = val
+}
+func (p *PrefetchRequest) SetPaths(val []string) {
+	p.Paths = val
+}
+
+func (p *PrefetchRequest) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("PrefetchRequest(%+v)", *p)
+}
+
+var fieldIDToName_PrefetchRequest = map[int16]string{
+	1: "token",
+	2: "root",
+	3: "owner",
+	4: "list_id",
+	5: "offset",
+	6: "total",
+	7: "paths",
+}
+
+type PrefetchReply struct {
+	Errno           int32    `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message         string   `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	State           string   `thrift:"state,3" frugal:"3,default,string" json:"state"`
+	Joined          bool     `thrift:"joined,4" frugal:"4,default,bool" json:"joined"`
+	Accepted        int64    `thrift:"accepted,5" frugal:"5,default,i64" json:"accepted"`
+	Files           int64    `thrift:"files,6" frugal:"6,default,i64" json:"files"`
+	Received        int64    `thrift:"received,7" frugal:"7,default,i64" json:"received"`
+	Done            int64    `thrift:"done,8" frugal:"8,default,i64" json:"done"`
+	Fetched         int64    `thrift:"fetched,9" frugal:"9,default,i64" json:"fetched"`
+	SkippedCached   int64    `thrift:"skipped_cached,10" frugal:"10,default,i64" json:"skipped_cached"`
+	SkippedInflight int64    `thrift:"skipped_inflight,11" frugal:"11,default,i64" json:"skipped_inflight"`
+	Failed          int64    `thrift:"failed,12" frugal:"12,default,i64" json:"failed"`
+	Bytes           int64    `thrift:"bytes,13" frugal:"13,default,i64" json:"bytes"`
+	Owners          int64    `thrift:"owners,14" frugal:"14,default,i64" json:"owners"`
+	Errors          []string `thrift:"errors,15" frugal:"15,default,list<string>" json:"errors"`
+}
+
+func NewPrefetchReply() *PrefetchReply {
+	return &PrefetchReply{}
+}
+
+func (p *PrefetchReply) InitDefault() {
+}
+
+func (p *PrefetchReply) GetErrno() (v int32) {
+	return p.Errno
+}
+
+func (p *PrefetchReply) GetMessage() (v string) {
+	return p.Message
+}
+
+func (p *PrefetchReply) GetState() (v string) {
+	return p.State
+}
+
+func (p *PrefetchReply) GetJoined() (v bool) {
+	return p.Joined
+}
+
+func (p *PrefetchReply) GetAccepted() (v int64) {
+	return p.Accepted
+}
+
+func (p *PrefetchReply) GetFiles() (v int64) {
+	return p.Files
+}
+
+func (p *PrefetchReply) GetReceived() (v int64) {
+	return p.Received
+}
+
+func (p *PrefetchReply) GetDone() (v int64) {
+	return p.Done
+}
+
+func (p *PrefetchReply) GetFetched() (v int64) {
+	return p.Fetched
+}
+
+func (p *PrefetchReply) GetSkippedCached() (v int64) {
+	return p.SkippedCached
+}
+
+func (p *PrefetchReply) GetSkippedInflight() (v int64) {
+	return p.SkippedInflight
+}
+
+func (p *PrefetchReply) GetFailed() (v int64) {
+	return p.Failed
+}
+
+func (p *PrefetchReply) GetBytes() (v int64) {
+	return p.Bytes
+}
+
+func (p *PrefetchReply) GetOwners() (v int64) {
+	return p.Owners
+}
+
+func (p *PrefetchReply) GetErrors() (v []string) {
+	return p.Errors
+}
+func (p *PrefetchReply) SetErrno(val int32) {
+	p.Errno = val
+}
+func (p *PrefetchReply) SetMessage(val string) {
+	p.Message = val
+}
+func (p *PrefetchReply) SetState(val string) {
+	p.State = val
+}
+func (p *PrefetchReply) SetJoined(val bool) {
+	p.Joined = val
+}
+func (p *PrefetchReply) SetAccepted(val int64) {
+	p.Accepted = val
+}
+func (p *PrefetchReply) SetFiles(val int64) {
+	p.Files = val
+}
+func (p *PrefetchReply) SetReceived(val int64) {
+	p.Received = val
+}
+func (p *PrefetchReply) SetDone(val int64) {
+	p.Done = val
+}
+func (p *PrefetchReply) SetFetched(val int64) {
+	p.Fetched = val
+}
+func (p *PrefetchReply) SetSkippedCached(val int64) {
+	p.SkippedCached = val
+}
+func (p *PrefetchReply) SetSkippedInflight(val int64) {
+	p.SkippedInflight = val
+}
+func (p *PrefetchReply) SetFailed(val int64) {
+	p.Failed = val
+}
+func (p *PrefetchReply) SetBytes(val int64) {
+	p.Bytes = val
+}
+func (p *PrefetchReply) SetOwners(val int64) {
+	p.Owners = val
+}
+func (p *PrefetchReply) SetErrors(val []string) {
+	p.Errors = val
+}
+
+func (p *PrefetchReply) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("PrefetchReply(%+v)", *p)
+}
+
+var fieldIDToName_PrefetchReply = map[int16]string{
+	1:  "errno",
+	2:  "message",
+	3:  "state",
+	4:  "joined",
+	5:  "accepted",
+	6:  "files",
+	7:  "received",
+	8:  "done",
+	9:  "fetched",
+	10: "skipped_cached",
+	11: "skipped_inflight",
+	12: "failed",
+	13: "bytes",
+	14: "owners",
+	15: "errors",
+}
+
 type FitCache interface {
 	Hello(ctx context.Context, req *HelloRequest) (r *HelloReply, err error)
 
@@ -606,6 +844,8 @@ type FitCache interface {
 	Stats(ctx context.Context, req *StatsRequest) (r *StatsReply, err error)
 
 	Store(ctx context.Context, req *StoreRequest) (r *StoreReply, err error)
+
+	Prefetch(ctx context.Context, req *PrefetchRequest) (r *PrefetchReply, err error)
 }
 
 type FitCacheHelloArgs struct {
@@ -985,5 +1225,81 @@ func (p *FitCacheStoreResult) String() string {
 }
 
 var fieldIDToName_FitCacheStoreResult = map[int16]string{
+	0: "success",
+}
+
+type FitCachePrefetchArgs struct {
+	Req *PrefetchRequest `thrift:"req,1" frugal:"1,default,PrefetchRequest" json:"req"`
+}
+
+func NewFitCachePrefetchArgs() *FitCachePrefetchArgs {
+	return &FitCachePrefetchArgs{}
+}
+
+func (p *FitCachePrefetchArgs) InitDefault() {
+}
+
+var FitCachePrefetchArgs_Req_DEFAULT *PrefetchRequest
+
+func (p *FitCachePrefetchArgs) GetReq() (v *PrefetchRequest) {
+	if !p.IsSetReq() {
+		return FitCachePrefetchArgs_Req_DEFAULT
+	}
+	return p.Req
+}
+func (p *FitCachePrefetchArgs) SetReq(val *PrefetchRequest) {
+	p.Req = val
+}
+
+func (p *FitCachePrefetchArgs) IsSetReq() bool {
+	return p.Req != nil
+}
+
+func (p *FitCachePrefetchArgs) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCachePrefetchArgs(%+v)", *p)
+}
+
+var fieldIDToName_FitCachePrefetchArgs = map[int16]string{
+	1: "req",
+}
+
+type FitCachePrefetchResult struct {
+	Success *PrefetchReply `thrift:"success,0,optional" frugal:"0,optional,PrefetchReply" json:"success,omitempty"`
+}
+
+func NewFitCachePrefetchResult() *FitCachePrefetchResult {
+	return &FitCachePrefetchResult{}
+}
+
+func (p *FitCachePrefetchResult) InitDefault() {
+}
+
+var FitCachePrefetchResult_Success_DEFAULT *PrefetchReply
+
+func (p *FitCachePrefetchResult) GetSuccess() (v *PrefetchReply) {
+	if !p.IsSetSuccess() {
+		return FitCachePrefetchResult_Success_DEFAULT
+	}
+	return p.Success
+}
+func (p *FitCachePrefetchResult) SetSuccess(x interface{}) {
+	p.Success = x.(*PrefetchReply)
+}
+
+func (p *FitCachePrefetchResult) IsSetSuccess() bool {
+	return p.Success != nil
+}
+
+func (p *FitCachePrefetchResult) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCachePrefetchResult(%+v)", *p)
+}
+
+var fieldIDToName_FitCachePrefetchResult = map[int16]string{
 	0: "success",
 }

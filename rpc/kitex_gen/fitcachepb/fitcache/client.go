@@ -16,6 +16,7 @@ type Client interface {
 	ReportHits(ctx context.Context, req *fitcachepb.HitReport, callOptions ...callopt.Option) (r *fitcachepb.HitReportReply, err error)
 	Stats(ctx context.Context, req *fitcachepb.StatsRequest, callOptions ...callopt.Option) (r *fitcachepb.StatsReply, err error)
 	Store(ctx context.Context, req *fitcachepb.StoreRequest, callOptions ...callopt.Option) (r *fitcachepb.StoreReply, err error)
+	Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, callOptions ...callopt.Option) (r *fitcachepb.PrefetchReply, err error)
 }
 
 // NewClient creates a client for the service defined in IDL.
@@ -70,4 +71,9 @@ func (p *kFitCacheClient) Stats(ctx context.Context, req *fitcachepb.StatsReques
 func (p *kFitCacheClient) Store(ctx context.Context, req *fitcachepb.StoreRequest, callOptions ...callopt.Option) (r *fitcachepb.StoreReply, err error) {
 	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
 	return p.kClient.Store(ctx, req)
+}
+
+func (p *kFitCacheClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, callOptions ...callopt.Option) (r *fitcachepb.PrefetchReply, err error) {
+	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
+	return p.kClient.Prefetch(ctx, req)
 }

@@ -48,6 +48,13 @@ var serviceMethods = map[string]kitex.MethodInfo{
 		false,
 		kitex.WithStreamingMode(kitex.StreamingNone),
 	),
+	"Prefetch": kitex.NewMethodInfo(
+		prefetchHandler,
+		newFitCachePrefetchArgs,
+		newFitCachePrefetchResult,
+		false,
+		kitex.WithStreamingMode(kitex.StreamingNone),
+	),
 }
 
 var (
@@ -204,6 +211,24 @@ func newFitCacheStoreResult() interface{} {
 	return fitcachepb.NewFitCacheStoreResult()
 }
 
+func prefetchHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
+	realArg := arg.(*fitcachepb.FitCachePrefetchArgs)
+	realResult := result.(*fitcachepb.FitCachePrefetchResult)
+	success, err := handler.(fitcachepb.FitCache).Prefetch(ctx, realArg.Req)
+	if err != nil {
+		return err
+	}
+	realResult.Success = success
+	return nil
+}
+func newFitCachePrefetchArgs() interface{} {
+	return fitcachepb.NewFitCachePrefetchArgs()
+}
+
+func newFitCachePrefetchResult() interface{} {
+	return fitcachepb.NewFitCachePrefetchResult()
+}
+
 type kClient struct {
 	c client.Client
 }
@@ -259,6 +284,16 @@ func (p *kClient) Store(ctx context.Context, req *fitcachepb.StoreRequest) (r *f
 	_args.Req = req
 	var _result fitcachepb.FitCacheStoreResult
 	if err = p.c.Call(ctx, "Store", &_args, &_result); err != nil {
+		return
+	}
+	return _result.GetSuccess(), nil
+}
+
+func (p *kClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (r *fitcachepb.PrefetchReply, err error) {
+	var _args fitcachepb.FitCachePrefetchArgs
+	_args.Req = req
+	var _result fitcachepb.FitCachePrefetchResult
+	if err = p.c.Call(ctx, "Prefetch", &_args, &_result); err != nil {
 		return
 	}
 	return _result.GetSuccess(), nil

@@ -1,0 +1,85 @@
+package rpc
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/cloudwego/kitex/client"
+	"github.com/cloudwego/kitex/client/callopt"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
+)
+
+// Prefetch is the generated client's typed call (see typed.go).
+func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, opts ...callopt.Option) (*fitcachepb.PrefetchReply, error) {
+	args, res := fitcachepb.FitCachePrefetchArgs{Req: req}, fitcachepb.FitCachePrefetchResult{}
+	err := t.c.Call(client.NewCtxWithCallOptions(ctx, opts), "Prefetch", &args, &res)
+	return res.GetSuccess(), err
+}
+
+// Prefetch queues a prefetch job, takes the next chunk of its list, or renews it, and
+// reports its progress (see core.Engine.Prefetch).
+func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (*fitcachepb.PrefetchReply, error) {
+	if err := h.begin(ctx, req.Token); err != nil {
+		errno, msg := errnoOf(err)
+		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg}, nil
+	}
+	info, err := h.engine.Prefetch(core.PrefetchRequest{Root: req.Root, Owner: req.Owner, ListID: req.ListId,
+		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths})
+	if err != nil {
+		errno, msg := errnoOf(err)
+		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg}, nil
+	}
+	return &fitcachepb.PrefetchReply{State: info.State, Joined: info.Joined, Accepted: int64(info.Accepted),
+		Files: int64(info.Files), Received: int64(info.Received), Done: int64(info.Done), Fetched: int64(info.Fetched),
+		SkippedCached: int64(info.SkippedCached), SkippedInflight: int64(info.SkippedInflight), Failed: int64(info.Failed),
+		Bytes: info.Bytes, Owners: int64(info.Owners), Errors: info.Errors}, nil
+}
+
+// Prefetch sends a prefetch request (a chunk of a list, or a renewal without paths; the
+// token is added) and returns the job's state and progress.
+func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.PrefetchInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
+	defer cancel()
+	var r *fitcachepb.PrefetchReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Token: c.cfg.Token, Root: req.Root, Owner: req.Owner,
+			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths},
+			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+		return err
+	})
+	if err != nil {
+		return core.PrefetchInfo{}, c.failed(err)
+	}
+	if err := core.NewErrnoError(r.Errno, r.Message); err != nil {
+		return core.PrefetchInfo{}, err
+	}
+	return core.PrefetchInfo{State: r.State, Joined: r.Joined, Accepted: int(r.Accepted), Files: int(r.Files),
+		Received: int(r.Received), Done: int(r.Done), Fetched: int(r.Fetched), SkippedCached: int(r.SkippedCached),
+		SkippedInflight: int(r.SkippedInflight), Failed: int(r.Failed), Bytes: r.Bytes, Owners: int(r.Owners),
+		Errors: r.Errors}, nil
+}
+
+// writePrefetchMetrics writes the prefetch counters and gauges (see WriteMetrics).
+func writePrefetchMetrics(w io.Writer, s core.PrefetchStats) {
+	for _, m := range []struct {
+		name, kind, help string
+		value            int64
+	}{
+		{"prefetch_reads", "gauge", "Source reads prefetch may run at once (0: off).", int64(s.Reads)},
+		{"prefetch_jobs_active", "gauge", "Prefetch jobs running.", int64(s.JobsActive)},
+		{"prefetch_files_queued", "gauge", "Files of running prefetch jobs not yet handled.", s.FilesQueued},
+		{"prefetch_jobs_total", "counter", "Prefetch jobs started.", s.Jobs},
+		{"prefetch_fetched_total", "counter", "Files prefetch read from the source and cached.", s.Fetched},
+		{"prefetch_fetched_bytes_total", "counter", "Bytes of the files prefetch read from the source and cached.", s.Bytes},
+		{"prefetch_skipped_cached_total", "counter", "Files prefetch skipped: cached already.", s.SkippedCached},
+		{"prefetch_skipped_inflight_total", "counter", "Files prefetch skipped: a reader was reading them already.", s.SkippedInflight},
+		{"prefetch_failed_total", "counter", "Files prefetch could not read.", s.Failed},
+		{"prefetch_stopped_budget_total", "counter", "Prefetch jobs stopped because the tiers were full (prefetch never evicts).", s.StoppedBudget},
+		{"prefetch_abandoned_total", "counter", "Prefetch jobs stopped because their clients stopped renewing them.", s.Abandoned},
+	} {
+		fmt.Fprintf(w, "# HELP fitcache_%s %s\n# TYPE fitcache_%s %s\nfitcache_%s %d\n", m.name, m.help, m.name, m.kind, m.name, m.value)
+	}
+}
