@@ -27,6 +27,9 @@ the manifest. Configurations, interleaved within each of --repeats rounds:
                             epochs 1..E-1
   shm-one-process           one fresh process, num_workers=0, each file of the /dev/shm copy
                             read once (epoch 1's order): the baseline of the next line
+  shm-batched               plain /dev/shm reads, each worker's item a whole batch (a
+                            BatchSampler), as PyTorch 2's DataLoader fetches with __getitems__
+  fitcache-warm-batched     the same over FitCache: one __getitems__ (fc_read_many) per batch
   fitcache-one-process      one fresh process, num_workers=0, each file of the warm cache read
                             once (the client is opened before the clock starts, timed apart)
   fitcache-half-budget      a memory tier of half what the dataset takes in a tier, --epochs
@@ -80,7 +83,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 import fitcache
 from privatecache import PrivateCache
@@ -186,6 +189,24 @@ class FitCacheCRC(Dataset):
         return i, zlib.crc32(view), len(view)
 
 
+class Batched(Dataset):
+    """Item b is a whole batch (a list of indices from a BatchSampler), read with the wrapped
+    dataset's __getitems__ when it has one: what PyTorch 2's DataLoader does for each batch
+    (1.13 reads item by item), here with any version."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, indices):
+        if isinstance(self.inner, FitCacheCRC):
+            views = self.inner.ds.__getitems__(indices)
+            return [(i, zlib.crc32(v), len(v)) for i, v in zip(indices, views)]
+        return [self.inner[i] for i in indices]
+
+
 def collate(batch):
     """Only indices, crcs and sizes go through the worker queue."""
     return tuple(zip(*batch))
@@ -213,7 +234,11 @@ class EpochSampler(Sampler):
         return self.n
 
 
-def loader(ds, sampler, args, workers, persistent=False):
+def loader(ds, sampler, args, workers, persistent=False, batched=False):
+    if batched:
+        return DataLoader(Batched(ds), batch_size=None, sampler=BatchSampler(sampler, args.batch_size, False),
+                          collate_fn=collate, num_workers=workers, persistent_workers=persistent and workers > 0,
+                          multiprocessing_context="fork" if workers > 0 else None)
     return DataLoader(ds, batch_size=args.batch_size, sampler=sampler, collate_fn=collate,
                       num_workers=workers, persistent_workers=persistent and workers > 0,
                       multiprocessing_context="fork" if workers > 0 else None)
@@ -364,8 +389,8 @@ def bench_local(args, work, cleanup):
     cleanup.append(cache.wipe)
     plain_src, plain_shm = PlainCRC(src, names), PlainCRC(shm, names)
     times = {k: [] for k in ("source", "shm", "fitcache-cold", "fitcache-warm-fresh",
-                              "fitcache-warm-persistent", "shm-one-process", "fitcache-one-process",
-                              "fitcache-half-budget")}
+                              "fitcache-warm-persistent", "shm-batched", "fitcache-warm-batched",
+                              "shm-one-process", "fitcache-one-process", "fitcache-half-budget")}
     extra = {"server_start_seconds": [], "client_open_seconds": [], "source_reads_cold": [],
              "source_reads_after_warm": [], "source_opens": [], "half_budget_epochs": []}
     # What the dataset takes in a tier (data and record, each in 4 KiB blocks): half of it
@@ -394,6 +419,12 @@ def bench_local(args, work, cleanup):
             dl = loader(fds, sampler, args, args.workers, persistent=True)
             timed_epoch(dl, sampler, 0, check, drain)  # starts the workers: not counted
             times["fitcache-warm-persistent"].append(
+                statistics.median(timed_epoch(dl, sampler, e, check, drain)[0] for e in warm_epochs))
+            del dl
+            dl = loader(plain_shm, sampler, args, args.workers, batched=True)
+            times["shm-batched"].append(statistics.median(timed_epoch(dl, sampler, e, check)[0] for e in warm_epochs))
+            dl = loader(fds, sampler, args, args.workers, batched=True)
+            times["fitcache-warm-batched"].append(
                 statistics.median(timed_epoch(dl, sampler, e, check, drain)[0] for e in warm_epochs))
             del dl
             one = fresh_process("shm", shm, manifest_path, {}, 1, args)
@@ -435,7 +466,8 @@ def bench_local(args, work, cleanup):
     res = {k: summarize(v, n, total) for k, v in times.items()}
     baseline = {"source": None, "shm": None, "fitcache-cold": "source", "fitcache-warm-fresh": "shm",
                 "fitcache-warm-persistent": "shm", "shm-one-process": None,
-                "fitcache-one-process": "shm-one-process", "fitcache-half-budget": "source"}
+                "fitcache-one-process": "shm-one-process", "fitcache-half-budget": "source",
+                "shm-batched": "shm", "fitcache-warm-batched": "shm"}
     for k, b in baseline.items():
         res[k]["baseline"] = b
         res[k]["ratio"] = res[b]["seconds_median"] / res[k]["seconds_median"] if b else 1.0

@@ -152,9 +152,20 @@ func (c *Client) Prefetch(paths []string) error {
 	return errors.Join(errs...)
 }
 
-// sendPrefetch sends one server its list, chunk by chunk.
+// sendPrefetch sends one server its list, chunk by chunk, unless the server holds it already:
+// a probe with the list's id comes first, so that the fresh DataLoader workers of every
+// epoch join the list in one small call instead of sending its first chunk each.
 func (c *Client) sendPrefetch(server *rpc.Client, owner string, paths []string) error {
 	id := core.ListDigest(paths)
+	info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
+		Total: len(paths)})
+	if err != nil {
+		return err
+	}
+	if info.Joined || info.State == core.PrefetchOff {
+		c.pf.set(server, info)
+		return nil
+	}
 	for off := 0; off < len(paths); {
 		end, size := off, 0
 		for end < len(paths) && end-off < prefetchChunkPaths && (end == off || size+len(paths[end]) <= prefetchChunkBytes) {

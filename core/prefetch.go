@@ -84,7 +84,9 @@ type PrefetchRequest struct {
 	// Total is the length of the whole list; 0 means len(Paths).
 	Total int
 	// Paths to read, absolute, clean and inside Root, in the order readers will want them. A
-	// request with no paths, Offset 0 and Total 0 only renews the owner's job and reports it.
+	// request with no paths, Offset 0 and Total 0 only renews the owner's job and reports it;
+	// one with no paths, Offset 0, a Total and a ListID is a probe: the caller joins the list
+	// if the server holds it (Joined), and nothing happens otherwise (state unknown).
 	Paths []string
 }
 
@@ -338,6 +340,18 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 		if old := p.owned[key]; old != nil && old.listID == id && old.total == total && len(old.paths) == total {
 			old.owners[req.Owner] = until // the same list again: a renewal
 			info := old.report()
+			info.Joined = true
+			return info, nil
+		}
+		if len(req.Paths) == 0 { // a probe: join the list if it is held, else say so
+			j := p.find(req.Root, id, total)
+			if j == nil {
+				return PrefetchInfo{State: PrefetchUnknown}, nil
+			}
+			p.leave(key)
+			j.owners[req.Owner] = until
+			p.owned[key] = j
+			info := j.report()
 			info.Joined = true
 			return info, nil
 		}

@@ -263,7 +263,7 @@ class Client:
         fc_prefetch in fitcache.h). A new list replaces the client's earlier one; the job lives
         while the client is open. Raises PermissionError for a path outside the root (then
         nothing is sent)."""
-        paths = [_fs(p) for p in paths]
+        paths = [p if type(p) is bytes and b"\0" not in p else _fs(p) for p in paths]
         if not paths:
             return
         c_paths = (ctypes.c_char_p * len(paths))(*paths)

@@ -8,6 +8,7 @@ import operator
 import os
 import stat
 import subprocess
+import threading
 import warnings
 
 from . import _native
@@ -97,6 +98,9 @@ class FitCacheDataset(_Base):
         self.files = list(files) if files is not None else list_files(root, filter)
         self._prefetch = prefetch
         self._prefetch_order = None  # indices in the order they will be read; None: list order
+        # The list as the native library takes it, made once here: DataLoader workers forked
+        # from this process (every epoch, by default) inherit it instead of building it anew.
+        self._prefetch_encoded = self._encode_prefetch_list() if prefetch else None
         self._client = None
         self._client_pid = None
 
@@ -156,7 +160,10 @@ class FitCacheDataset(_Base):
             # closing reports the worker's cache hits to the server.
             multiprocessing.util.Finalize(self, client.close, exitpriority=10)
             if self._prefetch:
-                self._send_prefetch(client)
+                # In the background: the first reads need not wait for the hand-over (the
+                # native call releases the GIL), which fresh workers pay every epoch.
+                threading.Thread(target=self._send_prefetch, args=(client,), daemon=True,
+                                 name="fitcache-prefetch").start()
         return self._client
 
     def prefetch(self, indices=None, wait=False):
@@ -182,6 +189,7 @@ class FitCacheDataset(_Base):
                     raise IndexError(f"prefetch: index {i} out of range for {n} files")
                 order.append(i % n)
             self._prefetch_order = order
+            self._prefetch_encoded = None
         self._prefetch = True
         if not wait:
             if self._client is not None and self._client_pid == os.getpid():
@@ -197,10 +205,16 @@ class FitCacheDataset(_Base):
             return [os.path.join(self.root, f) for f in self.files]
         return [self.path(i) for i in self._prefetch_order]
 
+    def _encode_prefetch_list(self):
+        """The prefetch list as bytes paths (a file name cannot hold a NUL byte)."""
+        return [os.fsencode(p) for p in self._prefetch_paths()]
+
     def _send_prefetch(self, client):
         """Hands the list over through client; a failure is a warning, never a failed read."""
+        if self._prefetch_encoded is None:
+            self._prefetch_encoded = self._encode_prefetch_list()
         try:
-            client.prefetch(self._prefetch_paths())
+            client.prefetch(self._prefetch_encoded)
         except (_native.FitCacheError, ValueError) as err:
             warnings.warn(f"FitCache: prefetch not started: {err}", RuntimeWarning, stacklevel=4)
 
