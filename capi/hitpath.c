@@ -65,6 +65,9 @@ static uint32_t nbufs, capbufs;
 static uint32_t *free_slots, nfree;
 static int64_t live_bufs;
 
+// pool_lock protects pool, pool_len and pool_bytes (see buf_alloc).
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
 // A handle is FC_CBUF_BASE | gen << 32 | slot.
 static int64_t buf_handle(uint32_t slot, uint32_t gen) {
 	return FC_CBUF_BASE | ((int64_t)(gen & 0x3fffffff) << 32) | slot;
@@ -73,9 +76,11 @@ static int64_t buf_handle(uint32_t slot, uint32_t gen) {
 static void lock_all(void) {
 	pthread_rwlock_wrlock(&clients_lock);
 	pthread_mutex_lock(&bufs_lock);
+	pthread_mutex_lock(&pool_lock);
 }
 
 static void unlock_all(void) {
+	pthread_mutex_unlock(&pool_lock);
 	pthread_mutex_unlock(&bufs_lock);
 	pthread_rwlock_unlock(&clients_lock);
 }
@@ -87,6 +92,7 @@ static void reset_in_child(void) {
 	pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
 	clients_lock = fresh_rw;
 	bufs_lock = fresh_mu;
+	pool_lock = fresh_mu;
 	for (int i = 0; i < CLIENT_SLOTS; i++) // a parent's thread may have held one in a fetch
 		if (clients[i])
 			pthread_mutex_init(&clients[i]->node_mu, NULL);
@@ -127,9 +133,63 @@ static int64_t add_buf(void *ptr, size_t len, uint8_t kind) {
 	return h;
 }
 
+// Memory for copied hits comes from a small pool of freed buffers, by power-of-two size class:
+// a batch (fc_read_many) holds 64 or so buffers of ~100 KiB at once, and when they were given
+// back to malloc it returned the top of its heap to the kernel, so every batch faulted in (and
+// the kernel zeroed) megabytes anew: __getitems__ through a DataLoader ran at half the speed of
+// reading item by item. The pool keeps at most POOL_MAX_BYTES per process.
+#define POOL_MIN_SHIFT 12 // 4 KiB
+#define POOL_CLASSES 8    // up to 512 KiB (FC_READ_MAX_BYTES)
+#define POOL_MAX_BYTES ((size_t)64 << 20)
+
+static void *pool[POOL_CLASSES][256];
+static int pool_len[POOL_CLASSES];
+static size_t pool_bytes;
+
+// size_class returns the class of a buffer of n bytes, or -1 for one the pool does not keep.
+static int size_class(size_t n) {
+	for (int c = 0; c < POOL_CLASSES; c++)
+		if (n <= (size_t)1 << (POOL_MIN_SHIFT + c))
+			return c;
+	return -1;
+}
+
+// buf_alloc returns memory for n bytes (n > 0).
+static void *buf_alloc(size_t n) {
+	int c = size_class(n);
+	if (c < 0)
+		return malloc(n);
+	pthread_mutex_lock(&pool_lock);
+	void *p = NULL;
+	if (pool_len[c] > 0) {
+		p = pool[c][--pool_len[c]];
+		pool_bytes -= (size_t)1 << (POOL_MIN_SHIFT + c);
+	}
+	pthread_mutex_unlock(&pool_lock);
+	return p ? p : malloc((size_t)1 << (POOL_MIN_SHIFT + c));
+}
+
+// buf_free gives back memory from buf_alloc of n bytes.
+static void buf_free(void *p, size_t n) {
+	int c = size_class(n);
+	if (c >= 0) {
+		size_t sz = (size_t)1 << (POOL_MIN_SHIFT + c);
+		pthread_mutex_lock(&pool_lock);
+		int kept = pool_len[c] < 256 && pool_bytes + sz <= POOL_MAX_BYTES;
+		if (kept) {
+			pool[c][pool_len[c]++] = p;
+			pool_bytes += sz;
+		}
+		pthread_mutex_unlock(&pool_lock);
+		if (kept)
+			return;
+	}
+	free(p);
+}
+
 static void free_mem(void *ptr, size_t len, uint8_t kind) {
 	if (kind == BUF_HEAP)
-		free(ptr);
+		buf_free(ptr, len);
 	else if (kind == BUF_MAPPED)
 		munmap(ptr, len);
 }
@@ -294,7 +354,7 @@ static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
 		*kind = BUF_MAPPED;
 		return 0;
 	}
-	char *p = malloc((size_t)h->size);
+	char *p = buf_alloc((size_t)h->size);
 	if (!p)
 		return -ENOMEM;
 	size_t done = 0;
@@ -303,7 +363,7 @@ static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
 		if (k < 0 && errno == EINTR)
 			continue;
 		if (k <= 0) {
-			free(p);
+			buf_free(p, (size_t)h->size);
 			return FC_MISS;
 		}
 		done += (size_t)k;
