@@ -1,6 +1,6 @@
 // Finding a file's cached copy in FitCache tiers without Go: see fclookup.h for the contract
 // and tiers/index.go for the index layout, which this file must match byte for byte
-// (tiers/index_c_test.go checks that against the Go writer).
+// (tests/c/capi_test.c and the Python tests read what the Go writer wrote through it).
 #define _GNU_SOURCE
 #include "fclookup.h"
 
@@ -18,7 +18,7 @@
 // Index layout (tiers/index.go).
 #define INDEX_NAME "fitcache.index"
 #define INDEX_MAGIC "FCINDEX\x01"
-#define INDEX_VERSION 1
+#define INDEX_VERSION 2
 #define INDEX_WAYS 8
 #define INDEX_SLOT 64
 #define INDEX_HEADER 4096
@@ -253,7 +253,7 @@ struct slot {
 // index_find looks (key, check) up in a mapped index with the slot's seqlock.
 static int index_find(const uint8_t *ix, uint64_t key, uint64_t check, struct slot *out) {
 	uint32_t buckets = rd32(ix + HDR_BUCKETS);
-	size_t first = (size_t)((key >> 16) & (buckets - 1)) * INDEX_WAYS;
+	size_t first = (size_t)((key * 0x9E3779B97F4A7C15ULL) >> (64 - __builtin_ctz(buckets))) * INDEX_WAYS;
 	for (size_t i = first; i < first + INDEX_WAYS; i++) {
 		const uint8_t *s = ix + INDEX_HEADER + i * INDEX_SLOT;
 		if (rd64(s + 8) != key)
@@ -278,22 +278,22 @@ static int index_find(const uint8_t *ix, uint64_t key, uint64_t check, struct sl
 	return 0;
 }
 
-// Whether the kernel has openat2 (0 unknown, 1 yes, -1 no).
+// Whether the kernel has openat2 (0 unknown, 1 yes, -1 no); accessed atomically.
 static int have_openat2;
 
 // open_beneath opens rel below dirfd read-only, following no link at any level.
 static int open_beneath(int dirfd, const char *rel) {
-	if (have_openat2 >= 0) {
+	if (__atomic_load_n(&have_openat2, __ATOMIC_RELAXED) >= 0) {
 		struct open_how how = {
 			.flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC,
 			.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH,
 		};
 		int fd = (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
 		if (fd >= 0 || (errno != ENOSYS && errno != EPERM)) {
-			have_openat2 = 1;
+			__atomic_store_n(&have_openat2, 1, __ATOMIC_RELAXED);
 			return fd;
 		}
-		have_openat2 = -1; // EPERM: a seccomp filter refuses it
+		__atomic_store_n(&have_openat2, -1, __ATOMIC_RELAXED); // EPERM: a seccomp filter refuses it
 	}
 	// One level at a time: "ab", "cd", name.
 	char part[3] = {rel[0], rel[1], 0};

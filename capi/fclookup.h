@@ -27,8 +27,9 @@ extern "C" {
 /* The longest path handled; longer ones are misses. */
 #define FC_PATH_MAX 4096
 
-/* Indexes a tier maps over its life (one per server start); the last ones are unmapped by
- * fc_tier_close, earlier ones stay mapped (a lookup in another thread may still read them). */
+/* Replaced indexes a tier keeps track of (one per server restart): they stay mapped, since a
+ * lookup in another thread may still read them, and the first ones are unmapped by
+ * fc_tier_close; past this many, replaced indexes stay mapped until the process exits. */
 #define FC_TIER_OLD_INDEXES 4
 
 /* A tier directory open for lookups. Fill it with fc_tier_open; all fields are private. */

@@ -251,8 +251,12 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	if (ok)
 		*slot = c;
 	pthread_rwlock_unlock(&clients_lock);
-	if (!ok)
+	if (!ok) {
+		if (c->real_root_fd >= 0)
+			close(c->real_root_fd);
+		pthread_mutex_destroy(&c->node_mu);
 		free(c);
+	}
 	return ok ? 0 : -1;
 }
 
@@ -437,6 +441,8 @@ static int read_all(int fd, void *p, size_t n) {
 		ssize_t k = recv(fd, p, n, 0);
 		if (k < 0 && errno == EINTR)
 			continue;
+		if (k == 0)
+			errno = ECONNRESET; // closed by the server: not a timeout, whatever errno held
 		if (k <= 0)
 			return -1;
 		p = (char *)p + k;

@@ -316,8 +316,10 @@ func (e *Engine) fetch(ctx context.Context, root, path string) error {
 	case leader && e.startFill():
 		e.stats.misses.Add(1)
 		f.fetchOnly = true
-		e.demandFill(f, root, path)
-		e.fills.Done()
+		func() {
+			defer e.fills.Done() // also if fill panics: Close waits for fills
+			e.demandFill(f, root, path)
+		}()
 	case leader:
 		f.err = ErrClosed
 		e.finish(path, f)

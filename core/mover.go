@@ -133,17 +133,23 @@ func (e *Engine) place(first int, entry tiers.Entry, c content) error {
 			continue
 		}
 		next := first + i + 1
-		err := t.MakeRoom(need, entry.Group, func(victim *tiers.Mapping) {
-			e.stats.evictions.Add(1)
-			if next < len(e.tiers) && e.place(next, victim.Entry, content{data: victim.Bytes()}) == nil {
-				e.stats.spilled.Add(1)
+		var err error
+		// Another file may take the room between MakeRoom and publish (publish reserves it
+		// before writing anything, so trying again costs nothing): a few tries, so that a race
+		// is not taken for a tier full of the dataset being read.
+		for try := 0; try < 3; try++ {
+			err = t.MakeRoom(need, entry.Group, func(victim *tiers.Mapping) {
+				e.stats.evictions.Add(1)
+				if next < len(e.tiers) && e.place(next, victim.Entry, content{data: victim.Bytes()}) == nil {
+					e.stats.spilled.Add(1)
+				}
+			})
+			if err == nil {
+				err = c.publish(t, entry)
 			}
-		})
-		if err == nil {
-			err = c.publish(t, entry)
-		}
-		if err == nil || !errors.Is(err, tiers.ErrNoRoom) {
-			return err
+			if err == nil || !errors.Is(err, tiers.ErrNoRoom) {
+				return err
+			}
 		}
 	}
 	return tiers.ErrNoRoom

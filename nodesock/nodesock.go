@@ -46,8 +46,13 @@ const maxPath = 4096
 // maxMessage bounds the message of a reply.
 const maxMessage = 1000
 
-// maxConns bounds the connections served at once; more wait in the kernel's backlog.
-const maxConns = 256
+// maxConns bounds the connections served at once; more wait in the kernel's backlog. Each
+// process keeps a connection per client, so an idle one is closed after idleTimeout: it
+// would otherwise hold its place for the life of the process.
+const (
+	maxConns    = 256
+	idleTimeout = 10 * time.Second
+)
 
 // Fetcher brings a file into the tiers. It returns nil when the file is in a tier, or an
 // error whose errno (see Errno) tells the caller what to do: read the source for EFBIG (no
@@ -146,9 +151,11 @@ func (s *Server) serve(c *net.UnixConn) {
 		return
 	}
 	for {
+		// A connection kept idle frees its place after idleTimeout (the C side reconnects).
+		c.SetReadDeadline(time.Now().Add(idleTimeout))
 		root, path, err := readRequest(c)
 		if err != nil {
-			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, os.ErrDeadlineExceeded) {
 				s.cfg.Log.Warn("node socket: bad request", "err", err)
 			}
 			return

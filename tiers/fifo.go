@@ -9,6 +9,7 @@ type record struct {
 	size  int64   // bytes it takes (see EntrySize)
 	seq   uint64  // publication sequence number
 	group string  // Entry.Group
+	ino   uint64  // inode number of the data file, so that eviction never unlinks a newer copy
 }
 
 // fifo holds a tier's entries in publication order, one list per group (dataset root), so

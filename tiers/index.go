@@ -45,7 +45,10 @@ import (
 //	  56 pubSeq   uint64   publication sequence number (the server evicts the oldest of a
 //	                       full bucket)
 //
-// The bucket of a key is (key >> 16) & (buckets - 1) (the low 16 bits already name the bins).
+// The bucket of a key is (key * 0x9E3779B97F4A7C15) >> (64 - log2(buckets)): the key mixed
+// by Fibonacci hashing, top bits taken. FNV-1a mixes the last bytes of a path poorly into
+// its middle bits, and paths that differ only there (f1, f2, ... f30000) piled into a few
+// buckets when the bucket was taken from them (version 1).
 //
 // A reader takes a slot only if seq is even and unchanged across its reads of the slot, and
 // serves the data file only if the file it opened (following no link, below the tier) is a
@@ -55,7 +58,7 @@ import (
 const (
 	indexName       = "fitcache.index"
 	indexMagic      = "FCINDEX\x01"
-	indexVersion    = 1
+	indexVersion    = 2
 	indexWays       = 8
 	indexSlotSize   = 64
 	indexHeaderSize = 4096
@@ -69,9 +72,10 @@ const (
 	hdrHitBytes = 72
 )
 
-// Index geometry: one slot per indexBytesPerSlot of budget, so that a tier full of files of
-// that average size fills a quarter of the table... within these bounds in buckets. A tier
-// with many smaller files evicts within full buckets before its budget is used up.
+// Index geometry: about one slot per indexBytesPerSlot of budget (the number of buckets is
+// rounded up to a power of two), within these bounds. A tier full of files of that average
+// size fills most slots, and a bucket that overflows evicts its oldest entry; smaller files
+// overflow more (Info.IndexEvictions counts it).
 const (
 	indexBytesPerSlot = 32 << 10
 	minIndexBuckets   = 1 << 10 // 8,192 slots: 516 KiB
@@ -133,7 +137,9 @@ func (ix *index) word64(off int) *uint64 { return (*uint64)(unsafe.Pointer(&ix.m
 
 func slotOffset(i uint32) int { return indexHeaderSize + int(i)*indexSlotSize }
 
-func (ix *index) bucketOf(k Key) uint32 { return uint32(uint64(k)>>16) & (ix.buckets - 1) }
+func (ix *index) bucketOf(k Key) uint32 {
+	return uint32((uint64(k) * 0x9E3779B97F4A7C15) >> (64 - bits.TrailingZeros32(ix.buckets)))
+}
 
 // lookup returns the slot holding id, if any. It spins a bounded number of times on a slot
 // being changed, then reports a miss.

@@ -81,6 +81,7 @@ type Tier struct {
 	fifo    fifo   // the entries in publication order
 	nextSeq uint64 // publication sequence number of the next entry
 	ix      *index // the tier's index, written under mu
+	shut    bool   // set by Close under mu: ix is unmapped, nothing may write it
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
 }
@@ -197,6 +198,9 @@ func checkWritable(dirfd int) error {
 func (t *Tier) Close() error {
 	var err error
 	t.closed.Do(func() {
+		t.mu.Lock()
+		t.shut = true // before the index is unmapped: writers check it under mu
+		t.mu.Unlock()
 		if t.view != nil {
 			t.view.close()
 		}
@@ -279,7 +283,8 @@ func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 }
 
 // FullFor reports whether the tier has no room for another file of group: less than two
-// blocks are free and every file it holds is of group, which MakeRoom never evicts for it.
+// blocks are free and every file it holds is of group, which MakeRoom never evicts for it. A
+// tier whose room is all taken by files being written is not full: they may fail.
 func (t *Tier) FullFor(group string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -287,7 +292,7 @@ func (t *Tier) FullFor(group string) bool {
 		return false
 	}
 	_, ours := t.fifo.groups[group]
-	return len(t.fifo.groups) == 0 || (ours && len(t.fifo.groups) == 1)
+	return ours && len(t.fifo.groups) == 1 // nothing of another group to evict
 }
 
 // Listed reports whether the tier's index lists sourcePath (a reader opening it will find
@@ -316,6 +321,10 @@ func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 			t.mu.Unlock()
 			return nil
 		}
+		if t.shut {
+			t.mu.Unlock()
+			return fmt.Errorf("%w: tier closed", ErrNoRoom)
+		}
 		rec := t.fifo.popOldest(keep)
 		if rec == nil { // everything left is being written right now, or is keep's
 			t.mu.Unlock()
@@ -336,7 +345,7 @@ func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 				m.Release()
 			}
 		}
-		t.unlink(rec.rel)
+		t.unlink(rec.rel, rec.ino)
 		t.removed()
 		t.mu.Lock()
 		t.used -= rec.size
@@ -377,14 +386,20 @@ func (t *Tier) openRecord(rel string) (*Mapping, error) {
 }
 
 // unlink removes an entry's data file and record by the data file's path relative to the
-// tier; files already gone are no error.
-func (t *Tier) unlink(rel string) {
+// tier, unless the file there now is another one than inode ino (a newer copy of the same
+// source published meanwhile; ino 0 removes whatever is there); files already gone are no
+// error.
+func (t *Tier) unlink(rel string, ino uint64) {
 	err := withFd(t.dir, func(dirfd int) error {
 		binfd, name, err := openBin(dirfd, rel, false)
 		if err != nil {
 			return err
 		}
 		defer unix.Close(binfd)
+		var st unix.Stat_t
+		if ino != 0 && unix.Fstatat(binfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino != ino {
+			return nil
+		}
 		err = unix.Unlinkat(binfd, name, 0)
 		if rerr := unix.Unlinkat(binfd, recordPrefix+name, 0); err == nil || errors.Is(err, fs.ErrNotExist) {
 			err = rerr
@@ -491,11 +506,15 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 		}
 		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)
 	}
+	if t.shut {
+		t.used -= n
+		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, os.ErrClosed)
+	}
 	id := idOf(e.SourcePath)
 	if old, ok := t.fifo.remove(id); ok { // replaced an older copy of the same file
 		t.used -= old.size
 	}
-	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group})
+	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino})
 	t.index(s, id)
 	return nil
 }
@@ -514,7 +533,7 @@ func (t *Tier) index(s stored, id entryID) {
 	}
 	t.used -= rec.size
 	t.indexEvictions++
-	t.unlink(rec.rel)
+	t.unlink(rec.rel, rec.ino)
 	t.removed()
 }
 
@@ -591,13 +610,16 @@ func finishData(f *os.File, mtimeNanos int64) (ino uint64, err error) {
 func (t *Tier) remove(id entryID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if t.shut {
+		return
+	}
 	rec, ok := t.fifo.remove(id)
 	if !ok {
 		return
 	}
 	t.ix.remove(id)
 	t.used -= rec.size
-	t.unlink(rec.rel)
+	t.unlink(rec.rel, 0) // what is there is damaged, whatever its inode
 	t.removed()
 }
 
@@ -629,7 +651,7 @@ func (t *Tier) rescan() error {
 	t.mu.Lock()
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
-		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group})
+		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino})
 		t.used += f.size
 		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)

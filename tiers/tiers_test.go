@@ -481,3 +481,31 @@ func TestMakeRoomSparesTheGroupBeingRead(t *testing.T) {
 		t.Errorf("after a restart, MakeRoom for a evicted a's files: %v", err)
 	}
 }
+
+// Names that differ only in their last characters (f1, f2, ..., or zero-padded numbers)
+// spread over the index's buckets: few buckets overflow, so few files are evicted for room in
+// the index rather than in the budget.
+func TestIndexBucketsSpreadSequentialNames(t *testing.T) {
+	const n = 30000
+	ix := &index{buckets: indexBuckets(n * 110 << 10)}
+	for _, format := range []string{"/data/train/f%d", "/data/train/%08d", "/data/c%03d/img_%06d.jpg"} {
+		counts := map[uint32]int{}
+		for i := range n {
+			var p string
+			if strings.Count(format, "%") == 2 {
+				p = fmt.Sprintf(format, i%1000, i)
+			} else {
+				p = fmt.Sprintf(format, i)
+			}
+			counts[ix.bucketOf(KeyOf(p))]++
+		}
+		over := 0
+		for _, c := range counts {
+			over += max(0, c-indexWays)
+		}
+		if over > n/1000 {
+			t.Errorf("%s: %d of %d files over their bucket's %d slots (%d buckets), want at most %d",
+				format, over, n, indexWays, ix.buckets, n/1000)
+		}
+	}
+}
