@@ -16,7 +16,10 @@ from inotify import OpenCounter
 
 
 def wait_prefetch_idle(ds, timeout=60):
-    """Waits until the server runs no prefetch job; returns its prefetch counters."""
+    """Waits until the server runs no prefetch job; returns its prefetch counters. The dataset
+    hands its list over in a background thread when it opens its client: wait for it first."""
+    if ds._handover is not None:
+        ds._handover.join(timeout)
     deadline = time.monotonic() + timeout
     while True:
         stats = ds.stats()["server"]["prefetch"]

@@ -103,6 +103,7 @@ class FitCacheDataset(_Base):
         self._prefetch_encoded = self._encode_prefetch_list() if prefetch else None
         self._client = None
         self._client_pid = None
+        self._handover = None  # the thread handing the prefetch list over (see _get_client)
 
     def __len__(self):
         return len(self.files)
@@ -162,8 +163,9 @@ class FitCacheDataset(_Base):
             if self._prefetch:
                 # In the background: the first reads need not wait for the hand-over (the
                 # native call releases the GIL), which fresh workers pay every epoch.
-                threading.Thread(target=self._send_prefetch, args=(client,), daemon=True,
-                                 name="fitcache-prefetch").start()
+                self._handover = threading.Thread(target=self._send_prefetch, args=(client,), daemon=True,
+                                                  name="fitcache-prefetch")
+                self._handover.start()
         return self._client
 
     def prefetch(self, indices=None, wait=False):
@@ -241,6 +243,7 @@ class FitCacheDataset(_Base):
         state = self.__dict__.copy()
         state["_client"] = None
         state["_client_pid"] = None
+        state["_handover"] = None  # a thread of this process
         return state
 
     def __enter__(self):
