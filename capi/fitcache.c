@@ -78,7 +78,7 @@ static int forked_miss(void) {
 static int fetch_and_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	char msg[FC_FETCH_MESSAGE];
 	int rc = hit_fetch(handle, path, msg);
-	if (rc == 0) return hit_read(handle, path, data, size, buffer);
+	if (rc == 0) return hit_read_fetched(handle, path, data, size, buffer);
 	if (rc < 0) snprintf(errmsg, sizeof errmsg, "%s", msg[0] ? msg : strerror(-rc));
 	return rc;
 }

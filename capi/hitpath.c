@@ -377,6 +377,9 @@ static int take(const struct fc_hit *h, void **ptr, uint8_t *kind) {
 	return 0;
 }
 
+static int hit_read_counted(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer,
+                            int count);
+
 // hand_out registers the memory take made and stores it as fc_read returns it; it returns 0,
 // or -ENOMEM after freeing it.
 static int hand_out(void *ptr, int64_t n, uint8_t kind, const void **data, int64_t *size, int64_t *buffer) {
@@ -392,6 +395,16 @@ static int hand_out(void *ptr, int64_t n, uint8_t kind, const void **data, int64
 }
 
 int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	return hit_read_counted(handle, path, data, size, buffer, 1);
+}
+
+int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	return hit_read_counted(handle, path, data, size, buffer, 0);
+}
+
+// hit_read_counted is hit_read; it counts the read as a hit only with count.
+static int hit_read_counted(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer,
+                            int count) {
 	int saved = errno;
 	pthread_rwlock_rdlock(&clients_lock);
 	struct hit_client *c = client(handle);
@@ -407,7 +420,7 @@ int hit_read(int64_t handle, const char *path, const void **data, int64_t *size,
 	close(h.fd);
 	if (rc != 0)
 		goto out;
-	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
+	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0 || !count)
 		goto out;
 	fc_count_hit(&c->tiers[h.tier], h.size);
 	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);

@@ -41,6 +41,10 @@
  * negated errno (out of memory). */
 int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* hit_read for a file the server just brought into a tier for this caller (hit_fetch, a Go
+ * fetch): the same read, not counted as a hit, since the server counted the miss. */
+int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
 /* Asks the server of a client, over its node socket (package nodesock), to bring path into its
  * tiers, waiting no longer than the client's read timeout. Returns 0 when the file is cached
  * now (hit_read finds it), FC_DIRECT when no tier takes the file (after the server said it

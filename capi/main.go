@@ -359,7 +359,7 @@ func fetchExported(handle C.int64_t, c *client.Client, path string) (ptr unsafe.
 		defer C.free(unsafe.Pointer(cpath))
 		var data unsafe.Pointer
 		var n, bufID C.int64_t
-		switch rc := C.hit_read(handle, cpath, &data, &n, &bufID); rc {
+		switch rc := C.hit_read_fetched(handle, cpath, &data, &n, &bufID); rc {
 		case 0:
 			return data, int(n), int64(bufID), nil
 		case C.FC_MISS: // evicted at once: read it the usual way
