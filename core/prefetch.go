@@ -791,13 +791,17 @@ func (e *Engine) noEvict(path string) bool {
 }
 
 // cachedSize reports whether path is cached in a tier, and its size.
+//
+// It asks the tiers' indexes and maps nothing: prefetch asks it of every file of a list, and
+// on a warm cache (a new run over a dataset cached before) mapping each one cost the server
+// more CPU than the readers' whole epoch.
 func (e *Engine) cachedSize(path string) (int64, bool) {
-	res, err := e.probe(path, true)
-	if err != nil {
-		return 0, false
+	for _, t := range e.tiers {
+		if size, ok := t.CachedSize(path); ok {
+			return size, true
+		}
 	}
-	defer res.Release()
-	return res.Mapping.Size, true
+	return 0, false
 }
 
 // hasRoom reports whether some tier has room for n bytes without eviction.

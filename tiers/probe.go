@@ -72,13 +72,20 @@ func Listed(dirs []Dir, sourcePath string) bool {
 
 // listed reports whether d's index lists id; false for a closed Dir or one not opened.
 func (d Dir) listed(id entryID) bool {
+	_, ok := d.lookup(id)
+	return ok
+}
+
+// lookup returns the size d's index gives for id, if it lists it.
+func (d Dir) lookup(id entryID) (int64, bool) {
 	if d.dir == nil {
-		return false
+		return 0, false
 	}
+	var s slot
 	found := false
 	withFd(d.dir, func(dirfd int) error {
-		_, found = d.view.lookup(dirfd, id)
+		s, found = d.view.lookup(dirfd, id)
 		return nil
 	})
-	return found
+	return s.size, found
 }

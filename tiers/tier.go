@@ -297,7 +297,16 @@ func (t *Tier) FullFor(group string) bool {
 
 // Listed reports whether the tier's index lists sourcePath (a reader opening it will find
 // it, unless it is evicted meanwhile). It maps nothing.
-func (t *Tier) Listed(sourcePath string) bool { return t.Dir.listed(idOf(filepath.Clean(sourcePath))) }
+func (t *Tier) Listed(sourcePath string) bool {
+	_, ok := t.CachedSize(sourcePath)
+	return ok
+}
+
+// CachedSize reports whether the tier's index lists sourcePath, and its size. It maps
+// nothing.
+func (t *Tier) CachedSize(sourcePath string) (int64, bool) {
+	return t.Dir.lookup(idOf(filepath.Clean(sourcePath)))
+}
 
 // MakeRoom evicts files oldest first until n more bytes fit in the budget, taking none of
 // group keep (see Entry.Group; "" protects nothing). Each victim is mapped and handed to
