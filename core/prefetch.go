@@ -764,19 +764,17 @@ func (p *prefetcher) endDemand() {
 }
 
 // demandFill is fill for a reader's miss. It counts the read as a demand read, which
-// prefetch gives way to, and while prefetch runs it looks in the tiers once more: prefetch
-// may have published the file and ended its flight between the reader's probe and its join,
-// and the source is read once per file.
+// prefetch gives way to, and looks in the tiers once more first: another flight (a reader's
+// or prefetch's) may have published the file and ended between the reader's probe and its
+// join, and the source is read once per file. The look asks the indexes and maps nothing.
 func (e *Engine) demandFill(f *flight, root, path string) {
-	if e.pf.startDemand(path) {
-		if _, ok := e.cachedSize(path); ok {
-			e.pf.endDemand()
-			f.inTier = true // the reader reads it from its tier
-			e.finish(path, f)
-			return
-		}
-	}
+	e.pf.startDemand(path)
 	defer e.pf.endDemand()
+	if _, ok := e.cachedSize(path); ok {
+		f.inTier = true // the reader reads it from its tier
+		e.finish(path, f)
+		return
+	}
 	e.fill(f, root, path)
 }
 
