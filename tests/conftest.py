@@ -96,6 +96,7 @@ def cache_options(tmp_path):
         assert wait_gone(pid), f"fitcache server {pid} did not stop on SIGTERM"
     import shutil
     shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(tmp_path / "disk", ignore_errors=True)  # pytest keeps old temporary directories
 
 
 def wait_published(cache_options, count, timeout=30):

@@ -196,10 +196,7 @@ def test_large_files_are_never_held_whole_in_memory(tmp_path, cache_options, siz
     the client maps it. A 1 GiB file fits no tier: the client maps the source. Neither process
     holds the file in its own memory (before: an uncached 300 MB file cost the client 2.4 GB,
     and a 10 GiB file got the server OOM-killed)."""
-    from conftest import server_pid
     import hashlib
-    import subprocess
-    import sys
     root = tmp_path / "data"
     root.mkdir()
     path = root / "big.bin"
@@ -209,6 +206,16 @@ def test_large_files_are_never_held_whole_in_memory(tmp_path, cache_options, siz
             f.write(chunk)
         f.write(chunk[:-4] + b"tail")
     want = hashlib.sha256(path.read_bytes()).hexdigest()
+    try:
+        check_large_file(root, cache_options, size_mib, cached, want)
+    finally:
+        path.unlink()  # pytest keeps old temporary directories: do not leave a GiB in each
+
+
+def check_large_file(root, cache_options, size_mib, cached, want):
+    import subprocess
+    import sys
+    from conftest import server_pid
     out = subprocess.run([sys.executable, "-c", LARGE_READER, str(root), cache_options["runtime_dir"],
                           cache_options["tiers"], "big.bin"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
