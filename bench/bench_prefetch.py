@@ -49,9 +49,10 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 import fitcache
+from bench_scale import FitCacheCRC, PlainCRC  # the same readers as the scale benchmark
 from privatecache import PrivateCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -83,31 +84,6 @@ def generate(data, files, seed):
 
 def list_files(data):
     return fitcache.list_files(data, filter=lambda rel: not rel.endswith(".tmp"))
-
-
-class PlainCRC(Dataset):
-    def __init__(self, root, names):
-        self.root, self.names = root, names
-
-    def __len__(self):
-        return len(self.names)
-
-    def __getitem__(self, i):
-        with open(os.path.join(self.root, self.names[i]), "rb") as f:
-            data = f.read()
-        return i, zlib.crc32(data), len(data)
-
-
-class FitCacheCRC(Dataset):
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        view = self.ds[i]
-        return i, zlib.crc32(view), len(view)
 
 
 class Order(Sampler):

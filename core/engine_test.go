@@ -37,7 +37,9 @@ func dataset(t *testing.T, sizes ...int) (string, []string) {
 	return root, paths
 }
 
-func newEngine(t *testing.T, budgets ...string) *Engine {
+// testTiers returns tier configurations with the given budgets, memory first, then disk,
+// in temporary directories.
+func testTiers(t *testing.T, budgets ...string) []tiers.Config {
 	t.Helper()
 	var cfgs []tiers.Config
 	for i, b := range budgets {
@@ -47,7 +49,12 @@ func newEngine(t *testing.T, budgets ...string) *Engine {
 		}
 		cfgs = append(cfgs, tiers.Config{Dir: t.TempDir(), Kind: kind, Budget: b})
 	}
-	e, err := NewEngine(EngineConfig{Tiers: cfgs}, nil)
+	return cfgs
+}
+
+func newEngine(t *testing.T, budgets ...string) *Engine {
+	t.Helper()
+	e, err := NewEngine(EngineConfig{Tiers: testTiers(t, budgets...)}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,8 +14,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/fitcache/fitcache/tiers"
 )
 
 // fakeClock is a clock that moves only when told to.
@@ -40,14 +38,7 @@ func (c *fakeClock) Advance(d time.Duration) {
 // tiers with the given budgets (memory, then disk).
 func prefetchEngine(t *testing.T, reads int, clock *fakeClock, budgets ...string) *Engine {
 	t.Helper()
-	var cfgs []tiers.Config
-	for i, b := range budgets {
-		kind := tiers.Memory
-		if i > 0 {
-			kind = tiers.Disk
-		}
-		cfgs = append(cfgs, tiers.Config{Dir: t.TempDir(), Kind: kind, Budget: b})
-	}
+	cfgs := testTiers(t, budgets...)
 	pc := PrefetchConfig{Reads: reads}
 	if clock != nil {
 		pc.Clock = clock.Now
