@@ -1,6 +1,7 @@
 """Builds the fitcache Python package, compiling its Go parts with the Go toolchain:
 libfitcache.so (the C interface, loaded with ctypes) and bin/fitcache (the server and the
-command-line tool). The wheel is platform-specific."""
+command-line tool), and with a C compiler libfitcache_preload.so (the LD_PRELOAD library of
+`fitcache run`). The wheel is platform-specific."""
 
 import os
 import shutil
@@ -31,10 +32,24 @@ def build_native(dest):
                  ["-o", os.path.join(dest, "bin", "fitcache"), "./cmd/fitcache"]):
         print("fitcache: go build", " ".join(args), flush=True)
         subprocess.run([go, "build", *flags, *args], cwd=HERE, env=env, check=True)
+    build_preload(dest)
     header = os.path.join(dest, "libfitcache.h")  # Go's generated header; capi/fitcache.h is the contract
     if os.path.exists(header):
         os.remove(header)
     shutil.copy(os.path.join(HERE, "capi", "fitcache.h"), os.path.join(dest, "fitcache.h"))
+
+
+def build_preload(dest):
+    """Compiles libfitcache_preload.so, the LD_PRELOAD library of the transparent mode (C only,
+    no Go: see preload/Makefile), into the package directory dest."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise SystemExit("error: building fitcache needs a C compiler (cc or gcc on PATH, or CC)")
+    out = os.path.join(dest, "libfitcache_preload.so")
+    args = [cc, "-O2", "-g", "-std=gnu11", "-Wall", "-fPIC", "-shared", "-fvisibility=hidden", "-o", out,
+            os.path.join("preload", "fitcache_preload.c"), os.path.join("capi", "fclookup.c"), "-ldl"]
+    print("fitcache:", " ".join(args), flush=True)
+    subprocess.run(args, cwd=HERE, check=True)
 
 
 class BuildPyWithGo(build_py):

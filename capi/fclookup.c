@@ -36,6 +36,12 @@
 // The longest base name kept in a cached file's name (tiers/layout.go maxNameBytes).
 #define MAX_NAME_BYTES 120
 
+// Opens go to the kernel directly, not through libc's open functions: the preload shim
+// interposes those, and its own opens must not come back into it.
+static int sys_openat(int dirfd, const char *path, int flags) {
+	return (int)syscall(SYS_openat, dirfd, path, flags, 0);
+}
+
 static int64_t now_ns(void) {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -124,7 +130,7 @@ static size_t index_len(uint32_t buckets) { return INDEX_HEADER + (size_t)bucket
 // map_index maps the tier's index read-only (and its header writable, for the hit counters)
 // after checking that it is a regular file of this user whose header matches its size.
 static int map_index(int dirfd, const uint8_t **index, uint64_t **counters) {
-	int fd = openat(dirfd, INDEX_NAME, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+	int fd = sys_openat(dirfd, INDEX_NAME, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
 	struct stat st;
@@ -205,7 +211,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind) {
 	int saved = errno;
 	memset(t, 0, sizeof *t);
 	t->dirfd = -1;
-	int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	int fd = sys_openat(AT_FDCWD, dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (fd < 0) {
 		int err = errno;
 		errno = saved;
@@ -281,11 +287,12 @@ static int index_find(const uint8_t *ix, uint64_t key, uint64_t check, struct sl
 // Whether the kernel has openat2 (0 unknown, 1 yes, -1 no); accessed atomically.
 static int have_openat2;
 
-// open_beneath opens rel below dirfd read-only, following no link at any level.
-static int open_beneath(int dirfd, const char *rel) {
+// open_beneath opens rel below dirfd read-only with the extra flags oflags, following no
+// link at any level.
+static int open_beneath(int dirfd, const char *rel, int oflags) {
 	if (__atomic_load_n(&have_openat2, __ATOMIC_RELAXED) >= 0) {
 		struct open_how how = {
-			.flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC,
+			.flags = (uint64_t)(O_RDONLY | O_NOFOLLOW | oflags),
 			.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH,
 		};
 		int fd = (int)syscall(SYS_openat2, dirfd, rel, &how, sizeof how);
@@ -297,21 +304,21 @@ static int open_beneath(int dirfd, const char *rel) {
 	}
 	// One level at a time: "ab", "cd", name.
 	char part[3] = {rel[0], rel[1], 0};
-	int a = openat(dirfd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	int a = sys_openat(dirfd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (a < 0)
 		return -1;
 	part[0] = rel[3];
 	part[1] = rel[4];
-	int b = openat(a, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	int b = sys_openat(a, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	close(a);
 	if (b < 0)
 		return -1;
-	int fd = openat(b, rel + 6, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+	int fd = sys_openat(b, rel + 6, O_RDONLY | O_NOFOLLOW | oflags);
 	close(b);
 	return fd;
 }
 
-int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, struct fc_hit *hit) {
+int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, struct fc_hit *hit) {
 	int saved = errno;
 	uint64_t key = fc_key(path, len), check = fc_check(path, len);
 	char rel[MAX_NAME_BYTES + 32];
@@ -327,7 +334,9 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, struct
 				break;
 			have_rel = 1;
 		}
-		int fd = open_beneath(t->dirfd, rel);
+		int fd = open_beneath(t->dirfd, rel, oflags);
+		if (fd < 0 && errno == EINVAL && (oflags & O_DIRECT)) // a tier without direct I/O (tmpfs)
+			fd = open_beneath(t->dirfd, rel, oflags & ~O_DIRECT);
 		if (fd < 0)
 			continue; // evicted since the lookup
 		struct stat st;

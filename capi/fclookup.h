@@ -10,9 +10,11 @@
  * in memory.
  *
  * It is shared by libfitcache (the hit path of fc_read, capi/hitpath.c) and the LD_PRELOAD
- * shim, so it obeys the rules of code that runs inside other programs: no allocation, no
- * locks, no threads, errno left as it was on every path; it is safe in a process forked
- * after the tiers were opened (descriptors and mappings are inherited).
+ * shim (preload/), so it obeys the rules of code that runs inside other programs: no
+ * allocation, no locks, no threads, errno left as it was on every path, and no call of
+ * libc's open functions (the shim interposes them: opens here are system calls); it is
+ * safe in a process forked after the tiers were opened (descriptors and mappings are
+ * inherited).
  */
 #ifndef FITCACHE_LOOKUP_H
 #define FITCACHE_LOOKUP_H
@@ -55,7 +57,7 @@ void fc_tier_close(struct fc_tier *t);
 
 /* What fc_lookup found. */
 struct fc_hit {
-	int fd;           /* the cached file, open read-only and close-on-exec; the caller closes it */
+	int fd;           /* the cached file, open read-only with the flags asked for; the caller closes it */
 	int tier;         /* index of the tier in the array passed to fc_lookup */
 	int64_t size;     /* the file's size (the source's) */
 	int64_t mtime_ns; /* the source's modification time, Unix nanoseconds */
@@ -63,8 +65,11 @@ struct fc_hit {
 
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
  * fastest first. On a hit, returns 0 and fills *hit; on a miss, returns -ENOENT. Any other
- * problem (a tier without index, a file replaced behind the index's back) is a miss too. */
-int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, struct fc_hit *hit);
+ * problem (a tier without index, a file replaced behind the index's back) is a miss too.
+ * The cached file is opened O_RDONLY | O_NOFOLLOW with the open flags oflags added
+ * (O_CLOEXEC, O_NONBLOCK, O_NOATIME, O_DIRECT: a tier that refuses O_DIRECT is opened
+ * without it). */
+int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, struct fc_hit *hit);
 
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);

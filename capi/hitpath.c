@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "fclookup.h"
+#include "fcnode.h"
 
 #define MAX_TIERS 8
 #define CLIENT_SLOTS 256 // clients open at once with a hit path; more go through Go
@@ -412,7 +413,7 @@ static int hit_read_counted(int64_t handle, const char *path, const void **data,
 	struct fc_hit h;
 	int n, rc = FC_MISS;
 	if (!c || c->ntiers == 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 ||
-	    fc_lookup(c->tiers, c->ntiers, clean, (size_t)n, &h) != 0)
+	    fc_lookup(c->tiers, c->ntiers, clean, (size_t)n, O_CLOEXEC, &h) != 0)
 		goto out;
 	void *ptr;
 	uint8_t kind;
@@ -429,50 +430,6 @@ out:
 	pthread_rwlock_unlock(&clients_lock);
 	errno = saved;
 	return rc;
-}
-
-// Node socket protocol (nodesock/nodesock.go).
-#define NODE_MAGIC "FCN1"
-#define NODE_OP_FETCH 1
-#define NODE_MAX_MESSAGE 1000
-
-static int write_all(int fd, const void *p, size_t n) {
-	while (n > 0) {
-		ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		p = (const char *)p + k;
-		n -= (size_t)k;
-	}
-	return 0;
-}
-
-static int read_all(int fd, void *p, size_t n) {
-	while (n > 0) {
-		ssize_t k = recv(fd, p, n, 0);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k == 0)
-			errno = ECONNRESET; // closed by the server: not a timeout, whatever errno held
-		if (k <= 0)
-			return -1;
-		p = (char *)p + k;
-		n -= (size_t)k;
-	}
-	return 0;
-}
-
-static uint32_t get32(const uint8_t *p) {
-	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static void put32(uint8_t *p, uint32_t v) {
-	p[0] = (uint8_t)v;
-	p[1] = (uint8_t)(v >> 8);
-	p[2] = (uint8_t)(v >> 16);
-	p[3] = (uint8_t)(v >> 24);
 }
 
 // After the server said it has no room for a dataset, its misses are read from the source
@@ -510,20 +467,20 @@ static int node_connect(const char *socket_path, int64_t timeout_ms) {
 // *err and its message in msg, or -1 with errno set when the connection failed.
 static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int32_t *err, char *msg) {
 	uint8_t hdr[16], reply[12];
-	memcpy(hdr, NODE_MAGIC, 4);
-	put32(hdr + 4, NODE_OP_FETCH);
-	put32(hdr + 8, (uint32_t)rootlen);
-	put32(hdr + 12, (uint32_t)len);
-	if (write_all(fd, hdr, sizeof hdr) != 0 || write_all(fd, root, rootlen) != 0 || write_all(fd, path, len) != 0 ||
-	    read_all(fd, reply, sizeof reply) != 0)
+	memcpy(hdr, FC_NODE_MAGIC, 4);
+	fc_put32(hdr + 4, FC_NODE_OP_FETCH);
+	fc_put32(hdr + 8, (uint32_t)rootlen);
+	fc_put32(hdr + 12, (uint32_t)len);
+	if (fc_send_all(fd, hdr, sizeof hdr) != 0 || fc_send_all(fd, root, rootlen) != 0 || fc_send_all(fd, path, len) != 0 ||
+	    fc_recv_all(fd, reply, sizeof reply) != 0)
 		return -1;
-	if (memcmp(reply, NODE_MAGIC, 4) != 0 || get32(reply + 8) > NODE_MAX_MESSAGE ||
-	    read_all(fd, msg, get32(reply + 8)) != 0) {
+	if (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 8) > FC_NODE_MAX_MESSAGE ||
+	    fc_recv_all(fd, msg, fc_get32(reply + 8)) != 0) {
 		errno = EPROTO;
 		return -1;
 	}
-	msg[get32(reply + 8)] = 0;
-	*err = (int32_t)get32(reply + 4);
+	msg[fc_get32(reply + 8)] = 0;
+	*err = (int32_t)fc_get32(reply + 4);
 	return 0;
 }
 

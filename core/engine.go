@@ -434,7 +434,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	defer src.Close()
 	f.mtime = src.MTimeNanos()
-	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, Group: root}
+	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, Group: root, Mode: src.Mode()}
 	f.size = entry.Size
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {
 		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)

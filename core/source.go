@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -51,10 +52,11 @@ type sourceStamp struct {
 	dev, ino    uint64
 	size        int64
 	mtime, ctim syscall.Timespec
+	mode        uint32
 }
 
 func stampOf(st *syscall.Stat_t) sourceStamp {
-	return sourceStamp{dev: uint64(st.Dev), ino: st.Ino, size: st.Size, mtime: st.Mtim, ctim: st.Ctim}
+	return sourceStamp{dev: uint64(st.Dev), ino: st.Ino, size: st.Size, mtime: st.Mtim, ctim: st.Ctim, mode: st.Mode}
 }
 
 // OpenSource opens the source file at path for reading. path lies lexically under root,
@@ -155,6 +157,9 @@ func (s *Source) Size() int64 { return s.stamp.size }
 
 // MTimeNanos returns the file's modification time when it was opened, in Unix nanoseconds.
 func (s *Source) MTimeNanos() int64 { return s.stamp.mtime.Nano() }
+
+// Mode returns the file's permission bits.
+func (s *Source) Mode() fs.FileMode { return fs.FileMode(s.stamp.mode).Perm() }
 
 // Close closes the file.
 func (s *Source) Close() error { return s.f.Close() }

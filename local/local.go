@@ -24,6 +24,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -236,7 +237,7 @@ func spawn(cfg core.Config) (*exec.Cmd, error) {
 	}
 	defer logf.Close()
 	cmd := exec.Command(bin, "serve", "--embedded")
-	cmd.Env = append(os.Environ(),
+	cmd.Env = append(ServerEnviron(os.Environ()),
 		"FITCACHE_TIERS="+cfg.Tiers,
 		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String(),
 		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify),
@@ -254,3 +255,34 @@ func spawn(cfg core.Config) (*exec.Cmd, error) {
 	}
 	return cmd, nil
 }
+
+// ServerEnviron returns env without what makes a process read through the preload shim (the
+// shim in LD_PRELOAD, FITCACHE_PRELOAD_*): a server started from a program run by `fitcache
+// run` must read the sources themselves. Go opens files with system calls, not through
+// libc, so the shim would not see them anyway; this keeps it out of the server's cgo code and
+// of what the server starts. Other preloaded libraries stay.
+func ServerEnviron(env []string) []string {
+	out := make([]string, 0, len(env))
+	for _, kv := range env {
+		switch {
+		case strings.HasPrefix(kv, "FITCACHE_PRELOAD_"):
+			continue
+		case strings.HasPrefix(kv, "LD_PRELOAD="):
+			var kept []string
+			for _, lib := range strings.FieldsFunc(kv[len("LD_PRELOAD="):], func(r rune) bool { return r == ' ' || r == ':' }) {
+				if filepath.Base(lib) != PreloadLibrary {
+					kept = append(kept, lib)
+				}
+			}
+			if len(kept) == 0 {
+				continue
+			}
+			kv = "LD_PRELOAD=" + strings.Join(kept, " ")
+		}
+		out = append(out, kv)
+	}
+	return out
+}
+
+// PreloadLibrary is the file name of the preload shim (preload/).
+const PreloadLibrary = "libfitcache_preload.so"

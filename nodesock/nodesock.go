@@ -1,18 +1,28 @@
 // Package nodesock serves the node socket: a small binary protocol over a Unix socket for C
-// code on the node that can carry neither a Go runtime nor a Thrift stack. Its first user is
-// the hit path of libfitcache in a process forked after the library was loaded (a miss there
-// cannot enter Go); the preload shim of the transparent mode is the next.
+// code on the node that can carry neither a Go runtime nor a Thrift stack: the hit path of
+// libfitcache in a process forked after the library was loaded (a miss there cannot enter
+// Go), and the preload shim of the transparent mode (preload/), which must not run Go at
+// all.
 //
-// A request asks the server to bring one file into its tiers; the caller then finds it there
-// itself, through the tiers' index (capi/fclookup.c), so the file's bytes never cross the
-// socket and the source is still read once per file.
+// Three operations, one request and one reply at a time per connection:
 //
-// Wire format (integers little-endian), one request and one reply at a time per connection:
+//   - OpFetch asks the server to bring one file into its tiers; the caller then finds it
+//     there itself, through the tiers' index (capi/fclookup.c), so the file's bytes never
+//     cross the socket and the source is still read once per file.
+//   - OpOpen does the same and answers with a read-only descriptor of the file (passed with
+//     SCM_RIGHTS): its cached copy, or the source itself when no tier takes it (see
+//     core.Engine.OpenForReader). The preload shim returns it from open().
+//   - OpForget drops the cached copies of a file whose source is being written.
 //
-//	request: magic "FCN1", op uint32 (OpFetch), root length uint32, path length uint32,
+// Wire format (integers little-endian):
+//
+//	request: magic "FCN1", op uint32, root length uint32, path length uint32,
 //	         root bytes, path bytes (absolute, clean, path inside root)
-//	reply:   magic "FCN1", errno int32 (0: the file is in a tier now), message length uint32,
+//	reply:   magic "FCN1", errno int32 (0: done), message length uint32,
 //	         message bytes (why it failed, at most maxMessage bytes; empty on success)
+//	OpOpen reply: magic "FCN1", errno int32, origin uint32 (core.Origin, 0 on error),
+//	         message length uint32, message bytes; on success one descriptor rides along
+//	         with the first byte.
 //
 // The socket lives in the private runtime directory (mode 0600) and a connection is served
 // only if its peer runs as this server's user (SO_PEERCRED), so nobody else can use it.
@@ -37,8 +47,12 @@ import (
 // Magic starts every request and reply.
 const Magic = "FCN1"
 
-// OpFetch asks the server to bring a file into its tiers.
-const OpFetch = 1
+// Operations (see the package documentation).
+const (
+	OpFetch  = 1
+	OpOpen   = 2
+	OpForget = 3
+)
 
 // maxPath bounds the root and the path of a request (PATH_MAX).
 const maxPath = 4096
@@ -59,9 +73,19 @@ const (
 // tier takes the file), report ENOENT, EACCES and the like as the file's own error.
 type Fetcher func(ctx context.Context, root, path string) error
 
-// Config configures a node socket server.
+// Opener returns a read-only descriptor holding the bytes of the file at path (see
+// core.Engine.OpenForReader) and what it is (a core.Origin). The server closes it once sent.
+type Opener func(ctx context.Context, root, path string) (*os.File, uint32, error)
+
+// Forgetter drops the cached copies of a file.
+type Forgetter func(root, path string) error
+
+// Config configures a node socket server. Operations without a function are refused
+// (ENOSYS).
 type Config struct {
 	Fetch   Fetcher
+	Open    Opener
+	Forget  Forgetter
 	Errno   func(error) syscall.Errno // maps Fetch's errors to errno values
 	Timeout time.Duration             // bound on one fetch; 0 means 60 s
 	Log     *slog.Logger              // nil discards
@@ -153,64 +177,92 @@ func (s *Server) serve(c *net.UnixConn) {
 	for {
 		// A connection kept idle frees its place after idleTimeout (the C side reconnects).
 		c.SetReadDeadline(time.Now().Add(idleTimeout))
-		root, path, err := readRequest(c)
+		op, root, path, err := readRequest(c)
 		if err != nil {
 			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, os.ErrDeadlineExceeded) {
 				s.cfg.Log.Warn("node socket: bad request", "err", err)
 			}
 			return
 		}
-		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.Timeout)
-		ferr := s.cfg.Fetch(ctx, root, path)
-		cancel()
-		var errno syscall.Errno
-		var msg string
-		if ferr != nil {
-			if errno = s.cfg.Errno(ferr); errno == 0 {
-				errno = syscall.EIO
-			}
-			msg = ferr.Error()
-			if len(msg) > maxMessage {
-				msg = msg[:maxMessage]
-			}
-		}
-		reply := binary.LittleEndian.AppendUint32([]byte(Magic), uint32(int32(errno)))
-		reply = binary.LittleEndian.AppendUint32(reply, uint32(len(msg)))
-		reply = append(reply, msg...)
-		if _, err := c.Write(reply); err != nil {
+		if err := s.answer(c, op, root, path); err != nil {
 			return
 		}
 	}
 }
 
-// readRequest reads one fetch request.
-func readRequest(r io.Reader) (root, path string, err error) {
+// answer carries out one request and writes its reply.
+func (s *Server) answer(c *net.UnixConn, op uint32, root, path string) error {
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.Timeout)
+	defer cancel()
+	var err error
+	var file *os.File
+	var origin uint32
+	switch {
+	case op == OpFetch && s.cfg.Fetch != nil:
+		err = s.cfg.Fetch(ctx, root, path)
+	case op == OpOpen && s.cfg.Open != nil:
+		file, origin, err = s.cfg.Open(ctx, root, path)
+	case op == OpForget && s.cfg.Forget != nil:
+		err = s.cfg.Forget(root, path)
+	default:
+		err = fmt.Errorf("operation %d: %w", op, syscall.ENOSYS)
+	}
+	var errno syscall.Errno
+	var msg string
+	if err != nil {
+		if errno = s.cfg.Errno(err); errno == 0 {
+			errno = syscall.EIO
+		}
+		msg = err.Error()
+		if len(msg) > maxMessage {
+			msg = msg[:maxMessage]
+		}
+	}
+	le := binary.LittleEndian
+	reply := le.AppendUint32([]byte(Magic), uint32(int32(errno)))
+	if op == OpOpen {
+		reply = le.AppendUint32(reply, origin)
+	}
+	reply = le.AppendUint32(reply, uint32(len(msg)))
+	reply = append(reply, msg...)
+	if file == nil {
+		_, err = c.Write(reply)
+		return err
+	}
+	defer file.Close()
+	_, _, err = c.WriteMsgUnix(reply, unix.UnixRights(int(file.Fd())), nil)
+	return err
+}
+
+// readRequest reads one request.
+func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 	var hdr [16]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return "", "", err
+		return 0, "", "", err
 	}
 	le := binary.LittleEndian
 	op, rootLen, pathLen := le.Uint32(hdr[4:8]), le.Uint32(hdr[8:12]), le.Uint32(hdr[12:16])
 	switch {
 	case string(hdr[:4]) != Magic:
-		return "", "", errors.New("bad magic")
-	case op != OpFetch:
-		return "", "", fmt.Errorf("unknown operation %d", op)
+		return 0, "", "", errors.New("bad magic")
+	case op != OpFetch && op != OpOpen && op != OpForget:
+		return 0, "", "", fmt.Errorf("unknown operation %d", op)
 	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPath:
-		return "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)
+		return 0, "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)
 	}
 	buf := make([]byte, rootLen+pathLen)
 	if _, err := io.ReadFull(r, buf); err != nil {
-		return "", "", err
+		return 0, "", "", err
 	}
-	return string(buf[:rootLen]), string(buf[rootLen:]), nil
+	return op, string(buf[:rootLen]), string(buf[rootLen:]), nil
 }
 
-// AppendRequest appends a fetch request for path under root to b (for tests and Go callers).
-func AppendRequest(b []byte, root, path string) []byte {
+// AppendRequest appends a request of operation op for path under root to b (for tests and
+// Go callers).
+func AppendRequest(b []byte, op uint32, root, path string) []byte {
 	le := binary.LittleEndian
 	b = append(b, Magic...)
-	b = le.AppendUint32(b, OpFetch)
+	b = le.AppendUint32(b, op)
 	b = le.AppendUint32(b, uint32(len(root)))
 	b = le.AppendUint32(b, uint32(len(path)))
 	b = append(b, root...)

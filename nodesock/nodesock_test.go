@@ -7,10 +7,13 @@ import (
 	"io"
 	"io/fs"
 	"net"
+	"os"
 	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func errno(err error) syscall.Errno {
@@ -26,8 +29,14 @@ func errno(err error) syscall.Errno {
 
 func startServer(t *testing.T, fetch Fetcher) string {
 	t.Helper()
+	return startWith(t, Config{Fetch: fetch})
+}
+
+func startWith(t *testing.T, cfg Config) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "s.sock.node")
-	s, err := Listen(path, Config{Fetch: fetch, Errno: errno, Timeout: time.Second})
+	cfg.Errno, cfg.Timeout = errno, time.Second
+	s, err := Listen(path, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,24 +44,10 @@ func startServer(t *testing.T, fetch Fetcher) string {
 	return path
 }
 
-// ask sends one request on c and returns the reply's errno and message.
+// ask sends one fetch request on c and returns the reply's errno and message.
 func ask(t *testing.T, c net.Conn, root, path string) (syscall.Errno, string) {
 	t.Helper()
-	if _, err := c.Write(AppendRequest(nil, root, path)); err != nil {
-		t.Fatal(err)
-	}
-	var hdr [12]byte
-	if _, err := io.ReadFull(c, hdr[:]); err != nil {
-		t.Fatal(err)
-	}
-	if string(hdr[:4]) != Magic {
-		t.Fatalf("reply magic %q", hdr[:4])
-	}
-	msg := make([]byte, binary.LittleEndian.Uint32(hdr[8:]))
-	if _, err := io.ReadFull(c, msg); err != nil {
-		t.Fatal(err)
-	}
-	return syscall.Errno(int32(binary.LittleEndian.Uint32(hdr[4:8]))), string(msg)
+	return askOp(t, c, OpFetch, root, path)
 }
 
 func TestFetchRepliesWithErrnoAndMessage(t *testing.T) {
@@ -91,7 +86,7 @@ func TestFetchRepliesWithErrnoAndMessage(t *testing.T) {
 func TestBadRequestClosesTheConnection(t *testing.T) {
 	sock := startServer(t, func(context.Context, string, string) error { return nil })
 	for name, req := range map[string][]byte{
-		"bad magic":   append([]byte("XXXX"), AppendRequest(nil, "/d", "/d/a")[4:]...),
+		"bad magic":   append([]byte("XXXX"), AppendRequest(nil, OpFetch, "/d", "/d/a")[4:]...),
 		"huge length": binary.LittleEndian.AppendUint32(append([]byte(Magic), 1, 0, 0, 0, 1, 0, 0, 0), 1<<30),
 	} {
 		c, err := net.Dial("unix", sock)
@@ -105,4 +100,100 @@ func TestBadRequestClosesTheConnection(t *testing.T) {
 		}
 		c.Close()
 	}
+}
+
+// askOpen sends an OpOpen request on c and returns the reply's errno, origin, message and the
+// descriptor that came with it (nil for none).
+func askOpen(t *testing.T, c *net.UnixConn, root, path string) (syscall.Errno, uint32, string, *os.File) {
+	t.Helper()
+	if _, err := c.Write(AppendRequest(nil, OpOpen, root, path)); err != nil {
+		t.Fatal(err)
+	}
+	// The descriptor rides with the first bytes: read the fixed part with room for control data.
+	hdr := make([]byte, 16)
+	oob := make([]byte, unix.CmsgSpace(4))
+	n, oobn, _, _, err := c.ReadMsgUnix(hdr, oob)
+	if err != nil || n != len(hdr) {
+		t.Fatalf("read reply: %d bytes, %v", n, err)
+	}
+	var file *os.File
+	if oobn > 0 {
+		msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+		if err != nil || len(msgs) != 1 {
+			t.Fatalf("control message: %v %v", msgs, err)
+		}
+		fds, err := unix.ParseUnixRights(&msgs[0])
+		if err != nil || len(fds) != 1 {
+			t.Fatalf("rights: %v %v", fds, err)
+		}
+		file = os.NewFile(uintptr(fds[0]), "received")
+	}
+	le := binary.LittleEndian
+	msg := make([]byte, le.Uint32(hdr[12:]))
+	if _, err := io.ReadFull(c, msg); err != nil {
+		t.Fatal(err)
+	}
+	return syscall.Errno(int32(le.Uint32(hdr[4:8]))), le.Uint32(hdr[8:12]), string(msg), file
+}
+
+func TestOpenAnswersWithADescriptor(t *testing.T) {
+	dir := t.TempDir()
+	data := filepath.Join(dir, "a")
+	if err := os.WriteFile(data, []byte("cached bytes"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var forgotten []string
+	sock := startWith(t, Config{
+		Open: func(ctx context.Context, root, path string) (*os.File, uint32, error) {
+			if path != "/d/a" {
+				return nil, 0, &fs.PathError{Op: "open", Path: path, Err: fs.ErrNotExist}
+			}
+			f, err := os.Open(data)
+			return f, 1, err
+		},
+		Forget: func(root, path string) error { forgotten = append(forgotten, path); return nil },
+	})
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	got, origin, msg, f := askOpen(t, c, "/d", "/d/a")
+	if got != 0 || origin != 1 || msg != "" || f == nil {
+		t.Fatalf("open /d/a: errno %d, origin %d, %q, file %v", got, origin, msg, f)
+	}
+	b, err := io.ReadAll(f)
+	f.Close()
+	if err != nil || string(b) != "cached bytes" {
+		t.Errorf("read the descriptor: %q, %v", b, err)
+	}
+	// An error comes without a descriptor, and the connection goes on.
+	got, origin, msg, f = askOpen(t, c, "/d", "/d/missing")
+	if got != syscall.ENOENT || origin != 0 || msg == "" || f != nil {
+		t.Errorf("open /d/missing: errno %d, origin %d, %q, file %v", got, origin, msg, f)
+	}
+	if got, _ := askOp(t, c, OpForget, "/d", "/d/a"); got != 0 || len(forgotten) != 1 {
+		t.Errorf("forget: errno %d, forgotten %v", got, forgotten)
+	}
+	// A server without a fetcher refuses the operation, and still answers.
+	if got, _ := askOp(t, c, OpFetch, "/d", "/d/a"); got != syscall.ENOSYS {
+		t.Errorf("fetch without a fetcher: errno %d, want ENOSYS", got)
+	}
+}
+
+// askOp sends a request of an operation with a plain reply and returns its errno and message.
+func askOp(t *testing.T, c net.Conn, op uint32, root, path string) (syscall.Errno, string) {
+	t.Helper()
+	if _, err := c.Write(AppendRequest(nil, op, root, path)); err != nil {
+		t.Fatal(err)
+	}
+	var hdr [12]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		t.Fatal(err)
+	}
+	msg := make([]byte, binary.LittleEndian.Uint32(hdr[8:]))
+	if _, err := io.ReadFull(c, msg); err != nil {
+		t.Fatal(err)
+	}
+	return syscall.Errno(int32(binary.LittleEndian.Uint32(hdr[4:8]))), string(msg)
 }

@@ -86,35 +86,68 @@ func (d Dir) Open(sourcePath string) (*Mapping, error) {
 	return m, err
 }
 
+// OpenFile opens the cached copy of sourcePath read-only, checked as Open checks it, for a
+// caller that hands the descriptor to a reader in place of the source (the node socket's
+// answer to the preload shim). The caller closes it.
+func (d Dir) OpenFile(sourcePath string) (*os.File, error) {
+	if d.dir == nil {
+		return nil, fmt.Errorf("%w: tier %s not opened", ErrNotCached, d.Path)
+	}
+	sourcePath = filepath.Clean(sourcePath)
+	var f *os.File
+	err := withFd(d.dir, func(dirfd int) (err error) {
+		f, _, _, err = openChecked(dirfd, d, sourcePath)
+		return err
+	})
+	if err != nil && !errors.Is(err, ErrNotCached) { // closed meanwhile
+		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
+	}
+	return f, err
+}
+
 // openAt maps the cached copy of the clean sourcePath in the tier d open at dirfd.
 func openAt(dirfd int, d Dir, sourcePath string) (*Mapping, error) {
+	f, s, ino, err := openChecked(dirfd, d, sourcePath)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	e := Entry{SourcePath: sourcePath, Size: s.size, MTimeNanos: s.mtime, Checksum: s.checksum}
+	return mapData(f, filepath.Join(d.Path, RelPath(sourcePath)), d.Kind, e, ino)
+}
+
+// openChecked opens the cached copy of the clean sourcePath in the tier d open at dirfd and
+// checks that it is the file the index describes; it returns the file, its index slot and
+// its inode number.
+func openChecked(dirfd int, d Dir, sourcePath string) (*os.File, slot, uint64, error) {
 	s, ok := d.view.lookup(dirfd, idOf(sourcePath))
 	if !ok {
-		return nil, ErrNotCached
+		return nil, s, 0, ErrNotCached
 	}
 	rel := RelPath(sourcePath)
 	path := filepath.Join(d.Path, rel)
 	f, err := openEntry(dirfd, rel)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, ErrNotCached // evicted since the lookup
+		return nil, s, 0, ErrNotCached // evicted since the lookup
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
+		return nil, s, 0, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
 	}
-	defer f.Close()
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
+		f.Close()
+		return nil, s, 0, fmt.Errorf("%w: %s: %w", ErrNotCached, path, err)
 	}
 	switch {
 	case st.Ino != s.ino:
-		return nil, ErrNotCached // replaced or evicted since the lookup
+		f.Close()
+		return nil, s, 0, ErrNotCached // replaced or evicted since the lookup
 	case st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size != s.size:
-		return nil, fmt.Errorf("%w: %w: %s is not the file the index describes (%d bytes, want %d)",
+		f.Close()
+		return nil, s, 0, fmt.Errorf("%w: %w: %s is not the file the index describes (%d bytes, want %d)",
 			ErrNotCached, errDamaged, path, st.Size, s.size)
 	}
-	e := Entry{SourcePath: sourcePath, Size: s.size, MTimeNanos: s.mtime, Checksum: s.checksum}
-	return mapData(f, path, d.Kind, e, st.Ino)
+	return f, s, st.Ino, nil
 }
 
 // mapData maps the data of the cached file f, at path, described by e.

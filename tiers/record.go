@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io/fs"
 	"os"
 
 	"golang.org/x/sys/unix"
@@ -60,6 +61,11 @@ type Entry struct {
 	// Group is the dataset root the file was read for: making room for a file never evicts
 	// files of its own group (see Tier.MakeRoom).
 	Group string
+	// Mode holds the source's permission bits, given to the cached copy (with read
+	// permission for its owner added), so that fstat of a cached copy a reader was handed
+	// in place of the source (the preload shim) shows the source's mode. 0 means 0600. It is
+	// not recorded: a rescan keeps what the data file has.
+	Mode fs.FileMode
 }
 
 // stored is an Entry as a tier recorded it.

@@ -265,13 +265,30 @@ func (t *Tier) HasRoom(n int64) bool {
 
 // Open maps the cached copy of sourcePath like Dir.Open, and deletes the copy if it is damaged.
 func (t *Tier) Open(sourcePath string) (*Mapping, error) {
-	sourcePath = filepath.Clean(sourcePath)
 	var m *Mapping
-	err := withFd(t.dir, func(dirfd int) error {
-		var err error
-		m, err = openAt(dirfd, t.Dir, sourcePath)
+	err := t.openChecked(sourcePath, func(dirfd int, p string) (err error) {
+		m, err = openAt(dirfd, t.Dir, p)
 		return err
 	})
+	return m, err
+}
+
+// OpenFile opens the cached copy of sourcePath like Dir.OpenFile, and deletes the copy if
+// it is damaged.
+func (t *Tier) OpenFile(sourcePath string) (*os.File, error) {
+	var f *os.File
+	err := t.openChecked(sourcePath, func(dirfd int, p string) (err error) {
+		f, _, _, err = openChecked(dirfd, t.Dir, p)
+		return err
+	})
+	return f, err
+}
+
+// openChecked runs open with the tier's directory and the clean sourcePath; it deletes a
+// damaged copy, and makes every error a miss (ErrNotCached).
+func (t *Tier) openChecked(sourcePath string, open func(dirfd int, sourcePath string) error) error {
+	sourcePath = filepath.Clean(sourcePath)
+	err := withFd(t.dir, func(dirfd int) error { return open(dirfd, sourcePath) })
 	if err != nil && errors.Is(err, ErrDamaged) {
 		t.log.Warn("removing damaged cache entry", "source", sourcePath, "err", err)
 		t.remove(idOf(sourcePath))
@@ -279,7 +296,13 @@ func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 	if err != nil && !errors.Is(err, ErrNotCached) {
 		err = fmt.Errorf("%w: %w", ErrNotCached, err) // the tier was closed
 	}
-	return m, err
+	return err
+}
+
+// Forget removes the cached copy of sourcePath, if the tier has one: its source is being
+// written (a write-open through the preload shim), so the copy is stale or about to be.
+func (t *Tier) Forget(sourcePath string) {
+	t.remove(idOf(filepath.Clean(sourcePath)))
 }
 
 // FullFor reports whether the tier has no room for another file of group: less than two
@@ -562,7 +585,7 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 	}
 	s.Checksum, err = fill(f)
 	if err == nil {
-		s.ino, err = finishData(f, s.MTimeNanos)
+		s.ino, err = finishData(f, s.MTimeNanos, s.Mode)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -598,11 +621,17 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 }
 
 // finishData sets a written data file's access and modification times to the source's
-// modification time (so that stat of the cached copy agrees with the source) and returns
-// its inode number.
-func finishData(f *os.File, mtimeNanos int64) (ino uint64, err error) {
+// modification time and its permission bits to the source's (so that fstat of the cached
+// copy agrees with stat of the source; the tier directory keeps it private whatever its
+// mode) and returns its inode number.
+func finishData(f *os.File, mtimeNanos int64, mode fs.FileMode) (ino uint64, err error) {
 	ts := unix.NsecToTimespec(mtimeNanos)
 	fd := int(f.Fd())
+	if perm := uint32(mode.Perm()) | 0o400; mode != 0 && perm != entryMode {
+		if err := unix.Fchmod(fd, perm); err != nil {
+			return 0, fmt.Errorf("set mode: %w", err)
+		}
+	}
 	if err := unix.UtimesNanoAt(fd, "", []unix.Timespec{ts, ts}, unix.AT_EMPTY_PATH); err != nil {
 		if err := unix.Futimes(fd, []unix.Timeval{unix.NsecToTimeval(mtimeNanos), unix.NsecToTimeval(mtimeNanos)}); err != nil {
 			return 0, fmt.Errorf("set times: %w", err)

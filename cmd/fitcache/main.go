@@ -6,6 +6,8 @@
 //	fitcache verify [--tiers SPEC]
 //	fitcache warmup [--quiet] DIR
 //	fitcache prefetch [--wait] [-0] [--quiet] [--json] DIR < LIST
+//	fitcache run --data DIR [--data DIR]... [--prefetch N] -- CMD [ARGS...]
+//	fitcache preload-path
 //	fitcache token FILE
 //	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR
 //
@@ -28,6 +30,10 @@ var commands = map[string]func(args []string) error{
 	"prefetch": prefetchCmd,
 	"token":    tokenCmd,
 	"size":     size,
+	"run":      run,
+	// Hidden: the process `fitcache run` leaves beside the program (see companion).
+	"run-companion": companion,
+	"preload-path":  preloadPath,
 }
 
 func usage() {
@@ -40,6 +46,8 @@ commands:
   verify   check the checksum of every cached file; remove damaged ones (or say how)
   warmup   cache every file under a directory (a prefetch job), with progress
   prefetch hand the server a list of files (standard input) to read ahead of the readers
+  run      run a program with its reads of dataset files served from the cache (LD_PRELOAD)
+  preload-path  print the path of the LD_PRELOAD library (for setting LD_PRELOAD yourself)
   token    create a job token file (0600) for the servers and clients of a cluster job
   size     how many servers a job needs: the sizing rule of FITCACHE with a measured server
 

@@ -157,11 +157,21 @@ func serve(args []string) error {
 	lastRequest.Store(time.Now().UnixNano())
 	var node *nodesock.Server
 	if *socket != "" {
-		// C code on this node without Go (libfitcache after fork) asks for misses here.
+		// C code on this node without Go (libfitcache after fork, the preload shim) asks
+		// for misses here.
 		node, err = nodesock.Listen(nodesock.PathFor(*socket), nodesock.Config{Log: log, Errno: core.Errno,
 			Fetch: func(ctx context.Context, root, path string) error {
 				lastRequest.Store(time.Now().UnixNano())
 				return engine.Fetch(ctx, root, path)
+			},
+			Open: func(ctx context.Context, root, path string) (*os.File, uint32, error) {
+				lastRequest.Store(time.Now().UnixNano())
+				f, origin, err := engine.OpenForReader(ctx, root, path)
+				return f, uint32(origin), err
+			},
+			Forget: func(root, path string) error {
+				lastRequest.Store(time.Now().UnixNano())
+				return engine.Forget(root, path)
 			}})
 		if err != nil {
 			log.Warn("no node socket: processes forked after loading libfitcache read misses from the source", "err", err)

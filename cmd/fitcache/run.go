@@ -1,0 +1,342 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/rpc"
+)
+
+// The transparent mode: `fitcache run` makes an unmodified program read its dataset through
+// the cache. It finds or starts the embedded server, starts a companion process that
+// prefetches the data directories and keeps the server alive while the program runs, puts
+// the preload shim (preload/) in LD_PRELOAD with its configuration, and execs the program,
+// which keeps this process's pid (so that srun, shells and signals see the program itself).
+//
+// The shim's configuration is the environment (see preload/fitcache_preload.c):
+// FITCACHE_PRELOAD_ROOTS, FITCACHE_PRELOAD_TIERS, FITCACHE_PRELOAD_SOCKET and
+// FITCACHE_PRELOAD_TIMEOUT_MS.
+
+// runUsage is printed by `fitcache run -h`.
+const runUsage = `usage: fitcache run --data DIR [--data DIR]... [--prefetch N] -- CMD [ARGS...]
+
+Runs CMD with its reads of files under each DIR served from FitCache: opens of those files
+return the cached copy (the first read of a file caches it), with no change to CMD. The
+embedded server is started if none runs; a prefetch of every file under each DIR starts at
+once, so that the first epoch already reads from the cache. CMD inherits this process (its
+pid, signals and exit status). Under SLURM: srun fitcache run --data DIR -- python train.py
+
+Programs that open files through the C library's open and fopen functions are served
+(Python, PyTorch, NumPy, PIL, h5py, LMDB, coreutils...); statically linked programs and
+setuid programs read the source. See README.md, "Transparent mode".
+`
+
+func run(args []string) error {
+	fset := flag.NewFlagSet("run", flag.ExitOnError)
+	var dirs stringList
+	fset.Var(&dirs, "data", "a dataset directory whose files CMD reads through the cache (repeatable)")
+	prefetch := fset.Int("prefetch", -1, fmt.Sprintf("source reads the server's prefetch runs at once; 0: no prefetch of the data directories (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
+	fset.Usage = func() {
+		fmt.Fprint(fset.Output(), runUsage+"\nflags:\n")
+		fset.PrintDefaults()
+	}
+	fset.Parse(args)
+	argv := fset.Args()
+	if len(argv) == 0 || len(dirs) == 0 {
+		fset.Usage()
+		os.Exit(2)
+	}
+	roots, err := datasetRoots(dirs)
+	if err != nil {
+		return err
+	}
+	lib, err := preloadLibrary()
+	if err != nil {
+		return err
+	}
+	cmdPath, err := exec.LookPath(argv[0])
+	if err != nil {
+		return err
+	}
+
+	opts := map[string]string{}
+	if *prefetch >= 0 {
+		opts["prefetch"] = strconv.Itoa(*prefetch)
+	}
+	cfg, err := core.LoadConfig(opts)
+	if err != nil {
+		return err
+	}
+	if cfg.Servers != "" {
+		return errors.New("fitcache run serves the embedded server's cache; cluster mode (FITCACHE_SERVERS) is not supported by the transparent mode yet")
+	}
+	if cfg.ServerBin == "" {
+		cfg.ServerBin, _ = os.Executable() // this program is also the server
+	}
+	rpc.QuietKitexLogs()
+	c, err := client.Open(roots[0].real, cfg, logger())
+	if err != nil {
+		return err
+	}
+	var tierDirs []string
+	for _, d := range c.TierDirs() {
+		tierDirs = append(tierDirs, d.Path)
+	}
+	nodeSocket := c.NodeSocket()
+	c.Close()
+	if len(tierDirs) == 0 {
+		fmt.Fprintln(os.Stderr, "fitcache run: the embedded server could not be reached: the program reads the source (see `fitcache stats`)")
+	}
+	for _, d := range tierDirs {
+		if strings.Contains(d, ":") {
+			return fmt.Errorf("tier directory %s: a path with ':' cannot be passed to the preload library", d)
+		}
+	}
+
+	if err := startCompanion(os.Getpid(), roots, *prefetch != 0); err != nil {
+		fmt.Fprintf(os.Stderr, "fitcache run: no prefetch, and the server may stop when idle: %v\n", err)
+	}
+	env := preloadEnviron(os.Environ(), lib, roots, tierDirs, nodeSocket, cfg.ReadTimeout)
+	return syscall.Exec(cmdPath, argv, env)
+}
+
+// A datasetRoot is a data directory as the user named it (absolute, clean) and with its
+// symbolic links resolved.
+type datasetRoot struct{ name, real string }
+
+// datasetRoots checks the data directories and resolves them.
+func datasetRoots(dirs []string) ([]datasetRoot, error) {
+	var roots []datasetRoot
+	for _, d := range dirs {
+		name, err := filepath.Abs(d)
+		if err != nil {
+			return nil, err
+		}
+		real, err := filepath.EvalSymlinks(name)
+		if err != nil {
+			return nil, fmt.Errorf("--data %s: %w", d, err)
+		}
+		if st, err := os.Stat(real); err != nil {
+			return nil, fmt.Errorf("--data %s: %w", d, err)
+		} else if !st.IsDir() {
+			return nil, fmt.Errorf("--data %s: not a directory", d)
+		}
+		if real == "/" {
+			return nil, fmt.Errorf("--data %s: the whole file system cannot be a dataset", d)
+		}
+		if strings.ContainsAny(name+real, ":=") {
+			return nil, fmt.Errorf("--data %s: a path with ':' or '=' cannot be passed to the preload library", d)
+		}
+		roots = append(roots, datasetRoot{name: name, real: real})
+	}
+	return roots, nil
+}
+
+// preloadEnviron returns env with the preload shim first in LD_PRELOAD and its configuration.
+func preloadEnviron(env []string, lib string, roots []datasetRoot, tierDirs []string, nodeSocket string, timeout time.Duration) []string {
+	var rootList []string
+	for _, r := range roots {
+		if r.name == r.real {
+			rootList = append(rootList, r.real)
+		} else {
+			rootList = append(rootList, r.name+"="+r.real)
+		}
+	}
+	out := local.ServerEnviron(env) // drops an earlier run's shim and configuration
+	preload := lib
+	for _, kv := range out {
+		if v, ok := strings.CutPrefix(kv, "LD_PRELOAD="); ok {
+			preload += " " + v
+		}
+	}
+	out = slices.DeleteFunc(out, func(kv string) bool { return strings.HasPrefix(kv, "LD_PRELOAD=") })
+	return append(out,
+		"LD_PRELOAD="+preload,
+		"FITCACHE_PRELOAD_ROOTS="+strings.Join(rootList, ":"),
+		"FITCACHE_PRELOAD_TIERS="+strings.Join(tierDirs, ":"),
+		"FITCACHE_PRELOAD_SOCKET="+nodeSocket,
+		"FITCACHE_PRELOAD_TIMEOUT_MS="+strconv.FormatInt(timeout.Milliseconds(), 10))
+}
+
+// preloadLibrary returns the path of the preload shim: FITCACHE_PRELOAD_LIB, else beside the
+// package this program was installed with (fitcache/bin/fitcache, fitcache/libfitcache_preload.so),
+// else preload/ of a source tree this program was built in.
+func preloadLibrary() (string, error) {
+	if p := os.Getenv("FITCACHE_PRELOAD_LIB"); p != "" {
+		if _, err := os.Stat(p); err != nil {
+			return "", fmt.Errorf("FITCACHE_PRELOAD_LIB: %w", err)
+		}
+		return filepath.Abs(p)
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	if exe, err = filepath.EvalSymlinks(exe); err != nil {
+		return "", err
+	}
+	dir := filepath.Dir(exe)
+	for _, p := range []string{
+		filepath.Join(dir, "..", local.PreloadLibrary),
+		filepath.Join(dir, local.PreloadLibrary),
+		filepath.Join(dir, "preload", local.PreloadLibrary),
+	} {
+		if _, err := os.Stat(p); err == nil {
+			return filepath.Clean(p), nil
+		}
+	}
+	return "", fmt.Errorf("%s not found beside %s: install the Python package (pip install fitcache), or build it with `make -C preload` and set FITCACHE_PRELOAD_LIB", local.PreloadLibrary, exe)
+}
+
+// preloadPath prints the path of the preload shim, for users who set LD_PRELOAD themselves.
+func preloadPath(args []string) error {
+	if len(args) != 0 {
+		return errors.New("usage: fitcache preload-path")
+	}
+	p, err := preloadLibrary()
+	if err != nil {
+		return err
+	}
+	fmt.Println(p)
+	return nil
+}
+
+// startCompanion starts the companion of a program run by `fitcache run` (see companion),
+// detached: an intermediate process starts it and exits at once, so that the companion is
+// not a child of the program (which would have to reap it).
+func startCompanion(pid int, roots []datasetRoot, prefetch bool) error {
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	args := []string{"run-companion", "--pid", strconv.Itoa(pid), "--prefetch=" + strconv.FormatBool(prefetch)}
+	for _, r := range roots {
+		args = append(args, r.real)
+	}
+	cmd := exec.Command(self, args...)
+	cmd.Env = append(local.ServerEnviron(os.Environ()), "FITCACHE_COMPANION_DETACH=1")
+	cmd.Stdout, cmd.Stderr = nil, os.Stderr
+	cmd.Dir = "/"
+	return cmd.Run()
+}
+
+// companionKeepAlive: how often the companion reminds the embedded server that a program
+// reads through it (hits from the shim send the server no request, and an idle server exits).
+const companionKeepAlive = time.Minute
+
+// companion runs beside a program run by `fitcache run` until the program exits: it hands
+// the server the list of every file under the data directories to prefetch (and keeps the
+// job alive), and keeps the embedded server from stopping for idleness. It is quiet but for
+// errors.
+func companion(args []string) error {
+	rpc.QuietKitexLogs()
+	fset := flag.NewFlagSet("run-companion", flag.ExitOnError)
+	pid := fset.Int("pid", 0, "the process to accompany")
+	prefetch := fset.Bool("prefetch", true, "prefetch the data directories")
+	fset.Parse(args)
+	if *pid <= 0 || fset.NArg() == 0 {
+		return errors.New("usage: fitcache run-companion --pid PID [--prefetch=false] DIR...")
+	}
+	if os.Getenv("FITCACHE_COMPANION_DETACH") == "1" { // the intermediate: start the companion, leave
+		cmd := exec.Command(os.Args[0], os.Args[1:]...)
+		cmd.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "FITCACHE_COMPANION_DETACH=") })
+		cmd.Stderr = os.Stderr
+		cmd.Dir = "/"
+		return cmd.Start()
+	}
+	gone, err := watchProcess(*pid)
+	if errors.Is(err, unix.ESRCH) {
+		return nil // the program ended already
+	}
+	if err != nil {
+		return err
+	}
+	var clients []*client.Client
+	defer func() {
+		for _, c := range clients {
+			c.Close()
+		}
+	}()
+	for _, root := range fset.Args() {
+		c, err := openClient(root)
+		if err != nil {
+			return err
+		}
+		clients = append(clients, c)
+		if *prefetch {
+			files, err := datasetFiles(root)
+			if err == nil {
+				err = c.Prefetch(files)
+			}
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "fitcache run: prefetch of %s: %v\n", root, err)
+			}
+		}
+	}
+	tick := time.NewTicker(companionKeepAlive)
+	defer tick.Stop()
+	for {
+		select {
+		case <-gone:
+			return nil
+		case <-tick.C:
+			clients[0].Stats() // a request: the server is not idle
+		}
+	}
+}
+
+// datasetFiles lists the regular files under root, sorted.
+func datasetFiles(root string) ([]string, error) {
+	var files []string
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Type().IsRegular() {
+			files = append(files, p)
+		}
+		return nil
+	})
+	sort.Strings(files)
+	return files, err
+}
+
+// watchProcess returns a channel closed when the process pid exits.
+func watchProcess(pid int) (<-chan struct{}, error) {
+	gone := make(chan struct{})
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil && !errors.Is(err, unix.ENOSYS) {
+		return nil, fmt.Errorf("watch process %d: %w", pid, err)
+	}
+	go func() {
+		defer close(gone)
+		if pidfd >= 0 && err == nil {
+			fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+			for {
+				if _, err := unix.Poll(fds, -1); err != unix.EINTR {
+					return
+				}
+			}
+		}
+		for unix.Kill(pid, 0) == nil { // kernels before 5.3
+			time.Sleep(time.Second)
+		}
+	}()
+	return gone, nil
+}

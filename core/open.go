@@ -1,0 +1,87 @@
+package core
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// Origin says what a descriptor handed out by OpenForReader holds.
+type Origin uint32
+
+const (
+	// OriginTier: the cached copy in a tier of this node.
+	OriginTier Origin = 1
+	// OriginSource: the source file itself, opened beneath its dataset root (no tier takes it).
+	OriginSource Origin = 2
+	// OriginMemory: a memory file holding bytes read from another node (cluster mode).
+	OriginMemory Origin = 3
+)
+
+func (o Origin) String() string {
+	switch o {
+	case OriginTier:
+		return "tier"
+	case OriginSource:
+		return "source"
+	case OriginMemory:
+		return "memory"
+	}
+	return fmt.Sprintf("origin(%d)", uint32(o))
+}
+
+// OpenForReader returns a read-only descriptor that a reader on this node reads in place of
+// the source file at path (inside root): the preload shim's answer to an open it could not
+// serve from the tiers itself (see package nodesock). That is the cached copy, brought into
+// a tier first on a miss (the source is read once, as by Fetch); or, when no tier takes the
+// file (too large, or no room left for its dataset), the source itself, opened beneath the
+// resolved root as every source read is. The caller closes the file.
+func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File, Origin, error) {
+	// The copy may be evicted between its publication and the open here (a burst of other
+	// misses): fetch once more, then read the source.
+	for attempt := 0; attempt < 2; attempt++ {
+		err := e.Fetch(ctx, root, path)
+		if errors.Is(err, ErrTooLarge) || errors.Is(err, ErrCacheFull) {
+			break
+		}
+		if err != nil {
+			return nil, 0, err
+		}
+		for _, t := range e.tiers {
+			if f, err := t.OpenFile(path); err == nil {
+				return f, OriginTier, nil
+			}
+		}
+	}
+	src, err := e.openSource(root, path)
+	if err != nil {
+		return nil, 0, err
+	}
+	// Sources are opened O_NONBLOCK (a FIFO must not block the server); the reader gets the
+	// flags of a plain open.
+	if err := unix.SetNonblock(int(src.f.Fd()), false); err != nil {
+		src.Close()
+		return nil, 0, err
+	}
+	e.stats.uncached.Add(1)
+	return src.f, OriginSource, nil
+}
+
+// Forget drops the cached copies of the file at path (inside root) from every tier: its
+// source is being written (a write-open through the preload shim), so a copy is stale or
+// about to be. A fill in progress for the file is not stopped.
+func (e *Engine) Forget(root, path string) error {
+	if e.closed.Load() {
+		return ErrClosed
+	}
+	if err := e.checkRoot(root, path); err != nil {
+		return err
+	}
+	for _, t := range e.tiers {
+		t.Forget(path)
+	}
+	return nil
+}

@@ -1,0 +1,549 @@
+/*
+ * libfitcache_preload.so -- the transparent mode of FitCache: an LD_PRELOAD library that makes
+ * unmodified programs read their dataset from the cache.
+ *
+ * It interposes the open functions (open, open64, openat, openat64, their fortified __*_2
+ * forms, creat, fopen, fopen64). A read-only open of a file under a dataset root returns a
+ * descriptor of the file's cached copy instead of the source; everything after the open
+ * (read, pread, mmap, fstat, stdio) then runs natively on a real file, so no other call needs
+ * interposing and every way of reading works. Specifically:
+ *
+ *   - A hit is found here, without a round trip: the path is looked up in the tiers' mapped
+ *     indexes and the cached file opened (capi/fclookup.c, shared with libfitcache).
+ *   - A miss asks the local server over its node socket (package nodesock, OpOpen), which
+ *     reads the source once, publishes the copy and answers with its descriptor (or, when no
+ *     tier takes the file, with the source opened beneath the dataset root).
+ *   - A write-open of a dataset file (O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_APPEND) goes to
+ *     the source, after the server dropped the cached copy (OpForget).
+ *   - Anything else, and every failure here (no server, a server that does not answer in
+ *     time, an error), goes to libc's own function, untouched: the shim never makes a
+ *     program fail that would have worked without it.
+ *
+ * It is small C with no threads, no locks and no allocation in the open path, so it is safe
+ * in forked children (DataLoader workers) and between vfork and exec. It never loads Go: a
+ * Go runtime does not survive fork and would enter every process of the job, shells included.
+ *
+ * Configuration (set by `fitcache run`, see cmd/fitcache/run.go); without the first three
+ * the library does nothing but call libc:
+ *   FITCACHE_PRELOAD_ROOTS    dataset roots, ':'-separated; an entry NAME=REAL gives a root
+ *                             named through symbolic links (NAME) and its resolved path (REAL)
+ *   FITCACHE_PRELOAD_TIERS    tier directories of the local server, fastest first
+ *   FITCACHE_PRELOAD_SOCKET   the local server's node socket
+ *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the server (default 30000)
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../capi/fclookup.h"
+#include "../capi/fcnode.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+#define MAX_ROOTS 16
+#define MAX_TIERS 8
+
+// NOT_OURS: the open is left to libc.
+#define NOT_OURS (-2)
+
+// The dataset roots. Paths are keyed by their resolved form (real): the cache shares one copy
+// whatever name a program uses, and paths made from the working directory or a directory
+// descriptor (which the kernel gives resolved) match too.
+struct root {
+	const char *name, *real; // name: as the user gave it; equal to real when it has no link
+	size_t namelen, reallen;
+};
+
+static struct root roots[MAX_ROOTS];
+static int nroots;
+static struct fc_tier tiers[MAX_TIERS];
+static int ntiers;
+static struct sockaddr_un node_addr;
+static int64_t timeout_ms = 30000;
+static int enabled;
+
+// CLOCK_MONOTONIC ns before which misses skip the server: it did not answer in time. Written
+// atomically; a vfork child that writes it only makes its parent skip the server a while too.
+static int64_t node_down_until;
+
+// After the server did not answer in time, misses go to libc for this long.
+#define NODE_BACKOFF_NS (5 * 1000000000LL)
+
+// libc's functions (or the next interposer's), found at load.
+static int (*libc_open)(const char *, int, ...);
+static int (*libc_open64)(const char *, int, ...);
+static int (*libc_openat)(int, const char *, int, ...);
+static int (*libc_openat64)(int, const char *, int, ...);
+static int (*libc___open_2)(const char *, int);
+static int (*libc___open64_2)(const char *, int);
+static int (*libc___openat_2)(int, const char *, int);
+static int (*libc___openat64_2)(int, const char *, int);
+static int (*libc_creat)(const char *, mode_t);
+static int (*libc_creat64)(const char *, mode_t);
+static FILE *(*libc_fopen)(const char *, const char *);
+static FILE *(*libc_fopen64)(const char *, const char *);
+static FILE *(*libc_fdopen)(int, const char *);
+
+// resolve returns the next definition of name after this library, found on first use and
+// kept in *slot. A program may call an open function before this library's constructor ran
+// (from another library's constructor), so each wrapper resolves what it calls.
+static void *resolve(void **slot, const char *name) {
+	void *p = __atomic_load_n(slot, __ATOMIC_RELAXED);
+	if (!p) {
+		p = dlsym(RTLD_NEXT, name);
+		__atomic_store_n(slot, p, __ATOMIC_RELAXED);
+	}
+	return p;
+}
+#define NEXT(fn) ((__typeof__(libc_##fn))resolve((void **)&libc_##fn, #fn))
+
+// The environment is parsed into this storage once, at load.
+static char config_roots[8192];
+
+// parse_roots reads FITCACHE_PRELOAD_ROOTS into roots.
+static void parse_roots(const char *v) {
+	size_t n = strlen(v);
+	if (n >= sizeof config_roots)
+		return;
+	memcpy(config_roots, v, n + 1);
+	for (char *p = config_roots; *p && nroots < MAX_ROOTS;) {
+		char *end = strchr(p, ':');
+		if (end)
+			*end = 0;
+		char *eq = strchr(p, '=');
+		struct root *r = &roots[nroots];
+		r->name = p;
+		r->real = eq ? eq + 1 : p;
+		if (eq)
+			*eq = 0;
+		r->namelen = strlen(r->name);
+		r->reallen = strlen(r->real);
+		// Clean absolute directories other than "/" only (fitcache run makes them so).
+		if (r->name[0] == '/' && r->real[0] == '/' && r->namelen > 1 && r->reallen > 1 &&
+		    r->name[r->namelen - 1] != '/' && r->real[r->reallen - 1] != '/')
+			nroots++;
+		if (!end)
+			break;
+		p = end + 1;
+	}
+}
+
+// parse_tiers opens the tier directories of FITCACHE_PRELOAD_TIERS.
+static void parse_tiers(const char *v) {
+	char dir[FC_PATH_MAX];
+	while (*v && ntiers < MAX_TIERS) {
+		const char *end = strchr(v, ':');
+		size_t n = end ? (size_t)(end - v) : strlen(v);
+		if (n > 0 && n < sizeof dir) {
+			memcpy(dir, v, n);
+			dir[n] = 0;
+			if (fc_tier_open(&tiers[ntiers], dir, ntiers) == 0)
+				ntiers++;
+		}
+		if (!end)
+			break;
+		v = end + 1;
+	}
+}
+
+__attribute__((constructor)) static void preload_init(void) {
+	int saved = errno;
+	NEXT(open);
+	NEXT(open64);
+	NEXT(openat);
+	NEXT(openat64);
+	NEXT(__open_2);
+	NEXT(__open64_2);
+	NEXT(__openat_2);
+	NEXT(__openat64_2);
+	NEXT(creat);
+	NEXT(creat64);
+	NEXT(fopen);
+	NEXT(fopen64);
+	NEXT(fdopen);
+
+	const char *r = getenv("FITCACHE_PRELOAD_ROOTS"), *t = getenv("FITCACHE_PRELOAD_TIERS"),
+	           *s = getenv("FITCACHE_PRELOAD_SOCKET"), *ms = getenv("FITCACHE_PRELOAD_TIMEOUT_MS");
+	if (!r || !t || !s) {
+		errno = saved;
+		return;
+	}
+	parse_roots(r);
+	parse_tiers(t);
+	if (strlen(s) < sizeof node_addr.sun_path) {
+		node_addr.sun_family = AF_UNIX;
+		strcpy(node_addr.sun_path, s);
+	}
+	if (ms && *ms) {
+		char *end;
+		long long v = strtoll(ms, &end, 10);
+		if (*end == 0 && v > 0)
+			timeout_ms = v;
+	}
+	// Without a node socket hits still work; without roots nothing is ours.
+	enabled = nroots > 0 && (ntiers > 0 || node_addr.sun_family == AF_UNIX);
+	errno = saved;
+}
+
+static int64_t monotonic_ns(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+// has_dotdot reports whether path has a ".." element. Such a path is left to libc: the kernel
+// resolves ".." after following links ("a/link/../b" need not be "a/b"), the lexical
+// cleaning done here does not, and the two could name different files.
+static int has_dotdot(const char *p) {
+	for (const char *s = p; (s = strstr(s, "..")) != NULL; s += 2)
+		if ((s == p || s[-1] == '/') && (s[2] == 0 || s[2] == '/'))
+			return 1;
+	return 0;
+}
+
+// absolute writes the absolute form of path (relative to dirfd) into out; the directory part
+// comes from the kernel (the working directory, or /proc/self/fd for a directory
+// descriptor), resolved and without touching the file system of the dataset. Returns 0, or
+// -1 when it cannot tell.
+static int absolute(int dirfd, const char *path, char *out, size_t cap) {
+	size_t plen = strlen(path);
+	if (path[0] == '/') {
+		if (plen >= cap)
+			return -1;
+		memcpy(out, path, plen + 1);
+		return 0;
+	}
+	long n;
+	if (dirfd == AT_FDCWD) {
+		n = syscall(SYS_getcwd, out, cap);
+		if (n <= 0 || out[0] != '/')
+			return -1; // unreachable working directory: "(unreachable)/..."
+		n = (long)strlen(out);
+	} else {
+		char link[32];
+		snprintf(link, sizeof link, "/proc/self/fd/%d", dirfd);
+		n = syscall(SYS_readlinkat, AT_FDCWD, link, out, cap - 1);
+		if (n <= 0 || out[0] != '/')
+			return -1; // not a directory of a file system, or no /proc
+		out[n] = 0;
+		if (n > 10 && strcmp(out + n - 10, " (deleted)") == 0)
+			return -1;
+	}
+	if ((size_t)n + 1 + plen >= cap)
+		return -1;
+	out[n] = '/';
+	memcpy(out + n + 1, path, plen + 1);
+	return 0;
+}
+
+// dataset_path turns the path a program opens into the key of its cached copy: the clean
+// absolute path with the root in its resolved form, written into key (FC_PATH_MAX bytes).
+// It returns the key's length and the root it is under in *root, or -1 for a path that is not
+// a dataset file (or that it leaves to libc).
+static int dataset_path(int dirfd, const char *path, char *key, const struct root **root) {
+	if (!path || !*path || has_dotdot(path))
+		return -1;
+	char abs[FC_PATH_MAX], clean[FC_PATH_MAX];
+	if (absolute(dirfd, path, abs, sizeof abs) != 0)
+		return -1;
+	int n = fc_clean_path(abs, clean, sizeof clean);
+	if (n < 0)
+		return -1;
+	for (int i = 0; i < nroots; i++) {
+		const struct root *r = &roots[i];
+		const char *rest = NULL;
+		if ((size_t)n > r->reallen && memcmp(clean, r->real, r->reallen) == 0 && clean[r->reallen] == '/')
+			rest = clean + r->reallen;
+		else if ((size_t)n > r->namelen && memcmp(clean, r->name, r->namelen) == 0 && clean[r->namelen] == '/')
+			rest = clean + r->namelen;
+		if (!rest)
+			continue;
+		size_t restlen = (size_t)n - (size_t)(rest - clean);
+		if (r->reallen + restlen >= FC_PATH_MAX)
+			return -1;
+		memcpy(key, r->real, r->reallen);
+		memcpy(key + r->reallen, rest, restlen + 1);
+		*root = r;
+		return (int)(r->reallen + restlen);
+	}
+	return -1;
+}
+
+// node_request connects to the node socket and sends one request. Each request has its own
+// connection: a kept one could not be shared safely with a vfork child or across fork, and
+// a miss costs far more than a connect. Returns the connection, or -1.
+static int node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
+	if (node_addr.sun_family != AF_UNIX || monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
+		return -1;
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -1;
+	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+	uint8_t hdr[16];
+	memcpy(hdr, FC_NODE_MAGIC, 4);
+	fc_put32(hdr + 4, op);
+	fc_put32(hdr + 8, (uint32_t)r->reallen);
+	fc_put32(hdr + 12, (uint32_t)len);
+	if (connect(fd, (struct sockaddr *)&node_addr, sizeof node_addr) != 0 || fc_send_all(fd, hdr, sizeof hdr) != 0 ||
+	    fc_send_all(fd, r->real, r->reallen) != 0 || fc_send_all(fd, key, len) != 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+// timed_out notes a server that did not answer in time, so that misses skip it a while.
+static void timed_out(void) {
+	if (errno == EAGAIN || errno == EWOULDBLOCK)
+		__atomic_store_n(&node_down_until, monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+}
+
+// ask_open asks the server for a descriptor of the dataset file key; returns it (close-on-
+// exec), or -1.
+static int ask_open(const struct root *r, const char *key, size_t len) {
+	int sock = node_request(FC_NODE_OP_OPEN, r, key, len);
+	if (sock < 0)
+		return -1;
+	// Reply: magic, errno, origin, message length, message; the descriptor comes with the
+	// first bytes, so the fixed part is read with recvmsg and the rest with recv.
+	uint8_t reply[16];
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} control;
+	struct iovec iov = {.iov_base = reply, .iov_len = sizeof reply};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
+	ssize_t got;
+	do
+		got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+	while (got < 0 && errno == EINTR);
+	int fd = -1;
+	if (got > 0) {
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+			if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+				memcpy(&fd, CMSG_DATA(c), sizeof fd);
+	} else {
+		if (got == 0)
+			errno = ECONNRESET; // closed by the server: not a timeout
+		timed_out();
+	}
+	int ok = got > 0 && !(msg.msg_flags & MSG_CTRUNC) && fc_recv_all(sock, reply + got, sizeof reply - (size_t)got) == 0 &&
+	         memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0 && fc_get32(reply + 12) == 0;
+	close(sock); // an error message, if any, is not needed: libc opens the file and says why
+	if (!ok && fd >= 0) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
+}
+
+// forget asks the server to drop the cached copy of a dataset file about to be written.
+static void forget(const struct root *r, const char *key, size_t len) {
+	int sock = node_request(FC_NODE_OP_FORGET, r, key, len);
+	if (sock < 0)
+		return;
+	uint8_t reply[12];
+	if (fc_recv_all(sock, reply, sizeof reply) != 0)
+		timed_out();
+	close(sock);
+}
+
+// Flags of a read-only open the shim serves; others (O_DIRECTORY, O_PATH, O_NOFOLLOW,
+// O_TMPFILE, O_SYNC...) go to libc.
+#define SERVED_FLAGS (O_ACCMODE | O_CLOEXEC | O_LARGEFILE | O_NONBLOCK | O_NOATIME | O_DIRECT | O_NOCTTY)
+#define WRITE_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND)
+
+// set_flags gives a descriptor from the server the flags the program asked for (it comes
+// plain read-only and close-on-exec). Flags the file refuses (O_DIRECT on tmpfs) are dropped:
+// the bytes read are the same.
+static void set_flags(int fd, int flags) {
+	if (!(flags & O_CLOEXEC))
+		fcntl(fd, F_SETFD, 0);
+	int fl = flags & (O_NONBLOCK | O_NOATIME | O_DIRECT);
+	if (fl && fcntl(fd, F_SETFL, fl) != 0 && (fl & O_DIRECT))
+		fcntl(fd, F_SETFL, fl & ~O_DIRECT);
+}
+
+// shim_open serves an open of path (relative to dirfd) from the cache when it is a read-only
+// open of a dataset file: it returns the descriptor, or NOT_OURS to leave the open to libc
+// (after dropping the cached copy when a dataset file is opened for writing). errno is
+// unchanged on every path.
+static int shim_open(int dirfd, const char *path, int flags) {
+	if (!enabled)
+		return NOT_OURS;
+	int saved = errno;
+	char key[FC_PATH_MAX];
+	const struct root *r;
+	int fd = NOT_OURS;
+	int n = dataset_path(dirfd, path, key, &r);
+	if (n < 0)
+		goto out;
+	if (flags & WRITE_FLAGS) {
+		forget(r, key, (size_t)n);
+		goto out;
+	}
+	if (flags & ~SERVED_FLAGS)
+		goto out;
+	struct fc_hit hit;
+	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), &hit) == 0) {
+		fc_count_hit(&tiers[hit.tier], hit.size);
+		fd = hit.fd;
+		goto out;
+	}
+	int got = ask_open(r, key, (size_t)n);
+	if (got >= 0) {
+		set_flags(got, flags);
+		fd = got;
+	}
+out:
+	errno = saved;
+	return fd;
+}
+
+// mode_arg reads open's third argument when the flags say there is one.
+#define MODE_ARG(flags, mode)                                                                                          \
+	do {                                                                                                           \
+		if ((flags) & (O_CREAT | __O_TMPFILE)) {                                                              \
+			va_list ap;                                                                                    \
+			va_start(ap, flags);                                                                           \
+			mode = va_arg(ap, mode_t);                                                                     \
+			va_end(ap);                                                                                    \
+		}                                                                                                      \
+	} while (0)
+
+EXPORT int open(const char *path, int flags, ...) {
+	mode_t mode = 0;
+	MODE_ARG(flags, mode);
+	int fd = shim_open(AT_FDCWD, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(open)(path, flags, mode);
+}
+
+EXPORT int open64(const char *path, int flags, ...) {
+	mode_t mode = 0;
+	MODE_ARG(flags, mode);
+	int fd = shim_open(AT_FDCWD, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(open64)(path, flags, mode);
+}
+
+EXPORT int openat(int dirfd, const char *path, int flags, ...) {
+	mode_t mode = 0;
+	MODE_ARG(flags, mode);
+	int fd = shim_open(dirfd, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(openat)(dirfd, path, flags, mode);
+}
+
+EXPORT int openat64(int dirfd, const char *path, int flags, ...) {
+	mode_t mode = 0;
+	MODE_ARG(flags, mode);
+	int fd = shim_open(dirfd, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(openat64)(dirfd, path, flags, mode);
+}
+
+// The fortified forms (-D_FORTIFY_SOURCE) take no mode: they are called only without O_CREAT.
+EXPORT int __open_2(const char *path, int flags) {
+	int fd = shim_open(AT_FDCWD, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(__open_2)(path, flags);
+}
+
+EXPORT int __open64_2(const char *path, int flags) {
+	int fd = shim_open(AT_FDCWD, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(__open64_2)(path, flags);
+}
+
+EXPORT int __openat_2(int dirfd, const char *path, int flags) {
+	int fd = shim_open(dirfd, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(__openat_2)(dirfd, path, flags);
+}
+
+EXPORT int __openat64_2(int dirfd, const char *path, int flags) {
+	int fd = shim_open(dirfd, path, flags);
+	return fd != NOT_OURS ? fd : NEXT(__openat64_2)(dirfd, path, flags);
+}
+
+// creat always writes: the cached copy is dropped, the call goes to libc.
+EXPORT int creat(const char *path, mode_t mode) {
+	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC);
+	return NEXT(creat)(path, mode);
+}
+
+EXPORT int creat64(const char *path, mode_t mode) {
+	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC);
+	return NEXT(creat64)(path, mode);
+}
+
+// stdio_flags turns an fopen mode into open flags and, for a read-only mode, the mode
+// fdopen takes (without 'e', which fdopen does not know, and 'x'). Returns -1 for a mode
+// left to libc (",ccs=" encodings).
+static int stdio_flags(const char *mode, int *flags, char *fdmode, size_t cap) {
+	if (!mode || strchr(mode, ','))
+		return -1;
+	int f;
+	switch (mode[0]) {
+	case 'r':
+		f = O_RDONLY;
+		break;
+	case 'w':
+		f = O_WRONLY | O_CREAT | O_TRUNC;
+		break;
+	case 'a':
+		f = O_WRONLY | O_CREAT | O_APPEND;
+		break;
+	default:
+		return -1;
+	}
+	size_t w = 0;
+	for (const char *m = mode; *m; m++) {
+		if (*m == '+')
+			f = (f & ~O_ACCMODE) | O_RDWR;
+		else if (*m == 'e')
+			f |= O_CLOEXEC;
+		if (*m != 'e' && *m != 'x' && w + 1 < cap)
+			fdmode[w++] = *m;
+	}
+	fdmode[w] = 0;
+	*flags = f;
+	return 0;
+}
+
+// shim_fopen serves a read-only fopen from the cache (a stream over the cached copy's
+// descriptor), or returns NULL to leave it to libc (after dropping the cached copy of a
+// dataset file opened for writing).
+static FILE *shim_fopen(const char *path, const char *mode) {
+	int flags;
+	char fdmode[16];
+	if (!enabled || stdio_flags(mode, &flags, fdmode, sizeof fdmode) != 0)
+		return NULL;
+	int fd = shim_open(AT_FDCWD, path, flags);
+	if (fd < 0)
+		return NULL;
+	int saved = errno;
+	FILE *f = NEXT(fdopen)(fd, fdmode);
+	if (!f)
+		close(fd);
+	errno = saved;
+	return f;
+}
+
+EXPORT FILE *fopen(const char *path, const char *mode) {
+	FILE *f = shim_fopen(path, mode);
+	return f ? f : NEXT(fopen)(path, mode);
+}
+
+EXPORT FILE *fopen64(const char *path, const char *mode) {
+	FILE *f = shim_fopen(path, mode);
+	return f ? f : NEXT(fopen64)(path, mode);
+}
