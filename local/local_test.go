@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -83,5 +84,17 @@ func TestCheckSocket(t *testing.T) {
 	}
 	if _, err := os.Lstat(SocketPath(ours)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a socket of another user was left in place: %v", err)
+	}
+}
+
+func TestServerEnvironDropsOnlyThePreloadShim(t *testing.T) {
+	for _, tc := range []struct{ in, want []string }{
+		{[]string{"A=1", "LD_PRELOAD=/x/libfitcache_preload.so", "FITCACHE_PRELOAD_ROOTS=/d"}, []string{"A=1"}},
+		{[]string{"LD_PRELOAD=/x/libfitcache_preload.so:/y/libother.so"}, []string{"LD_PRELOAD=/y/libother.so"}},
+		{[]string{"LD_PRELOAD=/y/libother.so", "FITCACHE_TIERS=t"}, []string{"LD_PRELOAD=/y/libother.so", "FITCACHE_TIERS=t"}},
+	} {
+		if got := ServerEnviron(tc.in); !slices.Equal(got, tc.want) {
+			t.Errorf("ServerEnviron(%q) = %q, want %q", tc.in, got, tc.want)
+		}
 	}
 }

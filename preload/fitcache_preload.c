@@ -3,7 +3,8 @@
  * unmodified programs read their dataset from the cache.
  *
  * It interposes the open functions (open, open64, openat, openat64, their fortified __*_2
- * forms, creat, fopen, fopen64). A read-only open of a file under a dataset root returns a
+ * forms, creat, fopen, fopen64), and close and fclose of dataset files it saw opened for
+ * writing. A read-only open of a file under a dataset root returns a
  * descriptor of the file's cached copy instead of the source; everything after the open
  * (read, pread, mmap, fstat, stdio) then runs natively on a real file, so no other call needs
  * interposing and every way of reading works. Specifically:
@@ -14,7 +15,9 @@
  *     reads the source once, publishes the copy and answers with its descriptor (or, when no
  *     tier takes the file, with the source opened beneath the dataset root).
  *   - A write-open of a dataset file (O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_APPEND) goes to
- *     the source, after the server dropped the cached copy (OpForget).
+ *     the source, after the server dropped the cached copy (OpForget); the copy is dropped
+ *     again when the descriptor is closed (or the process exits), in case a reader cached
+ *     the file meanwhile.
  *   - Anything else, and every failure here (no server, a server that does not answer in
  *     time, an error), goes to libc's own function, untouched: the shim never makes a
  *     program fail that would have worked without it.
@@ -92,6 +95,8 @@ static int (*libc___openat_2)(int, const char *, int);
 static int (*libc___openat64_2)(int, const char *, int);
 static int (*libc_creat)(const char *, mode_t);
 static int (*libc_creat64)(const char *, mode_t);
+static int (*libc_close)(int);
+static int (*libc_fclose)(FILE *);
 static FILE *(*libc_fopen)(const char *, const char *);
 static FILE *(*libc_fopen64)(const char *, const char *);
 static FILE *(*libc_fdopen)(int, const char *);
@@ -173,6 +178,8 @@ __attribute__((constructor)) static void preload_init(void) {
 	NEXT(fopen);
 	NEXT(fopen64);
 	NEXT(fdopen);
+	NEXT(close);
+	NEXT(fclose);
 
 	const char *r = getenv("FITCACHE_PRELOAD_ROOTS"), *t = getenv("FITCACHE_PRELOAD_TIERS"),
 	           *s = getenv("FITCACHE_PRELOAD_SOCKET"), *ms = getenv("FITCACHE_PRELOAD_TIMEOUT_MS");
@@ -378,11 +385,49 @@ static void set_flags(int fd, int flags) {
 		fcntl(fd, F_SETFL, fl & ~O_DIRECT);
 }
 
+// Descriptors of dataset files open for writing, as a bitmap (atomic words): their cached
+// copies are dropped once more when they are closed, in case a reader cached the file
+// between the write-open and the last write. Descriptors past the map are not tracked.
+#define TRACKED_FDS 65536
+static uint64_t writing[TRACKED_FDS / 64];
+
+static void track_write(int fd) {
+	if (fd >= 0 && fd < TRACKED_FDS)
+		__atomic_fetch_or(&writing[fd / 64], 1ULL << (fd % 64), __ATOMIC_RELAXED);
+}
+
+// untrack_write reports whether fd was a tracked write descriptor, and stops tracking it.
+static int untrack_write(int fd) {
+	if (fd < 0 || fd >= TRACKED_FDS)
+		return 0;
+	uint64_t bit = 1ULL << (fd % 64);
+	if (!(__atomic_load_n(&writing[fd / 64], __ATOMIC_RELAXED) & bit))
+		return 0;
+	return (__atomic_fetch_and(&writing[fd / 64], ~bit, __ATOMIC_RELAXED) & bit) != 0;
+}
+
+// forget_fd drops the cached copy of the dataset file open at fd (named by the kernel).
+static void forget_fd(int fd) {
+	char link[32], key[FC_PATH_MAX];
+	const struct root *r;
+	snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+	char target[FC_PATH_MAX];
+	long n = syscall(SYS_readlinkat, AT_FDCWD, link, target, sizeof target - 1);
+	if (n <= 0)
+		return;
+	target[n] = 0;
+	int len = dataset_path(AT_FDCWD, target, key, &r);
+	if (len >= 0)
+		forget(r, key, (size_t)len);
+}
+
 // shim_open serves an open of path (relative to dirfd) from the cache when it is a read-only
-// open of a dataset file: it returns the descriptor, or NOT_OURS to leave the open to libc
-// (after dropping the cached copy when a dataset file is opened for writing). errno is
-// unchanged on every path.
-static int shim_open(int dirfd, const char *path, int flags) {
+// open of a dataset file: it returns the descriptor, or NOT_OURS to leave the open to libc.
+// For a dataset file opened for writing it drops the cached copy first and sets *writes, so
+// that the caller tracks the descriptor libc gives (see track_write). errno is unchanged on
+// every path.
+static int shim_open(int dirfd, const char *path, int flags, int *writes) {
+	*writes = 0;
 	if (!enabled)
 		return NOT_OURS;
 	int saved = errno;
@@ -394,6 +439,7 @@ static int shim_open(int dirfd, const char *path, int flags) {
 		goto out;
 	if (flags & WRITE_FLAGS) {
 		forget(r, key, (size_t)n);
+		*writes = 1;
 		goto out;
 	}
 	if (flags & ~SERVED_FLAGS)
@@ -414,6 +460,13 @@ out:
 	return fd;
 }
 
+// libc_result tracks the descriptor libc returned for a dataset file opened for writing.
+static int libc_result(int fd, int writes) {
+	if (writes && fd >= 0)
+		track_write(fd);
+	return fd;
+}
+
 // mode_arg reads open's third argument when the flags say there is one.
 #define MODE_ARG(flags, mode)                                                                                          \
 	do {                                                                                                           \
@@ -428,61 +481,74 @@ out:
 EXPORT int open(const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
-	int fd = shim_open(AT_FDCWD, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(open)(path, flags, mode);
+	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(open)(path, flags, mode), w);
 }
 
 EXPORT int open64(const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
-	int fd = shim_open(AT_FDCWD, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(open64)(path, flags, mode);
+	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(open64)(path, flags, mode), w);
 }
 
 EXPORT int openat(int dirfd, const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
-	int fd = shim_open(dirfd, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(openat)(dirfd, path, flags, mode);
+	int w, fd = shim_open(dirfd, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(openat)(dirfd, path, flags, mode), w);
 }
 
 EXPORT int openat64(int dirfd, const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
-	int fd = shim_open(dirfd, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(openat64)(dirfd, path, flags, mode);
+	int w, fd = shim_open(dirfd, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(openat64)(dirfd, path, flags, mode), w);
 }
 
 // The fortified forms (-D_FORTIFY_SOURCE) take no mode: they are called only without O_CREAT.
 EXPORT int __open_2(const char *path, int flags) {
-	int fd = shim_open(AT_FDCWD, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(__open_2)(path, flags);
+	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(__open_2)(path, flags), w);
 }
 
 EXPORT int __open64_2(const char *path, int flags) {
-	int fd = shim_open(AT_FDCWD, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(__open64_2)(path, flags);
+	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(__open64_2)(path, flags), w);
 }
 
 EXPORT int __openat_2(int dirfd, const char *path, int flags) {
-	int fd = shim_open(dirfd, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(__openat_2)(dirfd, path, flags);
+	int w, fd = shim_open(dirfd, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(__openat_2)(dirfd, path, flags), w);
 }
 
 EXPORT int __openat64_2(int dirfd, const char *path, int flags) {
-	int fd = shim_open(dirfd, path, flags);
-	return fd != NOT_OURS ? fd : NEXT(__openat64_2)(dirfd, path, flags);
+	int w, fd = shim_open(dirfd, path, flags, &w);
+	return fd != NOT_OURS ? fd : libc_result(NEXT(__openat64_2)(dirfd, path, flags), w);
 }
 
 // creat always writes: the cached copy is dropped, the call goes to libc.
 EXPORT int creat(const char *path, mode_t mode) {
-	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC);
-	return NEXT(creat)(path, mode);
+	int w;
+	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &w);
+	return libc_result(NEXT(creat)(path, mode), w);
 }
 
 EXPORT int creat64(const char *path, mode_t mode) {
-	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC);
-	return NEXT(creat64)(path, mode);
+	int w;
+	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &w);
+	return libc_result(NEXT(creat64)(path, mode), w);
+}
+
+// close of a dataset file written through this process drops its cached copy once more.
+// The name is read before the descriptor goes.
+EXPORT int close(int fd) {
+	if (!untrack_write(fd))
+		return NEXT(close)(fd);
+	int saved = errno;
+	forget_fd(fd);
+	errno = saved;
+	return NEXT(close)(fd);
 }
 
 // stdio_flags turns an fopen mode into open flags and, for a read-only mode, the mode
@@ -520,30 +586,61 @@ static int stdio_flags(const char *mode, int *flags, char *fdmode, size_t cap) {
 }
 
 // shim_fopen serves a read-only fopen from the cache (a stream over the cached copy's
-// descriptor), or returns NULL to leave it to libc (after dropping the cached copy of a
-// dataset file opened for writing).
-static FILE *shim_fopen(const char *path, const char *mode) {
+// descriptor), or returns NULL to leave it to libc, with *writes set for a dataset file
+// opened for writing (as shim_open).
+static FILE *shim_fopen(const char *path, const char *mode, int *writes) {
 	int flags;
 	char fdmode[16];
+	*writes = 0;
 	if (!enabled || stdio_flags(mode, &flags, fdmode, sizeof fdmode) != 0)
 		return NULL;
-	int fd = shim_open(AT_FDCWD, path, flags);
+	int fd = shim_open(AT_FDCWD, path, flags, writes);
 	if (fd < 0)
 		return NULL;
 	int saved = errno;
 	FILE *f = NEXT(fdopen)(fd, fdmode);
 	if (!f)
-		close(fd);
+		NEXT(close)(fd);
 	errno = saved;
 	return f;
 }
 
+// libc_stream tracks the stream libc opened on a dataset file for writing.
+static FILE *libc_stream(FILE *f, int writes) {
+	if (writes && f)
+		track_write(fileno(f));
+	return f;
+}
+
 EXPORT FILE *fopen(const char *path, const char *mode) {
-	FILE *f = shim_fopen(path, mode);
-	return f ? f : NEXT(fopen)(path, mode);
+	int w;
+	FILE *f = shim_fopen(path, mode, &w);
+	return f ? f : libc_stream(NEXT(fopen)(path, mode), w);
 }
 
 EXPORT FILE *fopen64(const char *path, const char *mode) {
-	FILE *f = shim_fopen(path, mode);
-	return f ? f : NEXT(fopen64)(path, mode);
+	int w;
+	FILE *f = shim_fopen(path, mode, &w);
+	return f ? f : libc_stream(NEXT(fopen64)(path, mode), w);
+}
+
+// fclose closes its descriptor inside libc, not through close: a stream written to a dataset
+// file drops the cached copy here.
+EXPORT int fclose(FILE *f) {
+	int fd = f ? fileno(f) : -1;
+	if (!untrack_write(fd))
+		return NEXT(fclose)(f);
+	int saved = errno;
+	forget_fd(fd);
+	errno = saved;
+	return NEXT(fclose)(f);
+}
+
+// A process that exits with dataset files open for writing drops their cached copies.
+__attribute__((destructor)) static void preload_fini(void) {
+	int saved = errno;
+	for (int w = 0; w < TRACKED_FDS / 64; w++)
+		for (uint64_t bits = __atomic_load_n(&writing[w], __ATOMIC_RELAXED); bits; bits &= bits - 1)
+			forget_fd(w * 64 + __builtin_ctzll(bits));
+	errno = saved;
 }
