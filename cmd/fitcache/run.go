@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bufio"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -75,44 +77,27 @@ func run(args []string) error {
 		return err
 	}
 
-	opts := map[string]string{}
-	if *prefetch >= 0 {
-		opts["prefetch"] = strconv.Itoa(*prefetch)
-	}
-	cfg, err := core.LoadConfig(opts)
+	cfg, err := core.LoadConfig(nil)
 	if err != nil {
 		return err
 	}
 	if cfg.Servers != "" {
 		return errors.New("fitcache run serves the embedded server's cache; cluster mode (FITCACHE_SERVERS) is not supported by the transparent mode yet")
 	}
-	if cfg.ServerBin == "" {
-		cfg.ServerBin, _ = os.Executable() // this program is also the server
-	}
-	rpc.QuietKitexLogs()
-	c, err := client.Open(roots[0].real, cfg, logger())
+	// The companion opens the client, so that a server it starts is its child, not the
+	// program's: a program that waits for all its children would wait for the server.
+	server, err := startCompanion(os.Getpid(), roots, *prefetch, cfg.StartTimeout+5*time.Second)
 	if err != nil {
-		return err
-	}
-	var tierDirs []string
-	for _, d := range c.TierDirs() {
-		tierDirs = append(tierDirs, d.Path)
-	}
-	nodeSocket := c.NodeSocket()
-	c.Close()
-	if len(tierDirs) == 0 {
+		fmt.Fprintf(os.Stderr, "fitcache run: %v: the program reads the source\n", err)
+	} else if len(server.TierDirs) == 0 {
 		fmt.Fprintln(os.Stderr, "fitcache run: the embedded server could not be reached: the program reads the source (see `fitcache stats`)")
 	}
-	for _, d := range tierDirs {
+	for _, d := range server.TierDirs {
 		if strings.Contains(d, ":") {
 			return fmt.Errorf("tier directory %s: a path with ':' cannot be passed to the preload library", d)
 		}
 	}
-
-	if err := startCompanion(os.Getpid(), roots, *prefetch != 0); err != nil {
-		fmt.Fprintf(os.Stderr, "fitcache run: no prefetch, and the server may stop when idle: %v\n", err)
-	}
-	env := preloadEnviron(os.Environ(), lib, roots, tierDirs, nodeSocket, cfg.ReadTimeout)
+	env := preloadEnviron(os.Environ(), lib, roots, server.TierDirs, server.NodeSocket, cfg.ReadTimeout)
 	return syscall.Exec(cmdPath, argv, env)
 }
 
@@ -217,33 +202,65 @@ func preloadPath(args []string) error {
 	return nil
 }
 
-// startCompanion starts the companion of a program run by `fitcache run` (see companion),
+// companionReport is what the companion tells `fitcache run` about the server, once it
+// reached it: what the preload shim needs.
+type companionReport struct {
+	TierDirs   []string `json:"tier_dirs"`
+	NodeSocket string   `json:"node_socket"`
+}
+
+// startCompanion starts the companion of the program run by `fitcache run` (see companion),
 // detached: an intermediate process starts it and exits at once, so that the companion is
-// not a child of the program (which would have to reap it).
-func startCompanion(pid int, roots []datasetRoot, prefetch bool) error {
+// not a child of the program (which would have to reap it). It returns the companion's
+// report on the server, read from a pipe within wait.
+func startCompanion(pid int, roots []datasetRoot, prefetch int, wait time.Duration) (companionReport, error) {
+	var report companionReport
 	self, err := os.Executable()
 	if err != nil {
-		return err
+		return report, err
 	}
-	args := []string{"run-companion", "--pid", strconv.Itoa(pid), "--prefetch=" + strconv.FormatBool(prefetch)}
+	args := []string{"run-companion", "--pid", strconv.Itoa(pid), "--prefetch=" + strconv.FormatBool(prefetch != 0)}
 	for _, r := range roots {
 		args = append(args, r.real)
 	}
+	rd, wr, err := os.Pipe()
+	if err != nil {
+		return report, err
+	}
+	defer rd.Close()
 	cmd := exec.Command(self, args...)
 	cmd.Env = append(local.ServerEnviron(os.Environ()), "FITCACHE_COMPANION_DETACH=1")
-	cmd.Stdout, cmd.Stderr = nil, os.Stderr
+	if prefetch > 0 { // for a server the companion starts (0 only skips this program's prefetch)
+		cmd.Env = append(cmd.Env, "FITCACHE_PREFETCH="+strconv.Itoa(prefetch))
+	}
+	cmd.Stdout, cmd.Stderr = wr, os.Stderr
 	cmd.Dir = "/"
-	return cmd.Run()
+	err = cmd.Run()
+	wr.Close()
+	if err != nil {
+		return report, fmt.Errorf("start the companion: %w", err)
+	}
+	rd.SetReadDeadline(time.Now().Add(wait))
+	line, err := bufio.NewReader(rd).ReadBytes('\n')
+	if err != nil {
+		return report, fmt.Errorf("the companion did not reach the server: %w", err)
+	}
+	if err := json.Unmarshal(line, &report); err != nil {
+		return report, fmt.Errorf("the companion's report: %w", err)
+	}
+	return report, nil
 }
 
 // companionKeepAlive: how often the companion reminds the embedded server that a program
 // reads through it (hits from the shim send the server no request, and an idle server exits).
 const companionKeepAlive = time.Minute
 
-// companion runs beside a program run by `fitcache run` until the program exits: it hands
-// the server the list of every file under the data directories to prefetch (and keeps the
-// job alive), and keeps the embedded server from stopping for idleness. It is quiet but for
-// errors.
+// companion runs beside a program run by `fitcache run` until the program exits. It opens a
+// client for each data directory (starting the embedded server if none runs), reports the
+// server's tier directories and node socket as one line of JSON on standard output, which
+// it then closes; it hands the server the list of every file under the directories to
+// prefetch (and keeps the job alive), and keeps the server from stopping for idleness. It
+// is quiet but for errors.
 func companion(args []string) error {
 	rpc.QuietKitexLogs()
 	fset := flag.NewFlagSet("run-companion", flag.ExitOnError)
@@ -256,7 +273,7 @@ func companion(args []string) error {
 	if os.Getenv("FITCACHE_COMPANION_DETACH") == "1" { // the intermediate: start the companion, leave
 		cmd := exec.Command(os.Args[0], os.Args[1:]...)
 		cmd.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "FITCACHE_COMPANION_DETACH=") })
-		cmd.Stderr = os.Stderr
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 		cmd.Dir = "/"
 		return cmd.Start()
 	}
@@ -279,13 +296,22 @@ func companion(args []string) error {
 			return err
 		}
 		clients = append(clients, c)
-		if *prefetch {
-			files, err := datasetFiles(root)
+	}
+	report := companionReport{NodeSocket: clients[0].NodeSocket()}
+	for _, d := range clients[0].TierDirs() {
+		report.TierDirs = append(report.TierDirs, d.Path)
+	}
+	line, _ := json.Marshal(report)
+	os.Stdout.Write(append(line, '\n'))
+	os.Stdout.Close()
+	if *prefetch {
+		for _, c := range clients {
+			files, err := datasetFiles(c.Root())
 			if err == nil {
 				err = c.Prefetch(files)
 			}
 			if err != nil {
-				fmt.Fprintf(os.Stderr, "fitcache run: prefetch of %s: %v\n", root, err)
+				fmt.Fprintf(os.Stderr, "fitcache run: prefetch of %s: %v\n", c.Root(), err)
 			}
 		}
 	}

@@ -8,7 +8,17 @@ See the README for configuration, the C interface and how it works.
 
 from ._native import (Client, FitCacheError, ForkedAfterLoad, IsADirectory, NotADirectory,
                       NotFound, PermissionDenied, version)
-from .dataset import FitCacheDataset, list_files, prefetch_files, server_stats
+# The dataset module imports torch (a second or more): it is loaded on first use, so that the
+# `fitcache` command (which runs the Go program, see __main__) starts at once.
+_DATASET_NAMES = ("FitCacheDataset", "list_files", "prefetch_files", "server_stats")
+
+
+def __getattr__(name):
+    if name in _DATASET_NAMES:
+        from . import dataset
+        return getattr(dataset, name)
+    raise AttributeError(f"module 'fitcache' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
