@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Prepares a fresh Debian machine for FitCache: system packages (PyTorch CPU build, numpy,
-# pytest), a virtualenv at .venv that sees them, and FitCache installed into it with pip
-# (which compiles the Go parts). Needs Go >= 1.26 on PATH. Idempotent.
+# pytest; torchvision, PIL, h5py and lmdb for the transparent-mode tests; gcc), a virtualenv
+# at .venv that sees them, and FitCache installed into it with pip (which compiles the Go
+# parts and the preload library). Needs Go >= 1.26 on PATH. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(python3-venv python3-torch python3-numpy python3-pytest python3-pytest-forked
+          python3-torchvision python3-pil python3-h5py python3-lmdb
           python3-pytest-timeout gcc)
 missing=()
 for p in "${packages[@]}"; do
