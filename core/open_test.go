@@ -1,0 +1,113 @@
+package core
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// readFile reads what a descriptor from OpenForReader holds, from its start.
+func readFile(t *testing.T, f *os.File) []byte {
+	t.Helper()
+	b, err := io.ReadAll(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestOpenForReaderHandsOutTheCachedCopyAndReadsTheSourceOnce(t *testing.T) {
+	e := newEngine(t, "16MiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "a.bin")
+	data := bytes.Repeat([]byte("fitcache"), 20000)
+	if err := os.WriteFile(path, data, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		f, origin, err := e.OpenForReader(context.Background(), root, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := readFile(t, f)
+		var st unix.Stat_t
+		unix.Fstat(int(f.Fd()), &st)
+		f.Close()
+		if origin != OriginTier || !bytes.Equal(got, data) {
+			t.Fatalf("open %d: origin %v, %d bytes, want the tier's copy of %d bytes", i, origin, len(got), len(data))
+		}
+		if src, _ := os.Stat(path); st.Mode&0o777 != uint32(src.Mode().Perm()) || st.Mtim.Nano() != src.ModTime().UnixNano() {
+			t.Errorf("the cached copy has mode %o and mtime %d; the source %o and %d", st.Mode&0o777, st.Mtim.Nano(),
+				src.Mode().Perm(), src.ModTime().UnixNano())
+		}
+	}
+	if s := e.Stats(); s.SourceReads != 1 {
+		t.Errorf("source read %d times, want once", s.SourceReads)
+	}
+}
+
+func TestOpenForReaderGivesTheSourceWhenNoTierTakesIt(t *testing.T) {
+	e := newEngine(t, "64KiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "big.bin")
+	data := bytes.Repeat([]byte{7}, 1<<20)
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, origin, err := e.OpenForReader(context.Background(), root, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	flags, _ := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0)
+	if origin != OriginSource || flags&unix.O_NONBLOCK != 0 || flags&unix.O_ACCMODE != unix.O_RDONLY {
+		t.Errorf("origin %v, flags %#o: want the source, read-only and blocking", origin, flags)
+	}
+	if got := readFile(t, f); !bytes.Equal(got, data) {
+		t.Errorf("read %d bytes, want the source's %d", len(got), len(data))
+	}
+}
+
+func TestOpenForReaderRefusesWhatReadRefuses(t *testing.T) {
+	e := newEngine(t, "16MiB")
+	root := t.TempDir()
+	os.Mkdir(filepath.Join(root, "dir"), 0o755)
+	for _, path := range []string{filepath.Join(root, "missing"), filepath.Join(root, "dir"), "/etc/passwd"} {
+		if f, _, err := e.OpenForReader(context.Background(), root, path); err == nil {
+			f.Close()
+			t.Errorf("%s: opened, want an error", path)
+		}
+	}
+}
+
+func TestForgetDropsTheCachedCopy(t *testing.T) {
+	e := newEngine(t, "16MiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "a.bin")
+	os.WriteFile(path, []byte("old bytes"), 0o600)
+	f, _, err := e.OpenForReader(context.Background(), root, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	os.WriteFile(path, []byte("new bytes, longer"), 0o600)
+	if err := e.Forget(root, path); err != nil {
+		t.Fatal(err)
+	}
+	f, _, err = e.OpenForReader(context.Background(), root, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if got := readFile(t, f); string(got) != "new bytes, longer" {
+		t.Errorf("after Forget read %q, want the new bytes", got)
+	}
+	if err := e.Forget(root, "/elsewhere/x"); err == nil {
+		t.Error("Forget of a path outside the root succeeded")
+	}
+}
