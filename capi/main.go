@@ -163,7 +163,14 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		C.fcHitCounts(C.int64_t(h), &n, &fetches, &direct)
 		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct)}
 	})
-	croot, creal, cnode := C.CString(c.Root()), C.CString(c.RealRoot()), C.CString(c.NodeSocket())
+	// The hit path asks the node socket to fetch a miss into a tier and then finds it there
+	// itself (OpFetch): in cluster mode a file another server owns is not put in a tier of
+	// this node, so its misses go through Go.
+	nodeSocket := c.NodeSocket()
+	if cfg.Servers != "" {
+		nodeSocket = ""
+	}
+	croot, creal, cnode := C.CString(c.Root()), C.CString(c.RealRoot()), C.CString(nodeSocket)
 	defer C.free(unsafe.Pointer(croot))
 	defer C.free(unsafe.Pointer(creal))
 	defer C.free(unsafe.Pointer(cnode))

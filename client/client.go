@@ -112,6 +112,7 @@ type Client struct {
 	view atomic.Pointer[serverConn]
 
 	cluster *clusterRouter // set in cluster mode (Config.Servers)
+	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
 	counts   counters
@@ -729,11 +730,13 @@ func (c *Client) tellState(up bool, backoff time.Duration) {
 // from (its server's, or in cluster mode those of the servers on this node), fastest first.
 func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
 
-// NodeSocket returns the node socket of the embedded server (see package nodesock), where C
-// code without Go asks for misses, or "" in cluster mode.
+// NodeSocket returns the node socket (see package nodesock) where C code on this node
+// without Go asks for the files it misses: the embedded server's or, in cluster mode, that
+// of the first live server on this node (by address) that announced one in its hello, which
+// answers opens for every file of the job (see OpenForReader); "" when there is none.
 func (c *Client) NodeSocket() string {
 	if c.cluster != nil {
-		return ""
+		return c.cluster.nodeSocket()
 	}
 	return nodesock.PathFor(local.SocketPath(c.cfg.RuntimeDir))
 }

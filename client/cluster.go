@@ -31,11 +31,12 @@ type peer struct {
 	rpc    *rpc.Client
 	local  bool // on this node: its tier files can be mapped
 
-	mu       sync.Mutex // protects all below
-	dirs     []tiers.Dir
-	gen      *tiers.Generation
-	timeouts int // consecutive failed calls
-	dead     bool
+	mu         sync.Mutex // protects all below
+	dirs       []tiers.Dir
+	gen        *tiers.Generation
+	nodeSocket string // its node socket, as its last hello said (local servers only)
+	timeouts   int    // consecutive failed calls
+	dead       bool
 	// Membership gossip with this server: the newest version it told us, and the deaths and
 	// rejoins we have seen and not yet told it.
 	version             int64
@@ -197,6 +198,7 @@ func (r *clusterRouter) hello(p *peer) error {
 		if p.gen == nil && reply.GenerationFile != "" {
 			p.gen, _ = tiers.OpenGeneration(reply.GenerationFile)
 		}
+		p.nodeSocket = reply.NodeSocket
 	}
 	p.timeouts, p.dead = 0, false
 	return nil
@@ -368,35 +370,61 @@ func (r *clusterRouter) generation() uint64 {
 	return sum
 }
 
-// readCluster serves a read in cluster mode.
-func (c *Client) readCluster(path string) (Buffer, error) {
+// errReadSource is what route returns when the file is to be read from the source: no
+// server answered, the policy sends it there, or it is too large for its owner to cache or
+// send.
+var errReadSource = errors.New("read the source")
+
+// route calls try with the servers a read of path goes to, in order (see targets), until one
+// answers; rest are the servers after it, to which a file it read from the source is copied
+// (replicas). It returns nil when one did, the file's own error as a server saw it, or
+// errReadSource. A server that fails the call is counted as failing (see failed); under
+// recache, one that died meanwhile hands its files to the next one, so the walk is made
+// again.
+func (c *Client) route(path string, try func(p *peer, rest []*peer) error) error {
 	r := c.cluster
 	for attempt := 0; attempt < 2; attempt++ {
 		targets := r.targets(path)
 		died := false
 		for i, p := range targets {
-			buf, reply, err := c.readFromPeer(p, path)
+			err := try(p, targets[i+1:])
 			if err == nil {
 				r.succeeded(p)
-				if reply != nil && reply.Origin == "source" && len(targets) > 1 {
-					c.replicate(targets[i+1:], path, buf.Bytes(), reply.MtimeNanos)
-				}
-				return buf, nil
+				return nil
 			}
 			if errors.Is(err, core.ErrTooLarge) {
-				return c.readDirect(path) // too large for the owner to cache or send: map the source
+				return errReadSource // too large for the owner to cache or send
 			}
 			if !errors.Is(err, rpc.ErrUnavailable) {
-				return nil, err // the file's own error, as the server saw it
+				return err
 			}
 			died = r.failed(p, err) || died
 		}
-		// Under recache, a server that just died hands its files to the next one: walk again.
 		if !died || r.cfg.Policy != core.PolicyRecache {
 			break
 		}
 	}
-	return c.readDirect(path)
+	return errReadSource
+}
+
+// readCluster serves a read in cluster mode.
+func (c *Client) readCluster(path string) (Buffer, error) {
+	var buf Buffer
+	err := c.route(path, func(p *peer, rest []*peer) error {
+		b, reply, err := c.readFromPeer(p, path)
+		if err != nil {
+			return err
+		}
+		if reply != nil && reply.Origin == "source" && len(rest) > 0 {
+			c.replicate(rest, path, b.Bytes(), reply.MtimeNanos)
+		}
+		buf = b
+		return nil
+	})
+	if errors.Is(err, errReadSource) {
+		return c.readDirect(path) // a large file is mapped
+	}
+	return buf, err
 }
 
 // readFromPeer reads from one server: from its tier files directly when it is on this node
@@ -409,8 +437,22 @@ func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) 
 			return m, nil, nil
 		}
 	}
+	reply, err := c.askPeer(context.Background(), p, path)
+	if err != nil {
+		return nil, nil, err
+	}
+	buf, err := c.replyBuffer(context.Background(), p.rpc, reply, dirs, path)
+	if err != nil {
+		return nil, nil, err
+	}
+	return buf, &readReply{Origin: reply.Origin, MtimeNanos: reply.MtimeNanos}, nil
+}
+
+// askPeer asks one server for a file over RPC (naming the tier file when the server is on
+// this node and has it cached), exchanging membership gossip with it.
+func (c *Client) askPeer(ctx context.Context, p *peer, path string) (*fitcachepb.ReadReply, error) {
 	version, dead, alive := p.gossip()
-	reply, err := p.rpc.ReadGossip(context.Background(), &fitcachepb.ReadRequest{Root: c.root, Path: path,
+	reply, err := p.rpc.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: c.root, Path: path,
 		Local: p.local, MembershipVersion: version, Dead: dead, Alive: alive})
 	if reply != nil {
 		c.cluster.learn(p, reply.MembershipVersion, reply.Dead)
@@ -424,14 +466,10 @@ func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) 
 				p.tell(id, false)
 			}
 		}
-		return nil, nil, err
+		return nil, err
 	}
 	c.counts.serverReads.Add(1)
-	buf, err := c.replyBuffer(context.Background(), p.rpc, reply, dirs, path)
-	if err != nil {
-		return nil, nil, err
-	}
-	return buf, &readReply{Origin: reply.Origin, MtimeNanos: reply.MtimeNanos}, nil
+	return reply, nil
 }
 
 type readReply struct {

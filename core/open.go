@@ -60,15 +60,31 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 	if err != nil {
 		return nil, 0, err
 	}
-	// Sources are opened O_NONBLOCK (a FIFO must not block the server); the reader gets the
-	// flags of a plain open.
-	if err := unix.SetNonblock(int(src.f.Fd()), false); err != nil {
-		src.Close()
+	f, err := src.ReaderFile()
+	if err != nil {
 		return nil, 0, err
 	}
 	e.stats.uncached.Add(1)
-	return src.f, OriginSource, nil
+	return f, OriginSource, nil
 }
+
+// ReaderFile hands the open source over as a descriptor for a reader on this node (see
+// OpenForReader), with the flags of a plain read-only open: sources are opened O_NONBLOCK
+// (a FIFO must not block the server). The Source must not be used afterwards; the caller
+// closes the file. On error the Source is closed.
+func (s *Source) ReaderFile() (*os.File, error) {
+	if err := unix.SetNonblock(int(s.f.Fd()), false); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s.f, nil
+}
+
+// CheckRoot validates a request as every read does: root and path absolute and clean, path
+// inside root, and root inside one of the engine's dataset roots, if it has some, once its
+// symbolic links are resolved. A server checks it before it reads a file through other
+// servers for a caller on its node.
+func (e *Engine) CheckRoot(root, path string) error { return e.checkRoot(root, path) }
 
 // Forget drops the cached copies of the file at path (inside root) from every tier: its
 // source is being written (a write-open through the preload shim), so a copy is stale or

@@ -11,7 +11,9 @@
 //     cross the socket and the source is still read once per file.
 //   - OpOpen does the same and answers with a read-only descriptor of the file (passed with
 //     SCM_RIGHTS): its cached copy, or the source itself when no tier takes it (see
-//     core.Engine.OpenForReader). The preload shim returns it from open().
+//     core.Engine.OpenForReader); a cluster server answers for every file of the job, with a
+//     memory file holding the bytes of a file another node owns (see
+//     client.Client.OpenForReader). The preload shim returns it from open().
 //   - OpForget drops the cached copies of a file whose source is being written.
 //
 // Wire format (integers little-endian):

@@ -13,7 +13,10 @@
  *     indexes and the cached file opened (capi/fclookup.c, shared with libfitcache).
  *   - A miss asks the local server over its node socket (package nodesock, OpOpen), which
  *     reads the source once, publishes the copy and answers with its descriptor (or, when no
- *     tier takes the file, with the source opened beneath the dataset root).
+ *     tier takes the file, with the source opened beneath the dataset root). In cluster mode
+ *     the tiers are those of the job's servers on this node, and the server asked answers
+ *     for every file of the job from its owner: a file of another node comes as a sealed
+ *     memory file holding the bytes the owner sent (see client.Client.OpenForReader).
  *   - A write-open of a dataset file (O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_APPEND) goes to
  *     the source, after the server dropped the cached copy (OpForget); the copy is dropped
  *     again when the descriptor is closed (or the process exits), in case a reader cached
@@ -30,8 +33,9 @@
  * the library does nothing but call libc:
  *   FITCACHE_PRELOAD_ROOTS    dataset roots, ':'-separated; an entry NAME=REAL gives a root
  *                             named through symbolic links (NAME) and its resolved path (REAL)
- *   FITCACHE_PRELOAD_TIERS    tier directories of the local server, fastest first
- *   FITCACHE_PRELOAD_SOCKET   the local server's node socket
+ *   FITCACHE_PRELOAD_TIERS    tier directories of the local server (in cluster mode, of the
+ *                             job's servers on this node), fastest first
+ *   FITCACHE_PRELOAD_SOCKET   the local server's node socket (in cluster mode, one of them)
  *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the server (default 30000)
  */
 #define _GNU_SOURCE

@@ -23,6 +23,9 @@ struct HelloReply {
   // A file holding a counter the server bumps whenever it removes a cached file: clients on
   // the node that keep mappings between reads watch it (see tiers.Generation). May be empty.
   6: string generation_file
+  // The server's node socket (package nodesock), where C code on the node without Go (the
+  // preload shim of the transparent mode) opens files through it. May be empty.
+  7: string node_socket
 }
 
 struct ReadRequest {

@@ -29,6 +29,9 @@ type ServerConfig struct {
 	Token string
 	// ID names the server in replies and logs.
 	ID string
+	// NodeSocket is the server's node socket (package nodesock), announced in Hello to
+	// clients on its node; empty for none.
+	NodeSocket string
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
 	Log       *slog.Logger
@@ -161,13 +164,15 @@ func errnoOf(err error) (int32, string) {
 	return int32(core.Errno(err)), err.Error()
 }
 
-// Hello describes the server: its id, pid and tier directories (fastest first).
+// Hello describes the server: its id, pid, tier directories (fastest first), removal
+// counter and node socket.
 func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fitcachepb.HelloReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
 		errno, msg := errnoOf(err)
 		return &fitcachepb.HelloReply{Errno: errno, Message: msg}, nil
 	}
-	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile()}
+	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
+		NodeSocket: h.cfg.NodeSocket}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})
 	}

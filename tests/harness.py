@@ -85,10 +85,14 @@ def free_port(host):
 class Cluster:
     """Servers started by the test (and stopped by it, by pid)."""
 
-    def __init__(self, tmp_path, root, nodes=NODES, netns=None):
+    def __init__(self, tmp_path, root, nodes=NODES, netns=None, serve_options=None):
         """Servers on nodes (addresses); with netns (a NetnsNodes), each runs inside the
-        namespace that owns its address and the client is on the bridge."""
+        namespace that owns its address and the client is on the bridge. With serve_options
+        (a dict of cluster options, possibly empty), the servers are also given the job's
+        server list and those options (as FITCACHE_*), so that their node sockets serve
+        `fitcache run` on their node with every file of the job."""
         self.tmp, self.root, self.netns = tmp_path, root, netns
+        self.serve_options = serve_options
         self.run_id = secrets.token_hex(4)
         self.token_file = str(tmp_path / "token")
         subprocess.run([fitcache._native.server_binary(), "token", self.token_file], check=True)
@@ -112,6 +116,9 @@ class Cluster:
     def start(self, addr):
         ready = self.tmp / f"ready-{addr}"
         env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(self.tmp / "run")}
+        if self.serve_options is not None:
+            env.update({"FITCACHE_" + k.upper(): str(v)
+                        for k, v in {"servers": ",".join(self.addrs), **self.serve_options}.items()})
         log = open(self.tmp / f"server-{addr}.log", "a")
         extra = ["--metrics", self.metrics] if addr == self.addrs[0] else []
         # nsenter, not `ip netns exec`: that one also makes a mount namespace, which would pin

@@ -31,6 +31,13 @@ import (
 // the preload shim (preload/) in LD_PRELOAD with its configuration, and execs the program,
 // which keeps this process's pid (so that srun, shells and signals see the program itself).
 //
+// In cluster mode (FITCACHE_SERVERS set) it starts no server: the job's servers on this node
+// (core.Config.Node) give the shim their tier directories, where it finds the files they
+// hold, and one of them its node socket, which answers the shim's misses for every file of
+// the job (see nodeserve.go): the servers must know the job's servers themselves (serve
+// --servers, or FITCACHE_SERVERS in their environment). The companion hands each server
+// the files it owns to prefetch (client.Client.Prefetch).
+//
 // The shim's configuration is the environment (see preload/fitcache_preload.c):
 // FITCACHE_PRELOAD_ROOTS, FITCACHE_PRELOAD_TIERS, FITCACHE_PRELOAD_SOCKET and
 // FITCACHE_PRELOAD_TIMEOUT_MS.
@@ -43,6 +50,10 @@ return the cached copy (the first read of a file caches it), with no change to C
 embedded server is started if none runs; a prefetch of every file under each DIR starts at
 once, so that the first epoch already reads from the cache. CMD inherits this process (its
 pid, signals and exit status). Under SLURM: srun fitcache run --data DIR -- python train.py
+
+In cluster mode (FITCACHE_SERVERS set) CMD reads through the job's servers on this node,
+started with --servers (or FITCACHE_SERVERS): files cached on this node are opened there,
+the others come from their owners through the local server.
 
 Programs that open files through the C library's open and fopen functions are served
 (Python, PyTorch, NumPy, PIL, h5py, LMDB, coreutils...); statically linked programs and
@@ -81,15 +92,20 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	if cfg.Servers != "" {
-		return errors.New("fitcache run serves the embedded server's cache; cluster mode (FITCACHE_SERVERS) is not supported by the transparent mode yet")
-	}
 	// The companion opens the client, so that a server it starts is its child, not the
 	// program's: a program that waits for all its children would wait for the server.
-	server, err := startCompanion(os.Getpid(), roots, *prefetch, cfg.StartTimeout+5*time.Second)
-	if err != nil {
+	server, err := startCompanion(os.Getpid(), roots, *prefetch, cfg.StartTimeout+cfg.WaitTimeout+5*time.Second)
+	switch {
+	case err != nil:
 		fmt.Fprintf(os.Stderr, "fitcache run: %v: the program reads the source\n", err)
-	} else if len(server.TierDirs) == 0 {
+	case cfg.Servers != "" && len(server.LocalServers) == 0:
+		return fmt.Errorf("no server of the job runs on this node (%q) among FITCACHE_SERVERS=%s: start one per node "+
+			"(fitcache serve --listen HOST:PORT --servers ...), or set FITCACHE_NODE to this node's name in that list", cfg.Node, cfg.Servers)
+	case cfg.Servers != "" && server.NodeSocket == "":
+		fmt.Fprintf(os.Stderr, "fitcache run: the job's servers on this node (%s) do not answer, or serve no node socket "+
+			"(start them with --servers or FITCACHE_SERVERS): the program reads what they do not hold from the source\n",
+			strings.Join(server.LocalServers, ", "))
+	case len(server.TierDirs) == 0 && cfg.Servers == "":
 		fmt.Fprintln(os.Stderr, "fitcache run: the embedded server could not be reached: the program reads the source (see `fitcache stats`)")
 	}
 	for _, d := range server.TierDirs {
@@ -205,8 +221,9 @@ func preloadPath(args []string) error {
 // companionReport is what the companion tells `fitcache run` about the server, once it
 // reached it: what the preload shim needs.
 type companionReport struct {
-	TierDirs   []string `json:"tier_dirs"`
-	NodeSocket string   `json:"node_socket"`
+	TierDirs     []string `json:"tier_dirs"`
+	NodeSocket   string   `json:"node_socket"`
+	LocalServers []string `json:"local_servers"` // cluster mode: the job's servers on this node
 }
 
 // startCompanion starts the companion of the program run by `fitcache run` (see companion),
@@ -297,7 +314,7 @@ func companion(args []string) error {
 		}
 		clients = append(clients, c)
 	}
-	report := companionReport{NodeSocket: clients[0].NodeSocket()}
+	report := companionReport{NodeSocket: clients[0].NodeSocket(), LocalServers: clients[0].LocalServers()}
 	for _, d := range clients[0].TierDirs() {
 		report.TierDirs = append(report.TierDirs, d.Path)
 	}
@@ -315,13 +332,19 @@ func companion(args []string) error {
 			}
 		}
 	}
-	tick := time.NewTicker(companionKeepAlive)
-	defer tick.Stop()
+	// Cluster servers do not stop when idle unless told to (serve --idle-timeout), and a
+	// reminder would be a call to every server of the job: none is sent in cluster mode.
+	var keepAlive <-chan time.Time
+	if clients[0].LocalServers() == nil {
+		tick := time.NewTicker(companionKeepAlive)
+		defer tick.Stop()
+		keepAlive = tick.C
+	}
 	for {
 		select {
 		case <-gone:
 			return nil
-		case <-tick.C:
+		case <-keepAlive:
 			clients[0].Stats() // a request: the server is not idle
 		}
 	}

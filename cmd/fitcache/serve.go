@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -9,7 +8,6 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -43,12 +41,13 @@ func serve(args []string) error {
 	verify := fs.Bool("verify", false, "check the data checksum of every cached file at start and remove damaged ones (default: FITCACHE_VERIFY)")
 	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
 	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
+	servers := fs.String("servers", "", "with --listen: the job's servers (host:port,..., @HOSTFILE or slurm; default FITCACHE_SERVERS), so that the node socket serves this node's readers every file of the job (see 'fitcache run')")
 	prefetch := fs.Int("prefetch", -1, fmt.Sprintf("source reads prefetch runs at once, reading ahead of readers from the file lists they hand over; 0 turns it off (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
 	var roots stringList
 	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
 	fs.Parse(args)
 
-	opts := map[string]string{"tiers": *tierSpec}
+	opts := map[string]string{"tiers": *tierSpec, "servers": *servers}
 	if *idle > 0 {
 		opts["idle_timeout"] = idle.String()
 	}
@@ -131,7 +130,7 @@ func serve(args []string) error {
 		if err := local.PrepareDir(cfg.RuntimeDir); err != nil {
 			return err
 		}
-		genFile = filepath.Join(cfg.RuntimeDir, "server-"+strings.NewReplacer(":", "_", "/", "_").Replace(*listen)+".gen")
+		genFile = listenFile(cfg.RuntimeDir, *listen, ".gen")
 		if ln, err = net.Listen("tcp", *listen); err != nil {
 			return fmt.Errorf("listen on %s: %w", *listen, err)
 		}
@@ -155,36 +154,40 @@ func serve(args []string) error {
 	}
 	var lastRequest atomic.Int64
 	lastRequest.Store(time.Now().UnixNano())
+	// C code on this node without Go (libfitcache after fork, the preload shim) asks for
+	// misses on the node socket (see nodeserve.go). A cluster server has one only when it
+	// knows the job's servers, so that it serves every file from its owner; it announces
+	// its path in its hello.
 	var node *nodesock.Server
-	if *socket != "" {
-		// C code on this node without Go (libfitcache after fork, the preload shim) asks
-		// for misses here.
-		node, err = nodesock.Listen(nodesock.PathFor(*socket), nodesock.Config{Log: log, Errno: core.Errno,
-			Fetch: func(ctx context.Context, root, path string) error {
-				lastRequest.Store(time.Now().UnixNano())
-				return engine.Fetch(ctx, root, path)
-			},
-			Open: func(ctx context.Context, root, path string) (*os.File, uint32, error) {
-				lastRequest.Store(time.Now().UnixNano())
-				f, origin, err := engine.OpenForReader(ctx, root, path)
-				return f, uint32(origin), err
-			},
-			Forget: func(root, path string) error {
-				lastRequest.Store(time.Now().UnixNano())
-				return engine.Forget(root, path)
-			}})
-		if err != nil {
-			log.Warn("no node socket: processes forked after loading libfitcache read misses from the source", "err", err)
+	var routed *clusterNode
+	nodePath := ""
+	switch {
+	case *socket != "":
+		nodePath = nodesock.PathFor(*socket)
+	case cfg.Servers == "":
+		log.Info("no node socket: without the job's servers (--servers or FITCACHE_SERVERS) programs run by `fitcache run` on this node read only the files cached here")
+	default:
+		if routed, err = newClusterNode(engine, cfg, token, *listen, log); err != nil {
+			log.Warn("no node socket: programs run by `fitcache run` on this node read only the files cached here", "err", err)
+		} else {
+			nodePath = listenFile(cfg.RuntimeDir, *listen, ".node")
+		}
+	}
+	if nodePath != "" {
+		touch := func() { lastRequest.Store(time.Now().UnixNano()) }
+		if node, err = nodesock.Listen(nodePath, nodeServer(engine, routed, log, touch)); err != nil {
+			log.Warn("no node socket: processes forked after loading libfitcache and programs run by `fitcache run` read misses from the source", "err", err)
+			nodePath = ""
 		}
 	}
 	id, _ := os.Hostname()
 	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
-		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token,
+		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token, NodeSocket: nodePath,
 		MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns,
 		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
 	})
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
-		"idle_timeout", idleTimeout, "roots", roots, "prefetch", cfg.Prefetch)
+		"idle_timeout", idleTimeout, "roots", roots, "prefetch", cfg.Prefetch, "node_socket", nodePath, "cluster_routed", routed != nil)
 	if *metricsAddr != "" {
 		mln, err := net.Listen("tcp", *metricsAddr)
 		if err != nil {
@@ -230,10 +233,15 @@ func serve(args []string) error {
 	if socketID != 0 && socketIdentity(*socket) == socketID {
 		os.Remove(*socket)
 	}
-	srv.Stop()
+	// The node socket and its cluster clients go first: the other servers' RPC servers wait
+	// (up to Kitex's exit wait time) for those clients' connections to close when they stop.
 	if node != nil {
 		node.Close()
 	}
+	if routed != nil {
+		routed.Close()
+	}
+	srv.Stop()
 	engine.Close()
 	log.Info("fitcache server stopped")
 	return nil

@@ -81,6 +81,7 @@ type HelloReply struct {
 	Pid            int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
 	Tiers          []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
 	GenerationFile string      `thrift:"generation_file,6" frugal:"6,default,string" json:"generation_file"`
+	NodeSocket     string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -113,6 +114,10 @@ func (p *HelloReply) GetTiers() (v []*TierInfo) {
 func (p *HelloReply) GetGenerationFile() (v string) {
 	return p.GenerationFile
 }
+
+func (p *HelloReply) GetNodeSocket() (v string) {
+	return p.NodeSocket
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -131,6 +136,9 @@ func (p *HelloReply) SetTiers(val []*TierInfo) {
 func (p *HelloReply) SetGenerationFile(val string) {
 	p.GenerationFile = val
 }
+func (p *HelloReply) SetNodeSocket(val string) {
+	p.NodeSocket = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -146,6 +154,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	4: "pid",
 	5: "tiers",
 	6: "generation_file",
+	7: "node_socket",
 }
 
 type ReadRequest struct {

@@ -1,0 +1,277 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// The transparent mode in cluster mode. The preload shim (preload/) runs no Go and speaks no
+// Thrift: it opens cached files of the servers on its node itself, and asks one of them for
+// the rest over its node socket (package nodesock), which answers with a descriptor. In
+// cluster mode that server reads through a Client of its own, made for the dataset root and
+// told which server it runs in (SetOwnServer), and answers with what OpenForReader returns,
+// so that every file still has one owner on the ring and the source is read once per file,
+// whichever node reads it. Bytes from other nodes travel over Kitex, as for any client.
+
+// ownServer is the cluster server a client runs inside (see SetOwnServer).
+type ownServer struct {
+	id     string // its id on the ring (host:port)
+	engine *core.Engine
+}
+
+// SetOwnServer tells a cluster-mode client that it runs inside the server id of the ring,
+// whose engine is e: OpenForReader opens that server's files with e, not over RPC. Call it
+// before the client's first OpenForReader.
+func (c *Client) SetOwnServer(id string, e *core.Engine) { c.own = &ownServer{id: id, engine: e} }
+
+// OpenForReader returns a read-only descriptor holding the bytes of the file at path
+// (absolute, or relative to the root) for a reader on this node that has no client of its
+// own: a miss of the preload shim, which the server running this client answers through its
+// node socket. It works in cluster mode only (errors.ErrUnsupported otherwise: the embedded
+// server answers with its engine). The file's place on the ring decides what the descriptor
+// is, and its Origin says so:
+//
+//   - a file of the server this client runs in (SetOwnServer): that engine's answer (see
+//     core.Engine.OpenForReader), its cached copy, read from the source first on a miss;
+//   - a file of another server on this node: the cached copy in that server's tier, which
+//     that server fills on a miss (core.OriginTier);
+//   - a file of a server on another node: a sealed memory file (memfd) holding the bytes it
+//     sent (core.OriginMemory), so that the file stays cached at its owner only;
+//   - a file read from the source (its owner is dead under the pfs policy, no server
+//     answers, or it is too large to send): the source itself, opened beneath the dataset
+//     root (core.OriginSource), as a direct read of Read would.
+//
+// Dead servers are detected and the failure policy applied as for Read. The caller closes
+// the file.
+func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core.Origin, error) {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed.Load() {
+		return nil, 0, core.ErrClosed
+	}
+	if c.cluster == nil {
+		return nil, 0, fmt.Errorf("client OpenForReader outside cluster mode: %w", errors.ErrUnsupported)
+	}
+	path, err := c.Resolve(path)
+	if err != nil {
+		return nil, 0, err
+	}
+	var f *os.File
+	var origin core.Origin
+	err = c.route(path, func(p *peer, rest []*peer) (err error) {
+		f, origin, err = c.openFromPeer(ctx, p, rest, path)
+		return err
+	})
+	if errors.Is(err, errReadSource) {
+		f, origin, err = c.openSource(path)
+	}
+	if err != nil {
+		c.counts.errors.Add(1)
+		return nil, 0, err
+	}
+	return f, origin, nil
+}
+
+// openFromPeer opens the file at path as one server holds it (see OpenForReader); rest are
+// the servers that hold replicas.
+func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path string) (*os.File, core.Origin, error) {
+	dirs, _, _ := p.state()
+	if own := c.own; own != nil && p.member.ID == own.id {
+		if len(rest) == 0 {
+			return own.engine.OpenForReader(ctx, c.root, path)
+		}
+		// Replicas: a file this read takes from the source goes to the next servers too, as
+		// a read through a client sends it (see Read).
+		res, err := own.engine.Read(ctx, c.root, path, true)
+		if err != nil {
+			return nil, 0, err // too large to cache: read the source
+		}
+		if res.Origin == "source" {
+			c.replicate(rest, path, res.Bytes(), res.MTimeNanos)
+		}
+		res.Release()
+		if f, _, err := openTier(dirs, path); err == nil {
+			return f, core.OriginTier, nil
+		}
+		return own.engine.OpenForReader(ctx, c.root, path) // evicted meanwhile, or not in a tier
+	}
+	if p.local {
+		if f, d, err := openTier(dirs, path); err == nil { // cached since the shim looked
+			if fi, err := f.Stat(); err == nil {
+				c.counts.localHits.Add(1)
+				c.pending.add(d.Kind.String(), fi.Size())
+			}
+			return f, core.OriginTier, nil
+		}
+	}
+	reply, err := c.askPeer(ctx, p, path)
+	if err != nil {
+		return nil, 0, err
+	}
+	data := reply.Data
+	if reply.CachedPath != "" { // a server on this node cached it: hand out its tier file
+		if reply.Origin == "source" && len(rest) > 0 {
+			if m, err := tiers.Probe(dirs, path); err == nil {
+				c.replicate(rest, path, m.Bytes(), reply.MtimeNanos)
+				m.Release()
+			}
+		}
+		if f, _, err := openTier(dirs, path); err == nil {
+			return f, core.OriginTier, nil
+		}
+		// Evicted between the reply and the open: ask for the bytes.
+		if reply, err = p.rpc.Read(ctx, c.root, path, false); err != nil {
+			return nil, 0, err
+		}
+		data = reply.Data
+	} else if reply.Origin == "source" && len(rest) > 0 {
+		c.replicate(rest, path, data, reply.MtimeNanos)
+	}
+	f, err := memFile(path, data, reply.MtimeNanos)
+	if err != nil {
+		return nil, 0, err
+	}
+	return f, core.OriginMemory, nil
+}
+
+// openTier opens the cached copy of path in the first of dirs that has it.
+func openTier(dirs []tiers.Dir, path string) (*os.File, tiers.Dir, error) {
+	for _, d := range dirs {
+		if f, err := d.OpenFile(path); err == nil {
+			return f, d, nil
+		}
+	}
+	return nil, tiers.Dir{}, tiers.ErrNotCached
+}
+
+// openSource opens the source file at path beneath the dataset root, for a reader.
+func (c *Client) openSource(path string) (*os.File, core.Origin, error) {
+	src, err := core.OpenSource(c.root, c.realRoot, path)
+	if err != nil {
+		return nil, 0, err
+	}
+	f, err := src.ReaderFile()
+	if err != nil {
+		return nil, 0, err
+	}
+	c.counts.directReads.Add(1)
+	return f, core.OriginSource, nil
+}
+
+// memfdName bounds the name of a memory file (the kernel takes 249 bytes).
+const memfdName = 200
+
+// memFile returns a memory file (memfd) holding data, named after path (a reader sees
+// /memfd:fitcache:NAME in /proc/self/fd), read-only to everyone it is handed to: it is
+// sealed against writes and size changes, and its mode is 0444. Its modification time is
+// the source's when known, so that fstat agrees with the source on size and time. Closing
+// the last descriptor frees it.
+func memFile(path string, data []byte, mtimeNanos int64) (*os.File, error) {
+	name := "fitcache:" + filepath.Base(path)
+	if len(name) > memfdName {
+		name = name[:memfdName]
+	}
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, fmt.Errorf("memory file for %s: %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), "memfd:"+name)
+	if err := fillMemFile(f, data, mtimeNanos); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("memory file for %s: %w", path, err)
+	}
+	return f, nil
+}
+
+func fillMemFile(f *os.File, data []byte, mtimeNanos int64) error {
+	fd := int(f.Fd())
+	if _, err := f.Write(data); err != nil {
+		return err
+	}
+	if err := unix.Fchmod(fd, 0o444); err != nil {
+		return err
+	}
+	if mtimeNanos != 0 {
+		ts := unix.NsecToTimespec(mtimeNanos)
+		unix.UtimesNanoAt(fd, "", []unix.Timespec{ts, ts}, unix.AT_EMPTY_PATH) // best effort
+	}
+	seals := unix.F_SEAL_SEAL | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
+		return err
+	}
+	_, err := f.Seek(0, io.SeekStart) // the reader shares the offset: it starts at 0
+	return err
+}
+
+// Owner returns the id of the server a read of path goes to first in cluster mode: its
+// owner on the ring or, under recache, the next live server; "" when it is read from the
+// source (pfs policy and a dead owner) or outside cluster mode.
+func (c *Client) Owner(path string) string {
+	if c.cluster == nil {
+		return ""
+	}
+	path, err := c.Resolve(path)
+	if err != nil {
+		return ""
+	}
+	if t := c.cluster.targets(path); len(t) > 0 {
+		return t[0].member.ID
+	}
+	return ""
+}
+
+// LocalServers returns the ids of the job's servers on this node (core.Config.Node), alive
+// or not, sorted (not nil, if empty); nil outside cluster mode.
+func (c *Client) LocalServers() []string {
+	if c.cluster == nil {
+		return nil
+	}
+	ids := []string{}
+	for id, p := range c.cluster.peers {
+		if p.local {
+			ids = append(ids, id)
+		}
+	}
+	sort.Strings(ids)
+	return ids
+}
+
+// nodeSocket returns the node socket of the first live server on this node (by address)
+// that announced one and whose socket is this user's.
+func (r *clusterRouter) nodeSocket() string {
+	var ids []string
+	for id, p := range r.peers {
+		if p.local {
+			ids = append(ids, id)
+		}
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		p := r.peers[id]
+		p.mu.Lock()
+		path, dead := p.nodeSocket, p.dead
+		p.mu.Unlock()
+		if !dead && path != "" && ownSocket(path) {
+			return path
+		}
+	}
+	return ""
+}
+
+// ownSocket reports whether path is a Unix socket of this user (not a link): a reader hands
+// its opens to whoever listens there and trusts the descriptors that come back.
+func ownSocket(path string) bool {
+	var st syscall.Stat_t
+	return syscall.Lstat(path, &st) == nil && st.Mode&syscall.S_IFMT == syscall.S_IFSOCK && int(st.Uid) == os.Geteuid()
+}

@@ -1,0 +1,219 @@
+package client
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/cloudwego/kitex/server"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// testServer is a cluster server run in this process.
+type testServer struct {
+	addr   string
+	engine *core.Engine
+	srv    server.Server
+	ln     *connsListener
+}
+
+// connsListener keeps the connections it accepted, so that a test can cut them as the death
+// of the server's process would.
+type connsListener struct {
+	net.Listener
+	mu    sync.Mutex // protects conns
+	conns []net.Conn
+}
+
+func (l *connsListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, c)
+		l.mu.Unlock()
+	}
+	return c, err
+}
+
+// cut closes the listener and every connection accepted.
+func (l *connsListener) cut() {
+	l.Listener.Close()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, c := range l.conns {
+		c.Close()
+	}
+}
+
+// startClusterServer runs a server for root on host (a loopback address: its node).
+func startClusterServer(t *testing.T, host, root string) *testServer {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "64MiB"}},
+		Roots: []string{root}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", host+":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := &connsListener{Listener: ln}
+	srv, _, _ := rpc.Serve(e, cl, rpc.ServerConfig{Token: "tok"})
+	s := &testServer{addr: ln.Addr().String(), engine: e, srv: srv, ln: cl}
+	t.Cleanup(func() { s.stop() })
+	return s
+}
+
+// stop stops the server as a kill would: its connections are cut at once.
+func (s *testServer) stop() {
+	if s.srv != nil {
+		s.ln.cut()
+		s.srv.Stop()
+		s.engine.Close()
+		s.srv = nil
+	}
+}
+
+// sourceReads sums the source reads of the servers.
+func sourceReads(servers []*testServer) int64 {
+	var n int64
+	for _, s := range servers {
+		n += s.engine.Stats().SourceReads
+	}
+	return n
+}
+
+// OpenForReader, as the node socket of a cluster server uses it: every file comes with its
+// bytes, from its owner on the ring: the server's own files and those of another server on
+// its node as tier files, the files of other nodes as sealed memory files; the source is
+// read once per file. A dead server's files come from their new owner (recache) or the
+// source (pfs).
+func TestOpenForReaderServesEachFileFromItsOwner(t *testing.T) {
+	for _, policy := range []string{core.PolicyRecache, core.PolicyPFS} {
+		t.Run(policy, func(t *testing.T) { testOpenForReader(t, policy) })
+	}
+}
+
+func testOpenForReader(t *testing.T, policy string) {
+	root := t.TempDir()
+	rng := rand.New(rand.NewSource(1))
+	want := map[string][]byte{}
+	var names []string
+	for i := range 60 {
+		name := fmt.Sprintf("d%d/f%02d.bin", i%3, i)
+		data := make([]byte, []int{0, 1, 4096, 70000}[i%4]+rng.Intn(3000))
+		rng.Read(data)
+		os.MkdirAll(filepath.Join(root, filepath.Dir(name)), 0o755)
+		writeFile(t, root, name, data)
+		want[name] = data
+		names = append(names, name)
+	}
+	// Nodes are loopback addresses: self and a peer on 127.0.0.1, a remote on 127.0.0.2.
+	self, peer, remote := startClusterServer(t, "127.0.0.1", root), startClusterServer(t, "127.0.0.1", root),
+		startClusterServer(t, "127.0.0.2", root)
+	servers := []*testServer{self, peer, remote}
+	cfg, err := core.LoadConfig(map[string]string{"servers": self.addr + "," + peer.addr + "," + remote.addr,
+		"token": "tok", "node": "127.0.0.1", "policy": policy, "wait_timeout": "5", "rpc_timeout": "2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Open(root, cfg, discardLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetOwnServer(self.addr, self.engine)
+
+	// open reads a file through OpenForReader and checks its bytes and what it is.
+	open := func(name string, wantOrigin core.Origin) {
+		t.Helper()
+		f, origin, err := c.OpenForReader(context.Background(), name)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		defer f.Close()
+		got, err := io.ReadAll(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want[name]) {
+			t.Fatalf("%s: got %d bytes, want the source's %d", name, len(got), len(want[name]))
+		}
+		if origin != wantOrigin {
+			t.Errorf("%s: origin %v, want %v", name, origin, wantOrigin)
+		}
+		if origin == core.OriginMemory {
+			link, _ := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", f.Fd()))
+			if !strings.HasPrefix(link, "/memfd:fitcache:"+filepath.Base(name)) {
+				t.Errorf("%s: memory file named %q", name, link)
+			}
+			if _, err := f.WriteAt([]byte("x"), 0); !errors.Is(err, syscall.EPERM) {
+				t.Errorf("%s: write to the memory file: %v, want EPERM (sealed)", name, err)
+			}
+			if err := f.Truncate(0); !errors.Is(err, syscall.EPERM) {
+				t.Errorf("%s: truncate the memory file: %v, want EPERM (sealed)", name, err)
+			}
+		}
+	}
+	originOf := map[string]core.Origin{self.addr: core.OriginTier, peer.addr: core.OriginTier, remote.addr: core.OriginMemory}
+	owned := map[string]int{}
+	for epoch := range 2 {
+		for _, name := range names {
+			owner := c.Owner(name)
+			owned[owner]++
+			open(name, originOf[owner])
+		}
+		if got := sourceReads(servers); got != int64(len(names)) {
+			t.Fatalf("epoch %d: %d source reads, want one per file (%d)", epoch, got, len(names))
+		}
+	}
+	for _, s := range servers {
+		if owned[s.addr] == 0 {
+			t.Fatalf("server %s owns no file: the test proves nothing (%v)", s.addr, owned)
+		}
+	}
+
+	// The remote server dies: its files come from the next live server, on this node here,
+	// which reads each from the source once (recache), or from the source every time (pfs).
+	lost := map[string]bool{}
+	for _, name := range names {
+		lost[name] = c.Owner(name) == remote.addr
+	}
+	remote.stop()
+	before := sourceReads(servers[:2])
+	for range 2 {
+		for _, name := range names {
+			switch {
+			case !lost[name]:
+				open(name, originOf[c.Owner(name)])
+			case policy == core.PolicyPFS:
+				open(name, core.OriginSource)
+			default:
+				open(name, core.OriginTier)
+			}
+		}
+	}
+	after := sourceReads(servers[:2])
+	if policy == core.PolicyRecache && after-before != int64(owned[remote.addr]/2) {
+		t.Errorf("recache: %d source reads by the live servers, want one per file of the dead one (%d)", after-before, owned[remote.addr]/2)
+	}
+	if policy == core.PolicyPFS && after != before {
+		t.Errorf("pfs: the live servers read %d files, want none (the dead one's are read from the source)", after-before)
+	}
+	if _, _, err := c.OpenForReader(context.Background(), "../outside"); !errors.Is(err, core.ErrOutsideRoot) {
+		t.Errorf("a path outside the root: %v, want ErrOutsideRoot", err)
+	}
+}

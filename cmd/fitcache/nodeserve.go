@@ -1,0 +1,243 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/cluster"
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/nodesock"
+	"github.com/fitcache/fitcache/ring"
+)
+
+// The node socket of a server (package nodesock) answers the preload shim of the
+// transparent mode, and the hit path of libfitcache in forked processes, on the server's
+// node. A per-user server answers with its own engine. A cluster server (serve --listen)
+// given the job's servers (--servers or FITCACHE_SERVERS, with the other cluster options from
+// FITCACHE_*) answers for every file of the job: it reads through a cluster client of its
+// own per dataset root (client.OpenForReader), so that a file keeps one owner on the ring
+// whichever node opens it. Its own files come from its engine, the files of other servers
+// on its node as their tier files, those of other nodes as memory files holding the bytes
+// their owners sent over Kitex, and dead servers' files as the failure policy says. A
+// write-open of a dataset file (OpForget) drops the copies of this server only: copies on
+// other nodes stay until evicted, as in every cluster-mode read. A cluster server that does
+// not know the job's servers has no node socket (serve.go): answering with its own engine, it
+// would cache on its node every file the node reads.
+
+// nodeServer returns the node socket configuration of a server: routed through the cluster
+// when cn is not nil, else served by the engine. touch is called on every request (idle
+// tracking).
+func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch func()) nodesock.Config {
+	cfg := nodesock.Config{Log: log, Errno: core.Errno,
+		Fetch: func(ctx context.Context, root, path string) error {
+			touch()
+			return engine.Fetch(ctx, root, path)
+		},
+		Open: func(ctx context.Context, root, path string) (*os.File, uint32, error) {
+			touch()
+			f, origin, err := engine.OpenForReader(ctx, root, path)
+			return f, uint32(origin), err
+		},
+		Forget: func(root, path string) error {
+			touch()
+			return engine.Forget(root, path)
+		}}
+	if cn != nil {
+		cfg.Fetch = func(ctx context.Context, root, path string) error {
+			touch()
+			return cn.fetch(ctx, root, path)
+		}
+		cfg.Open = func(ctx context.Context, root, path string) (*os.File, uint32, error) {
+			touch()
+			f, origin, err := cn.open(ctx, root, path)
+			return f, uint32(origin), err
+		}
+	}
+	return cfg
+}
+
+// listenFile names a file of the server listening on the TCP address listen in its runtime
+// directory: "server-HOST_PORT" and the suffix.
+func listenFile(runtimeDir, listen, suffix string) string {
+	return filepath.Join(runtimeDir, "server-"+strings.NewReplacer(":", "_", "/", "_").Replace(listen)+suffix)
+}
+
+// Bounds of a cluster node: the dataset roots it keeps a client for (a request for another
+// root fails, and the reader reads the source), how long a new client waits for the job's
+// servers (those that do not answer start dead and are probed every second), and how long a
+// client that could not be made is not tried again.
+const (
+	nodeMaxRoots    = 64
+	nodeClientWait  = 5 * time.Second
+	nodeClientRetry = 10 * time.Second
+)
+
+// clusterNode answers the node socket of a cluster server through the cluster (see above).
+// It is safe for concurrent use.
+type clusterNode struct {
+	engine *core.Engine
+	cfg    core.Config // the job's: Node is this server's node
+	self   string      // this server's id on the ring, "" if it is not found there
+	log    *slog.Logger
+
+	mu      sync.Mutex // protects clients and closed
+	clients map[string]*rootClient
+	closed  bool
+}
+
+// rootClient is the cluster client of one dataset root, made by the first request for it.
+type rootClient struct {
+	ready chan struct{} // closed when c, err and made are set
+	c     *client.Client
+	err   error
+	made  time.Time
+}
+
+// newClusterNode prepares the routed node socket of the cluster server listening on listen,
+// in the job that cfg describes (cfg.Servers set), authenticated with token. It fails when
+// the job's servers cannot be listed.
+func newClusterNode(engine *core.Engine, cfg core.Config, token, listen string, log *slog.Logger) (*clusterNode, error) {
+	members, err := cluster.Discover(cluster.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	if err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	cfg.Token, cfg.TokenFile = token, ""
+	cfg.WaitTimeout = min(cfg.WaitTimeout, nodeClientWait)
+	cn := &clusterNode{engine: engine, cfg: cfg, log: log, clients: map[string]*rootClient{}}
+	if self, ok := selfMember(members, listen, cfg.Node); ok {
+		cn.self, cn.cfg.Node = self.ID, self.Node
+	} else {
+		log.Warn("this server is not among the job's servers: its node socket reads its own files over RPC too",
+			"listen", listen, "node", cfg.Node, "servers", cfg.Servers)
+	}
+	return cn, nil
+}
+
+// selfMember finds the server listening on listen among the job's servers: the one whose id
+// is the listen address, else the one on node with its port (a server listening on
+// 0.0.0.0:7070 or :7070 on a node the job names by its host name).
+func selfMember(members []ring.Member, listen, node string) (ring.Member, bool) {
+	for _, m := range members {
+		if m.ID == listen {
+			return m, true
+		}
+	}
+	_, port, err := net.SplitHostPort(listen)
+	if err != nil {
+		return ring.Member{}, false
+	}
+	for _, m := range members {
+		if _, p, err := net.SplitHostPort(m.ID); err == nil && p == port && m.Node == node {
+			return m, true
+		}
+	}
+	return ring.Member{}, false
+}
+
+// client returns the cluster client of root, making it on first use.
+func (n *clusterNode) client(ctx context.Context, root string) (*client.Client, error) {
+	n.mu.Lock()
+	rc := n.clients[root]
+	if rc != nil {
+		select {
+		case <-rc.ready:
+			if rc.err != nil && time.Since(rc.made) > nodeClientRetry {
+				delete(n.clients, root)
+				rc = nil
+			}
+		default:
+		}
+	}
+	mine := false
+	switch {
+	case rc != nil:
+	case n.closed:
+		n.mu.Unlock()
+		return nil, core.ErrClosed
+	case len(n.clients) >= nodeMaxRoots:
+		n.mu.Unlock()
+		return nil, &core.ErrnoError{Errno: syscall.EMFILE, Message: fmt.Sprintf(
+			"fitcache: the node socket serves at most %d dataset roots through the cluster", nodeMaxRoots)}
+	default:
+		rc = &rootClient{ready: make(chan struct{})}
+		n.clients[root] = rc
+		mine = true
+	}
+	n.mu.Unlock()
+	if mine {
+		rc.c, rc.err = client.Open(root, n.cfg, n.log)
+		if rc.err == nil && n.self != "" {
+			rc.c.SetOwnServer(n.self, n.engine)
+		}
+		if rc.err != nil {
+			n.log.Warn("node socket: no cluster client for a dataset root; its misses read the source",
+				"root", root, "err", rc.err, "retry_in", nodeClientRetry)
+		}
+		rc.made = time.Now()
+		close(rc.ready)
+	}
+	select {
+	case <-rc.ready:
+		return rc.c, rc.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// open answers OpOpen: see client.OpenForReader. Roots outside the server's are refused
+// before any client is made.
+func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, core.Origin, error) {
+	if err := n.engine.CheckRoot(root, path); err != nil {
+		return nil, 0, err
+	}
+	c, err := n.client(ctx, root)
+	if err != nil {
+		return nil, 0, err
+	}
+	return c.OpenForReader(ctx, path)
+}
+
+// fetch answers OpFetch, which promises the caller the file in a tier of this server: for
+// the files this server owns only. For the others it fails with EIO, which sends the
+// caller (libfitcache's hit path) through its own cluster client.
+func (n *clusterNode) fetch(ctx context.Context, root, path string) error {
+	if err := n.engine.CheckRoot(root, path); err != nil {
+		return err
+	}
+	c, err := n.client(ctx, root)
+	if err != nil {
+		return err
+	}
+	if owner := c.Owner(path); owner == "" || owner != n.self {
+		return &core.ErrnoError{Errno: syscall.EIO, Message: fmt.Sprintf(
+			"fitcache: %s is not this server's (its owner: %q): read it through a cluster client", path, owner)}
+	}
+	return n.engine.Fetch(ctx, root, path)
+}
+
+// Close closes the clients, after their reads in progress.
+func (n *clusterNode) Close() {
+	n.mu.Lock()
+	n.closed = true
+	clients := n.clients
+	n.clients = nil
+	n.mu.Unlock()
+	for _, rc := range clients {
+		<-rc.ready
+		if rc.c != nil {
+			rc.c.Close()
+		}
+	}
+}

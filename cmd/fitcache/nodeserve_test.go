@@ -1,0 +1,177 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/nodesock"
+	"github.com/fitcache/fitcache/ring"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+func TestSelfMemberFindsTheServerByItsListenAddress(t *testing.T) {
+	members := []ring.Member{{ID: "gpu001:7070", Node: "gpu001"}, {ID: "gpu001:7071", Node: "gpu001"},
+		{ID: "gpu002:7070", Node: "gpu002"}, {ID: "10.0.0.3:7070", Node: "10.0.0.3"}}
+	for _, tc := range []struct {
+		listen, node, want string
+	}{
+		{"gpu001:7071", "elsewhere", "gpu001:7071"}, // the listen address names it
+		{"10.0.0.3:7070", "gpu003", "10.0.0.3:7070"},
+		{"0.0.0.0:7070", "gpu002", "gpu002:7070"}, // a wildcard address: its node and port
+		{":7071", "gpu001", "gpu001:7071"},
+		{"0.0.0.0:7072", "gpu001", ""}, // no server of the job on that port
+		{"0.0.0.0:7070", "gpu009", ""}, // nor on that node
+	} {
+		got, ok := selfMember(members, tc.listen, tc.node)
+		if ok != (tc.want != "") || got.ID != tc.want {
+			t.Errorf("selfMember(%q, node %q) = %q, %v; want %q", tc.listen, tc.node, got.ID, ok, tc.want)
+		}
+	}
+}
+
+// startEngineServer runs an engine serving root over RPC on host (a loopback address: its
+// node), with the job token "tok".
+func startEngineServer(t *testing.T, host, root string) (string, *core.Engine) {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "64MiB"}},
+		Roots: []string{root}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", host+":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _, _ := rpc.Serve(e, ln, rpc.ServerConfig{Token: "tok"})
+	t.Cleanup(func() { srv.Stop(); e.Close() })
+	return ln.Addr().String(), e
+}
+
+// nodeOp sends one node socket request and returns the reply's errno, the origin of an
+// OpOpen reply and the descriptor it carried.
+func nodeOp(t *testing.T, sock string, op uint32, root, path string) (syscall.Errno, core.Origin, *os.File) {
+	t.Helper()
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write(nodesock.AppendRequest(nil, op, root, path)); err != nil {
+		t.Fatal(err)
+	}
+	hdr := make([]byte, 12)
+	if op == nodesock.OpOpen {
+		hdr = make([]byte, 16)
+	}
+	oob := make([]byte, unix.CmsgSpace(4))
+	n, oobn, _, _, err := c.ReadMsgUnix(hdr, oob)
+	if err == nil && n < len(hdr) {
+		_, err = io.ReadFull(c, hdr[n:])
+	}
+	if err != nil {
+		t.Fatalf("reply: %v", err)
+	}
+	var f *os.File
+	if oobn > 0 {
+		msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
+		fds, err := unix.ParseUnixRights(&msgs[0])
+		if err != nil || len(fds) != 1 {
+			t.Fatalf("rights: %v %v", fds, err)
+		}
+		f = os.NewFile(uintptr(fds[0]), path)
+	}
+	le := binary.LittleEndian
+	errno := syscall.Errno(int32(le.Uint32(hdr[4:8])))
+	if op != nodesock.OpOpen {
+		return errno, 0, f
+	}
+	return errno, core.Origin(le.Uint32(hdr[8:12])), f
+}
+
+// The node socket of a cluster server that knows the job's servers answers a reader on its
+// node with every file of the job, each from its owner: its own files from its tier, the
+// other node's as memory files; OpFetch only for its own files; nothing outside its roots.
+func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	want := map[string][]byte{}
+	for i := range 30 {
+		p := filepath.Join(root, fmt.Sprintf("f%02d", i))
+		want[p] = bytes.Repeat([]byte{byte(i)}, 1000*i)
+		if err := os.WriteFile(p, want[p], 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	os.WriteFile(filepath.Join(outside, "secret"), []byte("no"), 0o644)
+	self, engine := startEngineServer(t, "127.0.0.1", root)
+	other, _ := startEngineServer(t, "127.0.0.2", root)
+	cfg, err := core.LoadConfig(map[string]string{"servers": self + "," + other, "node": "not-this-one",
+		"wait_timeout": "5", "rpc_timeout": "2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cn, err := newClusterNode(engine, cfg, "tok", self, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cn.Close()
+	if cn.self != self || cn.cfg.Node != "127.0.0.1" {
+		t.Fatalf("the server found itself as %q on node %q, want %q on 127.0.0.1", cn.self, cn.cfg.Node, self)
+	}
+	sock := filepath.Join(t.TempDir(), "s.node")
+	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+
+	c, err := cn.client(context.Background(), root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	owned := map[string]int{}
+	for p, data := range want {
+		owner := c.Owner(p)
+		owned[owner]++
+		errno, origin, f := nodeOp(t, sock, nodesock.OpOpen, root, p)
+		if errno != 0 || f == nil {
+			t.Fatalf("open %s: errno %v, descriptor %v", p, errno, f)
+		}
+		got, err := io.ReadAll(f)
+		f.Close()
+		if err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("open %s: %d bytes (%v), want the source's %d", p, len(got), err, len(data))
+		}
+		if wantOrigin := map[string]core.Origin{self: core.OriginTier, other: core.OriginMemory}[owner]; origin != wantOrigin {
+			t.Errorf("open %s of %s: origin %v, want %v", p, owner, origin, wantOrigin)
+		}
+		wantFetch := map[string]syscall.Errno{self: 0, other: syscall.EIO}[owner]
+		if errno, _, _ := nodeOp(t, sock, nodesock.OpFetch, root, p); errno != wantFetch {
+			t.Errorf("fetch %s of %s: errno %v, want %v", p, owner, errno, wantFetch)
+		}
+	}
+	if owned[self] == 0 || owned[other] == 0 {
+		t.Fatalf("a server owns no file: the test proves nothing (%v)", owned)
+	}
+	if got := engine.Stats().SourceReads; got != int64(owned[self]) {
+		t.Errorf("this server read %d files from the source, want its own %d", got, owned[self])
+	}
+	errno, _, f := nodeOp(t, sock, nodesock.OpOpen, outside, filepath.Join(outside, "secret"))
+	if errno != syscall.EACCES || f != nil {
+		t.Errorf("a file outside the server's roots: errno %v, descriptor %v; want EACCES and none", errno, f)
+	}
+	if len(cn.clients) != 1 {
+		t.Errorf("%d cluster clients, want 1 (none for a root the server does not serve)", len(cn.clients))
+	}
+}
