@@ -48,6 +48,18 @@ static int64_t now_ns(void) {
 	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+// path_hashes computes fc_key and fc_check of p in one pass: two independent multiply
+// chains, which the CPU overlaps (each alone is one multiply's latency per byte).
+static void path_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
+	uint64_t h = 0xcbf29ce484222325ULL, c = 0xcbf29ce484222325ULL;
+	for (size_t i = 0; i < n; i++) {
+		h = (h ^ (unsigned char)p[i]) * 0x100000001b3ULL;
+		c = (c ^ (unsigned char)p[n - 1 - i]) * 0x100000001b3ULL;
+	}
+	*key = h;
+	*check = c;
+}
+
 uint64_t fc_key(const char *p, size_t n) {
 	uint64_t h = 0xcbf29ce484222325ULL;
 	for (size_t i = 0; i < n; i++) {
@@ -117,9 +129,22 @@ static int rel_path(const char *path, size_t len, uint64_t key, char *rel, size_
 	}
 	if (blen > MAX_NAME_BYTES)
 		blen = MAX_NAME_BYTES;
-	int n = snprintf(rel, cap, "%02x/%02x/%016llx-%.*s", (unsigned)(key & 0xff), (unsigned)((key >> 8) & 0xff),
-	                 (unsigned long long)key, (int)blen, base);
-	return n > 0 && (size_t)n < cap ? n : -1;
+	// "%02x/%02x/%016llx-%.*s" of (key & 0xff, (key >> 8) & 0xff, key, base), without stdio.
+	static const char hex[] = "0123456789abcdef";
+	if (23 + blen + 1 > cap)
+		return -1;
+	rel[0] = hex[(key >> 4) & 15];
+	rel[1] = hex[key & 15];
+	rel[2] = '/';
+	rel[3] = hex[(key >> 12) & 15];
+	rel[4] = hex[(key >> 8) & 15];
+	rel[5] = '/';
+	for (int i = 0; i < 16; i++)
+		rel[6 + i] = hex[(key >> (60 - 4 * i)) & 15];
+	rel[22] = '-';
+	memcpy(rel + 23, base, blen);
+	rel[23 + blen] = 0;
+	return (int)(23 + blen);
 }
 
 static uint32_t rd32(const uint8_t *p) { return __atomic_load_n((const uint32_t *)p, __ATOMIC_RELAXED); }
@@ -225,6 +250,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind) {
 	}
 	t->dirfd = fd;
 	t->kind = kind;
+	t->uid = st.st_uid; // == geteuid(), checked above: fc_lookup makes no system call for it
 	current_index(t);
 	errno = saved;
 	return 0;
@@ -320,7 +346,8 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, struct fc_hit *hit) {
 	int saved = errno;
-	uint64_t key = fc_key(path, len), check = fc_check(path, len);
+	uint64_t key, check;
+	path_hashes(path, len, &key, &check);
 	char rel[MAX_NAME_BYTES + 32];
 	int have_rel = 0;
 	for (int i = 0; i < n; i++) {
@@ -340,7 +367,7 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 		if (fd < 0)
 			continue; // evicted since the lookup
 		struct stat st;
-		if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && (uint64_t)st.st_ino == s.ino &&
+		if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && (uint64_t)st.st_ino == s.ino &&
 		    (uint64_t)st.st_size == s.size) {
 			hit->fd = fd;
 			hit->tier = i;

@@ -21,6 +21,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,6 +39,7 @@ extern "C" {
 struct fc_tier {
 	int dirfd;                 /* the tier directory, checked private at open */
 	int kind;                  /* the caller's tag for the tier (its kind), for statistics */
+	uid_t uid;                 /* the owner of the tier directory: this user when it was opened */
 	const uint8_t *_Atomic index; /* the mapped index (read-only), NULL while there is none */
 	uint64_t *_Atomic counters;   /* the index's hit counters (a writable mapping of its header) */
 	int64_t retry_ns;          /* CLOCK_MONOTONIC time before which a missing index is not sought */
