@@ -52,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 import fitcache
-from bench_scale import FitCacheCRC, PlainCRC  # the same readers as the scale benchmark
+from bench_scale import FitCacheCRC, PlainCRC, write_results  # the same readers as the scale benchmark
 from privatecache import PrivateCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -282,13 +282,7 @@ def main():
     finally:
         for fn in reversed(cleanup):
             fn()
-    table = markdown(results, args)
-    print(table)
-    results["table"] = table
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
-    log(f"wrote {out}")
-    return 1 if results["crc_mismatches"] else 0
+    return write_results(results, markdown(results, args), out)
 
 
 if __name__ == "__main__":

@@ -644,14 +644,7 @@ def main():
         runner.kill()
         for fn in reversed(cleanup):
             fn()
-    table = markdown(results, args)
-    print(table)
-    results["table"] = table
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
-    log(f"wrote {out}")
-    bad = results.get("local", {}).get("crc_mismatches", 0) + results.get("pfs", {}).get("crc_mismatches", 0)
-    return 1 if bad else 0
+    return bench_scale.write_results(results, markdown(results, args), out)
 
 
 if __name__ == "__main__":

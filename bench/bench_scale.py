@@ -595,6 +595,19 @@ def markdown(results, args):
     return "\n".join(lines) + "\n"
 
 
+def write_results(results, table, out):
+    """Prints the Markdown table, writes the results with it as JSON to out, and returns the
+    exit status: 1 if any item's bytes did not match the manifest."""
+    print(table)
+    results["table"] = table
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2)
+    log(f"wrote {out}")
+    bad = sum(results.get(part, {}).get("crc_mismatches", 0) for part in ("local", "pfs"))
+    bad += results.get("crc_mismatches", 0)
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=30000, help="files in the dataset")
@@ -633,14 +646,7 @@ def main():
     finally:
         for fn in reversed(cleanup):
             fn()
-    table = markdown(results, args)
-    print(table)
-    results["table"] = table
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
-    log(f"wrote {out}")
-    bad = results.get("local", {}).get("crc_mismatches", 0) + results.get("pfs", {}).get("crc_mismatches", 0)
-    return 1 if bad else 0
+    return write_results(results, markdown(results, args), out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #define FC_NODE_MAGIC "FCN1"
 #define FC_NODE_OP_FETCH 1
@@ -58,6 +62,24 @@ static inline int fc_recv_all(int fd, void *p, size_t n) {
 		n -= (size_t)k;
 	}
 	return 0;
+}
+
+/* Connects to the node socket at addr, with timeout_ms on sends and receives: the
+ * connection, or -1 with errno set. */
+static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeout_ms) {
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -1;
+	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+	if (connect(fd, (const struct sockaddr *)addr, sizeof *addr) != 0) {
+		int err = errno;
+		close(fd);
+		errno = err;
+		return -1;
+	}
+	return fd;
 }
 
 #endif /* FITCACHE_NODE_H */

@@ -450,17 +450,7 @@ static int64_t monotonic_ns(void) {
 static int node_connect(const char *socket_path, int64_t timeout_ms) {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
 	strcpy(addr.sun_path, socket_path);
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (fd < 0)
-		return -1;
-	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-	if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-		close(fd);
-		return -1;
-	}
-	return fd;
+	return fc_node_connect(&addr, timeout_ms);
 }
 
 // node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in

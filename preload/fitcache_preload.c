@@ -298,19 +298,15 @@ static int dataset_path(int dirfd, const char *path, char *key, const struct roo
 static int node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
 	if (node_addr.sun_family != AF_UNIX || monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
 		return -1;
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	int fd = fc_node_connect(&node_addr, timeout_ms);
 	if (fd < 0)
 		return -1;
-	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 	uint8_t hdr[16];
 	memcpy(hdr, FC_NODE_MAGIC, 4);
 	fc_put32(hdr + 4, op);
 	fc_put32(hdr + 8, (uint32_t)r->reallen);
 	fc_put32(hdr + 12, (uint32_t)len);
-	if (connect(fd, (struct sockaddr *)&node_addr, sizeof node_addr) != 0 || fc_send_all(fd, hdr, sizeof hdr) != 0 ||
-	    fc_send_all(fd, r->real, r->reallen) != 0 || fc_send_all(fd, key, len) != 0) {
+	if (fc_send_all(fd, hdr, sizeof hdr) != 0 || fc_send_all(fd, r->real, r->reallen) != 0 || fc_send_all(fd, key, len) != 0) {
 		close(fd);
 		return -1;
 	}
