@@ -4,6 +4,7 @@ command-line tool), and with a C compiler libfitcache_preload.so (the LD_PRELOAD
 `fitcache run`). The wheel is platform-specific."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -11,6 +12,15 @@ from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version():
+    """The version's single source: FITCACHE_VERSION in capi/fitcache.h."""
+    with open(os.path.join(HERE, "capi", "fitcache.h")) as f:
+        match = re.search(r'#define FITCACHE_VERSION "([^"]+)"', f.read())
+    if not match:
+        raise SystemExit("error: no FITCACHE_VERSION in capi/fitcache.h")
+    return match.group(1)
 
 
 def go_binary():
@@ -67,7 +77,7 @@ class BinaryDistribution(Distribution):
 
 setup(
     name="fitcache",
-    version="0.1.0",
+    version=read_version(),
     description="Multi-tier, fault-tolerant cache for deep-learning datasets on HPC file systems",
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",

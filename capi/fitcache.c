@@ -15,7 +15,6 @@
 #include "hitpath.h"
 #include "_cgo_export.h"
 
-#define FITCACHE_VERSION "0.1.0"
 
 static pid_t loaded_pid;
 static volatile int forked_after_load;

@@ -87,6 +87,9 @@ int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
 int fc_errmsg(char *buf, size_t len);
 
 /* The library's version, a static string. */
+/* The version of FitCache: its single source (setup.py reads it from here for the Python
+ * package, whose fitcache.__version__ and fitcache.version() report it). */
+#define FITCACHE_VERSION "0.1.0"
 const char *fc_version(void);
 
 #ifdef __cplusplus

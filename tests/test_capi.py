@@ -42,3 +42,15 @@ def test_c_fork_before_load(tmp_path, native_library, c_dataset, cache_options):
     out = subprocess.run([exe, native_library, c_dataset], capture_output=True, text=True, timeout=120,
                          env=c_env(cache_options))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_version_has_one_source(native_library):
+    """capi/fitcache.h defines the version; the library, the installed header and the Python
+    package report that one."""
+    import re
+
+    import fitcache
+    with open(os.path.join(os.path.dirname(native_library), "fitcache.h")) as f:
+        header = re.search(r'#define FITCACHE_VERSION "([^"]+)"', f.read()).group(1)
+    assert fitcache.version() == header
+    assert fitcache.__version__ == header

@@ -6,6 +6,8 @@
 See the README for configuration, the C interface and how it works.
 """
 
+import importlib.metadata as _metadata
+
 from ._native import (Client, FitCacheError, ForkedAfterLoad, IsADirectory, NotADirectory,
                       NotFound, PermissionDenied, version)
 # The dataset module imports torch (a second or more): it is loaded on first use, so that the
@@ -20,7 +22,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'fitcache' has no attribute {name!r}")
 
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version, which setup.py takes from capi/fitcache.h
+    __version__ = _metadata.version("fitcache")
+except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree on sys.path
+    __version__ = "0+unknown"
 
 __all__ = [
     "Client", "FitCacheDataset", "FitCacheError", "ForkedAfterLoad", "IsADirectory",
