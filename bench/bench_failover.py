@@ -7,7 +7,7 @@ epoch, the files the failed server held, and the time from the failure to the cl
 declaring the server dead.
 
     python bench/bench_failover.py --files 400 --epochs 5
-    python bench/bench_failover.py --netns --source /mnt/pfs/fitcache-failover   # paper 000, sec. V
+    python bench/bench_failover.py --netns --source /mnt/pfs/fitcache-failover   # the hash-ring paper, sec. V
 """
 
 import argparse

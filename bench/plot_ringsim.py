@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Plots bench/ringsim's JSON like paper 000's Fig. 6b: receivers of a failed server's files
+"""Plots bench/ringsim's JSON like Fig. 6b of the hash-ring paper (Lee et al., "Fault-Tolerant
+Deep Learning Cache with Hash Ring for Load Balancing in HPC Systems"): receivers of a failed server's files
 (bars, left axis) and files per receiver (line, right axis), with standard deviations.
 
     python bench/plot_ringsim.py bench/results/ringsim-2026-11-22.json docs/ringsim.png

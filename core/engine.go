@@ -67,7 +67,8 @@ type Engine struct {
 }
 
 // flight is a file being read from the source or published. Readers that miss while it exists
-// share its result, so the source is read once (invariant 3).
+// share its result, so the source is read once per file however many readers miss on it at
+// once.
 type flight struct {
 	done      chan struct{} // closed when data, mtime and err are set
 	data      []byte        // the bytes of a file a client stored (see Store)

@@ -8,7 +8,8 @@ import (
 )
 
 // mover is the background data mover: it publishes files read from the source into the
-// tiers, one at a time, so at most one file is in flight into a tier (invariant 7).
+// tiers, one at a time, so at most one file is being written into the tiers by the mover at
+// any moment (a burst of misses cannot fill a tier with half-written files).
 type mover struct {
 	e     *Engine
 	limit int64 // bytes allowed to wait in the queue
