@@ -75,6 +75,22 @@ class BinaryDistribution(Distribution):
         return True
 
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+
+
+class PlatformWheel(_bdist_wheel):
+    """One wheel per platform for every Python 3: the native parts are a shared library loaded
+    with ctypes and a program, no CPython extension, so the wheel is tagged py3-none-PLATFORM
+    (not cp311-cp311-PLATFORM). `auditwheel repair` then gives it its manylinux tag."""
+
+    def get_tag(self):
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
+
+
 setup(
     name="fitcache",
     version=read_version(),
@@ -85,7 +101,7 @@ setup(
     python_requires=">=3.9",
     package_dir={"": "bindings/python"},
     packages=["fitcache"],
-    cmdclass={"build_py": BuildPyWithGo},
+    cmdclass={"build_py": BuildPyWithGo, "bdist_wheel": PlatformWheel},
     distclass=BinaryDistribution,
     entry_points={"console_scripts": ["fitcache = fitcache.__main__:main"]},
     extras_require={"torch": ["torch"], "test": ["pytest", "numpy"]},
