@@ -101,6 +101,7 @@ setup(
     python_requires=">=3.9",
     package_dir={"": "bindings/python"},
     packages=["fitcache"],
+    package_data={"fitcache": ["py.typed"]},
     cmdclass={"build_py": BuildPyWithGo, "bdist_wheel": PlatformWheel},
     distclass=BinaryDistribution,
     entry_points={"console_scripts": ["fitcache = fitcache.__main__:main"]},

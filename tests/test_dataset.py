@@ -3,13 +3,13 @@ DataLoader start methods, samplers, errors, fork orders and server death."""
 
 import errno
 import gc
+import logging
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 
@@ -273,17 +273,20 @@ def test_fork_after_load_is_served_by_the_cache_without_go(dataset, cache_option
     socket. Everything that needs Go fails at once with ForkedAfterLoad, never a hang."""
     root, digests = dataset
     code = f"""
-import os, hashlib, warnings, fitcache
+import os, hashlib, logging, fitcache
 ds = fitcache.FitCacheDataset({root!r}, **{cache_options!r})
 ds[0]  # loads the Go runtime in this process
 pid = os.fork()
 if pid == 0:
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        ok = all(hashlib.sha256(ds[i]).hexdigest() == {digests!r}[ds.files[i]] for i in range(len(ds)))
-        ok = ok and all(hashlib.sha256(v).hexdigest() == {digests!r}[ds.files[i]]
-                        for i, v in enumerate(ds.__getitems__(range(len(ds)))))
-        ok = ok and not w  # nothing fell back to the source
+    class Records(logging.Handler):
+        seen = []
+        def emit(self, record):
+            self.seen.append(record)
+    logging.getLogger("fitcache").addHandler(Records())
+    ok = all(hashlib.sha256(ds[i]).hexdigest() == {digests!r}[ds.files[i]] for i in range(len(ds)))
+    ok = ok and all(hashlib.sha256(v).hexdigest() == {digests!r}[ds.files[i]]
+                    for i, v in enumerate(ds.__getitems__(range(len(ds)))))
+    ok = ok and not Records.seen  # nothing fell back to the source
     try:
         fitcache.Client({root!r})
         ok = False
@@ -301,6 +304,17 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
     assert counts == {name: 1 for name in digests}, "each file read from the source once"
 
 
+class _FailOnFallback(logging.Handler):
+    """Turns what the package logs (a fallback to the source, say) into an error in the process
+    that logs it, a DataLoader worker included: the read fails, and so does the epoch."""
+
+    def emit(self, record):
+        raise AssertionError(f"fitcache logged: {record.getMessage()}")
+
+
+fail_on_fallback = _FailOnFallback()
+
+
 def test_dataloader_forked_after_a_read_in_the_main_process_uses_the_cache(dataset, cache_options):
     """Users look at a sample before training: the main process loads the library, then the
     DataLoader forks its workers. Their reads still go through the cache: the first epoch
@@ -311,12 +325,15 @@ def test_dataloader_forked_after_a_read_in_the_main_process_uses_the_cache(datas
                         multiprocessing_context="fork")
     with OpenCounter(root) as opens:
         ds[0]  # loads the library here (and hands the server the file list to prefetch)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no fallback to the source
+        logger = logging.getLogger("fitcache")
+        logger.addHandler(fail_on_fallback)  # forked workers inherit it
+        try:
             check_epoch(loader, ds, digests)
             first = opens.counts()
             for _ in range(2):
                 check_epoch(loader, ds, digests)
+        finally:
+            logger.removeHandler(fail_on_fallback)
         later = opens.counts() - first
     assert first == {name: 1 for name in digests}, first
     assert not later, f"source opens after the first epoch: {later}"

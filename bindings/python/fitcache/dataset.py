@@ -1,7 +1,10 @@
 """FitCacheDataset: a map-style PyTorch dataset whose reads go through FitCache."""
 
+from __future__ import annotations
+
 import errno
 import json
+import logging
 import mmap
 import multiprocessing.util
 import operator
@@ -9,9 +12,18 @@ import os
 import stat
 import subprocess
 import threading
-import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
 
 from . import _native
+
+PathLike = Union[str, "os.PathLike[str]"]
+# A filter keeps a path when it is a callable returning true for it, or a suffix / tuple of suffixes.
+Filter = Union[Callable[[str], bool], str, tuple, None]
+
+# What users should see (the fork fallback, a prefetch that could not start) goes to this
+# logger. No handler is added: without logging configured, Python prints warnings on stderr.
+log = logging.getLogger("fitcache")
 
 try:  # torch is optional: without it the dataset is a plain sequence.
     from torch.utils.data import Dataset as _Base
@@ -19,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised only where torch is missing
     _Base = object
 
 
-def list_files(root, filter=None):
+def list_files(root: PathLike, filter: Filter = None) -> list[str]:
     """Sorted paths, relative to root, of the regular files under root (recursively; links to
     directories are not followed). A symbolic link to a file inside root is listed; one that
     leads outside root (its real path is outside the real path of root) is left out, since
@@ -78,7 +90,9 @@ class FitCacheDataset(_Base):
     a server the dataset starts.
     """
 
-    def __init__(self, root, transform=None, *, filter=None, files=None, prefetch=True, **options):
+    def __init__(self, root: PathLike, transform: Callable[[memoryview], Any] | None = None, *,
+                 filter: Filter = None, files: Iterable[str] | None = None, prefetch: bool = True,
+                 **options: Any) -> None:
         root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
         root = os.path.abspath(root)
         if not os.path.exists(root):
@@ -105,21 +119,21 @@ class FitCacheDataset(_Base):
         self._client_pid = None
         self._handover = None  # the thread handing the prefetch list over (see _get_client)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.files)
 
-    def path(self, index):
+    def path(self, index: int) -> str:
         """The absolute path of item ``index``."""
         return os.path.join(self.root, self.files[index])
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> Any:
         if not isinstance(index, int) and hasattr(index, "__index__"):
             index = index.__index__()  # numpy and torch integers, as samplers yield them
         path = self.path(index)
         data = self._read(path)
         return self.transform(data) if self.transform is not None else data
 
-    def __getitems__(self, indices):
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The items at indices, as ``[self[i] for i in indices]`` but read in one native call
         (misses fetched concurrently). PyTorch 2's DataLoader calls it for a whole batch."""
         indices = [i.__index__() if not isinstance(i, int) and hasattr(i, "__index__") else i for i in indices]
@@ -168,7 +182,7 @@ class FitCacheDataset(_Base):
                 self._handover.start()
         return self._client
 
-    def prefetch(self, indices=None, wait=False):
+    def prefetch(self, indices: Iterable[int] | None = None, wait: bool = False) -> dict | None:
         """Hands the cache server the files in the order they will be read, to read from the
         source ahead of the readers: ``indices`` is any iterable of item indices (for example
         ``list(sampler)`` for a sampler with a seeded generator, or one rank's share), None for
@@ -218,9 +232,9 @@ class FitCacheDataset(_Base):
         try:
             client.prefetch(self._prefetch_encoded)
         except (_native.FitCacheError, ValueError) as err:
-            warnings.warn(f"FitCache: prefetch not started: {err}", RuntimeWarning, stacklevel=4)
+            log.warning("prefetch not started: %s", err)
 
-    def stats(self):
+    def stats(self) -> dict:
         """Counters of the cache as a dict: ``server`` (hits per tier, misses, source reads,
         bytes, evictions, errors, tiers, ``prefetch``: jobs, files fetched, skipped, bytes, jobs
         stopped at the budget or abandoned) and, when this process has read, ``client``.
@@ -233,7 +247,7 @@ class FitCacheDataset(_Base):
             return self._client.stats()
         return {"server": server_stats(**self.options)}
 
-    def close(self):
+    def close(self) -> None:
         """Closes this process's client (idempotent); the dataset reopens one if used again."""
         client, self._client = self._client, None
         if client is not None and self._client_pid == os.getpid():
@@ -256,7 +270,7 @@ class FitCacheDataset(_Base):
 _EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
 
 
-def server_stats(**options):
+def server_stats(**options: Any) -> dict | None:
     """The embedded server's counters as a dict (in cluster mode, the totals of the job's
     servers, with each server's under "servers"), or None when no server runs. Asked through
     the ``fitcache`` command (a separate process, so the caller never loads the Go runtime)."""
@@ -272,7 +286,7 @@ def server_stats(**options):
     return stats
 
 
-def prefetch_files(root, paths, wait=False, **options):
+def prefetch_files(root: PathLike, paths: Iterable[str], wait: bool = False, **options: Any) -> dict | None:
     """Hands the server of the dataset under root the files at paths (absolute, or relative to
     root), in that order, to read ahead of the readers, through the ``fitcache prefetch``
     command (a separate process, so the caller never loads the Go runtime); it starts the
@@ -307,9 +321,8 @@ def _warn_forked(err):
     global _warned_forked
     if not _warned_forked:
         _warned_forked = True
-        warnings.warn(f"FitCache: {err.strerror}. Cached files are still read from the cache; "
-                      "files not cached yet are read from the source in this process",
-                      RuntimeWarning, stacklevel=4)
+        log.warning("%s. Cached files are still read from the cache; files not cached yet are read "
+                    "from the source in this process", err.strerror)
 
 
 def _read_source(path, root, real_root):
