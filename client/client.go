@@ -12,11 +12,14 @@
 //     cache failure never fails a read.
 //
 // With no servers configured the server is the per-user embedded server (package local),
-// started on demand.
+// started on demand. In cluster mode a cluster server also uses a Client to answer the
+// preload shim's misses for files other servers own ([Client.OpenForReader]).
 //
 // Usage:
 //
-//	c, err := client.Open("/data/train", cfg)
+//	cfg, err := core.LoadConfig(nil)
+//	...
+//	c, err := client.Open("/data/train", cfg, slog.Default())
 //	...
 //	defer c.Close()
 //	buf, err := c.Read("/data/train/0001.jpg")

@@ -20,7 +20,7 @@
 // Layout: the 64-bit [Key] of the cleaned source path names the file, and its two low bytes
 // name two nested hex directories, so millions of files spread over 65,536 bins:
 //
-//	TIER/ab/cd/<key>-<base name>        the data: exactly the source's bytes and mtime
+//	TIER/ab/cd/<key>-<base name>        the data: exactly the source's bytes, mtime and mode
 //	TIER/ab/cd/.rec-<key>-<base name>   its record: source path, size, mtime, checksum
 //	TIER/fitcache.index                 the index readers look entries up in
 //	TIER/fitcache.lock                  held by the server owning the tier
