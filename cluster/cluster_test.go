@@ -3,6 +3,8 @@ package cluster
 import (
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -90,4 +92,39 @@ func TestTokenFile(t *testing.T) {
 	if _, err := LoadToken("", path); err == nil {
 		t.Error("a token file readable by others was accepted")
 	}
+}
+
+// FuzzExpandHostlist: any input gives hosts or an error, never a panic or a blow-up; hosts are
+// unique, non-empty and hold no bracket or comma; a list without brackets gives its terms.
+func FuzzExpandHostlist(f *testing.F) {
+	for _, seed := range []string{"gpu[001-004,010],login1", "rack[1-2]-n[01-02]", "x[3],x3, y", "g[[1]]", "a[0-99999]b[0-99999]", ""} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, list string) {
+		hosts, err := ExpandHostlist(list)
+		if err != nil {
+			return
+		}
+		if len(hosts) > maxHosts {
+			t.Fatalf("%q expanded to %d hosts, more than %d", list, len(hosts), maxHosts)
+		}
+		seen := map[string]bool{}
+		for _, h := range hosts {
+			if h == "" || strings.ContainsAny(h, "[],") || seen[h] {
+				t.Fatalf("%q gave a bad or repeated host %q in %q", list, h, hosts)
+			}
+			seen[h] = true
+		}
+		if !strings.ContainsAny(list, "[]") {
+			var terms []string
+			for _, term := range strings.Split(list, ",") {
+				if term = strings.TrimSpace(term); term != "" && !slices.Contains(terms, term) {
+					terms = append(terms, term)
+				}
+			}
+			if !slices.Equal(terms, hosts) {
+				t.Fatalf("%q gave %q, want its terms %q", list, hosts, terms)
+			}
+		}
+	})
 }

@@ -68,6 +68,10 @@ func splitTop(s string) ([]string, error) {
 	return terms, nil
 }
 
+// maxHosts bounds what a hostlist expands to, so that a typo ("n[0-99999]r[0-99999]") is an
+// error, not a process out of memory.
+const maxHosts = 100000
+
 // expandTerm expands the first bracket group of term and recurses on the rest.
 func expandTerm(term string) ([]string, error) {
 	open := strings.IndexByte(term, '[')
@@ -91,8 +95,8 @@ func expandTerm(term string) ([]string, error) {
 		if err1 != nil || err2 != nil || a > b || a < 0 {
 			return nil, fmt.Errorf("hostlist term %q: bad range %q", term, r)
 		}
-		if b-a > 100000 {
-			return nil, fmt.Errorf("hostlist term %q: range %q too large", term, r)
+		if b-a > maxHosts || len(out)+(b-a+1)*len(tails) > maxHosts {
+			return nil, fmt.Errorf("hostlist term %q: more than %d hosts", term, maxHosts)
 		}
 		width := len(lo)
 		for i := a; i <= b; i++ {
