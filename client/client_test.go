@@ -17,7 +17,10 @@ import (
 
 // startServer runs an engine and its RPC server in this process, on the embedded socket of
 // a new runtime directory, and returns a config pointing clients at it and a stop function.
-func startServer(t testing.TB) (core.Config, func()) { return startServerWithBudget(t, "64MiB") }
+func startServer(t testing.TB) (core.Config, func()) {
+	t.Helper()
+	return startServerWithBudget(t, "64MiB")
+}
 
 func startServerWithBudget(t testing.TB, budget string) (core.Config, func()) {
 	t.Helper()

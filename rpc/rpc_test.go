@@ -17,6 +17,7 @@ import (
 )
 
 func serve(t *testing.T, token string) string {
+	t.Helper()
 	sock, _ := serveEngine(t, token)
 	return sock
 }
