@@ -1,0 +1,171 @@
+package client
+
+import (
+	"fmt"
+	"log/slog"
+	"syscall"
+	"testing"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/ring"
+)
+
+// Table tests of cluster routing without servers: a router over peers that are never called,
+// whose deaths the tests set, to check placement under each policy and the failure threshold.
+
+// testRouter returns a router over servers given as id -> node, all alive.
+func testRouter(t *testing.T, policy string, replicas int, servers map[string]string) *clusterRouter {
+	t.Helper()
+	r := &clusterRouter{cfg: core.Config{Policy: policy, Replicas: replicas, FailureThreshold: 3},
+		log: slog.New(slog.DiscardHandler), ring: ring.New(100, nil), peers: map[string]*peer{}}
+	for id, node := range servers {
+		m := ring.Member{ID: id, Node: node}
+		r.ring.Add(m)
+		r.peers[id] = &peer{member: m}
+	}
+	return r
+}
+
+func ids(ps []*peer) []string {
+	var out []string
+	for _, p := range ps {
+		out = append(out, p.member.ID)
+	}
+	return out
+}
+
+var fourNodes = map[string]string{"a:1": "a", "b:1": "b", "c:1": "c", "d:1": "d"}
+
+// keys are the file paths the placement tests route.
+func keys() []string {
+	var out []string
+	for i := 0; i < 2000; i++ {
+		out = append(out, fmt.Sprintf("/data/train/class%03d/img%05d.jpg", i%100, i))
+	}
+	return out
+}
+
+func TestPlacementWhenAServerDies(t *testing.T) {
+	for _, tc := range []struct {
+		policy string
+		// want, for a file the dead server owned: where it goes now ("next": the next live
+		// server clockwise, as if the dead one were removed from the ring; "": the source).
+		want string
+	}{
+		{core.PolicyRecache, "next"},
+		{core.PolicyPFS, ""},
+	} {
+		t.Run(tc.policy, func(t *testing.T) {
+			r := testRouter(t, tc.policy, 1, fourNodes)
+			before := map[string]string{}
+			for _, k := range keys() {
+				before[k] = ids(r.targets(k))[0]
+			}
+			r.peers["b:1"].dead = true
+			without := ring.New(100, nil) // the ring as if b were removed
+			for id, node := range fourNodes {
+				if id != "b:1" {
+					without.Add(ring.Member{ID: id, Node: node})
+				}
+			}
+			moved := 0
+			for _, k := range keys() {
+				got := ids(r.targets(k))
+				switch {
+				case before[k] != "b:1":
+					if len(got) != 1 || got[0] != before[k] {
+						t.Fatalf("%s owned by live %s went to %v", k, before[k], got)
+					}
+				case tc.want == "next":
+					moved++
+					next, _ := without.Lookup(k)
+					if len(got) != 1 || got[0] != next.ID {
+						t.Fatalf("%s of the dead server went to %v, want %s", k, got, next.ID)
+					}
+				default:
+					moved++
+					if len(got) != 0 {
+						t.Fatalf("%s of the dead server went to %v, want the source under pfs", k, got)
+					}
+				}
+			}
+			if moved == 0 {
+				t.Fatal("the dead server owned no file: the test routes too few keys")
+			}
+			// Rejoin: placement is what it was.
+			r.peers["b:1"].dead = false
+			for _, k := range keys() {
+				if got := ids(r.targets(k)); len(got) != 1 || got[0] != before[k] {
+					t.Fatalf("after rejoin %s went to %v, want %s", k, got, before[k])
+				}
+			}
+		})
+	}
+}
+
+func TestReplicasGoToDistinctNodes(t *testing.T) {
+	servers := map[string]string{"a:1": "a", "a:2": "a", "b:1": "b", "c:1": "c"}
+	r := testRouter(t, core.PolicyRecache, 2, servers)
+	for _, k := range keys() {
+		got := ids(r.targets(k))
+		if len(got) != 2 || servers[got[0]] == servers[got[1]] {
+			t.Fatalf("%s: targets %v, want 2 servers on distinct nodes", k, got)
+		}
+	}
+	// With two of three nodes dead, under recache every file goes to the one left.
+	r.peers["a:1"].dead, r.peers["a:2"].dead, r.peers["b:1"].dead = true, true, true
+	for _, k := range keys() {
+		if got := ids(r.targets(k)); len(got) != 1 || got[0] != "c:1" {
+			t.Fatalf("%s: targets %v, want only c:1", k, got)
+		}
+	}
+}
+
+// timeoutErr is a call that timed out (the server may be slow, not dead).
+type timeoutErr struct{}
+
+func (timeoutErr) Error() string { return "timed out" }
+func (timeoutErr) Timeout() bool  { return true }
+
+func TestFailureThreshold(t *testing.T) {
+	r := testRouter(t, core.PolicyRecache, 1, fourNodes)
+	p := r.peers["a:1"]
+	for i := 1; i < r.cfg.FailureThreshold; i++ {
+		if r.failed(p, timeoutErr{}) {
+			t.Fatalf("dead after %d timeouts, threshold %d", i, r.cfg.FailureThreshold)
+		}
+	}
+	r.succeeded(p) // an answer resets the count
+	for i := 1; i < r.cfg.FailureThreshold; i++ {
+		if r.failed(p, timeoutErr{}) {
+			t.Fatalf("dead after %d timeouts following a success", i)
+		}
+	}
+	if !r.failed(p, timeoutErr{}) {
+		t.Fatalf("alive after %d timeouts in a row", r.cfg.FailureThreshold)
+	}
+	// The others hear of it.
+	if _, dead, _ := r.peers["b:1"].gossip(); len(dead) != 1 || dead[0] != "a:1" {
+		t.Errorf("b:1 is to be told dead %v, want [a:1]", dead)
+	}
+	// A refused connection is death at once.
+	if !r.failed(r.peers["c:1"], fmt.Errorf("dial: %w", syscall.ECONNREFUSED)) {
+		t.Error("a refused connection did not declare the server dead")
+	}
+	if got := r.deaths.Load(); got != 2 {
+		t.Errorf("deaths %d, want 2", got)
+	}
+}
+
+func TestDeathsLearnedFromAServer(t *testing.T) {
+	r := testRouter(t, core.PolicyRecache, 1, fourNodes)
+	r.learn(r.peers["a:1"], 1, []string{"c:1"})
+	if _, _, dead := r.peers["c:1"].state(); !dead {
+		t.Error("c:1 alive after a:1 said its clients found it dead")
+	}
+	r.peers["c:1"].dead = false
+	r.learn(r.peers["a:1"], 1, []string{"c:1"}) // the same version again: old news
+	if _, _, dead := r.peers["c:1"].state(); dead {
+		t.Error("old news declared c:1 dead again")
+	}
+}
