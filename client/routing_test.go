@@ -125,7 +125,7 @@ func TestReplicasGoToDistinctNodes(t *testing.T) {
 type timeoutErr struct{}
 
 func (timeoutErr) Error() string { return "timed out" }
-func (timeoutErr) Timeout() bool  { return true }
+func (timeoutErr) Timeout() bool { return true }
 
 func TestFailureThreshold(t *testing.T) {
 	r := testRouter(t, core.PolicyRecache, 1, fourNodes)
