@@ -31,12 +31,12 @@ type peer struct {
 	rpc    *rpc.Client
 	local  bool // on this node: its tier files can be mapped
 
-	mu         sync.Mutex // protects all below
-	dirs       []tiers.Dir
-	gen        *tiers.Generation
-	nodeSocket string // its node socket, as its last hello said (local servers only)
-	timeouts   int    // consecutive failed calls
-	dead       bool
+	mu          sync.Mutex // protects all below
+	dirs        []tiers.Dir
+	gen         *tiers.Generation
+	nodeSocket  string // its node socket, as its last hello said (local servers only)
+	failedCalls int    // consecutive calls that got no answer (timeouts and refusals alike)
+	dead        bool
 	// Membership gossip with this server: the newest version it told us, and the deaths and
 	// rejoins we have seen and not yet told it.
 	version             int64
@@ -200,7 +200,7 @@ func (r *clusterRouter) hello(p *peer) error {
 		}
 		p.nodeSocket = reply.NodeSocket
 	}
-	p.timeouts, p.dead = 0, false
+	p.failedCalls, p.dead = 0, false
 	return nil
 }
 
@@ -237,8 +237,8 @@ func (r *clusterRouter) failed(p *peer, err error) bool {
 		p.mu.Unlock()
 		return true
 	}
-	p.timeouts++
-	died := rpc.IsRefused(err) || p.timeouts >= r.cfg.FailureThreshold
+	p.failedCalls++
+	died := rpc.IsRefused(err) || p.failedCalls >= r.cfg.FailureThreshold
 	if died {
 		p.dead = true
 	}
@@ -291,7 +291,7 @@ func (r *clusterRouter) learn(from *peer, version int64, dead []string) {
 
 func (r *clusterRouter) succeeded(p *peer) {
 	p.mu.Lock()
-	p.timeouts = 0
+	p.failedCalls = 0
 	p.mu.Unlock()
 }
 
