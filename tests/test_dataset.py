@@ -416,3 +416,26 @@ def test_dataset_twice_the_cache_is_read_from_the_source_once_per_epoch(tmp_path
     with pytest.raises(PermissionError):
         ds._get_client().read("escape.bin")
     ds.close()
+
+
+def test_torch2_dataloader_reads_batches_through_getitems(dataset, cache_options):
+    """PyTorch 2's DataLoader fetches a batch with one __getitems__ call (fc_read_many): the
+    items, in the sampler's order, are the files' bytes. Debian's torch 1.13 has no such call:
+    this runs under scripts/test-torch2.sh, which installs PyPI's torch in its own venv."""
+    torch = pytest.importorskip("torch")
+    if int(torch.__version__.split(".")[0]) < 2:
+        pytest.skip(f"torch {torch.__version__} calls __getitem__ per item; see scripts/test-torch2.sh")
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    calls = []
+
+    class Counted(fitcache.FitCacheDataset):
+        def __getitems__(self, indices):
+            calls.append(len(indices))
+            return [bytes(v) for v in super().__getitems__(indices)]
+
+    counted = Counted(root, **cache_options)
+    loader = DataLoader(counted, batch_size=8, shuffle=False, num_workers=0, collate_fn=lambda batch: batch)
+    got = [item for batch in loader for item in batch]
+    assert calls and all(n <= 8 for n in calls), f"__getitems__ calls {calls}"
+    assert [digest(v) for v in got] == [digests[f] for f in ds.files]
