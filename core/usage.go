@@ -30,7 +30,8 @@ func (e *Engine) Usage() []CacheUsage {
 // when root is "", from every tier, and returns what it removed per tier and root; with
 // dryRun it removes nothing and returns what it would remove. root must be absolute and
 // clean (ErrBadPath). Files being read from the source meanwhile (readers' misses, prefetch)
-// are cached after it.
+// are cached after it; prefetch jobs of the roots that had ended are not joined again, so
+// the same list sent again reads the files again.
 func (e *Engine) Clear(root string, dryRun bool) ([]CacheUsage, error) {
 	if e.closed.Load() {
 		return nil, ErrClosed
@@ -45,6 +46,9 @@ func (e *Engine) Clear(root string, dryRun bool) ([]CacheUsage, error) {
 	var out []CacheUsage
 	for _, t := range e.tiers {
 		out = appendUsage(out, t.Dir, t.Clear(match, dryRun))
+	}
+	if !dryRun {
+		e.pf.clearedRoots(match) // a warmup after the clear reads the files again
 	}
 	return out, nil
 }

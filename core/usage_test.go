@@ -105,3 +105,24 @@ func TestDirUsageMatchesEngineUsage(t *testing.T) {
 		t.Errorf("DirUsage (-engine +records):\n%s", diff)
 	}
 }
+
+func TestPrefetchAfterClearReadsAgain(t *testing.T) {
+	// Warming a dataset up again right after clearing it (its ended job still held, within
+	// its lease) must read the files again, not join the job that dealt with them.
+	root, paths := dataset(t, 5000, 6000)
+	e := prefetchEngine(t, 4, nil, "64MiB")
+	for _, owner := range []string{"warmup-1", "warmup-2"} {
+		if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: owner, Paths: paths}); err != nil {
+			t.Fatal(err)
+		}
+		if info := waitPrefetch(t, e, root, owner); info.State != PrefetchDone || info.Fetched != len(paths) {
+			t.Errorf("%s: got %+v, want done with %d files fetched", owner, info, len(paths))
+		}
+		if _, err := e.Clear(root, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if s := e.Stats(); s.Prefetch.Jobs != 2 || s.SourceReads != int64(2*len(paths)) {
+		t.Errorf("stats: %d jobs, %d source reads; want 2 jobs, %d reads", s.Prefetch.Jobs, s.SourceReads, 2*len(paths))
+	}
+}
