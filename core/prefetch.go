@@ -225,6 +225,9 @@ type prefetchJob struct {
 	owners       map[string]time.Time // owner -> end of its lease
 	state        string
 	info         PrefetchInfo // counters: Fetched, Skipped*, Failed, Bytes, Errors
+	// cleared: the job had ended when its root's files were removed (Engine.Clear), so the
+	// same list sent again starts a new job, which reads them again, instead of joining it.
+	cleared bool
 }
 
 // hotRun is a stretch of a job's list after a file a reader missed.
@@ -337,7 +340,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 			}
 			id = ListDigest(req.Paths)
 		}
-		if old := p.owned[key]; old != nil && old.listID == id && old.total == total && len(old.paths) == total {
+		if old := p.owned[key]; old != nil && !old.cleared && old.listID == id && old.total == total && len(old.paths) == total {
 			old.owners[req.Owner] = until // the same list again: a renewal
 			info := old.report()
 			info.Joined = true
@@ -406,11 +409,23 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 // find returns a job for the same list, if one is held.
 func (p *prefetcher) find(root, id string, total int) *prefetchJob {
 	for _, j := range p.jobs {
-		if j.root == root && j.listID == id && j.total == total {
+		if j.root == root && j.listID == id && j.total == total && !j.cleared {
 			return j
 		}
 	}
 	return nil
+}
+
+// clearedRoots marks the ended jobs of the roots match accepts (nil: all) as cleared (see
+// prefetchJob.cleared), after Engine.Clear removed their files. Running jobs go on.
+func (p *prefetcher) clearedRoots(match func(root string) bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, j := range p.jobs {
+		if j.state != PrefetchRunning && (match == nil || match(j.root)) {
+			j.cleared = true
+		}
+	}
 }
 
 // leave takes an owner off its job for a root; a running job left without owners stops.

@@ -196,6 +196,27 @@ func EnsureRunning(ctx context.Context, cfg core.Config, ping func(context.Conte
 	}
 }
 
+// HoldOff keeps an embedded server from starting in dir while the caller works on its tiers
+// without one: it takes the spawn lock (a client that would start a server waits for it, up
+// to its start_timeout) and then the server lock (a server started by hand exits at once).
+// It fails with an error wrapping ErrAlreadyRunning when a server runs. release gives both
+// locks back.
+func HoldOff(ctx context.Context, dir string) (release func(), err error) {
+	if err := PrepareDir(dir); err != nil {
+		return nil, err
+	}
+	unlock, err := lockSpawn(ctx, dir)
+	if err != nil {
+		return nil, err
+	}
+	lock, err := LockServer(dir, 0)
+	if err != nil {
+		unlock()
+		return nil, err
+	}
+	return func() { lock.Close(); unlock() }, nil
+}
+
 // lockSpawn takes the spawn lock, polling so that the wait honours ctx.
 func lockSpawn(ctx context.Context, dir string) (unlock func(), err error) {
 	f, err := os.OpenFile(filepath.Join(dir, spawnLock), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)

@@ -1,12 +1,14 @@
 package local
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/privdir/privdirtest"
@@ -97,4 +99,29 @@ func TestServerEnvironDropsOnlyThePreloadShim(t *testing.T) {
 			t.Errorf("ServerEnviron(%q) = %q, want %q", tc.in, got, tc.want)
 		}
 	}
+}
+
+func TestHoldOffExcludesAServer(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "rt")
+	release, err := HoldOff(context.Background(), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LockServer(dir, 0); !errors.Is(err, ErrAlreadyRunning) {
+		t.Errorf("a server locking while held off: got %v, want ErrAlreadyRunning", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := lockSpawn(ctx, dir); err == nil {
+		t.Error("a client took the spawn lock while held off")
+	}
+	release()
+	lock, err := LockServer(dir, 0)
+	if err != nil {
+		t.Fatalf("a server after release: %v", err)
+	}
+	if _, err := HoldOff(context.Background(), dir); !errors.Is(err, ErrAlreadyRunning) {
+		t.Errorf("HoldOff while a server runs: got %v, want ErrAlreadyRunning", err)
+	}
+	lock.Close()
 }

@@ -145,6 +145,45 @@ struct PrefetchReply {
   15: list<string> errors
 }
 
+// What one tier holds of one dataset root: files and the room they take in the tier (data and
+// records in 4 KiB blocks, as the tier's budget counts them).
+struct CacheUsage {
+  1: string root
+  2: string tier
+  3: string dir
+  4: i64 files
+  5: i64 bytes
+}
+
+struct UsageRequest {
+  1: string token
+}
+
+struct UsageReply {
+  1: i32 errno
+  2: string message
+  // Per tier (fastest first), then dataset root.
+  3: list<CacheUsage> usage
+}
+
+// Removes the cached files of the dataset roots at or under root, or with all of every root,
+// from every tier (see core.Engine.Clear).
+struct ClearRequest {
+  1: string token
+  // Absolute and clean; ignored with all.
+  2: string root
+  3: bool all
+  // Remove nothing: report what would be removed.
+  4: bool dry_run
+}
+
+struct ClearReply {
+  1: i32 errno
+  2: string message
+  // What was (with dry_run: would be) removed, per tier and dataset root.
+  3: list<CacheUsage> cleared
+}
+
 service FitCache {
   HelloReply Hello(1: HelloRequest req)
   ReadReply Read(1: ReadRequest req)
@@ -152,4 +191,6 @@ service FitCache {
   StatsReply Stats(1: StatsRequest req)
   StoreReply Store(1: StoreRequest req)
   PrefetchReply Prefetch(1: PrefetchRequest req)
+  UsageReply Usage(1: UsageRequest req)
+  ClearReply Clear(1: ClearRequest req)
 }

@@ -3,7 +3,6 @@ package tiers
 import (
 	"errors"
 	"log/slog"
-	"os"
 )
 
 // VerifyReport is what Verify found in a tier.
@@ -24,16 +23,11 @@ type VerifyReport struct {
 // fallback record (the default memory tier) is checked where a server would put it: its
 // private stand-in when the configured directory cannot be used.
 func Verify(cfg Config, log *slog.Logger) (VerifyReport, error) {
-	if _, err := os.Lstat(cfg.Dir); err != nil {
-		return VerifyReport{Dir: cfg.Dir}, err
-	}
-	cfg.CreateParents = false
-	d, _, err := openDir(cfg.Dir, cfg)
+	dir, err := Existing(cfg)
 	if err != nil {
 		return VerifyReport{Dir: cfg.Dir}, err
 	}
-	cfg.Dir, cfg.FallbackRecord, cfg.Verify = d.Name(), "", true
-	d.Close()
+	cfg.Dir, cfg.FallbackRecord, cfg.Verify = dir, "", true
 	r := VerifyReport{Dir: cfg.Dir}
 	t, err := New(cfg, log)
 	if errors.Is(err, ErrLocked) {

@@ -843,6 +843,250 @@ var fieldIDToName_PrefetchReply = map[int16]string{
 	15: "errors",
 }
 
+type CacheUsage struct {
+	Root  string `thrift:"root,1" frugal:"1,default,string" json:"root"`
+	Tier  string `thrift:"tier,2" frugal:"2,default,string" json:"tier"`
+	Dir   string `thrift:"dir,3" frugal:"3,default,string" json:"dir"`
+	Files int64  `thrift:"files,4" frugal:"4,default,i64" json:"files"`
+	Bytes int64  `thrift:"bytes,5" frugal:"5,default,i64" json:"bytes"`
+}
+
+func NewCacheUsage() *CacheUsage {
+	return &CacheUsage{}
+}
+
+func (p *CacheUsage) InitDefault() {
+}
+
+func (p *CacheUsage) GetRoot() (v string) {
+	return p.Root
+}
+
+func (p *CacheUsage) GetTier() (v string) {
+	return p.Tier
+}
+
+func (p *CacheUsage) GetDir() (v string) {
+	return p.Dir
+}
+
+func (p *CacheUsage) GetFiles() (v int64) {
+	return p.Files
+}
+
+func (p *CacheUsage) GetBytes() (v int64) {
+	return p.Bytes
+}
+func (p *CacheUsage) SetRoot(val string) {
+	p.Root = val
+}
+func (p *CacheUsage) SetTier(val string) {
+	p.Tier = val
+}
+func (p *CacheUsage) SetDir(val string) {
+	p.Dir = val
+}
+func (p *CacheUsage) SetFiles(val int64) {
+	p.Files = val
+}
+func (p *CacheUsage) SetBytes(val int64) {
+	p.Bytes = val
+}
+
+func (p *CacheUsage) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("CacheUsage(%+v)", *p)
+}
+
+var fieldIDToName_CacheUsage = map[int16]string{
+	1: "root",
+	2: "tier",
+	3: "dir",
+	4: "files",
+	5: "bytes",
+}
+
+type UsageRequest struct {
+	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
+}
+
+func NewUsageRequest() *UsageRequest {
+	return &UsageRequest{}
+}
+
+func (p *UsageRequest) InitDefault() {
+}
+
+func (p *UsageRequest) GetToken() (v string) {
+	return p.Token
+}
+func (p *UsageRequest) SetToken(val string) {
+	p.Token = val
+}
+
+func (p *UsageRequest) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("UsageRequest(%+v)", *p)
+}
+
+var fieldIDToName_UsageRequest = map[int16]string{
+	1: "token",
+}
+
+type UsageReply struct {
+	Errno   int32         `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message string        `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Usage   []*CacheUsage `thrift:"usage,3" frugal:"3,default,list<CacheUsage>" json:"usage"`
+}
+
+func NewUsageReply() *UsageReply {
+	return &UsageReply{}
+}
+
+func (p *UsageReply) InitDefault() {
+}
+
+func (p *UsageReply) GetErrno() (v int32) {
+	return p.Errno
+}
+
+func (p *UsageReply) GetMessage() (v string) {
+	return p.Message
+}
+
+func (p *UsageReply) GetUsage() (v []*CacheUsage) {
+	return p.Usage
+}
+func (p *UsageReply) SetErrno(val int32) {
+	p.Errno = val
+}
+func (p *UsageReply) SetMessage(val string) {
+	p.Message = val
+}
+func (p *UsageReply) SetUsage(val []*CacheUsage) {
+	p.Usage = val
+}
+
+func (p *UsageReply) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("UsageReply(%+v)", *p)
+}
+
+var fieldIDToName_UsageReply = map[int16]string{
+	1: "errno",
+	2: "message",
+	3: "usage",
+}
+
+type ClearRequest struct {
+	Token  string `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Root   string `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	All    bool   `thrift:"all,3" frugal:"3,default,bool" json:"all"`
+	DryRun bool   `thrift:"dry_run,4" frugal:"4,default,bool" json:"dry_run"`
+}
+
+func NewClearRequest() *ClearRequest {
+	return &ClearRequest{}
+}
+
+func (p *ClearRequest) InitDefault() {
+}
+
+func (p *ClearRequest) GetToken() (v string) {
+	return p.Token
+}
+
+func (p *ClearRequest) GetRoot() (v string) {
+	return p.Root
+}
+
+func (p *ClearRequest) GetAll() (v bool) {
+	return p.All
+}
+
+func (p *ClearRequest) GetDryRun() (v bool) {
+	return p.DryRun
+}
+func (p *ClearRequest) SetToken(val string) {
+	p.Token = val
+}
+func (p *ClearRequest) SetRoot(val string) {
+	p.Root = val
+}
+func (p *ClearRequest) SetAll(val bool) {
+	p.All = val
+}
+func (p *ClearRequest) SetDryRun(val bool) {
+	p.DryRun = val
+}
+
+func (p *ClearRequest) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("ClearRequest(%+v)", *p)
+}
+
+var fieldIDToName_ClearRequest = map[int16]string{
+	1: "token",
+	2: "root",
+	3: "all",
+	4: "dry_run",
+}
+
+type ClearReply struct {
+	Errno   int32         `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message string        `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Cleared []*CacheUsage `thrift:"cleared,3" frugal:"3,default,list<CacheUsage>" json:"cleared"`
+}
+
+func NewClearReply() *ClearReply {
+	return &ClearReply{}
+}
+
+func (p *ClearReply) InitDefault() {
+}
+
+func (p *ClearReply) GetErrno() (v int32) {
+	return p.Errno
+}
+
+func (p *ClearReply) GetMessage() (v string) {
+	return p.Message
+}
+
+func (p *ClearReply) GetCleared() (v []*CacheUsage) {
+	return p.Cleared
+}
+func (p *ClearReply) SetErrno(val int32) {
+	p.Errno = val
+}
+func (p *ClearReply) SetMessage(val string) {
+	p.Message = val
+}
+func (p *ClearReply) SetCleared(val []*CacheUsage) {
+	p.Cleared = val
+}
+
+func (p *ClearReply) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("ClearReply(%+v)", *p)
+}
+
+var fieldIDToName_ClearReply = map[int16]string{
+	1: "errno",
+	2: "message",
+	3: "cleared",
+}
+
 type FitCache interface {
 	Hello(ctx context.Context, req *HelloRequest) (r *HelloReply, err error)
 
@@ -855,6 +1099,10 @@ type FitCache interface {
 	Store(ctx context.Context, req *StoreRequest) (r *StoreReply, err error)
 
 	Prefetch(ctx context.Context, req *PrefetchRequest) (r *PrefetchReply, err error)
+
+	Usage(ctx context.Context, req *UsageRequest) (r *UsageReply, err error)
+
+	Clear(ctx context.Context, req *ClearRequest) (r *ClearReply, err error)
 }
 
 type FitCacheHelloArgs struct {
@@ -1310,5 +1558,157 @@ func (p *FitCachePrefetchResult) String() string {
 }
 
 var fieldIDToName_FitCachePrefetchResult = map[int16]string{
+	0: "success",
+}
+
+type FitCacheUsageArgs struct {
+	Req *UsageRequest `thrift:"req,1" frugal:"1,default,UsageRequest" json:"req"`
+}
+
+func NewFitCacheUsageArgs() *FitCacheUsageArgs {
+	return &FitCacheUsageArgs{}
+}
+
+func (p *FitCacheUsageArgs) InitDefault() {
+}
+
+var FitCacheUsageArgs_Req_DEFAULT *UsageRequest
+
+func (p *FitCacheUsageArgs) GetReq() (v *UsageRequest) {
+	if !p.IsSetReq() {
+		return FitCacheUsageArgs_Req_DEFAULT
+	}
+	return p.Req
+}
+func (p *FitCacheUsageArgs) SetReq(val *UsageRequest) {
+	p.Req = val
+}
+
+func (p *FitCacheUsageArgs) IsSetReq() bool {
+	return p.Req != nil
+}
+
+func (p *FitCacheUsageArgs) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheUsageArgs(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheUsageArgs = map[int16]string{
+	1: "req",
+}
+
+type FitCacheUsageResult struct {
+	Success *UsageReply `thrift:"success,0,optional" frugal:"0,optional,UsageReply" json:"success,omitempty"`
+}
+
+func NewFitCacheUsageResult() *FitCacheUsageResult {
+	return &FitCacheUsageResult{}
+}
+
+func (p *FitCacheUsageResult) InitDefault() {
+}
+
+var FitCacheUsageResult_Success_DEFAULT *UsageReply
+
+func (p *FitCacheUsageResult) GetSuccess() (v *UsageReply) {
+	if !p.IsSetSuccess() {
+		return FitCacheUsageResult_Success_DEFAULT
+	}
+	return p.Success
+}
+func (p *FitCacheUsageResult) SetSuccess(x interface{}) {
+	p.Success = x.(*UsageReply)
+}
+
+func (p *FitCacheUsageResult) IsSetSuccess() bool {
+	return p.Success != nil
+}
+
+func (p *FitCacheUsageResult) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheUsageResult(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheUsageResult = map[int16]string{
+	0: "success",
+}
+
+type FitCacheClearArgs struct {
+	Req *ClearRequest `thrift:"req,1" frugal:"1,default,ClearRequest" json:"req"`
+}
+
+func NewFitCacheClearArgs() *FitCacheClearArgs {
+	return &FitCacheClearArgs{}
+}
+
+func (p *FitCacheClearArgs) InitDefault() {
+}
+
+var FitCacheClearArgs_Req_DEFAULT *ClearRequest
+
+func (p *FitCacheClearArgs) GetReq() (v *ClearRequest) {
+	if !p.IsSetReq() {
+		return FitCacheClearArgs_Req_DEFAULT
+	}
+	return p.Req
+}
+func (p *FitCacheClearArgs) SetReq(val *ClearRequest) {
+	p.Req = val
+}
+
+func (p *FitCacheClearArgs) IsSetReq() bool {
+	return p.Req != nil
+}
+
+func (p *FitCacheClearArgs) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheClearArgs(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheClearArgs = map[int16]string{
+	1: "req",
+}
+
+type FitCacheClearResult struct {
+	Success *ClearReply `thrift:"success,0,optional" frugal:"0,optional,ClearReply" json:"success,omitempty"`
+}
+
+func NewFitCacheClearResult() *FitCacheClearResult {
+	return &FitCacheClearResult{}
+}
+
+func (p *FitCacheClearResult) InitDefault() {
+}
+
+var FitCacheClearResult_Success_DEFAULT *ClearReply
+
+func (p *FitCacheClearResult) GetSuccess() (v *ClearReply) {
+	if !p.IsSetSuccess() {
+		return FitCacheClearResult_Success_DEFAULT
+	}
+	return p.Success
+}
+func (p *FitCacheClearResult) SetSuccess(x interface{}) {
+	p.Success = x.(*ClearReply)
+}
+
+func (p *FitCacheClearResult) IsSetSuccess() bool {
+	return p.Success != nil
+}
+
+func (p *FitCacheClearResult) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheClearResult(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheClearResult = map[int16]string{
 	0: "success",
 }

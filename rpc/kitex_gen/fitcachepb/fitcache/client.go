@@ -17,6 +17,8 @@ type Client interface {
 	Stats(ctx context.Context, req *fitcachepb.StatsRequest, callOptions ...callopt.Option) (r *fitcachepb.StatsReply, err error)
 	Store(ctx context.Context, req *fitcachepb.StoreRequest, callOptions ...callopt.Option) (r *fitcachepb.StoreReply, err error)
 	Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, callOptions ...callopt.Option) (r *fitcachepb.PrefetchReply, err error)
+	Usage(ctx context.Context, req *fitcachepb.UsageRequest, callOptions ...callopt.Option) (r *fitcachepb.UsageReply, err error)
+	Clear(ctx context.Context, req *fitcachepb.ClearRequest, callOptions ...callopt.Option) (r *fitcachepb.ClearReply, err error)
 }
 
 // NewClient creates a client for the service defined in IDL.
@@ -76,4 +78,14 @@ func (p *kFitCacheClient) Store(ctx context.Context, req *fitcachepb.StoreReques
 func (p *kFitCacheClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, callOptions ...callopt.Option) (r *fitcachepb.PrefetchReply, err error) {
 	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
 	return p.kClient.Prefetch(ctx, req)
+}
+
+func (p *kFitCacheClient) Usage(ctx context.Context, req *fitcachepb.UsageRequest, callOptions ...callopt.Option) (r *fitcachepb.UsageReply, err error) {
+	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
+	return p.kClient.Usage(ctx, req)
+}
+
+func (p *kFitCacheClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest, callOptions ...callopt.Option) (r *fitcachepb.ClearReply, err error) {
+	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
+	return p.kClient.Clear(ctx, req)
 }

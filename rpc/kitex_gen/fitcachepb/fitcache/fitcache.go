@@ -55,6 +55,20 @@ var serviceMethods = map[string]kitex.MethodInfo{
 		false,
 		kitex.WithStreamingMode(kitex.StreamingNone),
 	),
+	"Usage": kitex.NewMethodInfo(
+		usageHandler,
+		newFitCacheUsageArgs,
+		newFitCacheUsageResult,
+		false,
+		kitex.WithStreamingMode(kitex.StreamingNone),
+	),
+	"Clear": kitex.NewMethodInfo(
+		clearHandler,
+		newFitCacheClearArgs,
+		newFitCacheClearResult,
+		false,
+		kitex.WithStreamingMode(kitex.StreamingNone),
+	),
 }
 
 var (
@@ -229,6 +243,42 @@ func newFitCachePrefetchResult() interface{} {
 	return fitcachepb.NewFitCachePrefetchResult()
 }
 
+func usageHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
+	realArg := arg.(*fitcachepb.FitCacheUsageArgs)
+	realResult := result.(*fitcachepb.FitCacheUsageResult)
+	success, err := handler.(fitcachepb.FitCache).Usage(ctx, realArg.Req)
+	if err != nil {
+		return err
+	}
+	realResult.Success = success
+	return nil
+}
+func newFitCacheUsageArgs() interface{} {
+	return fitcachepb.NewFitCacheUsageArgs()
+}
+
+func newFitCacheUsageResult() interface{} {
+	return fitcachepb.NewFitCacheUsageResult()
+}
+
+func clearHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
+	realArg := arg.(*fitcachepb.FitCacheClearArgs)
+	realResult := result.(*fitcachepb.FitCacheClearResult)
+	success, err := handler.(fitcachepb.FitCache).Clear(ctx, realArg.Req)
+	if err != nil {
+		return err
+	}
+	realResult.Success = success
+	return nil
+}
+func newFitCacheClearArgs() interface{} {
+	return fitcachepb.NewFitCacheClearArgs()
+}
+
+func newFitCacheClearResult() interface{} {
+	return fitcachepb.NewFitCacheClearResult()
+}
+
 type kClient struct {
 	c client.Client
 }
@@ -294,6 +344,26 @@ func (p *kClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest)
 	_args.Req = req
 	var _result fitcachepb.FitCachePrefetchResult
 	if err = p.c.Call(ctx, "Prefetch", &_args, &_result); err != nil {
+		return
+	}
+	return _result.GetSuccess(), nil
+}
+
+func (p *kClient) Usage(ctx context.Context, req *fitcachepb.UsageRequest) (r *fitcachepb.UsageReply, err error) {
+	var _args fitcachepb.FitCacheUsageArgs
+	_args.Req = req
+	var _result fitcachepb.FitCacheUsageResult
+	if err = p.c.Call(ctx, "Usage", &_args, &_result); err != nil {
+		return
+	}
+	return _result.GetSuccess(), nil
+}
+
+func (p *kClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest) (r *fitcachepb.ClearReply, err error) {
+	var _args fitcachepb.FitCacheClearArgs
+	_args.Req = req
+	var _result fitcachepb.FitCacheClearResult
+	if err = p.c.Call(ctx, "Clear", &_args, &_result); err != nil {
 		return
 	}
 	return _result.GetSuccess(), nil

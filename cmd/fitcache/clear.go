@@ -1,0 +1,312 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// The running server owns its tiers (their accounting, FIFO order and index), so ls and
+// clear go through it when it runs. Without one, ls reads the tiers' records (changing
+// nothing) and clear opens the tiers itself, under their locks, as a starting server would,
+// while it keeps a server from starting (local.HoldOff).
+
+// lsCmd prints what the tiers hold per dataset root.
+func lsCmd(args []string) error {
+	rpc.QuietKitexLogs()
+	fset := flag.NewFlagSet("ls", flag.ExitOnError)
+	asJSON := fset.Bool("json", false, "print JSON")
+	socket := fset.String("socket", "", "server socket (default: the embedded server's)")
+	fset.Usage = func() {
+		fmt.Fprintln(fset.Output(), "usage: fitcache ls [--json] [--socket PATH]\n\n"+
+			"Prints what the cache holds per dataset root and tier: files and the room they take.")
+		fset.PrintDefaults()
+	}
+	fset.Parse(args)
+	if fset.NArg() != 0 {
+		fset.Usage()
+		os.Exit(2)
+	}
+	cfg, err := core.LoadConfig(nil)
+	if err != nil {
+		return err
+	}
+	c, pid, err := serverFor(cfg, *socket)
+	if err != nil {
+		return err
+	}
+	var us []core.CacheUsage
+	if c != nil {
+		defer c.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if us, err = c.Usage(ctx); err != nil {
+			return err
+		}
+	} else if us, err = tierUsage(cfg); err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(struct {
+			ServerPID int               `json:"server_pid,omitempty"`
+			Usage     []core.CacheUsage `json:"usage"`
+		}{pid, nonNil(us)})
+	}
+	fmt.Println(source(cfg, c, pid))
+	if len(us) == 0 {
+		fmt.Println("nothing cached")
+		return nil
+	}
+	printUsage(os.Stdout, us)
+	return nil
+}
+
+// clearCmd removes the cached files of a dataset, or of all.
+func clearCmd(args []string) error {
+	rpc.QuietKitexLogs()
+	fset := flag.NewFlagSet("clear", flag.ExitOnError)
+	all := fset.Bool("all", false, "remove every cached file, of every dataset")
+	dryRun := fset.Bool("dry-run", false, "remove nothing: print what would be removed")
+	asJSON := fset.Bool("json", false, "print JSON")
+	socket := fset.String("socket", "", "server socket (default: the embedded server's)")
+	fset.Usage = func() {
+		fmt.Fprintln(fset.Output(), "usage: fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)\n\n"+
+			"Removes from every tier the cached files of the datasets read with DIR, or a directory under it,\n"+
+			"as their root (the path they were opened with), or with --all every cached file.")
+		fset.PrintDefaults()
+	}
+	fset.Parse(args)
+	if fset.NArg() > 1 || (fset.NArg() == 1) == *all {
+		fset.Usage()
+		os.Exit(2)
+	}
+	root := ""
+	if !*all {
+		abs, err := filepath.Abs(fset.Arg(0))
+		if err != nil {
+			return err
+		}
+		root = abs // a dataset removed since keeps its cache: DIR need not exist
+	}
+	cfg, err := core.LoadConfig(nil)
+	if err != nil {
+		return err
+	}
+	c, pid, err := serverFor(cfg, *socket)
+	if err != nil {
+		return err
+	}
+	var cleared []core.CacheUsage
+	if c != nil {
+		defer c.Close()
+		cleared, err = c.Clear(context.Background(), root, *dryRun)
+	} else {
+		cleared, err = clearTiers(cfg, root, *dryRun)
+	}
+	if *asJSON {
+		if jerr := printJSON(struct {
+			ServerPID int               `json:"server_pid,omitempty"`
+			DryRun    bool              `json:"dry_run"`
+			Cleared   []core.CacheUsage `json:"cleared"`
+		}{pid, *dryRun, nonNil(cleared)}); jerr != nil {
+			return jerr
+		}
+		return err
+	}
+	what := "every dataset"
+	if root != "" {
+		what = root
+	}
+	files, bytes := total(cleared)
+	switch {
+	case len(cleared) == 0 && err == nil && root == "":
+		fmt.Println("nothing cached")
+	case len(cleared) == 0 && err == nil:
+		fmt.Printf("nothing cached for %s or a directory under it\n", root)
+	case *dryRun:
+		fmt.Printf("would remove %d files, %s, of %s (dry run):\n", files, tiers.FormatBytes(bytes), what)
+	default:
+		fmt.Printf("removed %d files, %s, of %s:\n", files, tiers.FormatBytes(bytes), what)
+	}
+	if len(cleared) > 0 {
+		printUsage(os.Stdout, cleared)
+	}
+	return err
+}
+
+// serverFor returns a client of the server at socket (default: the embedded server of cfg's
+// runtime directory) and its pid, or a nil client when no embedded server runs. A server
+// that holds its lock but does not answer is an error: its tiers are not ours to touch.
+func serverFor(cfg core.Config, socket string) (*rpc.Client, int, error) {
+	explicit := socket != ""
+	if !explicit {
+		if err := local.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
+			return nil, 0, err
+		}
+		socket = local.SocketPath(cfg.RuntimeDir)
+	}
+	c, err := rpc.Dial(socket, rpc.ClientConfig{})
+	if err != nil {
+		return nil, 0, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	hello, err := c.Hello(ctx)
+	if err == nil {
+		return c, int(hello.Pid), nil
+	}
+	c.Close()
+	pid := local.RunningPID(cfg.RuntimeDir)
+	switch {
+	case explicit:
+		return nil, 0, fmt.Errorf("no fitcache server answers at %s: %w", socket, err)
+	case !errors.Is(err, rpc.ErrUnavailable):
+		return nil, 0, err
+	case pid != 0:
+		return nil, 0, fmt.Errorf("the embedded server (pid %d) holds %s but does not answer (starting, or hung): "+
+			"try again, or 'fitcache stop' first", pid, cfg.RuntimeDir)
+	}
+	return nil, 0, nil
+}
+
+// source says where a listing comes from.
+func source(cfg core.Config, c *rpc.Client, pid int) string {
+	if c == nil {
+		return "no server runs in " + cfg.RuntimeDir + ": read from the tiers' records"
+	}
+	return fmt.Sprintf("server pid %d at %s", pid, c.Addr())
+}
+
+// existingTiers returns the configured tiers that exist (their private stand-ins where a
+// server would use one); a missing tier directory holds nothing.
+func existingTiers(cfg core.Config) ([]tiers.Config, error) {
+	tcs, err := cfg.TierConfigs()
+	if err != nil {
+		return nil, err
+	}
+	var out []tiers.Config
+	for _, tc := range tcs {
+		dir, err := tiers.Existing(tc)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s tier: %w", tc.Kind, err)
+		}
+		tc.Dir, tc.FallbackRecord = dir, ""
+		out = append(out, tc)
+	}
+	return out, nil
+}
+
+// tierUsage reads what the configured tiers hold from their records, changing nothing.
+func tierUsage(cfg core.Config) ([]core.CacheUsage, error) {
+	tcs, err := existingTiers(cfg)
+	if err != nil {
+		return nil, err
+	}
+	dirs := make([]tiers.Dir, len(tcs))
+	for i, tc := range tcs {
+		dirs[i] = tiers.Dir{Path: tc.Dir, Kind: tc.Kind}
+	}
+	return core.DirUsage(dirs)
+}
+
+// clearTiers clears the configured tiers without a server: a dry run reads their records;
+// otherwise each tier is opened under its lock, with no server allowed to start meanwhile,
+// and cleared like a server would clear it (index and records kept right). A tier another
+// server holds (one with another runtime directory) is left alone, with an error naming it.
+func clearTiers(cfg core.Config, root string, dryRun bool) ([]core.CacheUsage, error) {
+	match := func(group string) bool { return root == "" || core.Within(group, root) }
+	if dryRun {
+		us, err := tierUsage(cfg)
+		var out []core.CacheUsage
+		for _, u := range us {
+			if match(u.Root) {
+				out = append(out, u)
+			}
+		}
+		return out, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.StartTimeout)
+	defer cancel()
+	release, err := local.HoldOff(ctx, cfg.RuntimeDir)
+	if errors.Is(err, local.ErrAlreadyRunning) {
+		return nil, fmt.Errorf("an embedded server started meanwhile: try again (%w)", err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	tcs, err := existingTiers(cfg)
+	if err != nil {
+		return nil, err
+	}
+	var out []core.CacheUsage
+	var errs []error
+	for _, tc := range tcs {
+		// The whole file system as budget: opening the tier must not evict what it holds
+		// beyond the configured budget (a server starting with that budget would).
+		tc.Budget, tc.Holder = "100%", "fitcache clear, runtime dir "+cfg.RuntimeDir
+		t, err := tiers.New(tc, nil)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s tier %s not cleared: %w", tc.Kind, tc.Dir, err))
+			continue
+		}
+		for _, u := range t.Clear(match, false) {
+			out = append(out, core.CacheUsage{Root: u.Group, Kind: tc.Kind.String(), Dir: t.Path, Files: u.Files, Bytes: u.Bytes})
+		}
+		t.Close()
+	}
+	return out, errors.Join(errs...)
+}
+
+// printUsage prints one line per dataset root and tier, and a total.
+func printUsage(w io.Writer, us []core.CacheUsage) {
+	width := len("DATASET ROOT")
+	for _, u := range us {
+		width = max(width, len(u.Root))
+	}
+	fmt.Fprintf(w, "%-*s  %-6s  %8s  %10s  %s\n", width, "DATASET ROOT", "TIER", "FILES", "SIZE", "TIER DIRECTORY")
+	for _, u := range us {
+		fmt.Fprintf(w, "%-*s  %-6s  %8d  %10s  %s\n", width, u.Root, u.Kind, u.Files, tiers.FormatBytes(u.Bytes), u.Dir)
+	}
+	files, bytes := total(us)
+	fmt.Fprintf(w, "%-*s  %-6s  %8d  %10s\n", width, "total", "", files, tiers.FormatBytes(bytes))
+}
+
+func total(us []core.CacheUsage) (files int, bytes int64) {
+	for _, u := range us {
+		files += u.Files
+		bytes += u.Bytes
+	}
+	return files, bytes
+}
+
+func nonNil(us []core.CacheUsage) []core.CacheUsage {
+	if us == nil {
+		return []core.CacheUsage{}
+	}
+	return us
+}
+
+func printJSON(v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	fmt.Println(string(b))
+	return nil
+}
