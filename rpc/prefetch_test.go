@@ -73,12 +73,14 @@ func TestPrefetchRoundTrip(t *testing.T) {
 	if err != nil || s.Prefetch.Fetched != int64(len(paths)) || s.Prefetch.Jobs != 1 || s.SourceReads != int64(len(paths)) {
 		t.Errorf("stats: prefetch %+v, source reads %d, %v", s.Prefetch, s.SourceReads, err)
 	}
-	var out strings.Builder
-	NewHandler(e, ServerConfig{}).WriteMetrics(&out)
-	for _, want := range []string{"fitcache_prefetch_fetched_total 20\n", "fitcache_prefetch_jobs_active 0\n",
-		"# TYPE fitcache_prefetch_files_queued gauge\n", "fitcache_prefetch_reads 4\n"} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("metrics lack %q", want)
+	fams := scrape(t, NewHandler(e, ServerConfig{}))
+	for _, tc := range []struct {
+		name string
+		want float64
+	}{{"fitcache_prefetch_fetched_total", 20}, {"fitcache_prefetch_fetched_bytes_total", float64(total)},
+		{"fitcache_prefetch_jobs_active", 0}, {"fitcache_prefetch_files_queued", 0}, {"fitcache_prefetch_reads", 4}} {
+		if got := sample(t, fams, tc.name); got != tc.want {
+			t.Errorf("%s: got %v, want %v", tc.name, got, tc.want)
 		}
 	}
 

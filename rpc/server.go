@@ -15,6 +15,7 @@ import (
 	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
 	"github.com/cloudwego/kitex/pkg/rpcinfo"
 	"github.com/cloudwego/kitex/server"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -57,6 +58,8 @@ type Handler struct {
 	members  membership
 	refusals *refusalLog
 	guard    *guardListener // nil without a token
+	metrics  rpcMetrics
+	registry *prometheus.Registry // see Registry
 }
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
@@ -78,7 +81,10 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.RefusalLogInterval <= 0 {
 		cfg.RefusalLogInterval = 10 * time.Second
 	}
-	return &Handler{engine: e, cfg: cfg, refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
+	h := &Handler{engine: e, cfg: cfg, refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval},
+		metrics: newRPCMetrics()}
+	h.registry = newRegistry(h)
+	return h
 }
 
 // Serve starts serving e on ln in the background and returns the running server; Stop it to
@@ -187,6 +193,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	}
 	h.members.apply(req.Dead, req.Alive)
 	version, dead := h.members.since(req.MembershipVersion)
+	start := time.Now()
 	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
 		errno, msg := errnoOf(err)
@@ -207,6 +214,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	default:
 		reply.Data = res.Data
 	}
+	h.metrics.observeRead(req.Local, res.Origin, time.Since(start), reply.Size)
 	return reply, nil
 }
 
