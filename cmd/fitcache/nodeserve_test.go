@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/core"
@@ -130,7 +132,8 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 		t.Fatalf("the server found itself as %q on node %q, want %q on 127.0.0.1", cn.self, cn.cfg.Node, self)
 	}
 	sock := filepath.Join(t.TempDir(), "s.node")
-	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}))
+	opens := newNodeOpenMetric()
+	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, opens))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,6 +169,13 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	}
 	if got := engine.Stats().SourceReads; got != int64(owned[self]) {
 		t.Errorf("this server read %d files from the source, want its own %d", got, owned[self])
+	}
+	for origin, want := range map[string]int{"tier": owned[self], "remote": owned[other]} {
+		h := &dto.Metric{}
+		if err := opens.WithLabelValues(origin).(prometheus.Histogram).Write(h); err != nil ||
+			h.GetHistogram().GetSampleCount() != uint64(want) {
+			t.Errorf("node opens from %s: %d timed (%v), want %d", origin, h.GetHistogram().GetSampleCount(), err, want)
+		}
 	}
 	errno, _, f := nodeOp(t, sock, nodesock.OpOpen, outside, filepath.Join(outside, "secret"))
 	if errno != syscall.EACCES || f != nil {

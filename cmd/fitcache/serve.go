@@ -173,9 +173,10 @@ func serve(args []string) error {
 			nodePath = listenFile(cfg.RuntimeDir, *listen, ".node")
 		}
 	}
+	nodeOpens := newNodeOpenMetric()
 	if nodePath != "" {
 		touch := func() { lastRequest.Store(time.Now().UnixNano()) }
-		if node, err = nodesock.Listen(nodePath, nodeServer(engine, routed, log, touch)); err != nil {
+		if node, err = nodesock.Listen(nodePath, nodeServer(engine, routed, log, touch, nodeOpens)); err != nil {
 			log.Warn("no node socket: processes forked after loading libfitcache and programs run by `fitcache run` read misses from the source", "err", err)
 			nodePath = ""
 		}
@@ -189,6 +190,9 @@ func serve(args []string) error {
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
 		"idle_timeout", idleTimeout, "roots", roots, "prefetch", cfg.Prefetch, "node_socket", nodePath, "cluster_routed", routed != nil)
 	if *metricsAddr != "" {
+		if node != nil {
+			handler.Registry().MustRegister(nodeOpens)
+		}
 		mln, err := net.Listen("tcp", *metricsAddr)
 		if err != nil {
 			return fmt.Errorf("metrics: %w", err)
