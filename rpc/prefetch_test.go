@@ -73,15 +73,8 @@ func TestPrefetchRoundTrip(t *testing.T) {
 	if err != nil || s.Prefetch.Fetched != int64(len(paths)) || s.Prefetch.Jobs != 1 || s.SourceReads != int64(len(paths)) {
 		t.Errorf("stats: prefetch %+v, source reads %d, %v", s.Prefetch, s.SourceReads, err)
 	}
-	fams := scrape(t, NewHandler(e, ServerConfig{}))
-	for _, tc := range []struct {
-		name string
-		want float64
-	}{{"fitcache_prefetch_fetched_total", 20}, {"fitcache_prefetch_fetched_bytes_total", float64(total)},
-		{"fitcache_prefetch_jobs_active", 0}, {"fitcache_prefetch_files_queued", 0}, {"fitcache_prefetch_reads", 4}} {
-		if got := sample(t, fams, tc.name); got != tc.want {
-			t.Errorf("%s: got %v, want %v", tc.name, got, tc.want)
-		}
+	if p := e.Stats().Prefetch; p.Reads != 4 || p.JobsActive != 0 || p.FilesQueued != 0 || p.Bytes != total {
+		t.Errorf("engine's prefetch stats %+v: want 4 reads at once, no job running, none queued, %d bytes", p, total)
 	}
 
 	_, err = c.Prefetch(ctx, core.PrefetchRequest{Root: root, Owner: "o", Paths: []string{"/etc/passwd"}})

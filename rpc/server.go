@@ -15,7 +15,6 @@ import (
 	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
 	"github.com/cloudwego/kitex/pkg/rpcinfo"
 	"github.com/cloudwego/kitex/server"
-	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -35,7 +34,11 @@ type ServerConfig struct {
 	NodeSocket string
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
-	Log       *slog.Logger
+	// OnRead, if set, is called once a Read was answered with a file (not on failure): for
+	// a caller on this node (local) or not, the file's origin (a tier kind, "inflight" or
+	// "source"), the time the answer took and the file's size (metrics.Server.ObserveRead).
+	OnRead func(local bool, origin string, d time.Duration, bytes int64)
+	Log    *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
@@ -58,8 +61,6 @@ type Handler struct {
 	members  membership
 	refusals *refusalLog
 	guard    *guardListener // nil without a token
-	metrics  rpcMetrics
-	registry *prometheus.Registry // see Registry
 }
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
@@ -81,10 +82,7 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.RefusalLogInterval <= 0 {
 		cfg.RefusalLogInterval = 10 * time.Second
 	}
-	h := &Handler{engine: e, cfg: cfg, refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval},
-		metrics: newRPCMetrics()}
-	h.registry = newRegistry(h)
-	return h
+	return &Handler{engine: e, cfg: cfg, refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
 }
 
 // Serve starts serving e on ln in the background and returns the running server; Stop it to
@@ -214,7 +212,9 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	default:
 		reply.Data = res.Data
 	}
-	h.metrics.observeRead(req.Local, res.Origin, time.Since(start), reply.Size)
+	if h.cfg.OnRead != nil {
+		h.cfg.OnRead(req.Local, res.Origin, time.Since(start), reply.Size)
+	}
 	return reply, nil
 }
 

@@ -12,8 +12,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/fitcache/fitcache/client"
 	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
@@ -37,8 +35,10 @@ import (
 
 // nodeServer returns the node socket configuration of a server: routed through the cluster
 // when cn is not nil, else served by the engine. touch is called on every request (idle
-// tracking); opens, if not nil, times every open answered (see newNodeOpenMetric).
-func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch func(), opens *prometheus.HistogramVec) nodesock.Config {
+// tracking); onOpen, if not nil, with every open answered, its origin and the time it took
+// (metrics.Server.ObserveNodeOpen).
+func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch func(),
+	onOpen func(core.Origin, time.Duration)) nodesock.Config {
 	cfg := nodesock.Config{Log: log, Errno: core.Errno,
 		Fetch: func(ctx context.Context, root, path string) error {
 			touch()
@@ -64,39 +64,18 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			return f, uint32(origin), err
 		}
 	}
-	if opens != nil {
+	if onOpen != nil {
 		open := cfg.Open
 		cfg.Open = func(ctx context.Context, root, path string) (*os.File, uint32, error) {
 			start := time.Now()
 			f, origin, err := open(ctx, root, path)
 			if err == nil {
-				opens.WithLabelValues(nodeOriginLabel(core.Origin(origin))).Observe(time.Since(start).Seconds())
+				onOpen(core.Origin(origin), time.Since(start))
 			}
 			return f, origin, err
 		}
 	}
 	return cfg
-}
-
-// newNodeOpenMetric returns the histogram of the time the node socket takes to answer an
-// open, by where the descriptor comes from (see nodeOriginLabel).
-func newNodeOpenMetric() *prometheus.HistogramVec {
-	return prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name: "fitcache_node_open_duration_seconds",
-		Help: "Time the node socket took to answer an open of a reader on this node (the preload shim), by origin " +
-			"(tier: a tier file of this node, filled first on a miss; remote: bytes another node's server sent; " +
-			"source: the source file itself). Failed opens are not counted.",
-		Buckets: core.LatencyBuckets(),
-	}, []string{"origin"})
-}
-
-// nodeOriginLabel names an origin of the node socket in its metric: a memory file holds
-// the bytes of a remote server.
-func nodeOriginLabel(o core.Origin) string {
-	if o == core.OriginMemory {
-		return "remote"
-	}
-	return o.String()
 }
 
 // listenFile names a file of the server listening on the TCP address listen in its runtime

@@ -6,14 +6,15 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/core"
@@ -132,8 +133,13 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 		t.Fatalf("the server found itself as %q on node %q, want %q on 127.0.0.1", cn.self, cn.cfg.Node, self)
 	}
 	sock := filepath.Join(t.TempDir(), "s.node")
-	opens := newNodeOpenMetric()
-	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, opens))
+	var mu sync.Mutex // protects opens
+	opens := map[core.Origin]int{}
+	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, func(o core.Origin, _ time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		opens[o]++
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -170,13 +176,11 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	if got := engine.Stats().SourceReads; got != int64(owned[self]) {
 		t.Errorf("this server read %d files from the source, want its own %d", got, owned[self])
 	}
-	for origin, want := range map[string]int{"tier": owned[self], "remote": owned[other]} {
-		h := &dto.Metric{}
-		if err := opens.WithLabelValues(origin).(prometheus.Histogram).Write(h); err != nil ||
-			h.GetHistogram().GetSampleCount() != uint64(want) {
-			t.Errorf("node opens from %s: %d timed (%v), want %d", origin, h.GetHistogram().GetSampleCount(), err, want)
-		}
+	mu.Lock()
+	if want := map[core.Origin]int{core.OriginTier: owned[self], core.OriginMemory: owned[other]}; !maps.Equal(opens, want) {
+		t.Errorf("opens observed by origin: got %v, want %v", opens, want)
 	}
+	mu.Unlock()
 	errno, _, f := nodeOp(t, sock, nodesock.OpOpen, outside, filepath.Join(outside, "secret"))
 	if errno != syscall.EACCES || f != nil {
 		t.Errorf("a file outside the server's roots: errno %v, descriptor %v; want EACCES and none", errno, f)

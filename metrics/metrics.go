@@ -1,4 +1,4 @@
-package rpc
+package metrics
 
 import (
 	"net/http"
@@ -12,10 +12,17 @@ import (
 	"github.com/fitcache/fitcache/tiers"
 )
 
-// A server's metrics live in a registry of its own (Handler.Registry), never in the global
-// default one, so that several servers in one process (tests, an embedding program) do not
-// collide. The engine's counters are read from its statistics at each scrape (statsCollector)
-// rather than kept twice; the RPC read histogram is observed by Handler.Read, once a request.
+// Engine is what a server's engine metrics are read from (a *core.Engine).
+type Engine interface {
+	Stats() core.StatsSnapshot
+	Latencies() []core.Latency
+}
+
+// Membership is what the ring metrics are read from (an *rpc.Handler): the version of the
+// membership the server's clients reported (one change each) and the servers they report dead.
+type Membership interface {
+	Membership() (version int64, dead []string)
+}
 
 // metricsNamespace prefixes every FitCache metric.
 const metricsNamespace = "fitcache"
@@ -122,26 +129,26 @@ var (
 	deadServersDesc = prometheus.NewDesc("fitcache_dead_servers", "Servers this server's clients report dead.", nil, nil)
 )
 
-// statsCollector exports a handler's engine statistics, request latencies and ring
-// membership, read at each scrape. It is safe for concurrent use.
-type statsCollector struct{ h *Handler }
+// engineCollector exports an engine's statistics and request latencies, read at each
+// scrape. It is safe for concurrent use if its engine is.
+type engineCollector struct{ e Engine }
 
 // Describe implements prometheus.Collector.
-func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
+func (c engineCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, m := range statMetrics {
 		ch <- m.desc
 	}
 	for _, m := range tierMetrics {
 		ch <- m.desc
 	}
-	for _, d := range []*prometheus.Desc{hitsDesc, requestDurationDesc, requestBytesDesc, ringChangesDesc, deadServersDesc} {
+	for _, d := range []*prometheus.Desc{hitsDesc, requestDurationDesc, requestBytesDesc} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
-func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
-	s := c.h.engine.Stats()
+func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.e.Stats()
 	for _, m := range statMetrics {
 		ch <- prometheus.MustNewConstMetric(m.desc, m.kind, float64(m.value(&s)))
 	}
@@ -154,7 +161,7 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	bounds := core.LatencyBuckets()
-	for _, l := range c.h.engine.Latencies() {
+	for _, l := range c.e.Latencies() {
 		buckets := make(map[float64]uint64, len(bounds))
 		for i, b := range bounds {
 			buckets[b] = l.Buckets[i]
@@ -164,60 +171,94 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(requestBytesDesc, prometheus.CounterValue, float64(l.Bytes), l.Origin)
 		}
 	}
-	version, dead := c.h.members.since(-1)
+}
+
+// membershipCollector exports the ring membership a server's clients report.
+type membershipCollector struct{ m Membership }
+
+// Describe implements prometheus.Collector.
+func (c membershipCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- ringChangesDesc
+	ch <- deadServersDesc
+}
+
+// Collect implements prometheus.Collector.
+func (c membershipCollector) Collect(ch chan<- prometheus.Metric) {
+	version, dead := c.m.Membership()
 	ch <- prometheus.MustNewConstMetric(ringChangesDesc, prometheus.CounterValue, float64(version))
 	ch <- prometheus.MustNewConstMetric(deadServersDesc, prometheus.GaugeValue, float64(len(dead)))
 }
 
-// rpcMetrics are the metrics Handler.Read observes itself.
-type rpcMetrics struct {
-	readDuration *prometheus.HistogramVec // by caller and origin
-	readBytes    *prometheus.CounterVec   // by caller
+// Server holds the metrics of one server in a registry of its own. It is safe for
+// concurrent use.
+type Server struct {
+	reg              *prometheus.Registry
+	rpcReadDuration  *prometheus.HistogramVec // by caller and origin
+	rpcReadBytes     *prometheus.CounterVec   // by caller
+	nodeOpenDuration *prometheus.HistogramVec // by origin
 }
 
-func newRPCMetrics() rpcMetrics {
-	return rpcMetrics{
-		readDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+// New returns the metrics of a server over e: its engine's, the Read RPCs' and the node
+// socket's (listed once observed), and the Go runtime and process collectors.
+func New(e Engine) *Server {
+	s := &Server{
+		reg: prometheus.NewRegistry(),
+		rpcReadDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "fitcache_rpc_read_duration_seconds",
 			Help: "Time this server took to answer a Read RPC, reply included, by caller (local: a client on this node, " +
 				"which maps cached files itself; remote: a client on another node, sent the bytes) and origin (a tier kind, " +
 				"inflight, source). Failed reads are not counted.",
 			Buckets: core.LatencyBuckets(),
 		}, []string{"caller", "origin"}),
-		readBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+		rpcReadBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "fitcache_rpc_read_bytes_total",
 			Help: "Bytes of the files Read RPCs answered, by caller (local: mapped by the caller; remote: sent).",
 		}, []string{"caller"}),
+		nodeOpenDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "fitcache_node_open_duration_seconds",
+			Help: "Time the node socket took to answer an open of a reader on this node (the preload shim), by origin " +
+				"(tier: a tier file of this node, filled first on a miss; remote: bytes another node's server sent; " +
+				"source: the source file itself). Failed opens are not counted.",
+			Buckets: core.LatencyBuckets(),
+		}, []string{"origin"}),
 	}
+	s.reg.MustRegister(engineCollector{e}, s.rpcReadDuration, s.rpcReadBytes, s.nodeOpenDuration,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return s
 }
 
-// observeRead records a Read RPC answered in d with a file of n bytes.
-func (m rpcMetrics) observeRead(local bool, origin string, d time.Duration, n int64) {
+// WatchMembership adds the ring metrics, read from m at each scrape. Call it once.
+func (s *Server) WatchMembership(m Membership) {
+	s.reg.MustRegister(membershipCollector{m})
+}
+
+// ObserveRead records a Read RPC answered in d with a file of n bytes from origin, for a
+// caller on this node (local) or another one (see rpc.ServerConfig.OnRead).
+func (s *Server) ObserveRead(local bool, origin string, d time.Duration, n int64) {
 	caller := "remote"
 	if local {
 		caller = "local"
 	}
-	m.readDuration.WithLabelValues(caller, origin).Observe(d.Seconds())
-	m.readBytes.WithLabelValues(caller).Add(float64(n))
+	s.rpcReadDuration.WithLabelValues(caller, origin).Observe(d.Seconds())
+	s.rpcReadBytes.WithLabelValues(caller).Add(float64(n))
 }
 
-// newRegistry returns the registry of h: its engine's statistics, its RPC metrics, and the
-// Go runtime and process collectors.
-func newRegistry(h *Handler) *prometheus.Registry {
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(statsCollector{h}, h.metrics.readDuration, h.metrics.readBytes,
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	return reg
+// ObserveNodeOpen records an open the node socket answered in d with a descriptor of origin
+// (a memory file holds the bytes a remote server sent).
+func (s *Server) ObserveNodeOpen(origin core.Origin, d time.Duration) {
+	label := origin.String()
+	if origin == core.OriginMemory {
+		label = "remote"
+	}
+	s.nodeOpenDuration.WithLabelValues(label).Observe(d.Seconds())
 }
 
-// Registry returns the handler's metrics registry, for the host to add its own collectors
-// (the node socket's, say) before serving MetricsHandler.
-func (h *Handler) Registry() *prometheus.Registry { return h.registry }
+// Registry returns the server's registry, for the host to add collectors of its own.
+func (s *Server) Registry() *prometheus.Registry { return s.reg }
 
-// MetricsHandler serves the handler's registry over HTTP at /metrics, in the Prometheus
-// exposition formats.
-func (h *Handler) MetricsHandler() http.Handler {
+// Handler serves the registry over HTTP at /metrics, in the Prometheus exposition formats.
+func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(h.registry, promhttp.HandlerOpts{}))
+	mux.Handle("/metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{}))
 	return mux
 }
