@@ -9,6 +9,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -52,6 +53,7 @@ type Engine struct {
 	tiers   []*tiers.Tier
 	roots   []string // EngineConfig.Roots with symbolic links resolved
 	stats   Stats
+	lat     latencies // request durations and bytes by kind and origin
 	log     *slog.Logger
 	mover   *mover
 	pf      *prefetcher
@@ -226,12 +228,15 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	if e.closed.Load() {
 		return Result{}, ErrClosed
 	}
+	start := time.Now()
 	res, err := e.read(ctx, root, path, wantMapping)
 	if err != nil {
 		e.stats.errors.Add(1)
 		return Result{}, err
 	}
-	e.stats.bytesServed.Add(int64(len(res.Bytes())))
+	n := int64(len(res.Bytes()))
+	e.stats.bytesServed.Add(n)
+	e.lat.observe(opRead, res.Origin, time.Since(start), n)
 	return res, nil
 }
 
@@ -295,26 +300,34 @@ func (e *Engine) Fetch(ctx context.Context, root, path string) error {
 	if e.closed.Load() {
 		return ErrClosed
 	}
-	err := e.fetch(ctx, root, path)
-	if err != nil && !errors.Is(err, ErrTooLarge) {
+	start := time.Now()
+	origin, err := e.fetch(ctx, root, path)
+	switch {
+	case err == nil:
+		e.lat.observe(opFetch, origin, time.Since(start), 0)
+	case !errors.Is(err, ErrTooLarge):
 		e.stats.errors.Add(1)
 	}
 	return err
 }
 
-func (e *Engine) fetch(ctx context.Context, root, path string) error {
+// fetch is Fetch; it also returns where the file came from (a tier kind, "inflight" or
+// "source").
+func (e *Engine) fetch(ctx context.Context, root, path string) (string, error) {
 	if err := e.checkRoot(root, path); err != nil {
-		return err
+		return "", err
 	}
 	for _, t := range e.tiers {
 		if t.Listed(path) {
 			e.stats.hits[t.Kind].Add(1)
-			return nil
+			return t.Kind.String(), nil
 		}
 	}
 	f, leader := e.join(path)
+	origin := "inflight"
 	switch {
 	case leader && e.startFill():
+		origin = "source"
 		e.stats.misses.Add(1)
 		f.fetchOnly = true
 		func() {
@@ -330,17 +343,22 @@ func (e *Engine) fetch(ctx context.Context, root, path string) error {
 		select {
 		case <-f.done:
 		case <-ctx.Done():
-			return ctx.Err()
+			return "", ctx.Err()
 		}
 	}
 	if f.err != nil {
-		return f.err
+		return "", f.err
 	}
 	if !f.inTier { // read into memory by a Read that no tier took, joined here
-		return fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
+		return "", fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
 	}
-	return nil
+	return origin, nil
 }
+
+// Latencies returns the histograms of the durations of the requests the engine served
+// (Read and Fetch; failed ones are not timed), and the bytes they served, by origin. Every
+// kind of request and origin is listed, those without requests too.
+func (e *Engine) Latencies() []Latency { return e.lat.snapshot() }
 
 // probe looks path up in the tiers. A cached file too large to send to a caller that cannot
 // map it is ErrTooLarge; a damaged entry is logged (and removed by the tier) and is a miss.

@@ -51,3 +51,7 @@ func (m *membership) since(version int64) (int64, []string) {
 	sort.Strings(out)
 	return m.version, out
 }
+
+// Membership returns the version of the ring membership this server's clients reported
+// (one per change: a server found dead or back) and the servers they report dead.
+func (h *Handler) Membership() (version int64, dead []string) { return h.members.since(-1) }

@@ -2,8 +2,6 @@ package rpc
 
 import (
 	"context"
-	"fmt"
-	"io"
 
 	"github.com/cloudwego/kitex/client"
 	"github.com/cloudwego/kitex/client/callopt"
@@ -60,26 +58,4 @@ func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.P
 		Received: int(r.Received), Done: int(r.Done), Fetched: int(r.Fetched), SkippedCached: int(r.SkippedCached),
 		SkippedInflight: int(r.SkippedInflight), Failed: int(r.Failed), Bytes: r.Bytes, Owners: int(r.Owners),
 		Errors: r.Errors}, nil
-}
-
-// writePrefetchMetrics writes the prefetch counters and gauges (see WriteMetrics).
-func writePrefetchMetrics(w io.Writer, s core.PrefetchStats) {
-	for _, m := range []struct {
-		name, kind, help string
-		value            int64
-	}{
-		{"prefetch_reads", "gauge", "Source reads prefetch may run at once (0: off).", int64(s.Reads)},
-		{"prefetch_jobs_active", "gauge", "Prefetch jobs running.", int64(s.JobsActive)},
-		{"prefetch_files_queued", "gauge", "Files of running prefetch jobs not yet handled.", s.FilesQueued},
-		{"prefetch_jobs_total", "counter", "Prefetch jobs started.", s.Jobs},
-		{"prefetch_fetched_total", "counter", "Files prefetch read from the source and cached.", s.Fetched},
-		{"prefetch_fetched_bytes_total", "counter", "Bytes of the files prefetch read from the source and cached.", s.Bytes},
-		{"prefetch_skipped_cached_total", "counter", "Files prefetch skipped: cached already.", s.SkippedCached},
-		{"prefetch_skipped_inflight_total", "counter", "Files prefetch skipped: a reader was reading them already.", s.SkippedInflight},
-		{"prefetch_failed_total", "counter", "Files prefetch could not read.", s.Failed},
-		{"prefetch_stopped_budget_total", "counter", "Prefetch jobs stopped because the tiers were full (prefetch never evicts).", s.StoppedBudget},
-		{"prefetch_abandoned_total", "counter", "Prefetch jobs stopped because their clients stopped renewing them.", s.Abandoned},
-	} {
-		fmt.Fprintf(w, "# HELP fitcache_%s %s\n# TYPE fitcache_%s %s\nfitcache_%s %d\n", m.name, m.help, m.name, m.kind, m.name, m.value)
-	}
 }

@@ -7,7 +7,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -122,25 +121,12 @@ func TestDeadServerIsUnavailable(t *testing.T) {
 	}
 }
 
-func TestMetrics(t *testing.T) {
-	sock, e := serveEngine(t, "")
-	root := t.TempDir()
-	path := filepath.Join(root, "a.bin")
-	os.WriteFile(path, []byte("abc"), 0o644)
-	c, _ := Dial(sock, ClientConfig{})
-	if _, err := c.Read(context.Background(), root, path, false); err != nil {
-		t.Fatal(err)
-	}
-	h := NewHandler(e, ServerConfig{})
-	h.members.apply([]string{"n2:7070"}, nil)
-	var out strings.Builder
-	h.WriteMetrics(&out)
-	for _, want := range []string{
-		"fitcache_source_reads_total 1\n", "fitcache_misses_total 1\n", `fitcache_hits_total{tier="memory"} 0`,
-		"fitcache_ring_changes_total 1\n", "fitcache_dead_servers 1\n", "# TYPE fitcache_tier_used_bytes gauge",
-	} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("metrics lack %q:\n%s", want, out.String())
-		}
+func TestMembership(t *testing.T) {
+	h := NewHandler(nil, ServerConfig{})
+	h.members.apply([]string{"n2:7070", "n3:7070"}, nil)
+	h.members.apply(nil, []string{"n3:7070"})
+	version, dead := h.Membership()
+	if version != 3 || len(dead) != 1 || dead[0] != "n2:7070" {
+		t.Errorf("got version %d, dead %v; want 3, [n2:7070]", version, dead)
 	}
 }

@@ -34,7 +34,11 @@ type ServerConfig struct {
 	NodeSocket string
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
-	Log       *slog.Logger
+	// OnRead, if set, is called once a Read was answered with a file (not on failure): for
+	// a caller on this node (local) or not, the file's origin (a tier kind, "inflight" or
+	// "source"), the time the answer took and the file's size (metrics.Server.ObserveRead).
+	OnRead func(local bool, origin string, d time.Duration, bytes int64)
+	Log    *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
@@ -187,6 +191,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	}
 	h.members.apply(req.Dead, req.Alive)
 	version, dead := h.members.since(req.MembershipVersion)
+	start := time.Now()
 	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
 		errno, msg := errnoOf(err)
@@ -206,6 +211,9 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		reply.Data = bytes.Clone(res.Bytes()) // the mapping is released before the reply is sent
 	default:
 		reply.Data = res.Data
+	}
+	if h.cfg.OnRead != nil {
+		h.cfg.OnRead(req.Local, res.Origin, time.Since(start), reply.Size)
 	}
 	return reply, nil
 }

@@ -35,8 +35,10 @@ import (
 
 // nodeServer returns the node socket configuration of a server: routed through the cluster
 // when cn is not nil, else served by the engine. touch is called on every request (idle
-// tracking).
-func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch func()) nodesock.Config {
+// tracking); onOpen, if not nil, with every open answered, its origin and the time it took
+// (metrics.Server.ObserveNodeOpen).
+func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch func(),
+	onOpen func(core.Origin, time.Duration)) nodesock.Config {
 	cfg := nodesock.Config{Log: log, Errno: core.Errno,
 		Fetch: func(ctx context.Context, root, path string) error {
 			touch()
@@ -60,6 +62,17 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			f, origin, err := cn.open(ctx, root, path)
 			return f, uint32(origin), err
+		}
+	}
+	if onOpen != nil {
+		open := cfg.Open
+		cfg.Open = func(ctx context.Context, root, path string) (*os.File, uint32, error) {
+			start := time.Now()
+			f, origin, err := open(ctx, root, path)
+			if err == nil {
+				onOpen(core.Origin(origin), time.Since(start))
+			}
+			return f, origin, err
 		}
 	}
 	return cfg

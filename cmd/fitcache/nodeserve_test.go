@@ -6,11 +6,14 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -130,7 +133,13 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 		t.Fatalf("the server found itself as %q on node %q, want %q on 127.0.0.1", cn.self, cn.cfg.Node, self)
 	}
 	sock := filepath.Join(t.TempDir(), "s.node")
-	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}))
+	var mu sync.Mutex // protects opens
+	opens := map[core.Origin]int{}
+	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, func(o core.Origin, _ time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		opens[o]++
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -167,6 +176,11 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	if got := engine.Stats().SourceReads; got != int64(owned[self]) {
 		t.Errorf("this server read %d files from the source, want its own %d", got, owned[self])
 	}
+	mu.Lock()
+	if want := map[core.Origin]int{core.OriginTier: owned[self], core.OriginMemory: owned[other]}; !maps.Equal(opens, want) {
+		t.Errorf("opens observed by origin: got %v, want %v", opens, want)
+	}
+	mu.Unlock()
 	errno, _, f := nodeOp(t, sock, nodesock.OpOpen, outside, filepath.Join(outside, "secret"))
 	if errno != syscall.EACCES || f != nil {
 		t.Errorf("a file outside the server's roots: errno %v, descriptor %v; want EACCES and none", errno, f)

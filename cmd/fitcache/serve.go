@@ -18,6 +18,7 @@ import (
 	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/metrics"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -173,9 +174,18 @@ func serve(args []string) error {
 			nodePath = listenFile(cfg.RuntimeDir, *listen, ".node")
 		}
 	}
+	// Metrics are read from the engine and the RPC handler at each scrape; the Read RPCs
+	// and the node socket's opens are observed as they are answered.
+	var m *metrics.Server
+	var onRead func(bool, string, time.Duration, int64)
+	var onOpen func(core.Origin, time.Duration)
+	if *metricsAddr != "" {
+		m = metrics.New(engine)
+		onRead, onOpen = m.ObserveRead, m.ObserveNodeOpen
+	}
 	if nodePath != "" {
 		touch := func() { lastRequest.Store(time.Now().UnixNano()) }
-		if node, err = nodesock.Listen(nodePath, nodeServer(engine, routed, log, touch)); err != nil {
+		if node, err = nodesock.Listen(nodePath, nodeServer(engine, routed, log, touch, onOpen)); err != nil {
 			log.Warn("no node socket: processes forked after loading libfitcache and programs run by `fitcache run` read misses from the source", "err", err)
 			nodePath = ""
 		}
@@ -184,16 +194,17 @@ func serve(args []string) error {
 	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
 		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token, NodeSocket: nodePath,
 		MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns,
-		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) },
+		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) }, OnRead: onRead,
 	})
 	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
 		"idle_timeout", idleTimeout, "roots", roots, "prefetch", cfg.Prefetch, "node_socket", nodePath, "cluster_routed", routed != nil)
-	if *metricsAddr != "" {
+	if m != nil {
+		m.WatchMembership(handler)
 		mln, err := net.Listen("tcp", *metricsAddr)
 		if err != nil {
 			return fmt.Errorf("metrics: %w", err)
 		}
-		go http.Serve(mln, handler.MetricsHandler())
+		go http.Serve(mln, m.Handler())
 		log.Info("metrics at /metrics", "address", mln.Addr().String())
 	}
 	if *readyFile != "" {
