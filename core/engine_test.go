@@ -285,17 +285,37 @@ func TestReadErrors(t *testing.T) {
 
 func TestErrnoErrorRoundTrip(t *testing.T) {
 	_, err := os.Open("/nonexistent/fitcache")
-	back := NewErrnoError(int32(Errno(err)), err.Error())
+	back := NewErrnoError(int32(Errno(err)), ReasonOf(err), err.Error())
 	if !errors.Is(back, fs.ErrNotExist) {
 		t.Errorf("ENOENT over the wire is not fs.ErrNotExist: %v", back)
 	}
 	outside := fmt.Errorf("%w: /x", ErrOutsideRoot)
-	back = NewErrnoError(int32(Errno(outside)), outside.Error())
+	back = NewErrnoError(int32(Errno(outside)), ReasonOf(outside), outside.Error())
 	if !errors.Is(back, ErrOutsideRoot) || !errors.Is(back, fs.ErrPermission) {
 		t.Errorf("outside-root over the wire lost its identity: %v", back)
 	}
-	if NewErrnoError(0, "") != nil {
+	if NewErrnoError(0, ReasonUnspecified, "") != nil {
 		t.Error("errno 0 is not nil")
+	}
+	// The reason decides, not the message: a file's own EACCES that happens to quote the
+	// sentinel's text is not outside the root.
+	quoting := NewErrnoError(int32(syscall.EACCES), ReasonUnspecified, "open /d/"+ErrOutsideRoot.Error()+": permission denied")
+	if errors.Is(quoting, ErrOutsideRoot) || !errors.Is(quoting, fs.ErrPermission) {
+		t.Errorf("a permission error quoting the sentinel: Is(ErrOutsideRoot) %v", errors.Is(quoting, ErrOutsideRoot))
+	}
+	for _, sentinel := range []error{ErrBadPath, ErrCacheFull, ErrTooLarge, ErrChanged, ErrClosed} {
+		err := fmt.Errorf("%w: /d/x", sentinel)
+		back := NewErrnoError(int32(Errno(err)), ReasonOf(err), "no words in common")
+		if !errors.Is(back, sentinel) {
+			t.Errorf("%v over the wire lost its identity (reason %d)", sentinel, ReasonOf(err))
+		}
+	}
+	if cacheFull := NewErrnoError(int32(syscall.ENOSPC), ReasonCacheFull, ""); !errors.Is(cacheFull, ErrTooLarge) {
+		t.Error("ErrCacheFull over the wire is not ErrTooLarge, which it wraps")
+	}
+	// A server of an earlier version sends no reason: its EFBIG still means "read the source".
+	if old := NewErrnoError(int32(syscall.EFBIG), ReasonUnspecified, ""); !errors.Is(old, ErrTooLarge) {
+		t.Error("EFBIG without a reason is not ErrTooLarge")
 	}
 }
 

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"strings"
 	"syscall"
 )
 
@@ -59,29 +58,82 @@ func Errno(err error) syscall.Errno {
 	return syscall.EIO
 }
 
-// ErrnoError rebuilds an error received as an errno value and a message (from the wire or the
-// C ABI), so that errors.Is works on it like on the original: errors.Is(err, fs.ErrNotExist)
-// for ENOENT, errors.Is(err, ErrOutsideRoot) for EACCES with that cause.
+// Reason names the cause of an error when its errno alone does not say it (EACCES is a path
+// outside the roots or a file's own permissions, say); it travels on the wire beside the
+// errno (Reason in rpc/fitcache.thrift, same values), so that errors.Is works on the
+// client as on the server without reading the message.
+type Reason int32
+
+const (
+	ReasonUnspecified Reason = iota
+	ReasonOutsideRoot
+	ReasonBadPath
+	ReasonTooLarge
+	ReasonCacheFull
+	ReasonChanged
+	ReasonClosed
+)
+
+// reasons pairs each Reason with its sentinel, most specific first (ErrCacheFull wraps
+// ErrTooLarge).
+var reasons = []struct {
+	reason Reason
+	err    error
+}{
+	{ReasonOutsideRoot, ErrOutsideRoot},
+	{ReasonBadPath, ErrBadPath},
+	{ReasonCacheFull, ErrCacheFull},
+	{ReasonTooLarge, ErrTooLarge},
+	{ReasonChanged, ErrChanged},
+	{ReasonClosed, ErrClosed},
+}
+
+// ReasonOf returns the Reason of err: the sentinel it wraps, or ReasonUnspecified.
+func ReasonOf(err error) Reason {
+	var e *ErrnoError
+	if errors.As(err, &e) && e.Reason != ReasonUnspecified {
+		return e.Reason
+	}
+	for _, r := range reasons {
+		if errors.Is(err, r.err) {
+			return r.reason
+		}
+	}
+	return ReasonUnspecified
+}
+
+// ErrnoError rebuilds an error received as an errno value, a Reason and a message (from the
+// wire or the C ABI), so that errors.Is works on it like on the original:
+// errors.Is(err, fs.ErrNotExist) for ENOENT, errors.Is(err, ErrOutsideRoot) for the reason
+// OUTSIDE_ROOT.
 type ErrnoError struct {
 	Errno   syscall.Errno
+	Reason  Reason
 	Message string
 }
 
 func (e *ErrnoError) Error() string { return e.Message }
 
-// Is matches the errno and, for the sentinels that travel as EACCES/EINVAL, the sentinel.
+// Is matches the sentinel of the error's Reason (and ErrTooLarge for ReasonCacheFull, which
+// it wraps), or else the errno. Without a reason (a server of an earlier version, which the
+// embedded server of a user may still be after an upgrade), the errnos that only those causes
+// give stand for them, so that a file too large to send is still read from the source.
 func (e *ErrnoError) Is(target error) bool {
-	switch target {
-	case ErrOutsideRoot:
-		return e.Errno == syscall.EACCES && strings.Contains(e.Message, ErrOutsideRoot.Error())
-	case ErrBadPath:
-		return e.Errno == syscall.EINVAL && strings.Contains(e.Message, ErrBadPath.Error())
-	case ErrTooLarge:
-		return e.Errno == syscall.EFBIG || e.Errno == syscall.ENOSPC
-	case ErrCacheFull:
-		return e.Errno == syscall.ENOSPC
-	case ErrChanged:
-		return e.Errno == syscall.EAGAIN
+	for _, r := range reasons {
+		if target != r.err {
+			continue
+		}
+		if e.Reason == ReasonUnspecified {
+			switch target {
+			case ErrTooLarge:
+				return e.Errno == syscall.EFBIG || e.Errno == syscall.ENOSPC
+			case ErrCacheFull:
+				return e.Errno == syscall.ENOSPC
+			case ErrChanged:
+				return e.Errno == syscall.EAGAIN
+			}
+		}
+		return e.Reason == r.reason || (target == ErrTooLarge && e.Reason == ReasonCacheFull)
 	}
 	return e.Errno.Is(target)
 }
@@ -89,15 +141,16 @@ func (e *ErrnoError) Is(target error) bool {
 // Unwrap exposes the errno, so errors.As(err, &syscall.Errno) works.
 func (e *ErrnoError) Unwrap() error { return e.Errno }
 
-// NewErrnoError returns err as an ErrnoError (nil for 0).
-func NewErrnoError(errno int32, message string) error {
+// NewErrnoError returns an error received as errno, reason and message as an ErrnoError (nil
+// for errno 0).
+func NewErrnoError(errno int32, reason Reason, message string) error {
 	if errno == 0 {
 		return nil
 	}
 	if message == "" {
 		message = syscall.Errno(errno).Error()
 	}
-	return &ErrnoError{Errno: syscall.Errno(errno), Message: message}
+	return &ErrnoError{Errno: syscall.Errno(errno), Reason: reason, Message: message}
 }
 
 func pathError(op, path string, err error) error { return &fs.PathError{Op: op, Path: path, Err: err} }

@@ -151,7 +151,7 @@ func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 	if err != nil {
 		return nil, c.failed(err)
 	}
-	return r, core.NewErrnoError(r.Errno, r.Message)
+	return r, core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
 // Read asks the server for a file. With local set, a cached file comes back as the tier file
@@ -173,7 +173,7 @@ func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*
 	if err != nil {
 		return nil, c.failed(err)
 	}
-	return r, core.NewErrnoError(r.Errno, r.Message)
+	return r, core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
 // ReportHits reports hits served from this server's tier files by the caller.
@@ -186,7 +186,7 @@ func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes 
 	if err != nil {
 		return c.failed(err)
 	}
-	return core.NewErrnoError(r.Errno, r.Message)
+	return core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
 // Store sends a file's bytes to a replica server, which caches them.
@@ -202,7 +202,7 @@ func (c *Client) Store(ctx context.Context, root, path string, data []byte, mtim
 	if err != nil {
 		return c.failed(err)
 	}
-	return core.NewErrnoError(r.Errno, r.Message)
+	return core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
 // Stats returns the server's counters as JSON.
@@ -215,5 +215,5 @@ func (c *Client) Stats(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", c.failed(err)
 	}
-	return r.Json, core.NewErrnoError(r.Errno, r.Message)
+	return r.Json, core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }

@@ -4,6 +4,19 @@
 // rpc/kitex_gen is committed.
 namespace go fitcachepb
 
+// Why a request failed, beside its errno: the causes that share an errno with others (see the
+// sentinel errors of package core), so that a client tells them apart without reading the
+// message. Every reply with an errno carries one (UNSPECIFIED on success and for other causes).
+enum Reason {
+  UNSPECIFIED = 0,
+  OUTSIDE_ROOT = 1, // EACCES: the path or root is outside the dataset roots
+  BAD_PATH = 2,     // EINVAL: a path not absolute or not clean
+  TOO_LARGE = 3,    // EFBIG: not cached and too large to send; the caller reads the source
+  CACHE_FULL = 4,   // ENOSPC: no room left for the dataset; the caller reads the source
+  CHANGED = 5,      // EAGAIN: the source changed while being read
+  CLOSED = 6,       // EBADF: the server is closing
+}
+
 // A tier directory of a server, so that a client on the same node can map cached files itself.
 struct TierInfo {
   1: string dir
@@ -26,6 +39,8 @@ struct HelloReply {
   // The server's node socket (package nodesock), where C code on the node without Go (the
   // preload shim of the transparent mode) opens files through it. May be empty.
   7: string node_socket
+  // Why it failed, when errno alone does not say (see Reason).
+  8: Reason reason
 }
 
 struct ReadRequest {
@@ -61,6 +76,8 @@ struct ReadReply {
   // the servers its clients reported dead (so that other clients need not time out on them).
   8: i64 membership_version
   9: list<string> dead
+  // Why it failed, when errno alone does not say (see Reason).
+  10: Reason reason
 }
 
 // Hits that clients served from tier files themselves, reported so that server counters see
@@ -74,6 +91,8 @@ struct HitReport {
 struct HitReportReply {
   1: i32 errno
   2: string message
+  // Why it failed, when errno alone does not say (see Reason).
+  3: Reason reason
 }
 
 // A file's bytes that a client read from the file's owner, sent to a replica so that the
@@ -89,6 +108,8 @@ struct StoreRequest {
 struct StoreReply {
   1: i32 errno
   2: string message
+  // Why it failed, when errno alone does not say (see Reason).
+  3: Reason reason
 }
 
 struct StatsRequest {
@@ -100,6 +121,8 @@ struct StatsReply {
   2: string message
   // Counters and tier usage as a JSON object (see core.Stats).
   3: string json
+  // Why it failed, when errno alone does not say (see Reason).
+  4: Reason reason
 }
 
 // A prefetch job: a list of files the caller's readers are about to read, in their order,
@@ -143,6 +166,8 @@ struct PrefetchReply {
   14: i64 owners
   // The first failures, "path: error".
   15: list<string> errors
+  // Why it failed, when errno alone does not say (see Reason).
+  16: Reason reason
 }
 
 // What one tier holds of one dataset root: files and the room they take in the tier (data and
@@ -164,6 +189,8 @@ struct UsageReply {
   2: string message
   // Per tier (fastest first), then dataset root.
   3: list<CacheUsage> usage
+  // Why it failed, when errno alone does not say (see Reason).
+  4: Reason reason
 }
 
 // Removes the cached files of the dataset roots at or under root, or with all of every root,
@@ -182,6 +209,8 @@ struct ClearReply {
   2: string message
   // What was (with dry_run: would be) removed, per tier and dataset root.
   3: list<CacheUsage> cleared
+  // Why it failed, when errno alone does not say (see Reason).
+  4: Reason reason
 }
 
 service FitCache {

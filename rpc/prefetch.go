@@ -21,14 +21,14 @@ func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchReque
 // reports its progress (see core.Engine.Prefetch).
 func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (*fitcachepb.PrefetchReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	info, err := h.engine.Prefetch(core.PrefetchRequest{Root: req.Root, Owner: req.Owner, ListID: req.ListId,
 		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths})
 	if err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	return &fitcachepb.PrefetchReply{State: info.State, Joined: info.Joined, Accepted: int64(info.Accepted),
 		Files: int64(info.Files), Received: int64(info.Received), Done: int64(info.Done), Fetched: int64(info.Fetched),
@@ -51,7 +51,7 @@ func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.P
 	if err != nil {
 		return core.PrefetchInfo{}, c.failed(err)
 	}
-	if err := core.NewErrnoError(r.Errno, r.Message); err != nil {
+	if err := core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message); err != nil {
 		return core.PrefetchInfo{}, err
 	}
 	return core.PrefetchInfo{State: r.State, Joined: r.Joined, Accepted: int(r.Accepted), Files: int(r.Files),

@@ -161,19 +161,20 @@ func (h *Handler) begin(ctx context.Context, token string) error {
 	return nil
 }
 
-func errnoOf(err error) (int32, string) {
+// errnoOf is what a reply says of err: its errno, message and reason (see core.Reason).
+func errnoOf(err error) (int32, string, fitcachepb.Reason) {
 	if err == nil {
-		return 0, ""
+		return 0, "", fitcachepb.Reason_UNSPECIFIED
 	}
-	return int32(core.Errno(err)), err.Error()
+	return int32(core.Errno(err)), err.Error(), fitcachepb.Reason(core.ReasonOf(err))
 }
 
 // Hello describes the server: its id, pid, tier directories (fastest first), removal
 // counter and node socket.
 func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fitcachepb.HelloReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.HelloReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.HelloReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
 		NodeSocket: h.cfg.NodeSocket}
@@ -186,16 +187,16 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 // Read serves a file: the tier file to map for local callers when it is cached, else the bytes.
 func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.ReadReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	h.members.apply(req.Dead, req.Alive)
 	version, dead := h.members.since(req.MembershipVersion)
 	start := time.Now()
 	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.ReadReply{Errno: errno, Message: msg, MembershipVersion: version, Dead: dead}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
 	defer res.Release()
 	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
@@ -204,7 +205,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
 	case h.cfg.MaxFrameBytes > 0 && int64(len(res.Bytes())) > int64(h.cfg.MaxFrameBytes)-frameSlack:
-		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), MembershipVersion: version, Dead: dead,
+		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), Reason: fitcachepb.Reason_TOO_LARGE, MembershipVersion: version, Dead: dead,
 			Message: fmt.Sprintf("fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", req.Path,
 				len(res.Bytes()), h.cfg.MaxFrameBytes)}, nil
 	case res.Mapping != nil:
@@ -221,18 +222,18 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 // Store caches bytes a client read from the file's owner (this server is a replica).
 func (h *Handler) Store(ctx context.Context, req *fitcachepb.StoreRequest) (*fitcachepb.StoreReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.StoreReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.StoreReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
-	errno, msg := errnoOf(h.engine.Store(req.Root, req.Path, req.Data, req.MtimeNanos))
-	return &fitcachepb.StoreReply{Errno: errno, Message: msg}, nil
+	errno, msg, reason := errnoOf(h.engine.Store(req.Root, req.Path, req.Data, req.MtimeNanos))
+	return &fitcachepb.StoreReply{Errno: errno, Message: msg, Reason: reason}, nil
 }
 
 // ReportHits adds hits that a client served from this server's tier files itself.
 func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*fitcachepb.HitReportReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.HitReportReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.HitReportReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	h.engine.AddClientHits(req.HitsByTier, req.Bytes)
 	return &fitcachepb.HitReportReply{}, nil
@@ -241,8 +242,8 @@ func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*f
 // Stats returns the engine's counters as JSON.
 func (h *Handler) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (*fitcachepb.StatsReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.StatsReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.StatsReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	b, err := json.Marshal(h.engine.Stats())
 	if err != nil {

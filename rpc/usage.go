@@ -28,8 +28,8 @@ func (t typedClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest, op
 // Usage reports what the server's tiers hold per dataset root (core.Engine.Usage).
 func (h *Handler) Usage(ctx context.Context, req *fitcachepb.UsageRequest) (*fitcachepb.UsageReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.UsageReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.UsageReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	return &fitcachepb.UsageReply{Usage: toWire(h.engine.Usage())}, nil
 }
@@ -38,20 +38,20 @@ func (h *Handler) Usage(ctx context.Context, req *fitcachepb.UsageRequest) (*fit
 // with neither a root nor all is refused (EINVAL), so that an empty root never means all.
 func (h *Handler) Clear(ctx context.Context, req *fitcachepb.ClearRequest) (*fitcachepb.ClearReply, error) {
 	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.ClearReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.ClearReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	root := req.Root
 	switch {
 	case req.All:
 		root = ""
 	case root == "":
-		return &fitcachepb.ClearReply{Errno: int32(syscall.EINVAL), Message: "fitcache: clear: no dataset root given (and not all)"}, nil
+		return &fitcachepb.ClearReply{Errno: int32(syscall.EINVAL), Reason: fitcachepb.Reason_BAD_PATH, Message: "fitcache: clear: no dataset root given (and not all)"}, nil
 	}
 	cleared, err := h.engine.Clear(root, req.DryRun)
 	if err != nil {
-		errno, msg := errnoOf(err)
-		return &fitcachepb.ClearReply{Errno: errno, Message: msg}, nil
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.ClearReply{Errno: errno, Message: msg, Reason: reason}, nil
 	}
 	return &fitcachepb.ClearReply{Cleared: toWire(cleared)}, nil
 }
@@ -82,7 +82,7 @@ func (c *Client) Usage(ctx context.Context) ([]core.CacheUsage, error) {
 	if err != nil {
 		return nil, c.failed(err)
 	}
-	return fromWire(r.Usage), core.NewErrnoError(r.Errno, r.Message)
+	return fromWire(r.Usage), core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
 // Clear asks the server to remove the cached files of the dataset roots at or under root, or
@@ -99,5 +99,5 @@ func (c *Client) Clear(ctx context.Context, root string, dryRun bool) ([]core.Ca
 	if err != nil {
 		return nil, c.failed(err)
 	}
-	return fromWire(r.Cleared), core.NewErrnoError(r.Errno, r.Message)
+	return fromWire(r.Cleared), core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }

@@ -4,8 +4,77 @@ package fitcachepb
 
 import (
 	"context"
+	"database/sql"
+	"database/sql/driver"
 	"fmt"
 )
+
+type Reason int64
+
+const (
+	Reason_UNSPECIFIED  Reason = 0
+	Reason_OUTSIDE_ROOT Reason = 1
+	Reason_BAD_PATH     Reason = 2
+	Reason_TOO_LARGE    Reason = 3
+	Reason_CACHE_FULL   Reason = 4
+	Reason_CHANGED      Reason = 5
+	Reason_CLOSED       Reason = 6
+)
+
+func (p Reason) String() string {
+	switch p {
+	case Reason_UNSPECIFIED:
+		return "UNSPECIFIED"
+	case Reason_OUTSIDE_ROOT:
+		return "OUTSIDE_ROOT"
+	case Reason_BAD_PATH:
+		return "BAD_PATH"
+	case Reason_TOO_LARGE:
+		return "TOO_LARGE"
+	case Reason_CACHE_FULL:
+		return "CACHE_FULL"
+	case Reason_CHANGED:
+		return "CHANGED"
+	case Reason_CLOSED:
+		return "CLOSED"
+	}
+	return "<UNSET>"
+}
+
+func ReasonFromString(s string) (Reason, error) {
+	switch s {
+	case "UNSPECIFIED":
+		return Reason_UNSPECIFIED, nil
+	case "OUTSIDE_ROOT":
+		return Reason_OUTSIDE_ROOT, nil
+	case "BAD_PATH":
+		return Reason_BAD_PATH, nil
+	case "TOO_LARGE":
+		return Reason_TOO_LARGE, nil
+	case "CACHE_FULL":
+		return Reason_CACHE_FULL, nil
+	case "CHANGED":
+		return Reason_CHANGED, nil
+	case "CLOSED":
+		return Reason_CLOSED, nil
+	}
+	return Reason(0), fmt.Errorf("not a valid Reason string")
+}
+
+func ReasonPtr(v Reason) *Reason { return &v }
+func (p *Reason) Scan(value interface{}) (err error) {
+	var result sql.NullInt64
+	err = result.Scan(value)
+	*p = Reason(result.Int64)
+	return
+}
+
+func (p *Reason) Value() (driver.Value, error) {
+	if p == nil {
+		return nil, nil
+	}
+	return int64(*p), nil
+}
 
 type TierInfo struct {
 	Dir  string `thrift:"dir,1" frugal:"1,default,string" json:"dir"`
@@ -82,6 +151,7 @@ type HelloReply struct {
 	Tiers          []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
 	GenerationFile string      `thrift:"generation_file,6" frugal:"6,default,string" json:"generation_file"`
 	NodeSocket     string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
+	Reason         Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -118,6 +188,10 @@ func (p *HelloReply) GetGenerationFile() (v string) {
 func (p *HelloReply) GetNodeSocket() (v string) {
 	return p.NodeSocket
 }
+
+func (p *HelloReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -139,6 +213,9 @@ func (p *HelloReply) SetGenerationFile(val string) {
 func (p *HelloReply) SetNodeSocket(val string) {
 	p.NodeSocket = val
 }
+func (p *HelloReply) SetReason(val Reason) {
+	p.Reason = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -155,6 +232,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	5: "tiers",
 	6: "generation_file",
 	7: "node_socket",
+	8: "reason",
 }
 
 type ReadRequest struct {
@@ -250,6 +328,7 @@ type ReadReply struct {
 	MtimeNanos        int64    `thrift:"mtime_nanos,7" frugal:"7,default,i64" json:"mtime_nanos"`
 	MembershipVersion int64    `thrift:"membership_version,8" frugal:"8,default,i64" json:"membership_version"`
 	Dead              []string `thrift:"dead,9" frugal:"9,default,list<string>" json:"dead"`
+	Reason            Reason   `thrift:"reason,10" frugal:"10,default,Reason" json:"reason"`
 }
 
 func NewReadReply() *ReadReply {
@@ -294,6 +373,10 @@ func (p *ReadReply) GetMembershipVersion() (v int64) {
 func (p *ReadReply) GetDead() (v []string) {
 	return p.Dead
 }
+
+func (p *ReadReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *ReadReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -321,6 +404,9 @@ func (p *ReadReply) SetMembershipVersion(val int64) {
 func (p *ReadReply) SetDead(val []string) {
 	p.Dead = val
 }
+func (p *ReadReply) SetReason(val Reason) {
+	p.Reason = val
+}
 
 func (p *ReadReply) String() string {
 	if p == nil {
@@ -330,15 +416,16 @@ func (p *ReadReply) String() string {
 }
 
 var fieldIDToName_ReadReply = map[int16]string{
-	1: "errno",
-	2: "message",
-	3: "size",
-	4: "cached_path",
-	5: "data",
-	6: "origin",
-	7: "mtime_nanos",
-	8: "membership_version",
-	9: "dead",
+	1:  "errno",
+	2:  "message",
+	3:  "size",
+	4:  "cached_path",
+	5:  "data",
+	6:  "origin",
+	7:  "mtime_nanos",
+	8:  "membership_version",
+	9:  "dead",
+	10: "reason",
 }
 
 type HitReport struct {
@@ -391,6 +478,7 @@ var fieldIDToName_HitReport = map[int16]string{
 type HitReportReply struct {
 	Errno   int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
 	Message string `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Reason  Reason `thrift:"reason,3" frugal:"3,default,Reason" json:"reason"`
 }
 
 func NewHitReportReply() *HitReportReply {
@@ -407,11 +495,18 @@ func (p *HitReportReply) GetErrno() (v int32) {
 func (p *HitReportReply) GetMessage() (v string) {
 	return p.Message
 }
+
+func (p *HitReportReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *HitReportReply) SetErrno(val int32) {
 	p.Errno = val
 }
 func (p *HitReportReply) SetMessage(val string) {
 	p.Message = val
+}
+func (p *HitReportReply) SetReason(val Reason) {
+	p.Reason = val
 }
 
 func (p *HitReportReply) String() string {
@@ -424,6 +519,7 @@ func (p *HitReportReply) String() string {
 var fieldIDToName_HitReportReply = map[int16]string{
 	1: "errno",
 	2: "message",
+	3: "reason",
 }
 
 type StoreRequest struct {
@@ -494,6 +590,7 @@ var fieldIDToName_StoreRequest = map[int16]string{
 type StoreReply struct {
 	Errno   int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
 	Message string `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Reason  Reason `thrift:"reason,3" frugal:"3,default,Reason" json:"reason"`
 }
 
 func NewStoreReply() *StoreReply {
@@ -510,11 +607,18 @@ func (p *StoreReply) GetErrno() (v int32) {
 func (p *StoreReply) GetMessage() (v string) {
 	return p.Message
 }
+
+func (p *StoreReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *StoreReply) SetErrno(val int32) {
 	p.Errno = val
 }
 func (p *StoreReply) SetMessage(val string) {
 	p.Message = val
+}
+func (p *StoreReply) SetReason(val Reason) {
+	p.Reason = val
 }
 
 func (p *StoreReply) String() string {
@@ -527,6 +631,7 @@ func (p *StoreReply) String() string {
 var fieldIDToName_StoreReply = map[int16]string{
 	1: "errno",
 	2: "message",
+	3: "reason",
 }
 
 type StatsRequest struct {
@@ -562,6 +667,7 @@ type StatsReply struct {
 	Errno   int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
 	Message string `thrift:"message,2" frugal:"2,default,string" json:"message"`
 	Json    string `thrift:"json,3" frugal:"3,default,string" json:"json"`
+	Reason  Reason `thrift:"reason,4" frugal:"4,default,Reason" json:"reason"`
 }
 
 func NewStatsReply() *StatsReply {
@@ -582,6 +688,10 @@ func (p *StatsReply) GetMessage() (v string) {
 func (p *StatsReply) GetJson() (v string) {
 	return p.Json
 }
+
+func (p *StatsReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *StatsReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -590,6 +700,9 @@ func (p *StatsReply) SetMessage(val string) {
 }
 func (p *StatsReply) SetJson(val string) {
 	p.Json = val
+}
+func (p *StatsReply) SetReason(val Reason) {
+	p.Reason = val
 }
 
 func (p *StatsReply) String() string {
@@ -603,6 +716,7 @@ var fieldIDToName_StatsReply = map[int16]string{
 	1: "errno",
 	2: "message",
 	3: "json",
+	4: "reason",
 }
 
 type PrefetchRequest struct {
@@ -704,6 +818,7 @@ type PrefetchReply struct {
 	Bytes           int64    `thrift:"bytes,13" frugal:"13,default,i64" json:"bytes"`
 	Owners          int64    `thrift:"owners,14" frugal:"14,default,i64" json:"owners"`
 	Errors          []string `thrift:"errors,15" frugal:"15,default,list<string>" json:"errors"`
+	Reason          Reason   `thrift:"reason,16" frugal:"16,default,Reason" json:"reason"`
 }
 
 func NewPrefetchReply() *PrefetchReply {
@@ -772,6 +887,10 @@ func (p *PrefetchReply) GetOwners() (v int64) {
 func (p *PrefetchReply) GetErrors() (v []string) {
 	return p.Errors
 }
+
+func (p *PrefetchReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *PrefetchReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -817,6 +936,9 @@ func (p *PrefetchReply) SetOwners(val int64) {
 func (p *PrefetchReply) SetErrors(val []string) {
 	p.Errors = val
 }
+func (p *PrefetchReply) SetReason(val Reason) {
+	p.Reason = val
+}
 
 func (p *PrefetchReply) String() string {
 	if p == nil {
@@ -841,6 +963,7 @@ var fieldIDToName_PrefetchReply = map[int16]string{
 	13: "bytes",
 	14: "owners",
 	15: "errors",
+	16: "reason",
 }
 
 type CacheUsage struct {
@@ -941,6 +1064,7 @@ type UsageReply struct {
 	Errno   int32         `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
 	Message string        `thrift:"message,2" frugal:"2,default,string" json:"message"`
 	Usage   []*CacheUsage `thrift:"usage,3" frugal:"3,default,list<CacheUsage>" json:"usage"`
+	Reason  Reason        `thrift:"reason,4" frugal:"4,default,Reason" json:"reason"`
 }
 
 func NewUsageReply() *UsageReply {
@@ -961,6 +1085,10 @@ func (p *UsageReply) GetMessage() (v string) {
 func (p *UsageReply) GetUsage() (v []*CacheUsage) {
 	return p.Usage
 }
+
+func (p *UsageReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *UsageReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -969,6 +1097,9 @@ func (p *UsageReply) SetMessage(val string) {
 }
 func (p *UsageReply) SetUsage(val []*CacheUsage) {
 	p.Usage = val
+}
+func (p *UsageReply) SetReason(val Reason) {
+	p.Reason = val
 }
 
 func (p *UsageReply) String() string {
@@ -982,6 +1113,7 @@ var fieldIDToName_UsageReply = map[int16]string{
 	1: "errno",
 	2: "message",
 	3: "usage",
+	4: "reason",
 }
 
 type ClearRequest struct {
@@ -1044,6 +1176,7 @@ type ClearReply struct {
 	Errno   int32         `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
 	Message string        `thrift:"message,2" frugal:"2,default,string" json:"message"`
 	Cleared []*CacheUsage `thrift:"cleared,3" frugal:"3,default,list<CacheUsage>" json:"cleared"`
+	Reason  Reason        `thrift:"reason,4" frugal:"4,default,Reason" json:"reason"`
 }
 
 func NewClearReply() *ClearReply {
@@ -1064,6 +1197,10 @@ func (p *ClearReply) GetMessage() (v string) {
 func (p *ClearReply) GetCleared() (v []*CacheUsage) {
 	return p.Cleared
 }
+
+func (p *ClearReply) GetReason() (v Reason) {
+	return p.Reason
+}
 func (p *ClearReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -1072,6 +1209,9 @@ func (p *ClearReply) SetMessage(val string) {
 }
 func (p *ClearReply) SetCleared(val []*CacheUsage) {
 	p.Cleared = val
+}
+func (p *ClearReply) SetReason(val Reason) {
+	p.Reason = val
 }
 
 func (p *ClearReply) String() string {
@@ -1085,6 +1225,7 @@ var fieldIDToName_ClearReply = map[int16]string{
 	1: "errno",
 	2: "message",
 	3: "cleared",
+	4: "reason",
 }
 
 type FitCache interface {
