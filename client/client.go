@@ -11,7 +11,7 @@
 //  3. the source itself, when the server cannot be reached and cannot be restarted, so that a
 //     cache failure never fails a read.
 //
-// With no servers configured the server is the per-user embedded server (package local),
+// With no servers configured the server is the per-user embedded server (package embedded),
 // started on demand. In cluster mode a cluster server also uses a Client to answer the
 // preload shim's misses for files other servers own ([Client.OpenForReader]).
 //
@@ -43,7 +43,7 @@ import (
 	"github.com/edsrzf/mmap-go"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -261,7 +261,7 @@ func (c *Client) ensureConn(failed *serverConn, wait time.Duration) (*serverConn
 }
 
 // connect runs one connection attempt: it reaches the embedded server, starting it if none
-// runs (see local.EnsureRunning, which gives up at once on a server that holds the lock but
+// runs (see embedded.EnsureRunning, which gives up at once on a server that holds the lock but
 // does not answer), and learns its tiers. On failure reads go to the source for a back-off
 // that doubles while the server stays unusable.
 func (c *Client) connect(a *connectAttempt) {
@@ -297,10 +297,10 @@ func (c *Client) connect(a *connectAttempt) {
 
 // dial connects to the embedded server, starting it if needed.
 func (c *Client) dial() (*serverConn, error) {
-	if err := local.CheckSocket(c.cfg.RuntimeDir); err != nil {
+	if err := embedded.CheckSocket(c.cfg.RuntimeDir); err != nil {
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
-	server, err := rpc.Dial(local.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{ReadTimeout: c.cfg.ReadTimeout,
+	server, err := rpc.Dial(embedded.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{ReadTimeout: c.cfg.ReadTimeout,
 		CallTimeout: min(2*time.Second, c.cfg.ReadTimeout)})
 	if err != nil {
 		return nil, err
@@ -311,7 +311,7 @@ func (c *Client) dial() (*serverConn, error) {
 		hello, err = server.Hello(ctx)
 		return err
 	}
-	if err := local.EnsureRunning(context.Background(), c.cfg, ping); err != nil {
+	if err := embedded.EnsureRunning(context.Background(), c.cfg, ping); err != nil {
 		server.Close()
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
@@ -741,7 +741,7 @@ func (c *Client) NodeSocket() string {
 	if c.cluster != nil {
 		return c.cluster.nodeSocket()
 	}
-	return nodesock.PathFor(local.SocketPath(c.cfg.RuntimeDir))
+	return nodesock.PathFor(embedded.SocketPath(c.cfg.RuntimeDir))
 }
 
 // localDirs returns the tier directories this client maps files from.

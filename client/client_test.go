@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -38,11 +38,11 @@ func startServerWithTier(t testing.TB, dir, budget string) (core.Config, func())
 	}
 	tierCfgs, _ := cfg.TierConfigs()
 	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs,
-		GenerationFile: local.SocketPath(cfg.RuntimeDir) + ".gen"}, nil)
+		GenerationFile: embedded.SocketPath(cfg.RuntimeDir) + ".gen"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := rpc.ListenUnix(local.SocketPath(cfg.RuntimeDir))
+	ln, err := rpc.ListenUnix(embedded.SocketPath(cfg.RuntimeDir))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 )
 
@@ -24,8 +24,8 @@ import (
 // the server lock is held and the socket accepts connections that are never answered.
 func hangServer(t *testing.T, cfg core.Config) {
 	t.Helper()
-	os.Remove(local.SocketPath(cfg.RuntimeDir))
-	ln, err := net.Listen("unix", local.SocketPath(cfg.RuntimeDir))
+	os.Remove(embedded.SocketPath(cfg.RuntimeDir))
+	ln, err := net.Listen("unix", embedded.SocketPath(cfg.RuntimeDir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,7 +42,7 @@ func hangServer(t *testing.T, cfg core.Config) {
 			mu.Unlock()
 		}
 	}()
-	lock, err := local.LockServer(cfg.RuntimeDir, 0)
+	lock, err := embedded.LockServer(cfg.RuntimeDir, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,7 +175,7 @@ func realServerConfig(t *testing.T) core.Config {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if pid := local.RunningPID(cfg.RuntimeDir); pid != 0 {
+		if pid := embedded.RunningPID(cfg.RuntimeDir); pid != 0 {
 			syscall.Kill(pid, syscall.SIGTERM)
 		}
 	})
@@ -198,11 +198,11 @@ func TestServerWithRemovedSocketIsReplaced(t *testing.T) {
 	}
 	readBytes(t, first, "a")
 	first.Close()
-	old := local.RunningPID(cfg.RuntimeDir)
+	old := embedded.RunningPID(cfg.RuntimeDir)
 	if old == 0 {
 		t.Fatal("no server runs after a read")
 	}
-	os.Remove(local.SocketPath(cfg.RuntimeDir))
+	os.Remove(embedded.SocketPath(cfg.RuntimeDir))
 	waitFor(t, func() bool { return processGone(old) || isZombie(old) })
 
 	second, err := Open(root, cfg, nil)
@@ -214,7 +214,7 @@ func TestServerWithRemovedSocketIsReplaced(t *testing.T) {
 	if cs, _ := clientStats(t, second); cs.ServerReads != 1 || cs.DirectReads != 0 {
 		t.Errorf("after the socket was removed: server reads %d, direct reads %d; want 1 and 0", cs.ServerReads, cs.DirectReads)
 	}
-	if pid := local.RunningPID(cfg.RuntimeDir); pid == 0 || pid == old {
+	if pid := embedded.RunningPID(cfg.RuntimeDir); pid == 0 || pid == old {
 		t.Errorf("server pid %d, want a new one (the old was %d)", pid, old)
 	}
 }
@@ -230,7 +230,7 @@ func isZombie(pid int) bool {
 func TestSpawnedServerExitEndsTheWait(t *testing.T) {
 	cfg, stop := startServer(t)
 	stop()
-	os.Remove(local.SocketPath(cfg.RuntimeDir)) // no server runs
+	os.Remove(embedded.SocketPath(cfg.RuntimeDir)) // no server runs
 	cfg = withOptions(t, cfg, map[string]string{"start_timeout": "20", "server_bin": "/bin/true"})
 	root := t.TempDir()
 	writeFile(t, root, "a", []byte("a"))

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -22,12 +22,12 @@ func startPrefetchServer(t *testing.T) (core.Config, *core.Engine) {
 		t.Fatal(err)
 	}
 	tierCfgs, _ := cfg.TierConfigs()
-	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, GenerationFile: local.SocketPath(cfg.RuntimeDir) + ".gen",
+	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, GenerationFile: embedded.SocketPath(cfg.RuntimeDir) + ".gen",
 		Prefetch: core.PrefetchConfig{Reads: cfg.Prefetch}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := rpc.ListenUnix(local.SocketPath(cfg.RuntimeDir))
+	ln, err := rpc.ListenUnix(embedded.SocketPath(cfg.RuntimeDir))
 	if err != nil {
 		t.Fatal(err)
 	}

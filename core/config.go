@@ -248,7 +248,7 @@ func defaultRuntimeDir() (dir, warning string) {
 	cache, cerr := os.UserCacheDir()
 	host, herr := os.Hostname()
 	if cerr != nil || herr != nil {
-		return dir, "" // refused with a clear error when used (local.PrepareDir)
+		return dir, "" // refused with a clear error when used (embedded.PrepareDir)
 	}
 	f, ferr := privdir.Fallback(dir, filepath.Join(cache, "fitcache-run", host))
 	if ferr != nil {

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -21,7 +21,7 @@ import (
 // The running server owns its tiers (their accounting, FIFO order and index), so ls and
 // clear go through it when it runs. Without one, ls reads the tiers' records (changing
 // nothing) and clear opens the tiers itself, under their locks, as a starting server would,
-// while it keeps a server from starting (local.HoldOff).
+// while it keeps a server from starting (embedded.HoldOff).
 
 // lsCmd prints what the tiers hold per dataset root.
 func lsCmd(args []string) error {
@@ -152,10 +152,10 @@ func clearCmd(args []string) error {
 func serverFor(cfg core.Config, socket string) (*rpc.Client, int, error) {
 	explicit := socket != ""
 	if !explicit {
-		if err := local.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
+		if err := embedded.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
 			return nil, 0, err
 		}
-		socket = local.SocketPath(cfg.RuntimeDir)
+		socket = embedded.SocketPath(cfg.RuntimeDir)
 	}
 	c, err := rpc.Dial(socket, rpc.ClientConfig{})
 	if err != nil {
@@ -168,7 +168,7 @@ func serverFor(cfg core.Config, socket string) (*rpc.Client, int, error) {
 		return c, int(hello.Pid), nil
 	}
 	c.Close()
-	pid := local.RunningPID(cfg.RuntimeDir)
+	pid := embedded.RunningPID(cfg.RuntimeDir)
 	switch {
 	case explicit:
 		return nil, 0, fmt.Errorf("no fitcache server answers at %s: %w", socket, err)
@@ -242,8 +242,8 @@ func clearTiers(cfg core.Config, root string, dryRun bool) ([]core.CacheUsage, e
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.StartTimeout)
 	defer cancel()
-	release, err := local.HoldOff(ctx, cfg.RuntimeDir)
-	if errors.Is(err, local.ErrAlreadyRunning) {
+	release, err := embedded.HoldOff(ctx, cfg.RuntimeDir)
+	if errors.Is(err, embedded.ErrAlreadyRunning) {
 		return nil, fmt.Errorf("an embedded server started meanwhile: try again (%w)", err)
 	}
 	if err != nil {

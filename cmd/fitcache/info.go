@@ -15,7 +15,7 @@ import (
 	"github.com/klauspost/cpuid/v2"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -74,7 +74,7 @@ func info(args []string) error {
 			report.Warnings = append(report.Warnings, fmt.Sprintf("%s tier %s: %s", r.Kind, r.Dir, r.Warning))
 		}
 	}
-	report.ServerPID = local.RunningPID(cfg.RuntimeDir)
+	report.ServerPID = embedded.RunningPID(cfg.RuntimeDir)
 	if *asJSON {
 		b, _ := json.MarshalIndent(report, "", "  ")
 		fmt.Println(string(b))

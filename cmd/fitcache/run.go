@@ -21,7 +21,7 @@ import (
 
 	"github.com/fitcache/fitcache/client"
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 )
 
@@ -159,7 +159,7 @@ func preloadEnviron(env []string, lib string, roots []datasetRoot, tierDirs []st
 			rootList = append(rootList, r.name+"="+r.real)
 		}
 	}
-	out := local.ServerEnviron(env) // drops an earlier run's shim and configuration
+	out := embedded.ServerEnviron(env) // drops an earlier run's shim and configuration
 	preload := lib
 	for _, kv := range out {
 		if v, ok := strings.CutPrefix(kv, "LD_PRELOAD="); ok {
@@ -194,15 +194,15 @@ func preloadLibrary() (string, error) {
 	}
 	dir := filepath.Dir(exe)
 	for _, p := range []string{
-		filepath.Join(dir, "..", local.PreloadLibrary),
-		filepath.Join(dir, local.PreloadLibrary),
-		filepath.Join(dir, "preload", local.PreloadLibrary),
+		filepath.Join(dir, "..", embedded.PreloadLibrary),
+		filepath.Join(dir, embedded.PreloadLibrary),
+		filepath.Join(dir, "preload", embedded.PreloadLibrary),
 	} {
 		if _, err := os.Stat(p); err == nil {
 			return filepath.Clean(p), nil
 		}
 	}
-	return "", fmt.Errorf("%s not found beside %s: install the Python package (pip install fitcache), or build it with `make -C preload` and set FITCACHE_PRELOAD_LIB", local.PreloadLibrary, exe)
+	return "", fmt.Errorf("%s not found beside %s: install the Python package (pip install fitcache), or build it with `make -C preload` and set FITCACHE_PRELOAD_LIB", embedded.PreloadLibrary, exe)
 }
 
 // preloadPath prints the path of the preload shim, for users who set LD_PRELOAD themselves.
@@ -246,7 +246,7 @@ func startCompanion(pid int, roots []datasetRoot, prefetch int, wait time.Durati
 	}
 	defer rd.Close()
 	cmd := exec.Command(self, args...)
-	cmd.Env = append(local.ServerEnviron(os.Environ()), "FITCACHE_COMPANION_DETACH=1")
+	cmd.Env = append(embedded.ServerEnviron(os.Environ()), "FITCACHE_COMPANION_DETACH=1")
 	if prefetch > 0 { // for a server the companion starts (0 only skips this program's prefetch)
 		cmd.Env = append(cmd.Env, "FITCACHE_PREFETCH="+strconv.Itoa(prefetch))
 	}

@@ -17,7 +17,7 @@ import (
 
 	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/metrics"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
@@ -31,7 +31,7 @@ func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
 
 func serve(args []string) error {
 	fs := flag.NewFlagSet("serve", flag.ExitOnError)
-	embedded := fs.Bool("embedded", false, "run as the per-user embedded server in the runtime directory (one at a time; exits when idle)")
+	asEmbedded := fs.Bool("embedded", false, "run as the per-user embedded server in the runtime directory (one at a time; exits when idle)")
 	socket := fs.String("socket", "", "Unix socket to listen on (default: the runtime directory's, with --embedded)")
 	listen := fs.String("listen", "", "TCP address to listen on (host:port), for cluster mode; needs a job token")
 	tokenFile := fs.String("token-file", "", "file holding the job token (0600; see 'fitcache token'); default FITCACHE_TOKEN / FITCACHE_TOKEN_FILE")
@@ -95,20 +95,20 @@ func serve(args []string) error {
 		}
 	}
 	if *socket == "" && *listen == "" {
-		if !*embedded {
+		if !*asEmbedded {
 			return errors.New("give --listen HOST:PORT, --socket PATH, or --embedded for the per-user server")
 		}
-		if err := local.PrepareDir(cfg.RuntimeDir); err != nil {
+		if err := embedded.PrepareDir(cfg.RuntimeDir); err != nil {
 			return err
 		}
-		*socket = local.SocketPath(cfg.RuntimeDir)
+		*socket = embedded.SocketPath(cfg.RuntimeDir)
 	}
 	idleTimeout := time.Duration(0)
-	if *embedded {
+	if *asEmbedded {
 		// A server that is exiting (its socket was removed, say) lets go of the lock within
 		// a second: wait for it rather than leave its clients without a server.
-		lock, err := local.LockServer(cfg.RuntimeDir, 3*time.Second)
-		if errors.Is(err, local.ErrAlreadyRunning) {
+		lock, err := embedded.LockServer(cfg.RuntimeDir, 3*time.Second)
+		if errors.Is(err, embedded.ErrAlreadyRunning) {
 			log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir, "err", err)
 			return nil
 		}
@@ -128,7 +128,7 @@ func serve(args []string) error {
 	var ln net.Listener
 	genFile := *socket + ".gen"
 	if *listen != "" {
-		if err := local.PrepareDir(cfg.RuntimeDir); err != nil {
+		if err := embedded.PrepareDir(cfg.RuntimeDir); err != nil {
 			return err
 		}
 		genFile = listenFile(cfg.RuntimeDir, *listen, ".gen")

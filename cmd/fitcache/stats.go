@@ -12,7 +12,7 @@ import (
 
 	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -34,10 +34,10 @@ func stats(args []string) error {
 		return clusterStats(cfg, *asJSON)
 	}
 	if *socket == "" {
-		if err := local.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
+		if err := embedded.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
 			return err
 		}
-		*socket = local.SocketPath(cfg.RuntimeDir)
+		*socket = embedded.SocketPath(cfg.RuntimeDir)
 	}
 	c, err := rpc.Dial(*socket, rpc.ClientConfig{})
 	if err != nil {

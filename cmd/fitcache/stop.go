@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/local"
+	"github.com/fitcache/fitcache/embedded"
 )
 
 // stopCmd stops the embedded server of the runtime directory: SIGTERM to the pid its
@@ -35,7 +35,7 @@ func stopCmd(args []string) error {
 	if err != nil {
 		return err
 	}
-	pid := local.RunningPID(cfg.RuntimeDir)
+	pid := embedded.RunningPID(cfg.RuntimeDir)
 	if pid == 0 {
 		fmt.Printf("no embedded server runs in %s\n", cfg.RuntimeDir)
 		return nil
@@ -47,10 +47,10 @@ func stopCmd(args []string) error {
 	if err := syscall.Kill(pid, syscall.SIGTERM); err != nil && !errors.Is(err, syscall.ESRCH) {
 		return fmt.Errorf("signal pid %d: %w", pid, err)
 	}
-	for local.RunningPID(cfg.RuntimeDir) == pid {
+	for embedded.RunningPID(cfg.RuntimeDir) == pid {
 		if time.Since(start) > *timeout {
 			return fmt.Errorf("the embedded server (pid %d) still runs after %s (it finishes the files it is writing first; "+
-				"see %s/%s); 'kill -KILL %d' ends it at once", pid, *timeout, cfg.RuntimeDir, local.LogName, pid)
+				"see %s/%s); 'kill -KILL %d' ends it at once", pid, *timeout, cfg.RuntimeDir, embedded.LogName, pid)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -1,4 +1,4 @@
-// Package local runs the per-user embedded server: the zero-set-up mode in which a client
+// Package embedded runs the per-user embedded server: the zero-set-up mode in which a client
 // with no servers configured talks to a FitCache server on this node over a Unix socket,
 // starting it on demand.
 //
@@ -13,7 +13,7 @@
 // Usage (client side):
 //
 //	err := local.EnsureRunning(ctx, cfg, ping)
-package local
+package embedded
 
 import (
 	"context"
