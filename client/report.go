@@ -1,0 +1,163 @@
+// Hit statistics: reads a client served from tier files itself never reach the server, so the
+// client counts them and reports them to the server in the background (flushHits), and its
+// own counters and the server's make up Stats.
+
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"time"
+
+	"github.com/fitcache/fitcache/rpc"
+)
+
+// hitReport is what a client has served from tier files and not reported yet, by tier kind.
+type hitReport struct {
+	mu     sync.Mutex // protects byTier and bytes
+	byTier map[string]int64
+	bytes  int64
+}
+
+// ClientStats are a client's own counters.
+type ClientStats struct {
+	LocalHits   int64 `json:"local_hits"`
+	ServerReads int64 `json:"server_reads"`
+	DirectReads int64 `json:"direct_reads"`
+	Connects    int64 `json:"connects"`
+	Errors      int64 `json:"errors"`
+	// Cluster mode: servers this client declared dead itself, or because a server's other
+	// clients had; dead servers that came back; calls that got no answer.
+	ServersDead     int64 `json:"servers_declared_dead,omitempty"`
+	ServersGossiped int64 `json:"servers_dead_by_gossip,omitempty"`
+	ServersRejoined int64 `json:"servers_rejoined,omitempty"`
+	ServerFailures  int64 `json:"server_failures,omitempty"`
+}
+
+// Stats returns this client's counters and, when the server answers, the server's (after
+// reporting this client's pending hits to it), as JSON: {"client": {...}, "server": {...}}.
+func (c *Client) Stats() (string, error) {
+	out := struct {
+		Client  ClientStats                `json:"client"`
+		Server  json.RawMessage            `json:"server,omitempty"`
+		Servers map[string]json.RawMessage `json:"servers,omitempty"`
+		Error   string                     `json:"server_error,omitempty"`
+	}{Client: ClientStats{
+		LocalHits: c.counts.localHits.Load(), ServerReads: c.counts.serverReads.Load(),
+		DirectReads: c.counts.directReads.Load(), Connects: c.counts.connects.Load(),
+		Errors: c.counts.errors.Load(),
+	}}
+	if f := c.external.Load(); f != nil {
+		ext := (*f)()
+		out.Client.LocalHits += ext.Hits
+		out.Client.ServerReads += ext.Fetches
+		out.Client.DirectReads += ext.Direct
+	}
+	if c.cluster != nil {
+		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
+		out.Client.ServersGossiped, out.Client.ServerFailures = c.cluster.gossiped.Load(), c.cluster.failures.Load()
+		if server := c.reportTo(); server != nil {
+			c.flushHits(server)
+		}
+		out.Servers = c.cluster.stats()
+		b, err := json.Marshal(out)
+		return string(b), err
+	}
+	if server := c.reportTo(); server != nil {
+		c.flushHits(server)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		if js, err := server.Stats(ctx); err == nil {
+			out.Server = json.RawMessage(js)
+		} else {
+			out.Error = err.Error()
+		}
+	} else {
+		out.Error = "no server"
+	}
+	b, err := json.Marshal(out)
+	return string(b), err
+}
+
+func (h *hitReport) add(tier string, bytes int64) {
+	h.mu.Lock()
+	h.byTier[tier]++
+	h.bytes += bytes
+	h.mu.Unlock()
+}
+
+// take returns the pending report and clears it.
+func (h *hitReport) take() (map[string]int64, int64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(h.byTier) == 0 {
+		return nil, 0
+	}
+	by, bytes := h.byTier, h.bytes
+	h.byTier, h.bytes = make(map[string]int64), 0
+	return by, bytes
+}
+
+// flushHits reports pending local hits; a failed report is put back for the next try.
+func (c *Client) flushHits(server *rpc.Client) {
+	by, bytes := c.pending.take()
+	if by == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if err := server.ReportHits(ctx, by, bytes); err != nil {
+		c.pending.mu.Lock()
+		for k, v := range by {
+			c.pending.byTier[k] += v
+		}
+		c.pending.bytes += bytes
+		c.pending.mu.Unlock()
+	}
+}
+
+// reportLoop reports local hits to the server once a second, so that server statistics
+// count reads the server never saw, drops kept mappings of files the server removed
+// meanwhile, so that an idle client does not keep evicted files alive in the tiers, and
+// renews the client's prefetch jobs.
+func (c *Client) reportLoop() {
+	defer close(c.stopped)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-c.stop:
+			return
+		case <-tick.C:
+			if server := c.reportTo(); server != nil {
+				c.flushHits(server)
+			}
+			c.renewPrefetch()
+		}
+	}
+}
+
+// reportTo returns the server that local hits are reported to: the embedded server, or in
+// cluster mode the first server on this node.
+func (c *Client) reportTo() *rpc.Client {
+	if c.cluster != nil {
+		return c.cluster.localServer()
+	}
+	if conn, _ := c.current(); conn != nil {
+		return conn.rpc
+	}
+	return nil
+}
+
+// ExternalCounts are reads that the C layer of libfitcache served without this client.
+type ExternalCounts struct {
+	Hits    int64 // from the server's tiers (the hit path)
+	Fetches int64 // misses the server cached for it (through its node socket)
+	Direct  int64 // files it read from the source (no room for them in the tiers)
+}
+
+// SetExternalCounts gives the client a count of the reads served around it (see
+// ExternalCounts), which Stats adds to its own. The server counts those hits and fetches
+// itself (through the tiers' index and its node socket).
+func (c *Client) SetExternalCounts(count func() ExternalCounts) { c.external.Store(&count) }
