@@ -13,8 +13,8 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/client"
-	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
 )
@@ -119,7 +119,7 @@ type rootClient struct {
 // in the job that cfg describes (cfg.Servers set), authenticated with token. It fails when
 // the job's servers cannot be listed.
 func newClusterNode(engine *core.Engine, cfg core.Config, token, listen string, log *slog.Logger) (*clusterNode, error) {
-	members, err := cluster.Discover(cluster.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
 	if err != nil {
 		return nil, err
 	}

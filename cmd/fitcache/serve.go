@@ -15,8 +15,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/metrics"
 	"github.com/fitcache/fitcache/nodesock"
@@ -66,7 +66,7 @@ func serve(args []string) error {
 	if cfg.RuntimeDirWarning != "" {
 		log.Warn(cfg.RuntimeDirWarning)
 	}
-	token, err := cluster.LoadToken(cfg.Token, firstNonEmpty(*tokenFile, cfg.TokenFile))
+	token, err := discovery.LoadToken(cfg.Token, firstNonEmpty(*tokenFile, cfg.TokenFile))
 	if err != nil {
 		return err
 	}
@@ -295,6 +295,6 @@ func tokenCmd(args []string) error {
 	if len(args) != 1 || strings.HasPrefix(args[0], "-") {
 		return errors.New("usage: fitcache token FILE (creates FILE, mode 0600, with a new random token)")
 	}
-	_, err := cluster.CreateTokenFile(args[0])
+	_, err := discovery.CreateTokenFile(args[0])
 	return err
 }

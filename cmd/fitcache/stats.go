@@ -10,8 +10,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -95,11 +95,11 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 
 // clusterStats totals the counters of every server of a cluster job (FITCACHE_SERVERS).
 func clusterStats(cfg core.Config, asJSON bool) error {
-	members, err := cluster.Discover(cluster.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
 	if err != nil {
 		return err
 	}
-	token, err := cluster.LoadToken(cfg.Token, cfg.TokenFile)
+	token, err := discovery.LoadToken(cfg.Token, cfg.TokenFile)
 	if err != nil {
 		return err
 	}

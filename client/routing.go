@@ -14,8 +14,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/fitcache/fitcache/cluster"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -112,11 +112,11 @@ type clusterRouter struct {
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
 func newClusterRouter(cfg core.Config, log *slog.Logger) (*clusterRouter, error) {
-	members, err := cluster.Discover(cluster.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
 	if err != nil {
 		return nil, err
 	}
-	token, err := cluster.LoadToken(cfg.Token, cfg.TokenFile)
+	token, err := discovery.LoadToken(cfg.Token, cfg.TokenFile)
 	if err != nil {
 		return nil, err
 	}
