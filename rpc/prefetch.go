@@ -20,10 +20,6 @@ func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchReque
 // Prefetch queues a prefetch job, takes the next chunk of its list, or renews it, and
 // reports its progress (see core.Engine.Prefetch).
 func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (*fitcachepb.PrefetchReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	info, err := h.engine.Prefetch(core.PrefetchRequest{Root: req.Root, Owner: req.Owner, ListID: req.ListId,
 		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths})
 	if err != nil {

@@ -130,3 +130,40 @@ func TestMembership(t *testing.T) {
 		t.Errorf("got version %d, dead %v; want 3, [n2:7070]", version, dead)
 	}
 }
+
+// TestEveryMethodChecksTheToken: the token check is one middleware in front of every handler;
+// a request with the wrong token gets its own method's reply with EACCES, and nothing runs.
+func TestEveryMethodChecksTheToken(t *testing.T) {
+	sock, e := serveEngine(t, "secret")
+	root := t.TempDir()
+	os.WriteFile(filepath.Join(root, "a"), []byte("data"), 0o600)
+	c, err := Dial(sock, ClientConfig{Token: "wrong"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx := context.Background()
+	calls := map[string]func() error{
+		"Hello":      func() error { _, err := c.Hello(ctx); return err },
+		"Read":       func() error { _, err := c.Read(ctx, root, filepath.Join(root, "a"), true); return err },
+		"ReportHits": func() error { return c.ReportHits(ctx, map[string]int64{"memory": 1}, 1) },
+		"Store":      func() error { return c.Store(ctx, root, filepath.Join(root, "a"), []byte("x"), 1) },
+		"Stats":      func() error { _, err := c.Stats(ctx); return err },
+		"Prefetch": func() error {
+			_, err := c.Prefetch(ctx, core.PrefetchRequest{Root: root, Owner: "o", Paths: []string{filepath.Join(root, "a")}})
+			return err
+		},
+		"Usage": func() error { _, err := c.Usage(ctx); return err },
+		"Clear": func() error { _, err := c.Clear(ctx, root, true); return err },
+	}
+	for name, call := range calls {
+		if err := call(); core.Errno(err) != syscall.EACCES {
+			t.Errorf("%s with the wrong token: %v, want EACCES", name, err)
+		}
+	}
+	s := e.Stats()
+	if s.Refusals != int64(len(calls)) || s.Misses != 0 || s.Stored != 0 || s.SourceReads != 0 {
+		t.Errorf("after refused requests: %d refusals (want %d), %d misses, %d stored, %d source reads",
+			s.Refusals, len(calls), s.Misses, s.Stored, s.SourceReads)
+	}
+}

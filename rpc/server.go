@@ -9,9 +9,11 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"reflect"
 	"syscall"
 	"time"
 
+	"github.com/cloudwego/kitex/pkg/endpoint"
 	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
 	"github.com/cloudwego/kitex/pkg/rpcinfo"
 	"github.com/cloudwego/kitex/server"
@@ -95,7 +97,7 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := NewHandler(e, cfg)
-	opts := []server.Option{server.WithExitSignal(never)}
+	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate)}
 	if h.cfg.MaxFrameBytes > 0 {
 		opts = append(opts, server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)))
 	}
@@ -146,6 +148,46 @@ func (h *Handler) refuse(peer, reason string) {
 	h.refusals.refuse(peer, reason)
 }
 
+// authenticate is the Kitex middleware every request goes through before its handler: it
+// notes the request for the idle timer (OnRequest) and checks the job token that every request
+// struct carries (GetToken). A request without the right token gets its method's reply with
+// EACCES, and no handler runs.
+func (h *Handler) authenticate(next endpoint.Endpoint) endpoint.Endpoint {
+	return func(ctx context.Context, req, resp any) error {
+		var token string
+		if args, ok := req.(interface{ GetFirstArgument() any }); ok {
+			if r, ok := args.GetFirstArgument().(interface{ GetToken() string }); ok {
+				token = r.GetToken()
+			}
+		}
+		if err := h.begin(ctx, token); err != nil {
+			return setFailure(resp, err)
+		}
+		return next(ctx, req, resp)
+	}
+}
+
+// setFailure makes resp, a Kitex result whose Success field points to the method's reply,
+// carry err as that reply's errno, message and reason: every reply struct has those fields
+// (rpc/fitcache.thrift).
+func setFailure(resp any, err error) error {
+	result := reflect.ValueOf(resp)
+	if result.Kind() != reflect.Pointer || result.Elem().Kind() != reflect.Struct {
+		return err
+	}
+	success := result.Elem().FieldByName("Success")
+	if !success.IsValid() || success.Kind() != reflect.Pointer {
+		return err
+	}
+	reply := reflect.New(success.Type().Elem())
+	errno, msg, reason := errnoOf(err)
+	reply.Elem().FieldByName("Errno").SetInt(int64(errno))
+	reply.Elem().FieldByName("Message").SetString(msg)
+	reply.Elem().FieldByName("Reason").Set(reflect.ValueOf(reason))
+	success.Set(reply)
+	return nil
+}
+
 func (h *Handler) begin(ctx context.Context, token string) error {
 	if h.cfg.OnRequest != nil {
 		h.cfg.OnRequest()
@@ -172,10 +214,6 @@ func errnoOf(err error) (int32, string, fitcachepb.Reason) {
 // Hello describes the server: its id, pid, tier directories (fastest first), removal
 // counter and node socket.
 func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fitcachepb.HelloReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.HelloReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
 		NodeSocket: h.cfg.NodeSocket}
 	for _, d := range h.engine.TierDirs() {
@@ -186,10 +224,6 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 
 // Read serves a file: the tier file to map for local callers when it is cached, else the bytes.
 func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	h.members.apply(req.Dead, req.Alive)
 	version, dead := h.members.since(req.MembershipVersion)
 	start := time.Now()
@@ -221,30 +255,18 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 
 // Store caches bytes a client read from the file's owner (this server is a replica).
 func (h *Handler) Store(ctx context.Context, req *fitcachepb.StoreRequest) (*fitcachepb.StoreReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.StoreReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	errno, msg, reason := errnoOf(h.engine.Store(req.Root, req.Path, req.Data, req.MtimeNanos))
 	return &fitcachepb.StoreReply{Errno: errno, Message: msg, Reason: reason}, nil
 }
 
 // ReportHits adds hits that a client served from this server's tier files itself.
 func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*fitcachepb.HitReportReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.HitReportReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	h.engine.AddClientHits(req.HitsByTier, req.Bytes)
 	return &fitcachepb.HitReportReply{}, nil
 }
 
 // Stats returns the engine's counters as JSON.
 func (h *Handler) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (*fitcachepb.StatsReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.StatsReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	b, err := json.Marshal(h.engine.Stats())
 	if err != nil {
 		return nil, err

@@ -27,20 +27,12 @@ func (t typedClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest, op
 
 // Usage reports what the server's tiers hold per dataset root (core.Engine.Usage).
 func (h *Handler) Usage(ctx context.Context, req *fitcachepb.UsageRequest) (*fitcachepb.UsageReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.UsageReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	return &fitcachepb.UsageReply{Usage: toWire(h.engine.Usage())}, nil
 }
 
 // Clear removes the cached files of a dataset root, or of all (core.Engine.Clear). A request
 // with neither a root nor all is refused (EINVAL), so that an empty root never means all.
 func (h *Handler) Clear(ctx context.Context, req *fitcachepb.ClearRequest) (*fitcachepb.ClearReply, error) {
-	if err := h.begin(ctx, req.Token); err != nil {
-		errno, msg, reason := errnoOf(err)
-		return &fitcachepb.ClearReply{Errno: errno, Message: msg, Reason: reason}, nil
-	}
 	root := req.Root
 	switch {
 	case req.All:
