@@ -112,11 +112,8 @@ type clusterRouter struct {
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
 func newClusterRouter(cfg core.Config, log *slog.Logger) (*clusterRouter, error) {
-	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
-	if err != nil {
-		return nil, err
-	}
-	token, err := discovery.LoadToken(cfg.Token, cfg.TokenFile)
+	members, token, err := discovery.Job(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort},
+		cfg.Token, cfg.TokenFile)
 	if err != nil {
 		return nil, err
 	}

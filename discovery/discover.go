@@ -26,6 +26,20 @@ type Spec struct {
 	NodeList string
 }
 
+// Job returns what a client of a cluster job needs to reach its servers: the servers (see
+// Discover) and the job token (see LoadToken: token, or the file tokenFile).
+func Job(s Spec, token, tokenFile string) ([]ring.Member, string, error) {
+	members, err := Discover(s)
+	if err != nil {
+		return nil, "", err
+	}
+	token, err = LoadToken(token, tokenFile)
+	if err != nil {
+		return nil, "", err
+	}
+	return members, token, nil
+}
+
 // Discover returns the servers as ring members (ID "host:port", Node the host), in a
 // deterministic order.
 func Discover(s Spec) ([]ring.Member, error) {

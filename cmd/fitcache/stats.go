@@ -95,11 +95,8 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 
 // clusterStats totals the counters of every server of a cluster job (FITCACHE_SERVERS).
 func clusterStats(cfg core.Config, asJSON bool) error {
-	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
-	if err != nil {
-		return err
-	}
-	token, err := discovery.LoadToken(cfg.Token, cfg.TokenFile)
+	members, token, err := discovery.Job(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort},
+		cfg.Token, cfg.TokenFile)
 	if err != nil {
 		return err
 	}
