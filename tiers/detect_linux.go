@@ -15,6 +15,10 @@ type FSInfo struct {
 	Free     int64  // bytes available to unprivileged users
 }
 
+// InMemory reports whether the file system keeps its files in memory (tmpfs, ramfs): what a
+// memory tier needs.
+func (f FSInfo) InMemory() bool { return f.Type == "tmpfs" || f.Type == "ramfs" }
+
 var fsNames = map[int64]string{
 	unix.TMPFS_MAGIC: "tmpfs", unix.EXT4_SUPER_MAGIC: "ext4", unix.XFS_SUPER_MAGIC: "xfs",
 	unix.BTRFS_SUPER_MAGIC: "btrfs", unix.NFS_SUPER_MAGIC: "nfs", unix.FUSE_SUPER_MAGIC: "fuse",

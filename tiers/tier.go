@@ -46,6 +46,14 @@ type Config struct {
 	FallbackRecord string
 }
 
+// BudgetSize parses the configured budget, or the kind's default when none is given.
+func (c Config) BudgetSize() (SizeOrPercent, error) {
+	if c.Budget == "" {
+		return ParseSize(c.Kind.DefaultBudget())
+	}
+	return ParseSize(c.Budget)
+}
+
 // Info is a snapshot of a tier's state, for statistics and reports.
 type Info struct {
 	Dir      string `json:"dir"`
@@ -102,11 +110,7 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 	if err != nil {
 		return nil, err
 	}
-	budgetText := cfg.Budget
-	if budgetText == "" {
-		budgetText = cfg.Kind.DefaultBudget()
-	}
-	size, err := ParseSize(budgetText)
+	size, err := cfg.BudgetSize()
 	if err != nil {
 		return nil, fmt.Errorf("tier %s budget: %w", dir, err)
 	}
@@ -173,7 +177,7 @@ func (t *Tier) init(size SizeOrPercent, holder string) error {
 	if t.budget <= 0 {
 		return fmt.Errorf("budget %s resolves to %d bytes", size, t.budget)
 	}
-	if (t.Kind == Memory) != (t.fsType == "tmpfs" || t.fsType == "ramfs") {
+	if (t.Kind == Memory) != (FSInfo{Type: t.fsType}).InMemory() {
 		t.log.Warn("tier kind does not match its file system: reads will not run at the expected speed",
 			"fs", t.fsType)
 	}

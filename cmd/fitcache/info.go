@@ -123,16 +123,12 @@ func inspectTier(tc tiers.Config) tierReport {
 		r.Problem = err.Error()
 		return r
 	}
-	budget := tc.Budget
-	if budget == "" {
-		budget = tc.Kind.DefaultBudget()
-	}
-	size, err := tiers.ParseSize(budget)
+	size, err := tc.BudgetSize()
 	if err != nil {
 		r.Problem = err.Error()
 		return r
 	}
-	if tc.Kind == tiers.Memory && fsi.Type != "tmpfs" && fsi.Type != "ramfs" {
+	if tc.Kind == tiers.Memory && !fsi.InMemory() {
 		r.Problem = "not on tmpfs: files there would not be in memory"
 	}
 	r.Usable = r.Problem == ""
