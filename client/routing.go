@@ -16,6 +16,7 @@ import (
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
+	"github.com/fitcache/fitcache/gossip"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -37,40 +38,8 @@ type peer struct {
 	nodeSocket  string // its node socket, as its last hello said (local servers only)
 	failedCalls int    // consecutive calls that got no answer (timeouts and refusals alike)
 	dead        bool
-	// Membership gossip with this server: the newest version it told us, and the deaths and
-	// rejoins we have seen and not yet told it.
-	version             int64
-	tellDead, tellAlive map[string]bool
-}
-
-// gossip takes what there is to tell this server.
-func (p *peer) gossip() (version int64, dead, alive []string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for id := range p.tellDead {
-		dead = append(dead, id)
-	}
-	for id := range p.tellAlive {
-		alive = append(alive, id)
-	}
-	p.tellDead, p.tellAlive = nil, nil
-	return p.version, dead, alive
-}
-
-// tell queues news about another server for this one.
-func (p *peer) tell(id string, dead bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.tellDead == nil {
-		p.tellDead, p.tellAlive = map[string]bool{}, map[string]bool{}
-	}
-	if dead {
-		p.tellDead[id] = true
-		delete(p.tellAlive, id)
-	} else {
-		p.tellAlive[id] = true
-		delete(p.tellDead, id)
-	}
+	// Membership gossip with this server (see package gossip).
+	news gossip.Outbox
 }
 
 func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {
@@ -253,7 +222,7 @@ func (r *clusterRouter) failed(p *peer, err error) bool {
 func (r *clusterRouter) spread(id string, dead bool) {
 	for other, p := range r.peers {
 		if other != id {
-			p.tell(id, dead)
+			p.news.Tell(id, dead)
 		}
 	}
 }
@@ -261,13 +230,7 @@ func (r *clusterRouter) spread(id string, dead bool) {
 // learn applies a server's membership view from a read reply: servers its clients found dead
 // are dead for this client too, without waiting for its own timeouts.
 func (r *clusterRouter) learn(from *peer, version int64, dead []string) {
-	from.mu.Lock()
-	newer := version > from.version
-	if newer {
-		from.version = version
-	}
-	from.mu.Unlock()
-	if !newer {
+	if !from.news.Heard(version) {
 		return
 	}
 	for _, id := range dead {
@@ -448,7 +411,7 @@ func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) 
 // askPeer asks one server for a file over RPC (naming the tier file when the server is on
 // this node and has it cached), exchanging membership gossip with it.
 func (c *Client) askPeer(ctx context.Context, p *peer, path string) (*fitcachepb.ReadReply, error) {
-	version, dead, alive := p.gossip()
+	version, dead, alive := p.news.Take()
 	reply, err := p.rpc.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: c.root, Path: path,
 		Local: p.local, MembershipVersion: version, Dead: dead, Alive: alive})
 	if reply != nil {
@@ -457,10 +420,10 @@ func (c *Client) askPeer(ctx context.Context, p *peer, path string) (*fitcachepb
 	if err != nil {
 		if errors.Is(err, rpc.ErrUnavailable) { // the news did not get through: tell it next time
 			for _, id := range dead {
-				p.tell(id, true)
+				p.news.Tell(id, true)
 			}
 			for _, id := range alive {
-				p.tell(id, false)
+				p.news.Tell(id, false)
 			}
 		}
 		return nil, err

@@ -145,7 +145,7 @@ func TestFailureThreshold(t *testing.T) {
 		t.Fatalf("alive after %d timeouts in a row", r.cfg.FailureThreshold)
 	}
 	// The others hear of it.
-	if _, dead, _ := r.peers["b:1"].gossip(); len(dead) != 1 || dead[0] != "a:1" {
+	if _, dead, _ := r.peers["b:1"].news.Take(); len(dead) != 1 || dead[0] != "a:1" {
 		t.Errorf("b:1 is to be told dead %v, want [a:1]", dead)
 	}
 	// A refused connection is death at once.

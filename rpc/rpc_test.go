@@ -123,8 +123,8 @@ func TestDeadServerIsUnavailable(t *testing.T) {
 
 func TestMembership(t *testing.T) {
 	h := NewHandler(nil, ServerConfig{})
-	h.members.apply([]string{"n2:7070", "n3:7070"}, nil)
-	h.members.apply(nil, []string{"n3:7070"})
+	h.members.Apply([]string{"n2:7070", "n3:7070"}, nil)
+	h.members.Apply(nil, []string{"n3:7070"})
 	version, dead := h.Membership()
 	if version != 3 || len(dead) != 1 || dead[0] != "n2:7070" {
 		t.Errorf("got version %d, dead %v; want 3, [n2:7070]", version, dead)

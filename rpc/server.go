@@ -19,6 +19,7 @@ import (
 	"github.com/cloudwego/kitex/server"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/gossip"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 )
@@ -60,7 +61,7 @@ type ServerConfig struct {
 type Handler struct {
 	engine   *core.Engine
 	cfg      ServerConfig
-	members  membership
+	members  gossip.View
 	refusals *refusalLog
 	guard    *guardListener // nil without a token
 }
@@ -224,8 +225,8 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 
 // Read serves a file: the tier file to map for local callers when it is cached, else the bytes.
 func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
-	h.members.apply(req.Dead, req.Alive)
-	version, dead := h.members.since(req.MembershipVersion)
+	h.members.Apply(req.Dead, req.Alive)
+	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
 	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {

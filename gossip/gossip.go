@@ -1,0 +1,119 @@
+// Package gossip is the membership gossip of a cluster job, both halves: how the clients of
+// a job share which servers they found dead, so that one client's timeouts spare the others
+// theirs.
+//
+// The protocol rides on read requests and replies (ReadRequest and ReadReply in
+// rpc/fitcache.thrift):
+//
+//   - A client that declares a server dead (or sees it answer again) queues the news for every
+//     other server ([Outbox.Tell]) and sends it with its next read to each ([Outbox.Take]:
+//     the request's dead and alive lists, with the newest version it heard from that server).
+//   - A server records what its clients report ([View.Apply]) and, to a client whose version
+//     is older than its own, answers with the servers its clients found dead ([View.Since]).
+//   - The client takes those as dead too when the version is newer than the last it heard
+//     from that server ([Outbox.Heard]).
+//
+// A server takes no part in routing: it only relays what its clients saw.
+package gossip
+
+import (
+	"sort"
+	"sync"
+)
+
+// View is a server's view of which servers of the job its clients found dead, with a version
+// bumped at each change. It is safe for concurrent use.
+type View struct {
+	mu      sync.Mutex // protects version and dead
+	version int64
+	dead    map[string]bool
+}
+
+// Apply records reported deaths and rejoins and returns the resulting version.
+func (v *View) Apply(dead, alive []string) int64 {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.dead == nil {
+		v.dead = map[string]bool{}
+	}
+	for _, id := range dead {
+		if !v.dead[id] {
+			v.dead[id] = true
+			v.version++
+		}
+	}
+	for _, id := range alive {
+		if v.dead[id] {
+			delete(v.dead, id)
+			v.version++
+		}
+	}
+	return v.version
+}
+
+// Since returns the version and, if the caller's version is older, the dead servers (sorted).
+func (v *View) Since(version int64) (int64, []string) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if version >= v.version {
+		return v.version, nil
+	}
+	out := make([]string, 0, len(v.dead))
+	for id := range v.dead {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return v.version, out
+}
+
+// Outbox is a client's side of the gossip with one server: the news about other servers not
+// yet told to it, and the newest version of its view the client heard. It is safe for
+// concurrent use.
+type Outbox struct {
+	mu          sync.Mutex // protects all below
+	heard       int64
+	dead, alive map[string]bool
+}
+
+// Tell queues news about another server: found dead, or answering again.
+func (o *Outbox) Tell(id string, dead bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.dead == nil {
+		o.dead, o.alive = map[string]bool{}, map[string]bool{}
+	}
+	if dead {
+		o.dead[id] = true
+		delete(o.alive, id)
+	} else {
+		o.alive[id] = true
+		delete(o.dead, id)
+	}
+}
+
+// Take returns what to send with the next request (the version heard, the news) and empties
+// the queue; a request that does not get through gives its news back with Tell.
+func (o *Outbox) Take() (version int64, dead, alive []string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for id := range o.dead {
+		dead = append(dead, id)
+	}
+	for id := range o.alive {
+		alive = append(alive, id)
+	}
+	o.dead, o.alive = nil, nil
+	return o.heard, dead, alive
+}
+
+// Heard records the version of a reply and reports whether it is newer than the last one
+// heard: only then is its list of dead servers news.
+func (o *Outbox) Heard(version int64) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if version <= o.heard {
+		return false
+	}
+	o.heard = version
+	return true
+}
