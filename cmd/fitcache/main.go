@@ -55,6 +55,9 @@ commands:
   verify   check the checksum of every cached file; remove damaged ones (or say how)
   warmup   cache every file under a directory (a prefetch job), with progress
   prefetch hand the server a list of files (standard input) to read ahead of the readers
+  ls       what the cache holds, per dataset root and tier
+  clear    drop the cache of a dataset (DIR) or all of it (--all); --dry-run says what would go
+  stop     stop the embedded server (the cache stays in its tiers)
   run      run a program with its reads of dataset files served from the cache (LD_PRELOAD)
   preload-path  print the path of the LD_PRELOAD library (for setting LD_PRELOAD yourself)
   token    create a job token file (0600) for the servers and clients of a cluster job
