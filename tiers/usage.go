@@ -60,16 +60,10 @@ func (t *Tier) Clear(match func(group string) bool, dryRun bool) []Usage {
 	}
 	t.mu.Unlock()
 
-	byGroup := make(map[string]*Usage)
+	var tally usageTally
 	var freed int64
 	for _, r := range victims {
-		u := byGroup[r.group]
-		if u == nil {
-			u = &Usage{Group: r.group}
-			byGroup[r.group] = u
-		}
-		u.Files++
-		u.Bytes += r.size
+		tally.add(r.group, r.size)
 		freed += r.size
 		if !dryRun {
 			t.unlink(r.rel, r.ino) // spares a newer copy published meanwhile
@@ -81,11 +75,7 @@ func (t *Tier) Clear(match func(group string) bool, dryRun bool) []Usage {
 		t.mu.Unlock()
 		t.removed()
 	}
-	out := make([]Usage, 0, len(byGroup))
-	for _, u := range byGroup {
-		out = append(out, *u)
-	}
-	return sortUsage(out)
+	return tally.sorted()
 }
 
 // Usage reads the records of the tier directory d and returns what it holds per group,
@@ -102,21 +92,36 @@ func (d Dir) Usage() ([]Usage, error) {
 	if err := s.run(int(dir.Fd())); err != nil {
 		return nil, err
 	}
-	byGroup := make(map[string]*Usage)
+	var tally usageTally
 	for _, f := range s.found {
-		u := byGroup[f.Group]
-		if u == nil {
-			u = &Usage{Group: f.Group}
-			byGroup[f.Group] = u
-		}
-		u.Files++
-		u.Bytes += f.size
+		tally.add(f.Group, f.size)
 	}
-	out := make([]Usage, 0, len(byGroup))
-	for _, u := range byGroup {
+	return tally.sorted(), nil
+}
+
+// usageTally adds up files and bytes per group.
+type usageTally map[string]*Usage
+
+func (t *usageTally) add(group string, bytes int64) {
+	if *t == nil {
+		*t = map[string]*Usage{}
+	}
+	u := (*t)[group]
+	if u == nil {
+		u = &Usage{Group: group}
+		(*t)[group] = u
+	}
+	u.Files++
+	u.Bytes += bytes
+}
+
+// sorted returns the tally sorted by group.
+func (t usageTally) sorted() []Usage {
+	out := make([]Usage, 0, len(t))
+	for _, u := range t {
 		out = append(out, *u)
 	}
-	return sortUsage(out), nil
+	return sortUsage(out)
 }
 
 func sortUsage(u []Usage) []Usage {

@@ -39,11 +39,7 @@ func lsCmd(args []string) error {
 		fset.Usage()
 		os.Exit(2)
 	}
-	cfg, err := core.LoadConfig(nil)
-	if err != nil {
-		return err
-	}
-	c, pid, err := serverFor(cfg, *socket)
+	cfg, c, pid, err := serverFor(*socket)
 	if err != nil {
 		return err
 	}
@@ -100,11 +96,7 @@ func clearCmd(args []string) error {
 		}
 		root = abs // a dataset removed since keeps its cache: DIR need not exist
 	}
-	cfg, err := core.LoadConfig(nil)
-	if err != nil {
-		return err
-	}
-	c, pid, err := serverFor(cfg, *socket)
+	cfg, c, pid, err := serverFor(*socket)
 	if err != nil {
 		return err
 	}
@@ -146,10 +138,20 @@ func clearCmd(args []string) error {
 	return err
 }
 
-// serverFor returns a client of the server at socket (default: the embedded server of cfg's
-// runtime directory) and its pid, or a nil client when no embedded server runs. A server
+// serverFor loads the configuration and returns it with a client of the server at socket
+// (default: the embedded server of its runtime directory) and its pid, or a nil client when
+// no embedded server runs. A server
 // that holds its lock but does not answer is an error: its tiers are not ours to touch.
-func serverFor(cfg core.Config, socket string) (*rpc.Client, int, error) {
+func serverFor(socket string) (cfg core.Config, c *rpc.Client, pid int, err error) {
+	if cfg, err = core.LoadConfig(nil); err != nil {
+		return cfg, nil, 0, err
+	}
+	c, pid, err = dialServer(cfg, socket)
+	return cfg, c, pid, err
+}
+
+// dialServer is serverFor with the configuration loaded.
+func dialServer(cfg core.Config, socket string) (*rpc.Client, int, error) {
 	explicit := socket != ""
 	if !explicit {
 		if err := embedded.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
