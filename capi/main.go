@@ -31,6 +31,7 @@ import (
 	"unsafe"
 
 	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
 )
@@ -142,7 +143,7 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 			return fail(fmt.Errorf("%w: options must be a JSON object of strings: %v", syscall.EINVAL, err))
 		}
 	}
-	cfg, err := core.LoadConfig(opts)
+	cfg, err := config.Load(opts)
 	if err != nil {
 		return fail(fmt.Errorf("%w: %v", syscall.EINVAL, err))
 	}

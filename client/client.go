@@ -17,7 +17,7 @@
 //
 // Usage:
 //
-//	cfg, err := core.LoadConfig(nil)
+//	cfg, err := config.Load(nil)
 //	...
 //	c, err := client.Open("/data/train", cfg, slog.Default())
 //	...
@@ -41,6 +41,7 @@ import (
 
 	"github.com/edsrzf/mmap-go"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -87,7 +88,7 @@ func (s *sourceMapping) Release() error {
 type Client struct {
 	root     string // absolute, clean
 	realRoot string // root with symbolic links resolved, for direct source reads
-	cfg      core.Config
+	cfg      config.Config
 	log      *slog.Logger
 
 	// life is held shared by every read and exclusively by Close, which so waits for reads
@@ -130,7 +131,7 @@ type counters struct {
 // Open returns a client for the dataset under root, connecting to (and if needed starting)
 // the embedded server. A server that cannot be started is not an error: reads then go to the
 // source until it can be.
-func Open(root string, cfg core.Config, log *slog.Logger) (*Client, error) {
+func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}

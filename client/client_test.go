@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
@@ -17,20 +18,20 @@ import (
 
 // startServer runs an engine and its RPC server in this process, on the embedded socket of
 // a new runtime directory, and returns a config pointing clients at it and a stop function.
-func startServer(t testing.TB) (core.Config, func()) {
+func startServer(t testing.TB) (config.Config, func()) {
 	t.Helper()
 	return startServerWithBudget(t, "64MiB")
 }
 
-func startServerWithBudget(t testing.TB, budget string) (core.Config, func()) {
+func startServerWithBudget(t testing.TB, budget string) (config.Config, func()) {
 	t.Helper()
 	return startServerWithTier(t, t.TempDir(), budget)
 }
 
 // startServerWithTier is startServer with its memory tier in dir.
-func startServerWithTier(t testing.TB, dir, budget string) (core.Config, func()) {
+func startServerWithTier(t testing.TB, dir, budget string) (config.Config, func()) {
 	t.Helper()
-	cfg, err := core.LoadConfig(map[string]string{
+	cfg, err := config.Load(map[string]string{
 		"runtime_dir": t.TempDir(), "tiers": "memory:" + dir + ":" + budget, "start_timeout": "1",
 	})
 	if err != nil {

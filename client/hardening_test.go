@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
@@ -22,7 +23,7 @@ import (
 
 // hangServer makes the embedded server of cfg look hung, as a stopped (SIGSTOP) server does:
 // the server lock is held and the socket accepts connections that are never answered.
-func hangServer(t *testing.T, cfg core.Config) {
+func hangServer(t *testing.T, cfg config.Config) {
 	t.Helper()
 	os.Remove(embedded.SocketPath(cfg.RuntimeDir))
 	ln, err := net.Listen("unix", embedded.SocketPath(cfg.RuntimeDir))
@@ -57,13 +58,13 @@ func hangServer(t *testing.T, cfg core.Config) {
 	})
 }
 
-func withOptions(t *testing.T, cfg core.Config, opts map[string]string) core.Config {
+func withOptions(t *testing.T, cfg config.Config, opts map[string]string) config.Config {
 	t.Helper()
 	base := map[string]string{"runtime_dir": cfg.RuntimeDir, "tiers": cfg.Tiers, "server_bin": cfg.ServerBin}
 	for k, v := range opts {
 		base[k] = v
 	}
-	out, err := core.LoadConfig(base)
+	out, err := config.Load(base)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,13 +164,13 @@ var fitcacheBinary = sync.OnceValues(func() (string, error) {
 	return bin, nil
 })
 
-func realServerConfig(t *testing.T) core.Config {
+func realServerConfig(t *testing.T) config.Config {
 	t.Helper()
 	bin, err := fitcacheBinary()
 	if err != nil {
 		t.Skip("cannot build the fitcache command:", err)
 	}
-	cfg, err := core.LoadConfig(map[string]string{"runtime_dir": t.TempDir(), "server_bin": bin,
+	cfg, err := config.Load(map[string]string{"runtime_dir": t.TempDir(), "server_bin": bin,
 		"tiers": "memory:" + t.TempDir() + ":64MiB", "start_timeout": "20", "read_timeout": "10"})
 	if err != nil {
 		t.Fatal(err)

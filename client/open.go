@@ -231,7 +231,7 @@ func (c *Client) Owner(path string) string {
 	return ""
 }
 
-// LocalServers returns the ids of the job's servers on this node (core.Config.Node), alive
+// LocalServers returns the ids of the job's servers on this node (config.Config.Node), alive
 // or not, sorted (not nil, if empty); nil outside cluster mode.
 func (c *Client) LocalServers() []string {
 	if c.cluster == nil {

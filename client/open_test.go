@@ -17,6 +17,7 @@ import (
 
 	"github.com/cloudwego/kitex/server"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -102,7 +103,7 @@ func sourceReads(servers []*testServer) int64 {
 // read once per file. A dead server's files come from their new owner (recache) or the
 // source (pfs).
 func TestOpenForReaderServesEachFileFromItsOwner(t *testing.T) {
-	for _, policy := range []string{core.PolicyRecache, core.PolicyPFS} {
+	for _, policy := range []string{config.PolicyRecache, config.PolicyPFS} {
 		t.Run(policy, func(t *testing.T) { testOpenForReader(t, policy) })
 	}
 }
@@ -125,7 +126,7 @@ func testOpenForReader(t *testing.T, policy string) {
 	self, peer, remote := startClusterServer(t, "127.0.0.1", root), startClusterServer(t, "127.0.0.1", root),
 		startClusterServer(t, "127.0.0.2", root)
 	servers := []*testServer{self, peer, remote}
-	cfg, err := core.LoadConfig(map[string]string{"servers": self.addr + "," + peer.addr + "," + remote.addr,
+	cfg, err := config.Load(map[string]string{"servers": self.addr + "," + peer.addr + "," + remote.addr,
 		"token": "tok", "node": "127.0.0.1", "policy": policy, "wait_timeout": "5", "rpc_timeout": "2"})
 	if err != nil {
 		t.Fatal(err)
@@ -199,7 +200,7 @@ func testOpenForReader(t *testing.T, policy string) {
 			switch {
 			case !lost[name]:
 				open(name, originOf[c.Owner(name)])
-			case policy == core.PolicyPFS:
+			case policy == config.PolicyPFS:
 				open(name, core.OriginSource)
 			default:
 				open(name, core.OriginTier)
@@ -207,10 +208,10 @@ func testOpenForReader(t *testing.T, policy string) {
 		}
 	}
 	after := sourceReads(servers[:2])
-	if policy == core.PolicyRecache && after-before != int64(owned[remote.addr]/2) {
+	if policy == config.PolicyRecache && after-before != int64(owned[remote.addr]/2) {
 		t.Errorf("recache: %d source reads by the live servers, want one per file of the dead one (%d)", after-before, owned[remote.addr]/2)
 	}
-	if policy == core.PolicyPFS && after != before {
+	if policy == config.PolicyPFS && after != before {
 		t.Errorf("pfs: the live servers read %d files, want none (the dead one's are read from the source)", after-before)
 	}
 	if _, _, err := c.OpenForReader(context.Background(), "../outside"); !errors.Is(err, core.ErrOutsideRoot) {

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
@@ -15,9 +16,9 @@ import (
 )
 
 // startPrefetchServer is startServer with prefetch on; it returns the engine too.
-func startPrefetchServer(t *testing.T) (core.Config, *core.Engine) {
+func startPrefetchServer(t *testing.T) (config.Config, *core.Engine) {
 	t.Helper()
-	cfg, err := core.LoadConfig(map[string]string{"runtime_dir": t.TempDir(), "tiers": "memory:" + t.TempDir() + ":64MiB"})
+	cfg, err := config.Load(map[string]string{"runtime_dir": t.TempDir(), "tiers": "memory:" + t.TempDir() + ":64MiB"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +141,7 @@ func TestPrefetchClusterEachServerItsOwn(t *testing.T) {
 		addrs = append(addrs, ln.Addr().String())
 		engines[ln.Addr().String()] = e
 	}
-	cfg, err := core.LoadConfig(map[string]string{"servers": strings.Join(addrs, ","), "token": "tok",
+	cfg, err := config.Load(map[string]string{"servers": strings.Join(addrs, ","), "token": "tok",
 		"node": "elsewhere", "wait_timeout": "10", "rpc_timeout": "5"})
 	if err != nil {
 		t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/gossip"
@@ -60,7 +61,7 @@ func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {
 // A server is dead after FailureThreshold consecutive failed calls, or at once when its
 // connection is refused; until then a read it fails is served from the source.
 type clusterRouter struct {
-	cfg   core.Config
+	cfg   config.Config
 	log   *slog.Logger
 	ring  *ring.Ring // every server of the job; never changes
 	peers map[string]*peer
@@ -80,7 +81,7 @@ type clusterRouter struct {
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
-func newClusterRouter(cfg core.Config, log *slog.Logger) (*clusterRouter, error) {
+func newClusterRouter(cfg config.Config, log *slog.Logger) (*clusterRouter, error) {
 	members, token, err := discovery.Job(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort},
 		cfg.Token, cfg.TokenFile)
 	if err != nil {
@@ -182,7 +183,7 @@ func (r *clusterRouter) targets(key string) []*peer {
 		}
 		p := r.peers[m.ID]
 		if _, _, dead := p.state(); dead {
-			if r.cfg.Policy == core.PolicyPFS {
+			if r.cfg.Policy == config.PolicyPFS {
 				nodes[m.Node] = true
 				return len(nodes) < r.cfg.Replicas
 			}
@@ -360,7 +361,7 @@ func (c *Client) route(path string, try func(p *peer, rest []*peer) error) error
 			}
 			died = r.failed(p, err) || died
 		}
-		if !died || r.cfg.Policy != core.PolicyRecache {
+		if !died || r.cfg.Policy != config.PolicyRecache {
 			break
 		}
 	}

@@ -6,7 +6,7 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/ring"
 )
 
@@ -16,7 +16,7 @@ import (
 // testRouter returns a router over servers given as id -> node, all alive.
 func testRouter(t *testing.T, policy string, replicas int, servers map[string]string) *clusterRouter {
 	t.Helper()
-	r := &clusterRouter{cfg: core.Config{Policy: policy, Replicas: replicas, FailureThreshold: 3},
+	r := &clusterRouter{cfg: config.Config{Policy: policy, Replicas: replicas, FailureThreshold: 3},
 		log: slog.New(slog.DiscardHandler), ring: ring.New(100, nil), peers: map[string]*peer{}}
 	for id, node := range servers {
 		m := ring.Member{ID: id, Node: node}
@@ -52,8 +52,8 @@ func TestPlacementWhenAServerDies(t *testing.T) {
 		// server clockwise, as if the dead one were removed from the ring; "": the source).
 		want string
 	}{
-		{core.PolicyRecache, "next"},
-		{core.PolicyPFS, ""},
+		{config.PolicyRecache, "next"},
+		{config.PolicyPFS, ""},
 	} {
 		t.Run(tc.policy, func(t *testing.T) {
 			r := testRouter(t, tc.policy, 1, fourNodes)
@@ -105,7 +105,7 @@ func TestPlacementWhenAServerDies(t *testing.T) {
 
 func TestReplicasGoToDistinctNodes(t *testing.T) {
 	servers := map[string]string{"a:1": "a", "a:2": "a", "b:1": "b", "c:1": "c"}
-	r := testRouter(t, core.PolicyRecache, 2, servers)
+	r := testRouter(t, config.PolicyRecache, 2, servers)
 	for _, k := range keys() {
 		got := ids(r.targets(k))
 		if len(got) != 2 || servers[got[0]] == servers[got[1]] {
@@ -128,7 +128,7 @@ func (timeoutErr) Error() string { return "timed out" }
 func (timeoutErr) Timeout() bool { return true }
 
 func TestFailureThreshold(t *testing.T) {
-	r := testRouter(t, core.PolicyRecache, 1, fourNodes)
+	r := testRouter(t, config.PolicyRecache, 1, fourNodes)
 	p := r.peers["a:1"]
 	for i := 1; i < r.cfg.FailureThreshold; i++ {
 		if r.failed(p, timeoutErr{}) {
@@ -158,7 +158,7 @@ func TestFailureThreshold(t *testing.T) {
 }
 
 func TestDeathsLearnedFromAServer(t *testing.T) {
-	r := testRouter(t, core.PolicyRecache, 1, fourNodes)
+	r := testRouter(t, config.PolicyRecache, 1, fourNodes)
 	r.learn(r.peers["a:1"], 1, []string{"c:1"})
 	if _, _, dead := r.peers["c:1"].state(); !dead {
 		t.Error("c:1 alive after a:1 said its clients found it dead")

@@ -25,10 +25,12 @@ const DefaultPrefetch = 16
 // Clients renew their jobs every second, so a job outlives its last client by at most this.
 const DefaultPrefetchLease = 10 * time.Second
 
+// MaxPrefetchReads bounds the prefetch option (source reads at once), which clients choose.
+const MaxPrefetchReads = 1024
+
 // Bounds on what prefetch jobs hold, so that clients cannot make a server keep lists without
-// limit, and on the prefetch option.
+// limit.
 const (
-	maxPrefetchReads  = 1024
 	maxPrefetchJobs   = 1024
 	maxPrefetchPaths  = 1 << 24 // paths held by all jobs together (16 Mi, about 1.6 GB of paths)
 	maxPrefetchErrors = 8       // failure messages a job keeps for its owners

@@ -8,11 +8,9 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 
-	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/privdir/privdirtest"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -76,7 +74,7 @@ func TestPlantedDefaultMemoryTierFallsBackWithWarning(t *testing.T) {
 		want     []string
 	}{
 		{"no fallback", "", 0, []string{planted, "skipped", "nobody"}},
-		{"fallback", filepath.Join(runtimeDir, MemoryTierRecord), 1, []string{planted, "nobody", "private directory"}},
+		{"fallback", filepath.Join(runtimeDir, "memory-tier"), 1, []string{planted, "nobody", "private directory"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{
@@ -131,56 +129,6 @@ func TestVerifyingEngineDropsOverwrittenFiles(t *testing.T) {
 	}
 	if !hasWarning(t, e, "removed 1 damaged") {
 		t.Error("no warning about the removed entry")
-	}
-}
-
-func TestConfigVerifyAndDefaultTiers(t *testing.T) {
-	for _, tc := range []struct {
-		opt, env string
-		want     bool
-		wantErr  bool
-	}{
-		{"", "", false, false}, {"", "1", true, false}, {"true", "", true, false},
-		{"false", "1", false, false}, {"maybe", "", false, true},
-	} {
-		t.Setenv("FITCACHE_VERIFY", tc.env)
-		cfg, err := LoadConfig(map[string]string{"verify": tc.opt, "runtime_dir": "/run/x"})
-		if (err != nil) != tc.wantErr || cfg.Verify != tc.want {
-			t.Errorf("verify option %q env %q: got %v err %v, want %v (error %v)", tc.opt, tc.env, cfg.Verify, err, tc.want, tc.wantErr)
-		}
-	}
-	mem := DefaultTiers("/run/x")[0]
-	if mem.Kind != tiers.Memory || mem.FallbackRecord != "/run/x/"+MemoryTierRecord {
-		t.Errorf("default memory tier %+v: want a fallback record in the runtime directory", mem)
-	}
-}
-
-// When another user created the default runtime directory (/tmp/fitcache-UID) first, a
-// private stand-in is used instead, the same one by every process, with a warning. On the
-// main branch before this change the planted directory was used.
-func TestPlantedDefaultRuntimeDirFallsBack(t *testing.T) {
-	shared := privdirtest.SharedDir(t)
-	t.Setenv("XDG_RUNTIME_DIR", "")
-	t.Setenv("TMPDIR", shared)
-	t.Setenv("XDG_CACHE_HOME", t.TempDir())
-	planted := filepath.Join(shared, "fitcache-"+strconv.Itoa(os.Geteuid()))
-	privdirtest.AsNobody(t, "mkdir -m 777 "+planted)
-	cfg, err := LoadConfig(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.RuntimeDir == planted || !strings.HasPrefix(cfg.RuntimeDir, planted+"-") {
-		t.Fatalf("runtime directory %s, want a stand-in beside the planted %s", cfg.RuntimeDir, planted)
-	}
-	if err := privdir.Inspect(cfg.RuntimeDir); err != nil {
-		t.Errorf("stand-in is not private: %v", err)
-	}
-	if !strings.Contains(cfg.RuntimeDirWarning, planted) {
-		t.Errorf("warning %q does not name the planted directory", cfg.RuntimeDirWarning)
-	}
-	again, err := LoadConfig(nil)
-	if err != nil || again.RuntimeDir != cfg.RuntimeDir {
-		t.Errorf("a second process gets %s (%v), want the same stand-in %s", again.RuntimeDir, err, cfg.RuntimeDir)
 	}
 }
 

@@ -2,7 +2,7 @@
 // with no servers configured talks to a FitCache server on this node over a Unix socket,
 // starting it on demand.
 //
-// Everything lives in one runtime directory (0700, see core.Config.RuntimeDir):
+// Everything lives in one runtime directory (0700, see config.Config.RuntimeDir):
 //
 //	server.sock   the server's socket
 //	server.lock   held (flock) by the running server for its whole life: at most one runs
@@ -28,7 +28,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/rpc"
 )
@@ -143,7 +143,7 @@ var ErrNotAnswering = errors.New("the embedded fitcache server does not answer")
 // It never waits long on a server that cannot answer: if ping fails while a server holds the
 // server lock, it returns ErrNotAnswering at once, and it stops waiting as soon as the
 // server it started exits. Otherwise it gives up when ctx ends or after cfg.StartTimeout.
-func EnsureRunning(ctx context.Context, cfg core.Config, ping func(context.Context) error) error {
+func EnsureRunning(ctx context.Context, cfg config.Config, ping func(context.Context) error) error {
 	err := ping(ctx)
 	if err == nil {
 		return nil
@@ -243,7 +243,7 @@ func lockSpawn(ctx context.Context, dir string) (unlock func(), err error) {
 
 // spawn starts `fitcache serve --embedded` detached from the caller (own session, output to
 // the log), passing the configuration through the environment.
-func spawn(cfg core.Config) (*exec.Cmd, error) {
+func spawn(cfg config.Config) (*exec.Cmd, error) {
 	bin := cfg.ServerBin
 	if bin == "" {
 		var err error

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
@@ -142,8 +143,8 @@ func clearCmd(args []string) error {
 // (default: the embedded server of its runtime directory) and its pid, or a nil client when
 // no embedded server runs. A server
 // that holds its lock but does not answer is an error: its tiers are not ours to touch.
-func serverFor(socket string) (cfg core.Config, c *rpc.Client, pid int, err error) {
-	if cfg, err = core.LoadConfig(nil); err != nil {
+func serverFor(socket string) (cfg config.Config, c *rpc.Client, pid int, err error) {
+	if cfg, err = config.Load(nil); err != nil {
 		return cfg, nil, 0, err
 	}
 	c, pid, err = dialServer(cfg, socket)
@@ -151,7 +152,7 @@ func serverFor(socket string) (cfg core.Config, c *rpc.Client, pid int, err erro
 }
 
 // dialServer is serverFor with the configuration loaded.
-func dialServer(cfg core.Config, socket string) (*rpc.Client, int, error) {
+func dialServer(cfg config.Config, socket string) (*rpc.Client, int, error) {
 	explicit := socket != ""
 	if !explicit {
 		if err := embedded.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
@@ -184,7 +185,7 @@ func dialServer(cfg core.Config, socket string) (*rpc.Client, int, error) {
 }
 
 // source says where a listing comes from.
-func source(cfg core.Config, c *rpc.Client, pid int) string {
+func source(cfg config.Config, c *rpc.Client, pid int) string {
 	if c == nil {
 		return "no server runs in " + cfg.RuntimeDir + ": read from the tiers' records"
 	}
@@ -193,7 +194,7 @@ func source(cfg core.Config, c *rpc.Client, pid int) string {
 
 // existingTiers returns the configured tiers that exist (their private stand-ins where a
 // server would use one); a missing tier directory holds nothing.
-func existingTiers(cfg core.Config) ([]tiers.Config, error) {
+func existingTiers(cfg config.Config) ([]tiers.Config, error) {
 	tcs, err := cfg.TierConfigs()
 	if err != nil {
 		return nil, err
@@ -214,7 +215,7 @@ func existingTiers(cfg core.Config) ([]tiers.Config, error) {
 }
 
 // tierUsage reads what the configured tiers hold from their records, changing nothing.
-func tierUsage(cfg core.Config) ([]core.CacheUsage, error) {
+func tierUsage(cfg config.Config) ([]core.CacheUsage, error) {
 	tcs, err := existingTiers(cfg)
 	if err != nil {
 		return nil, err
@@ -230,7 +231,7 @@ func tierUsage(cfg core.Config) ([]core.CacheUsage, error) {
 // otherwise each tier is opened under its lock, with no server allowed to start meanwhile,
 // and cleared like a server would clear it (index and records kept right). A tier another
 // server holds (one with another runtime directory) is left alone, with an error naming it.
-func clearTiers(cfg core.Config, root string, dryRun bool) ([]core.CacheUsage, error) {
+func clearTiers(cfg config.Config, root string, dryRun bool) ([]core.CacheUsage, error) {
 	match := func(group string) bool { return root == "" || core.Within(group, root) }
 	if dryRun {
 		us, err := tierUsage(cfg)

@@ -14,7 +14,7 @@ import (
 
 	"github.com/klauspost/cpuid/v2"
 
-	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
@@ -49,7 +49,7 @@ func info(args []string) error {
 	fs := flag.NewFlagSet("info", flag.ExitOnError)
 	asJSON := fs.Bool("json", false, "print JSON")
 	fs.Parse(args)
-	cfg, err := core.LoadConfig(nil)
+	cfg, err := config.Load(nil)
 	if err != nil {
 		return err
 	}

@@ -15,7 +15,7 @@
 //	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR
 //
 // Configuration comes from flags, then FITCACHE_* environment variables, then defaults (see
-// core.LoadConfig). The Python package installs this program as its `fitcache` command.
+// config.Load). The Python package installs this program as its `fitcache` command.
 package main
 
 import (

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/nodesock"
@@ -98,8 +99,8 @@ const (
 // It is safe for concurrent use.
 type clusterNode struct {
 	engine *core.Engine
-	cfg    core.Config // the job's: Node is this server's node
-	self   string      // this server's id on the ring, "" if it is not found there
+	cfg    config.Config // the job's: Node is this server's node
+	self   string        // this server's id on the ring, "" if it is not found there
 	log    *slog.Logger
 
 	mu      sync.Mutex // protects clients and closed
@@ -118,7 +119,7 @@ type rootClient struct {
 // newClusterNode prepares the routed node socket of the cluster server listening on listen,
 // in the job that cfg describes (cfg.Servers set), authenticated with token. It fails when
 // the job's servers cannot be listed.
-func newClusterNode(engine *core.Engine, cfg core.Config, token, listen string, log *slog.Logger) (*clusterNode, error) {
+func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string, log *slog.Logger) (*clusterNode, error) {
 	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
 	if err != nil {
 		return nil, err

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
@@ -119,7 +120,7 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	os.WriteFile(filepath.Join(outside, "secret"), []byte("no"), 0o644)
 	self, engine := startEngineServer(t, "127.0.0.1", root)
 	other, _ := startEngineServer(t, "127.0.0.2", root)
-	cfg, err := core.LoadConfig(map[string]string{"servers": self + "," + other, "node": "not-this-one",
+	cfg, err := config.Load(map[string]string{"servers": self + "," + other, "node": "not-this-one",
 		"wait_timeout": "5", "rpc_timeout": "2"})
 	if err != nil {
 		t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -86,7 +87,7 @@ func splitList(input []byte, null bool) []string {
 // openClient opens a client for the dataset under root, starting the embedded server (this
 // very program) if needed.
 func openClient(root string) (*client.Client, error) {
-	cfg, err := core.LoadConfig(nil)
+	cfg, err := config.Load(nil)
 	if err != nil {
 		return nil, err
 	}

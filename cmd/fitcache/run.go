@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/client"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
@@ -32,7 +33,7 @@ import (
 // which keeps this process's pid (so that srun, shells and signals see the program itself).
 //
 // In cluster mode (FITCACHE_SERVERS set) it starts no server: the job's servers on this node
-// (core.Config.Node) give the shim their tier directories, where it finds the files they
+// (config.Config.Node) give the shim their tier directories, where it finds the files they
 // hold, and one of them its node socket, which answers the shim's misses for every file of
 // the job (see nodeserve.go): the servers must know the job's servers themselves (serve
 // --servers, or FITCACHE_SERVERS in their environment). The companion hands each server
@@ -88,7 +89,7 @@ func run(args []string) error {
 		return err
 	}
 
-	cfg, err := core.LoadConfig(nil)
+	cfg, err := config.Load(nil)
 	if err != nil {
 		return err
 	}

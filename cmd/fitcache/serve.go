@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
@@ -58,7 +59,7 @@ func serve(args []string) error {
 	if *prefetch >= 0 {
 		opts["prefetch"] = strconv.Itoa(*prefetch)
 	}
-	cfg, err := core.LoadConfig(opts)
+	cfg, err := config.Load(opts)
 	if err != nil {
 		return err
 	}

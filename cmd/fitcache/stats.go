@@ -10,6 +10,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
@@ -26,7 +27,7 @@ func stats(args []string) error {
 	asJSON := fs.Bool("json", false, "print the raw JSON counters")
 	socket := fs.String("socket", "", "server socket (default: the embedded server's)")
 	fs.Parse(args)
-	cfg, err := core.LoadConfig(nil)
+	cfg, err := config.Load(nil)
 	if err != nil {
 		return err
 	}
@@ -94,7 +95,7 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 }
 
 // clusterStats totals the counters of every server of a cluster job (FITCACHE_SERVERS).
-func clusterStats(cfg core.Config, asJSON bool) error {
+func clusterStats(cfg config.Config, asJSON bool) error {
 	members, token, err := discovery.Job(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort},
 		cfg.Token, cfg.TokenFile)
 	if err != nil {

@@ -10,7 +10,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/embedded"
 )
 
@@ -31,7 +31,7 @@ func stopCmd(args []string) error {
 		fset.Usage()
 		os.Exit(2)
 	}
-	cfg, err := core.LoadConfig(nil)
+	cfg, err := config.Load(nil)
 	if err != nil {
 		return err
 	}

@@ -8,7 +8,7 @@ import (
 	"io/fs"
 	"os"
 
-	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -18,7 +18,7 @@ func verifyCmd(args []string) error {
 	fs := flag.NewFlagSet("verify", flag.ExitOnError)
 	tierSpec := fs.String("tiers", "", "tiers to check: kind:dir[:budget],... (default: FITCACHE_TIERS, else the embedded defaults)")
 	fs.Parse(args)
-	cfg, err := core.LoadConfig(map[string]string{"tiers": *tierSpec})
+	cfg, err := config.Load(map[string]string{"tiers": *tierSpec})
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,17 @@
-package core
+// Package config resolves what a FitCache client or server is told: keyword options (from
+// Python, the C API or the command line), then FITCACHE_* environment variables, then
+// defaults. It also holds the defaults that depend on the user and the machine: the embedded
+// server's tiers and its private runtime directory.
+//
+// It is its own package because clients, servers and commands all read it, while the server
+// engine (package core) never does: the engine is configured with core.EngineConfig.
+//
+// Usage:
+//
+//	cfg, err := config.Load(map[string]string{"tiers": "memory:/dev/shm/fc:2GiB"})
+//	...
+//	tierCfgs, _ := cfg.TierConfigs()
+package config
 
 import (
 	"errors"
@@ -9,12 +22,13 @@ import (
 	"strings"
 	"time"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
 
 // Config is what a client or server is told: keyword options first, then FITCACHE_*
-// environment variables, then defaults (see LoadConfig).
+// environment variables, then defaults (see Load).
 type Config struct {
 	// Tiers of the embedded server: "kind:dir[:budget],..." fastest first. Empty means a
 	// memory tier under /dev/shm and a disk tier under the user's cache directory.
@@ -43,7 +57,7 @@ type Config struct {
 
 	// Cluster mode (Servers set):
 
-	// Servers of the job: "host:port,...", "@HOSTFILE" or "slurm" (see cluster.Spec).
+	// Servers of the job: "host:port,...", "@HOSTFILE" or "slurm" (see discovery.Spec).
 	// Empty means the embedded per-user server.
 	Servers string
 	// PerNode and BasePort place the servers of hosts named without a port.
@@ -80,9 +94,9 @@ var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", 
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
 	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch"}
 
-// LoadConfig resolves options (keyword arguments from the caller, may be nil) over the
+// Load resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
-func LoadConfig(options map[string]string) (Config, error) {
+func Load(options map[string]string) (Config, error) {
 	known := make(map[string]bool, len(configKeys))
 	for _, k := range configKeys {
 		known[k] = true
@@ -135,11 +149,11 @@ func LoadConfig(options map[string]string) (Config, error) {
 			*n.dst = i
 		}
 	}
-	cfg.Prefetch = DefaultPrefetch
+	cfg.Prefetch = core.DefaultPrefetch
 	if v := get("prefetch"); v != "" {
 		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 || n > maxPrefetchReads {
-			return Config{}, fmt.Errorf("option prefetch: want a whole number from 0 (off) to %d, got %q", maxPrefetchReads, v)
+		if err != nil || n < 0 || n > core.MaxPrefetchReads {
+			return Config{}, fmt.Errorf("option prefetch: want a whole number from 0 (off) to %d, got %q", core.MaxPrefetchReads, v)
 		}
 		cfg.Prefetch = n
 	}
