@@ -172,27 +172,22 @@ func (r *clusterRouter) hello(p *peer) error {
 }
 
 // targets returns the servers to read key from, in order: the first Replicas servers on
-// distinct nodes walking clockwise, skipping dead ones under the recache policy; under the pfs
-// policy the walk does not go past dead ones (their files come from the source).
+// distinct nodes walking clockwise, passing over dead ones under the recache policy; under the
+// pfs policy a dead one keeps its slot (its files come from the source).
 func (r *clusterRouter) targets(key string) []*peer {
-	var out []*peer
-	nodes := map[string]bool{}
-	r.ring.Walk(key, func(m ring.Member) bool {
-		if nodes[m.Node] {
-			return true
+	members := r.ring.Choose(key, r.cfg.Replicas, true, func(m ring.Member) ring.Choice {
+		if _, _, dead := r.peers[m.ID].state(); !dead {
+			return ring.Take
 		}
-		p := r.peers[m.ID]
-		if _, _, dead := p.state(); dead {
-			if r.cfg.Policy == config.PolicyPFS {
-				nodes[m.Node] = true
-				return len(nodes) < r.cfg.Replicas
-			}
-			return true
+		if r.cfg.Policy == config.PolicyPFS {
+			return ring.Hold
 		}
-		nodes[m.Node] = true
-		out = append(out, p)
-		return len(out) < r.cfg.Replicas
+		return ring.Pass
 	})
+	out := make([]*peer, len(members))
+	for i, m := range members {
+		out[i] = r.peers[m.ID]
+	}
 	return out
 }
 

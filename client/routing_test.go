@@ -121,6 +121,43 @@ func TestReplicasGoToDistinctNodes(t *testing.T) {
 	}
 }
 
+// With replicas, a dead server's files are read from the live copy. Under pfs no server that
+// held no copy is added in its place (it would cache them: that is recache); under recache
+// the next live node takes the dead one's slot.
+func TestReplicasWhenAServerDies(t *testing.T) {
+	for _, tc := range []struct {
+		policy  string
+		wantLen int
+	}{
+		{config.PolicyPFS, 1},
+		{config.PolicyRecache, 2},
+	} {
+		t.Run(tc.policy, func(t *testing.T) {
+			r := testRouter(t, tc.policy, 2, fourNodes)
+			before := map[string][]string{}
+			for _, k := range keys() {
+				before[k] = ids(r.targets(k))
+			}
+			r.peers["b:1"].dead = true
+			moved := 0
+			for _, k := range keys() {
+				got := ids(r.targets(k))
+				if before[k][0] != "b:1" {
+					continue
+				}
+				moved++
+				if len(got) != tc.wantLen || got[0] != before[k][1] {
+					t.Fatalf("%s: copies were on %v, after b:1 died targets %v; want %d starting with the replica %s",
+						k, before[k], got, tc.wantLen, before[k][1])
+				}
+			}
+			if moved == 0 {
+				t.Fatal("the dead server owned no file: the test routes too few keys")
+			}
+		})
+	}
+}
+
 // timeoutErr is a call that timed out (the server may be slow, not dead).
 type timeoutErr struct{}
 

@@ -196,17 +196,50 @@ func (r *Ring) Walk(key string, visit func(Member) bool) {
 // comes first). With distinctNodes, it skips members on a node already chosen, so replicas
 // land on different nodes; it then returns fewer than n when there are fewer nodes.
 func (r *Ring) Successors(key string, n int, distinctNodes bool) []Member {
+	return r.Choose(key, n, distinctNodes, nil)
+}
+
+// Choice is what Choose does with a member it walks past.
+type Choice int
+
+const (
+	// Take chooses the member.
+	Take Choice = iota
+	// Pass walks on as if the member were not in the ring (for example a dead server whose
+	// files its successors cache in its place).
+	Pass
+	// Hold counts the member, and its node, as chosen without returning it (for example a
+	// dead server whose files are read from the source: its slot is not given to another).
+	Hold
+)
+
+// Choose is Successors with a say over each member: judge (nil: Take every member) is asked
+// about each member the walk reaches, in ring order, and the walk stops as soon as n slots
+// are taken or held, so a key's placement costs a few steps, not a pass over the ring.
+func (r *Ring) Choose(key string, n int, distinctNodes bool, judge func(Member) Choice) []Member {
 	if n <= 0 {
 		return nil
 	}
 	var out []Member
+	slots := 0
 	nodes := make(map[string]bool, n)
 	r.Walk(key, func(m Member) bool {
-		if !distinctNodes || !nodes[m.Node] {
-			nodes[m.Node] = true
+		if distinctNodes && nodes[m.Node] {
+			return true
+		}
+		choice := Take
+		if judge != nil {
+			choice = judge(m)
+		}
+		switch choice {
+		case Pass:
+			return true
+		case Take:
 			out = append(out, m)
 		}
-		return len(out) < n
+		nodes[m.Node] = true
+		slots++
+		return slots < n
 	})
 	return out
 }

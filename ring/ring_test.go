@@ -154,6 +154,64 @@ func TestSuccessorsDistinctServersAndNodes(t *testing.T) {
 	}
 }
 
+// Choose against what it is defined by: Pass is as if the member were not in the ring, Hold
+// uses a slot and its node without returning the member, and the walk stops once the slots
+// are used.
+func TestChoosePassHoldAndStop(t *testing.T) {
+	r := New(50, nil)
+	r.Add(servers(8, 2)...) // 4 nodes with 2 servers each
+	for _, k := range keys(200) {
+		var order []Member // one member per node, in walk order
+		r.Walk(k, func(m Member) bool {
+			if len(order) == 0 || !containsNode(order, m.Node) {
+				order = append(order, m)
+			}
+			return true
+		})
+		judged := 0
+		passOwner := r.Choose(k, 2, true, func(m Member) Choice {
+			judged++
+			if m == order[0] {
+				return Pass
+			}
+			return Take
+		})
+		without := New(50, nil) // the ring as if the owner were not in it
+		for _, m := range servers(8, 2) {
+			if m != order[0] {
+				without.Add(m)
+			}
+		}
+		if diff := cmp.Diff(without.Successors(k, 2, true), passOwner); diff != "" {
+			t.Fatalf("%s, owner passed: (-want +got)\n%s", k, diff)
+		}
+		holdOwner := r.Choose(k, 2, true, func(m Member) Choice {
+			if m == order[0] {
+				return Hold
+			}
+			return Take
+		})
+		if diff := cmp.Diff(order[1:2], holdOwner); diff != "" {
+			t.Fatalf("%s, owner held: (-want +got)\n%s", k, diff)
+		}
+		if judged > 8 {
+			t.Fatalf("%s: judge asked %d times for 2 slots among 8 members", k, judged)
+		}
+	}
+	if got := r.Choose("x", 0, true, nil); got != nil {
+		t.Errorf("Choose of 0 members = %v", got)
+	}
+}
+
+func containsNode(ms []Member, node string) bool {
+	for _, m := range ms {
+		if m.Node == node {
+			return true
+		}
+	}
+	return false
+}
+
 func TestWalkVisitsEachMemberOnceOwnerFirst(t *testing.T) {
 	r := New(50, nil)
 	r.Add(servers(6, 2)...)
