@@ -143,6 +143,11 @@ func (h *Handler) Conns() int {
 	return h.guard.Active()
 }
 
+// Membership returns the version of the ring membership this server's clients reported
+// (one per change: a server found dead or back) and the servers they report dead (see
+// package gossip).
+func (h *Handler) Membership() (version int64, dead []string) { return h.members.Since(-1) }
+
 // refuse counts a refused connection or request and logs it, rate-limited per peer.
 func (h *Handler) refuse(peer, reason string) {
 	h.engine.CountRefusal()
