@@ -175,20 +175,16 @@ func (r *clusterRouter) hello(p *peer) error {
 // distinct nodes walking clockwise, passing over dead ones under the recache policy; under the
 // pfs policy a dead one keeps its slot (its files come from the source).
 func (r *clusterRouter) targets(key string) []*peer {
-	members := r.ring.Choose(key, r.cfg.Replicas, true, func(m ring.Member) ring.Choice {
-		if _, _, dead := r.peers[m.ID].state(); !dead {
-			return ring.Take
+	return ring.Choose(r.ring, key, r.cfg.Replicas, true, func(m ring.Member) (*peer, ring.Choice) {
+		p := r.peers[m.ID]
+		if _, _, dead := p.state(); !dead {
+			return p, ring.Take
 		}
 		if r.cfg.Policy == config.PolicyPFS {
-			return ring.Hold
+			return nil, ring.Hold
 		}
-		return ring.Pass
+		return nil, ring.Pass
 	})
-	out := make([]*peer, len(members))
-	for i, m := range members {
-		out[i] = r.peers[m.ID]
-	}
-	return out
 }
 
 // failed records a failed call; it reports whether the server is now dead.

@@ -206,3 +206,27 @@ func TestDeathsLearnedFromAServer(t *testing.T) {
 		t.Error("old news declared c:1 dead again")
 	}
 }
+
+// BenchmarkTargets is the placement of one read in a 64-server job with two replicas: a few
+// steps of the ring walk, on every read a client routes.
+func BenchmarkTargets(b *testing.B) {
+	servers := map[string]string{}
+	for i := 0; i < 64; i++ {
+		servers[fmt.Sprintf("n%02d:1", i/2)+fmt.Sprint(i%2)] = fmt.Sprintf("n%02d", i/2)
+	}
+	r := &clusterRouter{cfg: config.Config{Policy: config.PolicyRecache, Replicas: 2},
+		ring: ring.New(100, nil), peers: map[string]*peer{}}
+	for id, node := range servers {
+		m := ring.Member{ID: id, Node: node}
+		r.ring.Add(m)
+		r.peers[id] = &peer{member: m}
+	}
+	ks := keys()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if len(r.targets(ks[i%len(ks)])) != 2 {
+			b.Fatal("want 2 targets")
+		}
+	}
+}

@@ -14,10 +14,10 @@
 //	r.Add(ring.Member{ID: "gpu001:7070", Node: "gpu001"}, ring.Member{ID: "gpu002:7070", Node: "gpu002"})
 //	owner, ok := r.Lookup("/data/train/0001.jpg")
 //	backups := r.Successors("/data/train/0001.jpg", 2, true) // owner and a member on another node
-//	live := r.Choose("/data/train/0001.jpg", 2, true, func(m ring.Member) ring.Choice {
+//	live := ring.Choose(r, "/data/train/0001.jpg", 2, true, func(m ring.Member) (string, ring.Choice) {
 //		if dead[m.ID] {
-//			return ring.Pass // as if removed: the next node takes its place
+//			return "", ring.Pass // as if removed: the next node takes its place
 //		}
-//		return ring.Take
+//		return m.ID, ring.Take
 //	})
 package ring

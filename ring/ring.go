@@ -196,7 +196,7 @@ func (r *Ring) Walk(key string, visit func(Member) bool) {
 // comes first). With distinctNodes, it skips members on a node already chosen, so replicas
 // land on different nodes; it then returns fewer than n when there are fewer nodes.
 func (r *Ring) Successors(key string, n int, distinctNodes bool) []Member {
-	return r.Choose(key, n, distinctNodes, nil)
+	return Choose(r, key, n, distinctNodes, func(m Member) (Member, Choice) { return m, Take })
 }
 
 // Choice is what Choose does with a member it walks past.
@@ -213,31 +213,39 @@ const (
 	Hold
 )
 
-// Choose is Successors with a say over each member: judge (nil: Take every member) is asked
-// about each member the walk reaches, in ring order, and the walk stops as soon as n slots
-// are taken or held, so a key's placement costs a few steps, not a pass over the ring.
-func (r *Ring) Choose(key string, n int, distinctNodes bool, judge func(Member) Choice) []Member {
+// Choose is Successors with a say over each member: judge is asked about each member the walk
+// reaches, in ring order, and gives the value to return for a member it takes (the caller's
+// own record of it, so that the result needs no second pass). The walk stops as soon as n
+// slots are taken or held, so a key's placement costs a few steps, not a pass over the ring.
+// It is a function, not a method, because Go methods take no type parameters.
+func Choose[T any](r *Ring, key string, n int, distinctNodes bool, judge func(Member) (T, Choice)) []T {
 	if n <= 0 {
 		return nil
 	}
-	var out []Member
+	out := make([]T, 0, n)
+	var nodesBuf [8]string // nodes used; n is a replica count, so a scan beats a map
+	nodes := nodesBuf[:0]
+	used := func(node string) bool {
+		for _, u := range nodes {
+			if u == node {
+				return true
+			}
+		}
+		return false
+	}
 	slots := 0
-	nodes := make(map[string]bool, n)
 	r.Walk(key, func(m Member) bool {
-		if distinctNodes && nodes[m.Node] {
+		if distinctNodes && used(m.Node) {
 			return true
 		}
-		choice := Take
-		if judge != nil {
-			choice = judge(m)
-		}
+		v, choice := judge(m)
 		switch choice {
 		case Pass:
 			return true
 		case Take:
-			out = append(out, m)
+			out = append(out, v)
 		}
-		nodes[m.Node] = true
+		nodes = append(nodes, m.Node)
 		slots++
 		return slots < n
 	})

@@ -169,12 +169,12 @@ func TestChoosePassHoldAndStop(t *testing.T) {
 			return true
 		})
 		judged := 0
-		passOwner := r.Choose(k, 2, true, func(m Member) Choice {
+		passOwner := Choose(r, k, 2, true, func(m Member) (Member, Choice) {
 			judged++
 			if m == order[0] {
-				return Pass
+				return m, Pass
 			}
-			return Take
+			return m, Take
 		})
 		without := New(50, nil) // the ring as if the owner were not in it
 		for _, m := range servers(8, 2) {
@@ -185,11 +185,11 @@ func TestChoosePassHoldAndStop(t *testing.T) {
 		if diff := cmp.Diff(without.Successors(k, 2, true), passOwner); diff != "" {
 			t.Fatalf("%s, owner passed: (-want +got)\n%s", k, diff)
 		}
-		holdOwner := r.Choose(k, 2, true, func(m Member) Choice {
+		holdOwner := Choose(r, k, 2, true, func(m Member) (Member, Choice) {
 			if m == order[0] {
-				return Hold
+				return m, Hold
 			}
-			return Take
+			return m, Take
 		})
 		if diff := cmp.Diff(order[1:2], holdOwner); diff != "" {
 			t.Fatalf("%s, owner held: (-want +got)\n%s", k, diff)
@@ -198,7 +198,7 @@ func TestChoosePassHoldAndStop(t *testing.T) {
 			t.Fatalf("%s: judge asked %d times for 2 slots among 8 members", k, judged)
 		}
 	}
-	if got := r.Choose("x", 0, true, nil); got != nil {
+	if got := r.Successors("x", 0, true); got != nil {
 		t.Errorf("Choose of 0 members = %v", got)
 	}
 }
