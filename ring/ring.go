@@ -222,7 +222,7 @@ func Choose[T any](r *Ring, key string, n int, distinctNodes bool, judge func(Me
 	if n <= 0 {
 		return nil
 	}
-	out := make([]T, 0, n)
+	out := make([]T, 0, min(n, len(r.members)))
 	var nodesBuf [8]string // nodes used; n is a replica count, so a scan beats a map
 	nodes := nodesBuf[:0]
 	used := func(node string) bool {
@@ -245,7 +245,9 @@ func Choose[T any](r *Ring, key string, n int, distinctNodes bool, judge func(Me
 		case Take:
 			out = append(out, v)
 		}
-		nodes = append(nodes, m.Node)
+		if distinctNodes {
+			nodes = append(nodes, m.Node)
+		}
 		slots++
 		return slots < n
 	})
