@@ -33,7 +33,8 @@ func TestExpandHostlist(t *testing.T) {
 			t.Errorf("ExpandHostlist(%q) (-want +got):\n%s", tc.in, diff)
 		}
 	}
-	for _, bad := range []string{"gpu[1-", "gpu]", "gpu[4-1]", "gpu[a-b]", "g[[1]]"} {
+	for _, bad := range []string{"gpu[1-", "gpu]", "gpu[4-1]", "gpu[a-b]", "g[[1]]",
+		"n[0-99999]r[0-99999]", "a[0-60000],b[0-60000]"} { // the last two: over maxHosts, in one term or the list
 		if _, err := ExpandHostlist(bad); err == nil {
 			t.Errorf("ExpandHostlist(%q) succeeded, want an error", bad)
 		}
@@ -97,7 +98,7 @@ func TestTokenFile(t *testing.T) {
 // FuzzExpandHostlist: any input gives hosts or an error, never a panic or a blow-up; hosts are
 // unique, non-empty and hold no bracket or comma; a list without brackets gives its terms.
 func FuzzExpandHostlist(f *testing.F) {
-	for _, seed := range []string{"gpu[001-004,010],login1", "rack[1-2]-n[01-02]", "x[3],x3, y", "g[[1]]", "a[0-99999]b[0-99999]", ""} {
+	for _, seed := range []string{"gpu[001-004,010],login1", "rack[1-2]-n[01-02]", "x[3],x3, y", "g[[1]]", "a[0-99999]b[0-99999]", "a[0-60000],b[0-60000]", ""} {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, list string) {

@@ -28,6 +28,9 @@ func ExpandHostlist(list string) ([]string, error) {
 				out = append(out, h)
 			}
 		}
+		if len(out) > maxHosts {
+			return nil, fmt.Errorf("hostlist %q: more than %d hosts", list, maxHosts)
+		}
 	}
 	return out, nil
 }
@@ -68,8 +71,8 @@ func splitTop(s string) ([]string, error) {
 	return terms, nil
 }
 
-// maxHosts bounds what a hostlist expands to, so that a typo ("n[0-99999]r[0-99999]") is an
-// error, not a process out of memory.
+// maxHosts bounds what a hostlist expands to, a term and the whole list alike, so that a typo
+// ("n[0-99999]r[0-99999]") is an error, not a process out of memory.
 const maxHosts = 100000
 
 // expandTerm expands the first bracket group of term and recurses on the rest.
