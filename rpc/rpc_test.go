@@ -7,11 +7,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"reflect"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -122,7 +124,7 @@ func TestDeadServerIsUnavailable(t *testing.T) {
 }
 
 func TestMembership(t *testing.T) {
-	h := NewHandler(nil, ServerConfig{})
+	h := newHandler(nil, ServerConfig{})
 	h.members.Apply([]string{"n2:7070", "n3:7070"}, nil)
 	h.members.Apply(nil, []string{"n3:7070"})
 	version, dead := h.Membership()
@@ -131,9 +133,10 @@ func TestMembership(t *testing.T) {
 	}
 }
 
-// TestEveryMethodChecksTheToken: the token check is one middleware in front of every handler;
-// a request with the wrong token gets its own method's reply with EACCES, and nothing runs.
-func TestEveryMethodChecksTheToken(t *testing.T) {
+// TestWrongTokenRunsNothing: a client with the wrong token is refused at its connection's
+// preamble, before any request is read (see TestMiddlewareChecksEveryMethod for the check of
+// each request); every call fails with EACCES, and nothing runs.
+func TestWrongTokenRunsNothing(t *testing.T) {
 	sock, e := serveEngine(t, "secret")
 	root := t.TempDir()
 	os.WriteFile(filepath.Join(root, "a"), []byte("data"), 0o600)
@@ -165,5 +168,54 @@ func TestEveryMethodChecksTheToken(t *testing.T) {
 	if s.Refusals != int64(len(calls)) || s.Misses != 0 || s.Stored != 0 || s.SourceReads != 0 {
 		t.Errorf("after refused requests: %d refusals (want %d), %d misses, %d stored, %d source reads",
 			s.Refusals, len(calls), s.Misses, s.Stored, s.SourceReads)
+	}
+}
+
+// TestMiddlewareChecksEveryMethod: authenticate, in front of every handler, refuses a request
+// with the wrong token or none with its own method's reply (EACCES), refuses a call without
+// its request (EINVAL), and lets the right token through. Methods are taken from the
+// generated service, so a new method is tested too.
+func TestMiddlewareChecksEveryMethod(t *testing.T) {
+	_, e := serveEngine(t, "secret")
+	h := newHandler(e, ServerConfig{Token: "secret"})
+	ran := 0
+	mw := h.authenticate(func(ctx context.Context, req, resp any) error { ran++; return nil })
+	call := func(name, token string, withRequest bool) (errno int64) {
+		t.Helper()
+		m := fitcache.NewServiceInfo().Methods[name]
+		args, result := m.NewArgs(), m.NewResult()
+		if withRequest {
+			req := reflect.ValueOf(args).Elem().FieldByName("Req")
+			req.Set(reflect.New(req.Type().Elem()))
+			req.Elem().FieldByName("Token").SetString(token)
+		}
+		if err := mw(context.Background(), args, result); err != nil {
+			t.Fatalf("%s: middleware error %v, want a reply", name, err)
+		}
+		success := reflect.ValueOf(result).Elem().FieldByName("Success")
+		if success.IsNil() {
+			return 0
+		}
+		return success.Elem().FieldByName("Errno").Int()
+	}
+	methods := fitcache.NewServiceInfo().Methods
+	if len(methods) < 8 {
+		t.Fatalf("%d methods in the service info, want at least 8", len(methods))
+	}
+	for name := range methods {
+		for _, tc := range []struct {
+			token       string
+			withRequest bool
+			want        syscall.Errno
+		}{{"wrong", true, syscall.EACCES}, {"", true, syscall.EACCES}, {"secret", false, syscall.EINVAL}} {
+			if got := call(name, tc.token, tc.withRequest); got != int64(tc.want) || ran != 0 {
+				t.Errorf("%s, token %q, request %v: errno %d, handler ran %d times; want %d and none",
+					name, tc.token, tc.withRequest, got, ran, tc.want)
+			}
+		}
+		if call(name, "secret", true); ran != 1 {
+			t.Errorf("%s with the right token: the handler ran %d times, want once", name, ran)
+		}
+		ran = 0
 	}
 }

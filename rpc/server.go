@@ -68,8 +68,9 @@ type Handler struct {
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
 
-// NewHandler returns a handler serving e.
-func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
+// newHandler returns a handler serving e. Its methods check no token: Serve puts
+// authenticate in front of them.
+func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
@@ -97,7 +98,7 @@ func NewHandler(e *core.Engine, cfg ServerConfig) *Handler {
 // without one, the server uses Kitex's default transport and accepts any connection.
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
-	h := NewHandler(e, cfg)
+	h := newHandler(e, cfg)
 	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate)}
 	if h.cfg.MaxFrameBytes > 0 {
 		opts = append(opts, server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)))
@@ -157,20 +158,33 @@ func (h *Handler) refuse(peer, reason string) {
 // authenticate is the Kitex middleware every request goes through before its handler: it
 // notes the request for the idle timer (OnRequest) and checks the job token that every request
 // struct carries (GetToken). A request without the right token gets its method's reply with
-// EACCES, and no handler runs.
+// EACCES, and no handler runs. So does a call whose request struct is missing (a peer can
+// send one without it), which no handler could read.
 func (h *Handler) authenticate(next endpoint.Endpoint) endpoint.Endpoint {
 	return func(ctx context.Context, req, resp any) error {
-		var token string
-		if args, ok := req.(interface{ GetFirstArgument() any }); ok {
-			if r, ok := args.GetFirstArgument().(interface{ GetToken() string }); ok {
-				token = r.GetToken()
-			}
+		token, ok := requestToken(req)
+		if !ok {
+			return setFailure(resp, &core.ErrnoError{Errno: syscall.EINVAL, Message: "fitcache: a call without its request"})
 		}
 		if err := h.begin(ctx, token); err != nil {
 			return setFailure(resp, err)
 		}
 		return next(ctx, req, resp)
 	}
+}
+
+// requestToken returns the token of a call's request (Kitex's args struct, whose first
+// argument is the request); false when the call carries no request.
+func requestToken(args any) (string, bool) {
+	a, ok := args.(interface{ GetFirstArgument() any })
+	if !ok {
+		return "", false
+	}
+	r, ok := a.GetFirstArgument().(interface{ GetToken() string })
+	if !ok || reflect.ValueOf(r).IsNil() {
+		return "", false
+	}
+	return r.GetToken(), true
 }
 
 // setFailure makes resp, a Kitex result whose Success field points to the method's reply,

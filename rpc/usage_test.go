@@ -42,7 +42,7 @@ func TestUsageAndClearOverRPC(t *testing.T) {
 
 func TestClearNeedsARootOrAll(t *testing.T) {
 	// An empty root must not mean everything unless the request says all.
-	h := NewHandler(nil, ServerConfig{})
+	h := newHandler(nil, ServerConfig{})
 	r, err := h.Clear(context.Background(), &fitcachepb.ClearRequest{})
 	if err != nil || r.Errno != int32(syscall.EINVAL) {
 		t.Errorf("Clear without root or all: errno %d (%v), want EINVAL", r.GetErrno(), err)
