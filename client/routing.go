@@ -32,15 +32,15 @@ type peer struct {
 	member ring.Member
 	rpc    *rpc.Client
 	local  bool // on this node: its tier files can be mapped
+	// news is the membership gossip with this server (see package gossip); it locks itself.
+	news gossip.Outbox
 
-	mu          sync.Mutex // protects all below
+	mu          sync.Mutex // protects dirs, gen, nodeSocket, failedCalls and dead
 	dirs        []tiers.Dir
 	gen         *tiers.Generation
 	nodeSocket  string // its node socket, as its last hello said (local servers only)
 	failedCalls int    // consecutive calls that got no answer (timeouts and refusals alike)
 	dead        bool
-	// Membership gossip with this server (see package gossip).
-	news gossip.Outbox
 }
 
 func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {

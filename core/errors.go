@@ -60,8 +60,8 @@ func Errno(err error) syscall.Errno {
 
 // Reason names the cause of an error when its errno alone does not say it (EACCES is a path
 // outside the roots or a file's own permissions, say); it travels on the wire beside the
-// errno (Reason in rpc/fitcache.thrift, same values), so that errors.Is works on the
-// client as on the server without reading the message.
+// errno (Reason in rpc/fitcache.thrift, same values, as rpc's TestReasonsMatchTheIDL checks),
+// so that errors.Is works on the client as on the server without reading the message.
 type Reason int32
 
 const (

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -217,5 +218,30 @@ func TestMiddlewareChecksEveryMethod(t *testing.T) {
 			t.Errorf("%s with the right token: the handler ran %d times, want once", name, ran)
 		}
 		ran = 0
+	}
+}
+
+// The wire's Reason (rpc/fitcache.thrift) and core.Reason are converted by value: they must
+// name the same causes with the same numbers, and the IDL must have no value core lacks.
+func TestReasonsMatchTheIDL(t *testing.T) {
+	pairs := []struct {
+		core core.Reason
+		wire fitcachepb.Reason
+	}{
+		{core.ReasonUnspecified, fitcachepb.Reason_UNSPECIFIED},
+		{core.ReasonOutsideRoot, fitcachepb.Reason_OUTSIDE_ROOT},
+		{core.ReasonBadPath, fitcachepb.Reason_BAD_PATH},
+		{core.ReasonTooLarge, fitcachepb.Reason_TOO_LARGE},
+		{core.ReasonCacheFull, fitcachepb.Reason_CACHE_FULL},
+		{core.ReasonChanged, fitcachepb.Reason_CHANGED},
+		{core.ReasonClosed, fitcachepb.Reason_CLOSED},
+	}
+	for _, p := range pairs {
+		if int32(p.core) != int32(p.wire) {
+			t.Errorf("core reason %d is wire reason %s (%d)", p.core, p.wire, p.wire)
+		}
+	}
+	if next := fitcachepb.Reason(len(pairs)); next.String() != "<UNSET>" {
+		t.Errorf("the IDL has reason %s, which core.Reason lacks", next)
 	}
 }
