@@ -82,7 +82,7 @@ type clusterRouter struct {
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
 func newClusterRouter(cfg config.Config, log *slog.Logger) (*clusterRouter, error) {
-	members, token, err := discovery.Job(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort},
+	members, token, err := discovery.Job(cfg.ServerSpec(),
 		cfg.Token, cfg.TokenFile)
 	if err != nil {
 		return nil, err

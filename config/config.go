@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -67,8 +68,8 @@ type Config struct {
 	// Policy for a dead server's files: "recache" (their next owner on the ring caches them)
 	// or "pfs" (they are read from the source from then on).
 	Policy string
-	// FailureThreshold: consecutive timeouts after which a server is declared dead (a refused
-	// connection declares it dead at once).
+	// FailureThreshold: consecutive calls that got no answer (timed out or failed) after which
+	// a server is declared dead; a refused connection declares it dead at once.
 	FailureThreshold int
 	// RPCTimeout is the deadline of a read from a server of the cluster.
 	RPCTimeout time.Duration
@@ -184,6 +185,11 @@ func Load(options map[string]string) (Config, error) {
 		return Config{}, err
 	}
 	return cfg, nil
+}
+
+// ServerSpec says where the job's servers are (cluster mode), for package discovery.
+func (c Config) ServerSpec() discovery.Spec {
+	return discovery.Spec{Servers: c.Servers, PerNode: c.PerNode, BasePort: c.BasePort}
 }
 
 // parseDuration accepts Go durations ("90s", "15m") and plain seconds ("30", "0.5").

@@ -12,7 +12,7 @@
 //
 // Usage (client side):
 //
-//	err := local.EnsureRunning(ctx, cfg, ping)
+//	err := embedded.EnsureRunning(ctx, cfg, ping)
 package embedded
 
 import (

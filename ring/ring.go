@@ -8,8 +8,9 @@ import (
 )
 
 // DefaultVirtualNodes is the number of points per member when New is given 0: the trade-off
-// found best in the hash-ring paper (Lee et al., "Fault-Tolerant Deep Learning Cache with Hash Ring for Load Balancing in HPC Systems"),
-// between balance and the number of servers a failed server's files are spread over.
+// found best in the hash-ring paper (Lee et al., "Fault-Tolerant Deep Learning Cache with Hash
+// Ring for Load Balancing in HPC Systems"), between balance and the number of servers a failed
+// server's files are spread over.
 const DefaultVirtualNodes = 100
 
 // Hash maps a key to a point on the ring.

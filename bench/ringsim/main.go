@@ -1,7 +1,8 @@
-// Command ringsim reproduces the load-distribution simulation of the hash-ring paper (Lee et al., "Fault-Tolerant Deep Learning Cache with Hash Ring for Load Balancing in HPC Systems") (Fig. 6b): on a
-// ring of 1,024 servers, one server fails; how many servers receive its files, and how many
-// files does each receive? Repeated over trials (different failed servers, and rings built
-// from different server names) for each number of virtual nodes.
+// Command ringsim reproduces the load-distribution simulation of the hash-ring paper (Lee et
+// al., "Fault-Tolerant Deep Learning Cache with Hash Ring for Load Balancing in HPC Systems",
+// Fig. 6b): on a ring of 1,024 servers, one server fails; how many servers receive its
+// files, and how many files does each receive? Repeated over trials (different failed
+// servers, and rings built from different server names) for each number of virtual nodes.
 //
 //	go run ./bench/ringsim -out bench/results/ringsim.json
 package main

@@ -2,8 +2,8 @@
 //
 //	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]... [--prefetch N]
 //	fitcache stats [--json]
-//	fitcache ls [--json]
-//	fitcache clear [--dry-run] [--json] (DIR | --all)
+//	fitcache ls [--json] [--socket PATH]
+//	fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)
 //	fitcache stop [--timeout D]
 //	fitcache info  [--json]
 //	fitcache verify [--tiers SPEC]
@@ -48,9 +48,6 @@ func usage() {
 commands:
   serve    run a cache server (--embedded: the per-user server clients start on demand)
   stats    print the counters of the embedded server
-  ls       what the cache holds per dataset root and tier: files and sizes
-  clear    remove the cached files of a dataset (DIR) or of all (--all); --dry-run
-  stop     stop the embedded server (its cache stays in the tiers: see clear)
   info     print the tiers and hardware FitCache finds on this node
   verify   check the checksum of every cached file; remove damaged ones (or say how)
   warmup   cache every file under a directory (a prefetch job), with progress

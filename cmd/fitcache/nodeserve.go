@@ -120,7 +120,7 @@ type rootClient struct {
 // in the job that cfg describes (cfg.Servers set), authenticated with token. It fails when
 // the job's servers cannot be listed.
 func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string, log *slog.Logger) (*clusterNode, error) {
-	members, err := discovery.Discover(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort})
+	members, err := discovery.Discover(cfg.ServerSpec())
 	if err != nil {
 		return nil, err
 	}

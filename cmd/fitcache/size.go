@@ -19,7 +19,9 @@ import (
 	"github.com/fitcache/fitcache/tiers"
 )
 
-// size applies the server sizing rule of FITCACHE (the FITCACHE paper (Hu et al., "FITCACHE: A Transparent Drop-In Framework for Multi-Tier Caching to Accelerate Distributed Deep Learning Workloads"), section III-E):
+// size applies the server sizing rule of the FITCACHE paper (Hu et al., "FITCACHE: A
+// Transparent Drop-In Framework for Multi-Tier Caching to Accelerate Distributed Deep
+// Learning Workloads", section III-E):
 //
 //	S = ceil(V_epoch / (eta * B_srv * T_budget)),  T_budget = beta * T_comp
 //

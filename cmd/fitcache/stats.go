@@ -96,7 +96,7 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 
 // clusterStats totals the counters of every server of a cluster job (FITCACHE_SERVERS).
 func clusterStats(cfg config.Config, asJSON bool) error {
-	members, token, err := discovery.Job(discovery.Spec{Servers: cfg.Servers, PerNode: cfg.PerNode, BasePort: cfg.BasePort},
+	members, token, err := discovery.Job(cfg.ServerSpec(),
 		cfg.Token, cfg.TokenFile)
 	if err != nil {
 		return err

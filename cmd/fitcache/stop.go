@@ -77,11 +77,11 @@ func checkServerProcess(pid int) error {
 		return fmt.Errorf("%w: %v", errNotOurServer, err)
 	}
 	argv := bytes.Split(bytes.TrimRight(cmdline, "\x00"), []byte{0})
-	embedded := false
+	isEmbedded := false
 	for _, a := range argv[min(2, len(argv)):] {
-		embedded = embedded || string(a) == "--embedded"
+		isEmbedded = isEmbedded || string(a) == "--embedded"
 	}
-	if len(argv) < 2 || string(argv[1]) != "serve" || !embedded {
+	if len(argv) < 2 || string(argv[1]) != "serve" || !isEmbedded {
 		return fmt.Errorf("%w: its command is %q", errNotOurServer, bytes.Join(argv, []byte(" ")))
 	}
 	return nil
