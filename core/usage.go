@@ -21,7 +21,7 @@ type CacheUsage struct {
 func (e *Engine) Usage() []CacheUsage {
 	var out []CacheUsage
 	for _, t := range e.tiers {
-		out = appendUsage(out, t.Dir, t.Usage())
+		out = AppendUsage(out, t.Dir, t.Usage())
 	}
 	return out
 }
@@ -45,7 +45,7 @@ func (e *Engine) Clear(root string, dryRun bool) ([]CacheUsage, error) {
 	}
 	var out []CacheUsage
 	for _, t := range e.tiers {
-		out = appendUsage(out, t.Dir, t.Clear(match, dryRun))
+		out = AppendUsage(out, t.Dir, t.Clear(match, dryRun))
 	}
 	if !dryRun {
 		e.pf.clearedRoots(match) // a warmup after the clear reads the files again
@@ -53,8 +53,8 @@ func (e *Engine) Clear(root string, dryRun bool) ([]CacheUsage, error) {
 	return out, nil
 }
 
-// appendUsage appends a tier's usage per group to out.
-func appendUsage(out []CacheUsage, d tiers.Dir, us []tiers.Usage) []CacheUsage {
+// AppendUsage appends a tier's usage per group (dataset root) to out, as CacheUsage rows.
+func AppendUsage(out []CacheUsage, d tiers.Dir, us []tiers.Usage) []CacheUsage {
 	for _, u := range us {
 		out = append(out, CacheUsage{Root: u.Group, Kind: d.Kind.String(), Dir: d.Path, Files: u.Files, Bytes: u.Bytes})
 	}
@@ -70,7 +70,7 @@ func DirUsage(dirs []tiers.Dir) ([]CacheUsage, error) {
 		if err != nil {
 			return out, fmt.Errorf("tier %s: %w", d.Path, err)
 		}
-		out = appendUsage(out, d, us)
+		out = AppendUsage(out, d, us)
 	}
 	return out, nil
 }

@@ -268,9 +268,7 @@ func clearTiers(cfg config.Config, root string, dryRun bool) ([]core.CacheUsage,
 			errs = append(errs, fmt.Errorf("%s tier %s not cleared: %w", tc.Kind, tc.Dir, err))
 			continue
 		}
-		for _, u := range t.Clear(match, false) {
-			out = append(out, core.CacheUsage{Root: u.Group, Kind: tc.Kind.String(), Dir: t.Path, Files: u.Files, Bytes: u.Bytes})
-		}
+		out = core.AppendUsage(out, t.Dir, t.Clear(match, false))
 		t.Close()
 	}
 	return out, errors.Join(errs...)
