@@ -74,6 +74,7 @@ func TestPlantedDefaultMemoryTierFallsBackWithWarning(t *testing.T) {
 		want     []string
 	}{
 		{"no fallback", "", 0, []string{planted, "skipped", "nobody"}},
+		// The record may be any file; servers use config.MemoryTierRecord (config imports core).
 		{"fallback", filepath.Join(runtimeDir, "memory-tier"), 1, []string{planted, "nobody", "private directory"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
