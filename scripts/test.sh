@@ -28,6 +28,9 @@ fi
 
 echo "== Python and C: pytest against the installed package"
 bash scripts/setup-env.sh
+# The package ships py.typed, so type checkers trust its hints: they must hold.
+echo "== Python: type hints (mypy)"
+.venv/bin/python -m mypy --cache-dir .mypy_cache bindings/python/fitcache
 cd tests
 set +e
 ../.venv/bin/python -m pytest -v "$@"

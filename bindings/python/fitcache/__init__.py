@@ -7,6 +7,7 @@ See the README for configuration, the C interface and how it works.
 """
 
 import importlib.metadata as _metadata
+from typing import Any
 
 from ._native import (Client, FitCacheError, ForkedAfterLoad, IsADirectory, NotADirectory,
                       NotFound, PermissionDenied, version)
@@ -15,7 +16,7 @@ from ._native import (Client, FitCacheError, ForkedAfterLoad, IsADirectory, NotA
 _DATASET_NAMES = ("FitCacheDataset", "list_files", "prefetch_files", "server_stats")
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _DATASET_NAMES:
         from . import dataset
         return getattr(dataset, name)

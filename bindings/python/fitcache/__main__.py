@@ -6,7 +6,7 @@ import sys
 from ._native import server_binary
 
 
-def main():
+def main() -> None:
     binary = server_binary()
     if not os.access(binary, os.X_OK):
         sys.exit(f"fitcache: the fitcache program is missing at {binary}; reinstall the package")

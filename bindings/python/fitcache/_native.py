@@ -6,11 +6,19 @@ is C); everything else fails at once with ECHILD, raised as :class:`ForkedAfterL
 the dataset turns into plain reads of the source. Nothing can hang.
 """
 
+from __future__ import annotations
+
 import ctypes
 import errno
 import json
 import os
 import threading
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any, Optional, Union, cast
+
+#: A path as the binding takes it: text, bytes or a path-like object.
+PathArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,17 +61,17 @@ _ERRORS = {
 }
 
 
-def library_path():
+def library_path() -> str:
     """Where libfitcache.so is loaded from: $FITCACHE_LIBRARY, else beside this package."""
     return os.environ.get("FITCACHE_LIBRARY") or os.path.join(_HERE, "libfitcache.so")
 
 
-def server_binary():
+def server_binary() -> str:
     """The fitcache executable installed with the package."""
     return os.environ.get("FITCACHE_SERVER_BIN") or os.path.join(_HERE, "bin", "fitcache")
 
 
-def library():
+def library() -> ctypes.CDLL:
     """Returns the loaded library, loading it in this process on first use. In a process
     forked after its parent loaded it, this is the parent's copy: it serves cached files of
     the parent's clients (see :func:`forked`) and fails with ForkedAfterLoad otherwise."""
@@ -82,12 +90,12 @@ def library():
         return _lib
 
 
-def loaded_here():
+def loaded_here() -> bool:
     """True if this very process has loaded the library."""
     return _lib is not None and _lib_pid == os.getpid()
 
 
-def forked():
+def forked() -> bool:
     """True if the library was loaded by a parent of this process, before it forked."""
     return _lib is not None and _lib_pid != os.getpid()
 
@@ -147,7 +155,7 @@ def _raise(lib, rc, path=None):
     raise cls(code, msg)
 
 
-def _fs(path):
+def _fs(path: PathArg) -> bytes:
     """The path as bytes for C. A NUL byte would end the C string early and name another file
     ("a.bin\\0.jpg" is "a.bin"), so it is refused as open() refuses it."""
     path = os.fsencode(path)
@@ -195,7 +203,7 @@ def _view(lib, address, size, buf_id):
 class Client:
     """A client of FitCache for one dataset root. Use ``with`` or call :meth:`close`."""
 
-    def __init__(self, root, **options):
+    def __init__(self, root: PathArg, **options: Any) -> None:
         root = _fs(root)  # ValueError for a NUL byte, before anything is loaded
         lib = library()
         self._lib = lib
@@ -205,9 +213,9 @@ class Client:
         rc = lib.fc_open(_fs(self.root), opts, ctypes.byref(handle))
         if rc < 0:
             _raise(lib, rc, self.root)
-        self._handle = handle.value
+        self._handle: Optional[int] = handle.value
 
-    def read(self, path):
+    def read(self, path: PathArg) -> memoryview:
         """Returns the whole file as a read-only memoryview; zero copy when it is cached. The
         mapping behind it lives as long as the view (or any view derived from it)."""
         lib, data, size, buf = self._lib, ctypes.c_void_p(), ctypes.c_int64(), ctypes.c_int64()
@@ -216,7 +224,7 @@ class Client:
             _raise(lib, rc, path)
         return _view(lib, data.value, size.value, buf.value)
 
-    def read_many(self, paths):
+    def read_many(self, paths: Iterable[PathArg]) -> list[memoryview]:
         """Returns the files at paths as read-only memoryviews, like :meth:`read` for each, in
         one native call (files that miss the cache are fetched concurrently). If a file
         fails, the exception :meth:`read` would raise for the first failing one is raised, and
@@ -231,9 +239,9 @@ class Client:
                     # should it succeed this time, report the error the batch got.
                     self.read(paths[i])
                 raise r
-        return results
+        return cast("list[memoryview]", results)  # no error among them
 
-    def read_each(self, paths):
+    def read_each(self, paths: Iterable[PathArg]) -> list[Union[memoryview, FitCacheError]]:
         """Like :meth:`read_many`, but returns for each path its memoryview or the
         FitCacheError that reading it raised (without the native message), and raises only
         when the call as a whole fails."""
@@ -257,21 +265,21 @@ class Client:
                 out.append(_ERRORS.get(code, FitCacheError)(code, os.strerror(code), paths[i]))
         return out
 
-    def prefetch(self, paths):
+    def prefetch(self, paths: Iterable[PathArg]) -> None:
         """Hands the server the files this client's readers are about to read, in the order
         they will read them, for the server to read from the source ahead of them (see
         fc_prefetch in fitcache.h). A new list replaces the client's earlier one; the job lives
         while the client is open. Raises PermissionError for a path outside the root (then
         nothing is sent)."""
-        paths = [p if type(p) is bytes and b"\0" not in p else _fs(p) for p in paths]
-        if not paths:
+        encoded = [p if isinstance(p, bytes) and b"\0" not in p else _fs(p) for p in paths]
+        if not encoded:
             return
-        c_paths = (ctypes.c_char_p * len(paths))(*paths)
-        rc = self._lib.fc_prefetch(self._checked(), len(paths), c_paths)
+        c_paths = (ctypes.c_char_p * len(encoded))(*encoded)
+        rc = self._lib.fc_prefetch(self._checked(), len(encoded), c_paths)
         if rc < 0:
             _raise(self._lib, rc)
 
-    def pread(self, path, length, offset=0):
+    def pread(self, path: PathArg, length: int, offset: int = 0) -> bytes:
         """Returns up to length bytes of the file from offset, copied into new bytes."""
         out = ctypes.create_string_buffer(length)
         n = self._lib.fc_pread(self._checked(), _fs(path), out, length, offset)
@@ -279,7 +287,7 @@ class Client:
             _raise(self._lib, n, path)
         return out.raw[:n]
 
-    def size(self, path):
+    def size(self, path: PathArg) -> int:
         """Returns the file's size in bytes."""
         size = ctypes.c_int64()
         rc = self._lib.fc_size(self._checked(), _fs(path), ctypes.byref(size))
@@ -287,7 +295,7 @@ class Client:
             _raise(self._lib, rc, path)
         return size.value
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Returns this client's and its server's counters as a dict."""
         needed = ctypes.c_size_t(1 << 14)
         while True:
@@ -299,29 +307,30 @@ class Client:
                 _raise(self._lib, rc)
             return json.loads(buf.value)
 
-    def _checked(self):
+    def _checked(self) -> int:
         if self._handle is None:
             raise ValueError("I/O operation on a closed fitcache.Client")
         return self._handle
 
-    def close(self):
+    def close(self) -> None:
         """Reports pending counters and closes the client; idempotent. Buffers already read
         stay valid."""
         handle, self._handle = getattr(self, "_handle", None), None
         if handle is not None and _lib_pid == os.getpid():
             self._lib.fc_close(handle)
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.close()
 
 
-def open_handles():
+def open_handles() -> tuple[int, int]:
     """Diagnostic for leak tests: (open clients, unreleased buffers) in this process's library."""
     lib, clients, buffers = library(), ctypes.c_int64(), ctypes.c_int64()
     rc = lib.fc_debug_open_handles(ctypes.byref(clients), ctypes.byref(buffers))
@@ -330,6 +339,6 @@ def open_handles():
     return clients.value, buffers.value
 
 
-def version():
+def version() -> str:
     """The native library's version."""
     return library().fc_version().decode()

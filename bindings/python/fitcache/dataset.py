@@ -13,6 +13,7 @@ import stat
 import subprocess
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
 from typing import Any, Union
 
 from . import _native
@@ -28,7 +29,7 @@ log = logging.getLogger("fitcache")
 try:  # torch is optional: without it the dataset is a plain sequence.
     from torch.utils.data import Dataset as _Base
 except ImportError:  # pragma: no cover - exercised only where torch is missing
-    _Base = object
+    _Base = object  # type: ignore[misc,assignment]
 
 
 def list_files(root: PathLike, filter: Filter = None) -> list[str]:
@@ -111,7 +112,8 @@ class FitCacheDataset(_Base):
         self.options = options
         self.files = list(files) if files is not None else list_files(root, filter)
         self._prefetch = prefetch
-        self._prefetch_order = None  # indices in the order they will be read; None: list order
+        # Indices in the order they will be read; None: list order.
+        self._prefetch_order: list[int] | None = None
         # The list as the native library takes it, made once here: DataLoader workers forked
         # from this process (every epoch, by default) inherit it instead of building it anew.
         self._prefetch_encoded = self._encode_prefetch_list() if prefetch else None
@@ -260,10 +262,11 @@ class FitCacheDataset(_Base):
         state["_handover"] = None  # a thread of this process
         return state
 
-    def __enter__(self):
+    def __enter__(self) -> FitCacheDataset:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
 
