@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: Go vet and unit tests (with the race detector), a check that the
-# generated Kitex code matches the IDL, then the Python and C tests against the installed
-# package. Installs what it needs (scripts/setup-env.sh).
+# generated Kitex code matches the IDL, a type check of the Python package (mypy), then the
+# Python and C tests against the installed package. Installs what it needs
+# (scripts/setup-env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
