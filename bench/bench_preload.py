@@ -603,22 +603,8 @@ def markdown(results, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--files", type=int, default=30000, help="files in the dataset")
-    ap.add_argument("--data", default="/var/tmp/fitcache-bench-scale", help="where generated datasets are kept")
-    ap.add_argument("--seed", type=int, default=1, help="seed of the dataset and of the epochs' orders")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=3, help="epochs per round: 1 cold, the rest warm (at least 2)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
+    bench_scale.add_scale_arguments(ap, "preload")
     ap.add_argument("--run-prefetch", type=int, help="pass --prefetch N to fitcache run (default: its own)")
-    ap.add_argument("--out", help="JSON results (default bench/results/preload-<date>.json)")
-    ap.add_argument("--pfs", help="dataset directory on the mounted GlusterFS PFS (needs it up)")
-    ap.add_argument("--pfs-files", type=int, default=2000)
-    ap.add_argument("--pfs-workers", type=int, default=4)
-    ap.add_argument("--pfs-threads", type=int, default=16)
-    ap.add_argument("--bricks", help="brick directories (comma-separated) to count source opens on")
-    ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each PFS epoch (root)")
-    ap.add_argument("--no-local", action="store_true", help="only the --pfs section")
     ap.add_argument("--reader", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reader:

@@ -608,8 +608,10 @@ def write_results(results, table, out):
     return 1 if bad else 0
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_scale_arguments(ap, name):
+    """The options of a benchmark at scale (this one and bench_preload.py): the generated
+    dataset, the DataLoader, the rounds, the PFS section; results go to
+    bench/results/NAME-<date>.json by default."""
     ap.add_argument("--files", type=int, default=30000, help="files in the dataset")
     ap.add_argument("--data", default="/var/tmp/fitcache-bench-scale", help="where generated datasets are kept")
     ap.add_argument("--seed", type=int, default=1, help="seed of the dataset and of the epochs' orders")
@@ -617,7 +619,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3, help="epochs per round: 1 cold, the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
-    ap.add_argument("--out", help="JSON results (default bench/results/scale-<date>.json)")
+    ap.add_argument("--out", help=f"JSON results (default bench/results/{name}-<date>.json)")
     ap.add_argument("--pfs", help="dataset directory on the mounted GlusterFS PFS (needs it up)")
     ap.add_argument("--pfs-files", type=int, default=2000)
     ap.add_argument("--pfs-workers", type=int, default=4)
@@ -625,6 +627,11 @@ def main():
     ap.add_argument("--bricks", help="brick directories (comma-separated) to count source opens on")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each PFS epoch (root)")
     ap.add_argument("--no-local", action="store_true", help="only the --pfs section")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_scale_arguments(ap, "scale")
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_one:
