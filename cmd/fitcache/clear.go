@@ -141,47 +141,42 @@ func clearCmd(args []string) error {
 
 // serverFor loads the configuration and returns it with a client of the server at socket
 // (default: the embedded server of its runtime directory) and its pid, or a nil client when
-// no embedded server runs. A server
-// that holds its lock but does not answer is an error: its tiers are not ours to touch.
-func serverFor(socket string) (cfg config.Config, c *rpc.Client, pid int, err error) {
-	if cfg, err = config.Load(nil); err != nil {
+// no embedded server runs. A server that holds its lock but does not answer is an error: its
+// tiers are not ours to touch.
+func serverFor(socket string) (config.Config, *rpc.Client, int, error) {
+	cfg, err := config.Load(nil)
+	if err != nil {
 		return cfg, nil, 0, err
 	}
-	c, pid, err = dialServer(cfg, socket)
-	return cfg, c, pid, err
-}
-
-// dialServer is serverFor with the configuration loaded.
-func dialServer(cfg config.Config, socket string) (*rpc.Client, int, error) {
 	explicit := socket != ""
 	if !explicit {
 		if err := embedded.CheckSocket(cfg.RuntimeDir); err != nil { // talk only to our own server
-			return nil, 0, err
+			return cfg, nil, 0, err
 		}
 		socket = embedded.SocketPath(cfg.RuntimeDir)
 	}
 	c, err := rpc.Dial(socket, rpc.ClientConfig{})
 	if err != nil {
-		return nil, 0, err
+		return cfg, nil, 0, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	hello, err := c.Hello(ctx)
 	if err == nil {
-		return c, int(hello.Pid), nil
+		return cfg, c, int(hello.Pid), nil
 	}
 	c.Close()
 	pid := embedded.RunningPID(cfg.RuntimeDir)
 	switch {
 	case explicit:
-		return nil, 0, fmt.Errorf("no fitcache server answers at %s: %w", socket, err)
+		return cfg, nil, 0, fmt.Errorf("no fitcache server answers at %s: %w", socket, err)
 	case !errors.Is(err, rpc.ErrUnavailable):
-		return nil, 0, err
+		return cfg, nil, 0, err
 	case pid != 0:
-		return nil, 0, fmt.Errorf("the embedded server (pid %d) holds %s but does not answer (starting, or hung): "+
+		return cfg, nil, 0, fmt.Errorf("the embedded server (pid %d) holds %s but does not answer (starting, or hung): "+
 			"try again, or 'fitcache stop' first", pid, cfg.RuntimeDir)
 	}
-	return nil, 0, nil
+	return cfg, nil, 0, nil
 }
 
 // source says where a listing comes from.
