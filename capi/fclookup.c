@@ -42,12 +42,6 @@ static int sys_openat(int dirfd, const char *path, int flags) {
 	return (int)syscall(SYS_openat, dirfd, path, flags, 0);
 }
 
-static int64_t now_ns(void) {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 // path_hashes computes fc_key and fc_check of p in one pass: two independent multiply
 // chains, which the CPU overlaps (each alone is one multiply's latency per byte).
 static void path_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
@@ -199,7 +193,7 @@ static const uint8_t *current_index(struct fc_tier *t) {
 	const uint8_t *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
 	if (ix && !rd32(ix + HDR_RETIRED))
 		return ix;
-	int64_t now = now_ns();
+	int64_t now = fc_monotonic_ns();
 	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED))
 		return ix;
 	const uint8_t *fresh;

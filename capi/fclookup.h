@@ -22,6 +22,14 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <time.h>
+
+/* Nanoseconds of CLOCK_MONOTONIC, for rate limits and back-offs. */
+static inline int64_t fc_monotonic_ns(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 #ifdef __cplusplus
 extern "C" {

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -64,17 +65,62 @@ static inline int fc_recv_all(int fd, void *p, size_t n) {
 	return 0;
 }
 
+/* Sends one request: the 16-byte header (magic, op, root length, path length), the root and
+ * the path, in one sendmsg when it takes them all. 0, or -1 with errno set. */
+static inline int fc_node_send_request(int fd, uint32_t op, const char *root, size_t rootlen, const char *path,
+                                       size_t len) {
+	uint8_t hdr[16];
+	memcpy(hdr, FC_NODE_MAGIC, 4);
+	fc_put32(hdr + 4, op);
+	fc_put32(hdr + 8, (uint32_t)rootlen);
+	fc_put32(hdr + 12, (uint32_t)len);
+	struct iovec iov[3] = {{hdr, sizeof hdr}, {(void *)root, rootlen}, {(void *)path, len}};
+	struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 3};
+	ssize_t k;
+	do
+		k = sendmsg(fd, &msg, MSG_NOSIGNAL);
+	while (k < 0 && errno == EINTR);
+	if (k < 0)
+		return -1;
+	/* A short send (a full socket buffer): the rest, piece by piece. */
+	size_t sent = (size_t)k;
+	for (int i = 0; i < 3; i++) {
+		if (sent >= iov[i].iov_len) {
+			sent -= iov[i].iov_len;
+			continue;
+		}
+		if (fc_send_all(fd, (const char *)iov[i].iov_base + sent, iov[i].iov_len - sent) != 0)
+			return -1;
+		sent = 0;
+	}
+	return 0;
+}
+
 /* Connects to the node socket at addr, with timeout_ms on sends and receives: the
- * connection, or -1 with errno set. */
+ * connection, or -1 with errno set. The socket must be a path (an empty or abstract name
+ * could be bound by any user of the node), and the server must run as this user or as root:
+ * its answers are descriptors the program reads as dataset files. */
 static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeout_ms) {
+	if (addr->sun_family != AF_UNIX || addr->sun_path[0] != '/') {
+		errno = EINVAL;
+		return -1;
+	}
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -1;
 	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
 	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-	if (connect(fd, (const struct sockaddr *)addr, sizeof *addr) != 0) {
-		int err = errno;
+	int err = 0;
+	struct ucred cred;
+	socklen_t credlen = sizeof cred;
+	if (connect(fd, (const struct sockaddr *)addr, sizeof *addr) != 0)
+		err = errno;
+	else if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &credlen) != 0)
+		err = errno;
+	else if (cred.uid != geteuid() && cred.uid != 0)
+		err = EPERM;
+	if (err) {
 		close(fd);
 		errno = err;
 		return -1;

@@ -440,12 +440,6 @@ out:
 // off from a server that does not answer in its own way).
 #define NODE_BACKOFF_NS (5 * 1000000000LL)
 
-static int64_t monotonic_ns(void) {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 // node_connect opens a connection to a node socket, with the read timeout on both ways.
 static int node_connect(const char *socket_path, int64_t timeout_ms) {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
@@ -456,13 +450,8 @@ static int node_connect(const char *socket_path, int64_t timeout_ms) {
 // node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in
 // *err and its message in msg, or -1 with errno set when the connection failed.
 static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int32_t *err, char *msg) {
-	uint8_t hdr[16], reply[12];
-	memcpy(hdr, FC_NODE_MAGIC, 4);
-	fc_put32(hdr + 4, FC_NODE_OP_FETCH);
-	fc_put32(hdr + 8, (uint32_t)rootlen);
-	fc_put32(hdr + 12, (uint32_t)len);
-	if (fc_send_all(fd, hdr, sizeof hdr) != 0 || fc_send_all(fd, root, rootlen) != 0 || fc_send_all(fd, path, len) != 0 ||
-	    fc_recv_all(fd, reply, sizeof reply) != 0)
+	uint8_t reply[12];
+	if (fc_node_send_request(fd, FC_NODE_OP_FETCH, root, rootlen, path, len) != 0 || fc_recv_all(fd, reply, sizeof reply) != 0)
 		return -1;
 	if (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 8) > FC_NODE_MAX_MESSAGE ||
 	    fc_recv_all(fd, msg, fc_get32(reply + 8)) != 0) {
@@ -483,12 +472,12 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	// and a fork wait for fetches in progress (each bounded by the read timeout).
 	pthread_rwlock_rdlock(&clients_lock);
 	struct hit_client *c = client(handle);
-	if (!c || !c->node_socket[0] || monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
+	if (!c || !c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
 	    (n = source_path(c, path, clean, sizeof clean)) < 0) {
 		pthread_rwlock_unlock(&clients_lock);
 		return FC_MISS;
 	}
-	if (monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED)) {
+	if (fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED)) {
 		pthread_rwlock_unlock(&clients_lock);
 		return FC_DIRECT; // the server said it has no room for this dataset: do not ask again yet
 	}
@@ -526,7 +515,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	}
 	int rc = FC_MISS; // for anything but a timeout: Go handles it (starts a server, say)
 	if (timed_out) { // a hung server: skip it for a while
-		__atomic_store_n(&c->node_down_until, monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+		__atomic_store_n(&c->node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 		rc = FC_UNAVAILABLE;
 	} else if (asked == 0 && err == 0) {
 		rc = 0;
@@ -534,7 +523,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	} else if (asked == 0 && (err == EFBIG || err == ENOSPC)) {
 		rc = FC_DIRECT; // no tier takes it: read the source
 		if (err == ENOSPC) // none takes any more file of this dataset (see tiers.Tier.MakeRoom)
-			__atomic_store_n(&c->full_until, monotonic_ns() + FULL_RECHECK_NS, __ATOMIC_RELAXED);
+			__atomic_store_n(&c->full_until, fc_monotonic_ns() + FULL_RECHECK_NS, __ATOMIC_RELAXED);
 	} else if (asked == 0 && err != EBADF && err != ETIMEDOUT && err != EIO) {
 		rc = -err; // the file's own error; for the others, Go reads it
 	}
@@ -547,7 +536,7 @@ void fcHitServerState(int64_t handle, bool up, int64_t ms) {
 	pthread_rwlock_rdlock(&clients_lock);
 	struct hit_client *c = client(handle);
 	if (c)
-		__atomic_store_n(&c->node_down_until, up ? 0 : monotonic_ns() + ms * 1000000LL, __ATOMIC_RELAXED);
+		__atomic_store_n(&c->node_down_until, up ? 0 : fc_monotonic_ns() + ms * 1000000LL, __ATOMIC_RELAXED);
 	pthread_rwlock_unlock(&clients_lock);
 }
 

@@ -193,7 +193,8 @@ __attribute__((constructor)) static void preload_init(void) {
 	}
 	parse_roots(r);
 	parse_tiers(t);
-	if (strlen(s) < sizeof node_addr.sun_path) {
+	// A path only: an empty name would be an abstract socket, which any user can bind.
+	if (s[0] == '/' && strlen(s) < sizeof node_addr.sun_path) {
 		node_addr.sun_family = AF_UNIX;
 		strcpy(node_addr.sun_path, s);
 	}
@@ -206,12 +207,6 @@ __attribute__((constructor)) static void preload_init(void) {
 	// Without a node socket hits still work; without roots nothing is ours.
 	enabled = nroots > 0 && (ntiers > 0 || node_addr.sun_family == AF_UNIX);
 	errno = saved;
-}
-
-static int64_t monotonic_ns(void) {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 // has_dotdot reports whether path has a ".." element. Such a path is left to libc: the kernel
@@ -292,31 +287,30 @@ static int dataset_path(int dirfd, const char *path, char *key, const struct roo
 	return -1;
 }
 
+// timed_out notes a server that did not answer in time (errno from the failed call), so
+// that misses skip it a while instead of each waiting the whole timeout.
+static void timed_out(void) {
+	if (errno == EAGAIN || errno == EWOULDBLOCK)
+		__atomic_store_n(&node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+}
+
 // node_request connects to the node socket and sends one request. Each request has its own
 // connection: a kept one could not be shared safely with a vfork child or across fork, and
 // a miss costs far more than a connect. Returns the connection, or -1.
 static int node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
-	if (node_addr.sun_family != AF_UNIX || monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
+	if (node_addr.sun_family != AF_UNIX || fc_monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
 		return -1;
 	int fd = fc_node_connect(&node_addr, timeout_ms);
-	if (fd < 0)
+	if (fd < 0) {
+		timed_out();
 		return -1;
-	uint8_t hdr[16];
-	memcpy(hdr, FC_NODE_MAGIC, 4);
-	fc_put32(hdr + 4, op);
-	fc_put32(hdr + 8, (uint32_t)r->reallen);
-	fc_put32(hdr + 12, (uint32_t)len);
-	if (fc_send_all(fd, hdr, sizeof hdr) != 0 || fc_send_all(fd, r->real, r->reallen) != 0 || fc_send_all(fd, key, len) != 0) {
-		close(fd);
+	}
+	if (fc_node_send_request(fd, op, r->real, r->reallen, key, len) != 0) {
+		timed_out();
+		NEXT(close)(fd);
 		return -1;
 	}
 	return fd;
-}
-
-// timed_out notes a server that did not answer in time, so that misses skip it a while.
-static void timed_out(void) {
-	if (errno == EAGAIN || errno == EWOULDBLOCK)
-		__atomic_store_n(&node_down_until, monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 }
 
 // ask_open asks the server for a descriptor of the dataset file key; returns it (close-on-
@@ -348,11 +342,15 @@ static int ask_open(const struct root *r, const char *key, size_t len) {
 			errno = ECONNRESET; // closed by the server: not a timeout
 		timed_out();
 	}
-	int ok = got > 0 && !(msg.msg_flags & MSG_CTRUNC) && fc_recv_all(sock, reply + got, sizeof reply - (size_t)got) == 0 &&
-	         memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0 && fc_get32(reply + 12) == 0;
-	close(sock); // an error message, if any, is not needed: libc opens the file and says why
+	int ok = got > 0 && !(msg.msg_flags & MSG_CTRUNC);
+	if (ok && fc_recv_all(sock, reply + got, sizeof reply - (size_t)got) != 0) {
+		timed_out();
+		ok = 0;
+	}
+	ok = ok && memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0 && fc_get32(reply + 12) == 0;
+	NEXT(close)(sock); // an error message, if any, is not needed: libc opens the file and says why
 	if (!ok && fd >= 0) {
-		close(fd);
+		NEXT(close)(fd);
 		fd = -1;
 	}
 	return fd;
@@ -366,7 +364,7 @@ static void forget(const struct root *r, const char *key, size_t len) {
 	uint8_t reply[12];
 	if (fc_recv_all(sock, reply, sizeof reply) != 0)
 		timed_out();
-	close(sock);
+	NEXT(close)(sock);
 }
 
 // Flags of a read-only open the shim serves; others (O_DIRECTORY, O_PATH, O_NOFOLLOW,
@@ -396,7 +394,9 @@ static void track_write(int fd) {
 		__atomic_fetch_or(&writing[fd / 64], 1ULL << (fd % 64), __ATOMIC_RELAXED);
 }
 
-// untrack_write reports whether fd was a tracked write descriptor, and stops tracking it.
+// untrack_write reports whether fd was a tracked write descriptor, and stops tracking it. It
+// is also called for every descriptor an open returns, so that a bit left by a tracked
+// descriptor closed some other way (dup2, close_range) does not outlive it.
 static int untrack_write(int fd) {
 	if (fd < 0 || fd >= TRACKED_FDS)
 		return 0;
@@ -406,19 +406,16 @@ static int untrack_write(int fd) {
 	return (__atomic_fetch_and(&writing[fd / 64], ~bit, __ATOMIC_RELAXED) & bit) != 0;
 }
 
-// forget_fd drops the cached copy of the dataset file open at fd (named by the kernel).
-static void forget_fd(int fd) {
-	char link[32], key[FC_PATH_MAX];
-	const struct root *r;
+// fd_key writes the key of the dataset file open at fd (named by the kernel) into key
+// (FC_PATH_MAX bytes): its length and root, or -1.
+static int fd_key(int fd, char *key, const struct root **r) {
+	char link[32], target[FC_PATH_MAX];
 	snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-	char target[FC_PATH_MAX];
 	long n = syscall(SYS_readlinkat, AT_FDCWD, link, target, sizeof target - 1);
 	if (n <= 0)
-		return;
+		return -1;
 	target[n] = 0;
-	int len = dataset_path(AT_FDCWD, target, key, &r);
-	if (len >= 0)
-		forget(r, key, (size_t)len);
+	return dataset_path(AT_FDCWD, target, key, r);
 }
 
 // shim_open serves an open of path (relative to dirfd) from the cache when it is a read-only
@@ -448,22 +445,27 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), &hit) == 0) {
 		fc_count_hit(&tiers[hit.tier], hit.size);
 		fd = hit.fd;
+		untrack_write(fd);
 		goto out;
 	}
 	int got = ask_open(r, key, (size_t)n);
 	if (got >= 0) {
 		set_flags(got, flags);
 		fd = got;
+		untrack_write(fd);
 	}
 out:
 	errno = saved;
 	return fd;
 }
 
-// libc_result tracks the descriptor libc returned for a dataset file opened for writing.
+// libc_result tracks the descriptor libc returned for a dataset file opened for writing (and
+// untracks any other).
 static int libc_result(int fd, int writes) {
 	if (writes && fd >= 0)
 		track_write(fd);
+	else
+		untrack_write(fd);
 	return fd;
 }
 
@@ -540,15 +542,19 @@ EXPORT int creat64(const char *path, mode_t mode) {
 	return libc_result(NEXT(creat64)(path, mode), w);
 }
 
-// close of a dataset file written through this process drops its cached copy once more.
-// The name is read before the descriptor goes.
+// close of a dataset file written through this process drops its cached copy once more,
+// after the close (the last write is in), by the name read before the descriptor goes.
 EXPORT int close(int fd) {
 	if (!untrack_write(fd))
 		return NEXT(close)(fd);
-	int saved = errno;
-	forget_fd(fd);
+	char key[FC_PATH_MAX];
+	const struct root *r;
+	int len = fd_key(fd, key, &r);
+	int rc = NEXT(close)(fd), saved = errno;
+	if (len >= 0)
+		forget(r, key, (size_t)len);
 	errno = saved;
-	return NEXT(close)(fd);
+	return rc;
 }
 
 // stdio_flags turns an fopen mode into open flags and, for a read-only mode, the mode
@@ -605,10 +611,13 @@ static FILE *shim_fopen(const char *path, const char *mode, int *writes) {
 	return f;
 }
 
-// libc_stream tracks the stream libc opened on a dataset file for writing.
+// libc_stream tracks the stream libc opened on a dataset file for writing (and untracks any
+// other descriptor).
 static FILE *libc_stream(FILE *f, int writes) {
-	if (writes && f)
+	if (f && writes)
 		track_write(fileno(f));
+	else if (f)
+		untrack_write(fileno(f));
 	return f;
 }
 
@@ -625,22 +634,38 @@ EXPORT FILE *fopen64(const char *path, const char *mode) {
 }
 
 // fclose closes its descriptor inside libc, not through close: a stream written to a dataset
-// file drops the cached copy here.
+// file drops the cached copy here, after fclose has flushed its buffer and closed it.
 EXPORT int fclose(FILE *f) {
 	int fd = f ? fileno(f) : -1;
 	if (!untrack_write(fd))
 		return NEXT(fclose)(f);
-	int saved = errno;
-	forget_fd(fd);
+	char key[FC_PATH_MAX];
+	const struct root *r;
+	int len = fd_key(fd, key, &r);
+	int rc = NEXT(fclose)(f), saved = errno;
+	if (len >= 0)
+		forget(r, key, (size_t)len);
 	errno = saved;
-	return NEXT(fclose)(f);
+	return rc;
 }
 
-// A process that exits with dataset files open for writing drops their cached copies.
+// A process that exits with dataset files open for writing drops their cached copies. exit
+// flushes stdio buffers only after destructors run, so they are flushed here first: the
+// copies are dropped after the last write.
 __attribute__((destructor)) static void preload_fini(void) {
 	int saved = errno;
+	int any = 0;
+	for (int w = 0; w < TRACKED_FDS / 64 && !any; w++)
+		any = __atomic_load_n(&writing[w], __ATOMIC_RELAXED) != 0;
+	if (any)
+		fflush(NULL);
+	char key[FC_PATH_MAX];
+	const struct root *r;
 	for (int w = 0; w < TRACKED_FDS / 64; w++)
-		for (uint64_t bits = __atomic_load_n(&writing[w], __ATOMIC_RELAXED); bits; bits &= bits - 1)
-			forget_fd(w * 64 + __builtin_ctzll(bits));
+		for (uint64_t bits = __atomic_load_n(&writing[w], __ATOMIC_RELAXED); bits; bits &= bits - 1) {
+			int len = fd_key(w * 64 + __builtin_ctzll(bits), key, &r);
+			if (len >= 0)
+				forget(r, key, (size_t)len);
+		}
 	errno = saved;
 }

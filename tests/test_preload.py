@@ -1156,3 +1156,123 @@ def test_c_program_through_every_wrapped_symbol(dataset, cache_options, tmp_path
     assert len(rows) == 16, out.stdout.decode()
     # Only the write-opens reached the source.
     assert dict(counts) == {rel: 1, os.path.relpath(created, root): 1}, counts
+
+
+# --- the shim against a node socket of the test's own ------------------------------------
+
+
+class FakeNodeSocket:
+    """A node socket that answers every request with success and records, for each, its
+    operation, its path and the bytes the file held when the request arrived."""
+
+    def __init__(self, address):
+        import socket
+        import threading
+        self.requests = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(address)
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        import socket
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.settimeout(5)
+                head = conn.recv(16, socket.MSG_WAITALL)
+                if len(head) < 16:
+                    continue
+                op, rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
+                body = conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
+                path = body[rootlen:].decode()
+                with open(path, "rb") as f:
+                    held = f.read()
+                self.requests.append((op, path, held))
+                conn.sendall(b"FCN1" + bytes(8))  # errno 0, no message
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+WRITER = r'''
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+/* Appends argv[2] to argv[1] through a buffered stream; with argv[3] "exit", exits without
+ * fclose (stdio flushes at exit). */
+int main(int argc, char **argv) {
+    FILE *f = fopen(argv[1], "a");
+    if (!f || fwrite(argv[2], 1, strlen(argv[2]), f) != strlen(argv[2]))
+        return 1;
+    if (argc > 3 && strcmp(argv[3], "exit") == 0)
+        exit(0);
+    return fclose(f) == 0 ? 0 : 2;
+}
+'''
+
+OP_FORGET = 3
+# The shim installed with the package, beside the library (what `fitcache preload-path` prints).
+PRELOAD_LIB = os.path.join(os.path.dirname(fitcache._native.library_path()), "libfitcache_preload.so")
+
+
+@pytest.mark.parametrize("how", ["fclose", "exit"])
+def test_a_written_file_is_forgotten_after_its_last_write(tmp_path, how):
+    """A stream's buffer reaches the file at fclose (or at exit): the copy must be dropped
+    after that, or a reader could cache the file between the drop and the write."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src, exe = tmp_path / "writer.c", tmp_path / "writer"
+    src.write_text(WRITER)
+    build = subprocess.run([cc, "-O2", "-o", str(exe), str(src)], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
+    root = tmp_path / "data"
+    root.mkdir()
+    target = root / "labels.txt"
+    target.write_bytes(b"old\n")
+    node = FakeNodeSocket(str(tmp_path / "node.sock"))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FITCACHE_")}
+        env.update(LD_PRELOAD=PRELOAD_LIB, FITCACHE_PRELOAD_ROOTS=str(root), FITCACHE_PRELOAD_TIERS="",
+                   FITCACHE_PRELOAD_SOCKET=str(tmp_path / "node.sock"))
+        out = subprocess.run([str(exe), str(target), "new\n", how], env=env, capture_output=True, timeout=30)
+        assert out.returncode == 0, describe(out)
+    finally:
+        node.close()
+    forgets = [(path, held) for op, path, held in node.requests if op == OP_FORGET]
+    assert [p for p, _ in forgets] == [str(target)] * 2, node.requests  # at the open and at the end
+    assert forgets[-1][1] == b"old\nnew\n", f"the last forget came before the last write: {forgets}"
+
+
+def test_an_empty_node_socket_is_never_an_abstract_one(dataset, tmp_path):
+    """Without a node socket (FITCACHE_PRELOAD_SOCKET empty), the shim asks nobody: an empty
+    name would be an abstract socket (all NUL bytes), which any user of the node can bind and
+    answer with descriptors of their choosing."""
+    import socket
+    root, digests = dataset
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        squatter.bind(b"\0" * 108)
+    except OSError as err:
+        pytest.skip(f"cannot bind the all-NUL abstract name here: {err}")
+    squatter.listen(4)
+    squatter.settimeout(1)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FITCACHE_")}
+        env.update(LD_PRELOAD=PRELOAD_LIB, FITCACHE_PRELOAD_ROOTS=root, FITCACHE_PRELOAD_TIERS="", FITCACHE_PRELOAD_SOCKET="")
+        name = sorted(digests)[0]
+        out = subprocess.run(["cat", os.path.join(root, name)], env=env, capture_output=True, timeout=30)
+        assert out.returncode == 0 and sha(out.stdout) == digests[name], describe(out)
+        with pytest.raises(socket.timeout):
+            squatter.accept()[0].close()
+    finally:
+        squatter.close()
