@@ -275,3 +275,54 @@ func ownSocket(path string) bool {
 	var st syscall.Stat_t
 	return syscall.Lstat(path, &st) == nil && st.Mode&syscall.S_IFMT == syscall.S_IFSOCK && int(st.Uid) == os.Geteuid()
 }
+
+// Forget drops the cached copies of the file at path (absolute, or relative to the root)
+// that a reader could be given, because its source is being written: a write-open through the
+// preload shim, which the server this client runs in was told of over its node socket. The
+// copies dropped are those of the servers a read of the file goes to (its owner and replicas)
+// and those of every server on this node, whose tiers the shim reads itself; dead servers are
+// skipped. It works in cluster mode only (errors.ErrUnsupported otherwise: the embedded
+// server forgets with its engine).
+func (c *Client) Forget(ctx context.Context, path string) error {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed.Load() {
+		return core.ErrClosed
+	}
+	if c.cluster == nil {
+		return fmt.Errorf("client Forget outside cluster mode: %w", errors.ErrUnsupported)
+	}
+	path, err := c.Resolve(path)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	asked := map[string]bool{}
+	forget := func(p *peer) {
+		if asked[p.member.ID] {
+			return
+		}
+		asked[p.member.ID] = true
+		if _, _, dead := p.state(); dead {
+			return
+		}
+		var err error
+		if own := c.own; own != nil && p.member.ID == own.id {
+			err = own.engine.Forget(c.root, path)
+		} else {
+			err = p.rpc.Forget(ctx, c.root, path)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("server %s: %w", p.member.ID, err))
+		}
+	}
+	for _, p := range c.cluster.targets(path) {
+		forget(p)
+	}
+	for _, p := range c.cluster.peers {
+		if p.local {
+			forget(p)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -218,3 +218,77 @@ func testOpenForReader(t *testing.T, policy string) {
 		t.Errorf("a path outside the root: %v, want ErrOutsideRoot", err)
 	}
 }
+
+// cachedFiles is how many files a server's tiers hold.
+func cachedFiles(s *testServer) int {
+	n := 0
+	for _, u := range s.engine.Usage() {
+		n += u.Files
+	}
+	return n
+}
+
+// Forget, as the node socket of a cluster server uses it for a write-open: the copies go from
+// the file's owner, wherever it is, and from every server on this node (the shim maps their
+// tiers itself), even one that cached the file under an earlier placement.
+func TestForgetDropsTheOwnersAndThisNodesCopies(t *testing.T) {
+	root := t.TempDir()
+	var names []string
+	for i := range 30 {
+		name := fmt.Sprintf("f%02d.bin", i)
+		writeFile(t, root, name, make([]byte, 3000+i))
+		names = append(names, name)
+	}
+	self, peer, remote := startClusterServer(t, "127.0.0.1", root), startClusterServer(t, "127.0.0.1", root),
+		startClusterServer(t, "127.0.0.2", root)
+	servers := []*testServer{self, peer, remote}
+	cfg, err := config.Load(map[string]string{"servers": self.addr + "," + peer.addr + "," + remote.addr,
+		"token": "tok", "node": "127.0.0.1", "wait_timeout": "5", "rpc_timeout": "2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Open(root, cfg, discardLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetOwnServer(self.addr, self.engine)
+	byOwner := map[string]string{} // a file of each server
+	for _, name := range names {
+		byOwner[c.Owner(name)] = name
+	}
+	if len(byOwner) != 3 {
+		t.Fatalf("the files are owned by %d servers, want 3: the test proves nothing", len(byOwner))
+	}
+	ctx := context.Background()
+	for _, name := range byOwner {
+		f, _, err := c.OpenForReader(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	// The peer on this node also holds the remote server's file, as if from an earlier
+	// placement: readers here would map it.
+	stray := filepath.Join(root, byOwner[remote.addr])
+	if res, err := peer.engine.Read(ctx, root, stray, true); err != nil {
+		t.Fatal(err)
+	} else {
+		res.Release()
+	}
+	waitFor(t, func() bool { return cachedFiles(self) == 1 && cachedFiles(peer) == 2 && cachedFiles(remote) == 1 })
+
+	for owner, name := range byOwner {
+		if err := c.Forget(ctx, name); err != nil {
+			t.Fatalf("Forget(%s) of %s: %v", name, owner, err)
+		}
+	}
+	for _, s := range servers {
+		if n := cachedFiles(s); n != 0 {
+			t.Errorf("server %s still holds %d files after Forget", s.addr, n)
+		}
+	}
+	if err := c.Forget(ctx, "../outside"); !errors.Is(err, core.ErrOutsideRoot) {
+		t.Errorf("Forget of a path outside the root: %v, want ErrOutsideRoot", err)
+	}
+}

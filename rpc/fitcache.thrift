@@ -213,6 +213,22 @@ struct ClearReply {
   4: Reason reason
 }
 
+// Forget drops the cached copies of one file from the server's tiers: its source is being
+// written (a write-open through the preload shim, see core.Engine.Forget).
+struct ForgetRequest {
+  1: string token
+  // Absolute and clean; path inside root.
+  2: string root
+  3: string path
+}
+
+struct ForgetReply {
+  1: i32 errno
+  2: string message
+  // Why it failed, when errno alone does not say (see Reason).
+  3: Reason reason
+}
+
 service FitCache {
   HelloReply Hello(1: HelloRequest req)
   ReadReply Read(1: ReadRequest req)
@@ -222,4 +238,5 @@ service FitCache {
   PrefetchReply Prefetch(1: PrefetchRequest req)
   UsageReply Usage(1: UsageRequest req)
   ClearReply Clear(1: ClearRequest req)
+  ForgetReply Forget(1: ForgetRequest req)
 }

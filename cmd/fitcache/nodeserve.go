@@ -29,8 +29,8 @@ import (
 // whichever node opens it. Its own files come from its engine, the files of other servers
 // on its node as their tier files, those of other nodes as memory files holding the bytes
 // their owners sent over Kitex, and dead servers' files as the failure policy says. A
-// write-open of a dataset file (OpForget) drops the copies of this server only: copies on
-// other nodes stay until evicted, as in every cluster-mode read. A cluster server that does
+// write-open of a dataset file (OpForget) drops the copies at the servers a read of the file
+// goes to and at every server on this node (client.Forget). A cluster server that does
 // not know the job's servers has no node socket (serve.go): answering with its own engine, it
 // would cache on its node every file the node reads.
 
@@ -63,6 +63,10 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			f, origin, err := cn.open(ctx, root, path)
 			return f, uint32(origin), err
+		}
+		cfg.Forget = func(root, path string) error {
+			touch()
+			return cn.forget(root, path)
 		}
 	}
 	if onOpen != nil {
@@ -221,6 +225,22 @@ func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, co
 		return nil, 0, err
 	}
 	return c.OpenForReader(ctx, path)
+}
+
+// forget answers OpForget: see client.Forget (the copies of the servers a read goes to and of
+// every server on this node). Roots outside the server's are refused before any client is
+// made.
+func (n *clusterNode) forget(root, path string) error {
+	if err := n.engine.CheckRoot(root, path); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.RPCTimeout)
+	defer cancel()
+	c, err := n.client(ctx, root)
+	if err != nil {
+		return err
+	}
+	return c.Forget(ctx, path)
 }
 
 // fetch answers OpFetch, which promises the caller the file in a tier of this server: for

@@ -119,7 +119,7 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	}
 	os.WriteFile(filepath.Join(outside, "secret"), []byte("no"), 0o644)
 	self, engine := startEngineServer(t, "127.0.0.1", root)
-	other, _ := startEngineServer(t, "127.0.0.2", root)
+	other, otherEngine := startEngineServer(t, "127.0.0.2", root)
 	cfg, err := config.Load(map[string]string{"servers": self + "," + other, "node": "not-this-one",
 		"wait_timeout": "5", "rpc_timeout": "2"})
 	if err != nil {
@@ -182,6 +182,30 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 		t.Errorf("opens observed by origin: got %v, want %v", opens, want)
 	}
 	mu.Unlock()
+	// A write-open (OpForget) of a file the other node owns drops the copy there.
+	var written string
+	for p, data := range want {
+		if c.Owner(p) == other && len(data) > 0 {
+			written = p
+		}
+	}
+	held := func() (n int) {
+		for _, u := range otherEngine.Usage() {
+			n += u.Files
+		}
+		return n
+	}
+	before := held()
+	for i := 0; i < 500 && before < owned[other]-1; i++ { // the empty file is not cached
+		time.Sleep(10 * time.Millisecond)
+		before = held()
+	}
+	if errno, _, _ := nodeOp(t, sock, nodesock.OpForget, root, written); errno != 0 {
+		t.Errorf("forget %s: errno %v", written, errno)
+	}
+	if after := held(); after != before-1 {
+		t.Errorf("the other node holds %d files after a forget, %d before: want one fewer", after, before)
+	}
 	errno, _, f := nodeOp(t, sock, nodesock.OpOpen, outside, filepath.Join(outside, "secret"))
 	if errno != syscall.EACCES || f != nil {
 		t.Errorf("a file outside the server's roots: errno %v, descriptor %v; want EACCES and none", errno, f)

@@ -1228,6 +1228,100 @@ var fieldIDToName_ClearReply = map[int16]string{
 	4: "reason",
 }
 
+type ForgetRequest struct {
+	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Root  string `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Path  string `thrift:"path,3" frugal:"3,default,string" json:"path"`
+}
+
+func NewForgetRequest() *ForgetRequest {
+	return &ForgetRequest{}
+}
+
+func (p *ForgetRequest) InitDefault() {
+}
+
+func (p *ForgetRequest) GetToken() (v string) {
+	return p.Token
+}
+
+func (p *ForgetRequest) GetRoot() (v string) {
+	return p.Root
+}
+
+func (p *ForgetRequest) GetPath() (v string) {
+	return p.Path
+}
+func (p *ForgetRequest) SetToken(val string) {
+	p.Token = val
+}
+func (p *ForgetRequest) SetRoot(val string) {
+	p.Root = val
+}
+func (p *ForgetRequest) SetPath(val string) {
+	p.Path = val
+}
+
+func (p *ForgetRequest) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("ForgetRequest(%+v)", *p)
+}
+
+var fieldIDToName_ForgetRequest = map[int16]string{
+	1: "token",
+	2: "root",
+	3: "path",
+}
+
+type ForgetReply struct {
+	Errno   int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message string `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Reason  Reason `thrift:"reason,3" frugal:"3,default,Reason" json:"reason"`
+}
+
+func NewForgetReply() *ForgetReply {
+	return &ForgetReply{}
+}
+
+func (p *ForgetReply) InitDefault() {
+}
+
+func (p *ForgetReply) GetErrno() (v int32) {
+	return p.Errno
+}
+
+func (p *ForgetReply) GetMessage() (v string) {
+	return p.Message
+}
+
+func (p *ForgetReply) GetReason() (v Reason) {
+	return p.Reason
+}
+func (p *ForgetReply) SetErrno(val int32) {
+	p.Errno = val
+}
+func (p *ForgetReply) SetMessage(val string) {
+	p.Message = val
+}
+func (p *ForgetReply) SetReason(val Reason) {
+	p.Reason = val
+}
+
+func (p *ForgetReply) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("ForgetReply(%+v)", *p)
+}
+
+var fieldIDToName_ForgetReply = map[int16]string{
+	1: "errno",
+	2: "message",
+	3: "reason",
+}
+
 type FitCache interface {
 	Hello(ctx context.Context, req *HelloRequest) (r *HelloReply, err error)
 
@@ -1244,6 +1338,8 @@ type FitCache interface {
 	Usage(ctx context.Context, req *UsageRequest) (r *UsageReply, err error)
 
 	Clear(ctx context.Context, req *ClearRequest) (r *ClearReply, err error)
+
+	Forget(ctx context.Context, req *ForgetRequest) (r *ForgetReply, err error)
 }
 
 type FitCacheHelloArgs struct {
@@ -1851,5 +1947,81 @@ func (p *FitCacheClearResult) String() string {
 }
 
 var fieldIDToName_FitCacheClearResult = map[int16]string{
+	0: "success",
+}
+
+type FitCacheForgetArgs struct {
+	Req *ForgetRequest `thrift:"req,1" frugal:"1,default,ForgetRequest" json:"req"`
+}
+
+func NewFitCacheForgetArgs() *FitCacheForgetArgs {
+	return &FitCacheForgetArgs{}
+}
+
+func (p *FitCacheForgetArgs) InitDefault() {
+}
+
+var FitCacheForgetArgs_Req_DEFAULT *ForgetRequest
+
+func (p *FitCacheForgetArgs) GetReq() (v *ForgetRequest) {
+	if !p.IsSetReq() {
+		return FitCacheForgetArgs_Req_DEFAULT
+	}
+	return p.Req
+}
+func (p *FitCacheForgetArgs) SetReq(val *ForgetRequest) {
+	p.Req = val
+}
+
+func (p *FitCacheForgetArgs) IsSetReq() bool {
+	return p.Req != nil
+}
+
+func (p *FitCacheForgetArgs) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheForgetArgs(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheForgetArgs = map[int16]string{
+	1: "req",
+}
+
+type FitCacheForgetResult struct {
+	Success *ForgetReply `thrift:"success,0,optional" frugal:"0,optional,ForgetReply" json:"success,omitempty"`
+}
+
+func NewFitCacheForgetResult() *FitCacheForgetResult {
+	return &FitCacheForgetResult{}
+}
+
+func (p *FitCacheForgetResult) InitDefault() {
+}
+
+var FitCacheForgetResult_Success_DEFAULT *ForgetReply
+
+func (p *FitCacheForgetResult) GetSuccess() (v *ForgetReply) {
+	if !p.IsSetSuccess() {
+		return FitCacheForgetResult_Success_DEFAULT
+	}
+	return p.Success
+}
+func (p *FitCacheForgetResult) SetSuccess(x interface{}) {
+	p.Success = x.(*ForgetReply)
+}
+
+func (p *FitCacheForgetResult) IsSetSuccess() bool {
+	return p.Success != nil
+}
+
+func (p *FitCacheForgetResult) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheForgetResult(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheForgetResult = map[int16]string{
 	0: "success",
 }

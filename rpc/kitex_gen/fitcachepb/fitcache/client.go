@@ -19,6 +19,7 @@ type Client interface {
 	Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, callOptions ...callopt.Option) (r *fitcachepb.PrefetchReply, err error)
 	Usage(ctx context.Context, req *fitcachepb.UsageRequest, callOptions ...callopt.Option) (r *fitcachepb.UsageReply, err error)
 	Clear(ctx context.Context, req *fitcachepb.ClearRequest, callOptions ...callopt.Option) (r *fitcachepb.ClearReply, err error)
+	Forget(ctx context.Context, req *fitcachepb.ForgetRequest, callOptions ...callopt.Option) (r *fitcachepb.ForgetReply, err error)
 }
 
 // NewClient creates a client for the service defined in IDL.
@@ -88,4 +89,9 @@ func (p *kFitCacheClient) Usage(ctx context.Context, req *fitcachepb.UsageReques
 func (p *kFitCacheClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest, callOptions ...callopt.Option) (r *fitcachepb.ClearReply, err error) {
 	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
 	return p.kClient.Clear(ctx, req)
+}
+
+func (p *kFitCacheClient) Forget(ctx context.Context, req *fitcachepb.ForgetRequest, callOptions ...callopt.Option) (r *fitcachepb.ForgetReply, err error) {
+	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
+	return p.kClient.Forget(ctx, req)
 }

@@ -69,6 +69,13 @@ var serviceMethods = map[string]kitex.MethodInfo{
 		false,
 		kitex.WithStreamingMode(kitex.StreamingNone),
 	),
+	"Forget": kitex.NewMethodInfo(
+		forgetHandler,
+		newFitCacheForgetArgs,
+		newFitCacheForgetResult,
+		false,
+		kitex.WithStreamingMode(kitex.StreamingNone),
+	),
 }
 
 var (
@@ -279,6 +286,24 @@ func newFitCacheClearResult() interface{} {
 	return fitcachepb.NewFitCacheClearResult()
 }
 
+func forgetHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
+	realArg := arg.(*fitcachepb.FitCacheForgetArgs)
+	realResult := result.(*fitcachepb.FitCacheForgetResult)
+	success, err := handler.(fitcachepb.FitCache).Forget(ctx, realArg.Req)
+	if err != nil {
+		return err
+	}
+	realResult.Success = success
+	return nil
+}
+func newFitCacheForgetArgs() interface{} {
+	return fitcachepb.NewFitCacheForgetArgs()
+}
+
+func newFitCacheForgetResult() interface{} {
+	return fitcachepb.NewFitCacheForgetResult()
+}
+
 type kClient struct {
 	c client.Client
 }
@@ -364,6 +389,16 @@ func (p *kClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest) (r *f
 	_args.Req = req
 	var _result fitcachepb.FitCacheClearResult
 	if err = p.c.Call(ctx, "Clear", &_args, &_result); err != nil {
+		return
+	}
+	return _result.GetSuccess(), nil
+}
+
+func (p *kClient) Forget(ctx context.Context, req *fitcachepb.ForgetRequest) (r *fitcachepb.ForgetReply, err error) {
+	var _args fitcachepb.FitCacheForgetArgs
+	_args.Req = req
+	var _result fitcachepb.FitCacheForgetResult
+	if err = p.c.Call(ctx, "Forget", &_args, &_result); err != nil {
 		return
 	}
 	return _result.GetSuccess(), nil

@@ -1,0 +1,38 @@
+package rpc
+
+import (
+	"context"
+
+	"github.com/cloudwego/kitex/client"
+	"github.com/cloudwego/kitex/client/callopt"
+
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
+)
+
+// Forget is the generated client's typed call (see typed.go).
+func (t typedClient) Forget(ctx context.Context, req *fitcachepb.ForgetRequest, opts ...callopt.Option) (*fitcachepb.ForgetReply, error) {
+	args, res := fitcachepb.FitCacheForgetArgs{Req: req}, fitcachepb.FitCacheForgetResult{}
+	err := t.c.Call(client.NewCtxWithCallOptions(ctx, opts), "Forget", &args, &res)
+	return res.GetSuccess(), err
+}
+
+// Forget drops the cached copies of one file from the server's tiers (core.Engine.Forget).
+func (h *Handler) Forget(ctx context.Context, req *fitcachepb.ForgetRequest) (*fitcachepb.ForgetReply, error) {
+	errno, msg, reason := errnoOf(h.engine.Forget(req.Root, req.Path))
+	return &fitcachepb.ForgetReply{Errno: errno, Message: msg, Reason: reason}, nil
+}
+
+// Forget asks the server to drop its cached copies of the file at path (inside root), whose
+// source is being written.
+func (c *Client) Forget(ctx context.Context, root, path string) error {
+	var r *fitcachepb.ForgetReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Forget(ctx, &fitcachepb.ForgetRequest{Token: c.cfg.Token, Root: root, Path: path}, c.target())
+		return err
+	})
+	if err != nil {
+		return c.failed(err)
+	}
+	return core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
+}
