@@ -71,18 +71,11 @@ func (d Dir) CachedPath(sourcePath string) string {
 // the one the index describes (another inode or size: damaged, or replaced meanwhile). It
 // follows no symbolic link at any level. The caller must Release the mapping.
 func (d Dir) Open(sourcePath string) (*Mapping, error) {
-	if d.dir == nil {
-		return nil, fmt.Errorf("%w: tier %s not opened", ErrNotCached, d.Path)
-	}
-	sourcePath = filepath.Clean(sourcePath)
 	var m *Mapping
-	err := withFd(d.dir, func(dirfd int) (err error) {
-		m, err = openAt(dirfd, d, sourcePath)
+	err := d.withEntry(sourcePath, func(dirfd int, p string) (err error) {
+		m, err = openAt(dirfd, d, p)
 		return err
 	})
-	if err != nil && !errors.Is(err, ErrNotCached) { // closed meanwhile
-		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
-	}
 	return m, err
 }
 
@@ -90,19 +83,25 @@ func (d Dir) Open(sourcePath string) (*Mapping, error) {
 // caller that hands the descriptor to a reader in place of the source (the node socket's
 // answer to the preload shim). The caller closes it.
 func (d Dir) OpenFile(sourcePath string) (*os.File, error) {
-	if d.dir == nil {
-		return nil, fmt.Errorf("%w: tier %s not opened", ErrNotCached, d.Path)
-	}
-	sourcePath = filepath.Clean(sourcePath)
 	var f *os.File
-	err := withFd(d.dir, func(dirfd int) (err error) {
-		f, _, _, err = openChecked(dirfd, d, sourcePath)
+	err := d.withEntry(sourcePath, func(dirfd int, p string) (err error) {
+		f, _, _, err = openChecked(dirfd, d, p)
 		return err
 	})
-	if err != nil && !errors.Is(err, ErrNotCached) { // closed meanwhile
-		return nil, fmt.Errorf("%w: %w", ErrNotCached, err)
-	}
 	return f, err
+}
+
+// withEntry runs open with the directory's descriptor and the clean sourcePath, and makes
+// every error a miss (ErrNotCached): a tier not opened, or closed meanwhile, has no copy.
+func (d Dir) withEntry(sourcePath string, open func(dirfd int, sourcePath string) error) error {
+	if d.dir == nil {
+		return fmt.Errorf("%w: tier %s not opened", ErrNotCached, d.Path)
+	}
+	err := withFd(d.dir, func(dirfd int) error { return open(dirfd, filepath.Clean(sourcePath)) })
+	if err != nil && !errors.Is(err, ErrNotCached) {
+		err = fmt.Errorf("%w: %w", ErrNotCached, err)
+	}
+	return err
 }
 
 // openAt maps the cached copy of the clean sourcePath in the tier d open at dirfd.

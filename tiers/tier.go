@@ -269,38 +269,26 @@ func (t *Tier) HasRoom(n int64) bool {
 
 // Open maps the cached copy of sourcePath like Dir.Open, and deletes the copy if it is damaged.
 func (t *Tier) Open(sourcePath string) (*Mapping, error) {
-	var m *Mapping
-	err := t.openChecked(sourcePath, func(dirfd int, p string) (err error) {
-		m, err = openAt(dirfd, t.Dir, p)
-		return err
-	})
+	m, err := t.Dir.Open(sourcePath)
+	t.removeIfDamaged(sourcePath, err)
 	return m, err
 }
 
 // OpenFile opens the cached copy of sourcePath like Dir.OpenFile, and deletes the copy if
 // it is damaged.
 func (t *Tier) OpenFile(sourcePath string) (*os.File, error) {
-	var f *os.File
-	err := t.openChecked(sourcePath, func(dirfd int, p string) (err error) {
-		f, _, _, err = openChecked(dirfd, t.Dir, p)
-		return err
-	})
+	f, err := t.Dir.OpenFile(sourcePath)
+	t.removeIfDamaged(sourcePath, err)
 	return f, err
 }
 
-// openChecked runs open with the tier's directory and the clean sourcePath; it deletes a
-// damaged copy, and makes every error a miss (ErrNotCached).
-func (t *Tier) openChecked(sourcePath string, open func(dirfd int, sourcePath string) error) error {
-	sourcePath = filepath.Clean(sourcePath)
-	err := withFd(t.dir, func(dirfd int) error { return open(dirfd, sourcePath) })
-	if err != nil && errors.Is(err, ErrDamaged) {
+// removeIfDamaged deletes the copy of sourcePath when err, an open's, says it is damaged.
+func (t *Tier) removeIfDamaged(sourcePath string, err error) {
+	if errors.Is(err, ErrDamaged) {
+		sourcePath = filepath.Clean(sourcePath)
 		t.log.Warn("removing damaged cache entry", "source", sourcePath, "err", err)
 		t.remove(idOf(sourcePath))
 	}
-	if err != nil && !errors.Is(err, ErrNotCached) {
-		err = fmt.Errorf("%w: %w", ErrNotCached, err) // the tier was closed
-	}
-	return err
 }
 
 // Forget removes the cached copy of sourcePath, if the tier has one: its source is being
