@@ -399,7 +399,10 @@ def test_dataset_twice_the_cache_is_read_from_the_source_once_per_epoch(tmp_path
     shm = cache_options["tiers"].split(",")[0].split(":")[1]
     footprint = -(-size // 4096) * 4096 + 4096  # data and record, in 4 KiB blocks
     options = {**cache_options, "tiers": f"memory:{shm}:{n // 2 * footprint}"}
-    ds = fitcache.FitCacheDataset(str(root), files=sorted(want), **options)
+    # Without prefetch: its reads racing a reader's miss for the last room of the tier can
+    # cost one more open of that file (the miss opens the source, then finds the room taken,
+    # and the reader opens it again); see the README's Limits. This test is about readers.
+    ds = fitcache.FitCacheDataset(str(root), files=sorted(want), prefetch=False, **options)
     per_epoch = []
     with OpenCounter(str(root)) as opens:
         for epoch in range(3):
