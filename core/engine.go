@@ -50,18 +50,21 @@ type EngineConfig struct {
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
 type Engine struct {
-	tiers   []*tiers.Tier
-	roots   []string // EngineConfig.Roots with symbolic links resolved
-	stats   Stats
-	lat     latencies // request durations and bytes by kind and origin
-	log     *slog.Logger
-	mover   *mover
-	pf      *prefetcher
-	gen     *tiers.Generation // nil without EngineConfig.GenerationFile
-	genFile string
-	maxSend int64 // see EngineConfig.MaxSendBytes
-	closed  atomic.Bool
-	fills   sync.WaitGroup // source reads in progress (see fill), awaited by Close
+	tiers []*tiers.Tier
+	roots []string // EngineConfig.Roots with symbolic links resolved
+	stats Stats
+	lat   latencies // request durations and bytes by kind and origin
+	log   *slog.Logger
+	mover *mover
+	pf    *prefetcher
+	// sessions number the validation sessions: a copy is served only once found to match
+	// its source in the current one (see session.go and validate).
+	sessions *sessions
+	gen      *tiers.Generation // nil without EngineConfig.GenerationFile
+	genFile  string
+	maxSend  int64 // see EngineConfig.MaxSendBytes
+	closed   atomic.Bool
+	fills    sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
 	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
 	flights   map[string]*flight
@@ -88,7 +91,8 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string)}
+	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
+		sessions: newSessions(nil)}
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}
@@ -244,6 +248,9 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if err := e.checkRoot(root, path); err != nil {
 		return Result{}, err
 	}
+	if err := e.validate(root, path); err != nil {
+		return Result{}, err
+	}
 	if res, err := e.probe(path, wantMapping); err == nil {
 		e.stats.hits[res.Mapping.Tier].Add(1)
 		return res, nil
@@ -315,6 +322,9 @@ func (e *Engine) Fetch(ctx context.Context, root, path string) error {
 // "source").
 func (e *Engine) fetch(ctx context.Context, root, path string) (string, error) {
 	if err := e.checkRoot(root, path); err != nil {
+		return "", err
+	}
+	if err := e.validate(root, path); err != nil {
 		return "", err
 	}
 	for _, t := range e.tiers {
@@ -445,6 +455,9 @@ func (e *Engine) fill(f *flight, root, path string) {
 		e.finish(path, f)
 		return
 	}
+	// The session is taken before the source is opened: the copy matches the source as it
+	// was then, which is all a session asks.
+	session := e.sessions.current()
 	src, err := e.openSource(root, path)
 	if err != nil {
 		f.err = err
@@ -453,7 +466,9 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	defer src.Close()
 	f.mtime = src.MTimeNanos()
-	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, Group: root, Mode: src.Mode()}
+	id := src.Identity()
+	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, SourceCTimeNanos: id.CTimeNanos,
+		SourceIno: id.Ino, Session: session, Group: root, Mode: src.Mode()}
 	f.size = entry.Size
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {
 		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)

@@ -85,6 +85,10 @@ type PrefetchRequest struct {
 	Offset int
 	// Total is the length of the whole list; 0 means len(Paths).
 	Total int
+	// Session is the validation session of the caller's job (see Engine.BeginSession): the
+	// job checks the copies it finds cached against their sources, ahead of the readers, so a
+	// list joins only a job of the same session or a later one. 0 joins any.
+	Session uint32
 	// Paths to read, absolute, clean and inside Root, in the order readers will want them. A
 	// request with no paths, Offset 0 and Total 0 only renews the owner's job and reports it;
 	// one with no paths, Offset 0, a Total and a ListID is a probe: the caller joins the list
@@ -218,6 +222,7 @@ type ownerKey struct{ root, owner string }
 type prefetchJob struct {
 	root, listID string
 	total        int
+	session      uint32               // PrefetchRequest.Session of the list's first sender
 	sender       string               // the owner that sends the list, chunk by chunk
 	paths        []string             // received so far; "" once handed out (or read by a reader)
 	pos          map[string]int       // index in paths of each file not handed out yet
@@ -349,7 +354,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 			return info, nil
 		}
 		if len(req.Paths) == 0 { // a probe: join the list if it is held, else say so
-			j := p.find(req.Root, id, total)
+			j := p.find(req.Root, id, total, req.Session)
 			if j == nil {
 				return PrefetchInfo{State: PrefetchUnknown}, nil
 			}
@@ -361,7 +366,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 			return info, nil
 		}
 		p.leave(key)
-		if j = p.find(req.Root, id, total); j != nil {
+		if j = p.find(req.Root, id, total, req.Session); j != nil {
 			j.owners[req.Owner] = until
 			p.owned[key] = j
 			info := j.report()
@@ -371,7 +376,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 		if len(p.jobs) >= maxPrefetchJobs {
 			return PrefetchInfo{}, fmt.Errorf("%w: %d prefetch jobs held already", syscall.ENOSPC, len(p.jobs))
 		}
-		j = &prefetchJob{root: req.Root, listID: id, total: total, sender: req.Owner, owners: map[string]time.Time{},
+		j = &prefetchJob{root: req.Root, listID: id, total: total, session: req.Session, sender: req.Owner, owners: map[string]time.Time{},
 			pos: map[string]int{}, state: PrefetchRunning}
 		p.jobs = append(p.jobs, j)
 		p.owned[key] = j
@@ -408,10 +413,11 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 	return info, nil
 }
 
-// find returns a job for the same list, if one is held.
-func (p *prefetcher) find(root, id string, total int) *prefetchJob {
+// find returns a job for the same list, of session or a later one, if one is held. A job of
+// an earlier session may have passed files that the caller's session has yet to check.
+func (p *prefetcher) find(root, id string, total int, session uint32) *prefetchJob {
 	for _, j := range p.jobs {
-		if j.root == root && j.listID == id && j.total == total && !j.cleared {
+		if j.root == root && j.listID == id && j.total == total && !j.cleared && j.session >= session {
 			return j
 		}
 	}
@@ -633,11 +639,17 @@ var testHookPrefetch func(path string)
 
 // fetch reads one file from the source into a tier, unless it is cached already or a reader
 // is reading it, through the engine's miss path (fill): a reader that misses the file
-// meanwhile shares the read. It is published only where there is room without eviction.
+// meanwhile shares the read. It is published only where there is room without eviction. A
+// cached copy not yet checked against its source in the current session is checked first
+// (and dropped, then read anew, if the source changed): that is how a job's copies are
+// checked ahead of its readers.
 func (p *prefetcher) fetch(root, path string) outcome {
 	e := p.e
 	if testHookPrefetch != nil {
 		testHookPrefetch(path)
+	}
+	if err := e.validate(root, path); err != nil {
+		return outcome{kind: fetchFailed, err: err}
 	}
 	if _, ok := e.cachedSize(path); ok {
 		return outcome{kind: skippedCached}

@@ -13,6 +13,8 @@ import (
 
 	"github.com/edsrzf/mmap-go"
 	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/tiers"
 )
 
 // Within reports whether path is root or inside it. Both must be clean and absolute.
@@ -70,7 +72,7 @@ func OpenSource(root, realRoot, path string) (*Source, error) {
 	if err != nil || !filepath.IsLocal(rel) && rel != "." {
 		return nil, fmt.Errorf("%w: %s is not under %s", ErrOutsideRoot, path, root)
 	}
-	f, err := openBeneath(realRoot, rel, path)
+	f, err := openBeneath(realRoot, rel, path, sourceOpenFlags)
 	if err != nil {
 		return nil, err
 	}
@@ -95,24 +97,24 @@ func OpenSource(root, realRoot, path string) (*Source, error) {
 // refused after the open).
 const sourceOpenFlags = unix.O_RDONLY | unix.O_NONBLOCK | unix.O_CLOEXEC
 
-// openBeneath opens rel inside realRoot without ever leaving it. A path through an absolute
+// openBeneath opens rel inside realRoot with flags without ever leaving it. A path through an absolute
 // link, or a link that leaves the root, fails in the kernel with EXDEV; such a path is then
 // resolved here, and opened if it stays inside the root (an absolute link to another file of
 // the dataset, say), again beneath the root, so that a link swapped meanwhile is refused.
-func openBeneath(realRoot, rel, path string) (*os.File, error) {
+func openBeneath(realRoot, rel, path string, flags int) (*os.File, error) {
 	// realRoot has its links resolved: one that has a link in it now was swapped since.
 	dirfd, err := unix.Openat2(unix.AT_FDCWD, realRoot, &unix.OpenHow{
 		Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: unix.RESOLVE_NO_SYMLINKS})
 	switch {
 	case errors.Is(err, unix.ENOSYS): // a kernel older than 5.6
-		return openChecked(path, realRoot)
+		return openChecked(path, realRoot, flags)
 	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR):
 		return nil, fmt.Errorf("%w: %s is no longer the directory it was (a link now)", ErrOutsideRoot, realRoot)
 	case err != nil:
 		return nil, pathError("open", realRoot, err)
 	}
 	defer unix.Close(dirfd)
-	how := unix.OpenHow{Flags: sourceOpenFlags, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
+	how := unix.OpenHow{Flags: uint64(flags), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
 	fd, err := unix.Openat2(dirfd, rel, &how)
 	if errors.Is(err, unix.EXDEV) {
 		real, rerr := filepath.EvalSymlinks(path)
@@ -135,8 +137,8 @@ func openBeneath(realRoot, rel, path string) (*os.File, error) {
 
 // openChecked opens path and then checks the opened file's real path against realRoot, for
 // kernels without openat2. It refuses when the real path cannot be learnt (no /proc).
-func openChecked(path, realRoot string) (*os.File, error) {
-	f, err := os.OpenFile(path, sourceOpenFlags, 0)
+func openChecked(path, realRoot string, flags int) (*os.File, error) {
+	f, err := os.OpenFile(path, flags, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -154,6 +156,11 @@ func openChecked(path, realRoot string) (*os.File, error) {
 
 // Size returns the file's size when it was opened.
 func (s *Source) Size() int64 { return s.stamp.size }
+
+// Identity returns the identity of the file's version that was opened.
+func (s *Source) Identity() tiers.Identity {
+	return tiers.Identity{Size: s.stamp.size, MTimeNanos: s.stamp.mtime.Nano(), CTimeNanos: s.stamp.ctim.Nano(), Ino: s.stamp.ino}
+}
 
 // MTimeNanos returns the file's modification time when it was opened, in Unix nanoseconds.
 func (s *Source) MTimeNanos() int64 { return s.stamp.mtime.Nano() }

@@ -24,6 +24,8 @@ type Stats struct {
 	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
 	stored        atomic.Int64 // files received from clients for a replica copy
 	refusals      atomic.Int64 // requests refused for a wrong or missing job token
+	sourceChecks  atomic.Int64 // cached copies compared with their source (see validate)
+	staleCopies   atomic.Int64 // of those, copies dropped: the source changed or is gone
 
 	mu       sync.Mutex // protects warnings
 	warnings []string   // problems the user should see (a tier skipped or moved)
@@ -46,7 +48,12 @@ type StatsSnapshot struct {
 	ClientHits    int64            `json:"client_hits"`
 	Stored        int64            `json:"stored"`
 	Refusals      int64            `json:"refusals"`
-	Tiers         []tiers.Info     `json:"tiers"`
+	// SourceChecks counts cached copies compared with their source's identity (once per
+	// file per job, see Engine.BeginSession), StaleCopies those dropped because the source
+	// had changed or was gone.
+	SourceChecks int64        `json:"source_checks"`
+	StaleCopies  int64        `json:"stale_copies"`
+	Tiers        []tiers.Info `json:"tiers"`
 	// Prefetch counts what prefetch jobs did (see Engine.Prefetch).
 	Prefetch PrefetchStats `json:"prefetch"`
 	// Warnings are problems the user should see: a tier skipped (another user's directory,
@@ -69,6 +76,7 @@ func (s *Stats) Snapshot() StatsSnapshot {
 		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
 		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
 		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(), Refusals: s.refusals.Load(),
+		SourceChecks: s.sourceChecks.Load(), StaleCopies: s.staleCopies.Load(),
 	}
 }
 

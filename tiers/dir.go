@@ -31,6 +31,18 @@ type Dir struct {
 
 	dir  *os.File   // the directory, opened and checked by OpenDir
 	view *indexView // the tier's index
+	// session: copies not checked against their source in this validation session or a
+	// later one are misses (see WithSession); 0 serves every copy.
+	session uint32
+}
+
+// WithSession returns d for a reader of validation session s (see Tier.Validate): a copy the
+// server has not found to match its source in that session or a later one is a miss, which
+// the reader takes to the server, which checks it. The server hands out sessions: the
+// session of a client is the one it was given when it said hello.
+func (d Dir) WithSession(s uint32) Dir {
+	d.session = s
+	return d
 }
 
 // OpenDir opens the tier directory at path for reading, following no symbolic link, checks
@@ -120,7 +132,7 @@ func openAt(dirfd int, d Dir, sourcePath string) (*Mapping, error) {
 // its inode number.
 func openChecked(dirfd int, d Dir, sourcePath string) (*os.File, slot, uint64, error) {
 	s, ok := d.view.lookup(dirfd, idOf(sourcePath))
-	if !ok {
+	if !ok || s.checked < d.session {
 		return nil, s, 0, ErrNotCached
 	}
 	rel := RelPath(sourcePath)

@@ -10,6 +10,8 @@ type record struct {
 	seq   uint64  // publication sequence number
 	group string  // Entry.Group
 	ino   uint64  // inode number of the data file, so that eviction never unlinks a newer copy
+	// source is the identity of the source version the copy holds (see Tier.Validate).
+	source Identity
 }
 
 // fifo holds a tier's entries in publication order, one list per group (dataset root), so

@@ -24,16 +24,17 @@ import (
 //
 // Layout (integers little-endian, at 8-byte aligned offsets):
 //
-//	header, 4096 bytes:
+//	header, page 0 (4096 bytes), written by the server only: readers map it read-only
 //	  0  magic    [8]byte  "FCINDEX\x01"
 //	  8  version  uint32   indexVersion
 //	  12 ways     uint32   slots per bucket (indexWays)
 //	  16 buckets  uint32   number of buckets, a power of two
 //	  20 slotSize uint32   indexSlotSize
 //	  24 retired  uint32   1 once a server replaced this file: readers open the index anew
-//	  64 hits     uint64   reads that readers outside the server served from the tier
-//	  72 hitBytes uint64   their bytes (readers add to both atomically)
-//	slots, 64 bytes each, from offset 4096; bucket b holds slots b*ways .. b*ways+ways-1:
+//	counters, page 1 (4096 bytes), the only part readers map writable
+//	  4096 hits     uint64 reads that readers outside the server served from the tier
+//	  4104 hitBytes uint64 their bytes (readers add to both atomically)
+//	slots, 64 bytes each, from offset 8192; bucket b holds slots b*ways .. b*ways+ways-1:
 //	  0  seq      uint32   seqlock: odd while the server changes the slot
 //	  4  used     uint32   1 if the slot holds an entry
 //	  8  key      uint64   KeyOf(source path): names the data file, see RelPath
@@ -42,8 +43,16 @@ import (
 //	  32 mtime    int64    the source's modification time, Unix nanoseconds
 //	  40 ino      uint64   inode number of the data file
 //	  48 checksum uint32   CRC-32C of the data
+//	  52 checked  uint32   the last validation session in which the copy was found to match
+//	                       its source (see Tier.Validate); a reader of session s serves the
+//	                       copy only if checked >= s, and asks the server otherwise
 //	  56 pubSeq   uint64   publication sequence number (the server evicts the oldest of a
 //	                       full bucket)
+//
+// Readers read the geometry (buckets) once, when they map the index, and check it against the
+// mapping's length: a stray write to the header by a process of the same user can make them
+// miss, never read outside the mapping. The counters live on a page of their own so that the
+// header and the slots can be mapped read-only.
 //
 // The bucket of a key is (key * 0x9E3779B97F4A7C15) >> (64 - log2(buckets)): the key mixed
 // by Fibonacci hashing, top bits taken. FNV-1a mixes the last bytes of a path poorly into
@@ -56,20 +65,20 @@ import (
 // A full bucket makes the server evict its oldest entry, so the index never refuses a file.
 
 const (
-	indexName       = "fitcache.index"
-	indexMagic      = "FCINDEX\x01"
-	indexVersion    = 2
-	indexWays       = 8
-	indexSlotSize   = 64
-	indexHeaderSize = 4096
+	indexName     = "fitcache.index"
+	indexMagic    = "FCINDEX\x01"
+	indexVersion  = 3
+	indexWays     = 8
+	indexSlotSize = 64
+	indexSlots    = 8192 // offset of the first slot, after the header and counter pages
 
 	hdrVersion  = 8
 	hdrWays     = 12
 	hdrBuckets  = 16
 	hdrSlotSize = 20
 	hdrRetired  = 24
-	hdrHits     = 64
-	hdrHitBytes = 72
+	hdrHits     = 4096
+	hdrHitBytes = 4104
 )
 
 // Index geometry: about one slot per indexBytesPerSlot of budget (the number of buckets is
@@ -85,6 +94,11 @@ const (
 	minIndexBuckets   = 1 << 10 // 8,192 slots: 516 KiB
 	maxIndexBuckets   = 1 << 20 // 8 Mi slots: 512 MiB
 )
+
+// indexLen returns the size of an index file of the given number of buckets.
+func indexLen(buckets uint32) int64 {
+	return indexSlots + int64(buckets)*indexWays*indexSlotSize
+}
 
 // indexBuckets returns the number of buckets for a tier budget.
 func indexBuckets(budget int64) uint32 {
@@ -126,6 +140,7 @@ type slot struct {
 	mtime    int64
 	ino      uint64
 	checksum uint32
+	checked  uint32 // see the layout: the last validation session that found the copy good
 	pubSeq   uint64
 }
 
@@ -139,7 +154,7 @@ type index struct {
 func (ix *index) word32(off int) *uint32 { return (*uint32)(unsafe.Pointer(&ix.m[off])) }
 func (ix *index) word64(off int) *uint64 { return (*uint64)(unsafe.Pointer(&ix.m[off])) }
 
-func slotOffset(i uint32) int { return indexHeaderSize + int(i)*indexSlotSize }
+func slotOffset(i uint32) int { return indexSlots + int(i)*indexSlotSize }
 
 func (ix *index) bucketOf(k Key) uint32 {
 	return uint32((uint64(k) * 0x9E3779B97F4A7C15) >> (64 - bits.TrailingZeros32(ix.buckets)))
@@ -181,6 +196,7 @@ func (ix *index) read(off int) (slot, bool) {
 		mtime:    int64(atomic.LoadUint64(ix.word64(off + 32))),
 		ino:      atomic.LoadUint64(ix.word64(off + 40)),
 		checksum: atomic.LoadUint32(ix.word32(off + 48)),
+		checked:  atomic.LoadUint32(ix.word32(off + 52)),
 		pubSeq:   atomic.LoadUint64(ix.word64(off + 56)),
 	}, used
 }
@@ -200,6 +216,7 @@ func (ix *index) write(off int, s slot, used bool) {
 	atomic.StoreUint64(ix.word64(off+32), uint64(s.mtime))
 	atomic.StoreUint64(ix.word64(off+40), s.ino)
 	atomic.StoreUint32(ix.word32(off+48), s.checksum)
+	atomic.StoreUint32(ix.word32(off+52), s.checked)
 	atomic.StoreUint64(ix.word64(off+56), s.pubSeq)
 	atomic.StoreUint32(seq, *seq+1)
 }
@@ -234,6 +251,19 @@ func (ix *index) put(s slot) (victim slot, evicted bool) {
 	return victim, true
 }
 
+// mark records in the slot holding id, if any, that its copy was found to match the source in
+// validation session (writer only). A later session is never replaced by an earlier one.
+func (ix *index) mark(id entryID, session uint32) {
+	first := ix.bucketOf(id.key) * indexWays
+	for i := first; i < first+indexWays; i++ {
+		off := slotOffset(i)
+		if cur, used := ix.read(off); used && cur.id == id && cur.checked < session {
+			cur.checked = session
+			ix.write(off, cur, true)
+		}
+	}
+}
+
 // remove clears the slot holding id, if any (writer only).
 func (ix *index) remove(id entryID) {
 	first := ix.bucketOf(id.key) * indexWays
@@ -265,7 +295,7 @@ func createIndex(dirfd int, budget int64) (*index, error) {
 		return nil, err
 	}
 	defer f.Close()
-	size := int64(indexHeaderSize) + int64(buckets)*indexWays*indexSlotSize
+	size := indexLen(buckets)
 	if err := f.Truncate(size); err != nil {
 		unix.Unlinkat(dirfd, tmp, 0)
 		return nil, err
@@ -322,7 +352,7 @@ func openIndex(dirfd int) (*index, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("%w: %w", errNoIndex, err)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size < indexHeaderSize {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size < indexSlots {
 		return nil, fmt.Errorf("%w: not a regular file of this user, or too short", errNoIndex)
 	}
 	m, err := mmap.Map(f, mmap.RDONLY, 0)
@@ -333,7 +363,7 @@ func openIndex(dirfd int) (*index, error) {
 	b := ix.buckets
 	if string(m[:8]) != indexMagic || *ix.word32(hdrVersion) != indexVersion || *ix.word32(hdrWays) != indexWays ||
 		*ix.word32(hdrSlotSize) != indexSlotSize || b == 0 || bits.OnesCount32(b) != 1 ||
-		int64(len(m)) != indexHeaderSize+int64(b)*indexWays*indexSlotSize {
+		int64(len(m)) != indexLen(b) {
 		m.Unmap()
 		return nil, fmt.Errorf("%w: bad header", errNoIndex)
 	}

@@ -76,10 +76,20 @@ func (d Dir) listed(id entryID) bool {
 	return ok
 }
 
-// lookup returns the size d's index gives for id, if it lists it.
+// lookup returns the size d's index gives for id, if it lists it with a copy d may serve
+// (checked in d's session or later, see Dir.WithSession).
 func (d Dir) lookup(id entryID) (int64, bool) {
-	if d.dir == nil {
+	s, ok := d.lookupSlot(id)
+	if !ok || s.checked < d.session {
 		return 0, false
+	}
+	return s.size, true
+}
+
+// lookupSlot returns d's index slot for id, if it lists it.
+func (d Dir) lookupSlot(id entryID) (slot, bool) {
+	if d.dir == nil {
+		return slot{}, false
 	}
 	var s slot
 	found := false
@@ -87,5 +97,5 @@ func (d Dir) lookup(id entryID) (int64, bool) {
 		s, found = d.view.lookup(dirfd, id)
 		return nil
 	})
-	return s.size, found
+	return s, found
 }

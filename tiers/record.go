@@ -16,8 +16,9 @@ import (
 // lives beside it, in two places:
 //
 //   - the record, a small file named recordPrefix + the data file's name in the same bin,
-//     holds the full entry: source path, size, modification time, data checksum, the inode
-//     of the data file it describes and the publication sequence number. A rescan reads the
+//     holds the full entry: source path, the identity of the source version it copies
+//     (size, modification and change times, inode number: see Identity), data checksum, the
+//     inode of the data file it describes and the publication sequence number. A rescan reads the
 //     records to restore usage and FIFO order, and to know which source a file holds.
 //   - the tier's index (index.go) repeats what a reader checks on every hit, in a table that
 //     readers map: no file is read besides the data.
@@ -32,6 +33,8 @@ import (
 //	group       [g]byte   Entry.Group
 //	size        uint64    length of the data
 //	mtime       int64     the source file's modification time, Unix nanoseconds
+//	ctime       int64     the source file's change time, Unix nanoseconds (0: unknown)
+//	srcIno      uint64    the source file's inode number (0: unknown)
 //	ino         uint64    inode number of the data file
 //	seq         uint64    publication sequence number of the tier (FIFO order)
 //	checksum    uint32    CRC-32C of the data
@@ -42,10 +45,10 @@ import (
 // is never taken for the new one.
 
 const (
-	recordVersion = 3
+	recordVersion = 4
 	recordMagic   = "FCRECORD"
 	// recordFixed is the size of a record without its path and group.
-	recordFixed = 8 + 4 + 4 + 4 + 8 + 8 + 8 + 8 + 4 + 4
+	recordFixed = 8 + 4 + 4 + 4 + 8 + 8 + 8 + 8 + 8 + 8 + 4 + 4
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -55,6 +58,14 @@ type Entry struct {
 	SourcePath string
 	Size       int64
 	MTimeNanos int64
+	// SourceCTimeNanos and SourceIno complete the identity of the source version the copy
+	// holds (see Identity); 0 where unknown (a replica's copy sent by another server).
+	SourceCTimeNanos int64
+	SourceIno        uint64
+	// Session is the validation session in which the source was read (see Tier.Validate):
+	// readers of that session and earlier ones serve the copy without asking the server.
+	// It is not recorded: a rescan marks every copy unchecked.
+	Session uint32
 	// Checksum is the CRC-32C (Castagnoli) of the data. Publish and PublishFrom compute it;
 	// a value the caller sets is ignored. A rescan with Config.Verify checks it.
 	Checksum uint32
@@ -66,6 +77,28 @@ type Entry struct {
 	// in place of the source (the preload shim) shows the source's mode. 0 means 0600. It is
 	// not recorded: a rescan keeps what the data file has.
 	Mode fs.FileMode
+}
+
+// Identity identifies one version of a source file: a cached copy is served only while its
+// source still has the identity the copy was made from (see Tier.Validate). The device is
+// left out on purpose: a parallel file system mounted anew may give another one.
+type Identity struct {
+	Size       int64
+	MTimeNanos int64
+	CTimeNanos int64 // 0 where unknown
+	Ino        uint64
+}
+
+// Identity returns the identity of the source version e copies.
+func (e Entry) Identity() Identity {
+	return Identity{Size: e.Size, MTimeNanos: e.MTimeNanos, CTimeNanos: e.SourceCTimeNanos, Ino: e.SourceIno}
+}
+
+// matches reports whether a copy made from version id may serve the source whose identity is
+// now cur. Fields the copy did not record (0: a replica's copy) are not compared.
+func (id Identity) matches(cur Identity) bool {
+	return id.Size == cur.Size && id.MTimeNanos == cur.MTimeNanos &&
+		(id.CTimeNanos == 0 || id.CTimeNanos == cur.CTimeNanos) && (id.Ino == 0 || id.Ino == cur.Ino)
 }
 
 // stored is an Entry as a tier recorded it.
@@ -93,6 +126,8 @@ func appendRecord(b []byte, s stored) []byte {
 	b = append(b, s.Group...)
 	b = le.AppendUint64(b, uint64(s.Size))
 	b = le.AppendUint64(b, uint64(s.MTimeNanos))
+	b = le.AppendUint64(b, uint64(s.SourceCTimeNanos))
+	b = le.AppendUint64(b, s.SourceIno)
 	b = le.AppendUint64(b, s.ino)
 	b = le.AppendUint64(b, s.seq)
 	b = le.AppendUint32(b, s.Checksum)
@@ -129,8 +164,9 @@ func parseRecord(b []byte) (stored, error) {
 	p := b[20+n+g:]
 	s := stored{
 		Entry: Entry{SourcePath: string(b[16 : 16+n]), Group: string(b[20+n : 20+n+g]), Size: int64(le.Uint64(p[0:8])),
-			MTimeNanos: int64(le.Uint64(p[8:16])), Checksum: le.Uint32(p[32:36])},
-		ino: le.Uint64(p[16:24]), seq: le.Uint64(p[24:32]),
+			MTimeNanos: int64(le.Uint64(p[8:16])), SourceCTimeNanos: int64(le.Uint64(p[16:24])),
+			SourceIno: le.Uint64(p[24:32]), Checksum: le.Uint32(p[48:52])},
+		ino: le.Uint64(p[32:40]), seq: le.Uint64(p[40:48]),
 	}
 	if s.Size < 0 {
 		return stored{}, fmt.Errorf("%w: negative size", errDamaged)

@@ -297,6 +297,46 @@ func (t *Tier) Forget(sourcePath string) {
 	t.remove(idOf(filepath.Clean(sourcePath)))
 }
 
+// Checked reports whether the tier lists sourcePath and, if it does, whether its copy was
+// found to match the source in validation session or a later one (see Validate). It asks
+// the index and maps nothing.
+func (t *Tier) Checked(sourcePath string, session uint32) (listed, checked bool) {
+	s, ok := t.Dir.lookupSlot(idOf(filepath.Clean(sourcePath)))
+	return ok, ok && s.checked >= session
+}
+
+// Validate compares the identity of the source version the copy of sourcePath holds with
+// current, the source's identity now. When they match, the copy is marked checked in
+// session (readers of that session, and of earlier ones, then serve it without asking) and
+// Validate returns true. When they differ the copy is stale: it is removed, and Validate
+// returns false. A tier without a copy returns false.
+//
+// Sessions are numbered by the server (see core.Engine.BeginSession); a mark never moves
+// back to an earlier session.
+func (t *Tier) Validate(sourcePath string, current Identity, session uint32) bool {
+	id := idOf(filepath.Clean(sourcePath))
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.shut {
+		return false
+	}
+	el, ok := t.fifo.byID[id]
+	if !ok {
+		return false
+	}
+	rec := el.Value.(*record)
+	if !rec.source.matches(current) {
+		t.fifo.remove(id)
+		t.ix.remove(id)
+		t.used -= rec.size
+		t.unlink(rec.rel, rec.ino)
+		t.removed()
+		return false
+	}
+	t.ix.mark(id, session)
+	return true
+}
+
 // FullFor reports whether the tier has no room for another file of group: less than two
 // blocks are free and every file it holds is of group, which MakeRoom never evicts for it. A
 // tier whose room is all taken by files being written is not full: they may fail.
@@ -354,11 +394,13 @@ func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 			t.mu.Unlock()
 			return fmt.Errorf("%w: %s in flight or of the dataset being read", ErrNoRoom, FormatBytes(t.used))
 		}
+		s, _ := t.ix.lookup(rec.id)
 		t.ix.remove(rec.id) // readers stop finding it before it goes
 		t.mu.Unlock()
 
 		if spill != nil {
 			if m, err := t.openRecord(rec.rel); err == nil {
+				m.Entry.Session = s.checked // a copy moved keeps its last check
 				// The slower tier records a new checksum of what it is given: check the
 				// old one first, so that damage is dropped rather than made valid.
 				if err := verifyData(m.Bytes(), m.Entry); err == nil {
@@ -538,7 +580,7 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 	if old, ok := t.fifo.remove(id); ok { // replaced an older copy of the same file
 		t.used -= old.size
 	}
-	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino})
+	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino, source: e.Identity()})
 	t.index(s, id)
 	return nil
 }
@@ -547,7 +589,7 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 // bucket's oldest entry is evicted to make way.
 func (t *Tier) index(s stored, id entryID) {
 	victim, evicted := t.ix.put(slot{id: id, size: s.Size, mtime: s.MTimeNanos, ino: s.ino,
-		checksum: s.Checksum, pubSeq: s.seq})
+		checksum: s.Checksum, checked: s.Session, pubSeq: s.seq})
 	if !evicted {
 		return
 	}
@@ -681,7 +723,8 @@ func (t *Tier) rescan() error {
 	t.mu.Lock()
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
-		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino})
+		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
+			source: f.Identity()})
 		t.used += f.size
 		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)

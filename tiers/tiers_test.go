@@ -83,7 +83,8 @@ func FuzzRelPath(f *testing.F) {
 }
 
 func TestRecordRoundTripAndDamage(t *testing.T) {
-	want := stored{Entry: Entry{SourcePath: "/data/x.bin", Size: 5, MTimeNanos: 42, Checksum: 7}, ino: 99, seq: 3}
+	want := stored{Entry: Entry{SourcePath: "/data/x.bin", Size: 5, MTimeNanos: 42, SourceCTimeNanos: 43, SourceIno: 44,
+		Checksum: 7}, ino: 99, seq: 3}
 	rec := appendRecord(nil, want)
 	got, err := parseRecord(rec)
 	if err != nil {

@@ -1,0 +1,207 @@
+package core
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// rewrite replaces the bytes of path in place (same inode) and gives it mtime.
+func rewrite(t *testing.T, path string, data []byte, mtime time.Time) {
+	t.Helper()
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(path, mtime, mtime); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A source file changed between two jobs is read anew by the second: each way a file can
+// change (new size, same size with a new mtime, same size and mtime with a new ctime,
+// replaced by a rename, removed) is found by the check of the new job's session, once per
+// file; within one session the copy is served without asking the source again.
+func TestChangedSourceIsNotServedToANewSession(t *testing.T) {
+	old := time.Date(2025, 3, 1, 12, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name   string
+		change func(t *testing.T, path string)
+		want   string // bytes read after the change; "" for ENOENT
+	}{
+		{"size", func(t *testing.T, p string) { rewrite(t, p, []byte("version two"), old) }, "version two"},
+		{"mtime", func(t *testing.T, p string) { rewrite(t, p, []byte("v2"), old.Add(time.Second)) }, "v2"},
+		{"ctime only", func(t *testing.T, p string) {
+			time.Sleep(10 * time.Millisecond) // ctime ticks with the kernel's clock
+			rewrite(t, p, []byte("v2"), old)  // same size, mtime set back: only ctime differs
+		}, "v2"},
+		{"renamed over", func(t *testing.T, p string) {
+			tmp := p + ".tmp"
+			rewrite(t, tmp, []byte("v2"), old)
+			if err := os.Rename(tmp, p); err != nil {
+				t.Fatal(err)
+			}
+		}, "v2"},
+		{"removed", func(t *testing.T, p string) { os.Remove(p) }, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEngine(t, "1MiB")
+			root := t.TempDir()
+			path := filepath.Join(root, "f.bin")
+			rewrite(t, path, []byte("v1"), old)
+			s1 := e.BeginSession("job-1")
+			if _, got := readAll(t, e, root, path); string(got) != "v1" {
+				t.Fatalf("first read: %q", got)
+			}
+			tc.change(t, path)
+			// The same job does not look at the source again: a change during a job is
+			// not seen (README, Limits).
+			if _, got := readAll(t, e, root, path); string(got) != "v1" {
+				t.Errorf("same session after the change: %q, want the cached v1 (no check per read)", got)
+			}
+			if s := e.BeginSession("job-1"); s != s1 {
+				t.Errorf("the same job got session %d, then %d", s1, s)
+			}
+			checks := e.Stats().SourceChecks
+			if s2 := e.BeginSession("job-2"); s2 <= s1 {
+				t.Fatalf("a new job got session %d after %d", s2, s1)
+			}
+			res, err := e.Read(context.Background(), root, path, false)
+			if tc.want == "" {
+				if !errors.Is(err, fs.ErrNotExist) {
+					t.Errorf("new session, source removed: got %v, want ENOENT", err)
+				}
+			} else if err != nil {
+				t.Fatalf("new session: %v", err)
+			} else {
+				if got := string(res.Bytes()); got != tc.want {
+					t.Errorf("new session: got %q, want %q", got, tc.want)
+				}
+				res.Release()
+			}
+			s := e.Stats()
+			if s.SourceChecks != checks+1 || s.StaleCopies != 1 {
+				t.Errorf("source checks %d -> %d, stale copies %d; want one check that found the copy stale",
+					checks, s.SourceChecks, s.StaleCopies)
+			}
+		})
+	}
+}
+
+// An unchanged copy is checked once per session, then served as a hit.
+func TestUnchangedCopyIsCheckedOncePerSession(t *testing.T) {
+	e := newEngine(t, "1MiB")
+	root, paths := dataset(t, 100, 200)
+	for _, p := range paths {
+		readAll(t, e, root, p)
+	}
+	e.BeginSession("next-job")
+	for range 3 {
+		for _, p := range paths {
+			origin, got := readAll(t, e, root, p)
+			wantBytes(t, p, got)
+			if origin != "memory" {
+				t.Errorf("%s served from %q, want the memory tier", p, origin)
+			}
+		}
+	}
+	s := e.Stats()
+	if s.SourceChecks != int64(len(paths)) || s.StaleCopies != 0 || s.SourceReads != int64(len(paths)) {
+		t.Errorf("checks %d, stale %d, source reads %d; want %d checks, none stale, each file read once",
+			s.SourceChecks, s.StaleCopies, s.SourceReads, len(paths))
+	}
+}
+
+// A restarted server checks the copies its tiers kept before serving them: a file rewritten
+// while no server ran is read anew.
+func TestRestartedEngineChecksKeptCopies(t *testing.T) {
+	cfgs := testTiers(t, "1MiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "f.bin")
+	rewrite(t, path, []byte("v1"), time.Date(2025, 3, 1, 0, 0, 0, 0, time.UTC))
+	e, err := NewEngine(EngineConfig{Tiers: cfgs}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, e, root, path)
+	e.Close()
+	rewrite(t, path, []byte("v2"), time.Date(2025, 3, 2, 0, 0, 0, 0, time.UTC))
+	e, err = NewEngine(EngineConfig{Tiers: cfgs}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if _, got := readAll(t, e, root, path); string(got) != "v2" {
+		t.Errorf("after a restart: got %q, want v2", got)
+	}
+}
+
+// Fetch (the node socket's miss path) and OpenForReader check too.
+func TestFetchAndOpenForReaderCheckTheSource(t *testing.T) {
+	e := newEngine(t, "1MiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "f.bin")
+	rewrite(t, path, []byte("v1"), time.Date(2025, 3, 1, 0, 0, 0, 0, time.UTC))
+	ctx := context.Background()
+	if err := e.Fetch(ctx, root, path); err != nil {
+		t.Fatal(err)
+	}
+	rewrite(t, path, []byte("v2!"), time.Date(2025, 3, 2, 0, 0, 0, 0, time.UTC))
+	e.BeginSession("other")
+	f, _, err := e.OpenForReader(ctx, root, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got := make([]byte, 16)
+	n, _ := f.ReadAt(got, 0)
+	if string(got[:n]) != "v2!" {
+		t.Errorf("OpenForReader after the change: %q, want v2!", got[:n])
+	}
+}
+
+// Prefetch checks a job's copies ahead of its readers: after the job of a new session has
+// walked the list, every copy is checked, the changed one was read anew, and readers of the
+// session find them all checked.
+func TestPrefetchChecksCopiesAheadOfReaders(t *testing.T) {
+	e := prefetchEngine(t, 4, nil, "1MiB")
+	root, paths := dataset(t, 10, 20, 30, 40)
+	for _, p := range paths {
+		readAll(t, e, root, p)
+	}
+	rewrite(t, paths[2], []byte("changed"), time.Date(2025, 3, 1, 0, 0, 0, 0, time.UTC))
+	s := e.BeginSession("job-2")
+	if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "w1", Paths: paths, Session: s}); err != nil {
+		t.Fatal(err)
+	}
+	info := waitPrefetch(t, e, root, "w1")
+	if info.Fetched != 1 || info.SkippedCached != 3 {
+		t.Errorf("prefetch fetched %d, skipped %d cached; want the changed file fetched, 3 skipped", info.Fetched, info.SkippedCached)
+	}
+	for _, p := range paths {
+		for _, tier := range e.tiers {
+			if listed, checked := tier.Checked(p, s); !listed || !checked {
+				t.Errorf("%s after prefetch: listed %v, checked in session %d %v", p, listed, s, checked)
+			}
+		}
+	}
+	if _, got := readAll(t, e, root, paths[2]); string(got) != "changed" {
+		t.Errorf("changed file: got %q", got)
+	}
+	// A later session's list does not join the earlier session's job: it checks again.
+	s3 := e.BeginSession("job-3")
+	info3, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "w2", Paths: paths, Session: s3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info3.Joined {
+		t.Error("a list of a later session joined the earlier session's job")
+	}
+	waitPrefetch(t, e, root, "w2")
+	if got := e.Stats().SourceChecks; got != 8 {
+		t.Errorf("source checks %d, want 4 per session", got)
+	}
+}
