@@ -29,6 +29,8 @@ package client
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -150,6 +152,9 @@ func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.Job == "" {
+		cfg.Job = NewJobID() // a job of its own: its copies are checked once for it
+	}
 	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log,
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	c.pending.byTier = make(map[string]int64)
@@ -163,6 +168,16 @@ func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 	go c.reportLoop()
 	return c, nil
 }
+
+// NewJobID returns a new random job id (see config.Config.Job).
+func NewJobID() string {
+	var b [12]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Job returns the id of the client's job (config.Config.Job, or the one Open made up).
+func (c *Client) Job() string { return c.cfg.Job }
 
 // Root returns the dataset root.
 func (c *Client) Root() string { return c.root }
@@ -285,7 +300,7 @@ func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Tim
 // asked for again, as bytes.
 func (c *Client) replyBuffer(ctx context.Context, server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string) (Buffer, error) {
 	if reply.CachedPath != "" {
-		if m, err := tiers.Probe(dirs, path); err == nil {
+		if m, err := tiers.Probe(anySession(dirs), path); err == nil {
 			return m, nil
 		}
 		var err error

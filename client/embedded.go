@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"math"
 	"time"
 
 	"github.com/fitcache/fitcache/core"
@@ -26,9 +27,10 @@ const (
 
 // serverConn is a connection to the embedded server and what it told about itself.
 type serverConn struct {
-	rpc  *rpc.Client
-	dirs []tiers.Dir       // the server's tier directories, fastest first
-	gen  *tiers.Generation // the server's removal counter, or nil
+	rpc     *rpc.Client
+	dirs    []tiers.Dir       // the server's tier directories, fastest first, for our session
+	gen     *tiers.Generation // the server's removal counter, or nil
+	session uint32            // our job's validation session at the server (see tiers.Dir.WithSession)
 }
 
 // tierView returns the tier directories and removal counter of the last server that
@@ -139,7 +141,7 @@ func (c *Client) dial() (*serverConn, error) {
 	if err := embedded.CheckSocket(c.cfg.RuntimeDir); err != nil {
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
-	server, err := rpc.Dial(embedded.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{ReadTimeout: c.cfg.ReadTimeout,
+	server, err := rpc.Dial(embedded.SocketPath(c.cfg.RuntimeDir), rpc.ClientConfig{Job: c.cfg.Job, ReadTimeout: c.cfg.ReadTimeout,
 		CallTimeout: min(2*time.Second, c.cfg.ReadTimeout)})
 	if err != nil {
 		return nil, err
@@ -154,7 +156,8 @@ func (c *Client) dial() (*serverConn, error) {
 		server.Close()
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
-	conn := &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, c.log)}
+	session := sessionOf(hello)
+	conn := &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session}
 	if hello.GenerationFile != "" {
 		if conn.gen, err = tiers.OpenGeneration(hello.GenerationFile); err != nil {
 			c.log.Warn("cannot watch the server's removals; not keeping mappings", "err", err)
@@ -163,10 +166,18 @@ func (c *Client) dial() (*serverConn, error) {
 	return conn, nil
 }
 
+// sessionOf returns the validation session a Hello reply gives the caller's job.
+func sessionOf(hello *fitcachepb.HelloReply) uint32 {
+	if hello.Session < 0 || hello.Session > math.MaxUint32 {
+		return math.MaxUint32 // no copy is served without asking: safe, if slow
+	}
+	return uint32(hello.Session)
+}
+
 // tierDirs opens the tiers of a Hello reply as directories to read (held open and checked
-// once, see tiers.OpenDir), skipping with a log line a tier of an unknown kind or one that
-// cannot be used. Close them with closeDirs.
-func tierDirs(infos []*fitcachepb.TierInfo, log *slog.Logger) []tiers.Dir {
+// once, see tiers.OpenDir) for a reader of validation session, skipping with a log line a
+// tier of an unknown kind or one that cannot be used. Close them with closeDirs.
+func tierDirs(infos []*fitcachepb.TierInfo, session uint32, log *slog.Logger) []tiers.Dir {
 	var dirs []tiers.Dir
 	for _, t := range infos {
 		kind, err := tiers.ParseKind(t.Kind)
@@ -178,9 +189,20 @@ func tierDirs(infos []*fitcachepb.TierInfo, log *slog.Logger) []tiers.Dir {
 			log.Warn("ignoring a tier of the server", "dir", t.Dir, "err", err)
 			continue
 		}
-		dirs = append(dirs, d)
+		dirs = append(dirs, d.WithSession(session))
 	}
 	return dirs
+}
+
+// anySession returns dirs for reading a copy that a server has just said it holds: it checked
+// the copy against its source before it said so, so the copy's mark need not be our
+// session's (a restarted server numbers its sessions anew).
+func anySession(dirs []tiers.Dir) []tiers.Dir {
+	out := make([]tiers.Dir, len(dirs))
+	for i, d := range dirs {
+		out[i] = d.WithSession(0)
+	}
+	return out
 }
 
 // closeDirs closes directories from tierDirs; readers still using them get misses.

@@ -101,7 +101,7 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 			c.replicate(rest, path, res.Bytes(), res.MTimeNanos)
 		}
 		res.Release()
-		if f, _, err := openTier(dirs, path); err == nil {
+		if f, _, err := openTier(anySession(dirs), path); err == nil { // the engine checked it
 			return f, core.OriginTier, nil
 		}
 		return own.engine.OpenForReader(ctx, c.root, path) // evicted meanwhile, or not in a tier
@@ -121,13 +121,14 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 	}
 	data := reply.Data
 	if reply.CachedPath != "" { // a server on this node cached it: hand out its tier file
+		checked := anySession(dirs) // the server checked the copy before it answered
 		if reply.Origin == "source" && len(rest) > 0 {
-			if m, err := tiers.Probe(dirs, path); err == nil {
+			if m, err := tiers.Probe(checked, path); err == nil {
 				c.replicate(rest, path, m.Bytes(), reply.MtimeNanos)
 				m.Release()
 			}
 		}
-		if f, _, err := openTier(dirs, path); err == nil {
+		if f, _, err := openTier(checked, path); err == nil {
 			return f, core.OriginTier, nil
 		}
 		// Evicted between the reply and the open: ask for the bytes.

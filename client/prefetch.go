@@ -121,29 +121,35 @@ func (c *Client) Prefetch(paths []string) error {
 	if len(abs) == 0 {
 		return nil
 	}
-	groups := map[*rpc.Client][]string{}
+	type target struct {
+		server  *rpc.Client
+		session uint32 // our job's validation session at the server
+	}
+	groups := map[target][]string{}
 	if c.cluster != nil {
 		for p, owned := range c.cluster.owners(abs) {
-			groups[p.rpc] = owned
+			p.mu.Lock()
+			groups[target{p.rpc, p.session}] = owned
+			p.mu.Unlock()
 		}
 	} else {
 		conn, err := c.ensureConn(nil, c.cfg.ReadTimeout)
 		if err != nil {
 			return fmt.Errorf("prefetch: %w", err)
 		}
-		groups[conn.rpc] = abs
+		groups[target{conn.rpc, conn.session}] = abs
 	}
 	owner := c.pf.ownerID()
 	var mu sync.Mutex // protects errs
 	var errs []error
 	var wg sync.WaitGroup
-	for server, list := range groups {
+	for to, list := range groups {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := c.sendPrefetch(server, owner, list); err != nil {
+			if err := c.sendPrefetch(to.server, to.session, owner, list); err != nil {
 				mu.Lock()
-				errs = append(errs, fmt.Errorf("prefetch on %s: %w", server.Addr(), err))
+				errs = append(errs, fmt.Errorf("prefetch on %s: %w", to.server.Addr(), err))
 				mu.Unlock()
 			}
 		}()
@@ -154,11 +160,12 @@ func (c *Client) Prefetch(paths []string) error {
 
 // sendPrefetch sends one server its list, chunk by chunk, unless the server holds it already:
 // a probe with the list's id comes first, so that the fresh DataLoader workers of every
-// epoch join the list in one small call instead of sending its first chunk each.
-func (c *Client) sendPrefetch(server *rpc.Client, owner string, paths []string) error {
+// epoch join the list in one small call instead of sending its first chunk each. The job is
+// one of our validation session at the server (see core.PrefetchRequest.Session).
+func (c *Client) sendPrefetch(server *rpc.Client, session uint32, owner string, paths []string) error {
 	id := core.ListDigest(paths)
 	info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
-		Total: len(paths)})
+		Total: len(paths), Session: session})
 	if err != nil {
 		return err
 	}
@@ -173,7 +180,7 @@ func (c *Client) sendPrefetch(server *rpc.Client, owner string, paths []string) 
 			end++
 		}
 		info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
-			Offset: off, Total: len(paths), Paths: paths[off:end]})
+			Offset: off, Total: len(paths), Paths: paths[off:end], Session: session})
 		if err != nil {
 			return err
 		}

@@ -92,12 +92,14 @@ func TestPrefetchThenReadsHit(t *testing.T) {
 	}
 }
 
-// A list longer than a chunk arrives whole; a second client with the same list shares the
-// job after its first chunk.
+// A list longer than a chunk arrives whole; a second client of the same job (a DataLoader
+// worker) with the same list shares the job after its first chunk. A client of another job
+// gets a job of its own, which checks the copies for its session and reads nothing again.
 func TestPrefetchChunksAndSharedList(t *testing.T) {
 	defer func(n int) { prefetchChunkPaths = n }(prefetchChunkPaths)
 	prefetchChunkPaths = 3
 	cfg, e := startPrefetchServer(t)
+	cfg.Job = "one-training-run"
 	root, names := files(t, 10)
 	var clients []*Client
 	for range 2 {
@@ -118,6 +120,22 @@ func TestPrefetchChunksAndSharedList(t *testing.T) {
 	}
 	if s := e.Stats(); s.Prefetch.Jobs != 1 || s.SourceReads != int64(len(names)) {
 		t.Errorf("server: %d jobs, %d source reads; want 1 shared job and %d reads", s.Prefetch.Jobs, s.SourceReads, len(names))
+	}
+	cfg.Job = "the-next-run"
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.Prefetch(names); err != nil {
+		t.Fatal(err)
+	}
+	if info := waitPrefetched(t, c); info.State != core.PrefetchDone || info.SkippedCached != len(names) {
+		t.Errorf("next run: %+v, want done with every file cached already", info)
+	}
+	if s := e.Stats(); s.Prefetch.Jobs != 2 || s.SourceReads != int64(len(names)) || s.SourceChecks != int64(len(names)) {
+		t.Errorf("after the next run: %d jobs, %d source reads, %d source checks; want 2 jobs, %d reads and %d checks",
+			s.Prefetch.Jobs, s.SourceReads, s.SourceChecks, len(names), len(names))
 	}
 }
 

@@ -35,9 +35,10 @@ type peer struct {
 	// news is the membership gossip with this server (see package gossip); it locks itself.
 	news gossip.Outbox
 
-	mu          sync.Mutex // protects dirs, gen, nodeSocket, failedCalls and dead
+	mu          sync.Mutex // protects dirs, gen, session, nodeSocket, failedCalls and dead
 	dirs        []tiers.Dir
 	gen         *tiers.Generation
+	session     uint32 // our job's validation session there, as its last hello said
 	nodeSocket  string // its node socket, as its last hello said (local servers only)
 	failedCalls int    // consecutive calls that got no answer (timeouts and refusals alike)
 	dead        bool
@@ -91,7 +92,7 @@ func newClusterRouter(cfg config.Config, log *slog.Logger) (*clusterRouter, erro
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	r.ring.Add(members...)
 	for _, m := range members {
-		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, ConnectTimeout: cfg.RPCTimeout,
+		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, Job: cfg.Job, ConnectTimeout: cfg.RPCTimeout,
 			CallTimeout: cfg.RPCTimeout, ReadTimeout: cfg.RPCTimeout})
 		if err != nil {
 			return nil, err
@@ -153,12 +154,14 @@ func (r *clusterRouter) hello(p *peer) error {
 	if err != nil {
 		return err
 	}
+	session := sessionOf(reply)
 	var dirs []tiers.Dir
 	if p.local {
-		dirs = tierDirs(reply.Tiers, r.log)
+		dirs = tierDirs(reply.Tiers, session, r.log)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.session = session
 	if p.local {
 		closeDirs(p.dirs) // of an earlier hello; readers still using them get misses
 		p.dirs = dirs

@@ -51,6 +51,12 @@ type Config struct {
 	ReadTimeout time.Duration
 	// StartTimeout bounds how long a client waits for the embedded server it started.
 	StartTimeout time.Duration
+	// Job identifies the caller's job (a training run): the clients of one job share one
+	// validation session at each server, in which every cached copy is checked against its
+	// source once (see core.Engine.BeginSession). Empty: each client is a job of its own.
+	// FitCacheDataset gives its workers one id; `fitcache run` gives its program one in
+	// FITCACHE_JOB.
+	Job string
 	// Prefetch is how many source reads a server's prefetch runs at once (see
 	// core.DefaultPrefetch); 0 turns prefetch off. Servers take it from their options; a
 	// client passes it to the embedded server it starts.
@@ -93,7 +99,7 @@ const (
 // configKeys lists the option names, each also read from FITCACHE_<NAME in upper case>.
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
-	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch"}
+	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch", "job"}
 
 // Load resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -115,7 +121,7 @@ func Load(options map[string]string) (Config, error) {
 	}
 	cfg := Config{Tiers: get("tiers"), RuntimeDir: get("runtime_dir"), ServerBin: get("server_bin"),
 		Servers: get("servers"), Token: get("token"), TokenFile: get("token_file"), Policy: get("policy"),
-		Node: get("node")}
+		Node: get("node"), Job: get("job")}
 	if cfg.Policy == "" {
 		cfg.Policy = PolicyRecache
 	}

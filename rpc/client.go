@@ -23,7 +23,10 @@ import (
 type ClientConfig struct {
 	// Token of the job. When set, every new connection starts with the authentication
 	// preamble (the server must have the same token) and every request carries it.
-	Token          string
+	Token string
+	// Job identifies the caller's job (a training run) in Hello: the job's clients share one
+	// validation session at each server (see core.Engine.BeginSession).
+	Job            string
 	ConnectTimeout time.Duration // 1s: also bounds the preamble exchange
 	CallTimeout    time.Duration // 2s: deadline of Hello, ReportHits and Stats
 	ReadTimeout    time.Duration // 60s: deadline of Read, which may read a large source file
@@ -145,7 +148,7 @@ func (c *Client) failed(err error) error {
 func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 	var r *fitcachepb.HelloReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Token: c.cfg.Token}, c.target())
+		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Token: c.cfg.Token, Job: c.cfg.Job}, c.target())
 		return err
 	})
 	if err != nil {

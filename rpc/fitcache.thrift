@@ -25,6 +25,10 @@ struct TierInfo {
 
 struct HelloRequest {
   1: string token
+  // The caller's job (a training run): its clients share one validation session, in which
+  // each cached copy is checked against its source once (see core.Engine.BeginSession).
+  // Empty: the server's current session, beginning none.
+  2: string job
 }
 
 struct HelloReply {
@@ -41,6 +45,9 @@ struct HelloReply {
   7: string node_socket
   // Why it failed, when errno alone does not say (see Reason).
   8: Reason reason
+  // The caller's validation session: a cached copy whose index slot records an earlier
+  // check is not served from the tiers without asking the server (see tiers.Dir.WithSession).
+  9: i64 session
 }
 
 struct ReadRequest {
@@ -142,6 +149,9 @@ struct PrefetchRequest {
   6: i64 total
   // Files to read (absolute, cleaned, inside root).
   7: list<string> paths
+  // The caller's validation session (HelloReply.session): a list joins only a job of this
+  // session or a later one, which checks the cached copies ahead of the readers.
+  8: i64 session
 }
 
 struct PrefetchReply {

@@ -2,6 +2,7 @@ package rpc
 
 import (
 	"context"
+	"math"
 
 	"github.com/cloudwego/kitex/client"
 	"github.com/cloudwego/kitex/client/callopt"
@@ -21,7 +22,7 @@ func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchReque
 // reports its progress (see core.Engine.Prefetch).
 func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (*fitcachepb.PrefetchReply, error) {
 	info, err := h.engine.Prefetch(core.PrefetchRequest{Root: req.Root, Owner: req.Owner, ListID: req.ListId,
-		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths})
+		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths, Session: sessionOf(req.Session)})
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg, Reason: reason}, nil
@@ -32,6 +33,15 @@ func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest)
 		Bytes: info.Bytes, Owners: int64(info.Owners), Errors: info.Errors}, nil
 }
 
+// sessionOf converts a session number from the wire, where it is an i64; a number outside
+// the engine's range joins any job (0).
+func sessionOf(n int64) uint32 {
+	if n < 0 || n > math.MaxUint32 {
+		return 0
+	}
+	return uint32(n)
+}
+
 // Prefetch sends a prefetch request (a chunk of a list, or a renewal without paths; the
 // token is added) and returns the job's state and progress.
 func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.PrefetchInfo, error) {
@@ -40,7 +50,8 @@ func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.P
 	var r *fitcachepb.PrefetchReply
 	err := c.call(func() (err error) {
 		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Token: c.cfg.Token, Root: req.Root, Owner: req.Owner,
-			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths},
+			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths,
+			Session: int64(req.Session)},
 			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
 		return err
 	})

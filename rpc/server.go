@@ -232,10 +232,11 @@ func errnoOf(err error) (int32, string, fitcachepb.Reason) {
 }
 
 // Hello describes the server: its id, pid, tier directories (fastest first), removal
-// counter and node socket.
+// counter and node socket, and the validation session of the caller's job (begun now if the
+// job has none).
 func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fitcachepb.HelloReply, error) {
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
-		NodeSocket: h.cfg.NodeSocket}
+		NodeSocket: h.cfg.NodeSocket, Session: int64(h.engine.BeginSession(req.Job))}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})
 	}

@@ -116,6 +116,7 @@ var fieldIDToName_TierInfo = map[int16]string{
 
 type HelloRequest struct {
 	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Job   string `thrift:"job,2" frugal:"2,default,string" json:"job"`
 }
 
 func NewHelloRequest() *HelloRequest {
@@ -128,8 +129,15 @@ func (p *HelloRequest) InitDefault() {
 func (p *HelloRequest) GetToken() (v string) {
 	return p.Token
 }
+
+func (p *HelloRequest) GetJob() (v string) {
+	return p.Job
+}
 func (p *HelloRequest) SetToken(val string) {
 	p.Token = val
+}
+func (p *HelloRequest) SetJob(val string) {
+	p.Job = val
 }
 
 func (p *HelloRequest) String() string {
@@ -141,6 +149,7 @@ func (p *HelloRequest) String() string {
 
 var fieldIDToName_HelloRequest = map[int16]string{
 	1: "token",
+	2: "job",
 }
 
 type HelloReply struct {
@@ -152,6 +161,7 @@ type HelloReply struct {
 	GenerationFile string      `thrift:"generation_file,6" frugal:"6,default,string" json:"generation_file"`
 	NodeSocket     string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
 	Reason         Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
+	Session        int64       `thrift:"session,9" frugal:"9,default,i64" json:"session"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -192,6 +202,10 @@ func (p *HelloReply) GetNodeSocket() (v string) {
 func (p *HelloReply) GetReason() (v Reason) {
 	return p.Reason
 }
+
+func (p *HelloReply) GetSession() (v int64) {
+	return p.Session
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -216,6 +230,9 @@ func (p *HelloReply) SetNodeSocket(val string) {
 func (p *HelloReply) SetReason(val Reason) {
 	p.Reason = val
 }
+func (p *HelloReply) SetSession(val int64) {
+	p.Session = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -233,6 +250,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	6: "generation_file",
 	7: "node_socket",
 	8: "reason",
+	9: "session",
 }
 
 type ReadRequest struct {
@@ -720,13 +738,14 @@ var fieldIDToName_StatsReply = map[int16]string{
 }
 
 type PrefetchRequest struct {
-	Token  string   `thrift:"token,1" frugal:"1,default,string" json:"token"`
-	Root   string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
-	Owner  string   `thrift:"owner,3" frugal:"3,default,string" json:"owner"`
-	ListId string   `thrift:"list_id,4" frugal:"4,default,string" json:"list_id"`
-	Offset int64    `thrift:"offset,5" frugal:"5,default,i64" json:"offset"`
-	Total  int64    `thrift:"total,6" frugal:"6,default,i64" json:"total"`
-	Paths  []string `thrift:"paths,7" frugal:"7,default,list<string>" json:"paths"`
+	Token   string   `thrift:"token,1" frugal:"1,default,string" json:"token"`
+	Root    string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Owner   string   `thrift:"owner,3" frugal:"3,default,string" json:"owner"`
+	ListId  string   `thrift:"list_id,4" frugal:"4,default,string" json:"list_id"`
+	Offset  int64    `thrift:"offset,5" frugal:"5,default,i64" json:"offset"`
+	Total   int64    `thrift:"total,6" frugal:"6,default,i64" json:"total"`
+	Paths   []string `thrift:"paths,7" frugal:"7,default,list<string>" json:"paths"`
+	Session int64    `thrift:"session,8" frugal:"8,default,i64" json:"session"`
 }
 
 func NewPrefetchRequest() *PrefetchRequest {
@@ -763,6 +782,10 @@ func (p *PrefetchRequest) GetTotal() (v int64) {
 func (p *PrefetchRequest) GetPaths() (v []string) {
 	return p.Paths
 }
+
+func (p *PrefetchRequest) GetSession() (v int64) {
+	return p.Session
+}
 func (p *PrefetchRequest) SetToken(val string) {
 	p.Token = val
 }
@@ -784,6 +807,9 @@ func (p *PrefetchRequest) SetTotal(val int64) {
 func (p *PrefetchRequest) SetPaths(val []string) {
 	p.Paths = val
 }
+func (p *PrefetchRequest) SetSession(val int64) {
+	p.Session = val
+}
 
 func (p *PrefetchRequest) String() string {
 	if p == nil {
@@ -800,6 +826,7 @@ var fieldIDToName_PrefetchRequest = map[int16]string{
 	5: "offset",
 	6: "total",
 	7: "paths",
+	8: "session",
 }
 
 type PrefetchReply struct {
