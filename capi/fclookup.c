@@ -18,17 +18,17 @@
 // Index layout (tiers/index.go).
 #define INDEX_NAME "fitcache.index"
 #define INDEX_MAGIC "FCINDEX\x01"
-#define INDEX_VERSION 2
+#define INDEX_VERSION 3
 #define INDEX_WAYS 8
 #define INDEX_SLOT 64
-#define INDEX_HEADER 4096
+#define INDEX_PAGE 4096     // the header page (read-only here), then the counter page
+#define INDEX_SLOTS 8192    // offset of the first slot
 #define HDR_VERSION 8
 #define HDR_WAYS 12
 #define HDR_BUCKETS 16
 #define HDR_SLOT_SIZE 20
 #define HDR_RETIRED 24
-#define HDR_HITS 64
-#define HDR_HIT_BYTES 72
+#define COUNTERS 4096       // hits, then hit bytes (uint64 each), on a page of their own
 
 // A missing or unusable index is sought again after this long.
 #define INDEX_RETRY_NS 1000000000LL
@@ -144,17 +144,18 @@ static int rel_path(const char *path, size_t len, uint64_t key, char *rel, size_
 static uint32_t rd32(const uint8_t *p) { return __atomic_load_n((const uint32_t *)p, __ATOMIC_RELAXED); }
 static uint64_t rd64(const uint8_t *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_RELAXED); }
 
-static size_t index_len(uint32_t buckets) { return INDEX_HEADER + (size_t)buckets * INDEX_WAYS * INDEX_SLOT; }
+static size_t index_len(uint32_t buckets) { return INDEX_SLOTS + (size_t)buckets * INDEX_WAYS * INDEX_SLOT; }
 
-// map_index maps the tier's index read-only (and its header writable, for the hit counters)
-// after checking that it is a regular file of this user whose header matches its size.
-static int map_index(int dirfd, const uint8_t **index, uint64_t **counters) {
+// map_index maps the tier's index into *ix: all of it read-only, and its counter page
+// writable, after checking that it is a regular file of this user whose header matches its
+// size. The geometry is read once, here: lookups use ix->buckets, never the header.
+static int map_index(int dirfd, struct fc_index *ix) {
 	int fd = sys_openat(dirfd, INDEX_NAME, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
 	struct stat st;
 	uint8_t hdr[32];
-	int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_HEADER &&
+	int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_SLOTS &&
 	         pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
 	uint32_t buckets = 0;
 	if (ok) {
@@ -167,66 +168,72 @@ static int map_index(int dirfd, const uint8_t **index, uint64_t **counters) {
 		     slot == INDEX_SLOT && buckets != 0 && (buckets & (buckets - 1)) == 0 &&
 		     (size_t)st.st_size == index_len(buckets);
 	}
-	void *m = MAP_FAILED, *h = MAP_FAILED;
+	void *m = MAP_FAILED, *c = MAP_FAILED;
 	if (ok)
 		m = mmap(NULL, index_len(buckets), PROT_READ, MAP_SHARED, fd, 0);
 	if (m != MAP_FAILED)
-		h = mmap(NULL, INDEX_HEADER, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		c = mmap(NULL, INDEX_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, COUNTERS);
 	close(fd);
-	if (h == MAP_FAILED) {
+	if (c == MAP_FAILED) {
 		if (m != MAP_FAILED)
 			munmap(m, index_len(buckets));
 		return -1;
 	}
-	*index = m;
-	*counters = (uint64_t *)((uint8_t *)h + HDR_HITS);
+	ix->base = m;
+	ix->len = index_len(buckets);
+	ix->buckets = buckets;
+	ix->counters = c;
 	return 0;
 }
 
-static size_t mapped_len(const uint8_t *index) { return index_len(rd32(index + HDR_BUCKETS)); }
+static void unmap_index(struct fc_index *ix) {
+	if (!ix->base)
+		return;
+	munmap((void *)ix->base, ix->len);
+	munmap(ix->counters, INDEX_PAGE);
+	ix->base = NULL;
+	ix->counters = NULL;
+}
 
 // current_index returns the tier's index, mapping it anew when there was none (at most once
-// per INDEX_RETRY_NS) or when its server replaced it (retired). Threads racing to remap
-// each map a copy; the loser's copy is unmapped at once, the replaced one is kept (see
-// FC_TIER_OLD_INDEXES).
-static const uint8_t *current_index(struct fc_tier *t) {
-	const uint8_t *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
-	if (ix && !rd32(ix + HDR_RETIRED))
+// per INDEX_RETRY_NS) or when its server replaced it (retired). Each mapping takes an entry
+// of t->maps, filled before it is published; threads racing to remap each map a copy, and
+// the losers unmap theirs at once. Replaced mappings stay until fc_tier_close.
+static struct fc_index *current_index(struct fc_tier *t) {
+	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	if (ix && !rd32(ix->base + HDR_RETIRED))
 		return ix;
 	int64_t now = fc_monotonic_ns();
 	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED))
 		return ix;
-	const uint8_t *fresh;
-	uint64_t *counters;
-	if (map_index(t->dirfd, &fresh, &counters) != 0) {
+	int n = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
+	if (n >= FC_TIER_MAPS)
+		return ix; // no room for another mapping: the retired one still lists what it lists
+	struct fc_index fresh;
+	if (map_index(t->dirfd, &fresh) != 0) {
 		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
 		return ix; // a retired index is still right about what it lists, if not complete
 	}
-	if (rd32(fresh + HDR_RETIRED)) { // replaced again meanwhile: try later
+	if (rd32(fresh.base + HDR_RETIRED)) { // replaced again meanwhile: try later
 		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS / 100, __ATOMIC_RELAXED);
-		munmap((void *)fresh, mapped_len(fresh));
-		munmap((uint8_t *)counters - HDR_HITS, INDEX_HEADER);
+		unmap_index(&fresh);
 		return ix;
 	}
-	const uint8_t *expected = ix;
-	if (!__atomic_compare_exchange_n(&t->index, &expected, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-		munmap((void *)fresh, mapped_len(fresh));
-		munmap((uint8_t *)counters - HDR_HITS, INDEX_HEADER);
+	int slot = __atomic_fetch_add(&t->nmaps, 1, __ATOMIC_RELAXED);
+	if (slot >= FC_TIER_MAPS) {
+		unmap_index(&fresh);
+		return ix;
+	}
+	t->maps[slot] = fresh;
+	struct fc_index *expected = ix;
+	if (!__atomic_compare_exchange_n(&t->index, &expected, &t->maps[slot], 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		unmap_index(&t->maps[slot]); // the entry stays taken, empty
 		return expected;
 	}
-	uint64_t *old_counters = __atomic_exchange_n(&t->counters, counters, __ATOMIC_ACQ_REL);
-	if (ix) {
-		int slot = __atomic_fetch_add(&t->nold, 1, __ATOMIC_RELAXED);
-		if (slot < FC_TIER_OLD_INDEXES) {
-			t->old[slot] = ix;
-			t->old_len[slot] = mapped_len(ix);
-			t->old_counters[slot] = old_counters;
-		}
-	}
-	return fresh;
+	return &t->maps[slot];
 }
 
-int fc_tier_open(struct fc_tier *t, const char *dir, int kind) {
+int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session) {
 	int saved = errno;
 	memset(t, 0, sizeof *t);
 	t->dirfd = -1;
@@ -244,6 +251,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind) {
 	}
 	t->dirfd = fd;
 	t->kind = kind;
+	t->session = session;
 	t->uid = st.st_uid; // == geteuid(), checked above: fc_lookup makes no system call for it
 	current_index(t);
 	errno = saved;
@@ -252,18 +260,11 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind) {
 
 void fc_tier_close(struct fc_tier *t) {
 	int saved = errno;
-	const uint8_t *ix = __atomic_exchange_n(&t->index, NULL, __ATOMIC_ACQ_REL);
-	uint64_t *counters = __atomic_exchange_n(&t->counters, NULL, __ATOMIC_ACQ_REL);
-	if (ix)
-		munmap((void *)ix, mapped_len(ix));
-	if (counters)
-		munmap((uint8_t *)counters - HDR_HITS, INDEX_HEADER);
-	int nold = t->nold < FC_TIER_OLD_INDEXES ? t->nold : FC_TIER_OLD_INDEXES;
-	for (int i = 0; i < nold; i++) {
-		munmap((void *)t->old[i], t->old_len[i]);
-		munmap((uint8_t *)t->old_counters[i] - HDR_HITS, INDEX_HEADER);
-	}
-	t->nold = 0;
+	__atomic_store_n(&t->index, NULL, __ATOMIC_RELEASE);
+	int n = t->nmaps < FC_TIER_MAPS ? t->nmaps : FC_TIER_MAPS;
+	for (int i = 0; i < n; i++)
+		unmap_index(&t->maps[i]);
+	t->nmaps = 0;
 	if (t->dirfd >= 0)
 		close(t->dirfd);
 	t->dirfd = -1;
@@ -274,14 +275,14 @@ void fc_tier_close(struct fc_tier *t) {
 struct slot {
 	uint64_t size, ino;
 	int64_t mtime;
+	uint32_t checked; // the last validation session that found the copy matching its source
 };
 
 // index_find looks (key, check) up in a mapped index with the slot's seqlock.
-static int index_find(const uint8_t *ix, uint64_t key, uint64_t check, struct slot *out) {
-	uint32_t buckets = rd32(ix + HDR_BUCKETS);
-	size_t first = (size_t)((key * 0x9E3779B97F4A7C15ULL) >> (64 - __builtin_ctz(buckets))) * INDEX_WAYS;
+static int index_find(const struct fc_index *ix, uint64_t key, uint64_t check, struct slot *out) {
+	size_t first = (size_t)((key * 0x9E3779B97F4A7C15ULL) >> (64 - __builtin_ctz(ix->buckets))) * INDEX_WAYS;
 	for (size_t i = first; i < first + INDEX_WAYS; i++) {
-		const uint8_t *s = ix + INDEX_HEADER + i * INDEX_SLOT;
+		const uint8_t *s = ix->base + INDEX_SLOTS + i * INDEX_SLOT;
 		if (rd64(s + 8) != key)
 			continue;
 		for (int spin = 0; spin < 100; spin++) {
@@ -293,6 +294,7 @@ static int index_find(const uint8_t *ix, uint64_t key, uint64_t check, struct sl
 			out->size = rd64(s + 24);
 			out->mtime = (int64_t)rd64(s + 32);
 			out->ino = rd64(s + 40);
+			out->checked = rd32(s + 52);
 			__atomic_thread_fence(__ATOMIC_ACQUIRE);
 			if (__atomic_load_n((const uint32_t *)s, __ATOMIC_RELAXED) != seq)
 				continue;
@@ -338,7 +340,8 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 	return fd;
 }
 
-int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, struct fc_hit *hit) {
+int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
+              struct fc_hit *hit) {
 	int saved = errno;
 	uint64_t key, check;
 	path_hashes(path, len, &key, &check);
@@ -346,9 +349,9 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 	int have_rel = 0;
 	for (int i = 0; i < n; i++) {
 		struct fc_tier *t = &tiers[i];
-		const uint8_t *ix = t->dirfd >= 0 ? current_index(t) : NULL;
+		const struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 		struct slot s;
-		if (!ix || !index_find(ix, key, check, &s))
+		if (!ix || !index_find(ix, key, check, &s) || (require_session && s.checked < t->session))
 			continue;
 		if (!have_rel) {
 			if (rel_path(path, len, key, rel, sizeof rel) < 0)
@@ -377,9 +380,9 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 }
 
 void fc_count_hit(struct fc_tier *t, int64_t bytes) {
-	uint64_t *c = __atomic_load_n(&t->counters, __ATOMIC_ACQUIRE);
-	if (c) {
-		__atomic_fetch_add(&c[0], 1, __ATOMIC_RELAXED);
-		__atomic_fetch_add(&c[1], (uint64_t)bytes, __ATOMIC_RELAXED);
+	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	if (ix) {
+		__atomic_fetch_add(&ix->counters[0], 1, __ATOMIC_RELAXED);
+		__atomic_fetch_add(&ix->counters[1], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}
 }

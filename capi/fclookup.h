@@ -38,29 +38,42 @@ extern "C" {
 /* The longest path handled; longer ones are misses. */
 #define FC_PATH_MAX 4096
 
-/* Replaced indexes a tier keeps track of (one per server restart): they stay mapped, since a
- * lookup in another thread may still read them, and the first ones are unmapped by
- * fc_tier_close; past this many, replaced indexes stay mapped until the process exits. */
-#define FC_TIER_OLD_INDEXES 4
+/* Mappings of its index a tier keeps (the first, then one per server restart): a replaced
+ * one stays mapped, since a lookup in another thread may still read it, until
+ * fc_tier_close. When all are taken (many restarts of the server in the life of one
+ * process), the tier keeps using its last index, retired: it is still right about the
+ * copies it lists, and files published since are asked of the server. */
+#define FC_TIER_MAPS 8
+
+/* One mapping of a tier's index, with what a lookup needs read once when it was mapped: a
+ * stray write to the index file cannot make a lookup read outside the mapping. */
+struct fc_index {
+	const uint8_t *base; /* the whole index, read-only; NULL for an unused entry */
+	size_t len;
+	uint32_t buckets;   /* from the header, checked against len */
+	uint64_t *counters; /* the page of hit counters, mapped writable */
+};
 
 /* A tier directory open for lookups. Fill it with fc_tier_open; all fields are private. */
 struct fc_tier {
-	int dirfd;                 /* the tier directory, checked private at open */
-	int kind;                  /* the caller's tag for the tier (its kind), for statistics */
-	uid_t uid;                 /* the owner of the tier directory: this user when it was opened */
-	const uint8_t *_Atomic index; /* the mapped index (read-only), NULL while there is none */
-	uint64_t *_Atomic counters;   /* the index's hit counters (a writable mapping of its header) */
-	int64_t retry_ns;          /* CLOCK_MONOTONIC time before which a missing index is not sought */
-	const uint8_t *old[FC_TIER_OLD_INDEXES];
-	size_t old_len[FC_TIER_OLD_INDEXES];
-	uint64_t *old_counters[FC_TIER_OLD_INDEXES];
-	int nold;
+	int dirfd;                     /* the tier directory, checked private at open */
+	int kind;                      /* the caller's tag for the tier (its kind), for statistics */
+	uid_t uid;                     /* the owner of the tier directory: this user when it was opened */
+	uint32_t session;              /* the reader's validation session (see fc_tier_open) */
+	struct fc_index *_Atomic index; /* the current mapping, in maps; NULL while there is none */
+	int64_t retry_ns;              /* CLOCK_MONOTONIC time before which a missing index is not sought */
+	struct fc_index maps[FC_TIER_MAPS];
+	int nmaps;                     /* entries of maps taken (atomic) */
 };
 
 /* Opens the tier directory dir for lookups: it must be a directory (not a link) owned by this
  * user with no permission for others (the server makes it so). kind is stored as given.
- * Returns 0, or a negated errno (-EPERM for a directory that is not private). */
-int fc_tier_open(struct fc_tier *t, const char *dir, int kind);
+ * session is the reader's validation session at the tier's server (core.Engine.BeginSession):
+ * a copy the server has not found to match its source in that session or a later one is a
+ * miss for fc_lookup with require_session, so that the server checks it first; 0 serves
+ * every copy, UINT32_MAX none without asking. Returns 0, or a negated errno (-EPERM for a
+ * directory that is not private). */
+int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session);
 
 /* Closes a tier opened by fc_tier_open. No lookup may run on it meanwhile. */
 void fc_tier_close(struct fc_tier *t);
@@ -75,11 +88,14 @@ struct fc_hit {
 
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
  * fastest first. On a hit, returns 0 and fills *hit; on a miss, returns -ENOENT. Any other
- * problem (a tier without index, a file replaced behind the index's back) is a miss too.
- * The cached file is opened O_RDONLY | O_NOFOLLOW with the open flags oflags added
- * (O_CLOEXEC, O_NONBLOCK, O_NOATIME, O_DIRECT: a tier that refuses O_DIRECT is opened
- * without it). */
-int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, struct fc_hit *hit);
+ * problem (a tier without index, a file replaced behind the index's back) is a miss too,
+ * and so, with require_session, is a copy not checked in the tier's session (see
+ * fc_tier_open); without it (a file the server has just said it holds, having checked it)
+ * any copy is served. The cached file is opened O_RDONLY | O_NOFOLLOW with the open flags
+ * oflags added (O_CLOEXEC, O_NONBLOCK, O_NOATIME, O_DIRECT: a tier that refuses O_DIRECT is
+ * opened without it). */
+int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
+              struct fc_hit *hit);
 
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);

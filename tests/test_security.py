@@ -280,3 +280,33 @@ def test_fork_fallback_maps_large_files(tmp_path):
     assert isinstance(view.obj, mmap.mmap)
     assert hashlib.sha256(view).hexdigest() == hashlib.sha256(payload).hexdigest()
     assert bytes(_read_source("small.bin", str(root), os.path.realpath(root))) == b"small"
+
+
+STRAY_WRITE_READER = r"""
+import os, struct, sys
+import fitcache
+root, index, runtime_dir, tiers = sys.argv[1:5]
+names = sys.argv[5:]
+with fitcache.Client(root, runtime_dir=runtime_dir, tiers=tiers) as c:
+    first = {n: bytes(c.read(n)) for n in names}  # every file cached and the index mapped
+    fd = os.open(index, os.O_WRONLY)
+    os.pwrite(fd, struct.pack("<I", 1 << 31), 16)  # a stray write: 2^31 buckets
+    os.close(fd)
+    again = {n: bytes(c.read(n)) for n in names}
+print("same" if first == again else "different")
+"""
+
+
+def test_a_stray_write_to_the_index_header_harms_no_reader(dataset, cache_options, tmp_path):
+    # Readers map the tiers' index. A process of the same user that writes garbage into its
+    # header (here the bucket count) must not make them read outside the mapping: they read
+    # the geometry once, when they map it, and map the header read-only.
+    import subprocess
+    import sys
+    root, digests = dataset
+    memory = cache_options["tiers"].split(",")[0].split(":")[1]
+    out = subprocess.run([sys.executable, "-c", STRAY_WRITE_READER, root, os.path.join(memory, "fitcache.index"),
+                          cache_options["runtime_dir"], cache_options["tiers"], *sorted(digests)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"the reader died (exit {out.returncode}): {out.stderr[-2000:]}"
+    assert out.stdout.strip() == "same"
