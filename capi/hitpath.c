@@ -261,13 +261,13 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	return ok ? 0 : -1;
 }
 
-int fcHitAddTier(int64_t handle, const char *dir, int kind) {
+int fcHitAddTier(int64_t handle, const char *dir, int kind, uint32_t session) {
 	pthread_rwlock_wrlock(&clients_lock);
 	struct hit_client *c = client(handle);
 	int rc = -EBADF;
 	if (c && c->ntiers == MAX_TIERS)
 		rc = -ENOSPC;
-	else if (c && (rc = fc_tier_open(&c->tiers[c->ntiers], dir, kind)) == 0)
+	else if (c && (rc = fc_tier_open(&c->tiers[c->ntiers], dir, kind, session)) == 0)
 		c->ntiers++;
 	pthread_rwlock_unlock(&clients_lock);
 	return rc;
@@ -403,7 +403,9 @@ int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_
 	return hit_read_counted(handle, path, data, size, buffer, 0);
 }
 
-// hit_read_counted is hit_read; it counts the read as a hit only with count.
+// hit_read_counted is hit_read; it counts the read as a hit only with count. Without count
+// (a file the server has just fetched, and checked against its source), a copy checked in an
+// earlier session than the client's is served too: a restarted server numbers sessions anew.
 static int hit_read_counted(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer,
                             int count) {
 	int saved = errno;
@@ -413,7 +415,7 @@ static int hit_read_counted(int64_t handle, const char *path, const void **data,
 	struct fc_hit h;
 	int n, rc = FC_MISS;
 	if (!c || c->ntiers == 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 ||
-	    fc_lookup(c->tiers, c->ntiers, clean, (size_t)n, O_CLOEXEC, &h) != 0)
+	    fc_lookup(c->tiers, c->ntiers, clean, (size_t)n, O_CLOEXEC, count, &h) != 0)
 		goto out;
 	void *ptr;
 	uint8_t kind;

@@ -73,8 +73,9 @@ int64_t hit_buffers(void);
  * take it (the client still works, through Go). */
 int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms);
 /* Adds a tier directory (fastest first) of the client's server, of the given kind
- * (tiers.Kind); returns 0 or a negated errno (the tier is then not used by the hit path). */
-int fcHitAddTier(int64_t handle, const char *dir, int kind);
+ * (tiers.Kind), read for the client's validation session there (see fc_tier_open); returns 0
+ * or a negated errno (the tier is then not used by the hit path). */
+int fcHitAddTier(int64_t handle, const char *dir, int kind, uint32_t session);
 /* Tells the hit path whether the Go client of a handle is connected to its server (up), or
  * is reading without it for ms milliseconds (it could not reach or start it, or it did not
  * answer). Misses use the node socket only while the client is up: a server that holds its

@@ -190,7 +190,7 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 func addHitTiers(h int64, c *client.Client) {
 	for _, d := range c.TierDirs() {
 		dir := C.CString(d.Path)
-		if rc := C.fcHitAddTier(C.int64_t(h), dir, C.int(d.Kind)); rc != 0 && rc != -C.int(syscall.EBADF) {
+		if rc := C.fcHitAddTier(C.int64_t(h), dir, C.int(d.Kind), C.uint32_t(d.Session())); rc != 0 && rc != -C.int(syscall.EBADF) {
 			log.Warn("tier not used by the C hit path; its files are read through Go", "dir", d.Path, "errno", -rc)
 		}
 		C.free(unsafe.Pointer(dir))

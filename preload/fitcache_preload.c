@@ -37,6 +37,11 @@
  *                             job's servers on this node), fastest first
  *   FITCACHE_PRELOAD_SOCKET   the local server's node socket (in cluster mode, one of them)
  *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the server (default 30000)
+ *   FITCACHE_PRELOAD_SESSIONS the run's validation session at the server of each tier, in
+ *                             the order of FITCACHE_PRELOAD_TIERS (core.Engine.BeginSession):
+ *                             a copy not checked against its source in that session is
+ *                             asked of the server, which checks it; a tier without one
+ *                             serves nothing without asking
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -149,16 +154,30 @@ static void parse_roots(const char *v) {
 	}
 }
 
-// parse_tiers opens the tier directories of FITCACHE_PRELOAD_TIERS.
-static void parse_tiers(const char *v) {
+// next_session reads the next number of FITCACHE_PRELOAD_SESSIONS at *s and moves past it;
+// a missing or malformed one is UINT32_MAX: no copy of that tier is served without asking.
+static uint32_t next_session(const char **s) {
+	if (!*s)
+		return UINT32_MAX;
+	char *end;
+	unsigned long long v = strtoull(*s, &end, 10);
+	int ok = end != *s && (*end == ':' || *end == 0) && v <= UINT32_MAX;
+	*s = *end == ':' ? end + 1 : NULL;
+	return ok ? (uint32_t)v : UINT32_MAX;
+}
+
+// parse_tiers opens the tier directories of FITCACHE_PRELOAD_TIERS, each for its session in
+// sessions (FITCACHE_PRELOAD_SESSIONS, may be NULL).
+static void parse_tiers(const char *v, const char *sessions) {
 	char dir[FC_PATH_MAX];
 	while (*v && ntiers < MAX_TIERS) {
 		const char *end = strchr(v, ':');
 		size_t n = end ? (size_t)(end - v) : strlen(v);
+		uint32_t session = next_session(&sessions);
 		if (n > 0 && n < sizeof dir) {
 			memcpy(dir, v, n);
 			dir[n] = 0;
-			if (fc_tier_open(&tiers[ntiers], dir, ntiers) == 0)
+			if (fc_tier_open(&tiers[ntiers], dir, ntiers, session) == 0)
 				ntiers++;
 		}
 		if (!end)
@@ -192,7 +211,7 @@ __attribute__((constructor)) static void preload_init(void) {
 		return;
 	}
 	parse_roots(r);
-	parse_tiers(t);
+	parse_tiers(t, getenv("FITCACHE_PRELOAD_SESSIONS"));
 	// A path only: an empty name would be an abstract socket, which any user can bind.
 	if (s[0] == '/' && strlen(s) < sizeof node_addr.sun_path) {
 		node_addr.sun_family = AF_UNIX;
@@ -442,7 +461,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 	if (flags & ~SERVED_FLAGS)
 		goto out;
 	struct fc_hit hit;
-	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), &hit) == 0) {
+	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {
 		fc_count_hit(&tiers[hit.tier], hit.size);
 		fd = hit.fd;
 		untrack_write(fd);

@@ -36,6 +36,9 @@ type Dir struct {
 	session uint32
 }
 
+// Session returns the validation session d reads for (see WithSession).
+func (d Dir) Session() uint32 { return d.session }
+
 // WithSession returns d for a reader of validation session s (see Tier.Validate): a copy the
 // server has not found to match its source in that session or a later one is a miss, which
 // the reader takes to the server, which checks it. The server hands out sessions: the

@@ -40,8 +40,14 @@ import (
 // the files it owns to prefetch (client.Client.Prefetch).
 //
 // The shim's configuration is the environment (see preload/fitcache_preload.c):
-// FITCACHE_PRELOAD_ROOTS, FITCACHE_PRELOAD_TIERS, FITCACHE_PRELOAD_SOCKET and
-// FITCACHE_PRELOAD_TIMEOUT_MS.
+// FITCACHE_PRELOAD_ROOTS, FITCACHE_PRELOAD_TIERS, FITCACHE_PRELOAD_SESSIONS,
+// FITCACHE_PRELOAD_SOCKET and FITCACHE_PRELOAD_TIMEOUT_MS.
+//
+// The run is one job (FITCACHE_JOB, made up unless set): the companion's clients begin its
+// validation session at each server, in which every cached copy is checked against its
+// source once, ahead of the program by the prefetch of the data directories; the shim serves
+// from the tiers only copies checked in it (FITCACHE_PRELOAD_SESSIONS) and asks the server
+// for the others. FitCacheDataset in the program joins the same job.
 
 // runUsage is printed by `fitcache run -h`.
 const runUsage = `usage: fitcache run --data DIR [--data DIR]... [--prefetch N] -- CMD [ARGS...]
@@ -89,6 +95,9 @@ func run(args []string) error {
 		return err
 	}
 
+	if os.Getenv("FITCACHE_JOB") == "" { // the companion, the program and its children share it
+		os.Setenv("FITCACHE_JOB", "run-"+client.NewJobID())
+	}
 	cfg, err := config.Load(nil)
 	if err != nil {
 		return err
@@ -114,7 +123,7 @@ func run(args []string) error {
 			return fmt.Errorf("tier directory %s: a path with ':' cannot be passed to the preload library", d)
 		}
 	}
-	env := preloadEnviron(os.Environ(), lib, roots, server.TierDirs, server.NodeSocket, cfg.ReadTimeout)
+	env := preloadEnviron(os.Environ(), lib, roots, server, cfg.ReadTimeout)
 	return syscall.Exec(cmdPath, argv, env)
 }
 
@@ -151,7 +160,7 @@ func datasetRoots(dirs []string) ([]datasetRoot, error) {
 }
 
 // preloadEnviron returns env with the preload shim first in LD_PRELOAD and its configuration.
-func preloadEnviron(env []string, lib string, roots []datasetRoot, tierDirs []string, nodeSocket string, timeout time.Duration) []string {
+func preloadEnviron(env []string, lib string, roots []datasetRoot, server companionReport, timeout time.Duration) []string {
 	var rootList []string
 	for _, r := range roots {
 		if r.name == r.real {
@@ -159,6 +168,10 @@ func preloadEnviron(env []string, lib string, roots []datasetRoot, tierDirs []st
 		} else {
 			rootList = append(rootList, r.name+"="+r.real)
 		}
+	}
+	var sessions []string
+	for _, s := range server.Sessions {
+		sessions = append(sessions, strconv.FormatUint(uint64(s), 10))
 	}
 	out := embedded.ServerEnviron(env) // drops an earlier run's shim and configuration
 	preload := lib
@@ -171,8 +184,9 @@ func preloadEnviron(env []string, lib string, roots []datasetRoot, tierDirs []st
 	return append(out,
 		"LD_PRELOAD="+preload,
 		"FITCACHE_PRELOAD_ROOTS="+strings.Join(rootList, ":"),
-		"FITCACHE_PRELOAD_TIERS="+strings.Join(tierDirs, ":"),
-		"FITCACHE_PRELOAD_SOCKET="+nodeSocket,
+		"FITCACHE_PRELOAD_TIERS="+strings.Join(server.TierDirs, ":"),
+		"FITCACHE_PRELOAD_SESSIONS="+strings.Join(sessions, ":"),
+		"FITCACHE_PRELOAD_SOCKET="+server.NodeSocket,
 		"FITCACHE_PRELOAD_TIMEOUT_MS="+strconv.FormatInt(timeout.Milliseconds(), 10))
 }
 
@@ -222,7 +236,9 @@ func preloadPath(args []string) error {
 // companionReport is what the companion tells `fitcache run` about the server, once it
 // reached it: what the preload shim needs.
 type companionReport struct {
-	TierDirs     []string `json:"tier_dirs"`
+	TierDirs []string `json:"tier_dirs"`
+	// Sessions holds the run's validation session at the server of each tier directory.
+	Sessions     []uint32 `json:"sessions"`
 	NodeSocket   string   `json:"node_socket"`
 	LocalServers []string `json:"local_servers"` // cluster mode: the job's servers on this node
 }
@@ -318,6 +334,7 @@ func companion(args []string) error {
 	report := companionReport{NodeSocket: clients[0].NodeSocket(), LocalServers: clients[0].LocalServers()}
 	for _, d := range clients[0].TierDirs() {
 		report.TierDirs = append(report.TierDirs, d.Path)
+		report.Sessions = append(report.Sessions, d.Session())
 	}
 	line, _ := json.Marshal(report)
 	os.Stdout.Write(append(line, '\n'))

@@ -50,13 +50,16 @@ func TestPreloadEnvironPutsTheShimFirstAndReplacesAnEarlierRun(t *testing.T) {
 		"FITCACHE_TIERS=memory:/dev/shm/x",
 	}
 	roots := []datasetRoot{{name: "/data/in", real: "/data/in"}, {name: "/link", real: "/lustre/set"}}
-	got := preloadEnviron(env, "/pkg/libfitcache_preload.so", roots, []string{"/dev/shm/t1", "/var/t2"}, "/run/s.sock.node", 30*time.Second)
+	server := companionReport{TierDirs: []string{"/dev/shm/t1", "/var/t2"}, Sessions: []uint32{70000001, 70000002},
+		NodeSocket: "/run/s.sock.node"}
+	got := preloadEnviron(env, "/pkg/libfitcache_preload.so", roots, server, 30*time.Second)
 	want := []string{
 		"HOME=/home/u",
 		"FITCACHE_TIERS=memory:/dev/shm/x",
 		"LD_PRELOAD=/pkg/libfitcache_preload.so /opt/darshan/libdarshan.so",
 		"FITCACHE_PRELOAD_ROOTS=/data/in:/link=/lustre/set",
 		"FITCACHE_PRELOAD_TIERS=/dev/shm/t1:/var/t2",
+		"FITCACHE_PRELOAD_SESSIONS=70000001:70000002",
 		"FITCACHE_PRELOAD_SOCKET=/run/s.sock.node",
 		"FITCACHE_PRELOAD_TIMEOUT_MS=30000",
 	}

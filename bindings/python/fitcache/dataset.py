@@ -9,6 +9,7 @@ import mmap
 import multiprocessing.util
 import operator
 import os
+import secrets
 import stat
 import subprocess
 import threading
@@ -89,6 +90,12 @@ class FitCacheDataset(_Base):
     handing over the same list share one job. ``prefetch=False`` (or ``0``) hands nothing
     over; an integer sets the server's option ``prefetch`` (source reads it runs at once) for
     a server the dataset starts.
+
+    Consistency: the dataset is one job (option ``job``, a new id per dataset object unless
+    given or set in FITCACHE_JOB), shared by every process that reads it, DataLoader workers
+    included. The server checks each cached copy against its source file (size, times, inode)
+    once per job, ahead of the readers, so a file rewritten since an earlier run is read anew;
+    a file changed while the job runs is not noticed.
     """
 
     def __init__(self, root: PathLike, transform: Callable[[memoryview], Any] | None = None, *,
@@ -109,6 +116,10 @@ class FitCacheDataset(_Base):
                 raise ValueError(f"prefetch: want True, False or a number of reads >= 0, got {prefetch!r}")
             options = {**options, "prefetch": reads}
             prefetch = reads > 0
+        if "job" not in options and not os.environ.get("FITCACHE_JOB"):
+            # Workers get the id with the options (pickled, or inherited by fork): one check of
+            # the cache against the source for all of them, and a new one for the next dataset.
+            options = {**options, "job": "dataset-" + secrets.token_hex(12)}
         self.options = options
         self.files = list(files) if files is not None else list_files(root, filter)
         self._prefetch = prefetch
