@@ -122,6 +122,8 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.ClientHits += o.ClientHits
 	s.Stored += o.Stored
 	s.Refusals += o.Refusals
+	s.SourceChecks += o.SourceChecks
+	s.StaleCopies += o.StaleCopies
 	s.Prefetch.Add(o.Prefetch)
 	s.Tiers = append(s.Tiers, o.Tiers...)
 	s.Warnings = append(s.Warnings, o.Warnings...)

@@ -66,6 +66,10 @@ var statMetrics = []statMetric{
 		func(s *core.StatsSnapshot) int64 { return s.PublishErrors }),
 	newStatMetric("stored_total", "Replica copies received from clients.", prometheus.CounterValue,
 		func(s *core.StatsSnapshot) int64 { return s.Stored }),
+	newStatMetric("source_checks_total", "Cached copies compared with their source's identity (once per file per job).", prometheus.CounterValue,
+		func(s *core.StatsSnapshot) int64 { return s.SourceChecks }),
+	newStatMetric("stale_copies_total", "Cached copies dropped because their source had changed or was gone.", prometheus.CounterValue,
+		func(s *core.StatsSnapshot) int64 { return s.StaleCopies }),
 	newStatMetric("refusals_total", "Connections and requests refused: wrong or missing job token, or too many connections.", prometheus.CounterValue,
 		func(s *core.StatsSnapshot) int64 { return s.Refusals }),
 

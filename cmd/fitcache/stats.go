@@ -81,6 +81,7 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 		}
 	}
 	fmt.Fprintf(w, "source reads %d (%s)\n", s.SourceReads, tiers.FormatBytes(s.SourceBytes))
+	fmt.Fprintf(w, "checked      %d copies against their source, %d stale\n", s.SourceChecks, s.StaleCopies)
 	fmt.Fprintf(w, "served       %s\n", tiers.FormatBytes(s.BytesServed))
 	fmt.Fprintf(w, "published    %d, spilled %d, evicted %d, uncached %d\n", s.Published, s.Spilled, s.Evictions, s.Uncached)
 	fmt.Fprintf(w, "errors       %d read, %d publish\n", s.Errors, s.PublishErrors)
