@@ -158,6 +158,12 @@ func (s *Source) Size() int64 { return s.stamp.size }
 // MTimeNanos returns the file's modification time when it was opened, in Unix nanoseconds.
 func (s *Source) MTimeNanos() int64 { return s.stamp.mtime.Nano() }
 
+// CTimeNanos returns the file's change time when it was opened, in Unix nanoseconds.
+func (s *Source) CTimeNanos() int64 { return s.stamp.ctim.Nano() }
+
+// Ino returns the file's inode number.
+func (s *Source) Ino() uint64 { return s.stamp.ino }
+
 // Mode returns the file's permission bits.
 func (s *Source) Mode() fs.FileMode { return fs.FileMode(s.stamp.mode).Perm() }
 

@@ -66,7 +66,9 @@ var statMetrics = []statMetric{
 		func(s *core.StatsSnapshot) int64 { return s.PublishErrors }),
 	newStatMetric("stored_total", "Replica copies received from clients.", prometheus.CounterValue,
 		func(s *core.StatsSnapshot) int64 { return s.Stored }),
-	newStatMetric("refusals_total", "Connections and requests refused: wrong or missing job token, or too many connections.", prometheus.CounterValue,
+	newStatMetric("store_refused_total", "Replica copies refused: not what their owner stamped, or not the source's version.", prometheus.CounterValue,
+		func(s *core.StatsSnapshot) int64 { return s.StoreRefused }),
+	newStatMetric("refusals_total", "Connections refused: no handshake or a wrong proof of the job token, or too many connections.", prometheus.CounterValue,
 		func(s *core.StatsSnapshot) int64 { return s.Refusals }),
 
 	newStatMetric("prefetch_reads", "Source reads prefetch may run at once (0: off).", prometheus.GaugeValue,

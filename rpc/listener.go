@@ -1,7 +1,6 @@
 package rpc
 
 import (
-	"crypto/sha256"
 	"errors"
 	"net"
 	"sync"
@@ -9,19 +8,19 @@ import (
 	"time"
 )
 
-// guardListener hands Kitex only connections that passed the authentication preamble, and
-// at most maxConns at a time (counting those still authenticating). Connections that have not
-// authenticated yet are further limited, in all and per peer host, so that whoever can reach
-// the port without the token cannot take the places of the job's clients: it can only use
-// the few places of its own host. An excess connection is closed at once (a client takes that
-// as a server too busy to answer, not as a dead one). Refused connections are counted and
-// logged through refuse. Authentication runs in a goroutine per connection with a deadline,
-// so a slow client delays no one else.
+// guardListener hands Kitex only connections that passed the handshake (see handshake.go),
+// and at most maxConns at a time (counting those still authenticating). Connections that have
+// not authenticated yet are further limited, in all and per peer host, so that whoever can
+// reach the port without the token cannot take the places of the job's clients: it can only
+// use the few places of its own host. An excess connection is closed at once (a client takes
+// that as a server too busy to answer, not as a dead one). Refused connections are counted
+// and logged through refuse. Authentication runs in a goroutine per connection with a
+// deadline, so a slow client delays no one else.
 type guardListener struct {
 	inner    net.Listener
-	token    [sha256.Size]byte
+	keys     *jobKeys
 	maxConns int64
-	timeout  time.Duration             // for reading the preamble
+	timeout  time.Duration             // for the handshake
 	refuse   func(peer, reason string) // counts and logs a refused connection
 
 	active atomic.Int64  // connections open, authenticated or authenticating
@@ -39,9 +38,9 @@ const (
 	maxPendingPerHost = 16
 )
 
-func newGuardListener(inner net.Listener, token string, maxConns int, timeout time.Duration,
+func newGuardListener(inner net.Listener, keys *jobKeys, maxConns int, timeout time.Duration,
 	refuse func(peer, reason string)) *guardListener {
-	g := &guardListener{inner: inner, token: sha256.Sum256([]byte(token)), maxConns: int64(maxConns),
+	g := &guardListener{inner: inner, keys: keys, maxConns: int64(maxConns),
 		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{}),
 		pending: make(map[string]int)}
 	go g.acceptLoop()
@@ -121,32 +120,26 @@ func (g *guardListener) startPending(host string) bool {
 	return true
 }
 
-func (g *guardListener) endPending(host string) {
+func (g *guardListener) endPending(key string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.pending[host]--; g.pending[host] <= 0 {
-		delete(g.pending, host)
+	if g.pending[key]--; g.pending[key] <= 0 {
+		delete(g.pending, key)
 	}
 }
 
-// authenticate reads c's preamble and hands c to Accept, or closes it. A refusal is counted
-// before the client hears of it.
-func (g *guardListener) authenticate(c *countedConn, host string) {
+// authenticate runs the server's side of the handshake on c and hands c to Accept, or closes
+// it. A refusal is counted before the connection is closed.
+func (g *guardListener) authenticate(c *countedConn, key string) {
 	c.SetDeadline(time.Now().Add(g.timeout))
-	ok, err := readPreamble(c, g.token)
-	g.endPending(host)
-	switch {
-	case err != nil:
+	err := serverHandshake(c, g.keys)
+	g.endPending(key)
+	if err != nil {
 		g.refuse(peerHost(c.RemoteAddr()), err.Error())
 		c.Close()
 		return
-	case !ok:
-		g.refuse(peerHost(c.RemoteAddr()), "wrong job token")
-		c.Write([]byte{preambleRefused})
-		c.Close()
-		return
 	}
-	if _, err := c.Write([]byte{preambleOK}); err != nil || c.SetDeadline(time.Time{}) != nil {
+	if c.SetDeadline(time.Time{}) != nil {
 		c.Close()
 		return
 	}
@@ -189,5 +182,5 @@ func peerHost(a net.Addr) string {
 
 // String describes the listener without reading its state (Kitex prints its options).
 func (g *guardListener) String() string {
-	return "fitcache preamble guard on " + g.inner.Addr().String()
+	return "fitcache handshake guard on " + g.inner.Addr().String()
 }

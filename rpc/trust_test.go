@@ -1,0 +1,292 @@
+package rpc
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"hash/crc32"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fitcache/fitcache/core"
+)
+
+// The attacks of the red team's report (issue 16, items 1, 2 and 7), run against the code.
+
+// squatter listens where a client expects a server, handles each connection with a
+// function that returns what the connection sent it, and keeps that. It is what another user
+// gets by binding the port of a server that is not up yet, or died.
+type squatter struct {
+	ln  net.Listener
+	mu  sync.Mutex // protects got
+	got [][]byte   // what each connection sent, once handled
+	wg  sync.WaitGroup
+}
+
+func listenSquatter(t *testing.T, handle func(c net.Conn) []byte) *squatter {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &squatter{ln: ln}
+	go func() {
+		for range 100 {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s.wg.Add(1)
+			go func() {
+				defer s.wg.Done()
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(3 * time.Second))
+				got := handle(c)
+				s.mu.Lock()
+				s.got = append(s.got, got)
+				s.mu.Unlock()
+			}()
+		}
+	}()
+	t.Cleanup(func() { ln.Close(); s.wg.Wait() })
+	return s
+}
+
+// answering handles a connection by answering everything it reads with answer (nil:
+// nothing).
+func answering(answer []byte) func(c net.Conn) []byte {
+	return func(c net.Conn) []byte {
+		var got []byte
+		buf := make([]byte, 4096)
+		for range 100 {
+			n, err := c.Read(buf)
+			got = append(got, buf[:n]...)
+			if err != nil {
+				break
+			}
+			if answer != nil {
+				c.Write(answer)
+			}
+		}
+		return got
+	}
+}
+
+// relaying handles a connection by relaying it to target, both ways.
+func relaying(target string) func(c net.Conn) []byte {
+	return func(c net.Conn) []byte {
+		up, err := net.Dial("tcp", target)
+		if err != nil {
+			return nil
+		}
+		defer up.Close()
+		var fromClient bytes.Buffer
+		done := make(chan struct{})
+		go func() {
+			io.Copy(io.MultiWriter(up, &fromClient), c)
+			up.(*net.TCPConn).CloseWrite()
+			close(done)
+		}()
+		io.Copy(c, up)
+		c.Close()
+		<-done
+		return fromClient.Bytes()
+	}
+}
+
+// received closes the squatter and returns what its connections were sent.
+func (s *squatter) received() [][]byte {
+	s.ln.Close()
+	s.wg.Wait()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.got
+}
+
+// TestSquatterGetsNothingAndIsDown: a listener at a server's address that does not know the
+// token gets no token, no request, and is taken for a server that is down (refused), not for
+// a slow one that stays in the ring. On the main branch before this change the client sent
+// it the job token in clear ("FCT1", its length, the token) and took a wrong answer for a
+// refused token.
+func TestSquatterGetsNothingAndIsDown(t *testing.T) {
+	const token = "the-job-token-0123456789"
+	for _, answer := range [][]byte{bytes.Repeat([]byte{'A'}, 64), nil} {
+		s := listenSquatter(t, answering(answer))
+		c, err := Dial(s.ln.Addr().String(), ClientConfig{Token: token, ConnectTimeout: 500 * time.Millisecond,
+			CallTimeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.Hello(context.Background())
+		c.Close()
+		if err == nil {
+			t.Fatal("Hello answered by a squatter")
+		}
+		if answer != nil && (!errors.Is(err, ErrUnavailable) || !IsRefused(err)) {
+			t.Errorf("squatter answering garbage: %v; want ErrUnavailable and refused (the server is down)", err)
+		}
+		if answer == nil && (!errors.Is(err, ErrUnavailable) || IsRefused(err)) {
+			t.Errorf("squatter answering nothing: %v; want ErrUnavailable, a timeout", err)
+		}
+		for _, got := range s.received() {
+			if bytes.Contains(got, []byte(token)) || len(got) > 36 {
+				t.Errorf("the squatter received %d bytes %q: want at most the handshake's hello (36 bytes), no token", len(got), got)
+			}
+		}
+	}
+}
+
+// TestRelayedConnectionIsRefused: a listener at a dead server's address that relays the
+// exchange to a live server of the job (the relay knows no token) gets no working connection:
+// the server's proof covers the relay's connection, not the client's. On the main branch
+// before this change the relay passed the token on, read it, and had the client served.
+func TestRelayedConnectionIsRefused(t *testing.T) {
+	const token = "the-job-token-0123456789"
+	addr, _, e := serveTCP(t, ServerConfig{Token: token})
+	r := listenSquatter(t, relaying(addr))
+	c, err := Dial(r.ln.Addr().String(), ClientConfig{Token: token, ConnectTimeout: time.Second, CallTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Hello(context.Background())
+	c.Close()
+	if err == nil || !IsRefused(err) {
+		t.Errorf("Hello through a relay: %v, want a refusal (the relay is no server of the job)", err)
+	}
+	for _, got := range r.received() {
+		if bytes.Contains(got, []byte(token)) || len(got) > 36 {
+			t.Errorf("the relay received %d bytes %q: want at most the handshake's hello, no token", len(got), got)
+		}
+	}
+	if n := e.Stats().Refusals; n < 1 {
+		t.Errorf("server refusals: %d, want the relayed connection refused", n)
+	}
+	direct, _ := Dial(addr, ClientConfig{Token: token})
+	defer direct.Close()
+	if _, err := direct.Hello(context.Background()); err != nil {
+		t.Errorf("direct Hello: %v", err)
+	}
+}
+
+// The two proofs of the handshake are kept apart (a server's proof replayed as a client's
+// is refused) and bound to the connection's endpoints, with both spellings of an IPv4
+// address agreeing.
+func TestHandshakeProofs(t *testing.T) {
+	v4 := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1).To4(), Port: 7070}
+	mapped := &net.TCPAddr{IP: net.ParseIP("::ffff:127.0.0.1"), Port: 7070}
+	other := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 2), Port: 7070}
+	a, _ := endpointBytes(v4)
+	b, _ := endpointBytes(mapped)
+	c, _ := endpointBytes(other)
+	if !bytes.Equal(a, b) || bytes.Equal(a, c) {
+		t.Errorf("endpoints: %x for 127.0.0.1, %x for ::ffff:127.0.0.1 (want equal), %x for 127.0.0.2", a, b, c)
+	}
+	unnamed, _ := endpointBytes(&net.UnixAddr{Name: "@", Net: "unix"})
+	empty, _ := endpointBytes(&net.UnixAddr{Name: "", Net: "unix"})
+	if !bytes.Equal(unnamed, empty) {
+		t.Errorf("unnamed unix socket: %x and %x", unnamed, empty)
+	}
+
+	// A client that sends back the server's own proof as its proof.
+	addr, _, e := serveTCP(t, ServerConfig{Token: testToken})
+	conn := dialRaw(t, addr)
+	conn.Write(append([]byte(handshakeMagic), make([]byte, nonceSize)...))
+	answer := make([]byte, challengeSize)
+	if _, err := io.ReadFull(conn, answer); err != nil {
+		t.Fatal(err)
+	}
+	conn.Write(answer[nonceSize:])
+	if !closedWithin(conn, 5*time.Second) {
+		t.Error("a client that replayed the server's proof keeps its connection")
+	}
+	waitFor(t, "the refusal", func() bool { return e.Stats().Refusals == 1 })
+}
+
+// storeSetup serves an owner and a replica with the job token, and a file of the dataset.
+func storeSetup(t *testing.T) (owner, replica *Client, replicaEngine *core.Engine, root, path string, data []byte) {
+	t.Helper()
+	ownerAddr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	replicaAddr, _, replicaEngine := serveTCP(t, ServerConfig{Token: testToken})
+	owner, _ = Dial(ownerAddr, ClientConfig{Token: testToken})
+	replica, _ = Dial(replicaAddr, ClientConfig{Token: testToken})
+	t.Cleanup(func() { owner.Close(); replica.Close() })
+	root = t.TempDir()
+	path = filepath.Join(root, "train.bin")
+	data = bytes.Repeat([]byte("the real bytes "), 1000)
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return owner, replica, replicaEngine, root, path, data
+}
+
+// TestStoreTakesOnlyCopiesItsOwnerStamped: a replica keeps a copy only if its bytes match
+// the checksum and stamp its owner put in its Read reply and the source it sees itself;
+// forged bytes are refused with EBADMSG and counted, and the replica serves the real bytes.
+func TestStoreTakesOnlyCopiesItsOwnerStamped(t *testing.T) {
+	owner, replica, e, root, path, data := storeSetup(t)
+	ctx := context.Background()
+	r, err := owner.Read(ctx, root, path, false)
+	if err != nil || !bytes.Equal(r.Data, data) {
+		t.Fatalf("owner read: %v", err)
+	}
+	stamp := StampOf(r)
+	forged := bytes.Repeat([]byte("forged bytes!! "), 1000)
+	withSum := stamp
+	withSum.Checksum = crc32.Checksum(forged, castagnoli)
+	otherKey := NewStamper("a token of no job").Stamp(path, core.Result{Data: forged, MTimeNanos: stamp.MTimeNanos,
+		CTimeNanos: stamp.CTimeNanos, Ino: stamp.Ino})
+	for _, tc := range []struct {
+		name  string
+		data  []byte
+		stamp Stamp
+	}{
+		{"forged bytes, the owner's stamp", forged, stamp},
+		{"forged bytes, their own checksum", forged, withSum},
+		{"forged bytes, stamped with another key", forged, otherKey},
+		{"no stamp", data, Stamp{MTimeNanos: stamp.MTimeNanos, Checksum: stamp.Checksum}},
+		{"the real bytes, cut short", data[:len(data)-1], stamp},
+	} {
+		err := replica.Store(ctx, root, path, tc.data, tc.stamp)
+		if core.Errno(err) != syscall.EBADMSG || !errors.Is(err, core.ErrBadCopy) {
+			t.Errorf("%s: got %v, want EBADMSG (ErrBadCopy)", tc.name, err)
+		}
+	}
+	if s := e.Stats(); s.StoreRefused != 5 || s.Stored != 0 {
+		t.Errorf("after forged copies: %d refused (want 5), %d stored (want 0)", s.StoreRefused, s.Stored)
+	}
+	if err := replica.Store(ctx, root, path, data, stamp); err != nil {
+		t.Fatalf("the owner's copy: %v", err)
+	}
+	got, err := replica.Read(ctx, root, path, false)
+	if err != nil || !bytes.Equal(got.Data, data) || got.Origin == "source" {
+		t.Errorf("replica read after the owner's copy: origin %q, real bytes %v, %v", got.GetOrigin(), bytes.Equal(got.GetData(), data), err)
+	}
+	if s := e.Stats(); s.Stored != 1 || s.SourceReads != 0 {
+		t.Errorf("%d stored (want 1), %d source reads (want 0)", s.Stored, s.SourceReads)
+	}
+}
+
+// TestStoreRefusesAStaleCopy: a copy of a version of the source that is no longer there is
+// refused (EAGAIN), even with its owner's stamp.
+func TestStoreRefusesAStaleCopy(t *testing.T) {
+	owner, replica, e, root, path, data := storeSetup(t)
+	ctx := context.Background()
+	r, err := owner.Read(ctx, root, path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	later := time.Now().Add(time.Hour)
+	os.Chtimes(path, later, later)
+	if err := replica.Store(ctx, root, path, data, StampOf(r)); !errors.Is(err, core.ErrChanged) || core.Errno(err) != syscall.EAGAIN {
+		t.Errorf("stale copy: got %v, want EAGAIN (ErrChanged)", err)
+	}
+	if s := e.Stats(); s.StoreRefused != 1 || s.Stored != 0 {
+		t.Errorf("%d refused (want 1), %d stored (want 0)", s.StoreRefused, s.Stored)
+	}
+}
