@@ -28,7 +28,11 @@ type ClientConfig struct {
 	ConnectTimeout time.Duration // 1s: also bounds the handshake
 	CallTimeout    time.Duration // 2s: deadline of Hello, ReportHits and Stats
 	ReadTimeout    time.Duration // 60s: deadline of Read, which may read a large source file
-	MaxFrameBytes  int           // largest request or reply: DefaultMaxFrameBytes with a token, else no limit
+	// MaxFrameBytes is the largest request or reply: DefaultMaxFrameBytes with a token, else
+	// no limit (the per-user server on a private Unix socket). Whatever the limit, every
+	// length in a reply is checked against the bytes of its frame before it is decoded (see
+	// checkFrame).
+	MaxFrameBytes int
 }
 
 // Client calls one FitCache server. Every call has a deadline. It is safe for concurrent use.
@@ -78,10 +82,8 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 		cfg.MaxFrameBytes = DefaultMaxFrameBytes
 	}
 	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
-		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout)}
-	if cfg.MaxFrameBytes > 0 {
-		opts = append(opts, client.WithCodec(newFramedCodec(cfg.MaxFrameBytes)))
-	}
+		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout),
+		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
 		// Kitex's default (netpoll) dialer, with the handshake done before Kitex gets the
 		// connection.

@@ -44,7 +44,9 @@ type ServerConfig struct {
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
-	// private Unix socket, reachable only by its user).
+	// private Unix socket, reachable only by its user). Whatever the limit, every length in
+	// a request is checked against the bytes of its frame before it is decoded (see
+	// checkFrame).
 	MaxFrameBytes int
 	// MaxConns bounds the open connections of a server with a token (1024); an excess
 	// connection is closed at once and counted as a refusal.
@@ -96,14 +98,13 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 //
 // With a token, connections are authenticated by the handshake and capped in number before
 // Kitex sees them, over Kitex's Go net transport (netpoll cannot take a wrapped listener);
-// without one, the server uses Kitex's default transport and accepts any connection.
+// without one, the server uses Kitex's default transport and accepts any connection. Either
+// way, a request is decoded only once its frame was checked (see framedCodec).
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := newHandler(e, cfg)
-	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate)}
-	if h.cfg.MaxFrameBytes > 0 {
-		opts = append(opts, server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)))
-	}
+	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate),
+		server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
 		h.guard = newGuardListener(ln, h.keys, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
 		opts = append(opts, server.WithListener(h.guard),

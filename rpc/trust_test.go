@@ -3,12 +3,15 @@ package rpc
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"hash/crc32"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -288,5 +291,113 @@ func TestStoreRefusesAStaleCopy(t *testing.T) {
 	}
 	if s := e.Stats(); s.StoreRefused != 1 || s.Stored != 0 {
 		t.Errorf("%d refused (want 1), %d stored (want 0)", s.StoreRefused, s.Stored)
+	}
+}
+
+// TestHugeListFrameLeavesTheServerUp: a request whose list claims 2^31-1 strings, sent after
+// the handshake, closes that connection and nothing else; the server serves on. On the main
+// branch before this change the generated decoder allocated 32 GiB for it and the server died
+// of a fatal out-of-memory error.
+func TestHugeListFrameLeavesTheServerUp(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	root := t.TempDir()
+	path := filepath.Join(root, "f")
+	os.WriteFile(path, []byte("still here"), 0o644)
+	for _, f := range [][]byte{hugeListCall, hugeMapCall} {
+		c := dialRaw(t, addr)
+		if err := authenticate(t, c, testToken); err != nil {
+			t.Fatal(err)
+		}
+		c.Write(f)
+		if !closedWithin(c, 5*time.Second) {
+			t.Errorf("connection still open after a %d-byte frame claiming 2^31-1 elements", len(f))
+		}
+	}
+	cl, _ := Dial(addr, ClientConfig{Token: testToken})
+	defer cl.Close()
+	if r, err := cl.Read(context.Background(), root, path, false); err != nil || string(r.Data) != "still here" {
+		t.Errorf("read after the hostile frames: %v", err)
+	}
+}
+
+// TestHugeListFrameLeavesATokenlessServerUp: the same against the per-user server on a Unix
+// socket, which has no token and decodes what its user's processes send.
+func TestHugeListFrameLeavesATokenlessServerUp(t *testing.T) {
+	sock := serve(t, "")
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Write(hugeListCall)
+	if !closedWithin(c, 5*time.Second) {
+		t.Error("connection still open after a frame claiming 2^31-1 strings")
+	}
+	cl, _ := Dial(sock, ClientConfig{})
+	defer cl.Close()
+	if _, err := cl.Hello(context.Background()); err != nil {
+		t.Errorf("Hello after the hostile frame: %v", err)
+	}
+}
+
+// hostileServer answers every request on ln (after the handshake with token, if any) with a
+// Hello reply whose list of tiers claims 2^31-1 entries.
+func hostileServer(t *testing.T, ln net.Listener, token string) {
+	t.Helper()
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for range 20 {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			if token != "" && serverHandshake(c, newJobKeys(token)) != nil {
+				c.Close()
+				continue
+			}
+			var head [4]byte
+			if _, err := io.ReadFull(c, head[:]); err == nil {
+				req := make([]byte, min(binary.BigEndian.Uint32(head[:]), 1<<16))
+				if _, err := io.ReadFull(c, req); err == nil && len(req) > 8 {
+					reply := slices.Clone(hugeListReply)
+					seq := req[8+binary.BigEndian.Uint32(req[4:8]):][:4] // after version, name length and name
+					copy(reply[4+4+4+len("Hello"):], seq)
+					c.Write(reply)
+					io.Copy(io.Discard, c)
+				}
+			}
+			c.Close()
+		}
+	}()
+}
+
+// TestHostileReplyFailsTheCall: a client answered with a reply whose list claims 2^31-1
+// elements gets an error, and its process lives on; with a token the listener must know the
+// token to get that far, without one (the user's own Unix socket) it need not. On the main
+// branch before this change the generated decoder allocated 80 GiB and the client process
+// died of a fatal out-of-memory error.
+func TestHostileReplyFailsTheCall(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "hostile.sock")
+	uln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostileServer(t, uln, "")
+	tln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostileServer(t, tln, testToken)
+	for addr, token := range map[string]string{sock: "", tln.Addr().String(): testToken} {
+		c, _ := Dial(addr, ClientConfig{Token: token, CallTimeout: 3 * time.Second})
+		_, err := c.Hello(context.Background())
+		c.Close()
+		if err == nil || !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "malformed frame") {
+			t.Errorf("token %q: Hello answered with a hostile reply: %v, want ErrUnavailable for a malformed frame", token, err)
+		}
 	}
 }
