@@ -391,9 +391,13 @@ func TestGarbageOnManyConnectionsIsSurvived(t *testing.T) {
 // Connections that do not authenticate take only the few places of their own host: a client
 // of another host still gets in. On the main branch before this change connections still
 // authenticating counted towards the one cap, so anyone reaching the port could fill it.
+// (Peers on this host are counted by user, see TestAnotherUsersFloodLeavesTheJobItsPlaces:
+// here every peer is taken for a host of its own address.)
 func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
+	pendingKeyOf = func(c net.Conn) string { return peerHost(c.RemoteAddr()) }
+	t.Cleanup(func() { pendingKeyOf = pendingKey })
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
-	for range 2 * maxPendingPerHost {
+	for range 2 * maxPendingPerPeer {
 		dialRaw(t, addr) // from 127.0.0.1, silent
 	}
 	_, port, _ := net.SplitHostPort(addr)

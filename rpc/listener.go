@@ -3,6 +3,8 @@ package rpc
 import (
 	"errors"
 	"net"
+	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -10,18 +12,21 @@ import (
 
 // guardListener hands Kitex only connections that passed the handshake (see handshake.go),
 // and at most maxConns at a time (counting those still authenticating). Connections that have
-// not authenticated yet are further limited, in all and per peer host, so that whoever can
-// reach the port without the token cannot take the places of the job's clients: it can only
-// use the few places of its own host. An excess connection is closed at once (a client takes
-// that as a server too busy to answer, not as a dead one). Refused connections are counted
-// and logged through refuse. Authentication runs in a goroutine per connection with a
-// deadline, so a slow client delays no one else.
+// not authenticated yet are further limited, in all and per peer, so that whoever can reach
+// the port without the token cannot take the places of the job's clients: a peer on another
+// host can only use the few places of its host, and a peer on this host the few places of its
+// user (see peerUID), whatever address it connects from; the server's own user, whose
+// clients share its node, is not held back by the limit in all. An excess connection is
+// closed at once (a client takes that as a server too busy to answer, not as a dead one).
+// Refused connections are counted and logged through refuse. Authentication runs in a
+// goroutine per connection with a deadline, so a slow client delays no one else.
 type guardListener struct {
 	inner    net.Listener
 	keys     *jobKeys
 	maxConns int64
 	timeout  time.Duration             // for the handshake
 	refuse   func(peer, reason string) // counts and logs a refused connection
+	ownUser  string                    // pendingKey of this server's user's connections from this host
 
 	active atomic.Int64  // connections open, authenticated or authenticating
 	ready  chan net.Conn // authenticated connections waiting for Accept
@@ -29,22 +34,38 @@ type guardListener struct {
 	once   sync.Once     // closes done
 
 	mu      sync.Mutex     // protects pending
-	pending map[string]int // connections authenticating, by peer host
+	pending map[string]int // connections authenticating, by pendingKey
 }
 
 // Limits on connections that have not authenticated yet.
 const (
-	maxPending        = 128 // in all
-	maxPendingPerHost = 16
+	maxPending        = 128 // in all, but for the server's own user on this host
+	maxPendingPerPeer = 16  // per host, or per user on this host
 )
 
 func newGuardListener(inner net.Listener, keys *jobKeys, maxConns int, timeout time.Duration,
 	refuse func(peer, reason string)) *guardListener {
 	g := &guardListener{inner: inner, keys: keys, maxConns: int64(maxConns),
 		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{}),
-		pending: make(map[string]int)}
+		pending: make(map[string]int), ownUser: userKey(uint32(os.Getuid()))}
 	go g.acceptLoop()
 	return g
+}
+
+// pendingKeyOf is pendingKey, which tests replace to see connections as from other hosts.
+var pendingKeyOf = pendingKey
+
+// pendingKey is what connections still authenticating are counted by: the peer's user when
+// the peer is on this host and the kernel says who it is, else the peer's host.
+func pendingKey(c net.Conn) string {
+	if uid, ok := peerUID(c); ok {
+		return userKey(uid)
+	}
+	return peerHost(c.RemoteAddr())
+}
+
+func userKey(uid uint32) string {
+	return "uid " + strconv.FormatUint(uint64(uid), 10) + " on this host"
 }
 
 // Accept returns the next authenticated connection.
@@ -95,28 +116,36 @@ func (g *guardListener) acceptLoop() {
 			c.Close()
 			continue
 		}
-		if !g.startPending(host) {
+		key := pendingKeyOf(c)
+		if !g.startPending(key) {
 			g.active.Add(-1)
-			g.refuse(host, "too many connections authenticating")
+			g.refuse(host, "too many connections authenticating from "+key)
 			c.Close()
 			continue
 		}
-		go g.authenticate(&countedConn{Conn: c, active: &g.active}, host)
+		go g.authenticate(&countedConn{Conn: c, active: &g.active}, key)
 	}
 }
 
-// startPending takes a place for a connection of host to authenticate, if one is free.
-func (g *guardListener) startPending(host string) bool {
+// startPending takes a place for a connection counted by key to authenticate, if one is free.
+func (g *guardListener) startPending(key string) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	total := 0
-	for _, n := range g.pending {
-		total += n
-	}
-	if total >= maxPending || g.pending[host] >= maxPendingPerHost {
+	if g.pending[key] >= maxPendingPerPeer {
 		return false
 	}
-	g.pending[host]++
+	if key != g.ownUser {
+		total := 0
+		for k, n := range g.pending {
+			if k != g.ownUser {
+				total += n
+			}
+		}
+		if total >= maxPending {
+			return false
+		}
+	}
+	g.pending[key]++
 	return true
 }
 

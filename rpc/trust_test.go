@@ -1,6 +1,7 @@
 package rpc
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/binary"
@@ -9,8 +10,10 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -399,5 +402,121 @@ func TestHostileReplyFailsTheCall(t *testing.T) {
 		if err == nil || !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "malformed frame") {
 			t.Errorf("token %q: Hello answered with a hostile reply: %v, want ErrUnavailable for a malformed frame", token, err)
 		}
+	}
+}
+
+// TestPeerUID: the kernel names this process's user as the owner of a connection it made
+// to itself, over TCP and over a Unix socket.
+func TestPeerUID(t *testing.T) {
+	for _, network := range []string{"tcp", "unix"} {
+		addr := "127.0.0.1:0"
+		if network == "unix" {
+			addr = filepath.Join(t.TempDir(), "s")
+		}
+		ln, err := net.Listen(network, addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		c, err := net.Dial(network, ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		s, err := ln.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		if uid, ok := peerUID(s); !ok || uid != uint32(os.Getuid()) {
+			t.Errorf("%s: peer uid %d (%v), want %d", network, uid, ok, os.Getuid())
+		}
+		if got, want := pendingKey(s), userKey(uint32(os.Getuid())); got != want {
+			t.Errorf("%s: pending key %q, want %q", network, got, want)
+		}
+	}
+}
+
+// floodEnv names the address a helper process floods (see TestFloodHelper).
+const floodEnv = "FITCACHE_TEST_FLOOD"
+
+// floodConns is how many half-sent handshakes the helper leaves open: more than a peer's
+// share of the places of connections still authenticating.
+const floodConns = 40
+
+// TestFloodHelper is not a test: run by TestAnotherUsersFloodLeavesTheJobItsPlaces as another
+// user, it opens floodConns connections to $FITCACHE_TEST_FLOOD, sends half a handshake on
+// each, says "ready" and holds them until its standard input closes.
+func TestFloodHelper(t *testing.T) {
+	addr := os.Getenv(floodEnv)
+	if addr == "" {
+		t.Skip("a helper process of TestAnotherUsersFloodLeavesTheJobItsPlaces")
+	}
+	var conns []net.Conn
+	for range floodConns {
+		c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+		if err != nil {
+			continue
+		}
+		c.Write([]byte("FC"))
+		conns = append(conns, c)
+	}
+	os.Stdout.WriteString("ready " + strconv.Itoa(len(conns)) + "\n")
+	io.Copy(io.Discard, os.Stdin)
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
+// TestAnotherUsersFloodLeavesTheJobItsPlaces: another user of the node fills the places of
+// connections still authenticating with half-sent handshakes, and a client of the job on the
+// same node still connects and reads: the kernel says which user each connection is from,
+// and a user's half-open connections only take that user's places. On the main branch before
+// this change the places were counted per host, and the flood took all of 127.0.0.1's.
+func TestAnotherUsersFloodLeavesTheJobItsPlaces(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root to run the flood as another user (nobody, uid 65534)")
+	}
+	// The test binary, where nobody may run it.
+	dir, err := os.MkdirTemp("", "fitcache-flood-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	os.Chmod(dir, 0o755)
+	self, _ := os.Executable()
+	bin := filepath.Join(dir, "rpc.test")
+	if b, err := os.ReadFile(self); err != nil || os.WriteFile(bin, b, 0o755) != nil {
+		t.Fatalf("copy the test binary: %v", err)
+	}
+
+	addr, _, e := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: time.Minute})
+	flood := exec.Command(bin, "-test.run=^TestFloodHelper$")
+	flood.Env = append(os.Environ(), floodEnv+"="+addr)
+	flood.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	flood.Dir = dir
+	stdin, _ := flood.StdinPipe()
+	stdout, _ := flood.StdoutPipe()
+	if err := flood.Start(); err != nil {
+		t.Fatalf("start the flood as nobody: %v", err)
+	}
+	defer func() { stdin.Close(); flood.Wait() }()
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil || !strings.HasPrefix(line, "ready ") {
+		t.Fatalf("flood helper: %q, %v", line, err)
+	}
+	if n, _ := strconv.Atoi(strings.TrimSpace(strings.TrimPrefix(line, "ready "))); n != floodConns {
+		t.Fatalf("the flood opened %d connections, want %d", n, floodConns)
+	}
+	// Its connections beyond its share were closed at once: the flood holds all it can.
+	waitFor(t, "the flood's excess to be refused", func() bool { return e.Stats().Refusals >= floodConns-16 })
+
+	root := t.TempDir()
+	path := filepath.Join(root, "f")
+	os.WriteFile(path, []byte("read during the flood"), 0o644)
+	c, _ := Dial(addr, ClientConfig{Token: testToken, ConnectTimeout: 2 * time.Second, CallTimeout: 2 * time.Second})
+	defer c.Close()
+	if r, err := c.Read(context.Background(), root, path, false); err != nil || string(r.Data) != "read during the flood" {
+		t.Errorf("a job client on the flooded host: %v", err)
 	}
 }
