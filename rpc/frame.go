@@ -54,6 +54,7 @@ type wireType struct {
 	key    *wireType           // a map's keys
 	elem   *wireType           // a list's, set's or map's elements (values)
 	fields map[int16]*wireType // a struct's fields, by id
+	closed bool                // a struct whose decoder cannot skip other fields: they are refused
 	goSize int                 // bytes a decoder allocates per element of a container of this type
 }
 
@@ -92,8 +93,10 @@ type methodTypes struct{ args, result *wireType }
 var (
 	schemaOnce sync.Once
 	methods    map[string]methodTypes
-	// exceptionType is TApplicationException's: message and type.
-	exceptionType = &wireType{tt: thrift.STRUCT, fields: map[int16]*wireType{
+	// exceptionType is TApplicationException's: message and type. Its decoder in gopkg v0.2.0
+	// skips another field from the start of the struct instead of from the field (and panics
+	// on the offsets it gets), so other fields are refused.
+	exceptionType = &wireType{tt: thrift.STRUCT, closed: true, fields: map[int16]*wireType{
 		1: {tt: thrift.STRING, goSize: 16}, 2: {tt: thrift.I32, goSize: 4}}}
 )
 
@@ -308,8 +311,11 @@ func (c *frameCheck) value(tt thrift.TType, want *wireType, depth int) error {
 			}
 			var fw *wireType
 			if want != nil {
-				if f := want.fields[int16(binary.BigEndian.Uint16(idb))]; f != nil && f.tt == ft {
+				id := int16(binary.BigEndian.Uint16(idb))
+				if f := want.fields[id]; f != nil && f.tt == ft {
 					fw = f // the decoder reads it; otherwise it skips it
+				} else if want.closed {
+					return fmt.Errorf("field %d of type %d where none is expected", id, ft)
 				}
 			}
 			if err := c.value(ft, fw, depth+1); err != nil {

@@ -164,6 +164,8 @@ func TestCheckFrameRefusesWhatDoesNotFit(t *testing.T) {
 		{"bytes after the message", frame("Stats", thrift.CALL, 1, []byte{12, 0, 1, 0, 0, 7}), "after the message"},
 		{"method name of 2 GiB", append(binary.BigEndian.AppendUint32(nil, 0x80010001), 0x7f, 0xff, 0xff, 0xff), "method name"},
 		{"not strict", append(binary.BigEndian.AppendUint32(nil, 4), "Read"...), "not a strict"},
+		// Found by FuzzDecodeReply: gopkg's exception decoder panicked on the unknown field.
+		{"exception with another field", frame("Read", thrift.EXCEPTION, 1, []byte{12, 0x30, 0x30, 0, 0}), "where none is expected"},
 	} {
 		f := tc.frame
 		if binary.BigEndian.Uint32(f) == uint32(len(f)-4) {
