@@ -375,8 +375,14 @@ func TestReplicaCopiesAreBoundedAndAwaited(t *testing.T) {
 	root := t.TempDir()
 	c := &Client{root: root, cluster: r, log: nil}
 	c.log = discardLogger()
-	c.replicate([]*peer{p}, filepath.Join(root, "big"), make([]byte, replicaMaxFile+1), 0)
-	c.replicate([]*peer{p}, filepath.Join(root, "small"), []byte("small"), 0)
+	small := filepath.Join(root, "small")
+	if err := os.WriteFile(small, []byte("small"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fi, _ := os.Stat(small)
+	stamp := rpc.NewStamper("t").Stamp(small, core.Result{Data: []byte("small"), MTimeNanos: fi.ModTime().UnixNano()})
+	c.replicate([]*peer{p}, filepath.Join(root, "big"), make([]byte, replicaMaxFile+1), rpc.Stamp{})
+	c.replicate([]*peer{p}, small, []byte("small"), stamp)
 	r.close() // waits for the copy in flight
 	if got := r.replicasSkipped.Load(); got != 1 {
 		t.Errorf("replica copies skipped: %d, want 1 (the file over %d bytes)", got, replicaMaxFile)

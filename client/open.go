@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -98,7 +99,7 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 			return nil, 0, err // too large to cache: read the source
 		}
 		if res.Origin == "source" {
-			c.replicate(rest, path, res.Bytes(), res.MTimeNanos)
+			c.replicate(rest, path, res.Bytes(), c.cluster.stamper.Stamp(path, res))
 		}
 		res.Release()
 		if f, _, err := openTier(anySession(dirs), path); err == nil { // the engine checked it
@@ -124,7 +125,7 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 		checked := anySession(dirs) // the server checked the copy before it answered
 		if reply.Origin == "source" && len(rest) > 0 {
 			if m, err := tiers.Probe(checked, path); err == nil {
-				c.replicate(rest, path, m.Bytes(), reply.MtimeNanos)
+				c.replicate(rest, path, m.Bytes(), rpc.StampOf(reply))
 				m.Release()
 			}
 		}
@@ -137,7 +138,7 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 		}
 		data = reply.Data
 	} else if reply.Origin == "source" && len(rest) > 0 {
-		c.replicate(rest, path, data, reply.MtimeNanos)
+		c.replicate(rest, path, data, rpc.StampOf(reply))
 	}
 	f, err := memFile(path, data, reply.MtimeNanos)
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/fitcache/fitcache/config"
@@ -66,6 +67,9 @@ type clusterRouter struct {
 	log   *slog.Logger
 	ring  *ring.Ring // every server of the job; never changes
 	peers map[string]*peer
+	// stamper stamps the files this client's own server serves it (see SetOwnServer) for
+	// their replicas, as a server stamps its Read replies.
+	stamper rpc.Stamper
 
 	deaths   atomic.Int64 // servers this client declared dead
 	gossiped atomic.Int64 // servers declared dead because a server said its clients found them dead
@@ -89,7 +93,7 @@ func newClusterRouter(cfg config.Config, log *slog.Logger) (*clusterRouter, erro
 		return nil, err
 	}
 	r := &clusterRouter{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*peer{},
-		stop: make(chan struct{}), stopped: make(chan struct{})}
+		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{})}
 	r.ring.Add(members...)
 	for _, m := range members {
 		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, Job: cfg.Job, ConnectTimeout: cfg.RPCTimeout,
@@ -111,7 +115,7 @@ func (r *clusterRouter) waitForServers() error {
 	deadline := time.Now().Add(r.cfg.WaitTimeout)
 	var lastErr error
 	for {
-		missing := 0
+		missing, unproven := 0, 0
 		for _, p := range r.peers {
 			if _, _, dead := p.state(); dead {
 				if err := r.hello(p); err != nil {
@@ -120,11 +124,22 @@ func (r *clusterRouter) waitForServers() error {
 					if errors.Is(err, fs.ErrPermission) {
 						return fmt.Errorf("fitcache server %s refused this client: %w", p.member.ID, err)
 					}
+					if errors.Is(err, rpc.ErrUnproven) {
+						unproven++
+					}
 				}
 			}
 		}
 		if missing == 0 {
 			return nil
+		}
+		if unproven == len(r.peers) {
+			// A client cannot tell a token that differs from the servers' from listeners that
+			// are not the job's servers; with every server failing to prove the token, the
+			// first is far likelier.
+			return &core.ErrnoError{Errno: syscall.EACCES, Message: fmt.Sprintf("no fitcache server of the job proved "+
+				"that it knows this client's job token: the token differs from the servers' (or what listens at their "+
+				"addresses is not the job's servers): %v", lastErr)}
 		}
 		if time.Now().After(deadline) {
 			var down []string
@@ -371,7 +386,7 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 			return err
 		}
 		if reply != nil && reply.Origin == "source" && len(rest) > 0 {
-			c.replicate(rest, path, b.Bytes(), reply.MtimeNanos)
+			c.replicate(rest, path, b.Bytes(), reply.Stamp)
 		}
 		buf = b
 		return nil
@@ -400,7 +415,7 @@ func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) 
 	if err != nil {
 		return nil, nil, err
 	}
-	return buf, &readReply{Origin: reply.Origin, MtimeNanos: reply.MtimeNanos}, nil
+	return buf, &readReply{Origin: reply.Origin, Stamp: rpc.StampOf(reply)}, nil
 }
 
 // askPeer asks one server for a file over RPC (naming the tier file when the server is on
@@ -428,8 +443,8 @@ func (c *Client) askPeer(ctx context.Context, p *peer, path string) (*fitcachepb
 }
 
 type readReply struct {
-	Origin     string
-	MtimeNanos int64
+	Origin string
+	Stamp  rpc.Stamp // what the owner vouched for, for replica copies
 }
 
 // Replica copies are sent in the background and hold a copy of the file meanwhile: they are
@@ -441,8 +456,9 @@ const (
 )
 
 // replicate sends a file just read from the source to the other servers meant to hold it,
-// in the background: a replica copy must not slow the read down. Close waits for them.
-func (c *Client) replicate(to []*peer, path string, data []byte, mtime int64) {
+// with the stamp its owner gave it (which the replicas check), in the background: a replica
+// copy must not slow the read down. Close waits for them.
+func (c *Client) replicate(to []*peer, path string, data []byte, stamp rpc.Stamp) {
 	r := c.cluster
 	need := int64(len(data)) * int64(len(to))
 	if len(data) > replicaMaxFile || r.replicaBytes.Add(need) > replicaBytesInFlight {
@@ -458,7 +474,7 @@ func (c *Client) replicate(to []*peer, path string, data []byte, mtime int64) {
 		go func() {
 			defer r.replicas.Done()
 			defer r.replicaBytes.Add(-int64(len(data)))
-			if err := p.rpc.Store(context.Background(), c.root, path, data, mtime); err != nil {
+			if err := p.rpc.Store(context.Background(), c.root, path, data, stamp); err != nil {
 				c.log.Debug("replica copy failed", "server", p.member.ID, "path", path, "err", err)
 			}
 		}()

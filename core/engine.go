@@ -81,6 +81,8 @@ type flight struct {
 	size      int64         // the file's size, once the source is open
 	fetchOnly bool          // started by Fetch: a file no tier takes is not read (the caller reads it)
 	mtime     int64         // the source's modification time, Unix nanoseconds
+	ctime     int64         // the source's change time, Unix nanoseconds
+	ino       uint64        // the source's inode number
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
 	noEvict   atomic.Bool   // fetched by prefetch alone: publish without eviction (see noEvict)
@@ -185,7 +187,8 @@ func (e *Engine) AddClientHits(byKind map[string]int64, bytes int64) {
 	e.stats.AddClientHits(byKind, bytes)
 }
 
-// CountRefusal records a request refused for a wrong or missing job token.
+// CountRefusal records a connection refused: no handshake, a wrong proof of the job token,
+// or too many connections.
 func (e *Engine) CountRefusal() { e.stats.refusals.Add(1) }
 
 // TierDirs returns the read side of the engine's tiers, fastest first.
@@ -204,6 +207,10 @@ type Result struct {
 	Origin  string         // a tier kind, "inflight" or "source"
 	// MTimeNanos is the source file's modification time, for a replica's copy.
 	MTimeNanos int64
+	// CTimeNanos and Ino are the source file's change time and inode number when this read
+	// (or the one it joined) opened the source; 0 for a file served from a tier.
+	CTimeNanos int64
+	Ino        uint64
 }
 
 // Bytes returns the file's bytes.
@@ -287,13 +294,13 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		origin = "source"
 	}
 	if !f.inTier {
-		return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime}, nil
+		return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime, CTimeNanos: f.ctime, Ino: f.ino}, nil
 	}
 	res, err := e.probe(path, wantMapping)
 	if errors.Is(err, tiers.ErrNotCached) { // evicted at once by a burst of larger files
 		return Result{}, fmt.Errorf("%w: %s was evicted before it could be served", ErrTooLarge, path)
 	}
-	res.Origin = origin
+	res.Origin, res.CTimeNanos, res.Ino = origin, f.ctime, f.ino
 	return res, err
 }
 
@@ -387,31 +394,6 @@ func (e *Engine) probe(path string, wantMapping bool) (Result, error) {
 	return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos}, nil
 }
 
-// Store caches a file's bytes that a client read from the file's owner, so that this server,
-// a replica, holds a copy without reading the source. A file already cached or on its way is
-// left alone.
-func (e *Engine) Store(root, path string, data []byte, mtimeNanos int64) error {
-	if e.closed.Load() {
-		return ErrClosed
-	}
-	if err := e.checkRoot(root, path); err != nil {
-		return err
-	}
-	if m, err := tiers.Probe(e.tiers, path); err == nil {
-		m.Release()
-		return nil
-	}
-	f, leader := e.join(path)
-	if !leader {
-		return nil
-	}
-	f.data, f.mtime = data, mtimeNanos
-	close(f.done)
-	e.stats.stored.Add(1)
-	e.mover.enqueue(job{entry: tiers.Entry{SourcePath: path, Size: int64(len(data)), MTimeNanos: mtimeNanos, Group: root}, flight: f})
-	return nil
-}
-
 // startFill counts a source read about to start, unless the engine is closing.
 func (e *Engine) startFill() bool {
 	e.mu.Lock()
@@ -465,10 +447,9 @@ func (e *Engine) fill(f *flight, root, path string) {
 		return
 	}
 	defer src.Close()
-	f.mtime = src.MTimeNanos()
-	id := src.Identity()
-	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, SourceCTimeNanos: id.CTimeNanos,
-		SourceIno: id.Ino, Session: session, Group: root, Mode: src.Mode()}
+	f.mtime, f.ctime, f.ino = src.MTimeNanos(), src.CTimeNanos(), src.Ino()
+	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, SourceCTimeNanos: f.ctime,
+		SourceIno: f.ino, Session: session, Group: root, Mode: src.Mode()}
 	f.size = entry.Size
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {
 		f.err = fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)

@@ -27,6 +27,9 @@ var (
 	ErrCacheFull = fmt.Errorf("%w: no room left in the cache for this dataset", ErrTooLarge)
 	// ErrClosed reports use of a closed engine or client.
 	ErrClosed = errors.New("closed")
+	// ErrBadCopy reports bytes sent for a replica copy (Engine.Store) that do not match what
+	// their owner vouched for: their checksum, the owner's stamp, or their size.
+	ErrBadCopy = errors.New("replica copy does not match its owner's stamp")
 )
 
 // Errno maps an error to the Linux errno value that describes it best, for the C ABI and the
@@ -50,6 +53,8 @@ func Errno(err error) syscall.Errno {
 		return syscall.EFBIG
 	case errors.Is(err, ErrChanged):
 		return syscall.EAGAIN
+	case errors.Is(err, ErrBadCopy):
+		return syscall.EBADMSG
 	case errors.Is(err, fs.ErrNotExist):
 		return syscall.ENOENT
 	case errors.Is(err, fs.ErrPermission):
@@ -72,6 +77,7 @@ const (
 	ReasonCacheFull
 	ReasonChanged
 	ReasonClosed
+	ReasonBadCopy
 )
 
 // reasons pairs each Reason with its sentinel, most specific first (ErrCacheFull wraps
@@ -86,6 +92,7 @@ var reasons = []struct {
 	{ReasonTooLarge, ErrTooLarge},
 	{ReasonChanged, ErrChanged},
 	{ReasonClosed, ErrClosed},
+	{ReasonBadCopy, ErrBadCopy},
 }
 
 // ReasonOf returns the Reason of err: the sentinel it wraps, or ReasonUnspecified.

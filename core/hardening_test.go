@@ -188,7 +188,7 @@ func TestReadAfterCloseIsErrClosed(t *testing.T) {
 	if _, err := e.Read(context.Background(), root, paths[0], false); !errors.Is(err, ErrClosed) {
 		t.Errorf("read after Close: got %v, want ErrClosed", err)
 	}
-	if err := e.Store(root, paths[0], []byte("x"), 0); !errors.Is(err, ErrClosed) {
+	if err := e.Store(StoreRequest{Root: root, Path: paths[0], Data: []byte("x")}); !errors.Is(err, ErrClosed) {
 		t.Errorf("store after Close: got %v, want ErrClosed", err)
 	}
 }

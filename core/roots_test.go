@@ -71,7 +71,7 @@ func checkRootEscapes(t *testing.T, configured, serverRoot, alias, link, outside
 		}
 	}
 	for _, root := range []string{link, outside} {
-		if err := e.Store(root, filepath.Join(root, "token"), []byte("x"), 0); !errors.Is(err, ErrOutsideRoot) {
+		if err := e.Store(StoreRequest{Root: root, Path: filepath.Join(root, "token"), Data: []byte("x")}); !errors.Is(err, ErrOutsideRoot) {
 			t.Errorf("Store under %s: got %v, want ErrOutsideRoot", root, err)
 		}
 	}

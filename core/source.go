@@ -93,6 +93,18 @@ func OpenSource(root, realRoot, path string) (*Source, error) {
 	return &Source{f: f, path: path, stamp: stampOf(&st)}, nil
 }
 
+// lookSource opens the source file at path, which lies lexically under root, whose symbolic
+// links resolve to realRoot, to look at it but not to read it (O_PATH): it is found beneath
+// the root as OpenSource finds it, so a link out of the root is refused the same way, and on
+// a parallel file system the look is a metadata lookup only. The caller closes the file.
+func lookSource(root, realRoot, path string) (*os.File, error) {
+	rel, err := filepath.Rel(root, path)
+	if err != nil || !filepath.IsLocal(rel) {
+		return nil, fmt.Errorf("%w: %s is not under %s", ErrOutsideRoot, path, root)
+	}
+	return openBeneath(realRoot, rel, path, unix.O_PATH|unix.O_CLOEXEC)
+}
+
 // sourceOpenFlags: O_NONBLOCK so that opening a FIFO does not wait for a writer (it is
 // refused after the open).
 const sourceOpenFlags = unix.O_RDONLY | unix.O_NONBLOCK | unix.O_CLOEXEC
@@ -164,6 +176,12 @@ func (s *Source) Identity() tiers.Identity {
 
 // MTimeNanos returns the file's modification time when it was opened, in Unix nanoseconds.
 func (s *Source) MTimeNanos() int64 { return s.stamp.mtime.Nano() }
+
+// CTimeNanos returns the file's change time when it was opened, in Unix nanoseconds.
+func (s *Source) CTimeNanos() int64 { return s.stamp.ctim.Nano() }
+
+// Ino returns the file's inode number.
+func (s *Source) Ino() uint64 { return s.stamp.ino }
 
 // Mode returns the file's permission bits.
 func (s *Source) Mode() fs.FileMode { return fs.FileMode(s.stamp.mode).Perm() }

@@ -23,7 +23,8 @@ type Stats struct {
 	publishErrors atomic.Int64 // publications that failed (the read itself succeeded)
 	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
 	stored        atomic.Int64 // files received from clients for a replica copy
-	refusals      atomic.Int64 // requests refused for a wrong or missing job token
+	storeRefused  atomic.Int64 // replica copies refused: not what their owner vouched for, or stale
+	refusals      atomic.Int64 // connections refused: no handshake or a wrong proof of the job token, or too many
 	sourceChecks  atomic.Int64 // cached copies compared with their source (see validate)
 	staleCopies   atomic.Int64 // of those, copies dropped: the source changed or is gone
 
@@ -47,6 +48,7 @@ type StatsSnapshot struct {
 	PublishErrors int64            `json:"publish_errors"`
 	ClientHits    int64            `json:"client_hits"`
 	Stored        int64            `json:"stored"`
+	StoreRefused  int64            `json:"store_refused"`
 	Refusals      int64            `json:"refusals"`
 	// SourceChecks counts cached copies compared with their source's identity (once per
 	// file per job, see Engine.BeginSession), StaleCopies those dropped because the source
@@ -75,7 +77,8 @@ func (s *Stats) Snapshot() StatsSnapshot {
 		SourceReads: s.sourceReads.Load(), SourceBytes: s.sourceBytes.Load(),
 		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
 		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
-		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(), Refusals: s.refusals.Load(),
+		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(),
+		StoreRefused: s.storeRefused.Load(), Refusals: s.refusals.Load(),
 		SourceChecks: s.sourceChecks.Load(), StaleCopies: s.staleCopies.Load(),
 	}
 }

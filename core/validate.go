@@ -2,9 +2,7 @@ package core
 
 import (
 	"errors"
-	"fmt"
 	"io/fs"
-	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -66,19 +64,14 @@ func (e *Engine) validate(root, path string) error {
 	return nil
 }
 
-// sourceIdentity returns the identity of the source file at path, inside root, now. The file
-// is looked up beneath the resolved root as every source open is, but not opened for reading
-// (O_PATH): on a parallel file system that is a metadata lookup only.
+// sourceIdentity returns the identity of the source file at path, inside root, now, without
+// opening it for reading (see lookSource).
 func (e *Engine) sourceIdentity(root, path string) (tiers.Identity, error) {
 	realRoot, err := e.realRoot(root)
 	if err != nil {
 		return tiers.Identity{}, err
 	}
-	rel, err := filepath.Rel(root, path)
-	if err != nil || !filepath.IsLocal(rel) {
-		return tiers.Identity{}, fmt.Errorf("%w: %s is not under %s", ErrOutsideRoot, path, root)
-	}
-	f, err := openBeneath(realRoot, rel, path, unix.O_PATH|unix.O_CLOEXEC)
+	f, err := lookSource(root, realRoot, path)
 	if err != nil {
 		return tiers.Identity{}, err
 	}

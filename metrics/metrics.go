@@ -70,7 +70,9 @@ var statMetrics = []statMetric{
 		func(s *core.StatsSnapshot) int64 { return s.SourceChecks }),
 	newStatMetric("stale_copies_total", "Cached copies dropped because their source had changed or was gone.", prometheus.CounterValue,
 		func(s *core.StatsSnapshot) int64 { return s.StaleCopies }),
-	newStatMetric("refusals_total", "Connections and requests refused: wrong or missing job token, or too many connections.", prometheus.CounterValue,
+	newStatMetric("store_refused_total", "Replica copies refused: not what their owner stamped, or not the source's version.", prometheus.CounterValue,
+		func(s *core.StatsSnapshot) int64 { return s.StoreRefused }),
+	newStatMetric("refusals_total", "Connections refused: no handshake or a wrong proof of the job token, or too many connections.", prometheus.CounterValue,
 		func(s *core.StatsSnapshot) int64 { return s.Refusals }),
 
 	newStatMetric("prefetch_reads", "Source reads prefetch may run at once (0: off).", prometheus.GaugeValue,

@@ -182,7 +182,7 @@ func (f fakeMembers) Membership() (int64, []string) { return f.version, f.dead }
 
 func TestMetricsFollowTheStatistics(t *testing.T) {
 	m := New(fakeEngine{core.StatsSnapshot{
-		Hits: map[string]int64{"memory": 7, "disk": 2}, Evictions: 3, Refusals: 4, Stored: 5,
+		Hits: map[string]int64{"memory": 7, "disk": 2}, Evictions: 3, Refusals: 4, Stored: 5, StoreRefused: 6,
 		Prefetch: core.PrefetchStats{Reads: 16, JobsActive: 1, FilesQueued: 40, Jobs: 2, Fetched: 60,
 			SkippedCached: 6, SkippedInflight: 2, Failed: 1, Bytes: 1 << 20, StoppedBudget: 1},
 		Tiers: []tiers.Info{{Dir: "/dev/shm/fc", Kind: "memory", Used: 1000, Budget: 4096, Files: 3}},
@@ -200,6 +200,7 @@ func TestMetricsFollowTheStatistics(t *testing.T) {
 		{"fitcache_evictions_total", nil, 3},
 		{"fitcache_refusals_total", nil, 4},
 		{"fitcache_stored_total", nil, 5},
+		{"fitcache_store_refused_total", nil, 6},
 		{"fitcache_prefetch_reads", nil, 16},
 		{"fitcache_prefetch_jobs_active", nil, 1},
 		{"fitcache_prefetch_files_queued", nil, 40},

@@ -6,10 +6,13 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
+
+	"github.com/cloudwego/kitex/pkg/remote/trans/netpoll"
 )
 
 // BenchmarkRemoteRead reads a cached file over loopback TCP from a server without a token
-// (Kitex's netpoll transport on both sides) and with one (the preamble, then Kitex's Go net
+// (Kitex's netpoll transport on both sides) and with one (the handshake, then Kitex's Go net
 // transport on the server, netpoll on the client).
 func BenchmarkRemoteRead(b *testing.B) {
 	QuietKitexLogs()
@@ -37,4 +40,33 @@ func BenchmarkRemoteRead(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkConnect is the set-up of a connection to a server with a token over loopback TCP:
+// "dial" is what a client's dialer does for each new connection (connect, then the handshake)
+// and the connection closed; "first-call" is a new client's first call, which makes one.
+func BenchmarkConnect(b *testing.B) {
+	QuietKitexLogs()
+	addr, _, _ := serveTCP(b, ServerConfig{Token: "t"})
+	b.Run("dial", func(b *testing.B) {
+		d := handshakeDialer{inner: netpoll.NewDialer(), keys: newJobKeys("t")}
+		b.ReportAllocs()
+		for b.Loop() {
+			c, err := d.DialTimeout("tcp", addr, time.Second)
+			if err != nil {
+				b.Fatal(err)
+			}
+			c.Close()
+		}
+	})
+	b.Run("first-call", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			c, _ := Dial(addr, ClientConfig{Token: "t"})
+			if _, err := c.Hello(context.Background()); err != nil {
+				b.Fatal(err)
+			}
+			c.Close()
+		}
+	})
 }

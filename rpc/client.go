@@ -21,16 +21,21 @@ import (
 
 // ClientConfig configures a Client. Zero values take the defaults shown.
 type ClientConfig struct {
-	// Token of the job. When set, every new connection starts with the authentication
-	// preamble (the server must have the same token) and every request carries it.
+	// Token of the job. When set, every new connection starts with the handshake (see
+	// handshake.go), in which the server must prove that it knows the token before this
+	// client sends anything else or reads a reply; the token itself never travels.
 	Token string
 	// Job identifies the caller's job (a training run) in Hello: the job's clients share one
 	// validation session at each server (see core.Engine.BeginSession).
 	Job            string
-	ConnectTimeout time.Duration // 1s: also bounds the preamble exchange
+	ConnectTimeout time.Duration // 1s: also bounds the handshake
 	CallTimeout    time.Duration // 2s: deadline of Hello, ReportHits and Stats
 	ReadTimeout    time.Duration // 60s: deadline of Read, which may read a large source file
-	MaxFrameBytes  int           // largest request or reply: DefaultMaxFrameBytes with a token, else no limit
+	// MaxFrameBytes is the largest request or reply: DefaultMaxFrameBytes with a token, else
+	// no limit (the per-user server on a private Unix socket). Whatever the limit, every
+	// length in a reply is checked against the bytes of its frame before it is decoded (see
+	// checkFrame).
+	MaxFrameBytes int
 }
 
 // Client calls one FitCache server. Every call has a deadline. It is safe for concurrent use.
@@ -50,10 +55,11 @@ type Client struct {
 var ErrUnavailable = errors.New("fitcache server unavailable")
 
 // IsRefused reports a failure to reach the server at all (nothing listens there, the
-// connection was refused or closed while connecting), as opposed to a call that timed out:
-// a server that refuses connections is certainly down.
+// connection was refused or closed while connecting, or what listens there did not prove that
+// it knows the job token: ErrUnproven), as opposed to a call that timed out: such a server is
+// certainly down.
 func IsRefused(err error) bool {
-	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {
+	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) || errors.Is(err, ErrUnproven) {
 		return true
 	}
 	var timeout interface{ Timeout() bool }
@@ -79,14 +85,12 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 		cfg.MaxFrameBytes = DefaultMaxFrameBytes
 	}
 	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
-		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout)}
-	if cfg.MaxFrameBytes > 0 {
-		opts = append(opts, client.WithCodec(newFramedCodec(cfg.MaxFrameBytes)))
-	}
+		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout),
+		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
-		// Kitex's default (netpoll) dialer, with the preamble sent and answered before Kitex
-		// gets the connection.
-		opts = append(opts, client.WithDialer(preambleDialer{inner: netpoll.NewDialer(), token: cfg.Token}))
+		// Kitex's default (netpoll) dialer, with the handshake done before Kitex gets the
+		// connection.
+		opts = append(opts, client.WithDialer(handshakeDialer{inner: netpoll.NewDialer(), keys: newJobKeys(cfg.Token)}))
 	}
 	kc, err := client.NewClient(fitcache.NewServiceInfoForClient(), opts...)
 	if err != nil {
@@ -132,14 +136,12 @@ func (c *Client) target() callopt.Option { return callopt.WithHostPort(c.addr) }
 // host process's stderr: the client reports what matters through its errors and counters.
 func QuietKitexLogs() { klog.SetLevel(klog.LevelFatal) }
 
-// failed turns a call's error into ours: a refused job token is an answer (EACCES), like a
-// request refused for its token; anything else means the server was not reached.
+// failed turns a call's error into ours: anything but a closed client means the server was
+// not reached (ErrUnavailable), a listener that did not prove the job token included (see
+// IsRefused).
 func (c *Client) failed(err error) error {
-	switch {
-	case errors.Is(err, core.ErrClosed):
+	if errors.Is(err, core.ErrClosed) {
 		return err
-	case errors.Is(err, ErrTokenRefused):
-		return &core.ErrnoError{Errno: syscall.EACCES, Message: fmt.Sprintf("%s: %v", c.addr, ErrTokenRefused)}
 	}
 	return fmt.Errorf("%w: %s: %w", ErrUnavailable, c.addr, err)
 }
@@ -148,7 +150,7 @@ func (c *Client) failed(err error) error {
 func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 	var r *fitcachepb.HelloReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Token: c.cfg.Token, Job: c.cfg.Job}, c.target())
+		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Job: c.cfg.Job}, c.target())
 		return err
 	})
 	if err != nil {
@@ -167,7 +169,6 @@ func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitc
 func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
-	req.Token = c.cfg.Token
 	var r *fitcachepb.ReadReply
 	err := c.call(func() (err error) {
 		r, err = c.kc.Read(ctx, req, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
@@ -183,7 +184,7 @@ func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*
 func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes int64) error {
 	var r *fitcachepb.HitReportReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.ReportHits(ctx, &fitcachepb.HitReport{Token: c.cfg.Token, HitsByTier: byTier, Bytes: bytes}, c.target())
+		r, err = c.kc.ReportHits(ctx, &fitcachepb.HitReport{HitsByTier: byTier, Bytes: bytes}, c.target())
 		return err
 	})
 	if err != nil {
@@ -192,14 +193,17 @@ func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes 
 	return core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
-// Store sends a file's bytes to a replica server, which caches them.
-func (c *Client) Store(ctx context.Context, root, path string, data []byte, mtimeNanos int64) error {
+// Store sends a file's bytes to a replica server, which caches them if they match the stamp
+// their owner gave them in its Read reply (see StampOf) and the source as the replica sees it;
+// else it fails with EBADMSG (core.ErrBadCopy) or EAGAIN (core.ErrChanged).
+func (c *Client) Store(ctx context.Context, root, path string, data []byte, s Stamp) error {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
 	var r *fitcachepb.StoreReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Store(ctx, &fitcachepb.StoreRequest{Token: c.cfg.Token, Root: root, Path: path, Data: data,
-			MtimeNanos: mtimeNanos}, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+		r, err = c.kc.Store(ctx, &fitcachepb.StoreRequest{Root: root, Path: path, Data: data, MtimeNanos: s.MTimeNanos,
+			CtimeNanos: s.CTimeNanos, Inode: int64(s.Ino), Checksum: int64(s.Checksum), Stamp: s.MAC},
+			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
 		return err
 	})
 	if err != nil {
@@ -212,7 +216,7 @@ func (c *Client) Store(ctx context.Context, root, path string, data []byte, mtim
 func (c *Client) Stats(ctx context.Context) (string, error) {
 	var r *fitcachepb.StatsReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Stats(ctx, &fitcachepb.StatsRequest{Token: c.cfg.Token}, c.target())
+		r, err = c.kc.Stats(ctx, &fitcachepb.StatsRequest{}, c.target())
 		return err
 	})
 	if err != nil {

@@ -2,23 +2,46 @@
 //
 // fitcache.thrift is the contract; kitex_gen holds the code generated from it (regenerate with
 // generate.sh, never edit by hand). [Handler] serves the protocol over a [core.Engine]: it
-// only authenticates, validates, calls the engine and maps errors to errno codes. [Client]
-// calls one server with a deadline on every call.
+// only validates, calls the engine and maps errors to errno codes. [Client] calls one server
+// with a deadline on every call.
 //
-// A server with a job token trusts no byte before a connection has sent the authentication
-// preamble (see preamble.go) carrying the token: Serve wraps the listener to read it, cap
-// connections and refuse the rest before Kitex sees them (such a server uses Kitex's Go net
-// transport: netpoll takes no wrapped listener), and Dial sends it through its dialer before
-// Kitex gets the connection. Both sides use a codec that checks a frame's size against
-// [DefaultMaxFrameBytes] (configurable) before reading its body. Servers and clients without
-// a token (the per-user server on a private Unix socket) send and expect no preamble. Every
-// request still carries the token, compared in constant time.
+// What a server and a client with a job token guarantee each other:
+//
+//   - Mutual authentication without the token on the wire (handshake.go). Each new
+//     connection starts with a handshake in which each side proves, with an HMAC-SHA256 over
+//     fresh nonces of both sides and the connection's two endpoints, that it holds a key
+//     derived from the token. The client sends nothing but a nonce before the server has
+//     proved itself, and takes a listener that cannot (another user's process at the
+//     address of a server that is not up, or died; a relay to a real server) for a server
+//     that is down ([ErrUnproven], [IsRefused]). The server reads no request before the
+//     client has proved itself. Requests carry no token: a connection is authenticated, so
+//     every request on it, Store, Forget and Clear included, comes from the job. Serve wraps
+//     the listener to run the handshake, cap connections and refuse the rest before Kitex
+//     sees them (such a server uses Kitex's Go net transport: netpoll takes no wrapped
+//     listener), and Dial runs it in its dialer before Kitex gets the connection.
+//   - Bounded decoding (frame.go). Both sides use a codec that checks a frame's size against
+//     [DefaultMaxFrameBytes] (configurable) before reading its body, and then every length in
+//     it against the bytes it holds before Kitex's generated decoders, which allocate what a
+//     list claims, see it.
+//   - Checked replica copies (stamp.go). A Read reply carries the file's CRC-32C and its
+//     owner's stamp, which a client passes on to a replica's Store; the replica checks both,
+//     and the source's size and times with its own stat, before it keeps a copy.
+//
+// What they do not: the connection is not encrypted. Whoever can read the traffic between
+// nodes sees the files and requests, and whoever can modify it can change them after the
+// handshake; such a network attacker is out of scope (run the job on a trusted network, or
+// under a tunnel). Both sides must see the same endpoints: address translation between the
+// nodes of a job is not supported. Any holder of the token is a member of the job.
+//
+// Servers and clients without a token (the per-user server on a private Unix socket, which
+// only its user reaches) send and expect no handshake, and have no frame-size limit; their
+// frames are checked all the same.
 //
 // Usage:
 //
 //	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{Token: token})
 //	...
-//	c, err := rpc.Dial("/run/user/1000/fitcache/server.sock", rpc.ClientConfig{Token: token})
+//	c, err := rpc.Dial("node7:7070", rpc.ClientConfig{Token: token})
 //	defer c.Close()
-//	reply, err := c.Read(ctx, "/data", "/data/train/0001.jpg", true)
+//	reply, err := c.Read(ctx, "/data", "/data/train/0001.jpg", false)
 package rpc

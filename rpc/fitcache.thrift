@@ -15,6 +15,7 @@ enum Reason {
   CACHE_FULL = 4,   // ENOSPC: no room left for the dataset; the caller reads the source
   CHANGED = 5,      // EAGAIN: the source changed while being read
   CLOSED = 6,       // EBADF: the server is closing
+  BAD_COPY = 7,     // EBADMSG: bytes sent for a replica copy do not match their owner's stamp
 }
 
 // A tier directory of a server, so that a client on the same node can map cached files itself.
@@ -23,8 +24,9 @@ struct TierInfo {
   2: string kind
 }
 
+// Field 1 of every request struct was the job token until connections were authenticated
+// instead (see rpc/handshake.go): it is not to be reused.
 struct HelloRequest {
-  1: string token
   // The caller's job (a training run): its clients share one validation session, in which
   // each cached copy is checked against its source once (see core.Engine.BeginSession).
   // Empty: the server's current session, beginning none.
@@ -51,7 +53,6 @@ struct HelloReply {
 }
 
 struct ReadRequest {
-  1: string token
   // Dataset root the path must stay within (absolute, cleaned).
   2: string root
   // File to read (absolute, cleaned, inside root).
@@ -85,12 +86,20 @@ struct ReadReply {
   9: list<string> dead
   // Why it failed, when errno alone does not say (see Reason).
   10: Reason reason
+  // What the file's owner vouches for, so that a replica can check a copy it is sent (see
+  // StoreRequest): the CRC-32C of the data (as the tiers record it), the source's change time
+  // and inode number when the owner read the source itself (0 when it did not), and the
+  // owner's stamp over path, size, mtime_nanos, ctime_nanos, inode and checksum (an HMAC
+  // with the job's stamp key, rpc/stamp.go). Set on success, also for a cached_path reply.
+  11: i64 checksum
+  12: i64 ctime_nanos
+  13: i64 inode
+  14: binary stamp
 }
 
 // Hits that clients served from tier files themselves, reported so that server counters see
 // every read.
 struct HitReport {
-  1: string token
   2: map<string, i64> hits_by_tier
   3: i64 bytes
 }
@@ -103,13 +112,18 @@ struct HitReportReply {
 }
 
 // A file's bytes that a client read from the file's owner, sent to a replica so that the
-// replica caches it without reading the source.
+// replica caches it without reading the source. The replica checks the bytes against the
+// owner's checksum and stamp (fields 6 to 9, as the owner's ReadReply gave them) and the
+// size and times against its own stat of the source before it keeps a copy.
 struct StoreRequest {
-  1: string token
   2: string root
   3: string path
   4: binary data
   5: i64 mtime_nanos
+  6: i64 checksum
+  7: i64 ctime_nanos
+  8: i64 inode
+  9: binary stamp
 }
 
 struct StoreReply {
@@ -120,7 +134,6 @@ struct StoreReply {
 }
 
 struct StatsRequest {
-  1: string token
 }
 
 struct StatsReply {
@@ -137,7 +150,6 @@ struct StatsReply {
 // is sent in chunks, in order. A request without paths, offset 0 and total 0 renews the
 // caller's job (its lease) and reports its progress.
 struct PrefetchRequest {
-  1: string token
   // Dataset root the paths must stay within (absolute, cleaned).
   2: string root
   // Identifies the caller (one client); a job lives while one of its owners renews it.
@@ -191,7 +203,6 @@ struct CacheUsage {
 }
 
 struct UsageRequest {
-  1: string token
 }
 
 struct UsageReply {
@@ -206,7 +217,6 @@ struct UsageReply {
 // Removes the cached files of the dataset roots at or under root, or with all of every root,
 // from every tier (see core.Engine.Clear).
 struct ClearRequest {
-  1: string token
   // Absolute and clean; ignored with all.
   2: string root
   3: bool all
@@ -226,7 +236,6 @@ struct ClearReply {
 // Forget drops the cached copies of one file from the server's tiers: its source is being
 // written (a write-open through the preload shim, see core.Engine.Forget).
 struct ForgetRequest {
-  1: string token
   // Absolute and clean; path inside root.
   2: string root
   3: string path

@@ -28,7 +28,7 @@ func (h *Handler) Forget(ctx context.Context, req *fitcachepb.ForgetRequest) (*f
 func (c *Client) Forget(ctx context.Context, root, path string) error {
 	var r *fitcachepb.ForgetReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Forget(ctx, &fitcachepb.ForgetRequest{Token: c.cfg.Token, Root: root, Path: path}, c.target())
+		r, err = c.kc.Forget(ctx, &fitcachepb.ForgetRequest{Root: root, Path: path}, c.target())
 		return err
 	})
 	if err != nil {

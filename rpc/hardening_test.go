@@ -53,19 +53,15 @@ func dialRaw(t *testing.T, addr string) net.Conn {
 	return c
 }
 
-// authenticate sends the preamble for token on c and returns the server's answer byte.
-func authenticate(t *testing.T, c net.Conn, token string) byte {
+// authenticate runs the client's side of the handshake with token on c: nil if the server
+// proved that it knows the token (and this client's proof was sent), ErrUnproven if not.
+func authenticate(t *testing.T, c net.Conn, token string) error {
 	t.Helper()
-	if err := writePreamble(c, token); err != nil {
-		t.Fatal(err)
+	err := clientHandshake(c, newJobKeys(token), time.Now().Add(5*time.Second))
+	if err != nil && !errors.Is(err, ErrUnproven) {
+		t.Fatalf("handshake: %v", err)
 	}
-	c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	var ack [1]byte
-	if _, err := io.ReadFull(c, ack[:]); err != nil {
-		t.Fatalf("no answer to the preamble: %v", err)
-	}
-	c.SetReadDeadline(time.Time{})
-	return ack[0]
+	return err
 }
 
 // closedWithin reports whether the server closes c (EOF or reset) within d, reading and
@@ -107,11 +103,11 @@ func TestHugeRequestIsRefusedBeforeItsBody(t *testing.T) {
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
 	for _, tc := range []struct {
 		name         string
-		token        string // "" sends no preamble
+		token        string // "" makes no handshake
 		framed, acks bool
 	}{
-		{"no preamble, framed", "", true, false},
-		{"no preamble, unframed", "", false, false},
+		{"no handshake, framed", "", true, false},
+		{"no handshake, unframed", "", false, false},
 		{"wrong token", "guess", true, false},
 		{"job token, framed", testToken, true, true},
 		{"job token, unframed", testToken, false, true},
@@ -122,8 +118,8 @@ func TestHugeRequestIsRefusedBeforeItsBody(t *testing.T) {
 			for range 3 {
 				c := dialRaw(t, addr)
 				if tc.token != "" {
-					if got := authenticate(t, c, tc.token) == preambleOK; got != tc.acks {
-						t.Fatalf("preamble accepted: %v, want %v", got, tc.acks)
+					if got := authenticate(t, c, tc.token) == nil; got != tc.acks {
+						t.Fatalf("handshake passed: %v, want %v", got, tc.acks)
 					}
 				}
 				wg.Add(1)
@@ -157,8 +153,8 @@ func TestConnectionsBeyondTheCapAreClosed(t *testing.T) {
 	var kept []net.Conn
 	for range maxConns {
 		c := dialRaw(t, addr)
-		if ack := authenticate(t, c, testToken); ack != preambleOK {
-			t.Fatalf("connection within the cap refused: %q", ack)
+		if err := authenticate(t, c, testToken); err != nil {
+			t.Fatalf("connection within the cap refused: %v", err)
 		}
 		kept = append(kept, c)
 	}
@@ -174,8 +170,8 @@ func TestConnectionsBeyondTheCapAreClosed(t *testing.T) {
 	}
 	kept[0].Close()
 	waitFor(t, "a closed connection to free its place", func() bool { return h.Conns() < maxConns })
-	if ack := authenticate(t, dialRaw(t, addr), testToken); ack != preambleOK {
-		t.Errorf("connection after one closed: refused (%q)", ack)
+	if err := authenticate(t, dialRaw(t, addr), testToken); err != nil {
+		t.Errorf("connection after one closed: %v", err)
 	}
 }
 
@@ -201,6 +197,9 @@ func TestUnauthenticatedConnectionsReachNoHandler(t *testing.T) {
 	if n := requests.Load(); n != 0 {
 		t.Errorf("requests that reached the handler: %d, want 0", n)
 	}
+	// A client with another token gives up when the server's proof fails, and the server
+	// counts the refusal when it sees the connection closed without the client's proof.
+	waitFor(t, "every refusal to be counted", func() bool { return e.Stats().Refusals >= attempts })
 	if n := e.Stats().Refusals; n != attempts {
 		t.Errorf("refusals counted: %d, want %d", n, attempts)
 	}
@@ -322,7 +321,7 @@ func (b *lockedBuffer) String() string {
 	return b.buf.String()
 }
 
-// TestDialerGivesUpOnASilentServer: a server that never answers the preamble costs a client
+// TestDialerGivesUpOnASilentServer: a server that never answers the handshake costs a client
 // its connect timeout, not a hang.
 func TestDialerGivesUpOnASilentServer(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -349,7 +348,7 @@ func TestDialerGivesUpOnASilentServer(t *testing.T) {
 			t.Errorf("Hello to a silent server: got %v (refused %v), want ErrUnavailable, a timeout", err, IsRefused(err))
 		}
 	case <-time.After(5 * time.Second):
-		t.Error("Hello to a server that never answers the preamble still waiting after 5s")
+		t.Error("Hello to a server that never answers the handshake still waiting after 5s")
 	}
 }
 
@@ -369,12 +368,8 @@ func TestGarbageOnManyConnectionsIsSurvived(t *testing.T) {
 			}
 			defer c.Close()
 			c.SetDeadline(time.Now().Add(5 * time.Second))
-			if i%2 == 1 { // half of them past the token
-				if writePreamble(c, testToken) != nil {
-					return
-				}
-				var ack [1]byte
-				if _, err := io.ReadFull(c, ack[:]); err != nil {
+			if i%2 == 1 { // half of them past the handshake
+				if clientHandshake(c, newJobKeys(testToken), time.Now().Add(5*time.Second)) != nil {
 					return
 				}
 			}
@@ -396,9 +391,13 @@ func TestGarbageOnManyConnectionsIsSurvived(t *testing.T) {
 // Connections that do not authenticate take only the few places of their own host: a client
 // of another host still gets in. On the main branch before this change connections still
 // authenticating counted towards the one cap, so anyone reaching the port could fill it.
+// (Peers on this host are counted by user, see TestAnotherUsersFloodLeavesTheJobItsPlaces:
+// here every peer is taken for a host of its own address.)
 func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
+	pendingKeyOf = func(c net.Conn) string { return peerHost(c.RemoteAddr()) }
+	t.Cleanup(func() { pendingKeyOf = pendingKey })
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
-	for range 2 * maxPendingPerHost {
+	for range 2 * maxPendingPerPeer {
 		dialRaw(t, addr) // from 127.0.0.1, silent
 	}
 	_, port, _ := net.SplitHostPort(addr)
@@ -408,8 +407,8 @@ func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if ack := authenticate(t, c, testToken); ack != preambleOK {
-		t.Errorf("a client of another host during a flood: answer %q, want %q", ack, preambleOK)
+	if err := authenticate(t, c, testToken); err != nil {
+		t.Errorf("a client of another host during a flood: %v", err)
 	}
 }
 
@@ -418,8 +417,8 @@ func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
 func TestServerAtItsCapIsNotRefused(t *testing.T) {
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, MaxConns: 1})
 	held := dialRaw(t, addr)
-	if ack := authenticate(t, held, testToken); ack != preambleOK {
-		t.Fatal("first connection refused")
+	if err := authenticate(t, held, testToken); err != nil {
+		t.Fatalf("first connection refused: %v", err)
 	}
 	c, err := Dial(addr, ClientConfig{Token: testToken, ConnectTimeout: time.Second, CallTimeout: time.Second})
 	if err != nil {
@@ -471,7 +470,7 @@ func TestConnectTimeoutIsNotRefused(t *testing.T) {
 		{"closed by peer, nothing listening", closedAddr, netpollClosed, true},
 		{"connection refused", closedAddr, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, true},
 	} {
-		d := preambleDialer{inner: failingDialer{tc.err}, token: testToken}
+		d := handshakeDialer{inner: failingDialer{tc.err}, keys: newJobKeys(testToken)}
 		_, err := d.DialTimeout("tcp", tc.addr, time.Second)
 		if got := IsRefused(kerrors.ErrGetConnection.WithCause(err)); got != tc.refused {
 			t.Errorf("%s: IsRefused = %v, want %v (%v)", tc.name, got, tc.refused, err)

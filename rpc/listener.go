@@ -1,28 +1,32 @@
 package rpc
 
 import (
-	"crypto/sha256"
 	"errors"
 	"net"
+	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 )
 
-// guardListener hands Kitex only connections that passed the authentication preamble, and
-// at most maxConns at a time (counting those still authenticating). Connections that have not
-// authenticated yet are further limited, in all and per peer host, so that whoever can reach
-// the port without the token cannot take the places of the job's clients: it can only use
-// the few places of its own host. An excess connection is closed at once (a client takes that
-// as a server too busy to answer, not as a dead one). Refused connections are counted and
-// logged through refuse. Authentication runs in a goroutine per connection with a deadline,
-// so a slow client delays no one else.
+// guardListener hands Kitex only connections that passed the handshake (see handshake.go),
+// and at most maxConns at a time (counting those still authenticating). Connections that have
+// not authenticated yet are further limited, in all and per peer, so that whoever can reach
+// the port without the token cannot take the places of the job's clients: a peer on another
+// host can only use the few places of its host, and a peer on this host the few places of its
+// user (see peerUID), whatever address it connects from; the server's own user, whose
+// clients share its node, is not held back by the limit in all. An excess connection is
+// closed at once (a client takes that as a server too busy to answer, not as a dead one).
+// Refused connections are counted and logged through refuse. Authentication runs in a
+// goroutine per connection with a deadline, so a slow client delays no one else.
 type guardListener struct {
 	inner    net.Listener
-	token    [sha256.Size]byte
+	keys     *jobKeys
 	maxConns int64
-	timeout  time.Duration             // for reading the preamble
+	timeout  time.Duration             // for the handshake
 	refuse   func(peer, reason string) // counts and logs a refused connection
+	ownUser  string                    // pendingKey of this server's user's connections from this host
 
 	active atomic.Int64  // connections open, authenticated or authenticating
 	ready  chan net.Conn // authenticated connections waiting for Accept
@@ -30,22 +34,38 @@ type guardListener struct {
 	once   sync.Once     // closes done
 
 	mu      sync.Mutex     // protects pending
-	pending map[string]int // connections authenticating, by peer host
+	pending map[string]int // connections authenticating, by pendingKey
 }
 
 // Limits on connections that have not authenticated yet.
 const (
-	maxPending        = 128 // in all
-	maxPendingPerHost = 16
+	maxPending        = 128 // in all, but for the server's own user on this host
+	maxPendingPerPeer = 16  // per host, or per user on this host
 )
 
-func newGuardListener(inner net.Listener, token string, maxConns int, timeout time.Duration,
+func newGuardListener(inner net.Listener, keys *jobKeys, maxConns int, timeout time.Duration,
 	refuse func(peer, reason string)) *guardListener {
-	g := &guardListener{inner: inner, token: sha256.Sum256([]byte(token)), maxConns: int64(maxConns),
+	g := &guardListener{inner: inner, keys: keys, maxConns: int64(maxConns),
 		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{}),
-		pending: make(map[string]int)}
+		pending: make(map[string]int), ownUser: userKey(uint32(os.Getuid()))}
 	go g.acceptLoop()
 	return g
+}
+
+// pendingKeyOf is pendingKey, which tests replace to see connections as from other hosts.
+var pendingKeyOf = pendingKey
+
+// pendingKey is what connections still authenticating are counted by: the peer's user when
+// the peer is on this host and the kernel says who it is, else the peer's host.
+func pendingKey(c net.Conn) string {
+	if uid, ok := peerUID(c); ok {
+		return userKey(uid)
+	}
+	return peerHost(c.RemoteAddr())
+}
+
+func userKey(uid uint32) string {
+	return "uid " + strconv.FormatUint(uint64(uid), 10) + " on this host"
 }
 
 // Accept returns the next authenticated connection.
@@ -96,57 +116,59 @@ func (g *guardListener) acceptLoop() {
 			c.Close()
 			continue
 		}
-		if !g.startPending(host) {
+		key := pendingKeyOf(c)
+		if !g.startPending(key) {
 			g.active.Add(-1)
-			g.refuse(host, "too many connections authenticating")
+			g.refuse(host, "too many connections authenticating from "+key)
 			c.Close()
 			continue
 		}
-		go g.authenticate(&countedConn{Conn: c, active: &g.active}, host)
+		go g.authenticate(&countedConn{Conn: c, active: &g.active}, key)
 	}
 }
 
-// startPending takes a place for a connection of host to authenticate, if one is free.
-func (g *guardListener) startPending(host string) bool {
+// startPending takes a place for a connection counted by key to authenticate, if one is free.
+func (g *guardListener) startPending(key string) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	total := 0
-	for _, n := range g.pending {
-		total += n
-	}
-	if total >= maxPending || g.pending[host] >= maxPendingPerHost {
+	if g.pending[key] >= maxPendingPerPeer {
 		return false
 	}
-	g.pending[host]++
+	if key != g.ownUser {
+		total := 0
+		for k, n := range g.pending {
+			if k != g.ownUser {
+				total += n
+			}
+		}
+		if total >= maxPending {
+			return false
+		}
+	}
+	g.pending[key]++
 	return true
 }
 
-func (g *guardListener) endPending(host string) {
+func (g *guardListener) endPending(key string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.pending[host]--; g.pending[host] <= 0 {
-		delete(g.pending, host)
+	if g.pending[key]--; g.pending[key] <= 0 {
+		delete(g.pending, key)
 	}
 }
 
-// authenticate reads c's preamble and hands c to Accept, or closes it. A refusal is counted
-// before the client hears of it.
-func (g *guardListener) authenticate(c *countedConn, host string) {
+// authenticate runs the server's side of the handshake on c and hands c to Accept, or closes
+// it. A refusal is counted before the connection is closed.
+func (g *guardListener) authenticate(c *countedConn, key string) {
 	c.SetDeadline(time.Now().Add(g.timeout))
-	ok, err := readPreamble(c, g.token)
-	g.endPending(host)
-	switch {
-	case err != nil:
+	err := serverHandshake(c, g.keys)
+	g.endPending(key)
+	if err != nil {
 		g.refuse(peerHost(c.RemoteAddr()), err.Error())
 		c.Close()
 		return
-	case !ok:
-		g.refuse(peerHost(c.RemoteAddr()), "wrong job token")
-		c.Write([]byte{preambleRefused})
-		c.Close()
-		return
 	}
-	if _, err := c.Write([]byte{preambleOK}); err != nil || c.SetDeadline(time.Time{}) != nil {
+	if c.SetDeadline(time.Time{}) != nil {
 		c.Close()
 		return
 	}
@@ -189,5 +211,5 @@ func peerHost(a net.Addr) string {
 
 // String describes the listener without reading its state (Kitex prints its options).
 func (g *guardListener) String() string {
-	return "fitcache preamble guard on " + g.inner.Addr().String()
+	return "fitcache handshake guard on " + g.inner.Addr().String()
 }

@@ -42,14 +42,14 @@ func sessionOf(n int64) uint32 {
 	return uint32(n)
 }
 
-// Prefetch sends a prefetch request (a chunk of a list, or a renewal without paths; the
-// token is added) and returns the job's state and progress.
+// Prefetch sends a prefetch request (a chunk of a list, or a renewal without paths) and
+// returns the job's state and progress.
 func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.PrefetchInfo, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
 	var r *fitcachepb.PrefetchReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Token: c.cfg.Token, Root: req.Root, Owner: req.Owner,
+		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Root: req.Root, Owner: req.Owner,
 			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths,
 			Session: int64(req.Session)},
 			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))

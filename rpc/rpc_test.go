@@ -43,26 +43,29 @@ func serveEngine(t *testing.T, token string) (string, *core.Engine) {
 	return sock, e
 }
 
+// TestTokenIsRequired: a client without the token is refused by the server; one with another
+// token finds that the server does not prove its token (ErrUnproven), which it takes for a
+// server that is down; both are refusals for the server.
 func TestTokenIsRequired(t *testing.T) {
 	sock, e := serveEngine(t, "secret")
 	for _, tc := range []struct {
-		token       string
-		want        syscall.Errno
-		unavailable bool // no preamble: the server closes the connection without an answer
-	}{{"", 0, true}, {"wrong", syscall.EACCES, false}, {"secret", 0, false}} {
+		token        string
+		ok, unproven bool
+	}{{"", false, false}, {"wrong", false, true}, {"secret", true, false}} {
 		c, err := Dial(sock, ClientConfig{Token: tc.token})
 		if err != nil {
 			t.Fatal(err)
 		}
 		_, err = c.Hello(context.Background())
-		if got := errors.Is(err, ErrUnavailable); got != tc.unavailable {
-			t.Errorf("token %q: unavailable %v (%v), want %v", tc.token, got, err, tc.unavailable)
+		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, ErrUnavailable)) {
+			t.Errorf("token %q: %v, want success %v or else ErrUnavailable", tc.token, err, tc.ok)
 		}
-		if got := core.Errno(err); !tc.unavailable && got != tc.want {
-			t.Errorf("token %q: errno %v (%v), want %v", tc.token, got, err, tc.want)
+		if got := errors.Is(err, ErrUnproven); got != tc.unproven || got && !IsRefused(err) {
+			t.Errorf("token %q: %v: unproven %v, want %v (and then refused)", tc.token, err, got, tc.unproven)
 		}
 		c.Close()
 	}
+	waitFor(t, "2 refusals", func() bool { return e.Stats().Refusals >= 2 })
 	if n := e.Stats().Refusals; n != 2 {
 		t.Errorf("refusals counted: %d, want 2", n)
 	}
@@ -134,9 +137,9 @@ func TestMembership(t *testing.T) {
 	}
 }
 
-// TestWrongTokenRunsNothing: a client with the wrong token is refused at its connection's
-// preamble, before any request is read (see TestMiddlewareChecksEveryMethod for the check of
-// each request); every call fails with EACCES, and nothing runs.
+// TestWrongTokenRunsNothing: a client with the wrong token gets no connection, as the server
+// cannot prove that it knows the client's token, and the server reads no request; every call
+// fails as for a server that is down, and nothing runs.
 func TestWrongTokenRunsNothing(t *testing.T) {
 	sock, e := serveEngine(t, "secret")
 	root := t.TempDir()
@@ -151,7 +154,7 @@ func TestWrongTokenRunsNothing(t *testing.T) {
 		"Hello":      func() error { _, err := c.Hello(ctx); return err },
 		"Read":       func() error { _, err := c.Read(ctx, root, filepath.Join(root, "a"), true); return err },
 		"ReportHits": func() error { return c.ReportHits(ctx, map[string]int64{"memory": 1}, 1) },
-		"Store":      func() error { return c.Store(ctx, root, filepath.Join(root, "a"), []byte("x"), 1) },
+		"Store":      func() error { return c.Store(ctx, root, filepath.Join(root, "a"), []byte("x"), Stamp{}) },
 		"Stats":      func() error { _, err := c.Stats(ctx); return err },
 		"Prefetch": func() error {
 			_, err := c.Prefetch(ctx, core.PrefetchRequest{Root: root, Owner: "o", Paths: []string{filepath.Join(root, "a")}})
@@ -161,10 +164,11 @@ func TestWrongTokenRunsNothing(t *testing.T) {
 		"Clear": func() error { _, err := c.Clear(ctx, root, true); return err },
 	}
 	for name, call := range calls {
-		if err := call(); core.Errno(err) != syscall.EACCES {
-			t.Errorf("%s with the wrong token: %v, want EACCES", name, err)
+		if err := call(); !errors.Is(err, ErrUnproven) || !IsRefused(err) {
+			t.Errorf("%s with the wrong token: %v, want ErrUnproven (refused)", name, err)
 		}
 	}
+	waitFor(t, "every refusal to be counted", func() bool { return e.Stats().Refusals >= int64(len(calls)) })
 	s := e.Stats()
 	if s.Refusals != int64(len(calls)) || s.Misses != 0 || s.Stored != 0 || s.SourceReads != 0 {
 		t.Errorf("after refused requests: %d refusals (want %d), %d misses, %d stored, %d source reads",
@@ -172,23 +176,22 @@ func TestWrongTokenRunsNothing(t *testing.T) {
 	}
 }
 
-// TestMiddlewareChecksEveryMethod: authenticate, in front of every handler, refuses a request
-// with the wrong token or none with its own method's reply (EACCES), refuses a call without
-// its request (EINVAL), and lets the right token through. Methods are taken from the
-// generated service, so a new method is tested too.
+// TestMiddlewareChecksEveryMethod: authenticate, in front of every handler, refuses a call
+// without its request (EINVAL) with its own method's reply, and lets a call with its request
+// through; requests carry no token any more (connections are authenticated). Methods are
+// taken from the generated service, so a new method is tested too.
 func TestMiddlewareChecksEveryMethod(t *testing.T) {
 	_, e := serveEngine(t, "secret")
 	h := newHandler(e, ServerConfig{Token: "secret"})
 	ran := 0
 	mw := h.authenticate(func(ctx context.Context, req, resp any) error { ran++; return nil })
-	call := func(name, token string, withRequest bool) (errno int64) {
+	call := func(name string, withRequest bool) (errno int64) {
 		t.Helper()
 		m := fitcache.NewServiceInfo().Methods[name]
 		args, result := m.NewArgs(), m.NewResult()
 		if withRequest {
 			req := reflect.ValueOf(args).Elem().FieldByName("Req")
 			req.Set(reflect.New(req.Type().Elem()))
-			req.Elem().FieldByName("Token").SetString(token)
 		}
 		if err := mw(context.Background(), args, result); err != nil {
 			t.Fatalf("%s: middleware error %v, want a reply", name, err)
@@ -200,22 +203,15 @@ func TestMiddlewareChecksEveryMethod(t *testing.T) {
 		return success.Elem().FieldByName("Errno").Int()
 	}
 	methods := fitcache.NewServiceInfo().Methods
-	if len(methods) < 8 {
-		t.Fatalf("%d methods in the service info, want at least 8", len(methods))
+	if len(methods) < 9 {
+		t.Fatalf("%d methods in the service info, want at least 9", len(methods))
 	}
 	for name := range methods {
-		for _, tc := range []struct {
-			token       string
-			withRequest bool
-			want        syscall.Errno
-		}{{"wrong", true, syscall.EACCES}, {"", true, syscall.EACCES}, {"secret", false, syscall.EINVAL}} {
-			if got := call(name, tc.token, tc.withRequest); got != int64(tc.want) || ran != 0 {
-				t.Errorf("%s, token %q, request %v: errno %d, handler ran %d times; want %d and none",
-					name, tc.token, tc.withRequest, got, ran, tc.want)
-			}
+		if got := call(name, false); got != int64(syscall.EINVAL) || ran != 0 {
+			t.Errorf("%s without its request: errno %d, handler ran %d times; want EINVAL and none", name, got, ran)
 		}
-		if call(name, "secret", true); ran != 1 {
-			t.Errorf("%s with the right token: the handler ran %d times, want once", name, ran)
+		if call(name, true); ran != 1 {
+			t.Errorf("%s with its request: the handler ran %d times, want once", name, ran)
 		}
 		ran = 0
 	}
@@ -235,6 +231,7 @@ func TestReasonsMatchTheIDL(t *testing.T) {
 		{core.ReasonCacheFull, fitcachepb.Reason_CACHE_FULL},
 		{core.ReasonChanged, fitcachepb.Reason_CHANGED},
 		{core.ReasonClosed, fitcachepb.Reason_CLOSED},
+		{core.ReasonBadCopy, fitcachepb.Reason_BAD_COPY},
 	}
 	for _, p := range pairs {
 		if int32(p.core) != int32(p.wire) {

@@ -3,7 +3,6 @@ package rpc
 import (
 	"bytes"
 	"context"
-	"crypto/subtle"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -15,7 +14,6 @@ import (
 
 	"github.com/cloudwego/kitex/pkg/endpoint"
 	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
-	"github.com/cloudwego/kitex/pkg/rpcinfo"
 	"github.com/cloudwego/kitex/server"
 
 	"github.com/fitcache/fitcache/core"
@@ -26,9 +24,10 @@ import (
 
 // ServerConfig configures the protocol side of a server. Zero values take the defaults shown.
 type ServerConfig struct {
-	// Token every connection and request must carry; empty accepts any (a per-user server
-	// on a private Unix socket). With a token, a connection must start with the
-	// authentication preamble (see Dial) before any request is read.
+	// Token of the job; empty accepts any client (a per-user server on a private Unix
+	// socket). With a token, every connection must pass the handshake (see handshake.go), in
+	// which client and server prove to each other that they know the token without sending
+	// it, before any request is read.
 	Token string
 	// ID names the server in replies and logs.
 	ID string
@@ -45,12 +44,14 @@ type ServerConfig struct {
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
-	// private Unix socket, reachable only by its user).
+	// private Unix socket, reachable only by its user). Whatever the limit, every length in
+	// a request is checked against the bytes of its frame before it is decoded (see
+	// checkFrame).
 	MaxFrameBytes int
 	// MaxConns bounds the open connections of a server with a token (1024); an excess
 	// connection is closed at once and counted as a refusal.
 	MaxConns int
-	// HandshakeTimeout bounds the reading of a connection's preamble (2s).
+	// HandshakeTimeout bounds a connection's handshake (2s).
 	HandshakeTimeout time.Duration
 	// RefusalLogInterval: refusals are logged at most once per client host per interval,
 	// with a count of the unlogged ones (10s).
@@ -61,6 +62,7 @@ type ServerConfig struct {
 type Handler struct {
 	engine   *core.Engine
 	cfg      ServerConfig
+	keys     *jobKeys // derived from cfg.Token (also without a token: stamps then only check integrity)
 	members  gossip.View
 	refusals *refusalLog
 	guard    *guardListener // nil without a token
@@ -68,8 +70,8 @@ type Handler struct {
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
 
-// newHandler returns a handler serving e. Its methods check no token: Serve puts
-// authenticate in front of them.
+// newHandler returns a handler serving e. It authenticates nothing: Serve puts the handshake
+// in front of its connections.
 func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
@@ -86,25 +88,25 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.RefusalLogInterval <= 0 {
 		cfg.RefusalLogInterval = 10 * time.Second
 	}
-	return &Handler{engine: e, cfg: cfg, refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
+	return &Handler{engine: e, cfg: cfg, keys: newJobKeys(cfg.Token),
+		refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
 }
 
 // Serve starts serving e on ln in the background and returns the running server; Stop it to
 // end. The server ignores SIGINT and SIGTERM (Kitex's default would take them over from the
 // host process); the host decides when to stop.
 //
-// With a token, connections are authenticated by their preamble and capped in number before
+// With a token, connections are authenticated by the handshake and capped in number before
 // Kitex sees them, over Kitex's Go net transport (netpoll cannot take a wrapped listener);
-// without one, the server uses Kitex's default transport and accepts any connection.
+// without one, the server uses Kitex's default transport and accepts any connection. Either
+// way, a request is decoded only once its frame was checked (see framedCodec).
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := newHandler(e, cfg)
-	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate)}
-	if h.cfg.MaxFrameBytes > 0 {
-		opts = append(opts, server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)))
-	}
+	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate),
+		server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
-		h.guard = newGuardListener(ln, cfg.Token, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
+		h.guard = newGuardListener(ln, h.keys, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
 		opts = append(opts, server.WithListener(h.guard),
 			server.WithTransServerFactory(gonet.NewTransServerFactory()),
 			server.WithTransHandlerFactory(gonet.NewSvrTransHandlerFactory()))
@@ -156,35 +158,32 @@ func (h *Handler) refuse(peer, reason string) {
 }
 
 // authenticate is the Kitex middleware every request goes through before its handler: it
-// notes the request for the idle timer (OnRequest) and checks the job token that every request
-// struct carries (GetToken). A request without the right token gets its method's reply with
-// EACCES, and no handler runs. So does a call whose request struct is missing (a peer can
-// send one without it), which no handler could read.
+// notes the request for the idle timer (OnRequest) and refuses a call whose request struct is
+// missing (a peer can send one without it), which no handler could read, with its method's
+// reply and EINVAL. Who may call was settled when the connection was made: with a token, only
+// a client that passed the handshake has a connection (see guardListener), so every request
+// comes from the job, Store, Forget and Clear included; requests carry no token.
 func (h *Handler) authenticate(next endpoint.Endpoint) endpoint.Endpoint {
 	return func(ctx context.Context, req, resp any) error {
-		token, ok := requestToken(req)
-		if !ok {
+		if !hasRequest(req) {
 			return setFailure(resp, &core.ErrnoError{Errno: syscall.EINVAL, Message: "fitcache: a call without its request"})
 		}
-		if err := h.begin(ctx, token); err != nil {
-			return setFailure(resp, err)
+		if h.cfg.OnRequest != nil {
+			h.cfg.OnRequest()
 		}
 		return next(ctx, req, resp)
 	}
 }
 
-// requestToken returns the token of a call's request (Kitex's args struct, whose first
-// argument is the request); false when the call carries no request.
-func requestToken(args any) (string, bool) {
+// hasRequest reports whether a call carries its request (Kitex's args struct, whose first
+// argument is the request).
+func hasRequest(args any) bool {
 	a, ok := args.(interface{ GetFirstArgument() any })
 	if !ok {
-		return "", false
+		return false
 	}
-	r, ok := a.GetFirstArgument().(interface{ GetToken() string })
-	if !ok || reflect.ValueOf(r).IsNil() {
-		return "", false
-	}
-	return r.GetToken(), true
+	r := reflect.ValueOf(a.GetFirstArgument())
+	return r.Kind() == reflect.Pointer && !r.IsNil()
 }
 
 // setFailure makes resp, a Kitex result whose Success field points to the method's reply,
@@ -205,21 +204,6 @@ func setFailure(resp any, err error) error {
 	reply.Elem().FieldByName("Message").SetString(msg)
 	reply.Elem().FieldByName("Reason").Set(reflect.ValueOf(reason))
 	success.Set(reply)
-	return nil
-}
-
-func (h *Handler) begin(ctx context.Context, token string) error {
-	if h.cfg.OnRequest != nil {
-		h.cfg.OnRequest()
-	}
-	if h.cfg.Token != "" && subtle.ConstantTimeCompare([]byte(token), []byte(h.cfg.Token)) != 1 {
-		peer := "unknown"
-		if ri := rpcinfo.GetRPCInfo(ctx); ri != nil && ri.From() != nil && ri.From().Address() != nil {
-			peer = peerHost(ri.From().Address())
-		}
-		h.refuse(peer, "request with a wrong or missing job token")
-		return &core.ErrnoError{Errno: syscall.EACCES, Message: "fitcache: wrong or missing job token"}
-	}
 	return nil
 }
 
@@ -256,6 +240,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	defer res.Release()
 	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
+	h.stampReply(req.Path, res, reply)
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
@@ -274,9 +259,19 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	return reply, nil
 }
 
-// Store caches bytes a client read from the file's owner (this server is a replica).
+// Store caches bytes a client read from the file's owner (this server is a replica), if the
+// owner's stamp vouches for them and the engine finds them to be the source's (see
+// core.Engine.Store); else the reply says why, with EBADMSG (core.ErrBadCopy) or EAGAIN
+// (core.ErrChanged).
 func (h *Handler) Store(ctx context.Context, req *fitcachepb.StoreRequest) (*fitcachepb.StoreReply, error) {
-	errno, msg, reason := errnoOf(h.engine.Store(req.Root, req.Path, req.Data, req.MtimeNanos))
+	c := storeRequest(req)
+	var err error
+	if h.keys.validStamp(req.Path, c, req.Stamp) {
+		err = h.engine.Store(c)
+	} else {
+		err = h.engine.RefuseStore(fmt.Errorf("%w: %s: the stamp is not its owner's for these bytes", core.ErrBadCopy, req.Path))
+	}
+	errno, msg, reason := errnoOf(err)
 	return &fitcachepb.StoreReply{Errno: errno, Message: msg, Reason: reason}, nil
 }
 

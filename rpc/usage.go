@@ -68,7 +68,7 @@ func fromWire(us []*fitcachepb.CacheUsage) []core.CacheUsage {
 func (c *Client) Usage(ctx context.Context) ([]core.CacheUsage, error) {
 	var r *fitcachepb.UsageReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Usage(ctx, &fitcachepb.UsageRequest{Token: c.cfg.Token}, c.target())
+		r, err = c.kc.Usage(ctx, &fitcachepb.UsageRequest{}, c.target())
 		return err
 	})
 	if err != nil {
@@ -84,7 +84,7 @@ func (c *Client) Clear(ctx context.Context, root string, dryRun bool) ([]core.Ca
 	defer cancel()
 	var r *fitcachepb.ClearReply
 	err := c.call(func() (err error) {
-		r, err = c.kc.Clear(ctx, &fitcachepb.ClearRequest{Token: c.cfg.Token, Root: root, All: root == "", DryRun: dryRun},
+		r, err = c.kc.Clear(ctx, &fitcachepb.ClearRequest{Root: root, All: root == "", DryRun: dryRun},
 			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
 		return err
 	})

@@ -19,6 +19,7 @@ const (
 	Reason_CACHE_FULL   Reason = 4
 	Reason_CHANGED      Reason = 5
 	Reason_CLOSED       Reason = 6
+	Reason_BAD_COPY     Reason = 7
 )
 
 func (p Reason) String() string {
@@ -37,6 +38,8 @@ func (p Reason) String() string {
 		return "CHANGED"
 	case Reason_CLOSED:
 		return "CLOSED"
+	case Reason_BAD_COPY:
+		return "BAD_COPY"
 	}
 	return "<UNSET>"
 }
@@ -57,6 +60,8 @@ func ReasonFromString(s string) (Reason, error) {
 		return Reason_CHANGED, nil
 	case "CLOSED":
 		return Reason_CLOSED, nil
+	case "BAD_COPY":
+		return Reason_BAD_COPY, nil
 	}
 	return Reason(0), fmt.Errorf("not a valid Reason string")
 }
@@ -115,8 +120,7 @@ var fieldIDToName_TierInfo = map[int16]string{
 }
 
 type HelloRequest struct {
-	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
-	Job   string `thrift:"job,2" frugal:"2,default,string" json:"job"`
+	Job string `thrift:"job,2" frugal:"2,default,string" json:"job"`
 }
 
 func NewHelloRequest() *HelloRequest {
@@ -126,15 +130,8 @@ func NewHelloRequest() *HelloRequest {
 func (p *HelloRequest) InitDefault() {
 }
 
-func (p *HelloRequest) GetToken() (v string) {
-	return p.Token
-}
-
 func (p *HelloRequest) GetJob() (v string) {
 	return p.Job
-}
-func (p *HelloRequest) SetToken(val string) {
-	p.Token = val
 }
 func (p *HelloRequest) SetJob(val string) {
 	p.Job = val
@@ -148,7 +145,6 @@ func (p *HelloRequest) String() string {
 }
 
 var fieldIDToName_HelloRequest = map[int16]string{
-	1: "token",
 	2: "job",
 }
 
@@ -254,7 +250,6 @@ var fieldIDToName_HelloReply = map[int16]string{
 }
 
 type ReadRequest struct {
-	Token             string   `thrift:"token,1" frugal:"1,default,string" json:"token"`
 	Root              string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
 	Path              string   `thrift:"path,3" frugal:"3,default,string" json:"path"`
 	Local             bool     `thrift:"local,4" frugal:"4,default,bool" json:"local"`
@@ -268,10 +263,6 @@ func NewReadRequest() *ReadRequest {
 }
 
 func (p *ReadRequest) InitDefault() {
-}
-
-func (p *ReadRequest) GetToken() (v string) {
-	return p.Token
 }
 
 func (p *ReadRequest) GetRoot() (v string) {
@@ -296,9 +287,6 @@ func (p *ReadRequest) GetDead() (v []string) {
 
 func (p *ReadRequest) GetAlive() (v []string) {
 	return p.Alive
-}
-func (p *ReadRequest) SetToken(val string) {
-	p.Token = val
 }
 func (p *ReadRequest) SetRoot(val string) {
 	p.Root = val
@@ -327,7 +315,6 @@ func (p *ReadRequest) String() string {
 }
 
 var fieldIDToName_ReadRequest = map[int16]string{
-	1: "token",
 	2: "root",
 	3: "path",
 	4: "local",
@@ -347,6 +334,10 @@ type ReadReply struct {
 	MembershipVersion int64    `thrift:"membership_version,8" frugal:"8,default,i64" json:"membership_version"`
 	Dead              []string `thrift:"dead,9" frugal:"9,default,list<string>" json:"dead"`
 	Reason            Reason   `thrift:"reason,10" frugal:"10,default,Reason" json:"reason"`
+	Checksum          int64    `thrift:"checksum,11" frugal:"11,default,i64" json:"checksum"`
+	CtimeNanos        int64    `thrift:"ctime_nanos,12" frugal:"12,default,i64" json:"ctime_nanos"`
+	Inode             int64    `thrift:"inode,13" frugal:"13,default,i64" json:"inode"`
+	Stamp             []byte   `thrift:"stamp,14" frugal:"14,default,binary" json:"stamp"`
 }
 
 func NewReadReply() *ReadReply {
@@ -395,6 +386,22 @@ func (p *ReadReply) GetDead() (v []string) {
 func (p *ReadReply) GetReason() (v Reason) {
 	return p.Reason
 }
+
+func (p *ReadReply) GetChecksum() (v int64) {
+	return p.Checksum
+}
+
+func (p *ReadReply) GetCtimeNanos() (v int64) {
+	return p.CtimeNanos
+}
+
+func (p *ReadReply) GetInode() (v int64) {
+	return p.Inode
+}
+
+func (p *ReadReply) GetStamp() (v []byte) {
+	return p.Stamp
+}
 func (p *ReadReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -425,6 +432,18 @@ func (p *ReadReply) SetDead(val []string) {
 func (p *ReadReply) SetReason(val Reason) {
 	p.Reason = val
 }
+func (p *ReadReply) SetChecksum(val int64) {
+	p.Checksum = val
+}
+func (p *ReadReply) SetCtimeNanos(val int64) {
+	p.CtimeNanos = val
+}
+func (p *ReadReply) SetInode(val int64) {
+	p.Inode = val
+}
+func (p *ReadReply) SetStamp(val []byte) {
+	p.Stamp = val
+}
 
 func (p *ReadReply) String() string {
 	if p == nil {
@@ -444,10 +463,13 @@ var fieldIDToName_ReadReply = map[int16]string{
 	8:  "membership_version",
 	9:  "dead",
 	10: "reason",
+	11: "checksum",
+	12: "ctime_nanos",
+	13: "inode",
+	14: "stamp",
 }
 
 type HitReport struct {
-	Token      string           `thrift:"token,1" frugal:"1,default,string" json:"token"`
 	HitsByTier map[string]int64 `thrift:"hits_by_tier,2" frugal:"2,default,map<string:i64>" json:"hits_by_tier"`
 	Bytes      int64            `thrift:"bytes,3" frugal:"3,default,i64" json:"bytes"`
 }
@@ -459,19 +481,12 @@ func NewHitReport() *HitReport {
 func (p *HitReport) InitDefault() {
 }
 
-func (p *HitReport) GetToken() (v string) {
-	return p.Token
-}
-
 func (p *HitReport) GetHitsByTier() (v map[string]int64) {
 	return p.HitsByTier
 }
 
 func (p *HitReport) GetBytes() (v int64) {
 	return p.Bytes
-}
-func (p *HitReport) SetToken(val string) {
-	p.Token = val
 }
 func (p *HitReport) SetHitsByTier(val map[string]int64) {
 	p.HitsByTier = val
@@ -488,7 +503,6 @@ func (p *HitReport) String() string {
 }
 
 var fieldIDToName_HitReport = map[int16]string{
-	1: "token",
 	2: "hits_by_tier",
 	3: "bytes",
 }
@@ -541,11 +555,14 @@ var fieldIDToName_HitReportReply = map[int16]string{
 }
 
 type StoreRequest struct {
-	Token      string `thrift:"token,1" frugal:"1,default,string" json:"token"`
 	Root       string `thrift:"root,2" frugal:"2,default,string" json:"root"`
 	Path       string `thrift:"path,3" frugal:"3,default,string" json:"path"`
 	Data       []byte `thrift:"data,4" frugal:"4,default,binary" json:"data"`
 	MtimeNanos int64  `thrift:"mtime_nanos,5" frugal:"5,default,i64" json:"mtime_nanos"`
+	Checksum   int64  `thrift:"checksum,6" frugal:"6,default,i64" json:"checksum"`
+	CtimeNanos int64  `thrift:"ctime_nanos,7" frugal:"7,default,i64" json:"ctime_nanos"`
+	Inode      int64  `thrift:"inode,8" frugal:"8,default,i64" json:"inode"`
+	Stamp      []byte `thrift:"stamp,9" frugal:"9,default,binary" json:"stamp"`
 }
 
 func NewStoreRequest() *StoreRequest {
@@ -553,10 +570,6 @@ func NewStoreRequest() *StoreRequest {
 }
 
 func (p *StoreRequest) InitDefault() {
-}
-
-func (p *StoreRequest) GetToken() (v string) {
-	return p.Token
 }
 
 func (p *StoreRequest) GetRoot() (v string) {
@@ -574,8 +587,21 @@ func (p *StoreRequest) GetData() (v []byte) {
 func (p *StoreRequest) GetMtimeNanos() (v int64) {
 	return p.MtimeNanos
 }
-func (p *StoreRequest) SetToken(val string) {
-	p.Token = val
+
+func (p *StoreRequest) GetChecksum() (v int64) {
+	return p.Checksum
+}
+
+func (p *StoreRequest) GetCtimeNanos() (v int64) {
+	return p.CtimeNanos
+}
+
+func (p *StoreRequest) GetInode() (v int64) {
+	return p.Inode
+}
+
+func (p *StoreRequest) GetStamp() (v []byte) {
+	return p.Stamp
 }
 func (p *StoreRequest) SetRoot(val string) {
 	p.Root = val
@@ -589,6 +615,18 @@ func (p *StoreRequest) SetData(val []byte) {
 func (p *StoreRequest) SetMtimeNanos(val int64) {
 	p.MtimeNanos = val
 }
+func (p *StoreRequest) SetChecksum(val int64) {
+	p.Checksum = val
+}
+func (p *StoreRequest) SetCtimeNanos(val int64) {
+	p.CtimeNanos = val
+}
+func (p *StoreRequest) SetInode(val int64) {
+	p.Inode = val
+}
+func (p *StoreRequest) SetStamp(val []byte) {
+	p.Stamp = val
+}
 
 func (p *StoreRequest) String() string {
 	if p == nil {
@@ -598,11 +636,14 @@ func (p *StoreRequest) String() string {
 }
 
 var fieldIDToName_StoreRequest = map[int16]string{
-	1: "token",
 	2: "root",
 	3: "path",
 	4: "data",
 	5: "mtime_nanos",
+	6: "checksum",
+	7: "ctime_nanos",
+	8: "inode",
+	9: "stamp",
 }
 
 type StoreReply struct {
@@ -653,7 +694,6 @@ var fieldIDToName_StoreReply = map[int16]string{
 }
 
 type StatsRequest struct {
-	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
 }
 
 func NewStatsRequest() *StatsRequest {
@@ -663,13 +703,6 @@ func NewStatsRequest() *StatsRequest {
 func (p *StatsRequest) InitDefault() {
 }
 
-func (p *StatsRequest) GetToken() (v string) {
-	return p.Token
-}
-func (p *StatsRequest) SetToken(val string) {
-	p.Token = val
-}
-
 func (p *StatsRequest) String() string {
 	if p == nil {
 		return "<nil>"
@@ -677,9 +710,7 @@ func (p *StatsRequest) String() string {
 	return fmt.Sprintf("StatsRequest(%+v)", *p)
 }
 
-var fieldIDToName_StatsRequest = map[int16]string{
-	1: "token",
-}
+var fieldIDToName_StatsRequest = map[int16]string{}
 
 type StatsReply struct {
 	Errno   int32  `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
@@ -738,7 +769,6 @@ var fieldIDToName_StatsReply = map[int16]string{
 }
 
 type PrefetchRequest struct {
-	Token   string   `thrift:"token,1" frugal:"1,default,string" json:"token"`
 	Root    string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
 	Owner   string   `thrift:"owner,3" frugal:"3,default,string" json:"owner"`
 	ListId  string   `thrift:"list_id,4" frugal:"4,default,string" json:"list_id"`
@@ -753,10 +783,6 @@ func NewPrefetchRequest() *PrefetchRequest {
 }
 
 func (p *PrefetchRequest) InitDefault() {
-}
-
-func (p *PrefetchRequest) GetToken() (v string) {
-	return p.Token
 }
 
 func (p *PrefetchRequest) GetRoot() (v string) {
@@ -785,9 +811,6 @@ func (p *PrefetchRequest) GetPaths() (v []string) {
 
 func (p *PrefetchRequest) GetSession() (v int64) {
 	return p.Session
-}
-func (p *PrefetchRequest) SetToken(val string) {
-	p.Token = val
 }
 func (p *PrefetchRequest) SetRoot(val string) {
 	p.Root = val
@@ -819,7 +842,6 @@ func (p *PrefetchRequest) String() string {
 }
 
 var fieldIDToName_PrefetchRequest = map[int16]string{
-	1: "token",
 	2: "root",
 	3: "owner",
 	4: "list_id",
@@ -1059,7 +1081,6 @@ var fieldIDToName_CacheUsage = map[int16]string{
 }
 
 type UsageRequest struct {
-	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
 }
 
 func NewUsageRequest() *UsageRequest {
@@ -1069,13 +1090,6 @@ func NewUsageRequest() *UsageRequest {
 func (p *UsageRequest) InitDefault() {
 }
 
-func (p *UsageRequest) GetToken() (v string) {
-	return p.Token
-}
-func (p *UsageRequest) SetToken(val string) {
-	p.Token = val
-}
-
 func (p *UsageRequest) String() string {
 	if p == nil {
 		return "<nil>"
@@ -1083,9 +1097,7 @@ func (p *UsageRequest) String() string {
 	return fmt.Sprintf("UsageRequest(%+v)", *p)
 }
 
-var fieldIDToName_UsageRequest = map[int16]string{
-	1: "token",
-}
+var fieldIDToName_UsageRequest = map[int16]string{}
 
 type UsageReply struct {
 	Errno   int32         `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
@@ -1144,7 +1156,6 @@ var fieldIDToName_UsageReply = map[int16]string{
 }
 
 type ClearRequest struct {
-	Token  string `thrift:"token,1" frugal:"1,default,string" json:"token"`
 	Root   string `thrift:"root,2" frugal:"2,default,string" json:"root"`
 	All    bool   `thrift:"all,3" frugal:"3,default,bool" json:"all"`
 	DryRun bool   `thrift:"dry_run,4" frugal:"4,default,bool" json:"dry_run"`
@@ -1157,10 +1168,6 @@ func NewClearRequest() *ClearRequest {
 func (p *ClearRequest) InitDefault() {
 }
 
-func (p *ClearRequest) GetToken() (v string) {
-	return p.Token
-}
-
 func (p *ClearRequest) GetRoot() (v string) {
 	return p.Root
 }
@@ -1171,9 +1178,6 @@ func (p *ClearRequest) GetAll() (v bool) {
 
 func (p *ClearRequest) GetDryRun() (v bool) {
 	return p.DryRun
-}
-func (p *ClearRequest) SetToken(val string) {
-	p.Token = val
 }
 func (p *ClearRequest) SetRoot(val string) {
 	p.Root = val
@@ -1193,7 +1197,6 @@ func (p *ClearRequest) String() string {
 }
 
 var fieldIDToName_ClearRequest = map[int16]string{
-	1: "token",
 	2: "root",
 	3: "all",
 	4: "dry_run",
@@ -1256,9 +1259,8 @@ var fieldIDToName_ClearReply = map[int16]string{
 }
 
 type ForgetRequest struct {
-	Token string `thrift:"token,1" frugal:"1,default,string" json:"token"`
-	Root  string `thrift:"root,2" frugal:"2,default,string" json:"root"`
-	Path  string `thrift:"path,3" frugal:"3,default,string" json:"path"`
+	Root string `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Path string `thrift:"path,3" frugal:"3,default,string" json:"path"`
 }
 
 func NewForgetRequest() *ForgetRequest {
@@ -1268,19 +1270,12 @@ func NewForgetRequest() *ForgetRequest {
 func (p *ForgetRequest) InitDefault() {
 }
 
-func (p *ForgetRequest) GetToken() (v string) {
-	return p.Token
-}
-
 func (p *ForgetRequest) GetRoot() (v string) {
 	return p.Root
 }
 
 func (p *ForgetRequest) GetPath() (v string) {
 	return p.Path
-}
-func (p *ForgetRequest) SetToken(val string) {
-	p.Token = val
 }
 func (p *ForgetRequest) SetRoot(val string) {
 	p.Root = val
@@ -1297,7 +1292,6 @@ func (p *ForgetRequest) String() string {
 }
 
 var fieldIDToName_ForgetRequest = map[int16]string{
-	1: "token",
 	2: "root",
 	3: "path",
 }
