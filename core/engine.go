@@ -208,7 +208,7 @@ type Result struct {
 	// MTimeNanos is the source file's modification time, for a replica's copy.
 	MTimeNanos int64
 	// CTimeNanos and Ino are the source file's change time and inode number when this read
-	// (or the one it joined) opened the source; 0 for a file served from a tier.
+	// (or the one it joined) opened the source, or when the tier's copy was made.
 	CTimeNanos int64
 	Ino        uint64
 }
@@ -391,7 +391,8 @@ func (e *Engine) probe(path string, wantMapping bool) (Result, error) {
 		m.Release()
 		return Result{}, fmt.Errorf("%w: %s has %d bytes, more than the %d a reply carries", ErrTooLarge, path, m.Size, e.maxSend)
 	}
-	return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos}, nil
+	return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos, CTimeNanos: m.SourceCTimeNanos,
+		Ino: m.SourceIno}, nil
 }
 
 // startFill counts a source read about to start, unless the engine is closing.

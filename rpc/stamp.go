@@ -17,8 +17,8 @@ import (
 //	"fitcache replica stamp v1" | NUL | path length (4 bytes) | path | size (8) | mtime (8) |
 //	ctime (8) | inode (8) | CRC-32C of the data (4)
 //
-// (integers big endian; mtime and ctime in Unix nanoseconds, ctime and inode 0 when the owner
-// served the file from a tier). The replica recomputes the CRC-32C of the bytes it is sent
+// (integers big endian; mtime and ctime in Unix nanoseconds; ctime and inode as the owner's
+// source read saw them, or as its tier recorded them for a cached copy, 0 where unknown). The replica recomputes the CRC-32C of the bytes it is sent
 // and the stamp, and compares size and times with its own stat of the source (see
 // core.Engine.Store). Any holder of the token can stamp: a stamp keeps out bytes that are not
 // the owner's (damaged or forged on their way by a client), not a server of the job.

@@ -268,9 +268,19 @@ func (t *Tier) HasRoom(n int64) bool {
 }
 
 // Open maps the cached copy of sourcePath like Dir.Open, and deletes the copy if it is damaged.
+// The mapping's entry also has the identity of the source version the copy holds (the
+// change time and inode number that readers' indexes do not carry).
 func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 	m, err := t.Dir.Open(sourcePath)
 	t.removeIfDamaged(sourcePath, err)
+	if err == nil {
+		t.mu.Lock()
+		if el, ok := t.fifo.byID[idOf(filepath.Clean(sourcePath))]; ok {
+			src := el.Value.(*record).source
+			m.SourceCTimeNanos, m.SourceIno = src.CTimeNanos, src.Ino
+		}
+		t.mu.Unlock()
+	}
 	return m, err
 }
 
