@@ -313,6 +313,25 @@ static int node_request(uint32_t op, const struct root *r, const char *key, size
 	return fd;
 }
 
+// lowest_fd moves fd to the lowest free descriptor, as open() would have returned (POSIX:
+// programs rely on it, `close(0); open(f)` makes f their standard input). A descriptor
+// received over the node socket is not there: the socket held a lower one when it came.
+// The copy keeps close-on-exec (the caller sets what the program asked for). Returns the
+// descriptor to use; on failure, fd itself.
+static int lowest_fd(int fd) {
+	if (fd <= 0)
+		return fd;
+	int low = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+	if (low < 0)
+		return fd;
+	if (low > fd) { // fd was the lowest already
+		NEXT(close)(low);
+		return fd;
+	}
+	NEXT(close)(fd);
+	return low;
+}
+
 // ask_open asks the server for a descriptor of the dataset file key; returns it (close-on-
 // exec), or -1.
 static int ask_open(const struct root *r, const char *key, size_t len) {
@@ -353,7 +372,7 @@ static int ask_open(const struct root *r, const char *key, size_t len) {
 		NEXT(close)(fd);
 		fd = -1;
 	}
-	return fd;
+	return lowest_fd(fd);
 }
 
 // forget asks the server to drop the cached copy of a dataset file about to be written.

@@ -1276,3 +1276,34 @@ def test_an_empty_node_socket_is_never_an_abstract_one(dataset, tmp_path):
             squatter.accept()[0].close()
     finally:
         squatter.close()
+
+
+# --- POSIX's lowest-descriptor rule ---------------------------------------------------------
+
+LOWEST_FD = r'''
+if __name__ == "__main__":
+    path = ARGS["path"]
+    got = {}
+    for how in ("miss", "hit"):
+        if how == "hit":
+            wait_published(1)
+        os.close(0)  # the lowest free descriptor is 0 now
+        fd = os.open(path, os.O_RDONLY)
+        got[how] = [fd, in_tier(fd_path(fd)), sha(os.read(fd, 1 << 20))]
+        os.close(fd)
+        os.open(os.devnull, os.O_RDONLY)  # stdin back, for the next round
+    done(got)
+'''
+
+
+def test_an_open_returns_the_lowest_free_descriptor(cache_options, tmp_path):
+    """open() returns the lowest descriptor not open (POSIX), which programs rely on (`close(0);
+    open(f)` to make f their standard input): also when the descriptor came from the server
+    over the node socket (a miss), not only from the tiers (a hit). Before: a miss gave 5."""
+    root = tmp_path / "lowest"
+    root.mkdir()
+    data = os.urandom(7000)
+    (root / "f.bin").write_bytes(data)
+    got = run_script(cache_options, [str(root)], write_script(tmp_path, "lowest.py", LOWEST_FD),
+                     {"path": str(root / "f.bin")}, prefetch=0)
+    assert got == {"miss": [0, True, sha(data)], "hit": [0, True, sha(data)]}, got
