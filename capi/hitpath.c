@@ -440,7 +440,7 @@ out:
 // off from a server that does not answer in its own way).
 #define NODE_BACKOFF_NS (5 * 1000000000LL)
 
-// node_connect opens a connection to a node socket, with the read timeout on both ways.
+// node_connect opens a connection to a node socket (see fc_node_connect).
 static int node_connect(const char *socket_path, int64_t timeout_ms) {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
 	strcpy(addr.sun_path, socket_path);
@@ -448,10 +448,13 @@ static int node_connect(const char *socket_path, int64_t timeout_ms) {
 }
 
 // node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in
-// *err and its message in msg, or -1 with errno set when the connection failed.
-static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int32_t *err, char *msg) {
+// *err and its message in msg, or -1 with errno set when the connection failed (EAGAIN: the
+// server did not acknowledge within the probe time, or did not answer within timeout_ms).
+static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int64_t timeout_ms,
+                    int32_t *err, char *msg) {
 	uint8_t reply[12];
-	if (fc_node_send_request(fd, FC_NODE_OP_FETCH, root, rootlen, path, len) != 0 || fc_recv_all(fd, reply, sizeof reply) != 0)
+	if (fc_node_request(fd, FC_NODE_OP_FETCH, root, rootlen, path, len, timeout_ms) != 0 ||
+	    fc_recv_all(fd, reply, sizeof reply) != 0)
 		return -1;
 	if (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 8) > FC_NODE_MAX_MESSAGE ||
 	    fc_recv_all(fd, msg, fc_get32(reply + 8)) != 0) {
@@ -499,7 +502,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
 		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0)
 			break; // no server listening: Go starts one
-		asked = node_ask(fd, c->root, c->rootlen, clean, (size_t)n, &err, msg);
+		asked = node_ask(fd, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms, &err, msg);
 		if (asked != 0) {
 			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
 			close(fd);

@@ -46,7 +46,8 @@ int hit_read(int64_t handle, const char *path, const void **data, int64_t *size,
 int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
 /* Asks the server of a client, over its node socket (package nodesock), to bring path into its
- * tiers, waiting no longer than the client's read timeout. Returns 0 when the file is cached
+ * tiers, waiting a second at most for the server to acknowledge the request and no longer
+ * than the client's read timeout for its answer. Returns 0 when the file is cached
  * now (hit_read finds it), FC_DIRECT when no tier takes the file (after the server said it
  * has no room for the dataset, misses are FC_DIRECT without asking for a second), FC_MISS
  * when there is no node socket or no server listening, FC_UNAVAILABLE when the server did not

@@ -36,7 +36,9 @@
  *   FITCACHE_PRELOAD_TIERS    tier directories of the local server (in cluster mode, of the
  *                             job's servers on this node), fastest first
  *   FITCACHE_PRELOAD_SOCKET   the local server's node socket (in cluster mode, one of them)
- *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the server (default 30000)
+ *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the answer of a server that
+ *                             acknowledged it (default 30000); the acknowledgement itself is
+ *                             waited for a second at most (FC_NODE_PROBE_MS)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -294,9 +296,11 @@ static void timed_out(void) {
 		__atomic_store_n(&node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 }
 
-// node_request connects to the node socket and sends one request. Each request has its own
-// connection: a kept one could not be shared safely with a vfork child or across fork, and
-// a miss costs far more than a connect. Returns the connection, or -1.
+// node_request connects to the node socket, sends one request and waits for its ack: a
+// server that does not acknowledge within the probe time (about a second) is hung, and
+// skipped for a while, and one that did is waited for its reply up to the read timeout. Each
+// request has its own connection: a kept one could not be shared safely with a vfork child
+// or across fork, and a miss costs far more than a connect. Returns the connection, or -1.
 static int node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
 	if (node_addr.sun_family != AF_UNIX || fc_monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
 		return -1;
@@ -305,7 +309,7 @@ static int node_request(uint32_t op, const struct root *r, const char *key, size
 		timed_out();
 		return -1;
 	}
-	if (fc_node_send_request(fd, op, r->real, r->reallen, key, len) != 0) {
+	if (fc_node_request(fd, op, r->real, r->reallen, key, len, timeout_ms) != 0) {
 		timed_out();
 		NEXT(close)(fd);
 		return -1;

@@ -1191,11 +1191,12 @@ class FakeNodeSocket:
                     continue
                 op, rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
                 body = conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
+                conn.sendall(b"FCA2")  # the ack: the request is read
                 path = body[rootlen:].decode()
                 with open(path, "rb") as f:
                     held = f.read()
                 self.requests.append((op, path, held))
-                conn.sendall(b"FCN1" + bytes(8))  # errno 0, no message
+                conn.sendall(b"FCN2" + bytes(8))  # errno 0, no message
 
     def close(self):
         self.stopped.set()
@@ -1307,3 +1308,43 @@ def test_an_open_returns_the_lowest_free_descriptor(cache_options, tmp_path):
     got = run_script(cache_options, [str(root)], write_script(tmp_path, "lowest.py", LOWEST_FD),
                      {"path": str(root / "f.bin")}, prefetch=0)
     assert got == {"miss": [0, True, sha(data)], "hit": [0, True, sha(data)]}, got
+
+
+# --- a stopped server costs a short probe ---------------------------------------------------
+
+
+def stopped_server(cache_options, root):
+    """Starts the embedded server (a run that caches nothing), stops it with SIGSTOP and
+    returns its pid; the caller sends SIGCONT."""
+    out = fitcache_run(cache_options, [root], ["true"], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    pid = server_pid(cache_options["runtime_dir"])
+    assert pid, "no server runs"
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def timed_cat(env, path, timeout=120):
+    start = time.monotonic()
+    out = subprocess.run(["cat", path], env=env, capture_output=True, timeout=timeout)
+    return out, time.monotonic() - start
+
+
+def test_a_stopped_server_costs_the_shim_a_short_probe(dataset, cache_options):
+    """The node socket acknowledges a request at once: a server stopped with SIGSTOP accepts
+    the connection (the kernel does) but sends no acknowledgement, so a miss waits about a
+    second, not the read timeout, then reads the source. Before: the whole read timeout (30 s
+    here), in every new process."""
+    root, digests = dataset
+    pid = stopped_server(cache_options, root)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FITCACHE_")}
+        env.update(LD_PRELOAD=PRELOAD_LIB, FITCACHE_PRELOAD_ROOTS=root, FITCACHE_PRELOAD_TIERS="",
+                   FITCACHE_PRELOAD_SOCKET=os.path.join(cache_options["runtime_dir"], "server.sock.node"),
+                   FITCACHE_PRELOAD_TIMEOUT_MS="30000")
+        for name in sorted(digests)[:2]:  # two processes: each pays the probe once
+            out, seconds = timed_cat(env, os.path.join(root, name))
+            assert out.returncode == 0 and sha(out.stdout) == digests[name], describe(out)
+            assert seconds < 10, f"a miss with a stopped server took {seconds:.1f} s (read timeout 30 s)"
+    finally:
+        os.kill(pid, signal.SIGCONT)
