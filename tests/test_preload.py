@@ -1348,3 +1348,24 @@ def test_a_stopped_server_costs_the_shim_a_short_probe(dataset, cache_options):
             assert seconds < 10, f"a miss with a stopped server took {seconds:.1f} s (read timeout 30 s)"
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_run_gives_no_server_it_could_not_reach_to_the_program(dataset, cache_options):
+    """`fitcache run` with a stopped server reports it, and the program it runs (and every
+    process it starts) reads the source without asking the server. Before: the first miss of
+    each process waited the read timeout (61 s with the defaults)."""
+    root, digests = dataset
+    pid = stopped_server(cache_options, root)
+    try:
+        names = sorted(digests)[:3]
+        script = "; ".join(f"cat {os.path.join(root, n)}" for n in names)
+        start = time.monotonic()
+        out = fitcache_run(cache_options, [root], ["sh", "-c", script], prefetch=0,
+                           env=command_env(cache_options, FITCACHE_READ_TIMEOUT="30"), timeout=300)
+        seconds = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert out.returncode == 0, describe(out)
+    assert out.stdout == b"".join(open(os.path.join(root, n), "rb").read() for n in names)
+    assert seconds < 15, f"three processes' misses with a stopped server took {seconds:.1f} s (read timeout 30 s)"
+    assert b"could not be reached" in out.stderr and b"nor the processes it starts ask" in out.stderr, out.stderr.decode()
