@@ -8,7 +8,9 @@
  *
  * Everything here also works in a process forked after the library was loaded: descriptors
  * and mappings are inherited, and the locks are taken around fork (pthread_atfork), so hits
- * need no Go runtime. Misses there cannot enter Go (see fitcache.c).
+ * need no Go runtime. Misses there cannot enter Go (see fitcache.c). No lock is held across a
+ * read or a wait for the server (a reference to the client is), so fork and fcHitClose never
+ * wait for misses in other threads to leave a gap.
  */
 #ifndef FITCACHE_HITPATH_H
 #define FITCACHE_HITPATH_H
@@ -83,7 +85,9 @@ int fcHitAddTier(int64_t handle, const char *dir, int kind);
 void fcHitServerState(int64_t handle, bool up, int64_t ms);
 /* Number of tiers the hit path has for a handle. */
 int fcHitTiers(int64_t handle);
-/* Forgets a client handle, closing its tiers. */
+/* Forgets a client handle, closing its tiers once the reads and misses in progress on it have
+ * ended (each is bounded by the client's timeouts; a client still in use after twice the read
+ * timeout and a few seconds is left allocated rather than freed under its user). */
 void fcHitClose(int64_t handle);
 /* Reads served by the hit path for a handle, the misses it had the server cache through the
  * node socket, and the files it read from the source. */
