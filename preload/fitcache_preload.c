@@ -4,10 +4,11 @@
  *
  * It interposes the open functions (open, open64, openat, openat64, their fortified __*_2
  * forms, creat, fopen, fopen64), close and fclose of dataset files it saw opened for
- * writing, and the calls that change which file a path names (renames, unlinks, truncates). A read-only open of a file under a dataset root returns a
- * descriptor of the file's cached copy instead of the source; everything after the open
- * (read, pread, mmap, fstat, stdio) then runs natively on a real file, so no other call needs
- * interposing and every way of reading works. Specifically:
+ * writing, and the calls that change which file a path names (renames, unlinks, truncates).
+ * A read-only open of a file under a dataset root returns a descriptor of the file's cached
+ * copy instead of the source; everything after the open (read, pread, mmap, fstat, stdio)
+ * then runs natively on a real file, so no other call needs interposing and every way of
+ * reading works. Specifically:
  *
  *   - A hit is found here, without a round trip: the path is looked up in the tiers' mapped
  *     indexes and the cached file opened (capi/fclookup.c, shared with libfitcache).
