@@ -17,11 +17,18 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#define FC_NODE_MAGIC "FCN1"
+#define FC_NODE_MAGIC "FCN2"
+#define FC_NODE_ACK "FCA2" /* sent by the server as soon as it has read a request */
 #define FC_NODE_OP_FETCH 1
 #define FC_NODE_OP_OPEN 2
 #define FC_NODE_OP_FORGET 3
 #define FC_NODE_MAX_MESSAGE 1000
+
+/* How long a client waits to connect, to send a request and for its ack (nodesock.ProbeTimeout):
+ * a server that does not acknowledge within it is hung (stopped with SIGSTOP, say: the kernel
+ * still accepts its connections), and only a server that acknowledged is waited for the whole
+ * read timeout, which a large source file may need. */
+#define FC_NODE_PROBE_MS 1000
 
 static inline void fc_put32(uint8_t *p, uint32_t v) {
 	p[0] = (uint8_t)v;
@@ -96,8 +103,43 @@ static inline int fc_node_send_request(int fd, uint32_t op, const char *root, si
 	return 0;
 }
 
-/* Connects to the node socket at addr, with timeout_ms on sends and receives: the
- * connection, or -1 with errno set. The socket must be a path (an empty or abstract name
+/* Sets the receive timeout of fd to ms milliseconds (at least 1: 0 would mean none). */
+static inline void fc_set_rcvtimeo(int fd, int64_t ms) {
+	if (ms < 1)
+		ms = 1;
+	struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+/* The probe time for a client whose read timeout is timeout_ms: FC_NODE_PROBE_MS, or the read
+ * timeout when it is shorter. */
+static inline int64_t fc_node_probe_ms(int64_t timeout_ms) {
+	return timeout_ms < FC_NODE_PROBE_MS ? timeout_ms : FC_NODE_PROBE_MS;
+}
+
+/* Sends one request on fd (connected by fc_node_connect) and waits for the server's ack for
+ * the probe time of timeout_ms; then sets the receive timeout to timeout_ms for the reply,
+ * which the caller reads. 0, or -1 with errno set: EAGAIN when no ack came in time (a hung
+ * server), ECONNRESET when the server closed the connection, EPROTO for bytes that are not
+ * an ack. */
+static inline int fc_node_request(int fd, uint32_t op, const char *root, size_t rootlen, const char *path, size_t len,
+                                  int64_t timeout_ms) {
+	uint8_t ack[4];
+	fc_set_rcvtimeo(fd, fc_node_probe_ms(timeout_ms));
+	if (fc_node_send_request(fd, op, root, rootlen, path, len) != 0 || fc_recv_all(fd, ack, sizeof ack) != 0)
+		return -1;
+	if (memcmp(ack, FC_NODE_ACK, 4) != 0) {
+		errno = EPROTO;
+		return -1;
+	}
+	fc_set_rcvtimeo(fd, timeout_ms);
+	return 0;
+}
+
+/* Connects to the node socket at addr, with the probe time of timeout_ms on the connection
+ * and on sends (a server whose backlog is full blocks connect, a stopped one with a full
+ * socket buffer blocks send): the connection, or -1 with errno set. Use fc_node_request to
+ * ask. The socket must be a path (an empty or abstract name
  * could be bound by any user of the node), and the server must run as this user or as root:
  * its answers are descriptors the program reads as dataset files. */
 static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeout_ms) {
@@ -108,9 +150,10 @@ static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeou
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -1;
-	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	int64_t probe = fc_node_probe_ms(timeout_ms);
+	struct timeval tv = {.tv_sec = probe / 1000, .tv_usec = (probe % 1000) * 1000};
 	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+	fc_set_rcvtimeo(fd, probe);
 	int err = 0;
 	struct ucred cred;
 	socklen_t credlen = sizeof cred;

@@ -41,13 +41,18 @@ struct hit_client {
 	int node_fd;             // the connection kept to the node socket, or -1
 	pid_t node_pid;          // the process that opened node_fd
 	struct fc_tier tiers[MAX_TIERS];
-	int ntiers;
+	int ntiers;          // tiers in use (atomic: added under clients_lock, read without it)
 	int64_t hits, bytes; // atomic
+	int refs;            // threads using the client (atomic): see acquire
 };
 
-// clients_lock is held shared by reads and exclusively to change clients (or a client's
-// tiers). clients[h % CLIENT_SLOTS] holds the client of handle h.
-static pthread_rwlock_t clients_lock = PTHREAD_RWLOCK_INITIALIZER;
+// clients_lock is held shared to find a client and take a reference to it (acquire), and
+// exclusively to add or remove a client or add a tier to one; it is never held across I/O or
+// a wait for the server, so that fc_close and fork (which take it exclusively) get it at
+// once. It prefers writers, so it must never be taken twice by one thread (a writer waiting
+// in between would deadlock it): no function here calls another that takes it while holding
+// it. clients[h % CLIENT_SLOTS] holds the client of handle h.
+static pthread_rwlock_t clients_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 static struct hit_client *clients[CLIENT_SLOTS];
 
 // A buffer handed out by the hit path.
@@ -87,20 +92,24 @@ static void unlock_all(void) {
 }
 
 // The child starts with fresh locks: glibc's rwlock unlock compares the writer's thread id,
-// which is not the same in the child, so unlocking there would leave the lock taken.
+// which is not the same in the child, so unlocking there would leave the lock taken. The
+// references to clients held by the parent's other threads (in a read or a miss) are dropped:
+// those threads do not exist in the child.
 static void reset_in_child(void) {
-	pthread_rwlock_t fresh_rw = PTHREAD_RWLOCK_INITIALIZER;
+	pthread_rwlock_t fresh_rw = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 	pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
 	clients_lock = fresh_rw;
 	bufs_lock = fresh_mu;
 	pool_lock = fresh_mu;
-	for (int i = 0; i < CLIENT_SLOTS; i++) // a parent's thread may have held one in a fetch
-		if (clients[i])
-			pthread_mutex_init(&clients[i]->node_mu, NULL);
+	for (int i = 0; i < CLIENT_SLOTS; i++)
+		if (clients[i]) {
+			pthread_mutex_init(&clients[i]->node_mu, NULL); // a parent's thread may have held it in a fetch
+			__atomic_store_n(&clients[i]->refs, 0, __ATOMIC_RELAXED);
+		}
 }
 
-// The locks are held across fork, so that a child never inherits state that a thread it
-// lacks was changing.
+// The locks are held across fork (each only briefly by anyone else, so fork waits for no
+// read or miss), so that a child never inherits state that a thread it lacks was changing.
 __attribute__((constructor)) static void hit_init(void) { pthread_atfork(lock_all, unlock_all, reset_in_child); }
 
 static int64_t add_buf(void *ptr, size_t len, uint8_t kind) {
@@ -228,6 +237,28 @@ static struct hit_client *client(int64_t h) {
 	return c && c->handle == h ? c : NULL;
 }
 
+// acquire returns the client of handle h with a reference taken, or NULL: the client is not
+// freed (fcHitClose waits) until the caller gives the reference back with put. A reference
+// is held across reads and misses, clients_lock only while it is taken.
+static struct hit_client *acquire(int64_t h) {
+	pthread_rwlock_rdlock(&clients_lock);
+	struct hit_client *c = client(h);
+	if (c)
+		__atomic_fetch_add(&c->refs, 1, __ATOMIC_RELAXED);
+	pthread_rwlock_unlock(&clients_lock);
+	return c;
+}
+
+// put gives back a reference from acquire (c may be NULL).
+static void put(struct hit_client *c) {
+	if (c)
+		__atomic_fetch_sub(&c->refs, 1, __ATOMIC_RELEASE);
+}
+
+// tier_count returns the tiers of c that readers may use: fcHitAddTier fills a tier before it
+// counts it.
+static int tier_count(struct hit_client *c) { return __atomic_load_n(&c->ntiers, __ATOMIC_ACQUIRE); }
+
 int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms) {
 	size_t n = strlen(root);
 	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/')
@@ -268,17 +299,26 @@ int fcHitAddTier(int64_t handle, const char *dir, int kind, uint32_t session) {
 	if (c && c->ntiers == MAX_TIERS)
 		rc = -ENOSPC;
 	else if (c && (rc = fc_tier_open(&c->tiers[c->ntiers], dir, kind, session)) == 0)
-		c->ntiers++;
+		__atomic_store_n(&c->ntiers, c->ntiers + 1, __ATOMIC_RELEASE); // readers take no lock
 	pthread_rwlock_unlock(&clients_lock);
 	return rc;
 }
 
 int fcHitTiers(int64_t handle) {
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(handle);
-	int n = c ? c->ntiers : 0;
-	pthread_rwlock_unlock(&clients_lock);
+	struct hit_client *c = acquire(handle);
+	int n = c ? tier_count(c) : 0;
+	put(c);
 	return n;
+}
+
+// A client being closed is freed once the reads and misses that hold references to it end;
+// each is bounded by the client's timeouts (a miss: two tries, each up to a probe for the
+// connection, one for the request and its ack, and the read timeout for the answer), and a
+// client still referenced after close_wait_ns is left allocated rather than freed under a
+// thread that uses it (a source read stuck in the file system, say).
+#define CLOSE_POLL_NS 1000000 // 1 ms
+static int64_t close_wait_ns(const struct hit_client *c) {
+	return (2 * (c->timeout_ms + 3 * FC_NODE_PROBE_MS) + 1000) * 1000000LL;
 }
 
 void fcHitClose(int64_t handle) {
@@ -289,6 +329,14 @@ void fcHitClose(int64_t handle) {
 	pthread_rwlock_unlock(&clients_lock);
 	if (!c)
 		return;
+	// No new reference can be taken now; wait for those held.
+	int64_t deadline = fc_monotonic_ns() + close_wait_ns(c);
+	while (__atomic_load_n(&c->refs, __ATOMIC_ACQUIRE) > 0) {
+		if (fc_monotonic_ns() > deadline)
+			return; // leaked, not freed under a thread still using it
+		struct timespec pause = {.tv_nsec = CLOSE_POLL_NS};
+		nanosleep(&pause, NULL);
+	}
 	for (int i = 0; i < c->ntiers; i++)
 		fc_tier_close(&c->tiers[i]);
 	if (c->node_fd >= 0)
@@ -300,12 +348,11 @@ void fcHitClose(int64_t handle) {
 }
 
 void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct) {
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(handle);
+	struct hit_client *c = acquire(handle);
 	*hits = c ? __atomic_load_n(&c->hits, __ATOMIC_RELAXED) : 0;
 	*fetches = c ? __atomic_load_n(&c->fetches, __ATOMIC_RELAXED) : 0;
 	*direct = c ? __atomic_load_n(&c->direct, __ATOMIC_RELAXED) : 0;
-	pthread_rwlock_unlock(&clients_lock);
+	put(c);
 }
 
 // source_path writes the clean absolute path of path (absolute, or relative to c's root) into
@@ -409,13 +456,12 @@ int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_
 static int hit_read_counted(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer,
                             int count) {
 	int saved = errno;
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(handle);
+	struct hit_client *c = acquire(handle);
 	char clean[FC_PATH_MAX];
 	struct fc_hit h;
-	int n, rc = FC_MISS;
-	if (!c || c->ntiers == 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 ||
-	    fc_lookup(c->tiers, c->ntiers, clean, (size_t)n, O_CLOEXEC, count, &h) != 0)
+	int n, nt, rc = FC_MISS;
+	if (!c || (nt = tier_count(c)) == 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 ||
+	    fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, count, &h) != 0)
 		goto out;
 	void *ptr;
 	uint8_t kind;
@@ -429,7 +475,7 @@ static int hit_read_counted(int64_t handle, const char *path, const void **data,
 	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
 	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
 out:
-	pthread_rwlock_unlock(&clients_lock);
+	put(c);
 	errno = saved;
 	return rc;
 }
@@ -442,7 +488,7 @@ out:
 // off from a server that does not answer in its own way).
 #define NODE_BACKOFF_NS (5 * 1000000000LL)
 
-// node_connect opens a connection to a node socket, with the read timeout on both ways.
+// node_connect opens a connection to a node socket (see fc_node_connect).
 static int node_connect(const char *socket_path, int64_t timeout_ms) {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
 	strcpy(addr.sun_path, socket_path);
@@ -450,10 +496,13 @@ static int node_connect(const char *socket_path, int64_t timeout_ms) {
 }
 
 // node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in
-// *err and its message in msg, or -1 with errno set when the connection failed.
-static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int32_t *err, char *msg) {
+// *err and its message in msg, or -1 with errno set when the connection failed (EAGAIN: the
+// server did not acknowledge within the probe time, or did not answer within timeout_ms).
+static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int64_t timeout_ms,
+                    int32_t *err, char *msg) {
 	uint8_t reply[12];
-	if (fc_node_send_request(fd, FC_NODE_OP_FETCH, root, rootlen, path, len) != 0 || fc_recv_all(fd, reply, sizeof reply) != 0)
+	if (fc_node_request(fd, FC_NODE_OP_FETCH, root, rootlen, path, len, timeout_ms) != 0 ||
+	    fc_recv_all(fd, reply, sizeof reply) != 0)
 		return -1;
 	if (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 8) > FC_NODE_MAX_MESSAGE ||
 	    fc_recv_all(fd, msg, fc_get32(reply + 8)) != 0) {
@@ -470,17 +519,18 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	msg[0] = 0;
 	char clean[FC_PATH_MAX];
 	int n = -1;
-	// The lock is held through the fetch, so that the client cannot go meanwhile; fcHitClose
-	// and a fork wait for fetches in progress (each bounded by the read timeout).
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(handle);
+	// A reference is held through the fetch, so that the client cannot go meanwhile
+	// (fcHitClose waits for it); no lock is held while the server is waited for.
+	struct hit_client *c = acquire(handle);
 	if (!c || !c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
 	    (n = source_path(c, path, clean, sizeof clean)) < 0) {
-		pthread_rwlock_unlock(&clients_lock);
+		put(c);
+		errno = saved;
 		return FC_MISS;
 	}
 	if (fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED)) {
-		pthread_rwlock_unlock(&clients_lock);
+		put(c);
+		errno = saved;
 		return FC_DIRECT; // the server said it has no room for this dataset: do not ask again yet
 	}
 	// One connection per client is kept for the misses of this process; a thread that finds
@@ -501,7 +551,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
 		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0)
 			break; // no server listening: Go starts one
-		asked = node_ask(fd, c->root, c->rootlen, clean, (size_t)n, &err, msg);
+		asked = node_ask(fd, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms, &err, msg);
 		if (asked != 0) {
 			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
 			close(fd);
@@ -529,17 +579,16 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	} else if (asked == 0 && err != EBADF && err != ETIMEDOUT && err != EIO) {
 		rc = -err; // the file's own error; for the others, Go reads it
 	}
-	pthread_rwlock_unlock(&clients_lock);
+	put(c);
 	errno = saved;
 	return rc;
 }
 
 void fcHitServerState(int64_t handle, bool up, int64_t ms) {
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(handle);
+	struct hit_client *c = acquire(handle);
 	if (c)
 		__atomic_store_n(&c->node_down_until, up ? 0 : fc_monotonic_ns() + ms * 1000000LL, __ATOMIC_RELAXED);
-	pthread_rwlock_unlock(&clients_lock);
+	put(c);
 }
 
 // Source reads without Go: for files no tier takes (the server said so), and in a process
@@ -553,8 +602,7 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
 	int saved = errno;
 	char clean[FC_PATH_MAX];
 	int n, rc = FC_MISS, fd = -1;
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(handle);
+	struct hit_client *c = acquire(handle);
 	if (!c || c->real_root_fd < 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 || (size_t)n <= c->rootlen)
 		goto out;
 	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
@@ -581,7 +629,7 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
 out:
 	if (fd >= 0)
 		close(fd);
-	pthread_rwlock_unlock(&clients_lock);
+	put(c);
 	errno = saved;
 	return rc;
 }

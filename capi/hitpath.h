@@ -8,7 +8,9 @@
  *
  * Everything here also works in a process forked after the library was loaded: descriptors
  * and mappings are inherited, and the locks are taken around fork (pthread_atfork), so hits
- * need no Go runtime. Misses there cannot enter Go (see fitcache.c).
+ * need no Go runtime. Misses there cannot enter Go (see fitcache.c). No lock is held across a
+ * read or a wait for the server (a reference to the client is), so fork and fcHitClose never
+ * wait for misses in other threads to leave a gap.
  */
 #ifndef FITCACHE_HITPATH_H
 #define FITCACHE_HITPATH_H
@@ -46,7 +48,8 @@ int hit_read(int64_t handle, const char *path, const void **data, int64_t *size,
 int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
 /* Asks the server of a client, over its node socket (package nodesock), to bring path into its
- * tiers, waiting no longer than the client's read timeout. Returns 0 when the file is cached
+ * tiers, waiting a second at most for the server to acknowledge the request and no longer
+ * than the client's read timeout for its answer. Returns 0 when the file is cached
  * now (hit_read finds it), FC_DIRECT when no tier takes the file (after the server said it
  * has no room for the dataset, misses are FC_DIRECT without asking for a second), FC_MISS
  * when there is no node socket or no server listening, FC_UNAVAILABLE when the server did not
@@ -83,7 +86,9 @@ int fcHitAddTier(int64_t handle, const char *dir, int kind, uint32_t session);
 void fcHitServerState(int64_t handle, bool up, int64_t ms);
 /* Number of tiers the hit path has for a handle. */
 int fcHitTiers(int64_t handle);
-/* Forgets a client handle, closing its tiers. */
+/* Forgets a client handle, closing its tiers once the reads and misses in progress on it have
+ * ended (each is bounded by the client's timeouts; a client still in use after twice the read
+ * timeout and a few seconds is left allocated rather than freed under its user). */
 void fcHitClose(int64_t handle);
 /* Reads served by the hit path for a handle, the misses it had the server cache through the
  * node socket, and the files it read from the source. */

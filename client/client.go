@@ -266,6 +266,10 @@ func (c *Client) readInto(path string, mapTiers bool) (Buffer, error) {
 		if errors.Is(err, core.ErrTooLarge) {
 			return c.readDirect(path)
 		}
+		if errors.Is(err, errNoProbeAnswer) { // hung: no reconnection would answer either
+			c.MarkUnavailable()
+			return c.readDirect(path)
+		}
 		if !errors.Is(err, rpc.ErrUnavailable) {
 			return buf, err
 		}
@@ -284,7 +288,11 @@ func (c *Client) hit(m *tiers.Mapping) {
 func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Time, mapTiers bool) (Buffer, error) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
+	unwatch := watchServer(ctx, conn.rpc, cancel)
 	reply, err := conn.rpc.Read(ctx, c.root, path, true)
+	if hung := unwatch(); err != nil && hung {
+		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, errNoProbeAnswer)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -293,6 +301,52 @@ func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Tim
 		return nil, nil
 	}
 	return c.replyBuffer(ctx, conn.rpc, reply, conn.dirs, path)
+}
+
+// A read the server has not answered after probeAfter is watched: a Hello goes to the
+// server then, and again every probeAfter while the read runs, each waiting at most
+// probeTimeout. A server busy with a long source read answers it, and the read goes on
+// (up to the read timeout); one that does not (stopped with SIGSTOP, hung: the kernel still
+// accepts its connections) has the read abandoned, so that it costs a miss about
+// probeAfter+probeTimeout instead of the whole read timeout.
+const (
+	probeAfter   = 500 * time.Millisecond
+	probeTimeout = time.Second
+)
+
+// errNoProbeAnswer reports a read abandoned because its server did not answer a probe.
+var errNoProbeAnswer = errors.New("the server did not answer a probe beside a read")
+
+// watchServer probes server while a call under ctx runs (see probeAfter), and cancels the
+// call through cancel when a probe gets no answer. The returned function ends the watch at
+// once (a probe in flight is cancelled) and reports whether it gave up on the server.
+func watchServer(ctx context.Context, server *rpc.Client, cancel context.CancelFunc) (unwatch func() (hung bool)) {
+	wctx, stop := context.WithCancel(ctx)
+	var hung atomic.Bool
+	go func() {
+		timer := time.NewTimer(probeAfter)
+		defer timer.Stop()
+		for {
+			select {
+			case <-wctx.Done():
+				return
+			case <-timer.C:
+			}
+			pctx, pcancel := context.WithTimeout(wctx, probeTimeout)
+			_, err := server.Hello(pctx)
+			pcancel()
+			if errors.Is(err, rpc.ErrUnavailable) && wctx.Err() == nil {
+				hung.Store(true) // before cancel: the call returns after it, and sees it
+				cancel()
+				return
+			}
+			timer.Reset(probeAfter)
+		}
+	}()
+	return func() bool {
+		stop()
+		return hung.Load()
+	}
 }
 
 // replyBuffer turns a server's reply to a local read into a buffer: the tier file it names,

@@ -247,6 +247,14 @@ func (c *Client) tellState(up bool, backoff time.Duration) {
 	}
 }
 
+// ServerUp reports whether the client is connected to its embedded server and not backing
+// off from it: whether a process started now should ask that server for its misses. It is
+// false in cluster mode.
+func (c *Client) ServerUp() bool {
+	conn, down := c.current()
+	return c.cluster == nil && conn != nil && !down
+}
+
 // NodeSocket returns the node socket (see package nodesock) where C code on this node
 // without Go asks for the files it misses: the embedded server's or, in cluster mode, that
 // of the first live server on this node (by address) that announced one in its hello, which

@@ -151,3 +151,32 @@ func TestPlantedDefaultRuntimeDirFallsBack(t *testing.T) {
 		t.Errorf("a second process gets %s (%v), want the same stand-in %s", again.RuntimeDir, err, cfg.RuntimeDir)
 	}
 }
+
+// The default runtime directory planted by another user with mode 0700, which this user
+// cannot even open, is not ours either: a private stand-in is used. Run as nobody, with
+// root's directory. Before, Inspect failed with EACCES, which is not ErrNotPrivate, and the
+// planted directory was kept, to be refused when used: no embedded server.
+func TestClosedDefaultRuntimeDirFallsBack(t *testing.T) {
+	if shared, ok := privdirtest.Victim(); ok {
+		t.Setenv("XDG_RUNTIME_DIR", "")
+		t.Setenv("TMPDIR", shared)
+		t.Setenv("XDG_CACHE_HOME", t.TempDir())
+		planted := filepath.Join(shared, "fitcache-"+strconv.Itoa(os.Geteuid()))
+		cfg, err := Load(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasPrefix(cfg.RuntimeDir, planted+"-") || !strings.Contains(cfg.RuntimeDirWarning, "root") {
+			t.Fatalf("runtime directory %s (%q), want a stand-in beside root's %s", cfg.RuntimeDir, cfg.RuntimeDirWarning, planted)
+		}
+		if err := privdir.Inspect(cfg.RuntimeDir); err != nil {
+			t.Errorf("stand-in is not private: %v", err)
+		}
+		return
+	}
+	shared := privdirtest.SharedDir(t)
+	if err := os.Mkdir(filepath.Join(shared, "fitcache-65534"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	privdirtest.RunAsNobody(t, shared)
+}

@@ -125,3 +125,20 @@ func TestHoldOffExcludesAServer(t *testing.T) {
 	}
 	lock.Close()
 }
+
+// A runtime directory of another user that this user cannot even open (mode 0700) is refused
+// as not private, naming its owner, like one it can open. Run as nobody, with root's
+// directory. Before, the refusal was a bare EACCES.
+func TestPrepareDirRefusesAClosedDirectoryOfAnotherUser(t *testing.T) {
+	if planted, ok := privdirtest.Victim(); ok {
+		if err := PrepareDir(planted); !errors.Is(err, privdir.ErrNotPrivate) || !strings.Contains(err.Error(), "root") {
+			t.Fatalf("got %v, want ErrNotPrivate naming root", err)
+		}
+		return
+	}
+	planted := filepath.Join(privdirtest.SharedDir(t), "fitcache-65534")
+	if err := os.Mkdir(planted, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	privdirtest.RunAsNobody(t, planted)
+}

@@ -18,13 +18,25 @@
 //
 // Wire format (integers little-endian):
 //
-//	request: magic "FCN1", op uint32, root length uint32, path length uint32,
+//	request: magic "FCN2", op uint32, root length uint32, path length uint32,
 //	         root bytes, path bytes (absolute, clean, path inside root)
-//	reply:   magic "FCN1", errno int32 (0: done), message length uint32,
+//	ack:     "FCA2", sent as soon as the request has been read, before any work
+//	reply:   magic "FCN2", errno int32 (0: done), message length uint32,
 //	         message bytes (why it failed, at most maxMessage bytes; empty on success)
-//	OpOpen reply: magic "FCN1", errno int32, origin uint32 (core.Origin, 0 on error),
+//	OpOpen reply: magic "FCN2", errno int32, origin uint32 (core.Origin, 0 on error),
 //	         message length uint32, message bytes; on success one descriptor rides along
-//	         with the first byte.
+//	         with the first byte (a separate write from the ack's, so that a client
+//	         reading the ack's 4 bytes never reads into it).
+//
+// The ack tells a hung server from a slow answer. A server stopped with SIGSTOP (or hung)
+// still has its connections accepted by the kernel and its requests buffered, so without it a
+// client could only wait for the whole read timeout; with it, a client waits a short probe
+// time (ProbeTimeout) for the ack and the read timeout only for the answer of a server that
+// acknowledged, which may legitimately be busy reading a large source file. A server at its
+// connection cap (maxConns) sends no ack until a place frees: its clients take it for a hung
+// one and read the source for a while. Version 1 ("FCN1", no ack) is refused at its first
+// bytes, and a version-1 server closes a version-2 client's connection the same way, so a
+// client and server of different versions fall back at once, never by a timeout.
 //
 // The socket lives in the private runtime directory (mode 0600) and a connection is served
 // only if its peer runs as this server's user (SO_PEERCRED), so nobody else can use it.
@@ -47,7 +59,15 @@ import (
 )
 
 // Magic starts every request and reply.
-const Magic = "FCN1"
+const Magic = "FCN2"
+
+// Ack is what the server sends as soon as it has read a request (see the package
+// documentation).
+const Ack = "FCA2"
+
+// ProbeTimeout is how long a client waits for the ack before it takes the server for hung
+// (capi/fcnode.h has the same value).
+const ProbeTimeout = time.Second
 
 // Operations (see the package documentation).
 const (
@@ -186,6 +206,9 @@ func (s *Server) serve(c *net.UnixConn) {
 			}
 			return
 		}
+		if _, err := c.Write([]byte(Ack)); err != nil {
+			return
+		}
 		if err := s.answer(c, op, root, path); err != nil {
 			return
 		}
@@ -269,6 +292,19 @@ func AppendRequest(b []byte, op uint32, root, path string) []byte {
 	b = le.AppendUint32(b, uint32(len(path)))
 	b = append(b, root...)
 	return append(b, path...)
+}
+
+// ReadAck reads the ack of a request from r, exactly its bytes (a descriptor riding with
+// the reply that follows must not be read with it), for tests and Go callers.
+func ReadAck(r io.Reader) error {
+	ack := make([]byte, len(Ack))
+	if _, err := io.ReadFull(r, ack); err != nil {
+		return err
+	}
+	if string(ack) != Ack {
+		return fmt.Errorf("node socket: %q where the ack %q was expected", ack, Ack)
+	}
+	return nil
 }
 
 // peerUID returns the user id of the process at the other end of c.

@@ -87,6 +87,7 @@ func TestBadRequestClosesTheConnection(t *testing.T) {
 	sock := startServer(t, func(context.Context, string, string) error { return nil })
 	for name, req := range map[string][]byte{
 		"bad magic":   append([]byte("XXXX"), AppendRequest(nil, OpFetch, "/d", "/d/a")[4:]...),
+		"version 1":   append([]byte("FCN1"), AppendRequest(nil, OpFetch, "/d", "/d/a")[4:]...), // no ack: refused
 		"huge length": binary.LittleEndian.AppendUint32(append([]byte(Magic), 1, 0, 0, 0, 1, 0, 0, 0), 1<<30),
 	} {
 		c, err := net.Dial("unix", sock)
@@ -107,6 +108,9 @@ func TestBadRequestClosesTheConnection(t *testing.T) {
 func askOpen(t *testing.T, c *net.UnixConn, root, path string) (syscall.Errno, uint32, string, *os.File) {
 	t.Helper()
 	if _, err := c.Write(AppendRequest(nil, OpOpen, root, path)); err != nil {
+		t.Fatal(err)
+	}
+	if err := ReadAck(c); err != nil {
 		t.Fatal(err)
 	}
 	// The descriptor rides with the first bytes: read the fixed part with room for control data.
@@ -187,6 +191,9 @@ func askOp(t *testing.T, c net.Conn, op uint32, root, path string) (syscall.Errn
 	if _, err := c.Write(AppendRequest(nil, op, root, path)); err != nil {
 		t.Fatal(err)
 	}
+	if err := ReadAck(c); err != nil {
+		t.Fatal(err)
+	}
 	var hdr [12]byte
 	if _, err := io.ReadFull(c, hdr[:]); err != nil {
 		t.Fatal(err)
@@ -196,4 +203,40 @@ func askOp(t *testing.T, c net.Conn, op uint32, root, path string) (syscall.Errn
 		t.Fatal(err)
 	}
 	return syscall.Errno(int32(binary.LittleEndian.Uint32(hdr[4:8]))), string(msg)
+}
+
+// A request is acknowledged as soon as it is read, while the answer may take long (a large
+// source file read): a client tells a live server from a hung one by the ack, in a short
+// probe time, without waiting for the answer.
+func TestRequestIsAcknowledgedBeforeItsAnswer(t *testing.T) {
+	release := make(chan struct{})
+	sock := startWith(t, Config{Fetch: func(ctx context.Context, root, path string) error {
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return nil
+	}})
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for range 2 { // each request of a kept connection
+		if _, err := c.Write(AppendRequest(nil, OpFetch, "/d", "/d/a")); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(ProbeTimeout))
+		ack := make([]byte, 16)
+		n, err := c.Read(ack)
+		if err != nil || string(ack[:n]) != Ack {
+			t.Fatalf("while the fetch runs: read %q, %v; want the ack %q within %s", ack[:n], err, Ack, ProbeTimeout)
+		}
+		release <- struct{}{}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		var hdr [12]byte
+		if _, err := io.ReadFull(c, hdr[:]); err != nil || string(hdr[:4]) != Magic || binary.LittleEndian.Uint32(hdr[4:]) != 0 {
+			t.Fatalf("answer: %q, %v", hdr, err)
+		}
+	}
 }

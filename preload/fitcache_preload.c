@@ -3,11 +3,12 @@
  * unmodified programs read their dataset from the cache.
  *
  * It interposes the open functions (open, open64, openat, openat64, their fortified __*_2
- * forms, creat, fopen, fopen64), and close and fclose of dataset files it saw opened for
- * writing. A read-only open of a file under a dataset root returns a
- * descriptor of the file's cached copy instead of the source; everything after the open
- * (read, pread, mmap, fstat, stdio) then runs natively on a real file, so no other call needs
- * interposing and every way of reading works. Specifically:
+ * forms, creat, fopen, fopen64), close and fclose of dataset files it saw opened for
+ * writing, and the calls that change which file a path names (renames, unlinks, truncates).
+ * A read-only open of a file under a dataset root returns a descriptor of the file's cached
+ * copy instead of the source; everything after the open (read, pread, mmap, fstat, stdio)
+ * then runs natively on a real file, so no other call needs interposing and every way of
+ * reading works. Specifically:
  *
  *   - A hit is found here, without a round trip: the path is looked up in the tiers' mapped
  *     indexes and the cached file opened (capi/fclookup.c, shared with libfitcache).
@@ -21,6 +22,9 @@
  *     the source, after the server dropped the cached copy (OpForget); the copy is dropped
  *     again when the descriptor is closed (or the process exits), in case a reader cached
  *     the file meanwhile.
+ *   - A rename, unlink or truncate of a dataset file (rename, renameat, renameat2, unlink,
+ *     unlinkat, remove, truncate, truncate64) drops the copies of the names it changed once
+ *     it succeeded; a renamed directory, those of the files beneath it (see renamed).
  *   - Anything else, and every failure here (no server, a server that does not answer in
  *     time, an error), goes to libc's own function, untouched: the shim never makes a
  *     program fail that would have worked without it.
@@ -36,7 +40,9 @@
  *   FITCACHE_PRELOAD_TIERS    tier directories of the local server (in cluster mode, of the
  *                             job's servers on this node), fastest first
  *   FITCACHE_PRELOAD_SOCKET   the local server's node socket (in cluster mode, one of them)
- *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the server (default 30000)
+ *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the answer of a server that
+ *                             acknowledged it (default 30000); the acknowledgement itself is
+ *                             waited for a second at most (FC_NODE_PROBE_MS)
  *   FITCACHE_PRELOAD_SESSIONS the run's validation session at the server of each tier, in
  *                             the order of FITCACHE_PRELOAD_TIERS (core.Engine.BeginSession):
  *                             a copy not checked against its source in that session is
@@ -44,6 +50,7 @@
  *                             serves nothing without asking
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -109,6 +116,14 @@ static int (*libc_fclose)(FILE *);
 static FILE *(*libc_fopen)(const char *, const char *);
 static FILE *(*libc_fopen64)(const char *, const char *);
 static FILE *(*libc_fdopen)(int, const char *);
+static int (*libc_rename)(const char *, const char *);
+static int (*libc_renameat)(int, const char *, int, const char *);
+static int (*libc_renameat2)(int, const char *, int, const char *, unsigned int);
+static int (*libc_unlink)(const char *);
+static int (*libc_unlinkat)(int, const char *, int);
+static int (*libc_remove)(const char *);
+static int (*libc_truncate)(const char *, off_t);
+static int (*libc_truncate64)(const char *, off64_t);
 
 // resolve returns the next definition of name after this library, found on first use and
 // kept in *slot. A program may call an open function before this library's constructor ran
@@ -203,6 +218,14 @@ __attribute__((constructor)) static void preload_init(void) {
 	NEXT(fdopen);
 	NEXT(close);
 	NEXT(fclose);
+	NEXT(rename);
+	NEXT(renameat);
+	NEXT(renameat2);
+	NEXT(unlink);
+	NEXT(unlinkat);
+	NEXT(remove);
+	NEXT(truncate);
+	NEXT(truncate64);
 
 	const char *r = getenv("FITCACHE_PRELOAD_ROOTS"), *t = getenv("FITCACHE_PRELOAD_TIERS"),
 	           *s = getenv("FITCACHE_PRELOAD_SOCKET"), *ms = getenv("FITCACHE_PRELOAD_TIMEOUT_MS");
@@ -273,11 +296,29 @@ static int absolute(int dirfd, const char *path, char *out, size_t cap) {
 	return 0;
 }
 
+// beneath returns what follows prefix (plen bytes) in the clean path p (n bytes): "/..." for
+// a path below it, "" for prefix itself when whole is set, or NULL.
+static const char *beneath(const char *p, size_t n, const char *prefix, size_t plen, int whole) {
+	if (n < plen || memcmp(p, prefix, plen) != 0)
+		return NULL;
+	if (n == plen)
+		return whole ? p + n : NULL;
+	return p[plen] == '/' ? p + plen : NULL;
+}
+
+static int dataset_key(int dirfd, const char *path, char *key, const struct root **root, int whole);
+
 // dataset_path turns the path a program opens into the key of its cached copy: the clean
 // absolute path with the root in its resolved form, written into key (FC_PATH_MAX bytes).
 // It returns the key's length and the root it is under in *root, or -1 for a path that is not
 // a dataset file (or that it leaves to libc).
 static int dataset_path(int dirfd, const char *path, char *key, const struct root **root) {
+	return dataset_key(dirfd, path, key, root, 0);
+}
+
+// dataset_key is dataset_path; with whole, a dataset root itself is a dataset path too (its
+// key is the root's resolved form), for a directory renamed with everything beneath it.
+static int dataset_key(int dirfd, const char *path, char *key, const struct root **root, int whole) {
 	if (!path || !*path || has_dotdot(path))
 		return -1;
 	char abs[FC_PATH_MAX], clean[FC_PATH_MAX];
@@ -288,11 +329,9 @@ static int dataset_path(int dirfd, const char *path, char *key, const struct roo
 		return -1;
 	for (int i = 0; i < nroots; i++) {
 		const struct root *r = &roots[i];
-		const char *rest = NULL;
-		if ((size_t)n > r->reallen && memcmp(clean, r->real, r->reallen) == 0 && clean[r->reallen] == '/')
-			rest = clean + r->reallen;
-		else if ((size_t)n > r->namelen && memcmp(clean, r->name, r->namelen) == 0 && clean[r->namelen] == '/')
-			rest = clean + r->namelen;
+		const char *rest = beneath(clean, (size_t)n, r->real, r->reallen, whole);
+		if (!rest)
+			rest = beneath(clean, (size_t)n, r->name, r->namelen, whole);
 		if (!rest)
 			continue;
 		size_t restlen = (size_t)n - (size_t)(rest - clean);
@@ -313,9 +352,11 @@ static void timed_out(void) {
 		__atomic_store_n(&node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 }
 
-// node_request connects to the node socket and sends one request. Each request has its own
-// connection: a kept one could not be shared safely with a vfork child or across fork, and
-// a miss costs far more than a connect. Returns the connection, or -1.
+// node_request connects to the node socket, sends one request and waits for its ack: a
+// server that does not acknowledge within the probe time (about a second) is hung, and
+// skipped for a while, and one that did is waited for its reply up to the read timeout. Each
+// request has its own connection: a kept one could not be shared safely with a vfork child
+// or across fork, and a miss costs far more than a connect. Returns the connection, or -1.
 static int node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
 	if (node_addr.sun_family != AF_UNIX || fc_monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
 		return -1;
@@ -324,12 +365,31 @@ static int node_request(uint32_t op, const struct root *r, const char *key, size
 		timed_out();
 		return -1;
 	}
-	if (fc_node_send_request(fd, op, r->real, r->reallen, key, len) != 0) {
+	if (fc_node_request(fd, op, r->real, r->reallen, key, len, timeout_ms) != 0) {
 		timed_out();
 		NEXT(close)(fd);
 		return -1;
 	}
 	return fd;
+}
+
+// lowest_fd moves fd to the lowest free descriptor, as open() would have returned (POSIX:
+// programs rely on it, `close(0); open(f)` makes f their standard input). A descriptor
+// received over the node socket is not there: the socket held a lower one when it came.
+// The copy keeps close-on-exec (the caller sets what the program asked for). Returns the
+// descriptor to use; on failure, fd itself.
+static int lowest_fd(int fd) {
+	if (fd <= 0)
+		return fd;
+	int low = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+	if (low < 0)
+		return fd;
+	if (low > fd) { // fd was the lowest already
+		NEXT(close)(low);
+		return fd;
+	}
+	NEXT(close)(fd);
+	return low;
 }
 
 // ask_open asks the server for a descriptor of the dataset file key; returns it (close-on-
@@ -372,7 +432,7 @@ static int ask_open(const struct root *r, const char *key, size_t len) {
 		NEXT(close)(fd);
 		fd = -1;
 	}
-	return fd;
+	return lowest_fd(fd);
 }
 
 // forget asks the server to drop the cached copy of a dataset file about to be written.
@@ -665,6 +725,240 @@ EXPORT int fclose(FILE *f) {
 	if (len >= 0)
 		forget(r, key, (size_t)len);
 	errno = saved;
+	return rc;
+}
+
+// --- Calls that change which file a dataset path names ------------------------------------
+//
+// A rename over a dataset file (mv, os.replace, sed -i), an unlink (rm, os.remove, remove) or a
+// truncate(2) leaves the file's cached copy holding bytes its path no longer names, or a file
+// that is gone. Once such a call succeeded, the shim has the server drop the copies of the
+// names it changed (OpForget, as for a write-open); the call's result and errno are returned
+// untouched.
+//
+// Only after the call, not also before: until the call returns, the copy holds what the path
+// names. A reader that caches the file again around the call (a miss between the call and the
+// forget) has its copy dropped by the forget after it; a forget before would only narrow the
+// instant between the call and that forget, in which a reader racing the call may read either
+// version anyway, at the price of a second round trip per call (`rm -r` of a large tree). A
+// fill that opened the old file before the call and publishes after the forget is not stopped
+// by a forget before either (it may have started before that too): only the server checking
+// the source's identity when it publishes closes that.
+
+// Key lengths of a name that is not a dataset path.
+#define NO_KEY (-1)
+
+// forget_key drops the copies of the dataset file key (len bytes, NO_KEY for none) under
+// root r; a dataset root itself names no file.
+static void forget_key(const struct root *r, const char *key, int len) {
+	if (len > 0 && (size_t)len > r->reallen)
+		forget(r, key, (size_t)len);
+}
+
+// resolved_key writes the key of path (relative to dirfd) with its directory resolved by
+// the kernel (opened, and named by /proc/self/fd), as dataset_key does with whole: the name
+// of a file reached through a link or a ".." element, which dataset_path leaves to libc.
+static int resolved_key(int dirfd, const char *path, char *key, const struct root **r) {
+	if (!path || !*path)
+		return NO_KEY;
+	const char *slash = strrchr(path, '/'), *last = slash ? slash + 1 : path;
+	if (!*last || strcmp(last, ".") == 0 || strcmp(last, "..") == 0)
+		return NO_KEY;
+	char dir[FC_PATH_MAX];
+	size_t n = slash ? (size_t)(slash - path) : 1;
+	if (n >= sizeof dir)
+		return NO_KEY;
+	if (!slash)
+		dir[0] = '.';
+	else if (n == 0)
+		dir[n++] = '/';
+	else
+		memcpy(dir, path, n);
+	dir[n] = 0;
+	int dfd = (int)syscall(SYS_openat, dirfd, dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (dfd < 0)
+		return NO_KEY;
+	int len = dataset_key(dfd, last, key, r, 1);
+	NEXT(close)(dfd);
+	return len;
+}
+
+// node_usable reports whether the server may be asked now.
+static int node_usable(void) {
+	return node_addr.sun_family == AF_UNIX && fc_monotonic_ns() >= __atomic_load_n(&node_down_until, __ATOMIC_RELAXED);
+}
+
+// forget_path drops the copies of path (relative to dirfd) under its name as given (the key
+// opens use) and with its directory resolved, when they differ.
+static void forget_path(int dirfd, const char *path) {
+	char key[FC_PATH_MAX], real[FC_PATH_MAX];
+	const struct root *r, *rr;
+	int len = dataset_path(dirfd, path, key, &r), rlen = resolved_key(dirfd, path, real, &rr);
+	if (len >= 0)
+		forget_key(r, key, len);
+	if (rlen >= 0 && (len != rlen || memcmp(key, real, (size_t)len) != 0))
+		forget_key(rr, real, rlen);
+}
+
+// changed drops the copies of path (relative to dirfd) after a call changed what it names.
+// errno is unchanged.
+static void changed(int dirfd, const char *path) {
+	if (!enabled || !node_usable())
+		return;
+	int saved = errno;
+	forget_path(dirfd, path);
+	errno = saved;
+}
+
+// A directory renamed in a dataset takes the names of the files beneath it along: after such
+// a rename, the files beneath it are walked (at their new names) and the copies of each under
+// its old name and its new name are dropped. The walk goes WALK_DEPTH levels deep (deeper
+// files keep their copies) and reads every directory through one buffer: a directory's read
+// position stays in its descriptor (set to the entry after the subdirectory walked first).
+#define WALK_DEPTH 32
+
+struct linux_dirent64 {
+	uint64_t d_ino;
+	int64_t d_off;
+	unsigned short d_reclen;
+	unsigned char d_type;
+	char d_name[];
+};
+
+// append writes "/name" (n bytes) after the len bytes of key: the new length, or NO_KEY.
+static int append(char *key, int len, const char *name, size_t n) {
+	if (len < 0 || (size_t)len + 1 + n >= FC_PATH_MAX)
+		return NO_KEY;
+	key[len] = '/';
+	memcpy(key + len + 1, name, n + 1);
+	return len + 1 + (int)n;
+}
+
+// walk_renamed drops the copies of the regular files beneath the directory open at fd
+// (closed here) under both keys: okey and nkey (olen and nlen bytes, NO_KEY for a name
+// outside the datasets, under roots ro and rn) followed by the path below the directory.
+static void walk_renamed(int fd, const struct root *ro, char *okey, int olen, const struct root *rn, char *nkey,
+                         int nlen) {
+	int fds[WALK_DEPTH], olens[WALK_DEPTH], nlens[WALK_DEPTH], depth = 0;
+	fds[0] = fd, olens[0] = olen, nlens[0] = nlen;
+	_Alignas(struct linux_dirent64) char buf[2048];
+	while (depth >= 0) {
+		long got = node_usable() ? syscall(SYS_getdents64, fds[depth], buf, sizeof buf) : 0;
+		if (got <= 0) {
+			NEXT(close)(fds[depth--]);
+			continue;
+		}
+		for (long at = 0; at < got;) {
+			struct linux_dirent64 *d = (struct linux_dirent64 *)(buf + at);
+			at += d->d_reclen;
+			const char *name = d->d_name;
+			if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0)))
+				continue;
+			unsigned type = d->d_type;
+			struct stat st;
+			if (type == DT_UNKNOWN && fstatat(fds[depth], name, &st, AT_SYMLINK_NOFOLLOW) == 0)
+				type = S_ISDIR(st.st_mode) ? DT_DIR : S_ISREG(st.st_mode) ? DT_REG : DT_UNKNOWN;
+			size_t n = strlen(name);
+			int ol = append(okey, olens[depth], name, n), nl = append(nkey, nlens[depth], name, n);
+			if (type == DT_REG) {
+				forget_key(ro, okey, ol);
+				forget_key(rn, nkey, nl);
+				continue;
+			}
+			int sub;
+			if (type != DT_DIR || depth + 1 == WALK_DEPTH || (ol < 0 && nl < 0) ||
+			    (sub = (int)syscall(SYS_openat, fds[depth], name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0)
+				continue;
+			if (lseek(fds[depth], d->d_off, SEEK_SET) < 0) { // cannot come back to the rest
+				NEXT(close)(sub);
+				continue;
+			}
+			depth++;
+			fds[depth] = sub, olens[depth] = ol, nlens[depth] = nl;
+			break; // the subdirectory first; the rest of the parent is read again from its offset
+		}
+	}
+}
+
+// renamed drops the copies of the names a rename changed, after it succeeded: both names,
+// and for each that is now a directory (the new one, or both after RENAME_EXCHANGE), the
+// names of the files beneath it under both. errno is unchanged.
+static void renamed(int olddirfd, const char *oldpath, int newdirfd, const char *newpath) {
+	if (!enabled || !node_usable())
+		return;
+	int saved = errno;
+	forget_path(olddirfd, oldpath);
+	forget_path(newdirfd, newpath);
+	char okey[FC_PATH_MAX], nkey[FC_PATH_MAX];
+	const struct root *ro = NULL, *rn = NULL;
+	int olen = resolved_key(olddirfd, oldpath, okey, &ro), nlen = resolved_key(newdirfd, newpath, nkey, &rn);
+	for (int side = 0; side < 2 && (olen >= 0 || nlen >= 0); side++) {
+		int dirfd = side ? olddirfd : newdirfd;
+		const char *path = side ? oldpath : newpath;
+		int fd = (int)syscall(SYS_openat, dirfd, path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+		if (fd >= 0)
+			walk_renamed(fd, ro, okey, olen, rn, nkey, nlen);
+	}
+	errno = saved;
+}
+
+EXPORT int rename(const char *oldpath, const char *newpath) {
+	int rc = NEXT(rename)(oldpath, newpath);
+	if (rc == 0)
+		renamed(AT_FDCWD, oldpath, AT_FDCWD, newpath);
+	return rc;
+}
+
+EXPORT int renameat(int olddirfd, const char *oldpath, int newdirfd, const char *newpath) {
+	int rc = NEXT(renameat)(olddirfd, oldpath, newdirfd, newpath);
+	if (rc == 0)
+		renamed(olddirfd, oldpath, newdirfd, newpath);
+	return rc;
+}
+
+EXPORT int renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags) {
+	int rc = NEXT(renameat2) ? NEXT(renameat2)(olddirfd, oldpath, newdirfd, newpath, flags)
+	                         : (int)syscall(SYS_renameat2, olddirfd, oldpath, newdirfd, newpath, flags);
+	if (rc == 0)
+		renamed(olddirfd, oldpath, newdirfd, newpath);
+	return rc;
+}
+
+EXPORT int unlink(const char *path) {
+	int rc = NEXT(unlink)(path);
+	if (rc == 0)
+		changed(AT_FDCWD, path);
+	return rc;
+}
+
+// unlinkat with AT_REMOVEDIR removes an empty directory: nothing beneath it to drop.
+EXPORT int unlinkat(int dirfd, const char *path, int flags) {
+	int rc = NEXT(unlinkat)(dirfd, path, flags);
+	if (rc == 0)
+		changed(dirfd, path);
+	return rc;
+}
+
+// glibc's remove calls its own unlink and rmdir, not the exported ones this library
+// interposes: it needs its own wrapper.
+EXPORT int remove(const char *path) {
+	int rc = NEXT(remove)(path);
+	if (rc == 0)
+		changed(AT_FDCWD, path);
+	return rc;
+}
+
+EXPORT int truncate(const char *path, off_t length) {
+	int rc = NEXT(truncate)(path, length);
+	if (rc == 0)
+		changed(AT_FDCWD, path);
+	return rc;
+}
+
+EXPORT int truncate64(const char *path, off64_t length) {
+	int rc = NEXT(truncate64)(path, length);
+	if (rc == 0)
+		changed(AT_FDCWD, path);
 	return rc;
 }
 

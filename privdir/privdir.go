@@ -55,18 +55,23 @@ func Inspect(dir string) error {
 	return Check(fd, dir, false)
 }
 
-// openNoFollow opens the directory dir, explaining a link or a file in its place.
+// openNoFollow opens the directory dir, explaining a link or a file in its place, or another
+// user's directory that this user cannot open (mode 0700, say: EACCES): whatever its mode,
+// it is not ours, and callers that fall back from a planted directory must see it so.
 func openNoFollow(dir string) (int, error) {
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err == nil {
 		return fd, nil
 	}
-	if fi, lerr := os.Lstat(dir); lerr == nil {
-		if fi.Mode()&fs.ModeSymlink != 0 {
+	var st unix.Stat_t
+	if lerr := unix.Lstat(dir, &st); lerr == nil {
+		switch {
+		case st.Mode&unix.S_IFMT == unix.S_IFLNK:
 			return -1, &NotPrivateError{Path: dir, Reason: "is a symbolic link", Owner: -1}
-		}
-		if !fi.IsDir() {
+		case st.Mode&unix.S_IFMT != unix.S_IFDIR:
 			return -1, &NotPrivateError{Path: dir, Reason: "is not a directory", Owner: -1}
+		case int(st.Uid) != os.Geteuid():
+			return -1, ownedBy(dir, int(st.Uid))
 		}
 	}
 	return -1, &fs.PathError{Op: "open", Path: dir, Err: err}
@@ -84,7 +89,7 @@ func Check(fd int, dir string, fix bool) error {
 		return &NotPrivateError{Path: dir, Reason: "is not a directory", Owner: -1}
 	}
 	if int(st.Uid) != os.Geteuid() {
-		return &NotPrivateError{Path: dir, Reason: "is owned by " + describeUID(int(st.Uid)), Owner: int(st.Uid)}
+		return ownedBy(dir, int(st.Uid))
 	}
 	if perm := st.Mode & 0o7777; perm != 0o700 {
 		if !fix {
@@ -153,6 +158,11 @@ func makeParents(path string) error {
 		return err
 	}
 	return d.Close()
+}
+
+// ownedBy is the error for dir, owned by the user uid.
+func ownedBy(dir string, uid int) *NotPrivateError {
+	return &NotPrivateError{Path: dir, Reason: "is owned by " + describeUID(uid), Owner: uid}
 }
 
 // describeUID returns "uid N (name)", or "uid N" when the name is unknown.

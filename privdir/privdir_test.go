@@ -2,6 +2,7 @@ package privdir
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -134,5 +135,51 @@ func TestFallbackIsPrivateAndReused(t *testing.T) {
 	third.Close()
 	if third.Name() == first {
 		t.Errorf("reused %s after another user took its name", first)
+	}
+}
+
+// Another user's directory counts as not ours whatever its mode, also when this user cannot
+// even open it (mode 0700: EACCES): it is refused with ErrNotPrivate naming its owner, and
+// Fallback stands in for it. Run as nobody, with root's directories (root opens anything).
+// Before, a directory this user could not open was an EACCES error, not ErrNotPrivate: no
+// fallback, and a non-root user lost the memory tier or the server.
+func TestAnotherUsersDirectoryOfAnyModeIsNotOurs(t *testing.T) {
+	if arg, ok := privdirtest.Victim(); ok {
+		for _, dir := range strings.Split(arg, ":") {
+			var npe *NotPrivateError
+			if _, err := Make(dir, false); !errors.As(err, &npe) || npe.Owner != 0 || !strings.Contains(err.Error(), dir) {
+				t.Errorf("Make(%s): got %v, want a NotPrivateError naming root and the path", dir, err)
+			}
+			if err := Inspect(dir); !errors.Is(err, ErrNotPrivate) {
+				t.Errorf("Inspect(%s): got %v, want ErrNotPrivate", dir, err)
+			}
+			d, err := Fallback(dir, filepath.Join(t.TempDir(), "run", "record"))
+			if err != nil {
+				t.Errorf("Fallback(%s): %v", dir, err)
+				continue
+			}
+			d.Close()
+			if filepath.Dir(d.Name()) != filepath.Dir(dir) || mode(t, d.Name()) != os.ModeDir|0o700 {
+				t.Errorf("stand-in for %s: %s, mode %v", dir, d.Name(), mode(t, d.Name()))
+			}
+		}
+		return
+	}
+	shared := privdirtest.SharedDir(t)
+	var dirs []string
+	for _, perm := range []os.FileMode{0o700, 0o000, 0o711, 0o755} {
+		dir := filepath.Join(shared, fmt.Sprintf("fitcache-%04o", perm))
+		if err := os.Mkdir(dir, perm); err != nil {
+			t.Fatal(err)
+		}
+		os.Chmod(dir, perm) // past the umask
+		dirs = append(dirs, dir)
+	}
+	privdirtest.RunAsNobody(t, strings.Join(dirs, ":"))
+	// Root, who opens anything, refuses nobody's closed directory the same way.
+	closed := filepath.Join(shared, "nobodys")
+	privdirtest.AsNobody(t, "mkdir -m 700 "+closed)
+	if _, err := Make(closed, false); !errors.Is(err, ErrNotPrivate) || !strings.Contains(err.Error(), "nobody") {
+		t.Errorf("Make on nobody's 0700 directory: got %v, want ErrNotPrivate naming nobody", err)
 	}
 }

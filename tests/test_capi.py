@@ -54,3 +54,99 @@ def test_version_has_one_source(native_library):
         header = re.search(r'#define FITCACHE_VERSION "([^"]+)"', f.read()).group(1)
     assert fitcache.version() == header
     assert fitcache.__version__ == header
+
+
+SLOW_NODE_MISSES = r'''
+import contextlib, json, os, socket, sys, threading, time
+import fitcache
+
+root, runtime_dir, tiers = sys.argv[1:4]
+DELAY = 0.3
+
+
+def serve(conn):
+    """Answers each request after DELAY, acknowledged at once, with ENOENT."""
+    with conn, contextlib.suppress(OSError):  # the client closed it
+        while True:
+            head = conn.recv(16, socket.MSG_WAITALL)
+            if len(head) < 16:
+                return
+            rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (8, 12))
+            conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
+            conn.sendall(b"FCA2")
+            time.sleep(DELAY)
+            message = b"slow server: no such file"
+            conn.sendall(b"FCN2" + (2).to_bytes(4, "little") + len(message).to_bytes(4, "little") + message)
+
+
+def accept(listener):
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+c = fitcache.Client(root, runtime_dir=runtime_dir, tiers=tiers, read_timeout="10")  # up: misses go to its node socket
+node = os.path.join(runtime_dir, "server.sock.node")
+os.unlink(node)  # replaced by a slow one of ours, before a miss connects to the server's
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(node)
+listener.listen(64)
+threading.Thread(target=accept, args=(listener,), daemon=True).start()
+
+stop = threading.Event()
+misses = [0] * 4
+
+
+def miss(i):
+    while not stop.is_set():
+        try:
+            c.read(f"missing-{i}.bin")
+        except FileNotFoundError:
+            misses[i] += 1
+        except (ValueError, fitcache.FitCacheError):  # closed meanwhile
+            return
+
+
+threads = [threading.Thread(target=miss, args=(i,)) for i in range(len(misses))]
+for t in threads:
+    t.start()
+time.sleep(1.5)  # every thread is in a miss, most of the time
+result = {"misses before": sum(misses)}
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+result["fork"] = time.monotonic() - start
+start = time.monotonic()
+c.close()
+result["close"] = time.monotonic() - start
+stop.set()
+for t in threads:
+    t.join()
+print(json.dumps(result))
+'''
+
+
+def test_close_and_fork_do_not_wait_for_misses(tmp_path, c_dataset, cache_options):
+    """Four threads in misses that the server answers slowly (0.3 s each, back to back):
+    fork() returns at once and fc_close after the misses in flight. Before, the hit path held
+    a read lock across each miss's wait for the server, and fork and fc_close, which take it
+    for writing, waited for a moment with no miss in flight (glibc's rwlock prefers readers):
+    here, where the gaps between a thread's misses are long (Python), fork took about 10 s;
+    C threads that miss back to back block them for good."""
+    import json
+    import sys
+    script = tmp_path / "slow_misses.py"
+    script.write_text(SLOW_NODE_MISSES)
+    try:
+        out = subprocess.run([sys.executable, str(script), c_dataset, cache_options["runtime_dir"],
+                              cache_options["tiers"]], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("fork and fc_close with 4 threads in misses did not return within 60 s")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    # The threads did miss through the slow socket, and nowhere else.
+    assert 4 <= result["misses before"] <= 4 * 1.5 / 0.3 + 4, result
+    assert result["fork"] < 2, f"fork took {result['fork']:.1f} s with 4 threads in misses"
+    assert result["close"] < 5, f"fc_close took {result['close']:.1f} s with 4 threads in misses"

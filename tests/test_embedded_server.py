@@ -148,3 +148,58 @@ def test_stopped_server_is_bypassed_within_the_read_timeout(dataset, cache_optio
     assert result["digests"] == digests
     assert result["seconds"] < 3 + 2, f"reads with a stopped server took {result['seconds']:.1f}s"
     assert result["client"]["direct_reads"] == len(names)
+
+
+STOPPED_LATER = """
+import hashlib, json, os, signal, sys, time, fitcache
+root, pid_file = sys.argv[1], sys.argv[2]
+options = dict(runtime_dir=sys.argv[3], tiers=sys.argv[4], read_timeout=sys.argv[5])
+names = sys.argv[6:]
+seconds = {}
+with fitcache.Client(root, **options) as c:
+    c.read(names[0])  # connected: the server is up
+    while not os.path.exists(pid_file + ".stopped"):
+        time.sleep(0.02)
+    for i, name in enumerate(names[1:3]):
+        if i:
+            time.sleep(3)  # past the back-off: the server is asked again
+        start = time.monotonic()
+        data = c.read(name)
+        seconds[name] = [time.monotonic() - start, hashlib.sha256(data).hexdigest()]
+print(json.dumps(seconds))
+"""
+
+
+def test_a_server_stopped_after_connecting_costs_a_short_probe_per_miss(dataset, cache_options):
+    """A server that stops answering (SIGSTOP) after the client connected: a miss waits for a
+    short probe (the node socket's acknowledgement, or a Hello beside a long read), not the
+    whole read timeout, and is read from the source. Before: 30 s per miss with
+    read_timeout=30, each time the back-off ended."""
+    root, digests = dataset
+    names = sorted(digests)[:3]
+    run = cache_options["runtime_dir"]
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_LATER, root, os.path.join(run, "server.lock"), run,
+                             cache_options["tiers"], "30", *names], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    pid = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not pid and time.monotonic() < deadline and proc.poll() is None:
+            pid = server_pid(run)
+            time.sleep(0.05)
+        assert pid, "no server started"
+        time.sleep(1)  # the first read is done
+        os.kill(pid, signal.SIGSTOP)
+        open(os.path.join(run, "server.lock.stopped"), "w").close()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+    assert proc.returncode == 0, stderr
+    result = json.loads(stdout)
+    assert {n: d for n, (_, d) in result.items()} == {n: digests[n] for n in names[1:3]}
+    slow = {n: round(s, 1) for n, (s, _) in result.items() if s >= 10}
+    assert not slow, f"misses with a stopped server took {slow} s (read timeout 30 s)"

@@ -162,6 +162,24 @@ def run_script(cache_options, data, script, args, **kwargs):
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
+def compile_program(tmp_path, name, source, symbols=(), flags=()):
+    """Compiles a C program (skipping the test without a compiler) and checks that it calls
+    each of symbols through the dynamic linker, where the shim can interpose it; returns its
+    path."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src, exe = tmp_path / f"{name}.c", tmp_path / name
+    src.write_text(source)
+    build = subprocess.run([cc, "-O2", *flags, "-o", str(exe), str(src)], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
+    nm = subprocess.run(["nm", "-D", str(exe)], capture_output=True, text=True, timeout=30).stdout
+    imported = {line.split()[-1].split("@")[0] for line in nm.splitlines() if line.strip()}
+    for symbol in symbols:
+        assert symbol in imported, f"the test program does not call {symbol}: the test would not cover it"
+    return str(exe)
+
+
 # --- the command and the library ----------------------------------------------------------
 
 
@@ -1101,20 +1119,10 @@ def fnv1a(data):
 
 
 def test_c_program_through_every_wrapped_symbol(dataset, cache_options, tmp_path):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
     root, digests = dataset
-    src, exe = tmp_path / "opens.c", tmp_path / "opens"
-    src.write_text(C_PROGRAM)
-    build = subprocess.run([cc, "-O2", "-D_FORTIFY_SOURCE=2", "-o", str(exe), str(src)], capture_output=True,
-                           text=True, timeout=120)
-    assert build.returncode == 0, build.stderr
-    nm = subprocess.run(["nm", "-D", str(exe)], capture_output=True, text=True, timeout=30).stdout
-    imported = {line.split()[-1].split("@")[0] for line in nm.splitlines() if line.strip()}
-    for symbol in ["open", "open64", "__open_2", "__open64_2", "openat", "openat64", "__openat_2", "__openat64_2",
-                   "fopen", "fopen64", "creat"]:
-        assert symbol in imported, f"the test program does not call {symbol}: the test would not cover it"
+    exe = compile_program(tmp_path, "opens", C_PROGRAM, ["open", "open64", "__open_2", "__open64_2", "openat",
+                                                         "openat64", "__openat_2", "__openat64_2", "fopen", "fopen64",
+                                                         "creat"], ["-D_FORTIFY_SOURCE=2"])
     rel = os.path.join("class2", "sub1", "sample_005.bin")  # 65,537 bytes: past a page and a stdio buffer
     path = os.path.join(root, rel)
     data = open(path, "rb").read()
@@ -1191,11 +1199,12 @@ class FakeNodeSocket:
                     continue
                 op, rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
                 body = conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
+                conn.sendall(b"FCA2")  # the ack: the request is read
                 path = body[rootlen:].decode()
                 with open(path, "rb") as f:
                     held = f.read()
                 self.requests.append((op, path, held))
-                conn.sendall(b"FCN1" + bytes(8))  # errno 0, no message
+                conn.sendall(b"FCN2" + bytes(8))  # errno 0, no message
 
     def close(self):
         self.stopped.set()
@@ -1228,13 +1237,7 @@ PRELOAD_LIB = os.path.join(os.path.dirname(fitcache._native.library_path()), "li
 def test_a_written_file_is_forgotten_after_its_last_write(tmp_path, how):
     """A stream's buffer reaches the file at fclose (or at exit): the copy must be dropped
     after that, or a reader could cache the file between the drop and the write."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    src, exe = tmp_path / "writer.c", tmp_path / "writer"
-    src.write_text(WRITER)
-    build = subprocess.run([cc, "-O2", "-o", str(exe), str(src)], capture_output=True, text=True, timeout=120)
-    assert build.returncode == 0, build.stderr
+    exe = compile_program(tmp_path, "writer", WRITER)
     root = tmp_path / "data"
     root.mkdir()
     target = root / "labels.txt"
@@ -1276,3 +1279,248 @@ def test_an_empty_node_socket_is_never_an_abstract_one(dataset, tmp_path):
             squatter.accept()[0].close()
     finally:
         squatter.close()
+
+
+# --- POSIX's lowest-descriptor rule ---------------------------------------------------------
+
+LOWEST_FD = r'''
+if __name__ == "__main__":
+    path = ARGS["path"]
+    got = {}
+    for how in ("miss", "hit"):
+        if how == "hit":
+            wait_published(1)
+        os.close(0)  # the lowest free descriptor is 0 now
+        fd = os.open(path, os.O_RDONLY)
+        got[how] = [fd, in_tier(fd_path(fd)), sha(os.read(fd, 1 << 20))]
+        os.close(fd)
+        os.open(os.devnull, os.O_RDONLY)  # stdin back, for the next round
+    done(got)
+'''
+
+
+def test_an_open_returns_the_lowest_free_descriptor(cache_options, tmp_path):
+    """open() returns the lowest descriptor not open (POSIX), which programs rely on (`close(0);
+    open(f)` to make f their standard input): also when the descriptor came from the server
+    over the node socket (a miss), not only from the tiers (a hit). Before: a miss gave 5."""
+    root = tmp_path / "lowest"
+    root.mkdir()
+    data = os.urandom(7000)
+    (root / "f.bin").write_bytes(data)
+    got = run_script(cache_options, [str(root)], write_script(tmp_path, "lowest.py", LOWEST_FD),
+                     {"path": str(root / "f.bin")}, prefetch=0)
+    assert got == {"miss": [0, True, sha(data)], "hit": [0, True, sha(data)]}, got
+
+
+# --- a stopped server costs a short probe ---------------------------------------------------
+
+
+def stopped_server(cache_options, root):
+    """Starts the embedded server (a run that caches nothing), stops it with SIGSTOP and
+    returns its pid; the caller sends SIGCONT."""
+    out = fitcache_run(cache_options, [root], ["true"], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    pid = server_pid(cache_options["runtime_dir"])
+    assert pid, "no server runs"
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def timed_cat(env, path, timeout=120):
+    start = time.monotonic()
+    out = subprocess.run(["cat", path], env=env, capture_output=True, timeout=timeout)
+    return out, time.monotonic() - start
+
+
+def test_a_stopped_server_costs_the_shim_a_short_probe(dataset, cache_options):
+    """The node socket acknowledges a request at once: a server stopped with SIGSTOP accepts
+    the connection (the kernel does) but sends no acknowledgement, so a miss waits about a
+    second, not the read timeout, then reads the source. Before: the whole read timeout (30 s
+    here), in every new process."""
+    root, digests = dataset
+    pid = stopped_server(cache_options, root)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FITCACHE_")}
+        env.update(LD_PRELOAD=PRELOAD_LIB, FITCACHE_PRELOAD_ROOTS=root, FITCACHE_PRELOAD_TIERS="",
+                   FITCACHE_PRELOAD_SOCKET=os.path.join(cache_options["runtime_dir"], "server.sock.node"),
+                   FITCACHE_PRELOAD_TIMEOUT_MS="30000")
+        for name in sorted(digests)[:2]:  # two processes: each pays the probe once
+            out, seconds = timed_cat(env, os.path.join(root, name))
+            assert out.returncode == 0 and sha(out.stdout) == digests[name], describe(out)
+            assert seconds < 10, f"a miss with a stopped server took {seconds:.1f} s (read timeout 30 s)"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_run_gives_no_server_it_could_not_reach_to_the_program(dataset, cache_options):
+    """`fitcache run` with a stopped server reports it, and the program it runs (and every
+    process it starts) reads the source without asking the server. Before: the first miss of
+    each process waited the read timeout (61 s with the defaults)."""
+    root, digests = dataset
+    pid = stopped_server(cache_options, root)
+    try:
+        names = sorted(digests)[:3]
+        script = "; ".join(f"cat {os.path.join(root, n)}" for n in names)
+        start = time.monotonic()
+        out = fitcache_run(cache_options, [root], ["sh", "-c", script], prefetch=0,
+                           env=command_env(cache_options, FITCACHE_READ_TIMEOUT="30"), timeout=300)
+        seconds = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert out.returncode == 0, describe(out)
+    assert out.stdout == b"".join(open(os.path.join(root, n), "rb").read() for n in names)
+    assert seconds < 15, f"three processes' misses with a stopped server took {seconds:.1f} s (read timeout 30 s)"
+    assert b"could not be reached" in out.stderr and b"nor the processes it starts ask" in out.stderr, out.stderr.decode()
+
+
+# --- renames, unlinks and truncates drop cached copies --------------------------------------
+
+READ_NAMES = r'''
+import errno
+
+if __name__ == "__main__":
+    out = {}
+    for name in ARGS["names"]:
+        try:
+            with open(os.path.join(ARGS["root"], name), "rb") as f:
+                out[name] = [sha(f.read()), in_tier(fd_path(f.fileno()))]
+        except OSError as e:
+            out[name] = [errno.errorcode[e.errno]]
+    done(out)
+'''
+
+
+def plain_view(root, names):
+    """What READ_NAMES must see: each file's digest, or the error of opening it, read by the
+    test itself without the shim (the cached flag is not compared)."""
+    import errno
+    out = {}
+    for name in names:
+        try:
+            out[name] = sha((root / name).read_bytes())
+        except OSError as e:
+            out[name] = errno.errorcode[e.errno]
+    return out
+
+
+def cached_dataset(cache_options, tmp_path, root, files):
+    """Writes files ({relative name: bytes}) under root and caches them all; returns the
+    reader script."""
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    reader = write_script(tmp_path, "read_names.py", READ_NAMES)
+    args = {"root": str(root), "names": sorted(files)}
+    run_script(cache_options, [str(root)], reader, args, prefetch=0)
+    wait_published(cache_options, len(files))
+    got = run_script(cache_options, [str(root)], reader, args, prefetch=0)
+    assert all(cached for _, cached in got.values()), f"not all cached before the changes: {got}"
+    return reader
+
+
+def test_renames_unlinks_and_truncates_drop_cached_copies(cache_options, tmp_path):
+    """Files renamed over (mv, os.replace, sed -i), moved, unlinked (rm), truncated
+    (truncate, os.truncate) or under a renamed directory, by unmodified programs under
+    `fitcache run`: later reads see the new bytes, and a file that is gone does not open.
+    Before, only opens for writing dropped a copy: the old bytes were read, and deleted
+    files still opened."""
+    root = tmp_path / "mut"
+    files = {name: os.urandom(4000 + 100 * i) for i, name in enumerate(
+        ["a.bin", "b.bin", "c.bin", "d.bin", "e.bin", "g.bin", "h.bin", "sub/x.bin", "sub/deep/y.bin"])}
+    files["s.txt"] = b"an old line\n" * 50
+    reader = cached_dataset(cache_options, tmp_path, root, files)
+    outside = tmp_path / "new.bin"
+    outside.write_bytes(b"renamed over from outside")
+    replace = "import os, sys; open(sys.argv[1] + '.new', 'wb').write(b'replaced'); os.replace(sys.argv[1] + '.new', sys.argv[1])"
+    for cmd in [["mv", str(outside), str(root / "a.bin")],
+                ["mv", str(root / "c.bin"), str(root / "b.bin")],
+                [PYTHON, "-c", replace, str(root / "d.bin")],
+                ["sed", "-i", "s/old/new/", str(root / "s.txt")],
+                ["rm", str(root / "e.bin")],
+                ["truncate", "-s", "10", str(root / "g.bin")],
+                [PYTHON, "-c", "import os, sys; os.truncate(sys.argv[1], 7)", str(root / "h.bin")],
+                ["mv", str(root / "sub"), str(root / "sub2")]]:
+        out = fitcache_run(cache_options, [str(root)], cmd, prefetch=0)
+        assert out.returncode == 0, describe(out)
+    names = sorted(files) + ["sub2/x.bin", "sub2/deep/y.bin"]
+    got = run_script(cache_options, [str(root)], reader, {"root": str(root), "names": names}, prefetch=0)
+    assert {n: v[0] for n, v in got.items()} == plain_view(root, names)
+
+
+RENAMES_C = r'''
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Prints each call's result and errno after it: errno must be the call's own on failure and
+   untouched (the sentinel) on success. */
+#define SENTINEL 12345
+#define CALL(what, expr)                                                                      \
+	do {                                                                                  \
+		errno = SENTINEL;                                                             \
+		int rc = (expr);                                                              \
+		printf("%s\t%d\t%d\n", what, rc, errno);                                     \
+	} while (0)
+
+int main(int argc, char **argv) {
+	const char *root = argv[1], *outside = argv[2];
+	char a[4096], b[4096];
+	int dfd = open(root, O_RDONLY | O_DIRECTORY);
+#define P(buf, name) (snprintf(buf, sizeof buf, "%s/%s", root, name), buf)
+	CALL("rename", rename(P(a, "f1"), P(b, "f1.moved")));
+	snprintf(a, sizeof a, "%s/n2", outside);
+	CALL("rename from outside", rename(a, P(b, "f2")));
+	CALL("renameat", renameat(dfd, "f3", dfd, "f4"));
+	CALL("renameat2 exchange", renameat2(dfd, "f5", AT_FDCWD, P(b, "f6"), RENAME_EXCHANGE));
+	CALL("unlink", unlink(P(a, "f7")));
+	CALL("unlinkat", unlinkat(dfd, "f8", 0));
+	CALL("remove", remove(P(a, "f9")));
+	CALL("truncate", truncate(P(a, "f10"), 3));
+	CALL("truncate64", truncate64(P(a, "f11"), 5));
+	CALL("remove dir", remove(P(a, "empty")));
+	CALL("rename missing", rename(P(a, "missing"), P(b, "x")));
+	CALL("renameat2 noreplace", renameat2(dfd, "f12", dfd, "f13", RENAME_NOREPLACE));
+	CALL("rename through ..", rename(P(a, "sub/../f13"), P(b, "f13.moved"))); /* opens leave such paths to libc */
+	CALL("unlink missing", unlink(P(a, "missing")));
+	CALL("unlinkat dir", unlinkat(dfd, "sub", 0));
+	CALL("remove missing", remove(P(a, "missing")));
+	CALL("truncate missing", truncate(P(a, "missing"), 0));
+	return 0;
+}
+'''
+
+
+def test_every_wrapped_rename_unlink_and_truncate(cache_options, tmp_path):
+    """A C program calls each function the shim wraps to see renames, unlinks and truncates:
+    results and errno are the C library's, untouched, and the copies of the files they
+    change are dropped (a removed file does not open, a renamed one gives its new bytes)."""
+    exe = compile_program(tmp_path, "renames", RENAMES_C, ["rename", "renameat", "renameat2", "unlink", "unlinkat",
+                                                           "remove", "truncate", "truncate64"])
+    files = {f"f{i}": os.urandom(3000 + 10 * i) for i in range(1, 14)}
+
+    def tree(root, outside):
+        outside.mkdir()
+        (outside / "n2").write_bytes(b"new bytes from outside")
+        (root / "sub").mkdir(parents=True)
+        (root / "empty").mkdir()
+
+    # The program once without the shim, on a copy: what its calls return and leave in errno.
+    plain_root = tmp_path / "plain"
+    tree(plain_root, tmp_path / "plain-outside")
+    for name, data in files.items():
+        (plain_root / name).write_bytes(data)
+    plain = subprocess.run([str(exe), str(plain_root), str(tmp_path / "plain-outside")], capture_output=True,
+                           timeout=60)
+    assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 17, describe(plain)
+    root = tmp_path / "data"
+    tree(root, tmp_path / "outside")
+    reader = cached_dataset(cache_options, tmp_path, root, files)
+    out = fitcache_run(cache_options, [str(root)], [str(exe), str(root), str(tmp_path / "outside")], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    assert out.stdout.decode() == plain.stdout.decode(), "results or errno differ from the C library's"
+    names = sorted(files) + ["f1.moved", "f13.moved"]
+    got = run_script(cache_options, [str(root)], reader, {"root": str(root), "names": names}, prefetch=0)
+    assert {n: v[0] for n, v in got.items()} == plain_view(root, names)

@@ -484,3 +484,33 @@ func TestHeldDirReadsWhatItChecked(t *testing.T) {
 		t.Errorf("closed directory: got %v, want ErrNotCached", err)
 	}
 }
+
+// A memory tier directory planted by another user with mode 0700, which this user cannot even
+// open, is refused as not private, and with a fallback record (the default memory tier) a
+// private stand-in is used, as for a planted directory this user can open. Run as nobody,
+// with root's directory. Before, New failed with EACCES, and the user had no memory tier.
+func TestClosedTierDirectoryFallsBack(t *testing.T) {
+	if planted, ok := privdirtest.Victim(); ok {
+		if tier, err := New(Config{Dir: planted, Kind: Memory, Budget: "1MiB"}, nil); !errors.Is(err, privdir.ErrNotPrivate) {
+			if tier != nil {
+				tier.Close()
+			}
+			t.Fatalf("New on root's closed directory: got %v, want ErrNotPrivate", err)
+		}
+		record := filepath.Join(t.TempDir(), "memory-tier")
+		tier, err := New(Config{Dir: planted, Kind: Memory, Budget: "1MiB", FallbackRecord: record}, nil)
+		if err != nil {
+			t.Fatalf("New with a fallback record: %v", err)
+		}
+		defer tier.Close()
+		if tier.Path == planted || !strings.Contains(tier.Warning(), "root") {
+			t.Errorf("stand-in %s, warning %q: want another directory and a warning naming root", tier.Path, tier.Warning())
+		}
+		return
+	}
+	planted := filepath.Join(privdirtest.SharedDir(t), "fitcache-65534")
+	if err := os.Mkdir(planted, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	privdirtest.RunAsNobody(t, planted)
+}

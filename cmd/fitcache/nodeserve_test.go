@@ -75,6 +75,9 @@ func nodeOp(t *testing.T, sock string, op uint32, root, path string) (syscall.Er
 	if _, err := c.Write(nodesock.AppendRequest(nil, op, root, path)); err != nil {
 		t.Fatal(err)
 	}
+	if err := nodesock.ReadAck(c); err != nil {
+		t.Fatal(err)
+	}
 	hdr := make([]byte, 12)
 	if op == nodesock.OpOpen {
 		hdr = make([]byte, 16)

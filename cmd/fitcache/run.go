@@ -115,8 +115,9 @@ func run(args []string) error {
 		fmt.Fprintf(os.Stderr, "fitcache run: the job's servers on this node (%s) do not answer, or serve no node socket "+
 			"(start them with --servers or FITCACHE_SERVERS): the program reads what they do not hold from the source\n",
 			strings.Join(server.LocalServers, ", "))
-	case len(server.TierDirs) == 0 && cfg.Servers == "":
-		fmt.Fprintln(os.Stderr, "fitcache run: the embedded server could not be reached: the program reads the source (see `fitcache stats`)")
+	case server.NodeSocket == "" && cfg.Servers == "":
+		fmt.Fprintln(os.Stderr, "fitcache run: the embedded server could not be reached: the program reads the source, "+
+			"and neither it nor the processes it starts ask that server (see `fitcache stats`)")
 	}
 	for _, d := range server.TierDirs {
 		if strings.Contains(d, ":") {
@@ -332,6 +333,12 @@ func companion(args []string) error {
 		clients = append(clients, c)
 	}
 	report := companionReport{NodeSocket: clients[0].NodeSocket(), LocalServers: clients[0].LocalServers()}
+	if report.LocalServers == nil && !clients[0].ServerUp() {
+		// An embedded server that could not be reached (stopped, hung) would cost each
+		// process of the program a probe on its first miss: they are given no node socket,
+		// and read the source.
+		report.NodeSocket = ""
+	}
 	for _, d := range clients[0].TierDirs() {
 		report.TierDirs = append(report.TierDirs, d.Path)
 		report.Sessions = append(report.Sessions, d.Session())

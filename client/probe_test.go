@@ -1,0 +1,151 @@
+package client
+
+import (
+	"bytes"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fitcache/fitcache/embedded"
+)
+
+// A server that stops answering after the client connected (SIGSTOP: the kernel still
+// accepts its connections) costs a miss a short probe, not the read timeout: the read is
+// abandoned when a Hello beside it gets no answer, the file is read from the source, and the
+// server is skipped for a back-off. Before, each miss waited the whole read timeout (30 s
+// here), once per back-off.
+func TestStoppedServerCostsAProbeNotTheReadTimeout(t *testing.T) {
+	cfg := realServerConfig(t)
+	cfg = withOptions(t, cfg, map[string]string{"read_timeout": "30"})
+	root := t.TempDir()
+	for _, name := range []string{"a", "b", "c"} {
+		writeFile(t, root, name, []byte(name))
+	}
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	readBytes(t, c, "a")
+	pid := embedded.RunningPID(cfg.RuntimeDir)
+	if pid == 0 {
+		t.Fatal("no server runs after a read")
+	}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	// Killed, not continued, at the end: a server that resumed would answer the abandoned
+	// calls, and Kitex decodes a late answer into the result the caller already read
+	// (rpc/typed.go reads it on error too), which the race detector reports.
+	t.Cleanup(func() { syscall.Kill(pid, syscall.SIGKILL) })
+	for i, name := range []string{"b", "c"} {
+		if i > 0 {
+			time.Sleep(minBackoff + 100*time.Millisecond) // the back-off ended: the server is asked again
+		}
+		start := time.Now()
+		if got := readBytes(t, c, name); string(got) != name {
+			t.Fatalf("%s: got %q", name, got)
+		}
+		if d := time.Since(start); d > 10*time.Second {
+			t.Errorf("miss of %s with a stopped server took %s; want a short probe, well under the 30s read timeout", name, d)
+		}
+	}
+	if n := c.counts.directReads.Load(); n != 2 {
+		t.Errorf("direct reads %d, want 2", n)
+	}
+}
+
+// A server that answers Hello but takes longer than the probe to answer a read (a large or
+// slow source file) is alive: the read is not abandoned, and its answer is used.
+func TestSlowReadOnALiveServerCompletes(t *testing.T) {
+	cfg, _ := startServer(t)
+	cfg = withOptions(t, cfg, map[string]string{"read_timeout": "10"})
+	delayReplies(t, embedded.SocketPath(cfg.RuntimeDir), 3*time.Second)
+	root := t.TempDir()
+	writeFile(t, root, "slow", bytes.Repeat([]byte("s"), 1000))
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	start := time.Now()
+	if got := readBytes(t, c, "slow"); len(got) != 1000 {
+		t.Fatalf("got %d bytes", len(got))
+	}
+	if d := time.Since(start); d < 3*time.Second {
+		t.Errorf("the read took %s: the delay was not applied, the test proves nothing", d)
+	}
+	if sr, dr := c.counts.serverReads.Load(), c.counts.directReads.Load(); sr != 1 || dr != 0 {
+		t.Errorf("server reads %d, direct reads %d; want the server's answer (1, 0)", sr, dr)
+	}
+}
+
+// delayReplies puts a proxy at the server socket sock that holds back for delay each answer to
+// a request other than Hello (the method name travels in clear): a server busy with a long
+// read that still answers probes.
+func delayReplies(t *testing.T, sock string, delay time.Duration) {
+	t.Helper()
+	real := sock + ".real"
+	if err := os.Rename(sock, real); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex // protects conns
+	var conns []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	go func() {
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			out, err := net.Dial("unix", real)
+			if err != nil {
+				in.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, in, out)
+			mu.Unlock()
+			var slow atomic.Bool // the request being answered is not a Hello
+			go pipe(in, out, func(b []byte) { slow.Store(!bytes.Contains(b, []byte("Hello"))) })
+			go pipe(out, in, func([]byte) {
+				if slow.Swap(false) {
+					time.Sleep(delay)
+				}
+			})
+		}
+	}()
+}
+
+// pipe copies from one connection to the other, calling each before a chunk is forwarded,
+// until either closes; then it closes both.
+func pipe(from, to net.Conn, each func([]byte)) {
+	defer from.Close()
+	defer to.Close()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := from.Read(buf)
+		if err != nil {
+			return
+		}
+		each(buf[:n])
+		if _, err := to.Write(buf[:n]); err != nil {
+			return
+		}
+	}
+}
