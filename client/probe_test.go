@@ -2,6 +2,7 @@ package client
 
 import (
 	"bytes"
+	"fmt"
 	"net"
 	"os"
 	"sync"
@@ -38,9 +39,8 @@ func TestStoppedServerCostsAProbeNotTheReadTimeout(t *testing.T) {
 	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	// Killed, not continued, at the end: a server that resumed would answer the abandoned
-	// calls, and Kitex decodes a late answer into the result the caller already read
-	// (rpc/typed.go reads it on error too), which the race detector reports.
+	waitStopped(t, pid)
+	// Killed at the end: a stopped server would otherwise outlive the test.
 	t.Cleanup(func() { syscall.Kill(pid, syscall.SIGKILL) })
 	for i, name := range []string{"b", "c"} {
 		if i > 0 {
@@ -57,6 +57,21 @@ func TestStoppedServerCostsAProbeNotTheReadTimeout(t *testing.T) {
 	if n := c.counts.directReads.Load(); n != 2 {
 		t.Errorf("direct reads %d, want 2", n)
 	}
+}
+
+// waitStopped waits until the process pid is stopped: kill returns once the signal is sent,
+// and a loaded machine can let the server answer one more request before it stops.
+func waitStopped(t *testing.T, pid int) {
+	t.Helper()
+	for range 500 {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		// The state follows the command name, which is in parentheses and may hold spaces.
+		if i := bytes.LastIndexByte(b, ')'); err == nil && i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("process %d did not stop", pid)
 }
 
 // A server that answers Hello but takes longer than the probe to answer a read (a large or

@@ -3,7 +3,6 @@ package rpc
 import (
 	"context"
 
-	"github.com/cloudwego/kitex/client"
 	"github.com/cloudwego/kitex/client/callopt"
 
 	"github.com/fitcache/fitcache/core"
@@ -12,9 +11,7 @@ import (
 
 // Forget is the generated client's typed call (see typed.go).
 func (t typedClient) Forget(ctx context.Context, req *fitcachepb.ForgetRequest, opts ...callopt.Option) (*fitcachepb.ForgetReply, error) {
-	args, res := fitcachepb.FitCacheForgetArgs{Req: req}, fitcachepb.FitCacheForgetResult{}
-	err := t.c.Call(client.NewCtxWithCallOptions(ctx, opts), "Forget", &args, &res)
-	return res.GetSuccess(), err
+	return invoke(ctx, t, "Forget", &fitcachepb.FitCacheForgetArgs{Req: req}, &fitcachepb.FitCacheForgetResult{}, opts)
 }
 
 // Forget drops the cached copies of one file from the server's tiers (core.Engine.Forget).

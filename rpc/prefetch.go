@@ -4,7 +4,6 @@ import (
 	"context"
 	"math"
 
-	"github.com/cloudwego/kitex/client"
 	"github.com/cloudwego/kitex/client/callopt"
 
 	"github.com/fitcache/fitcache/core"
@@ -13,9 +12,7 @@ import (
 
 // Prefetch is the generated client's typed call (see typed.go).
 func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest, opts ...callopt.Option) (*fitcachepb.PrefetchReply, error) {
-	args, res := fitcachepb.FitCachePrefetchArgs{Req: req}, fitcachepb.FitCachePrefetchResult{}
-	err := t.c.Call(client.NewCtxWithCallOptions(ctx, opts), "Prefetch", &args, &res)
-	return res.GetSuccess(), err
+	return invoke(ctx, t, "Prefetch", &fitcachepb.FitCachePrefetchArgs{Req: req}, &fitcachepb.FitCachePrefetchResult{}, opts)
 }
 
 // Prefetch queues a prefetch job, takes the next chunk of its list, or renews it, and

@@ -4,7 +4,6 @@ import (
 	"context"
 	"syscall"
 
-	"github.com/cloudwego/kitex/client"
 	"github.com/cloudwego/kitex/client/callopt"
 
 	"github.com/fitcache/fitcache/core"
@@ -13,16 +12,12 @@ import (
 
 // Usage is the generated client's typed call (see typed.go).
 func (t typedClient) Usage(ctx context.Context, req *fitcachepb.UsageRequest, opts ...callopt.Option) (*fitcachepb.UsageReply, error) {
-	args, res := fitcachepb.FitCacheUsageArgs{Req: req}, fitcachepb.FitCacheUsageResult{}
-	err := t.c.Call(client.NewCtxWithCallOptions(ctx, opts), "Usage", &args, &res)
-	return res.GetSuccess(), err
+	return invoke(ctx, t, "Usage", &fitcachepb.FitCacheUsageArgs{Req: req}, &fitcachepb.FitCacheUsageResult{}, opts)
 }
 
 // Clear is the generated client's typed call (see typed.go).
 func (t typedClient) Clear(ctx context.Context, req *fitcachepb.ClearRequest, opts ...callopt.Option) (*fitcachepb.ClearReply, error) {
-	args, res := fitcachepb.FitCacheClearArgs{Req: req}, fitcachepb.FitCacheClearResult{}
-	err := t.c.Call(client.NewCtxWithCallOptions(ctx, opts), "Clear", &args, &res)
-	return res.GetSuccess(), err
+	return invoke(ctx, t, "Clear", &fitcachepb.FitCacheClearArgs{Req: req}, &fitcachepb.FitCacheClearResult{}, opts)
 }
 
 // Usage reports what the server's tiers hold per dataset root (core.Engine.Usage).
