@@ -86,6 +86,7 @@ type flight struct {
 	err       error
 	published chan struct{} // closed when the data mover has finished with the file
 	noEvict   atomic.Bool   // fetched by prefetch alone: publish without eviction (see noEvict)
+	forgotten atomic.Bool   // Forget was called for the file meanwhile: drop what this flight publishes
 }
 
 // NewEngine opens the configured tiers and starts the data mover. A nil logger discards.
@@ -476,6 +477,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	f.inTier = true
 	f.err = e.fillFromSource(src, entry)
+	e.dropIfForgotten(f, path)
 	if errors.Is(f.err, ErrCacheFull) && bytesWanted && entry.Size <= uncachedReadMax {
 		// Less room than this file needs, and nothing to evict: served from memory.
 		f.inTier = false

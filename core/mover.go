@@ -81,9 +81,15 @@ func (m *mover) stop() {
 	<-m.stopped
 }
 
+// testHookBeforePublish, when set by a test, runs before the mover places a file.
+var testHookBeforePublish func(path string)
+
 // publish places a job's file and ends its flight.
 func (e *Engine) publish(j job) {
 	defer e.land(j.entry.SourcePath, j.flight)
+	if testHookBeforePublish != nil {
+		testHookBeforePublish(j.entry.SourcePath)
+	}
 	if err := e.place(0, j.entry, content{data: j.flight.data}); err != nil {
 		if errors.Is(err, tiers.ErrNoRoom) {
 			e.stats.uncached.Add(1)
@@ -94,6 +100,7 @@ func (e *Engine) publish(j job) {
 		return
 	}
 	e.stats.published.Add(1)
+	e.dropIfForgotten(j.flight, j.entry.SourcePath)
 }
 
 // content is what place writes into a tier: bytes in memory, or a source file, read anew

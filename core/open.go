@@ -87,8 +87,9 @@ func (s *Source) ReaderFile() (*os.File, error) {
 func (e *Engine) CheckRoot(root, path string) error { return e.checkRoot(root, path) }
 
 // Forget drops the cached copies of the file at path (inside root) from every tier: its
-// source is being written (a write-open through the preload shim), so a copy is stale or
-// about to be. A fill in progress for the file is not stopped.
+// source is being written, renamed, removed or truncated (through the preload shim), so a
+// copy is stale or about to be. A fill of the file in progress, which may have read the old
+// version, is not stopped, but what it publishes is dropped too (see forgotten).
 func (e *Engine) Forget(root, path string) error {
 	if e.closed.Load() {
 		return ErrClosed
@@ -96,8 +97,25 @@ func (e *Engine) Forget(root, path string) error {
 	if err := e.checkRoot(root, path); err != nil {
 		return err
 	}
+	// The flight is marked before the tiers are cleared: a fill that publishes after the
+	// mark sees it and drops its copy; one that published before has its copy cleared here.
+	e.mu.Lock()
+	if f := e.flights[path]; f != nil {
+		f.forgotten.Store(true)
+	}
+	e.mu.Unlock()
 	for _, t := range e.tiers {
 		t.Forget(path)
 	}
 	return nil
+}
+
+// dropIfForgotten drops the copy a flight just published if the file was forgotten while the
+// flight was under way (see Forget): the copy may hold the version the source had before.
+func (e *Engine) dropIfForgotten(f *flight, path string) {
+	if f.forgotten.Load() {
+		for _, t := range e.tiers {
+			t.Forget(path)
+		}
+	}
 }

@@ -19,7 +19,7 @@ type StoreRequest struct {
 	// MTimeNanos is the source's modification time as the owner saw it.
 	MTimeNanos int64
 	// CTimeNanos and Ino are the source's change time and inode number as the owner saw them
-	// when it read the source itself; 0 when it did not (it served the file from a tier).
+	// (when it read the source, or made the copy it served from a tier); 0 where unknown.
 	CTimeNanos int64
 	Ino        uint64
 	// Checksum is the CRC-32C of the data, as the owner recorded it.

@@ -3,6 +3,7 @@ package core
 import (
 	"context"
 	"errors"
+	"hash/crc32"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -203,5 +204,41 @@ func TestPrefetchChecksCopiesAheadOfReaders(t *testing.T) {
 	waitPrefetch(t, e, root, "w2")
 	if got := e.Stats().SourceChecks; got != 8 {
 		t.Errorf("source checks %d, want 4 per session", got)
+	}
+}
+
+// A copy on its way into a tier when the file is forgotten (the preload shim saw it renamed
+// over, removed or truncated; the copy may hold the version before) is dropped once it is
+// published: before, the forget found nothing to drop and the stale copy was then served to
+// the whole session. Here a replica copy waits for the data mover when the forget comes.
+func TestForgetDropsACopyOnItsWay(t *testing.T) {
+	e := newEngine(t, "1MiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "f.bin")
+	rewrite(t, path, []byte("old"), time.Date(2025, 3, 1, 0, 0, 0, 0, time.UTC))
+	st, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testHookBeforePublish = func(p string) {
+		testHookBeforePublish = nil
+		tmp := p + ".new"
+		rewrite(t, tmp, []byte("new!"), time.Date(2025, 3, 2, 0, 0, 0, 0, time.UTC))
+		if err := os.Rename(tmp, p); err != nil {
+			t.Error(err)
+		}
+		if err := e.Forget(root, p); err != nil {
+			t.Error(err)
+		}
+	}
+	defer func() { testHookBeforePublish = nil }()
+	data := []byte("old")
+	if err := e.Store(StoreRequest{Root: root, Path: path, Data: data, MTimeNanos: st.ModTime().UnixNano(),
+		Checksum: crc32.Checksum(data, castagnoli)}); err != nil {
+		t.Fatal(err)
+	}
+	e.mover.stop() // waits for the mover to publish what it holds
+	if _, got := readAll(t, e, root, path); string(got) != "new!" {
+		t.Errorf("after a forget while the copy was on its way: got %q, want the new version", got)
 	}
 }
