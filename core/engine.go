@@ -59,12 +59,13 @@ type Engine struct {
 	pf    *prefetcher
 	// sessions number the validation sessions: a copy is served only once found to match
 	// its source in the current one (see session.go and validate).
-	sessions *sessions
-	gen      *tiers.Generation // nil without EngineConfig.GenerationFile
-	genFile  string
-	maxSend  int64 // see EngineConfig.MaxSendBytes
-	closed   atomic.Bool
-	fills    sync.WaitGroup // source reads in progress (see fill), awaited by Close
+	sessions   *sessions
+	checkRoots rootDirs          // the dataset roots opened for the current session's checks
+	gen        *tiers.Generation // nil without EngineConfig.GenerationFile
+	genFile    string
+	maxSend    int64 // see EngineConfig.MaxSendBytes
+	closed     atomic.Bool
+	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
 	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
 	flights   map[string]*flight
@@ -161,6 +162,7 @@ func (e *Engine) Close() error {
 	for _, t := range e.tiers {
 		t.Close()
 	}
+	e.checkRoots.close()
 	return e.gen.Close()
 }
 

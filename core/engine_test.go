@@ -39,7 +39,7 @@ func dataset(t *testing.T, sizes ...int) (string, []string) {
 
 // testTiers returns tier configurations with the given budgets, memory first, then disk,
 // in temporary directories.
-func testTiers(t *testing.T, budgets ...string) []tiers.Config {
+func testTiers(t testing.TB, budgets ...string) []tiers.Config {
 	t.Helper()
 	var cfgs []tiers.Config
 	for i, b := range budgets {

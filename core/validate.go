@@ -2,7 +2,12 @@ package core
 
 import (
 	"errors"
+	"fmt"
 	"io/fs"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -41,7 +46,7 @@ func (e *Engine) validate(root, path string) error {
 		return nil
 	}
 	e.stats.sourceChecks.Add(1)
-	id, err := e.sourceIdentity(root, path)
+	id, err := e.sourceIdentity(root, path, session)
 	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
 		// Gone from the source: the copies go too, and the read says so as for any file.
 		for _, t := range e.tiers {
@@ -65,12 +70,50 @@ func (e *Engine) validate(root, path string) error {
 }
 
 // sourceIdentity returns the identity of the source file at path, inside root, now, without
-// opening it for reading (see lookSource).
-func (e *Engine) sourceIdentity(root, path string) (tiers.Identity, error) {
+// opening it for reading: one stat, relative to the root directory opened once per session.
+//
+// The stat follows symbolic links, also ones that leave the root, where a read would be
+// refused (see OpenSource): that is safe here, because the result is only compared with the
+// identity of the version a copy was made from, which a read made beneath the root. A link
+// to anything else gives another identity, and the copy is dropped; the read that follows
+// then applies the root's rules. The root is opened anew at each session, so a dataset
+// directory replaced between two jobs (moved away and made again) is looked at as it is now.
+func (e *Engine) sourceIdentity(root, path string, session uint32) (tiers.Identity, error) {
 	realRoot, err := e.realRoot(root)
 	if err != nil {
 		return tiers.Identity{}, err
 	}
+	rel, err := filepath.Rel(root, path)
+	if err != nil || !filepath.IsLocal(rel) {
+		return tiers.Identity{}, fmt.Errorf("%w: %s is not under %s", ErrOutsideRoot, path, root)
+	}
+	var st unix.Stat_t
+	var serr error
+	for try := 0; ; try++ {
+		dir, err := e.checkRoots.get(realRoot, session)
+		if errors.Is(err, unix.ENOSYS) { // a kernel without openat2: a look beneath the root
+			return e.lookIdentity(root, realRoot, path)
+		}
+		if err != nil {
+			return tiers.Identity{}, err
+		}
+		err = dir.Control(func(fd uintptr) { serr = unix.Fstatat(int(fd), rel, &st, 0) })
+		if errors.Is(err, os.ErrClosed) && try == 0 {
+			continue // a newer session closed it meanwhile: open the root for it
+		}
+		if err != nil {
+			return tiers.Identity{}, err
+		}
+		break
+	}
+	if serr != nil {
+		return tiers.Identity{}, pathError("stat", path, serr)
+	}
+	return identityOf(&st), nil
+}
+
+// lookIdentity is sourceIdentity through lookSource, for kernels without openat2.
+func (e *Engine) lookIdentity(root, realRoot, path string) (tiers.Identity, error) {
 	f, err := lookSource(root, realRoot, path)
 	if err != nil {
 		return tiers.Identity{}, err
@@ -81,6 +124,60 @@ func (e *Engine) sourceIdentity(root, path string) (tiers.Identity, error) {
 		return tiers.Identity{}, pathError("stat", path, err)
 	}
 	return identityOf(&st), nil
+}
+
+// rootDirs holds the dataset roots opened for the checks of one session (see sourceIdentity):
+// a new job's first epoch checks every cached file once, and opening the root for each cost
+// as much as the stat itself. It is safe for concurrent use.
+type rootDirs struct {
+	mu      sync.Mutex // protects session and dirs
+	session uint32
+	dirs    map[string]syscall.RawConn // resolved root -> its directory, opened O_PATH
+	files   []*os.File                 // the open directories, closed when the session changes
+}
+
+// close closes the open directories; later gets open them again.
+func (r *rootDirs) close() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, f := range r.files {
+		f.Close()
+	}
+	r.dirs, r.files = nil, nil
+}
+
+// get returns the directory of realRoot opened for session, opening it (without following
+// a link: it was resolved) if this session has not yet.
+func (r *rootDirs) get(realRoot string, session uint32) (syscall.RawConn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if session > r.session || r.dirs == nil || len(r.dirs) >= maxRealRoots { // a later session, or none yet
+		// Closing waits for lookups still using a directory (os.File counts them).
+		for _, f := range r.files {
+			f.Close()
+		}
+		r.session, r.dirs, r.files = max(r.session, session), make(map[string]syscall.RawConn), nil
+	}
+	if rc, ok := r.dirs[realRoot]; ok {
+		return rc, nil
+	}
+	fd, err := unix.Openat2(unix.AT_FDCWD, realRoot, &unix.OpenHow{
+		Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: unix.RESOLVE_NO_SYMLINKS})
+	switch {
+	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR):
+		return nil, fmt.Errorf("%w: %s is no longer the directory it was (a link now)", ErrOutsideRoot, realRoot)
+	case err != nil:
+		return nil, pathError("open", realRoot, err)
+	}
+	f := os.NewFile(uintptr(fd), realRoot)
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	r.dirs[realRoot] = rc
+	r.files = append(r.files, f)
+	return rc, nil
 }
 
 // identityOf returns the identity of the source version a stat describes.

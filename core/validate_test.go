@@ -47,6 +47,14 @@ func TestChangedSourceIsNotServedToANewSession(t *testing.T) {
 			}
 		}, "v2"},
 		{"removed", func(t *testing.T, p string) { os.Remove(p) }, ""},
+		{"dataset directory replaced", func(t *testing.T, p string) {
+			dir := filepath.Dir(p)
+			if err := os.Rename(dir, dir+".old"); err != nil {
+				t.Fatal(err)
+			}
+			os.Mkdir(dir, 0o755)
+			rewrite(t, p, []byte("v2"), old) // a new file, same name, size and mtime
+		}, "v2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEngine(t, "1MiB")
