@@ -107,15 +107,10 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 		}
 		return own.engine.OpenForReader(ctx, c.root, path) // evicted meanwhile, or not in a tier
 	}
-	if p.local {
-		if f, d, err := openTier(dirs, path); err == nil { // cached since the shim looked
-			if fi, err := f.Stat(); err == nil {
-				c.counts.localHits.Add(1)
-				c.pending.add(d.Kind.String(), fi.Size())
-			}
-			return f, core.OriginTier, nil
-		}
-	}
+	// A server on this node is asked too, not its tiers opened here: the reader is of
+	// another job than this long-lived client, and a copy this client's session would take
+	// may not be checked for the reader's (the reader looked in the tiers itself first). The
+	// server checks the copy before it names it.
 	reply, err := c.askPeer(ctx, p, path)
 	if err != nil {
 		return nil, 0, err

@@ -292,3 +292,50 @@ func TestForgetDropsTheOwnersAndThisNodesCopies(t *testing.T) {
 		t.Errorf("Forget of a path outside the root: %v, want ErrOutsideRoot", err)
 	}
 }
+
+// A cluster server answers the preload shim of any job through one long-lived client. A file
+// another server on this node holds, rewritten at the source since, is answered from that
+// server, which checks its copy for the shim's job (a session that began after the client's),
+// never from its tier opened with the client's own, older session.
+func TestOpenForReaderChecksCopiesOfOtherLocalServersForTheReadersJob(t *testing.T) {
+	root := t.TempDir()
+	self, peer := startClusterServer(t, "127.0.0.1", root), startClusterServer(t, "127.0.0.1", root)
+	cfg, err := config.Load(map[string]string{"servers": self.addr + "," + peer.addr, "token": "tok",
+		"node": "127.0.0.1", "wait_timeout": "5", "rpc_timeout": "2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Open(root, cfg, discardLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetOwnServer(self.addr, self.engine)
+	var name string
+	for i := 0; name == ""; i++ { // a file the other server owns
+		if n := fmt.Sprintf("f%d.bin", i); c.Owner(n) == peer.addr {
+			name = n
+		}
+	}
+	path := writeFile(t, root, name, []byte("first version"))
+	read := func() string {
+		t.Helper()
+		f, _, err := c.OpenForReader(context.Background(), name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		b, _ := io.ReadAll(f)
+		return string(b)
+	}
+	if got := read(); got != "first version" {
+		t.Fatalf("first read: %q", got)
+	}
+	if err := os.WriteFile(path, []byte("SECOND VERSION"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	peer.engine.BeginSession("the shim's next run") // its `fitcache run` said hello there
+	if got := read(); got != "SECOND VERSION" {
+		t.Errorf("after the file changed and a new job began: %q, want the new bytes", got)
+	}
+}
