@@ -29,6 +29,8 @@
 #define HDR_SLOT_SIZE 20
 #define HDR_RETIRED 24
 #define COUNTERS 4096       // hits, then hit bytes (uint64 each), on a page of their own
+#define INDEX_MIN_BUCKETS (1u << 10) // tiers/index.go minIndexBuckets and maxIndexBuckets
+#define INDEX_MAX_BUCKETS (1u << 20)
 
 // A missing or unusable index is sought again after this long.
 #define INDEX_RETRY_NS 1000000000LL
@@ -165,7 +167,8 @@ static int map_index(int dirfd, struct fc_index *ix) {
 		memcpy(&buckets, hdr + HDR_BUCKETS, 4);
 		memcpy(&slot, hdr + HDR_SLOT_SIZE, 4);
 		ok = memcmp(hdr, INDEX_MAGIC, 8) == 0 && version == INDEX_VERSION && ways == INDEX_WAYS &&
-		     slot == INDEX_SLOT && buckets != 0 && (buckets & (buckets - 1)) == 0 &&
+		     slot == INDEX_SLOT && buckets >= INDEX_MIN_BUCKETS && buckets <= INDEX_MAX_BUCKETS &&
+		     (buckets & (buckets - 1)) == 0 &&
 		     (size_t)st.st_size == index_len(buckets);
 	}
 	void *m = MAP_FAILED, *c = MAP_FAILED;
@@ -195,10 +198,16 @@ static void unmap_index(struct fc_index *ix) {
 	ix->counters = NULL;
 }
 
+// A thread that maps a tier's index anew is the only one doing so; one that started more than
+// this long ago is taken for gone (a thread of the parent in a forked child) and replaced.
+#define REMAP_STALE_NS 1000000000LL
+
 // current_index returns the tier's index, mapping it anew when there was none (at most once
-// per INDEX_RETRY_NS) or when its server replaced it (retired). Each mapping takes an entry
-// of t->maps, filled before it is published; threads racing to remap each map a copy, and
-// the losers unmap theirs at once. Replaced mappings stay until fc_tier_close.
+// per INDEX_RETRY_NS) or when its server replaced it (retired). One thread at a time maps
+// (t->remapping holds when it started); the others meanwhile go on with the index there is
+// (a retired index is still right about what it lists). Each mapping takes the next entry of
+// t->maps (or, past them, a page of its own), filled before it is published; replaced ones
+// stay until fc_tier_close.
 static struct fc_index *current_index(struct fc_tier *t) {
 	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
 	if (ix && !rd32(ix->base + HDR_RETIRED))
@@ -206,31 +215,40 @@ static struct fc_index *current_index(struct fc_tier *t) {
 	int64_t now = fc_monotonic_ns();
 	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED))
 		return ix;
-	int n = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
-	if (n >= FC_TIER_MAPS)
-		return ix; // no room for another mapping: the retired one still lists what it lists
+	int64_t started = __atomic_load_n(&t->remapping, __ATOMIC_RELAXED);
+	if ((started != 0 && now - started < REMAP_STALE_NS) ||
+	    !__atomic_compare_exchange_n(&t->remapping, &started, now, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+		return ix; // another thread is mapping it
+	ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // what that thread may have mapped
+	int slot = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
 	struct fc_index fresh;
-	if (map_index(t->dirfd, &fresh) != 0) {
+	if (ix && !rd32(ix->base + HDR_RETIRED)) {
+		// mapped by the thread before us
+	} else if (map_index(t->dirfd, &fresh) != 0) {
 		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
-		return ix; // a retired index is still right about what it lists, if not complete
-	}
-	if (rd32(fresh.base + HDR_RETIRED)) { // replaced again meanwhile: try later
+	} else if (rd32(fresh.base + HDR_RETIRED)) { // replaced again meanwhile: try later
 		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS / 100, __ATOMIC_RELAXED);
 		unmap_index(&fresh);
-		return ix;
+	} else if (slot < FC_TIER_MAPS) {
+		t->maps[slot] = fresh;
+		__atomic_store_n(&t->nmaps, slot + 1, __ATOMIC_RELEASE);
+		ix = &t->maps[slot];
+		__atomic_store_n(&t->index, ix, __ATOMIC_RELEASE);
+	} else { // every entry taken: a page of its own for the record
+		struct fc_index *rec = mmap(NULL, sizeof *rec, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (rec == MAP_FAILED) {
+			unmap_index(&fresh);
+			__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
+		} else {
+			*rec = fresh;
+			rec->next = t->extra;
+			t->extra = rec;
+			ix = rec;
+			__atomic_store_n(&t->index, ix, __ATOMIC_RELEASE);
+		}
 	}
-	int slot = __atomic_fetch_add(&t->nmaps, 1, __ATOMIC_RELAXED);
-	if (slot >= FC_TIER_MAPS) {
-		unmap_index(&fresh);
-		return ix;
-	}
-	t->maps[slot] = fresh;
-	struct fc_index *expected = ix;
-	if (!__atomic_compare_exchange_n(&t->index, &expected, &t->maps[slot], 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-		unmap_index(&t->maps[slot]); // the entry stays taken, empty
-		return expected;
-	}
-	return &t->maps[slot];
+	__atomic_store_n(&t->remapping, 0, __ATOMIC_RELEASE);
+	return ix;
 }
 
 int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session) {
@@ -265,6 +283,12 @@ void fc_tier_close(struct fc_tier *t) {
 	for (int i = 0; i < n; i++)
 		unmap_index(&t->maps[i]);
 	t->nmaps = 0;
+	while (t->extra) {
+		struct fc_index *rec = t->extra;
+		t->extra = rec->next;
+		unmap_index(rec);
+		munmap(rec, sizeof *rec);
+	}
 	if (t->dirfd >= 0)
 		close(t->dirfd);
 	t->dirfd = -1;

@@ -38,11 +38,11 @@ extern "C" {
 /* The longest path handled; longer ones are misses. */
 #define FC_PATH_MAX 4096
 
-/* Mappings of its index a tier keeps (the first, then one per server restart): a replaced
- * one stays mapped, since a lookup in another thread may still read it, until
- * fc_tier_close. When all are taken (many restarts of the server in the life of one
- * process), the tier keeps using its last index, retired: it is still right about the
- * copies it lists, and files published since are asked of the server. */
+/* Mappings of its index a tier keeps in place (the first, then one per server restart): a
+ * replaced one stays mapped, since a lookup in another thread may still read it, until
+ * fc_tier_close. Past this many (many restarts of the server in the life of one process), the
+ * record of each new mapping is kept in a page of its own (mmap, no malloc), also freed by
+ * fc_tier_close. */
 #define FC_TIER_MAPS 8
 
 /* One mapping of a tier's index, with what a lookup needs read once when it was mapped: a
@@ -52,6 +52,7 @@ struct fc_index {
 	size_t len;
 	uint32_t buckets;   /* from the header, checked against len */
 	uint64_t *counters; /* the page of hit counters, mapped writable */
+	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */
 };
 
 /* A tier directory open for lookups. Fill it with fc_tier_open; all fields are private. */
@@ -62,8 +63,10 @@ struct fc_tier {
 	uint32_t session;              /* the reader's validation session (see fc_tier_open) */
 	struct fc_index *_Atomic index; /* the current mapping, in maps; NULL while there is none */
 	int64_t retry_ns;              /* CLOCK_MONOTONIC time before which a missing index is not sought */
+	int64_t remapping;             /* CLOCK_MONOTONIC time a thread began mapping the index, or 0 */
 	struct fc_index maps[FC_TIER_MAPS];
 	int nmaps;                     /* entries of maps taken (atomic) */
+	struct fc_index *extra;        /* records past maps, each in a page of its own, newest first */
 };
 
 /* Opens the tier directory dir for lookups: it must be a directory (not a link) owned by this

@@ -412,6 +412,23 @@ func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
 	}
 }
 
+// A user that shares a host with a client of the job (a node of the job, reaching the server
+// from elsewhere) and holds every place of that host with half-sent handshakes does not keep
+// the client out: the client's connection takes the place of the oldest one, and it needs it
+// for one round trip. Before, the client was refused for as long as the flood held.
+func TestFloodFromTheClientsOwnHostDoesNotKeepItOut(t *testing.T) {
+	pendingKeyOf = func(c net.Conn) string { return peerHost(c.RemoteAddr()) } // as from another host
+	t.Cleanup(func() { pendingKeyOf = pendingKey })
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
+	for range maxPendingPerPeer {
+		dialRaw(t, addr) // silent, from the client's host
+	}
+	c := dialRaw(t, addr)
+	if err := authenticate(t, c, testToken); err != nil {
+		t.Errorf("a client of the job on the flooded host: %v", err)
+	}
+}
+
 // A server that closes a new connection because it has too many is busy, not dead: the
 // client's error is not a refused connection (which declares a cluster server dead at once).
 func TestServerAtItsCapIsNotRefused(t *testing.T) {

@@ -16,10 +16,15 @@ import (
 // the port without the token cannot take the places of the job's clients: a peer on another
 // host can only use the few places of its host, and a peer on this host the few places of its
 // user (see peerUID), whatever address it connects from; the server's own user, whose
-// clients share its node, is not held back by the limit in all. An excess connection is
-// closed at once (a client takes that as a server too busy to answer, not as a dead one).
-// Refused connections are counted and logged through refuse. Authentication runs in a
-// goroutine per connection with a deadline, so a slow client delays no one else.
+// clients share its node, is not held back by the limit in all. When a new connection finds
+// its share (or the places in all) taken, the oldest connection still authenticating there
+// is closed to make room: a client of the job needs its place for one round trip, so a user
+// who shares its host (a node of the job) and holds the host's places with half-sent
+// handshakes must open connections faster than that to keep it out, instead of just holding
+// them. Connections past maxConns are closed at once (a client takes that as a server too
+// busy to answer, not as a dead one). Closed connections are counted and logged through
+// refuse. Authentication runs in a goroutine per connection with a deadline, so a slow client
+// delays no one else.
 type guardListener struct {
 	inner    net.Listener
 	keys     *jobKeys
@@ -33,8 +38,14 @@ type guardListener struct {
 	done   chan struct{} // closed by Close
 	once   sync.Once     // closes done
 
-	mu      sync.Mutex     // protects pending
-	pending map[string]int // connections authenticating, by pendingKey
+	mu      sync.Mutex               // protects pending
+	pending map[string][]pendingConn // connections authenticating, by pendingKey, oldest first
+}
+
+// pendingConn is a connection still authenticating.
+type pendingConn struct {
+	c     *countedConn
+	since time.Time
 }
 
 // Limits on connections that have not authenticated yet.
@@ -47,7 +58,7 @@ func newGuardListener(inner net.Listener, keys *jobKeys, maxConns int, timeout t
 	refuse func(peer, reason string)) *guardListener {
 	g := &guardListener{inner: inner, keys: keys, maxConns: int64(maxConns),
 		timeout: timeout, refuse: refuse, ready: make(chan net.Conn), done: make(chan struct{}),
-		pending: make(map[string]int), ownUser: userKey(uint32(os.Getuid()))}
+		pending: make(map[string][]pendingConn), ownUser: userKey(uint32(os.Getuid()))}
 	go g.acceptLoop()
 	return g
 }
@@ -117,44 +128,72 @@ func (g *guardListener) acceptLoop() {
 			continue
 		}
 		key := pendingKeyOf(c)
-		if !g.startPending(key) {
-			g.active.Add(-1)
-			g.refuse(host, "too many connections authenticating from "+key)
-			c.Close()
-			continue
+		cc := &countedConn{Conn: c, active: &g.active}
+		if victim, from := g.startPending(key, cc); victim != nil {
+			g.refuse(peerHost(victim.RemoteAddr()), "closed to make room: too many connections authenticating from "+from)
+			victim.Close() // its handshake fails, and its goroutine ends
 		}
-		go g.authenticate(&countedConn{Conn: c, active: &g.active}, key)
+		go g.authenticate(cc, key)
 	}
 }
 
-// startPending takes a place for a connection counted by key to authenticate, if one is free.
-func (g *guardListener) startPending(key string) bool {
+// startPending takes a place for c, a connection counted by key, to authenticate. When key's
+// share, or the places in all (for any key but the server's own user's), are taken, it takes
+// the place of the oldest connection there and returns it, and the key it was counted by, for
+// the caller to close.
+func (g *guardListener) startPending(key string, c *countedConn) (victim *countedConn, victimKey string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.pending[key] >= maxPendingPerPeer {
-		return false
-	}
-	if key != g.ownUser {
-		total := 0
-		for k, n := range g.pending {
-			if k != g.ownUser {
-				total += n
+	switch {
+	case len(g.pending[key]) >= maxPendingPerPeer:
+		victim, victimKey = g.pending[key][0].c, key
+	case key != g.ownUser && g.pendingOthers() >= maxPending:
+		var oldest time.Time
+		for k, l := range g.pending {
+			if k != g.ownUser && len(l) > 0 && (victim == nil || l[0].since.Before(oldest)) {
+				victim, victimKey, oldest = l[0].c, k, l[0].since
 			}
 		}
-		if total >= maxPending {
-			return false
-		}
 	}
-	g.pending[key]++
-	return true
+	if victim != nil {
+		g.dropPending(victimKey, victim)
+	}
+	g.pending[key] = append(g.pending[key], pendingConn{c: c, since: time.Now()})
+	return victim, victimKey
 }
 
-func (g *guardListener) endPending(key string) {
+// pendingOthers counts the connections authenticating but those of the server's own user
+// (g.mu held).
+func (g *guardListener) pendingOthers() int {
+	n := 0
+	for k, l := range g.pending {
+		if k != g.ownUser {
+			n += len(l)
+		}
+	}
+	return n
+}
+
+// dropPending removes c from key's connections authenticating, if it is there (g.mu held).
+func (g *guardListener) dropPending(key string, c *countedConn) {
+	l := g.pending[key]
+	for i, p := range l {
+		if p.c == c {
+			l = append(l[:i:i], l[i+1:]...)
+			break
+		}
+	}
+	if len(l) == 0 {
+		delete(g.pending, key)
+	} else {
+		g.pending[key] = l
+	}
+}
+
+func (g *guardListener) endPending(key string, c *countedConn) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.pending[key]--; g.pending[key] <= 0 {
-		delete(g.pending, key)
-	}
+	g.dropPending(key, c)
 }
 
 // authenticate runs the server's side of the handshake on c and hands c to Accept, or closes
@@ -162,7 +201,7 @@ func (g *guardListener) endPending(key string) {
 func (g *guardListener) authenticate(c *countedConn, key string) {
 	c.SetDeadline(time.Now().Add(g.timeout))
 	err := serverHandshake(c, g.keys)
-	g.endPending(key)
+	g.endPending(key, c)
 	if err != nil {
 		g.refuse(peerHost(c.RemoteAddr()), err.Error())
 		c.Close()

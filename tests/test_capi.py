@@ -44,6 +44,20 @@ def test_c_fork_before_load(tmp_path, native_library, c_dataset, cache_options):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_readers_follow_many_index_replacements(tmp_path):
+    """Four threads looking files up while the index is replaced 40 times (a server restarted
+    that often): the tier follows to the last index (tests/c/index_remap_test.c, built with
+    capi/fclookup.c, the lookup code the library and the preload shim share)."""
+    capi = os.path.join(os.path.dirname(__file__), "..", "capi")
+    here = os.path.join(os.path.dirname(__file__), "c", "index_remap_test.c")
+    exe = tmp_path / "index_remap_test"
+    subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-O2", "-pthread", "-o", str(exe), here,
+                    os.path.join(capi, "fclookup.c"), f"-I{capi}"], check=True, capture_output=True, text=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all checks passed" in out.stdout
+
+
 def test_version_has_one_source(native_library):
     """capi/fitcache.h defines the version; the library, the installed header and the Python
     package report that one."""

@@ -362,7 +362,7 @@ func openIndex(dirfd int) (*index, error) {
 	ix := &index{m: m, buckets: *(*uint32)(unsafe.Pointer(&m[hdrBuckets]))}
 	b := ix.buckets
 	if string(m[:8]) != indexMagic || *ix.word32(hdrVersion) != indexVersion || *ix.word32(hdrWays) != indexWays ||
-		*ix.word32(hdrSlotSize) != indexSlotSize || b == 0 || bits.OnesCount32(b) != 1 ||
+		*ix.word32(hdrSlotSize) != indexSlotSize || b < minIndexBuckets || b > maxIndexBuckets || bits.OnesCount32(b) != 1 ||
 		int64(len(m)) != indexLen(b) {
 		m.Unmap()
 		return nil, fmt.Errorf("%w: bad header", errNoIndex)
