@@ -299,6 +299,12 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if !f.inTier {
 		return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime, CTimeNanos: f.ctime, Ino: f.ino}, nil
 	}
+	// A session that began while the flight read the source wants the copy checked after it
+	// began: a no-op unless one did (then the copy's mark is older), and a stale copy is
+	// dropped here, which the probe below takes for an eviction (the caller reads the source).
+	if err := e.validate(root, path); err != nil {
+		return Result{}, err
+	}
 	res, err := e.probe(path, wantMapping)
 	if errors.Is(err, tiers.ErrNotCached) { // evicted at once by a burst of larger files
 		return Result{}, fmt.Errorf("%w: %s was evicted before it could be served", ErrTooLarge, path)
@@ -371,6 +377,13 @@ func (e *Engine) fetch(ctx context.Context, root, path string) (string, error) {
 	}
 	if !f.inTier { // read into memory by a Read that no tier took, joined here
 		return "", fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
+	}
+	// As in read: a session that began meanwhile has the copy checked (a no-op otherwise).
+	if err := e.validate(root, path); err != nil {
+		return "", err
+	}
+	if _, ok := e.cachedSize(path); !ok {
+		return "", fmt.Errorf("%w: %s changed while it was cached: read the source", ErrTooLarge, path)
 	}
 	return origin, nil
 }

@@ -124,6 +124,7 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.PublishErrors += o.PublishErrors
 	s.ClientHits += o.ClientHits
 	s.Stored += o.Stored
+	s.StoreRefused += o.StoreRefused
 	s.Refusals += o.Refusals
 	s.SourceChecks += o.SourceChecks
 	s.StaleCopies += o.StaleCopies

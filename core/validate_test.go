@@ -250,3 +250,21 @@ func TestForgetDropsACopyOnItsWay(t *testing.T) {
 		t.Errorf("after a forget while the copy was on its way: got %q, want the new version", got)
 	}
 }
+
+// A session that begins while a miss reads the source has the copy checked before it is
+// served: the fill checked the source against itself, but only up to the end of its read,
+// which may have come before the session began.
+func TestCopyFromAFillSpanningASessionIsChecked(t *testing.T) {
+	e := newEngine(t, "1MiB")
+	root, paths := dataset(t, 1000)
+	testHookSourceRead = func(string) {
+		testHookSourceRead = nil
+		e.BeginSession("a job that began during the read")
+	}
+	defer func() { testHookSourceRead = nil }()
+	_, got := readAll(t, e, root, paths[0])
+	wantBytes(t, paths[0], got)
+	if s := e.Stats(); s.SourceChecks != 1 {
+		t.Errorf("source checks %d, want 1: the copy read before the session began was served unchecked", s.SourceChecks)
+	}
+}
