@@ -69,7 +69,8 @@ type Config struct {
 	Servers string
 	// PerNode and BasePort place the servers of hosts named without a port.
 	PerNode, BasePort int
-	// Token every request carries (or TokenFile holding it).
+	// Token of the job (or TokenFile holding it): clients and servers prove to each other
+	// that they know it when they connect, without sending it (see package rpc).
 	Token, TokenFile string
 	// Policy for a dead server's files: "recache" (their next owner on the ring caches them)
 	// or "pfs" (they are read from the source from then on).

@@ -95,8 +95,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
-		sessions: newSessions(nil)}
+	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string)}
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}
@@ -140,6 +139,12 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if len(e.tiers) == 0 {
 		log.Warn("no usable tier: every read goes to the source")
 	}
+	var last uint32
+	for _, t := range e.tiers {
+		last = max(last, t.LastSession())
+	}
+	e.sessions = newSessions(nil, last)
+	e.noteSession(e.sessions.current())
 	queue := cfg.MoverQueueBytes
 	if queue <= 0 {
 		queue = 256 << 20

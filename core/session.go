@@ -2,6 +2,8 @@ package core
 
 import (
 	"container/list"
+	"crypto/sha256"
+	"encoding/hex"
 	"sync"
 	"time"
 )
@@ -22,11 +24,15 @@ import (
 // changed is dropped and read again.
 //
 // An engine begins a session of its own when it starts, so that a restarted server checks
-// every copy it finds in its tiers before serving it.
+// every copy it finds in its tiers before serving it (a rescan marks every copy unchecked).
+//
+// Numbers keep growing across restarts: a reader keeps the number its server gave it (the C
+// hit path, the preload shim), and one higher than what a restarted server hands out would
+// ask the server for every copy until the numbers caught up. So a new session gets at least
+// the seconds since sessionEpoch, and at least one more than the last session the server
+// before recorded in its tiers (tiers.Tier.NoteSession), whichever is more.
 
-// sessionEpoch is where session numbers start: a new session gets at least the seconds since
-// then, so that numbers keep growing across restarts of a server (whose tiers keep the marks
-// of the last one) while a uint32 lasts (until 2160).
+// sessionEpoch is where session numbers start (a uint32 of seconds lasts until 2160).
 var sessionEpoch = time.Date(2024, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // maxSessions bounds the jobs an engine remembers; the least recently seen is forgotten
@@ -49,11 +55,13 @@ type jobSession struct {
 	session uint32
 }
 
-func newSessions(now func() time.Time) *sessions {
+// newSessions returns the sessions of an engine whose tiers recorded last as the last
+// session begun, and begins the engine's own.
+func newSessions(now func() time.Time, last uint32) *sessions {
 	if now == nil {
 		now = time.Now
 	}
-	s := &sessions{now: now, byJob: make(map[string]*list.Element)}
+	s := &sessions{now: now, byJob: make(map[string]*list.Element), latest: last}
 	s.latest = s.next()
 	return s
 }
@@ -64,13 +72,20 @@ func (s *sessions) next() uint32 {
 	return max(s.latest+1, uint32(max(secs, 1)))
 }
 
-// begin returns the session of job, beginning one if the job has none.
-func (s *sessions) begin(job string) uint32 {
+// maxJobBytes bounds the job ids kept as they are; a longer one is kept as its digest.
+const maxJobBytes = 128
+
+// begin returns the session of job, and whether it began now (the job had none).
+func (s *sessions) begin(job string) (session uint32, began bool) {
+	if len(job) > maxJobBytes {
+		sum := sha256.Sum256([]byte(job))
+		job = "sha256:" + hex.EncodeToString(sum[:])
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if el, ok := s.byJob[job]; ok {
 		s.order.MoveToBack(el)
-		return el.Value.(*jobSession).session
+		return el.Value.(*jobSession).session, false
 	}
 	s.latest = s.next()
 	s.byJob[job] = s.order.PushBack(&jobSession{job: job, session: s.latest})
@@ -79,7 +94,7 @@ func (s *sessions) begin(job string) uint32 {
 		s.order.Remove(oldest)
 		delete(s.byJob, oldest.Value.(*jobSession).job)
 	}
-	return s.latest
+	return s.latest, true
 }
 
 // current returns the last session begun: a copy checked in it or later may be served to

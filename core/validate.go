@@ -22,7 +22,18 @@ func (e *Engine) BeginSession(job string) uint32 {
 	if job == "" {
 		return e.sessions.current()
 	}
-	return e.sessions.begin(job)
+	session, began := e.sessions.begin(job)
+	if began {
+		e.noteSession(session)
+	}
+	return session
+}
+
+// noteSession records in the tiers that session began, for the next server (see session.go).
+func (e *Engine) noteSession(session uint32) {
+	for _, t := range e.tiers {
+		t.NoteSession(session)
+	}
 }
 
 // Session returns the engine's current validation session: the copies checked in it may be

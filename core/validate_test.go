@@ -3,10 +3,12 @@ package core
 import (
 	"context"
 	"errors"
+	"fmt"
 	"hash/crc32"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -266,5 +268,32 @@ func TestCopyFromAFillSpanningASessionIsChecked(t *testing.T) {
 	wantBytes(t, paths[0], got)
 	if s := e.Stats(); s.SourceChecks != 1 {
 		t.Errorf("source checks %d, want 1: the copy read before the session began was served unchecked", s.SourceChecks)
+	}
+}
+
+// A restarted server numbers its sessions on from the last one the server before it began,
+// even when that one began many jobs a second (its numbers ran ahead of the clock): a reader
+// that kept its number (the C hit path, the preload shim) is never above every new number.
+func TestSessionNumbersGrowAcrossRestarts(t *testing.T) {
+	cfgs := testTiers(t, "1MiB")
+	e, err := NewEngine(EngineConfig{Tiers: cfgs}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last uint32
+	for i := range 100 {
+		last = e.BeginSession(fmt.Sprint("job ", i))
+	}
+	e.Close()
+	e, err = NewEngine(EngineConfig{Tiers: cfgs}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if got := e.Session(); got <= last {
+		t.Errorf("the restarted server's session is %d, not above the last one before it (%d)", got, last)
+	}
+	if got := e.BeginSession("a long job id " + strings.Repeat("x", 10_000)); got <= last {
+		t.Errorf("a new job got %d", got)
 	}
 }

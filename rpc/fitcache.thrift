@@ -88,7 +88,8 @@ struct ReadReply {
   10: Reason reason
   // What the file's owner vouches for, so that a replica can check a copy it is sent (see
   // StoreRequest): the CRC-32C of the data (as the tiers record it), the source's change time
-  // and inode number when the owner read the source itself (0 when it did not), and the
+  // and inode number (as the owner's source read saw them, or its tier recorded them; 0 where
+  // unknown), and the
   // owner's stamp over path, size, mtime_nanos, ctime_nanos, inode and checksum (an HMAC
   // with the job's stamp key, rpc/stamp.go). Set on success, also for a cached_path reply.
   11: i64 checksum
@@ -234,7 +235,8 @@ struct ClearReply {
 }
 
 // Forget drops the cached copies of one file from the server's tiers: its source is being
-// written (a write-open through the preload shim, see core.Engine.Forget).
+// written, renamed over, removed or truncated (through the preload shim, see
+// core.Engine.Forget).
 struct ForgetRequest {
   // Absolute and clean; path inside root.
   2: string root

@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -31,6 +32,8 @@ import (
 //	  16 buckets  uint32   number of buckets, a power of two
 //	  20 slotSize uint32   indexSlotSize
 //	  24 retired  uint32   1 once a server replaced this file: readers open the index anew
+//	  28 sessions uint32   the last validation session the server began (Tier.NoteSession),
+//	                       so that a restarted server numbers its sessions on from it
 //	counters, page 1 (4096 bytes), the only part readers map writable
 //	  4096 hits     uint64 reads that readers outside the server served from the tier
 //	  4104 hitBytes uint64 their bytes (readers add to both atomically)
@@ -77,6 +80,7 @@ const (
 	hdrBuckets  = 16
 	hdrSlotSize = 20
 	hdrRetired  = 24
+	hdrSessions = 28
 	hdrHits     = 4096
 	hdrHitBytes = 4104
 )
@@ -287,23 +291,24 @@ func (ix *index) unmap() error { return ix.m.Unmap() }
 
 // createIndex builds a new, empty index for budget in the tier directory dirfd: written in
 // a temporary file, then renamed over the old one, which is then marked retired so that its
-// readers move to the new one. Entries are added with put.
-func createIndex(dirfd int, budget int64) (*index, error) {
+// readers move to the new one. Entries are added with put. It also returns the last session
+// the old index recorded (0 for none).
+func createIndex(dirfd int, budget int64) (*index, uint32, error) {
 	buckets := indexBuckets(budget)
 	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer f.Close()
 	size := indexLen(buckets)
 	if err := f.Truncate(size); err != nil {
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, err
+		return nil, 0, err
 	}
 	m, err := mmap.Map(f, mmap.RDWR, 0)
 	if err != nil {
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, fmt.Errorf("map index: %w", err)
+		return nil, 0, fmt.Errorf("map index: %w", err)
 	}
 	ix := &index{m: m, buckets: buckets}
 	copy(m, indexMagic)
@@ -318,20 +323,30 @@ func createIndex(dirfd int, budget int64) (*index, error) {
 	if err := unix.Renameat(dirfd, tmp, dirfd, indexName); err != nil {
 		m.Unmap()
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, err
+		return nil, 0, err
 	}
+	var sessions uint32
 	if oldErr == nil {
-		retire(oldFd)
+		sessions = retire(oldFd)
 	}
-	return ix, nil
+	return ix, sessions, nil
 }
 
 // retire sets the retired flag of the replaced index open at fd, if it is one, so that its
-// readers move to the new one.
-func retire(fd int) {
-	magic := make([]byte, len(indexMagic))
-	if n, _ := unix.Pread(fd, magic, 0); n == len(magic) && string(magic) == indexMagic {
+// readers move to the new one, and returns the last session it recorded.
+func retire(fd int) (sessions uint32) {
+	hdr := make([]byte, hdrSessions+4)
+	if n, _ := unix.Pread(fd, hdr, 0); n == len(hdr) && string(hdr[:len(indexMagic)]) == indexMagic {
 		unix.Pwrite(fd, []byte{1, 0, 0, 0}, hdrRetired)
+		return binary.LittleEndian.Uint32(hdr[hdrSessions:])
+	}
+	return 0
+}
+
+// noteSession records session as the last one begun (writer only).
+func (ix *index) noteSession(session uint32) {
+	if p := ix.word32(hdrSessions); atomic.LoadUint32(p) < session {
+		atomic.StoreUint32(p, session)
 	}
 }
 

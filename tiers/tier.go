@@ -92,6 +92,9 @@ type Tier struct {
 	shut    bool   // set by Close under mu: ix is unmapped, nothing may write it
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
+	// lastSession is the last validation session the index found at start recorded (see
+	// LastSession).
+	lastSession uint32
 }
 
 // New opens the tier described by cfg: it creates the directory (0700) if needed, refuses
@@ -305,6 +308,20 @@ func (t *Tier) removeIfDamaged(sourcePath string, err error) {
 // written (a write-open through the preload shim), so the copy is stale or about to be.
 func (t *Tier) Forget(sourcePath string) {
 	t.remove(idOf(filepath.Clean(sourcePath)))
+}
+
+// LastSession returns the last validation session that the server before this one recorded
+// in the tier (see NoteSession), or 0: a restarted server numbers its sessions on from it,
+// so that a reader of an earlier session never waits for numbers to catch up.
+func (t *Tier) LastSession() uint32 { return t.lastSession }
+
+// NoteSession records in the tier's index that validation session was begun.
+func (t *Tier) NoteSession(session uint32) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.shut {
+		t.ix.noteSession(session)
+	}
 }
 
 // Checked reports whether the tier lists sourcePath and, if it does, whether its copy was
@@ -723,7 +740,7 @@ func (t *Tier) rescan() error {
 			return err
 		}
 		var err error
-		t.ix, err = createIndex(dirfd, t.budget)
+		t.ix, t.lastSession, err = createIndex(dirfd, t.budget)
 		return err
 	})
 	if err != nil {
