@@ -136,11 +136,16 @@ def test_fitcache_run_of_the_next_run_reads_changed_files_anew(small_dataset, ca
     out = fitcache_run(cache_options, [root], cat, prefetch=0)  # no prefetch: the shim asks
     assert out.returncode == 0, describe(out)
     assert out.stdout == b"".join(new[n] for n in names), "the next `fitcache run` read stale bytes"
-    # With its prefetch (the default), the copies are checked ahead of the program.
+    # With its prefetch (the default), the copies are checked for the run, as it goes.
     new = change(root, new)
+    checks = fitcache.server_stats(**cache_options)["source_checks"]
     out = fitcache_run(cache_options, [root], cat)
     assert out.returncode == 0, describe(out)
     assert out.stdout == b"".join(new[n] for n in names)
+    deadline = time.monotonic() + 30
+    while fitcache.server_stats(**cache_options)["source_checks"] - checks < len(files):
+        assert time.monotonic() < deadline, "the run's prefetch did not check every cached copy"
+        time.sleep(0.05)
 
 
 def test_fitcache_run_gives_its_program_one_job(small_dataset, cache_options):
