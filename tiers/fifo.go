@@ -54,12 +54,28 @@ func (f *fifo) remove(id entryID) (*record, bool) {
 	return r, true
 }
 
-// popOldest takes out and returns the oldest entry outside group keep (any group when keep
-// is ""), or nil if there is none.
+// popOldest takes out and returns the oldest guest (see guest.go), if there is one, else the
+// oldest entry outside group keep (any group when keep is ""), or nil if there is none.
 func (f *fifo) popOldest(keep string) *record {
+	if r := f.popOldestGuest(); r != nil {
+		return r
+	}
+	return f.popOldestWhere(func(g string) bool { return keep == "" || g != keep })
+}
+
+// popOldestGuest takes out and returns the oldest guest, or nil if there is none.
+func (f *fifo) popOldestGuest() *record {
+	return f.popOldestWhere(func(g string) bool {
+		_, guest := groupRoot(g)
+		return guest
+	})
+}
+
+// popOldestWhere takes out and returns the oldest entry of the groups take accepts, or nil.
+func (f *fifo) popOldestWhere(take func(group string) bool) *record {
 	var oldest *record
 	for g, l := range f.groups {
-		if keep != "" && g == keep {
+		if !take(g) {
 			continue
 		}
 		if r := l.Front().Value.(*record); oldest == nil || r.seq < oldest.seq {

@@ -66,6 +66,10 @@ type Info struct {
 	// IndexEvictions counts files evicted because their bucket of the index was full (see
 	// indexBuckets): many more files than the budget's size suggests.
 	IndexEvictions int64 `json:"index_evictions"`
+	// Guests and GuestBytes are the node-local copies of other servers' files it holds
+	// (see guest.go), included in Files and Used.
+	Guests     int   `json:"guests,omitempty"`
+	GuestBytes int64 `json:"guest_bytes,omitempty"`
 }
 
 // Tier is the write side of a tier directory, owned by one cache server: it publishes files,
@@ -234,8 +238,17 @@ func (t *Tier) Damaged() []Damage { return t.damaged }
 func (t *Tier) Info() Info {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
+	info := Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
 		Budget: t.budget, Used: t.used, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
+	for g, l := range t.fifo.groups {
+		if _, guest := groupRoot(g); guest {
+			info.Guests += l.Len()
+			for el := l.Front(); el != nil; el = el.Next() {
+				info.GuestBytes += el.Value.(*record).size
+			}
+		}
+	}
+	return info
 }
 
 // EntrySize returns the bytes a source file of dataSize bytes takes in a tier: its data and
@@ -425,7 +438,7 @@ func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 		t.ix.remove(rec.id) // readers stop finding it before it goes
 		t.mu.Unlock()
 
-		if spill != nil {
+		if _, guest := groupRoot(rec.group); spill != nil && !guest { // its owner has a guest's file
 			if m, err := t.openRecord(rec.rel); err == nil {
 				m.Entry.Session = s.checked // a copy moved keeps its last check
 				// The slower tier records a new checksum of what it is given: check the

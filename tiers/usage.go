@@ -8,9 +8,11 @@ import (
 	"github.com/fitcache/fitcache/privdir"
 )
 
-// Usage is what a tier holds of one dataset root (see Entry.Group).
+// Usage is what a tier holds of one dataset root (see Entry.Group): the server's own files,
+// or with Guest its node-local copies of other servers' files (see guest.go).
 type Usage struct {
 	Group string `json:"group"`
+	Guest bool   `json:"guest,omitempty"`
 	Files int    `json:"files"`
 	// Bytes is the room the files take in the tier, as its budget counts it: data and
 	// records in whole 4 KiB blocks (see EntrySize), what tmpfs takes from memory.
@@ -23,7 +25,8 @@ func (t *Tier) Usage() []Usage {
 	defer t.mu.Unlock()
 	var out []Usage
 	for g, l := range t.fifo.groups {
-		u := Usage{Group: g, Files: l.Len()}
+		root, guest := groupRoot(g)
+		u := Usage{Group: root, Guest: guest, Files: l.Len()}
 		for el := l.Front(); el != nil; el = el.Next() {
 			u.Bytes += el.Value.(*record).size
 		}
@@ -32,8 +35,8 @@ func (t *Tier) Usage() []Usage {
 	return sortUsage(out)
 }
 
-// Clear removes every entry whose group match accepts (a nil match accepts every group) and
-// returns what it removed per group, sorted by group; with dryRun it removes nothing and
+// Clear removes every entry whose group (its dataset root, for a guest too) match accepts (a
+// nil match accepts every group) and returns what it removed per group, sorted by group; with dryRun it removes nothing and
 // returns what it would remove. Readers stop finding the entries in the index before their
 // files go, and a reader that mapped one keeps a valid mapping. A file being written while
 // Clear runs is published after it.
@@ -45,7 +48,7 @@ func (t *Tier) Clear(match func(group string) bool, dryRun bool) []Usage {
 	}
 	var victims []*record
 	for g, l := range t.fifo.groups {
-		if match != nil && !match(g) {
+		if root, _ := groupRoot(g); match != nil && !match(root) {
 			continue
 		}
 		for el := l.Front(); el != nil; el = el.Next() {
@@ -99,7 +102,8 @@ func (d Dir) Usage() ([]Usage, error) {
 	return tally.sorted(), nil
 }
 
-// usageTally adds up files and bytes per group.
+// usageTally adds up files and bytes per group (a dataset root, its own files and its
+// guests apart).
 type usageTally map[string]*Usage
 
 func (t *usageTally) add(group string, bytes int64) {
@@ -108,7 +112,8 @@ func (t *usageTally) add(group string, bytes int64) {
 	}
 	u := (*t)[group]
 	if u == nil {
-		u = &Usage{Group: group}
+		root, guest := groupRoot(group)
+		u = &Usage{Group: root, Guest: guest}
 		(*t)[group] = u
 	}
 	u.Files++
@@ -125,8 +130,20 @@ func (t usageTally) sorted() []Usage {
 }
 
 func sortUsage(u []Usage) []Usage {
-	slices.SortFunc(u, func(a, b Usage) int { return cmp.Compare(a.Group, b.Group) })
+	slices.SortFunc(u, func(a, b Usage) int {
+		if c := cmp.Compare(a.Group, b.Group); c != 0 {
+			return c
+		}
+		return cmp.Compare(btoi(a.Guest), btoi(b.Guest)) // a root's own files first
+	})
 	return u
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // Existing returns the directory a server would use for the tier cfg describes (its
