@@ -24,6 +24,7 @@ type Stats struct {
 	clientHits    atomic.Int64 // of the hits, those clients served themselves and reported
 	stored        atomic.Int64 // files received from clients for a replica copy
 	storeRefused  atomic.Int64 // replica copies refused: not what their owner vouched for, or stale
+	guests        atomic.Int64 // node-local copies of other servers' files kept (see StoreGuest)
 	refusals      atomic.Int64 // connections refused: no handshake or a wrong proof of the job token, or too many
 	sourceChecks  atomic.Int64 // cached copies compared with their source (see validate)
 	staleCopies   atomic.Int64 // of those, copies dropped: the source changed or is gone
@@ -49,7 +50,10 @@ type StatsSnapshot struct {
 	ClientHits    int64            `json:"client_hits"`
 	Stored        int64            `json:"stored"`
 	StoreRefused  int64            `json:"store_refused"`
-	Refusals      int64            `json:"refusals"`
+	// Guests counts node-local copies of files other servers own that this server kept for
+	// the readers of its node (see Engine.StoreGuest).
+	Guests   int64 `json:"guests"`
+	Refusals int64 `json:"refusals"`
 	// SourceChecks counts cached copies compared with their source's identity (once per
 	// file per job, see Engine.BeginSession), StaleCopies those dropped because the source
 	// had changed or was gone.
@@ -78,7 +82,7 @@ func (s *Stats) Snapshot() StatsSnapshot {
 		BytesServed: s.bytesServed.Load(), Published: s.published.Load(), Spilled: s.spilled.Load(),
 		Evictions: s.evictions.Load(), Uncached: s.uncached.Load(), Errors: s.errors.Load(),
 		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(),
-		StoreRefused: s.storeRefused.Load(), Refusals: s.refusals.Load(),
+		StoreRefused: s.storeRefused.Load(), Guests: s.guests.Load(), Refusals: s.refusals.Load(),
 		SourceChecks: s.sourceChecks.Load(), StaleCopies: s.staleCopies.Load(),
 	}
 }
@@ -125,6 +129,7 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.ClientHits += o.ClientHits
 	s.Stored += o.Stored
 	s.StoreRefused += o.StoreRefused
+	s.Guests += o.Guests
 	s.Refusals += o.Refusals
 	s.SourceChecks += o.SourceChecks
 	s.StaleCopies += o.StaleCopies

@@ -1,0 +1,74 @@
+package core
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// GuestCopy is a file another server of the job owns, as this server fetched it from the
+// owner for a reader on its node (see StoreGuest).
+type GuestCopy struct {
+	Root, Path string
+	Data       []byte
+	// Source is the identity of the source version the owner's copy holds, from its reply.
+	Source tiers.Identity
+	// Session is this engine's validation session when the owner was asked (Engine.Session,
+	// taken before the request): the owner checked its copy in the caller's job, which began
+	// there no later than here.
+	Session uint32
+}
+
+// StoreGuest keeps a node-local copy of a file another server owns (a guest, see
+// tiers/guest.go), so that the readers of this node read it from a tier of their own node from
+// then on, while there is room the server's own files do not need: it is published only into
+// room that guests can give, never evicting a file of the server's own. It returns nil once the
+// file is in a tier (also when it was already), or an error wrapping ErrCacheFull when there
+// is no such room (the caller then hands the reader the bytes otherwise).
+func (e *Engine) StoreGuest(ctx context.Context, g GuestCopy) error {
+	if e.closed.Load() {
+		return ErrClosed
+	}
+	if err := e.checkRoot(g.Root, g.Path); err != nil {
+		return err
+	}
+	if int64(len(g.Data)) != g.Source.Size {
+		return fmt.Errorf("%w: %s: %d bytes sent for a file of %d", ErrBadCopy, g.Path, len(g.Data), g.Source.Size)
+	}
+	if _, ok := e.cachedSize(g.Path); ok {
+		return nil
+	}
+	f, leader := e.join(g.Path)
+	if !leader { // a read or another guest copy of the file is under way: wait for it
+		select {
+		case <-f.published:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		if _, ok := e.cachedSize(g.Path); ok {
+			return nil
+		}
+		return fmt.Errorf("%w: %s is not in a tier", ErrCacheFull, g.Path)
+	}
+	defer e.land(g.Path, f)
+	defer close(f.done)
+	entry := tiers.Entry{SourcePath: g.Path, Size: g.Source.Size, MTimeNanos: g.Source.MTimeNanos,
+		SourceCTimeNanos: g.Source.CTimeNanos, SourceIno: g.Source.Ino, Session: g.Session,
+		Group: tiers.GuestGroup(g.Root)}
+	need := tiers.EntrySize(g.Path, entry.Size)
+	for _, t := range e.tiers {
+		if !t.HasRoom(need) && t.MakeRoomForGuest(need) != nil {
+			continue
+		}
+		if err := t.Publish(entry, g.Data); err != nil {
+			continue // room taken meanwhile by a file of the server's own: the next tier
+		}
+		f.inTier = true // readers that joined the flight read it from the tier
+		e.stats.guests.Add(1)
+		e.dropIfForgotten(f, g.Path)
+		return nil
+	}
+	f.err = fmt.Errorf("%w: no room for a node-local copy of %s", ErrCacheFull, g.Path)
+	return f.err
+}
