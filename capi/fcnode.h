@@ -171,4 +171,43 @@ static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeou
 	return fd;
 }
 
+/* Reads the reply to an open request (FC_NODE_OP_OPEN) on sock: magic, errno, origin, message
+ * length and message, with the descriptor riding on the first bytes. Returns 0 with the
+ * server's errno in *err (0: success, and *fd holds the descriptor, close-on-exec), or -1 with
+ * errno set when the connection failed or the reply was malformed. A descriptor that came with
+ * an error, or with a reply that could not be read, is closed. */
+static inline int fc_node_recv_open(int sock, int *fd, int32_t *err) {
+	uint8_t reply[16];
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} control;
+	struct iovec iov = {.iov_base = reply, .iov_len = sizeof reply};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
+	ssize_t got;
+	do
+		got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+	while (got < 0 && errno == EINTR);
+	*fd = -1;
+	if (got <= 0) {
+		if (got == 0)
+			errno = ECONNRESET; /* closed by the server: not a timeout */
+		return -1;
+	}
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+			memcpy(fd, CMSG_DATA(c), sizeof *fd);
+	int ok = !(msg.msg_flags & MSG_CTRUNC) && fc_recv_all(sock, reply + got, sizeof reply - (size_t)got) == 0;
+	if (ok && (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 12) > FC_NODE_MAX_MESSAGE)) {
+		errno = EPROTO;
+		ok = 0;
+	}
+	*err = ok ? (int32_t)fc_get32(reply + 4) : 0;
+	if ((!ok || *err != 0) && *fd >= 0) {
+		close(*fd);
+		*fd = -1;
+	}
+	return ok ? 0 : -1;
+}
+
 #endif /* FITCACHE_NODE_H */

@@ -85,7 +85,8 @@ static int fetch_and_read(int64_t handle, const char *path, const void **data, i
 // forked_read serves a miss in a process forked after load, where Go cannot run.
 static int forked_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	int rc = fetch_and_read(handle, path, data, size, buffer);
-	if (rc == FC_DIRECT || rc == FC_UNAVAILABLE) rc = hit_read_source(handle, path, data, size, buffer);
+	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
+	if (rc == FC_UNAVAILABLE) rc = hit_read_source(handle, path, data, size, buffer);
 	return rc == FC_MISS || rc == FC_DIRECT || rc == FC_UNAVAILABLE ? forked_miss() : rc;
 }
 
@@ -97,7 +98,7 @@ int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, 
 	if (rc != FC_MISS) return rc;
 	if (forked_after_load) return forked_read(handle, path, data, size, buffer);
 	rc = fetch_and_read(handle, path, data, size, buffer);
-	if (rc == FC_DIRECT) rc = hit_read_source(handle, path, data, size, buffer);
+	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
 	if (rc != FC_MISS && rc != FC_UNAVAILABLE) return rc;
 	if (rc == FC_UNAVAILABLE) goServerUnavailable(handle);
 	rc = goRead(handle, (char *)path, (void **)data, size, buffer);

@@ -37,6 +37,9 @@ struct hit_client {
 	int64_t direct;          // files read from the source by read_source (atomic)
 	int64_t full_until;      // CLOCK_MONOTONIC ns before which misses skip the server: it said
 	                         // it has no room for this dataset (atomic)
+	bool node_opens;         // a file no tier takes is opened by the node's server, not read
+	                         // from the source here (cluster mode: the server reads it from its
+	                         // owner, so the source is still read once for the job)
 	pthread_mutex_t node_mu; // protects node_fd and node_pid
 	int node_fd;             // the connection kept to the node socket, or -1
 	pid_t node_pid;          // the process that opened node_fd
@@ -259,7 +262,8 @@ static void put(struct hit_client *c) {
 // counts it.
 static int tier_count(struct hit_client *c) { return __atomic_load_n(&c->ntiers, __ATOMIC_ACQUIRE); }
 
-int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms) {
+int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms,
+              bool node_opens) {
 	size_t n = strlen(root);
 	if (n == 0 || n >= FC_PATH_MAX || root[0] != '/')
 		return -1;
@@ -272,6 +276,7 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	if (strlen(node_socket) < sizeof c->node_socket)
 		strcpy(c->node_socket, node_socket);
 	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
+	c->node_opens = node_opens;
 	c->node_down_until = INT64_MAX; // until the Go client reports its server up
 	c->node_fd = -1;
 	pthread_mutex_init(&c->node_mu, NULL);
@@ -589,6 +594,58 @@ void fcHitServerState(int64_t handle, bool up, int64_t ms) {
 	if (c)
 		__atomic_store_n(&c->node_down_until, up ? 0 : fc_monotonic_ns() + ms * 1000000LL, __ATOMIC_RELAXED);
 	put(c);
+}
+
+// hit_read_open asks the node socket to open path (FC_NODE_OP_OPEN) and reads what the
+// descriptor it answers with holds, as fc_read hands files out; 0, FC_MISS when it cannot ask
+// (Go reads the file and says why), FC_UNAVAILABLE when the server did not answer in time, or
+// the file's own negated errno.
+static int hit_read_open(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int saved = errno;
+	char clean[FC_PATH_MAX];
+	int n, rc = FC_MISS, sock = -1, fd = -1;
+	struct hit_client *c = acquire(handle);
+	if (!c || !c->node_socket[0] || (n = source_path(c, path, clean, sizeof clean)) < 0)
+		goto out;
+	if ((sock = node_connect(c->node_socket, c->timeout_ms)) < 0)
+		goto out;
+	int32_t err;
+	if (fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms) != 0 ||
+	    fc_node_recv_open(sock, &fd, &err) != 0) {
+		if (errno == EAGAIN || errno == EWOULDBLOCK) {
+			__atomic_store_n(&c->node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+			rc = FC_UNAVAILABLE;
+		}
+		goto out;
+	}
+	if (err != 0) {
+		rc = err != EBADF && err != ETIMEDOUT && err != EIO ? -err : FC_MISS;
+		goto out;
+	}
+	struct stat st;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+		goto out;
+	struct fc_hit h = {.fd = fd, .size = st.st_size};
+	void *ptr;
+	uint8_t kind;
+	if ((rc = take(&h, &ptr, &kind)) != 0 || (rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
+		goto out;
+	__atomic_fetch_add(&c->fetches, 1, __ATOMIC_RELAXED);
+out:
+	if (fd >= 0)
+		close(fd);
+	if (sock >= 0)
+		close(sock);
+	put(c);
+	errno = saved;
+	return rc;
+}
+
+int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	struct hit_client *c = acquire(handle);
+	bool opens = c && c->node_opens;
+	put(c);
+	return opens ? hit_read_open(handle, path, data, size, buffer) : hit_read_source(handle, path, data, size, buffer);
 }
 
 // Source reads without Go: for files no tier takes (the server said so), and in a process

@@ -65,6 +65,12 @@ int hit_fetch(int64_t handle, const char *path, char *msg);
  * hitpath.c); returns FC_MISS for anything it leaves to Go (errors included). */
 int hit_read_source(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* Reads a file no tier takes (hit_fetch said FC_DIRECT): from the source (hit_read_source), or,
+ * for a client whose node's server opens such files (cluster mode: fcHitOpen's node_opens),
+ * through a descriptor that server answers with, so that the source is still read once for the
+ * job. Returns as hit_read_source, or FC_UNAVAILABLE, or the file's own negated errno. */
+int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
 /* Releases a buffer of the hit path: 0, or -EBADF for an unknown or released one. */
 int hit_release(int64_t buffer);
 
@@ -72,9 +78,11 @@ int hit_release(int64_t buffer);
 int64_t hit_buffers(void);
 
 /* Called from Go. Registers a client handle with its dataset root (absolute, clean) and its
- * real path, the node socket of its server ("" for none) and its read timeout; 0 or -1 when the hit path cannot
- * take it (the client still works, through Go). */
-int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms);
+ * real path, the node socket of its server ("" for none), its read timeout, and whether that
+ * server opens the files no tier takes (node_opens: cluster mode, see hit_read_direct); 0 or
+ * -1 when the hit path cannot take it (the client still works, through Go). */
+int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms,
+              bool node_opens);
 /* Adds a tier directory (fastest first) of the client's server, of the given kind
  * (tiers.Kind), read for the client's validation session there (see fc_tier_open); returns 0
  * or a negated errno (the tier is then not used by the hit path). */

@@ -165,17 +165,15 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct)}
 	})
 	// The hit path asks the node socket to fetch a miss into a tier and then finds it there
-	// itself (OpFetch): in cluster mode a file another server owns is not put in a tier of
-	// this node, so its misses go through Go.
-	nodeSocket := c.NodeSocket()
-	if cfg.Servers != "" {
-		nodeSocket = ""
-	}
-	croot, creal, cnode := C.CString(c.Root()), C.CString(c.RealRoot()), C.CString(nodeSocket)
+	// itself (OpFetch). In cluster mode that is the socket of this node's server, which
+	// fetches a file another node owns from its owner into a node-local copy, and opens for
+	// the reader (OpOpen) one it has no room for: the hit path asks it to (node_opens). A
+	// client on a node without a server of the job reads through Go (NodeSocket is "").
+	croot, creal, cnode := C.CString(c.Root()), C.CString(c.RealRoot()), C.CString(c.NodeSocket())
 	defer C.free(unsafe.Pointer(croot))
 	defer C.free(unsafe.Pointer(creal))
 	defer C.free(unsafe.Pointer(cnode))
-	if C.fcHitOpen(C.int64_t(h), croot, creal, cnode, C.int64_t(cfg.ReadTimeout.Milliseconds())) == 0 {
+	if C.fcHitOpen(C.int64_t(h), croot, creal, cnode, C.int64_t(cfg.ReadTimeout.Milliseconds()), C.bool(cfg.Servers != "")) == 0 {
 		addHitTiers(h, c)
 		c.SetOnServerState(func(up bool, backoff time.Duration) {
 			C.fcHitServerState(C.int64_t(h), C.bool(up), C.int64_t(backoff.Milliseconds()))

@@ -398,40 +398,11 @@ static int ask_open(const struct root *r, const char *key, size_t len) {
 	int sock = node_request(FC_NODE_OP_OPEN, r, key, len);
 	if (sock < 0)
 		return -1;
-	// Reply: magic, errno, origin, message length, message; the descriptor comes with the
-	// first bytes, so the fixed part is read with recvmsg and the rest with recv.
-	uint8_t reply[16];
-	union {
-		char buf[CMSG_SPACE(sizeof(int))];
-		struct cmsghdr align;
-	} control;
-	struct iovec iov = {.iov_base = reply, .iov_len = sizeof reply};
-	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
-	ssize_t got;
-	do
-		got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-	while (got < 0 && errno == EINTR);
-	int fd = -1;
-	if (got > 0) {
-		for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
-			if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
-				memcpy(&fd, CMSG_DATA(c), sizeof fd);
-	} else {
-		if (got == 0)
-			errno = ECONNRESET; // closed by the server: not a timeout
+	int fd;
+	int32_t err;
+	if (fc_node_recv_open(sock, &fd, &err) != 0)
 		timed_out();
-	}
-	int ok = got > 0 && !(msg.msg_flags & MSG_CTRUNC);
-	if (ok && fc_recv_all(sock, reply + got, sizeof reply - (size_t)got) != 0) {
-		timed_out();
-		ok = 0;
-	}
-	ok = ok && memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0 && fc_get32(reply + 12) == 0;
 	NEXT(close)(sock); // an error message, if any, is not needed: libc opens the file and says why
-	if (!ok && fd >= 0) {
-		NEXT(close)(fd);
-		fd = -1;
-	}
 	return lowest_fd(fd);
 }
 
