@@ -8,12 +8,14 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -68,6 +70,13 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 	if err != nil {
 		return nil, 0, err
 	}
+	// A copy the server this client runs in holds (its own, or a node-local copy of a file
+	// another server owns, also one whose owner died since) serves first, checked.
+	if c.own != nil {
+		if f, ok := c.own.engine.OpenCached(c.root, path); ok {
+			return f, core.OriginTier, nil
+		}
+	}
 	var f *os.File
 	var origin core.Origin
 	err = c.route(path, func(p *peer, rest []*peer) (err error) {
@@ -111,6 +120,10 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 	// another job than this long-lived client, and a copy this client's session would take
 	// may not be checked for the reader's (the reader looked in the tiers itself first). The
 	// server checks the copy before it names it.
+	var session uint32
+	if c.own != nil {
+		session = c.own.engine.Session()
+	}
 	reply, err := c.askPeer(ctx, p, path)
 	if err != nil {
 		return nil, 0, err
@@ -132,14 +145,116 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 			return nil, 0, err
 		}
 		data = reply.Data
-	} else if reply.Origin == "source" && len(rest) > 0 {
-		c.replicate(rest, path, data, rpc.StampOf(reply))
+	} else {
+		if reply.Origin == "source" && len(rest) > 0 {
+			c.replicate(rest, path, data, rpc.StampOf(reply))
+		}
+		// A server on another node sent the bytes: a node-local copy, where there is room,
+		// serves this node's next reads of the file from its own tiers.
+		if c.keepGuest(ctx, path, reply, session) == nil {
+			if f, _, err := openTier(anySession(c.own.engine.TierDirs()), path); err == nil {
+				return f, core.OriginTier, nil
+			}
+		}
 	}
 	f, err := memFile(path, data, reply.MtimeNanos)
 	if err != nil {
 		return nil, 0, err
 	}
 	return f, core.OriginMemory, nil
+}
+
+// keepGuest keeps the bytes a server on another node sent for path as a node-local copy in
+// the tiers of the server this client runs in (see core.Engine.StoreGuest), where they take
+// room its own files do not need. session is that engine's session taken before the server
+// was asked. It returns nil once the copy is in a tier.
+func (c *Client) keepGuest(ctx context.Context, path string, reply *fitcachepb.ReadReply, session uint32) error {
+	if c.own == nil || reply.CachedPath != "" {
+		return errors.ErrUnsupported
+	}
+	return c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, Data: reply.Data, Session: session,
+		Source: tiers.Identity{Size: int64(len(reply.Data)), MTimeNanos: reply.MtimeNanos, CTimeNanos: reply.CtimeNanos,
+			Ino: uint64(reply.Inode)}})
+}
+
+// FetchForReader brings the file at path (absolute, or relative to the root) into a tier of
+// this node for a reader on it that finds cached files itself, as the C hit path of
+// libfitcache does after the node socket's OpFetch. That is the owner's copy when the owner
+// is a server of this node (the one this client runs in, see SetOwnServer, or another, asked
+// over RPC), else a node-local copy of the bytes the owner on another node sends, kept by the
+// server this client runs in where its own files leave room (core.Engine.StoreGuest). It
+// returns an error wrapping core.ErrCacheFull when no tier of this node takes the file (the
+// reader then has the server open it, see OpenForReader), core.ErrTooLarge when the file is to
+// be read from the source (too large, or its owner is dead under the pfs policy), or the
+// file's own error. It works in cluster mode only.
+func (c *Client) FetchForReader(ctx context.Context, path string) error {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed.Load() {
+		return core.ErrClosed
+	}
+	if c.cluster == nil || c.own == nil {
+		return fmt.Errorf("client FetchForReader outside a cluster server: %w", errors.ErrUnsupported)
+	}
+	path, err := c.Resolve(path)
+	if err != nil {
+		return err
+	}
+	if f, ok := c.own.engine.OpenCached(c.root, path); ok { // this server's copy, or a node-local one
+		f.Close()
+		return nil
+	}
+	err = c.route(path, func(p *peer, rest []*peer) error { return c.fetchFromPeer(ctx, p, rest, path) })
+	if errors.Is(err, errReadSource) {
+		return fmt.Errorf("%w: %s is read from the source", core.ErrTooLarge, path)
+	}
+	if err != nil && !errors.Is(err, core.ErrCacheFull) {
+		c.counts.errors.Add(1)
+	}
+	return err
+}
+
+// fetchFromPeer brings path into a tier of this node through one server (see FetchForReader);
+// rest are the servers that hold replicas.
+func (c *Client) fetchFromPeer(ctx context.Context, p *peer, rest []*peer, path string) error {
+	own := c.own
+	if p.member.ID == own.id {
+		if len(rest) == 0 {
+			return own.engine.Fetch(ctx, c.root, path)
+		}
+		res, err := own.engine.Read(ctx, c.root, path, true) // replicas, as in openFromPeer
+		if err != nil {
+			return err
+		}
+		if res.Origin == "source" {
+			c.replicate(rest, path, res.Bytes(), c.cluster.stamper.Stamp(path, res))
+		}
+		res.Release()
+		return nil
+	}
+	session := own.engine.Session()
+	reply, err := c.askPeer(ctx, p, path)
+	if err != nil {
+		return err
+	}
+	if reply.Origin == "source" && len(rest) > 0 {
+		if reply.CachedPath != "" {
+			dirs, _, _ := p.state()
+			if m, err := tiers.Probe(anySession(dirs), path); err == nil {
+				c.replicate(rest, path, m.Bytes(), rpc.StampOf(reply))
+				m.Release()
+			}
+		} else {
+			c.replicate(rest, path, reply.Data, rpc.StampOf(reply))
+		}
+	}
+	switch {
+	case reply.CachedPath != "": // another server of this node cached it in its tier
+		return nil
+	case p.local: // too large for that server's tiers to keep, or no room there
+		return fmt.Errorf("%w: %s is not in a tier of this node", core.ErrCacheFull, path)
+	}
+	return c.keepGuest(ctx, path, reply, session)
 }
 
 // openTier opens the cached copy of path in the first of dirs that has it.
@@ -275,10 +390,9 @@ func ownSocket(path string) bool {
 
 // Forget drops the cached copies of the file at path (absolute, or relative to the root)
 // that a reader could be given, because its source is being written: a write-open through the
-// preload shim, which the server this client runs in was told of over its node socket. The
-// copies dropped are those of the servers a read of the file goes to (its owner and replicas)
-// and those of every server on this node, whose tiers the shim reads itself; dead servers are
-// skipped. It works in cluster mode only (errors.ErrUnsupported otherwise: the embedded
+// preload shim, which the server this client runs in was told of over its node socket. Every
+// live server of the job is asked, in parallel: besides the owner and replicas, any server
+// may hold a node-local copy (see FetchForReader), which readers on its node read themselves. It works in cluster mode only (errors.ErrUnsupported otherwise: the embedded
 // server forgets with its engine).
 func (c *Client) Forget(ctx context.Context, path string) error {
 	c.life.RLock()
@@ -293,33 +407,29 @@ func (c *Client) Forget(ctx context.Context, path string) error {
 	if err != nil {
 		return err
 	}
+	var mu sync.Mutex // protects errs
 	var errs []error
-	asked := map[string]bool{}
-	forget := func(p *peer) {
-		if asked[p.member.ID] {
-			return
-		}
-		asked[p.member.ID] = true
-		if _, _, dead := p.state(); dead {
-			return
-		}
-		var err error
-		if own := c.own; own != nil && p.member.ID == own.id {
-			err = own.engine.Forget(c.root, path)
-		} else {
-			err = p.rpc.Forget(ctx, c.root, path)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("server %s: %w", p.member.ID, err))
-		}
-	}
-	for _, p := range c.cluster.targets(path) {
-		forget(p)
-	}
+	var wg sync.WaitGroup
 	for _, p := range c.cluster.peers {
-		if p.local {
-			forget(p)
+		if _, _, dead := p.state(); dead {
+			continue
 		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if own := c.own; own != nil && p.member.ID == own.id {
+				err = own.engine.Forget(c.root, path)
+			} else {
+				err = p.rpc.Forget(ctx, c.root, path)
+			}
+			if err != nil {
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("server %s: %w", p.member.ID, err))
+				mu.Unlock()
+			}
+		}()
 	}
+	wg.Wait()
 	return errors.Join(errs...)
 }

@@ -68,6 +68,21 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 	return f, OriginSource, nil
 }
 
+// OpenCached opens the copy of the file at path (inside root) that a tier holds, checked
+// against its source in the current session first (see validate), for a reader on this node;
+// false when no tier holds one (nothing is read from the source). The caller closes the file.
+func (e *Engine) OpenCached(root, path string) (*os.File, bool) {
+	if e.closed.Load() || e.checkRoot(root, path) != nil || e.validate(root, path) != nil {
+		return nil, false
+	}
+	for _, t := range e.tiers {
+		if f, err := t.OpenFile(path); err == nil {
+			return f, true
+		}
+	}
+	return nil, false
+}
+
 // ReaderFile hands the open source over as a descriptor for a reader on this node (see
 // OpenForReader), with the flags of a plain read-only open: sources are opened O_NONBLOCK
 // (a FIFO must not block the server). The Source must not be used afterwards; the caller
