@@ -46,6 +46,10 @@ type EngineConfig struct {
 	// Prefetch configures reading files ahead of readers from the lists they hand over (see
 	// Engine.Prefetch); the zero value turns it off.
 	Prefetch PrefetchConfig
+	// NodeFetch, in a cluster server, brings a file into a tier of this node for its readers,
+	// whichever server of the job owns it (see client.Client.FetchForReader), and reports
+	// whether it was there already: prefetch uses it for the lists of PrefetchRequest.ForNode.
+	NodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 }
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
@@ -64,8 +68,10 @@ type Engine struct {
 	gen        *tiers.Generation // nil without EngineConfig.GenerationFile
 	genFile    string
 	maxSend    int64 // see EngineConfig.MaxSendBytes
-	closed     atomic.Bool
-	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
+	// nodeFetch is EngineConfig.NodeFetch, or nil.
+	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
+	closed    atomic.Bool
+	fills     sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
 	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
 	flights   map[string]*flight
@@ -99,7 +105,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}
-	e.maxSend = cfg.MaxSendBytes
+	e.maxSend, e.nodeFetch = cfg.MaxSendBytes, cfg.NodeFetch
 	if e.maxSend <= 0 {
 		e.maxSend = 64 << 20
 	}

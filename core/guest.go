@@ -25,7 +25,9 @@ type GuestCopy struct {
 // then on, while there is room the server's own files do not need: it is published only into
 // room that guests can give, never evicting a file of the server's own. It returns nil once the
 // file is in a tier (also when it was already), or an error wrapping ErrCacheFull when there
-// is no such room (the caller then hands the reader the bytes otherwise).
+// is no such room (the caller then hands the reader the bytes otherwise). Like the server's own
+// files, the guests of a dataset never make room for other guests of it (see
+// tiers.Tier.MakeRoomForGuest).
 func (e *Engine) StoreGuest(ctx context.Context, g GuestCopy) error {
 	if e.closed.Load() {
 		return ErrClosed
@@ -58,7 +60,7 @@ func (e *Engine) StoreGuest(ctx context.Context, g GuestCopy) error {
 		Group: tiers.GuestGroup(g.Root)}
 	need := tiers.EntrySize(g.Path, entry.Size)
 	for _, t := range e.tiers {
-		if !t.HasRoom(need) && t.MakeRoomForGuest(need) != nil {
+		if !t.HasRoom(need) && t.MakeRoomForGuest(need, g.Root) != nil {
 			continue
 		}
 		if err := t.Publish(entry, g.Data); err != nil {

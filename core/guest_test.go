@@ -66,9 +66,19 @@ func TestStoreGuestKeepsNodeLocalCopiesInSpareRoom(t *testing.T) {
 	if kept != 2 {
 		t.Errorf("%d guests kept after 6 own files in room for 8, want 2", kept)
 	}
-	// Room full of own files and guests: a new guest takes a guest's place, never an own file's.
-	if err := guest(write("guest-new")); err != nil {
-		t.Errorf("a guest in place of another: %v", err)
+	// Room full of own files and guests: a guest of another dataset takes a guest's place, one
+	// of the same dataset does not (its guests would replace each other every epoch), and
+	// none takes an own file's.
+	if err := guest(write("guest-same-dataset")); !errors.Is(err, ErrCacheFull) {
+		t.Errorf("a guest of the dataset in place of another of it: %v, want ErrCacheFull", err)
+	}
+	other := t.TempDir()
+	otherFile := filepath.Join(other, "guest-other")
+	os.WriteFile(otherFile, make([]byte, 4096), 0o644)
+	data, _ := os.ReadFile(otherFile)
+	if err := e.StoreGuest(context.Background(), GuestCopy{Root: other, Path: otherFile, Data: data,
+		Source: identityFor(t, e, other, otherFile), Session: e.Session()}); err != nil {
+		t.Errorf("a guest of another dataset in place of one: %v", err)
 	}
 	for i := range 6 {
 		if _, ok := e.cachedSize(filepath.Join(root, fmt.Sprintf("own%d", i))); !ok {

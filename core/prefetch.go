@@ -1,6 +1,7 @@
 package core
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -85,6 +86,11 @@ type PrefetchRequest struct {
 	Offset int
 	// Total is the length of the whole list; 0 means len(Paths).
 	Total int
+	// ForNode: the list is of the readers of this server's node, in cluster mode, and each
+	// file is brought into a tier of this node whichever server owns it (see
+	// EngineConfig.NodeFetch): the server's own files as usual, another node's as node-local
+	// copies where there is room. Without a NodeFetch it changes nothing.
+	ForNode bool
 	// Session is the validation session of the caller's job (see Engine.BeginSession): the
 	// job checks the copies it finds cached against their sources, ahead of the readers, so a
 	// list joins only a job of the same session or a later one. 0 joins any.
@@ -223,6 +229,7 @@ type prefetchJob struct {
 	root, listID string
 	total        int
 	session      uint32               // PrefetchRequest.Session of the list's first sender
+	forNode      bool                 // PrefetchRequest.ForNode
 	sender       string               // the owner that sends the list, chunk by chunk
 	paths        []string             // received so far; "" once handed out (or read by a reader)
 	pos          map[string]int       // index in paths of each file not handed out yet
@@ -354,7 +361,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 			return info, nil
 		}
 		if len(req.Paths) == 0 { // a probe: join the list if it is held, else say so
-			j := p.find(req.Root, id, total, req.Session)
+			j := p.find(req.Root, id, total, req.Session, req.ForNode)
 			if j == nil {
 				return PrefetchInfo{State: PrefetchUnknown}, nil
 			}
@@ -366,7 +373,7 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 			return info, nil
 		}
 		p.leave(key)
-		if j = p.find(req.Root, id, total, req.Session); j != nil {
+		if j = p.find(req.Root, id, total, req.Session, req.ForNode); j != nil {
 			j.owners[req.Owner] = until
 			p.owned[key] = j
 			info := j.report()
@@ -376,7 +383,8 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 		if len(p.jobs) >= maxPrefetchJobs {
 			return PrefetchInfo{}, fmt.Errorf("%w: %d prefetch jobs held already", syscall.ENOSPC, len(p.jobs))
 		}
-		j = &prefetchJob{root: req.Root, listID: id, total: total, session: req.Session, sender: req.Owner, owners: map[string]time.Time{},
+		j = &prefetchJob{root: req.Root, listID: id, total: total, session: req.Session, forNode: req.ForNode && p.e.nodeFetch != nil,
+			sender: req.Owner, owners: map[string]time.Time{},
 			pos: map[string]int{}, state: PrefetchRunning}
 		p.jobs = append(p.jobs, j)
 		p.owned[key] = j
@@ -413,11 +421,14 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 	return info, nil
 }
 
-// find returns a job for the same list, of session or a later one, if one is held. A job of
-// an earlier session may have passed files that the caller's session has yet to check.
-func (p *prefetcher) find(root, id string, total int, session uint32) *prefetchJob {
+// find returns a job for the same list, of session or a later one, and of the same kind
+// (ForNode), if one is held. A job of an earlier session may have passed files that the
+// caller's session has yet to check.
+func (p *prefetcher) find(root, id string, total int, session uint32, forNode bool) *prefetchJob {
+	forNode = forNode && p.e.nodeFetch != nil
 	for _, j := range p.jobs {
-		if j.root == root && j.listID == id && j.total == total && !j.cleared && j.session >= session {
+		if j.root == root && j.listID == id && j.total == total && !j.cleared && j.session >= session &&
+			j.forNode == forNode {
 			return j
 		}
 	}
@@ -535,7 +546,12 @@ func (p *prefetcher) work() {
 		if j == nil {
 			return
 		}
-		out := p.fetch(j.root, path)
+		var out outcome
+		if j.forNode {
+			out = p.fetchForNode(j.root, path)
+		} else {
+			out = p.fetch(j.root, path)
+		}
 		p.mu.Lock()
 		p.record(j, path, out)
 		p.mu.Unlock()
@@ -703,6 +719,32 @@ func (p *prefetcher) fetch(root, path string) outcome {
 	}
 	return out
 }
+
+// fetchForNode brings one file of a node's readers' list into a tier of this node through the
+// engine's NodeFetch (see PrefetchRequest.ForNode). A file no tier of the node takes is
+// skipped, not a failure, and does not stop the job: the readers have the server open it.
+func (p *prefetcher) fetchForNode(root, path string) outcome {
+	if testHookPrefetch != nil {
+		testHookPrefetch(path)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), nodeFetchTimeout)
+	defer cancel()
+	cached, err := p.e.nodeFetch(ctx, root, path)
+	switch {
+	case err == nil && cached:
+		return outcome{kind: skippedCached}
+	case err == nil:
+		size, _ := p.e.cachedSize(path)
+		return outcome{kind: fetchedFile, bytes: size}
+	case errors.Is(err, ErrCacheFull) || errors.Is(err, ErrTooLarge):
+		return outcome{kind: skippedInflight} // not kept on this node: the readers ask for it
+	default:
+		return outcome{kind: fetchFailed, err: err}
+	}
+}
+
+// nodeFetchTimeout bounds one file of a node's readers' list (NodeFetch asks other servers).
+const nodeFetchTimeout = time.Minute
 
 // reserve sets aside room in the tiers for a file about to be fetched: reserveBound, or near
 // the budget the file's own size, from a stat (no open). It waits while files being fetched

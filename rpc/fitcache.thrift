@@ -31,6 +31,10 @@ struct HelloRequest {
   // each cached copy is checked against its source once (see core.Engine.BeginSession).
   // Empty: the server's current session, beginning none.
   2: string job
+  // Set by a server that passes on to the job's other servers a job that began with one of
+  // its node's readers (so that every server checks its copies for the job): the receiver
+  // passes it on to nobody.
+  3: bool relayed
 }
 
 struct HelloReply {
@@ -165,6 +169,9 @@ struct PrefetchRequest {
   // The caller's validation session (HelloReply.session): a list joins only a job of this
   // session or a later one, which checks the cached copies ahead of the readers.
   8: i64 session
+  // The list is of the readers of the server's node (cluster mode): the server brings each
+  // file into a tier of its node, whichever server owns it (see core.PrefetchRequest.ForNode).
+  9: bool for_node
 }
 
 struct PrefetchReply {

@@ -19,7 +19,8 @@ func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchReque
 // reports its progress (see core.Engine.Prefetch).
 func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (*fitcachepb.PrefetchReply, error) {
 	info, err := h.engine.Prefetch(core.PrefetchRequest{Root: req.Root, Owner: req.Owner, ListID: req.ListId,
-		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths, Session: sessionOf(req.Session)})
+		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths, Session: sessionOf(req.Session),
+		ForNode: req.ForNode})
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg, Reason: reason}, nil
@@ -48,7 +49,7 @@ func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.P
 	err := c.call(func() (err error) {
 		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Root: req.Root, Owner: req.Owner,
 			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths,
-			Session: int64(req.Session)},
+			Session: int64(req.Session), ForNode: req.ForNode},
 			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
 		return err
 	})

@@ -64,10 +64,13 @@ func (f *fifo) popOldest(keep string) *record {
 }
 
 // popOldestGuest takes out and returns the oldest guest, or nil if there is none.
-func (f *fifo) popOldestGuest() *record {
+func (f *fifo) popOldestGuest() *record { return f.popOldestGuestBut("") }
+
+// popOldestGuestBut takes out and returns the oldest guest outside group keep, or nil.
+func (f *fifo) popOldestGuestBut(keep string) *record {
 	return f.popOldestWhere(func(g string) bool {
 		_, guest := groupRoot(g)
-		return guest
+		return guest && g != keep
 	})
 }
 

@@ -33,10 +33,12 @@ func groupRoot(group string) (root string, guest bool) {
 	return group, false
 }
 
-// MakeRoomForGuest evicts guests, oldest first, until n more bytes fit in the budget. It never
-// evicts a file of the server's own: when the guests give too little room, it returns ErrNoRoom
-// (having evicted what it did, which the caller's guest replaces).
-func (t *Tier) MakeRoomForGuest(n int64) error {
+// MakeRoomForGuest evicts guests of other dataset roots than keep, oldest first, until n more
+// bytes fit in the budget. It never evicts a file of the server's own, nor a guest of keep:
+// readers read a dataset in a new order every epoch, so replacing its guests with others of
+// it would only add transfers (see Tier.MakeRoom). When that gives too little room it returns
+// ErrNoRoom (having evicted what it did).
+func (t *Tier) MakeRoomForGuest(n int64, keep string) error {
 	for {
 		t.mu.Lock()
 		switch {
@@ -50,10 +52,10 @@ func (t *Tier) MakeRoomForGuest(n int64) error {
 			t.mu.Unlock()
 			return fmt.Errorf("%w: tier closed", ErrNoRoom)
 		}
-		rec := t.fifo.popOldestGuest()
+		rec := t.fifo.popOldestGuestBut(GuestGroup(keep))
 		if rec == nil {
 			t.mu.Unlock()
-			return fmt.Errorf("%w: the rest is the server's own files", ErrNoRoom)
+			return fmt.Errorf("%w: the rest is the server's own files and copies of the dataset read", ErrNoRoom)
 		}
 		t.ix.remove(rec.id) // readers stop finding it before it goes
 		t.mu.Unlock()

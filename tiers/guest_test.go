@@ -33,8 +33,13 @@ func TestGuestsGoFirstAndNeverPushOutOwnFiles(t *testing.T) {
 		t.Errorf("info: %d guests of %d bytes, want 2 of %d", info.Guests, info.GuestBytes, 2*EntrySize("/data/guest0", 4096))
 	}
 
-	// Room for a guest: of guests only, never of the server's own files.
-	if err := tier.MakeRoomForGuest(3 * EntrySize("/data/x", 4096)); !errors.Is(err, ErrNoRoom) {
+	// Room for a guest of /data: never of /data's own guests (a dataset's guests do not
+	// replace each other), nor of the server's own files.
+	if err := tier.MakeRoomForGuest(EntrySize("/data/x", 4096), "/data"); !errors.Is(err, ErrNoRoom) {
+		t.Errorf("room for a guest of the dataset its guests are of: %v, want ErrNoRoom", err)
+	}
+	// Room for a guest of another dataset: of guests only, never of the server's own files.
+	if err := tier.MakeRoomForGuest(3*EntrySize("/data/x", 4096), "/other"); !errors.Is(err, ErrNoRoom) {
 		t.Errorf("room for a guest larger than the guests give: %v, want ErrNoRoom", err)
 	}
 	if diff := cmp.Diff([]string{"/data/own0", "/data/own1", "/data/own2"}, cached(t, tier, all...)); diff != "" {
@@ -79,7 +84,7 @@ func TestGuestsSurviveRescanAndShowInUsage(t *testing.T) {
 	if got, err := tier.Dir.Usage(); err != nil || !cmp.Equal(want, got) {
 		t.Errorf("usage from the records: %v, %v; want %v", got, err, want)
 	}
-	if err := tier.MakeRoomForGuest(tier.Info().Budget - size); err != nil {
+	if err := tier.MakeRoomForGuest(tier.Info().Budget-size, "/other"); err != nil {
 		t.Fatalf("room for a guest after the restart: %v", err)
 	}
 	if got := cached(t, tier, "/data/own", "/data/guest"); !cmp.Equal(got, []string{"/data/own"}) {

@@ -120,7 +120,8 @@ var fieldIDToName_TierInfo = map[int16]string{
 }
 
 type HelloRequest struct {
-	Job string `thrift:"job,2" frugal:"2,default,string" json:"job"`
+	Job     string `thrift:"job,2" frugal:"2,default,string" json:"job"`
+	Relayed bool   `thrift:"relayed,3" frugal:"3,default,bool" json:"relayed"`
 }
 
 func NewHelloRequest() *HelloRequest {
@@ -133,8 +134,15 @@ func (p *HelloRequest) InitDefault() {
 func (p *HelloRequest) GetJob() (v string) {
 	return p.Job
 }
+
+func (p *HelloRequest) GetRelayed() (v bool) {
+	return p.Relayed
+}
 func (p *HelloRequest) SetJob(val string) {
 	p.Job = val
+}
+func (p *HelloRequest) SetRelayed(val bool) {
+	p.Relayed = val
 }
 
 func (p *HelloRequest) String() string {
@@ -146,6 +154,7 @@ func (p *HelloRequest) String() string {
 
 var fieldIDToName_HelloRequest = map[int16]string{
 	2: "job",
+	3: "relayed",
 }
 
 type HelloReply struct {
@@ -776,6 +785,7 @@ type PrefetchRequest struct {
 	Total   int64    `thrift:"total,6" frugal:"6,default,i64" json:"total"`
 	Paths   []string `thrift:"paths,7" frugal:"7,default,list<string>" json:"paths"`
 	Session int64    `thrift:"session,8" frugal:"8,default,i64" json:"session"`
+	ForNode bool     `thrift:"for_node,9" frugal:"9,default,bool" json:"for_node"`
 }
 
 func NewPrefetchRequest() *PrefetchRequest {
@@ -812,6 +822,10 @@ func (p *PrefetchRequest) GetPaths() (v []string) {
 func (p *PrefetchRequest) GetSession() (v int64) {
 	return p.Session
 }
+
+func (p *PrefetchRequest) GetForNode() (v bool) {
+	return p.ForNode
+}
 func (p *PrefetchRequest) SetRoot(val string) {
 	p.Root = val
 }
@@ -833,6 +847,9 @@ func (p *PrefetchRequest) SetPaths(val []string) {
 func (p *PrefetchRequest) SetSession(val int64) {
 	p.Session = val
 }
+func (p *PrefetchRequest) SetForNode(val bool) {
+	p.ForNode = val
+}
 
 func (p *PrefetchRequest) String() string {
 	if p == nil {
@@ -849,6 +866,7 @@ var fieldIDToName_PrefetchRequest = map[int16]string{
 	6: "total",
 	7: "paths",
 	8: "session",
+	9: "for_node",
 }
 
 type PrefetchReply struct {
