@@ -45,6 +45,7 @@ import (
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
@@ -108,7 +109,8 @@ type Client struct {
 	// before keep being served from the tiers without waiting for it.
 	view atomic.Pointer[serverConn]
 
-	cluster *clusterRouter // set in cluster mode (Config.Servers)
+	cluster *clusterRouter // set in cluster mode (Config.Servers) on a node without a server of the job
+	node    *nodeRouter    // set in cluster mode on a node with servers of the job (see node.go)
 	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
 	spawned atomic.Bool    // set once this client started (or waited for) a server
 
@@ -159,8 +161,19 @@ func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	c.pending.byTier = make(map[string]int64)
 	if cfg.Servers != "" {
-		if c.cluster, err = newClusterRouter(cfg, log); err != nil {
+		members, token, err := discovery.Job(cfg.ServerSpec(), cfg.Token, cfg.TokenFile)
+		if err != nil {
 			return nil, err
+		}
+		if !cfg.Direct {
+			if c.node, err = newNodeRouter(cfg, log, members, token); err != nil {
+				return nil, err
+			}
+		}
+		if c.node == nil {
+			if c.cluster, err = newClusterRouter(cfg, log, members, token); err != nil {
+				return nil, err
+			}
 		}
 	} else if _, err := c.ensureConn(nil, cfg.StartTimeout+cfg.ReadTimeout); err != nil {
 		log.Warn("fitcache server unavailable; reading from the source", "err", err)
@@ -240,6 +253,9 @@ func (c *Client) readInto(path string, mapTiers bool) (Buffer, error) {
 	path, err := c.Resolve(path)
 	if err != nil {
 		return nil, err
+	}
+	if c.node != nil {
+		return c.readNode(path, mapTiers)
 	}
 	if c.cluster != nil {
 		return c.readCluster(path)
@@ -447,6 +463,9 @@ func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
 
 // localDirs returns the tier directories this client maps files from.
 func (c *Client) localDirs() []tiers.Dir {
+	if c.node != nil {
+		return c.node.dirs()
+	}
 	if c.cluster != nil {
 		return c.cluster.localDirs()
 	}
@@ -498,6 +517,9 @@ func (c *Client) Close() error {
 	}
 	if c.cluster != nil {
 		c.cluster.close()
+	}
+	if c.node != nil {
+		c.node.close()
 	}
 	return nil
 }

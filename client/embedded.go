@@ -260,6 +260,9 @@ func (c *Client) ServerUp() bool {
 // of the first live server on this node (by address) that announced one in its hello, which
 // answers opens for every file of the job (see OpenForReader); "" when there is none.
 func (c *Client) NodeSocket() string {
+	if c.node != nil {
+		return c.node.socket()
+	}
 	if c.cluster != nil {
 		return c.cluster.nodeSocket()
 	}

@@ -346,6 +346,9 @@ func (c *Client) Owner(path string) string {
 // LocalServers returns the ids of the job's servers on this node (config.Config.Node), alive
 // or not, sorted (not nil, if empty); nil outside cluster mode.
 func (c *Client) LocalServers() []string {
+	if c.node != nil {
+		return c.node.ids()
+	}
 	if c.cluster == nil {
 		return nil
 	}

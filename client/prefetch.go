@@ -126,7 +126,17 @@ func (c *Client) Prefetch(paths []string) error {
 		session uint32 // our job's validation session at the server
 	}
 	groups := map[target][]string{}
-	if c.cluster != nil {
+	forNode := false
+	if c.node != nil { // the node's server brings the files into the node, from their owners
+		s := c.node.home()
+		if s == nil {
+			return errors.New("prefetch: no server of this node answered")
+		}
+		s.mu.Lock()
+		groups[target{s.rpc, s.session}] = abs
+		s.mu.Unlock()
+		forNode = true
+	} else if c.cluster != nil {
 		for p, owned := range c.cluster.owners(abs) {
 			p.mu.Lock()
 			groups[target{p.rpc, p.session}] = owned
@@ -147,7 +157,7 @@ func (c *Client) Prefetch(paths []string) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := c.sendPrefetch(to.server, to.session, owner, list); err != nil {
+			if err := c.sendPrefetch(to.server, to.session, forNode, owner, list); err != nil {
 				mu.Lock()
 				errs = append(errs, fmt.Errorf("prefetch on %s: %w", to.server.Addr(), err))
 				mu.Unlock()
@@ -162,10 +172,10 @@ func (c *Client) Prefetch(paths []string) error {
 // a probe with the list's id comes first, so that the fresh DataLoader workers of every
 // epoch join the list in one small call instead of sending its first chunk each. The job is
 // one of our validation session at the server (see core.PrefetchRequest.Session).
-func (c *Client) sendPrefetch(server *rpc.Client, session uint32, owner string, paths []string) error {
+func (c *Client) sendPrefetch(server *rpc.Client, session uint32, forNode bool, owner string, paths []string) error {
 	id := core.ListDigest(paths)
 	info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
-		Total: len(paths), Session: session})
+		Total: len(paths), Session: session, ForNode: forNode})
 	if err != nil {
 		return err
 	}
@@ -180,7 +190,7 @@ func (c *Client) sendPrefetch(server *rpc.Client, session uint32, owner string, 
 			end++
 		}
 		info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
-			Offset: off, Total: len(paths), Paths: paths[off:end], Session: session})
+			Offset: off, Total: len(paths), Paths: paths[off:end], Session: session, ForNode: forNode})
 		if err != nil {
 			return err
 		}

@@ -64,6 +64,14 @@ func (c *Client) Stats() (string, error) {
 		b, err := json.Marshal(out)
 		return string(b), err
 	}
+	if c.node != nil {
+		if server := c.reportTo(); server != nil {
+			c.flushHits(server)
+		}
+		out.Servers = c.node.stats()
+		b, err := json.Marshal(out)
+		return string(b), err
+	}
 	if server := c.reportTo(); server != nil {
 		c.flushHits(server)
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
@@ -141,6 +149,12 @@ func (c *Client) reportLoop() {
 // reportTo returns the server that local hits are reported to: the embedded server, or in
 // cluster mode the first server on this node.
 func (c *Client) reportTo() *rpc.Client {
+	if c.node != nil {
+		if s := c.node.home(); s != nil {
+			return s.rpc
+		}
+		return nil
+	}
 	if c.cluster != nil {
 		return c.cluster.localServer()
 	}

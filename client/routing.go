@@ -17,7 +17,6 @@ import (
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/gossip"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
@@ -86,12 +85,7 @@ type clusterRouter struct {
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
-func newClusterRouter(cfg config.Config, log *slog.Logger) (*clusterRouter, error) {
-	members, token, err := discovery.Job(cfg.ServerSpec(),
-		cfg.Token, cfg.TokenFile)
-	if err != nil {
-		return nil, err
-	}
+func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*clusterRouter, error) {
 	r := &clusterRouter{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*peer{},
 		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{})}
 	r.ring.Add(members...)

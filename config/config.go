@@ -89,6 +89,10 @@ type Config struct {
 	WaitTimeout time.Duration
 	// VirtualNodes per server on the hash ring.
 	VirtualNodes int
+	// Direct makes a client route over the ring and read from the job's servers itself, even
+	// on a node that runs servers of the job (whose node socket readers otherwise go
+	// through). Not an option: a cluster server sets it for the clients it reads through.
+	Direct bool
 }
 
 // Policies for a dead server's files.

@@ -19,14 +19,21 @@ import (
 // to match its source in that session or a later one. An empty job joins no session: it
 // gets the current one.
 func (e *Engine) BeginSession(job string) uint32 {
+	session, _ := e.BeginJob(job)
+	return session
+}
+
+// BeginJob is BeginSession, and also reports whether the job's session began now (the job
+// was new to this engine).
+func (e *Engine) BeginJob(job string) (session uint32, began bool) {
 	if job == "" {
-		return e.sessions.current()
+		return e.sessions.current(), false
 	}
-	session, began := e.sessions.begin(job)
+	session, began = e.sessions.begin(job)
 	if began {
 		e.noteSession(session)
 	}
-	return session
+	return session, began
 }
 
 // noteSession records in the tiers that session began, for the next server (see session.go).

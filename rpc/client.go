@@ -159,6 +159,21 @@ func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 	return r, core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 }
 
+// BeginJob tells the server that job began on another server of the cluster (a Hello
+// relayed, see ServerConfig.OnNewJob), so that it checks its copies for the job's readers
+// too, whichever node they read from.
+func (c *Client) BeginJob(ctx context.Context, job string) error {
+	var r *fitcachepb.HelloReply
+	err := c.call(func() (err error) {
+		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Job: job, Relayed: true}, c.target())
+		return err
+	})
+	if err != nil {
+		return c.failed(err)
+	}
+	return core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
+}
+
 // Read asks the server for a file. With local set, a cached file comes back as the tier file
 // to map (CachedPath) rather than as bytes.
 func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitcachepb.ReadReply, error) {

@@ -34,6 +34,11 @@ type ServerConfig struct {
 	// NodeSocket is the server's node socket (package nodesock), announced in Hello to
 	// clients on its node; empty for none.
 	NodeSocket string
+	// OnNewJob, if set, is called when a job begins its validation session here with a Hello
+	// of a reader (not one relayed by another server), before the Hello is answered: a
+	// cluster server passes the job on to the job's other servers, which then check their
+	// copies for it too (see Client.BeginJob).
+	OnNewJob func(ctx context.Context, job string)
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
 	// OnRead, if set, is called once a Read was answered with a file (not on failure): for
@@ -219,8 +224,12 @@ func errnoOf(err error) (int32, string, fitcachepb.Reason) {
 // counter and node socket, and the validation session of the caller's job (begun now if the
 // job has none).
 func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fitcachepb.HelloReply, error) {
+	session, began := h.engine.BeginJob(req.Job)
+	if began && !req.Relayed && h.cfg.OnNewJob != nil {
+		h.cfg.OnNewJob(ctx, req.Job) // before the reply: the job's reads may go to the others
+	}
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
-		NodeSocket: h.cfg.NodeSocket, Session: int64(h.engine.BeginSession(req.Job))}
+		NodeSocket: h.cfg.NodeSocket, Session: int64(session)}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})
 	}

@@ -1,0 +1,320 @@
+// The reading side of cluster mode on a node that runs servers of the job: one read path for
+// every reader. A reader looks files up in the tiers of its node's servers itself (their
+// mapped indexes, no round trip), and hands everything else to one of them over its node
+// socket (package nodesock), which answers for every file of the job: its own, another local
+// server's, or a file another node owns, which it fetches from the owner and keeps as a
+// node-local copy where it has room (see FetchForReader, OpenForReader). Only servers talk to
+// other servers: a reader makes no connection to another node, says hello to its node's
+// servers only (at once, not one after another), and routing, failure detection and gossip
+// live in the servers. The C hit path of libfitcache reads the same way without Go, also in a
+// process forked after the library was loaded.
+//
+// A node that runs no server of the job (a login node), or whose servers' node sockets this
+// user cannot use (servers run by another user), keeps the direct path: the reader routes over
+// the ring and reads from the servers itself (routing.go).
+
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/edsrzf/mmap-go"
+
+	"github.com/fitcache/fitcache/config"
+	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/nodesock"
+	"github.com/fitcache/fitcache/ring"
+	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// nodeRouter holds a reader's connections to the servers of the job on its node.
+type nodeRouter struct {
+	cfg     config.Config
+	log     *slog.Logger
+	members []ring.Member // every server of the job (for Stats)
+	token   string
+	servers []*localServer // the job's servers on this node, by address
+
+	mu        sync.Mutex    // protects downUntil and backoff
+	downUntil time.Time     // before then, misses read the source: the node's server did not answer
+	backoff   time.Duration // the next back-off
+}
+
+// localServer is a server of the job on the reader's node, as its hello described it.
+type localServer struct {
+	id  string
+	rpc *rpc.Client
+
+	mu         sync.Mutex  // protects dirs, session, nodeSocket and answered
+	dirs       []tiers.Dir // its tiers, for the reader's session there
+	session    uint32
+	nodeSocket string
+	answered   bool
+}
+
+// newNodeRouter says hello to the job's servers on this node (all at once, again until all
+// answered or WaitTimeout passed) and returns the router, or nil when there is no server of
+// the job on this node or none of them serves a node socket of this user's: the caller then
+// takes the direct path. It fails when servers of the job are on this node but none answered.
+func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*nodeRouter, error) {
+	r := &nodeRouter{cfg: cfg, log: log, members: members, token: token}
+	for _, m := range members {
+		if m.Node != cfg.Node {
+			continue
+		}
+		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, Job: cfg.Job, ConnectTimeout: cfg.RPCTimeout,
+			CallTimeout: cfg.RPCTimeout, ReadTimeout: cfg.RPCTimeout})
+		if err != nil {
+			r.close()
+			return nil, err
+		}
+		r.servers = append(r.servers, &localServer{id: m.ID, rpc: c})
+	}
+	if len(r.servers) == 0 {
+		return nil, nil
+	}
+	sort.Slice(r.servers, func(i, j int) bool { return r.servers[i].id < r.servers[j].id })
+	deadline := time.Now().Add(cfg.WaitTimeout)
+	var lastErr error
+	for {
+		var wg sync.WaitGroup
+		var mu sync.Mutex // protects lastErr
+		for _, s := range r.servers {
+			if s.hasAnswered() {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := s.hello(cfg, log); err != nil {
+					mu.Lock()
+					lastErr = err
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		missing := 0
+		for _, s := range r.servers {
+			if !s.hasAnswered() {
+				missing++
+			}
+		}
+		if missing == 0 || (time.Now().After(deadline) && missing < len(r.servers)) {
+			break
+		}
+		if errors.Is(lastErr, os.ErrPermission) {
+			r.close()
+			return nil, fmt.Errorf("the fitcache servers of this node refused this client: %w", lastErr)
+		}
+		if time.Now().After(deadline) {
+			r.close()
+			return nil, fmt.Errorf("no fitcache server of the job on this node (%s) answered within %s: %w",
+				strings.Join(r.ids(), ", "), cfg.WaitTimeout, lastErr)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if r.socket() == "" {
+		log.Warn("the fitcache servers of this node serve no node socket of this user's; reading through the cluster directly",
+			"servers", r.ids())
+		r.close()
+		return nil, nil
+	}
+	return r, nil
+}
+
+// hello asks the server to describe itself, with the reader's job (see rpc.Client.Hello).
+func (s *localServer) hello(cfg config.Config, log *slog.Logger) error {
+	ctx, cancel := context.WithTimeout(context.Background(), min(cfg.RPCTimeout, 2*time.Second))
+	defer cancel()
+	reply, err := s.rpc.Hello(ctx)
+	if err != nil {
+		return err
+	}
+	session := sessionOf(reply)
+	dirs := tierDirs(reply.Tiers, session, log)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	closeDirs(s.dirs)
+	s.dirs, s.session, s.nodeSocket, s.answered = dirs, session, reply.NodeSocket, true
+	return nil
+}
+
+func (s *localServer) hasAnswered() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.answered
+}
+
+// ids returns the ids of the node's servers.
+func (r *nodeRouter) ids() []string {
+	ids := make([]string, len(r.servers))
+	for i, s := range r.servers {
+		ids[i] = s.id
+	}
+	return ids
+}
+
+// home returns the server whose node socket readers use (the first by address that serves one
+// of this user's), or nil.
+func (r *nodeRouter) home() *localServer {
+	for _, s := range r.servers {
+		s.mu.Lock()
+		path := s.nodeSocket
+		s.mu.Unlock()
+		if path != "" && ownSocket(path) {
+			return s
+		}
+	}
+	return nil
+}
+
+// socket returns the node socket readers use, or "".
+func (r *nodeRouter) socket() string {
+	if s := r.home(); s != nil {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.nodeSocket
+	}
+	return ""
+}
+
+// dirs returns the tier directories of the node's servers that answered, for the reader's
+// session at each.
+func (r *nodeRouter) dirs() []tiers.Dir {
+	var dirs []tiers.Dir
+	for _, s := range r.servers {
+		s.mu.Lock()
+		dirs = append(dirs, s.dirs...)
+		s.mu.Unlock()
+	}
+	return dirs
+}
+
+// down reports whether misses should skip the node's server for now (it did not answer).
+func (r *nodeRouter) down() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return time.Now().Before(r.downUntil)
+}
+
+// markDown makes misses read the source for a back-off that doubles while the server stays
+// unusable.
+func (r *nodeRouter) markDown(err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.backoff = min(max(2*r.backoff, minBackoff), maxBackoff)
+	r.downUntil = time.Now().Add(r.backoff)
+	r.log.Warn("the fitcache server of this node did not answer; reading from the source", "err", err, "retry_in", r.backoff)
+}
+
+// up resets the back-off after the node's server answered.
+func (r *nodeRouter) up() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.backoff = 0
+}
+
+// stats returns the counters of every server of the job by id ({"dead":true} for one that
+// does not answer): a diagnostic, for which the reader connects to each for the call.
+func (r *nodeRouter) stats() map[string]json.RawMessage {
+	out := map[string]json.RawMessage{}
+	var mu sync.Mutex // protects out
+	var wg sync.WaitGroup
+	for _, m := range r.members {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			js := `{"dead":true}`
+			if c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: r.token, ConnectTimeout: r.cfg.RPCTimeout,
+				CallTimeout: min(r.cfg.RPCTimeout, 2*time.Second)}); err == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), min(r.cfg.RPCTimeout, 2*time.Second))
+				if s, err := c.Stats(ctx); err == nil {
+					js = s
+				}
+				cancel()
+				c.Close()
+			}
+			mu.Lock()
+			out[m.ID] = json.RawMessage(js)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return out
+}
+
+func (r *nodeRouter) close() {
+	for _, s := range r.servers {
+		s.rpc.Close()
+		s.mu.Lock()
+		closeDirs(s.dirs)
+		s.dirs = nil
+		s.mu.Unlock()
+	}
+}
+
+// readNode serves a read on a node with servers of the job: from their tiers, else through the
+// node socket (the server answers with a descriptor of the file), else, while the server does
+// not answer, from the source. Without mapTiers, a file found in a tier gives no buffer.
+func (c *Client) readNode(path string, mapTiers bool) (Buffer, error) {
+	dirs := c.node.dirs()
+	if !mapTiers && tiers.Listed(dirs, path) {
+		return nil, nil
+	}
+	if m, err := tiers.Probe(dirs, path); err == nil {
+		c.hit(m)
+		return m, nil
+	}
+	socket := c.node.socket()
+	if socket == "" || c.node.down() {
+		return c.readDirect(path)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
+	defer cancel()
+	f, _, err := nodesock.Open(ctx, socket, c.root, path)
+	if errors.Is(err, nodesock.ErrUnavailable) {
+		c.node.markDown(err)
+		return c.readDirect(path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	c.node.up()
+	c.counts.serverReads.Add(1)
+	return fileBuffer(f, path)
+}
+
+// fileBuffer reads the file f (a descriptor the node's server answered with) into a buffer:
+// its bytes, or a read-only mapping of a large one (directReadMax), so that no large file is
+// held in memory.
+func fileBuffer(f *os.File, path string) (Buffer, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if fi.Size() > directReadMax {
+		m, err := mmap.MapRegion(f, int(fi.Size()), mmap.RDONLY, 0, 0)
+		if err != nil {
+			return nil, fmt.Errorf("map %s: %w", path, err)
+		}
+		return &sourceMapping{m: m}, nil
+	}
+	data := make([]byte, fi.Size())
+	if _, err := io.ReadFull(io.NewSectionReader(f, 0, fi.Size()), data); err != nil {
+		return nil, fmt.Errorf("read %s: %w: %w", path, core.ErrChanged, err)
+	}
+	return heapBuffer(data), nil
+}
