@@ -1,0 +1,124 @@
+"""Cluster mode through the node's server: four servers on loopback "nodes" (127.0.0.1-4),
+started with the job's server list so that their node sockets answer for every file of the job;
+the reader runs on the first server's node. Its processes, DataLoader workers forked after the
+main process loaded the library included, read the tiers of their node's server themselves and
+have that server open everything else: it fetches a file another node owns from its owner and
+keeps a node-local copy. Every byte is compared with the source, and the source's opens are
+counted from outside with inotify: once per file for the whole job, also when a server that
+owns files is killed after the node kept copies of them."""
+
+import os
+
+import pytest
+
+import fitcache
+from conftest import digest
+from harness import Cluster, server_stats
+from inotify import OpenCounter
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader  # noqa: E402
+
+
+class Digest:
+    """Transform: the item's sha256 (picklable, for workers)."""
+
+    def __call__(self, view):
+        return digest(view)
+
+
+class Indexed(torch.utils.data.Dataset):
+    """(index, digest) items, so that results match whatever the order."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        return i, self.ds[i]
+
+
+@pytest.fixture
+def node_cluster(request, dataset, tmp_path):
+    root, _ = dataset
+    c = Cluster(tmp_path, root, serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    request.addfinalizer(c.stop)
+    return c
+
+
+def epoch(ds, context):
+    loader = DataLoader(Indexed(ds), batch_size=None, num_workers=2, multiprocessing_context=context)
+    return {ds.files[i]: d for i, d in loader}
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_read_through_the_node_and_the_source_once(node_cluster, dataset, context):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **node_cluster.options())
+    with OpenCounter(root) as opens:
+        assert ds[0] == digests[ds.files[0]]  # loads the library here, before the workers fork
+        for e in range(3):
+            assert epoch(ds, context) == digests, f"epoch {e}: wrong bytes"
+        counts = opens.counts()
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    # The node's server kept a copy of every file another node owns (its tier has room): the
+    # later epochs were read from this node's tiers.
+    first = server_stats_of(node_cluster, node_cluster.addrs[0])
+    assert first["guests"] > 0, first
+
+
+def server_stats_of(cluster, addr):
+    with fitcache.Client(cluster.root, **cluster.options()) as c:
+        return server_stats(c)[addr]
+
+
+def test_a_killed_owners_files_come_from_the_nodes_copies(node_cluster, dataset):
+    root, digests = dataset
+    opts = node_cluster.options()
+    with fitcache.Client(root, **opts) as c:
+        names = sorted(digests)
+        with OpenCounter(root) as opens:
+            for name in names:
+                assert digest(c.read(name)) == digests[name]
+            victim = node_cluster.addrs[2]  # a server on another node
+            node_cluster.kill(victim)
+            for name in names:
+                assert digest(c.read(name)) == digests[name], f"after the kill: {name}"
+            counts = opens.counts()
+    assert all(n == 1 for n in counts.values()), (
+        "a file of the killed server was read from the source again, though this node kept a copy: "
+        f"{ {k: n for k, n in counts.items() if n != 1} }")
+
+
+def test_a_reader_connects_to_its_nodes_servers_only(node_cluster, dataset):
+    root, digests = dataset
+    with fitcache.Client(root, **node_cluster.options()) as c:
+        for name in sorted(digests)[:8]:
+            assert digest(c.read(name)) == digests[name]
+        peers = remote_peers(os.getpid())
+    others = {a for a in node_cluster.addrs[1:]}
+    assert not peers & others, f"the reader connected to servers of other nodes: {peers & others}"
+
+
+def remote_peers(pid):
+    """host:port of the TCP peers of pid's established connections (/proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    peers = set()
+    with open(f"/proc/{pid}/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
+                ip_hex, port_hex = fields[2].split(":")
+                ip = ".".join(str(int(ip_hex[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                peers.add(f"{ip}:{int(port_hex, 16)}")
+    return peers
