@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -90,13 +91,15 @@ type Config struct {
 // ErrConfig reports a Config that Start refuses before opening anything.
 var ErrConfig = errors.New("invalid server configuration")
 
-// rpcStopWait bounds how long Close waits for the RPC server to end once stopped (Kitex's
-// Stop itself waits up to its exit wait time, 5 s, for the connections to close). idleCheck
-// is how often the idle timeout and the socket are checked (more often for an idle timeout
-// under 4 s).
+// rpcStartWait bounds how long Start waits for an RPC server without a token to answer
+// (see awaitRPC), rpcStopWait how long Close waits for the RPC server to end once stopped
+// (Kitex's Stop itself waits up to its exit wait time, 5 s, for the connections to close).
+// idleCheck is how often the idle timeout and the socket are checked (more often for an
+// idle timeout under 4 s).
 const (
-	rpcStopWait = 10 * time.Second
-	idleCheck   = time.Second
+	rpcStartWait = 10 * time.Second
+	rpcStopWait  = 10 * time.Second
+	idleCheck    = time.Second
 )
 
 // Server is a running FitCache server: the engine with its tiers, the RPC listener (TCP or
@@ -141,8 +144,9 @@ type Server struct {
 // the TCP listener, the metrics listener (both before the engine, whose start rescans the
 // tiers), the engine, the Unix socket, the node socket (a failure there is logged: readers
 // then read their misses through Go or from the source), the RPC server, the metrics server
-// and the ready file. On any failure it closes what it opened (see Close) and returns the
-// error.
+// and the ready file; a server without a token is started once its RPC server answered a
+// request (see awaitRPC). On any failure Start closes what it opened (see Close) and
+// returns the error.
 func Start(cfg Config) (*Server, error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
@@ -329,10 +333,44 @@ func (s *Server) serveRPC() error {
 	if s.metrics != nil {
 		s.metrics.WatchMembership(handler)
 	}
+	if s.cfg.Token == "" {
+		if err := s.awaitRPC(); err != nil {
+			return err
+		}
+	}
 	s.log.Info("fitcache server ready", "address", s.Addr(), "pid", os.Getpid(), "tiers", len(s.engine.TierDirs()),
 		"idle_timeout", s.cfg.IdleTimeout, "roots", s.cfg.Roots, "prefetch", s.cfg.Prefetch, "node_socket", s.nodePath,
 		"cluster_routed", s.cluster != nil)
 	return nil
+}
+
+// awaitRPC returns once the RPC server answers a request (Stats), or fails when it ended or
+// did not answer within rpcStartWait. A server without a token runs on Kitex's netpoll
+// transport, whose Stop reads a field that its start, in the background, writes without a
+// lock: it must not be stopped before it has started. (With a token, on Kitex's Go net
+// transport, a Stop that comes too early does nothing, and Close makes the start fail.)
+func (s *Server) awaitRPC() error {
+	c, err := rpc.Dial(s.Addr(), rpc.ClientConfig{})
+	if err != nil {
+		return fmt.Errorf("RPC server: %w", err)
+	}
+	defer c.Close()
+	deadline := time.Now().Add(rpcStartWait)
+	for {
+		_, err := c.Stats(context.Background())
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-s.rpcStopped:
+			return fmt.Errorf("RPC server: %w", s.rpcErr)
+		default:
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("RPC server does not answer after %v: %w", rpcStartWait, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 func (s *Server) serveMetrics() error {
@@ -487,8 +525,8 @@ func (s *Server) close() error {
 	}
 	if s.ln != nil {
 		// Closed before Kitex's Stop, which does nothing until its Run has set the server
-		// up (moments after Start): a Run that gets this far then fails on the closed
-		// listener instead of serving on.
+		// up (moments after Start with a token): a Run that gets this far then fails on
+		// the closed listener instead of serving on.
 		s.ln.Close()
 	}
 	if s.rpc != nil {
