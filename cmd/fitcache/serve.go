@@ -4,14 +4,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -19,9 +16,7 @@ import (
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
-	"github.com/fitcache/fitcache/metrics"
-	"github.com/fitcache/fitcache/nodesock"
-	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/server"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -90,185 +85,50 @@ func serve(args []string) error {
 	if *maxConns < 1 {
 		return fmt.Errorf("--max-conns %d: want at least 1", *maxConns)
 	}
-	if *readyFile != "" {
-		if err := checkReadyFile(*readyFile); err != nil {
-			return err
-		}
+	if *listen != "" && *socket != "" {
+		return errors.New("give --listen HOST:PORT or --socket PATH, not both")
 	}
-	if *socket == "" && *listen == "" {
-		if !*asEmbedded {
-			return errors.New("give --listen HOST:PORT, --socket PATH, or --embedded for the per-user server")
-		}
-		if err := embedded.PrepareDir(cfg.RuntimeDir); err != nil {
-			return err
-		}
-		*socket = embedded.SocketPath(cfg.RuntimeDir)
+	if *socket == "" && *listen == "" && !*asEmbedded {
+		return errors.New("give --listen HOST:PORT, --socket PATH, or --embedded for the per-user server")
 	}
 	idleTimeout := time.Duration(0)
 	if *asEmbedded {
-		// A server that is exiting (its socket was removed, say) lets go of the lock within
-		// a second: wait for it rather than leave its clients without a server.
-		lock, err := embedded.LockServer(cfg.RuntimeDir, 3*time.Second)
-		if errors.Is(err, embedded.ErrAlreadyRunning) {
-			log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir, "err", err)
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		defer lock.Close()
 		idleTimeout = cfg.IdleTimeout
 	} else if *idle > 0 {
 		idleTimeout = *idle
 	}
-
 	tierCfgs, err := cfg.TierConfigs()
 	if err != nil {
 		return err
 	}
-	var ln net.Listener
-	genFile := *socket + ".gen"
-	if *listen != "" {
-		if err := embedded.PrepareDir(cfg.RuntimeDir); err != nil {
-			return err
-		}
-		genFile = listenFile(cfg.RuntimeDir, *listen, ".gen")
-		if ln, err = net.Listen("tcp", *listen); err != nil {
-			return fmt.Errorf("listen on %s: %w", *listen, err)
-		}
+	s, err := server.Start(server.Config{Listen: *listen, Socket: *socket, Embedded: *asEmbedded, Token: token,
+		Roots: roots, Tiers: tierCfgs, Verify: cfg.Verify, Prefetch: cfg.Prefetch, RuntimeDir: cfg.RuntimeDir,
+		Warnings: warnings(cfg.RuntimeDirWarning), MetricsAddr: *metricsAddr, ReadyFile: *readyFile,
+		IdleTimeout: idleTimeout, MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns, Cluster: cfg, Log: log})
+	if errors.Is(err, embedded.ErrAlreadyRunning) {
+		log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir, "err", err)
+		return nil
 	}
-	engine, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Roots: roots, GenerationFile: genFile,
-		Verify: cfg.Verify, Warnings: warnings(cfg.RuntimeDirWarning), Prefetch: core.PrefetchConfig{Reads: cfg.Prefetch}, Holder: "listening on " + firstNonEmpty(*listen, *socket) + ", runtime dir " + cfg.RuntimeDir}, log)
 	if err != nil {
-		if ln != nil {
-			ln.Close()
-		}
 		return err
 	}
-	if ln == nil {
-		// The socket appears only once the engine is ready (its tiers rescanned): a client
-		// that finds no socket waits for the server being started, while one whose ping
-		// gets no answer on an existing socket takes the server for hung.
-		if ln, err = rpc.ListenUnix(*socket); err != nil {
-			engine.Close()
-			return err
-		}
-	}
-	var lastRequest atomic.Int64
-	lastRequest.Store(time.Now().UnixNano())
-	// C code on this node without Go (libfitcache after fork, the preload shim) asks for
-	// misses on the node socket (see nodeserve.go). A cluster server has one only when it
-	// knows the job's servers, so that it serves every file from its owner; it announces
-	// its path in its hello.
-	var node *nodesock.Server
-	var routed *clusterNode
-	nodePath := ""
-	switch {
-	case *socket != "":
-		nodePath = nodesock.PathFor(*socket)
-	case cfg.Servers == "":
-		log.Info("no node socket: without the job's servers (--servers or FITCACHE_SERVERS) programs run by `fitcache run` on this node read only the files cached here")
-	default:
-		if routed, err = newClusterNode(engine, cfg, token, *listen, log); err != nil {
-			log.Warn("no node socket: programs run by `fitcache run` on this node read only the files cached here", "err", err)
-		} else {
-			nodePath = listenFile(cfg.RuntimeDir, *listen, ".node")
-		}
-	}
-	// Metrics are read from the engine and the RPC handler at each scrape; the Read RPCs
-	// and the node socket's opens are observed as they are answered.
-	var m *metrics.Server
-	var onRead func(bool, string, time.Duration, int64)
-	var onOpen func(core.Origin, time.Duration)
-	if *metricsAddr != "" {
-		m = metrics.New(engine)
-		onRead, onOpen = m.ObserveRead, m.ObserveNodeOpen
-	}
-	if nodePath != "" {
-		touch := func() { lastRequest.Store(time.Now().UnixNano()) }
-		if node, err = nodesock.Listen(nodePath, nodeServer(engine, routed, log, touch, onOpen)); err != nil {
-			log.Warn("no node socket: processes forked after loading libfitcache and programs run by `fitcache run` read misses from the source", "err", err)
-			nodePath = ""
-		}
-	}
-	id, _ := os.Hostname()
-	srv, handler, done := rpc.Serve(engine, ln, rpc.ServerConfig{
-		ID: fmt.Sprintf("%s:%d", id, os.Getpid()), Log: log, Token: token, NodeSocket: nodePath,
-		MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns,
-		OnRequest: func() { lastRequest.Store(time.Now().UnixNano()) }, OnRead: onRead,
-	})
-	log.Info("fitcache server ready", "address", ln.Addr().String(), "pid", os.Getpid(), "tiers", len(engine.TierDirs()),
-		"idle_timeout", idleTimeout, "roots", roots, "prefetch", cfg.Prefetch, "node_socket", nodePath, "cluster_routed", routed != nil)
-	if m != nil {
-		m.WatchMembership(handler)
-		mln, err := net.Listen("tcp", *metricsAddr)
-		if err != nil {
-			return fmt.Errorf("metrics: %w", err)
-		}
-		go http.Serve(mln, m.Handler())
-		log.Info("metrics at /metrics", "address", mln.Addr().String())
-	}
-	if *readyFile != "" {
-		if err := writeReadyFile(*readyFile, ln.Addr().String()+"\n"); err != nil {
-			log.Warn("cannot write the ready file", "file", *readyFile, "err", err)
-		}
-		defer os.Remove(*readyFile)
-	}
-
-	socketID := socketIdentity(*socket)
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
-	tick := time.NewTicker(time.Second)
-	defer tick.Stop()
+	defer signal.Stop(signals)
 	var reason string
-	for reason == "" {
-		select {
-		case sig := <-signals:
-			reason = "signal " + sig.String()
-		case err := <-done:
-			reason = fmt.Sprintf("server stopped: %v", err)
-		case <-tick.C:
-			if idleTimeout > 0 && time.Since(time.Unix(0, lastRequest.Load())) > idleTimeout {
-				reason = "idle for " + idleTimeout.String()
-			}
-			// Clients find this server by its socket's path: if the socket was removed or
-			// replaced, none can reach it any more, so exit and let a new server start.
-			if socketID != 0 && socketIdentity(*socket) != socketID {
-				reason = "socket " + *socket + " was removed or replaced"
-				socketID = 0 // not ours to remove any more
-			}
-		}
+	select {
+	case sig := <-signals:
+		reason = "signal " + sig.String()
+	case <-s.Done():
+		reason = s.Reason()
 	}
 	log.Info("fitcache server stopping", "reason", reason)
-	// Remove the socket first so that new clients start a fresh server instead of reaching
-	// this one while it stops.
-	if socketID != 0 && socketIdentity(*socket) == socketID {
-		os.Remove(*socket)
+	if err := s.Close(); err != nil {
+		log.Warn("fitcache server stopped, not cleanly", "err", err)
+		return nil
 	}
-	// The node socket and its cluster clients go first: the other servers' RPC servers wait
-	// (up to Kitex's exit wait time) for those clients' connections to close when they stop.
-	if node != nil {
-		node.Close()
-	}
-	if routed != nil {
-		routed.Close()
-	}
-	srv.Stop()
-	engine.Close()
 	log.Info("fitcache server stopped")
 	return nil
-}
-
-// socketIdentity returns the inode of the socket file at path, or 0 if there is none.
-func socketIdentity(path string) uint64 {
-	if path == "" {
-		return 0
-	}
-	var st syscall.Stat_t
-	if err := syscall.Lstat(path, &st); err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFSOCK {
-		return 0
-	}
-	return st.Ino
 }
 
 // warnings returns the non-empty messages.

@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"context"
@@ -6,8 +6,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -22,17 +20,17 @@ import (
 
 // The node socket of a server (package nodesock) answers the preload shim of the
 // transparent mode, and the hit path of libfitcache in forked processes, on the server's
-// node. A per-user server answers with its own engine. A cluster server (serve --listen)
-// given the job's servers (--servers or FITCACHE_SERVERS, with the other cluster options from
-// FITCACHE_*) answers for every file of the job: it reads through a cluster client of its
+// node. A per-user server answers with its own engine. A cluster server (Config.Listen)
+// given the job's servers (Config.Cluster: `fitcache serve --servers` or FITCACHE_SERVERS,
+// with the other cluster options from FITCACHE_*) answers for every file of the job: it reads through a cluster client of its
 // own per dataset root (client.OpenForReader), so that a file keeps one owner on the ring
 // whichever node opens it. Its own files come from its engine, the files of other servers
 // on its node as their tier files, those of other nodes as memory files holding the bytes
 // their owners sent over Kitex, and dead servers' files as the failure policy says. A
 // write-open of a dataset file (OpForget) drops the copies at the servers a read of the file
 // goes to and at every server on this node (client.Forget). A cluster server that does
-// not know the job's servers has no node socket (serve.go): answering with its own engine, it
-// would cache on its node every file the node reads.
+// not know the job's servers has no node socket (see Start): answering with its own engine,
+// it would cache on its node every file the node reads.
 
 // nodeServer returns the node socket configuration of a server: routed through the cluster
 // when cn is not nil, else served by the engine. touch is called on every request (idle
@@ -81,12 +79,6 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 		}
 	}
 	return cfg
-}
-
-// listenFile names a file of the server listening on the TCP address listen in its runtime
-// directory: "server-HOST_PORT" and the suffix.
-func listenFile(runtimeDir, listen, suffix string) string {
-	return filepath.Join(runtimeDir, "server-"+strings.NewReplacer(":", "_", "/", "_").Replace(listen)+suffix)
 }
 
 // Bounds of a cluster node: the dataset roots it keeps a client for (a request for another

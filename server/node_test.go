@@ -1,4 +1,4 @@
-package main
+package server
 
 import (
 	"bytes"
@@ -107,6 +107,22 @@ func nodeOp(t *testing.T, sock string, op uint32, root, path string) (syscall.Er
 	return errno, core.Origin(le.Uint32(hdr[8:12])), f
 }
 
+// openBytes opens path under root through the node socket sock, checks that the descriptor
+// holds want, and returns its origin.
+func openBytes(t *testing.T, sock, root, path string, want []byte) core.Origin {
+	t.Helper()
+	errno, origin, f := nodeOp(t, sock, nodesock.OpOpen, root, path)
+	if errno != 0 || f == nil {
+		t.Fatalf("open %s: errno %v, descriptor %v", path, errno, f)
+	}
+	got, err := io.ReadAll(f)
+	f.Close()
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("open %s: %d bytes (%v), want the source's %d", path, len(got), err, len(want))
+	}
+	return origin
+}
+
 // The node socket of a cluster server that knows the job's servers answers a reader on its
 // node with every file of the job, each from its owner: its own files from its tier, the
 // other node's as memory files; OpFetch only for its own files; nothing outside its roots.
@@ -157,15 +173,7 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	for p, data := range want {
 		owner := c.Owner(p)
 		owned[owner]++
-		errno, origin, f := nodeOp(t, sock, nodesock.OpOpen, root, p)
-		if errno != 0 || f == nil {
-			t.Fatalf("open %s: errno %v, descriptor %v", p, errno, f)
-		}
-		got, err := io.ReadAll(f)
-		f.Close()
-		if err != nil || !bytes.Equal(got, data) {
-			t.Fatalf("open %s: %d bytes (%v), want the source's %d", p, len(got), err, len(data))
-		}
+		origin := openBytes(t, sock, root, p, data)
 		if wantOrigin := map[string]core.Origin{self: core.OriginTier, other: core.OriginMemory}[owner]; origin != wantOrigin {
 			t.Errorf("open %s of %s: origin %v, want %v", p, owner, origin, wantOrigin)
 		}
