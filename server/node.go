@@ -16,6 +16,7 @@ import (
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
+	"github.com/fitcache/fitcache/rpc"
 )
 
 // The node socket of a server (package nodesock) answers the preload shim of the
@@ -99,8 +100,11 @@ type clusterNode struct {
 	self   string        // this server's id on the ring, "" if it is not found there
 	log    *slog.Logger
 
-	mu      sync.Mutex // protects clients and closed
+	members []ring.Member // the job's servers
+
+	mu      sync.Mutex // protects clients, peers and closed
 	clients map[string]*rootClient
+	peers   map[string]*rpc.Client // the job's other servers, for announce
 	closed  bool
 }
 
@@ -125,7 +129,8 @@ func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string
 	}
 	cfg.Token, cfg.TokenFile = token, ""
 	cfg.WaitTimeout = min(cfg.WaitTimeout, nodeClientWait)
-	cn := &clusterNode{engine: engine, cfg: cfg, log: log, clients: map[string]*rootClient{}}
+	cfg.Direct = true // the server reads from the job's servers itself, never through a node socket
+	cn := &clusterNode{engine: engine, cfg: cfg, log: log, clients: map[string]*rootClient{}, members: members}
 	if self, ok := selfMember(members, listen, cfg.Node); ok {
 		cn.self, cn.cfg.Node = self.ID, self.Node
 	} else {
@@ -235,9 +240,10 @@ func (n *clusterNode) forget(root, path string) error {
 	return c.Forget(ctx, path)
 }
 
-// fetch answers OpFetch, which promises the caller the file in a tier of this server: for
-// the files this server owns only. For the others it fails with EIO, which sends the
-// caller (libfitcache's hit path) through its own cluster client.
+// fetch answers OpFetch, which promises the caller the file in a tier of this node (see
+// client.FetchForReader): this server's own, another server's of this node, or a node-local
+// copy of a file another node owns. When no tier of the node takes it, the error (ENOSPC or
+// EFBIG) sends the caller to OpOpen.
 func (n *clusterNode) fetch(ctx context.Context, root, path string) error {
 	if err := n.engine.CheckRoot(root, path); err != nil {
 		return err
@@ -246,24 +252,78 @@ func (n *clusterNode) fetch(ctx context.Context, root, path string) error {
 	if err != nil {
 		return err
 	}
-	if owner := c.Owner(path); owner == "" || owner != n.self {
-		return &core.ErrnoError{Errno: syscall.EIO, Message: fmt.Sprintf(
-			"fitcache: %s is not this server's (its owner: %q): read it through a cluster client", path, owner)}
+	return c.FetchForReader(ctx, path)
+}
+
+// fetchForPrefetch brings a file of a node's readers' list into a tier of this node (see
+// core.EngineConfig.NodeFetch), and reports whether a copy was here already.
+func (n *clusterNode) fetchForPrefetch(ctx context.Context, root, path string) (cached bool, err error) {
+	if f, ok := n.engine.OpenCached(root, path); ok {
+		f.Close()
+		return true, nil
 	}
-	return n.engine.Fetch(ctx, root, path)
+	return false, n.fetch(ctx, root, path)
+}
+
+// announce passes a job that began with a reader of this node on to the job's other servers
+// (see rpc.ServerConfig.OnNewJob), all at once, each waited for no longer than the RPC
+// timeout: each checks its copies for the job's session from then on, so that a copy this
+// node's readers get from another node, or keep, is as fresh as one of this node's. A server
+// that does not answer checks its copies for its next session anyway (a restart begins one).
+func (n *clusterNode) announce(ctx context.Context, job string) {
+	ctx, cancel := context.WithTimeout(ctx, n.cfg.RPCTimeout)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, c := range n.peerClients() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := c.BeginJob(ctx, job); err != nil {
+				n.log.Debug("job not passed on", "server", c.Addr(), "err", err)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// peerClients returns RPC clients of the job's other servers, made on first use.
+func (n *clusterNode) peerClients() []*rpc.Client {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.peers == nil && !n.closed {
+		n.peers = map[string]*rpc.Client{}
+		for _, m := range n.members {
+			if m.ID == n.self {
+				continue
+			}
+			c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: n.cfg.Token, ConnectTimeout: n.cfg.RPCTimeout,
+				CallTimeout: n.cfg.RPCTimeout})
+			if err == nil {
+				n.peers[m.ID] = c
+			}
+		}
+	}
+	out := make([]*rpc.Client, 0, len(n.peers))
+	for _, c := range n.peers {
+		out = append(out, c)
+	}
+	return out
 }
 
 // Close closes the clients, after their reads in progress.
 func (n *clusterNode) Close() {
 	n.mu.Lock()
 	n.closed = true
-	clients := n.clients
-	n.clients = nil
+	clients, peers := n.clients, n.peers
+	n.clients, n.peers = nil, nil
 	n.mu.Unlock()
 	for _, rc := range clients {
 		<-rc.ready
 		if rc.c != nil {
 			rc.c.Close()
 		}
+	}
+	for _, c := range peers {
+		c.Close()
 	}
 }

@@ -251,9 +251,20 @@ func (s *Server) openEngine() (err error) {
 	if s.cfg.Listen != "" {
 		genFile = listenFile(s.cfg.RuntimeDir, s.cfg.Listen, ".gen")
 	}
-	s.engine, err = core.NewEngine(core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots, GenerationFile: genFile,
+	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots, GenerationFile: genFile,
 		Verify: s.cfg.Verify, Warnings: s.cfg.Warnings, Prefetch: core.PrefetchConfig{Reads: s.cfg.Prefetch},
-		Holder: "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}, s.log)
+		Holder: "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
+	if s.cfg.Listen != "" && s.cfg.Cluster.Servers != "" {
+		// The lists of this node's readers are brought into the node through the cluster node,
+		// which openNodeSocket makes before the RPC server takes a request.
+		ecfg.NodeFetch = func(ctx context.Context, root, path string) (bool, error) {
+			if s.cluster == nil {
+				return false, fmt.Errorf("%w: no cluster node", core.ErrTooLarge)
+			}
+			return s.cluster.fetchForPrefetch(ctx, root, path)
+		}
+	}
+	s.engine, err = core.NewEngine(ecfg, s.log)
 	if err != nil {
 		return fmt.Errorf("engine: %w", err)
 	}
@@ -324,7 +335,7 @@ func (s *Server) serveRPC() error {
 	}
 	srv, handler, done := rpc.Serve(s.engine, s.ln, rpc.ServerConfig{ID: s.cfg.ID, Log: s.log, Token: s.cfg.Token,
 		NodeSocket: s.nodePath, MaxFrameBytes: s.cfg.MaxFrameBytes, MaxConns: s.cfg.MaxConns,
-		OnRequest: s.touch, OnRead: onRead})
+		OnRequest: s.touch, OnRead: onRead, OnNewJob: s.announceJob})
 	s.rpc = srv
 	go func() {
 		s.rpcErr = <-done
@@ -433,6 +444,14 @@ func (s *Server) watch() {
 
 // touch records a request, for the idle timeout.
 func (s *Server) touch() { s.lastRequest.Store(time.Now().UnixNano()) }
+
+// announceJob passes a job that began with a reader of this node on to the job's other
+// servers (see clusterNode.announce); a server without a cluster node has none to tell.
+func (s *Server) announceJob(ctx context.Context, job string) {
+	if s.cluster != nil {
+		s.cluster.announce(ctx, job)
+	}
+}
 
 // stop records why the server stops and closes Done, the first time.
 func (s *Server) stop(reason string) {

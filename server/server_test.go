@@ -483,7 +483,7 @@ func TestFailedStartLeavesNothingOpen(t *testing.T) {
 }
 
 // A cluster server started with the job's servers answers its node socket with a file that
-// another server owns: the bytes that server sent, in a memory file.
+// another server owns: the bytes that server sent, kept as a node-local copy in its tier.
 func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
 	root, files := dataset(t, 20)
 	other, otherEngine := startEngineServer(t, "127.0.0.2", root)
@@ -503,13 +503,13 @@ func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
 	for p, want := range files {
 		origins[openBytes(t, s.NodeSocket(), root, p, want)]++
 	}
-	if origins[core.OriginMemory] == 0 || origins[core.OriginMemory]+origins[core.OriginTier] != len(files) {
-		t.Errorf("opens by origin: %v; want the other server's files from memory, this one's from its tier", origins)
+	if origins[core.OriginTier] != len(files) {
+		t.Errorf("opens by origin: %v; want every file from this server's tier (its own, and copies of the other's)", origins)
 	}
-	if got, want := otherEngine.Stats().SourceReads, int64(origins[core.OriginMemory]); got != want {
-		t.Errorf("the other server read %d files from the source, want the %d it owns", got, want)
-	}
-	if got, want := s.Engine().Stats().SourceReads, int64(origins[core.OriginTier]); got != want {
-		t.Errorf("this server read %d files from the source, want the %d it owns", got, want)
+	theirs, mine := otherEngine.Stats(), s.Engine().Stats()
+	if theirs.SourceReads == 0 || theirs.SourceReads+mine.SourceReads != int64(len(files)) || mine.Guests != theirs.SourceReads {
+		t.Errorf("the other server read %d files from the source, this one %d and kept %d node-local copies; "+
+			"want each file read once, by its owner, and a copy of each of the other's", theirs.SourceReads,
+			mine.SourceReads, mine.Guests)
 	}
 }
