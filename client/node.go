@@ -65,8 +65,9 @@ type localServer struct {
 
 // newNodeRouter says hello to the job's servers on this node (all at once, again until all
 // answered or WaitTimeout passed) and returns the router, or nil when there is no server of
-// the job on this node or none of them serves a node socket of this user's: the caller then
-// takes the direct path. It fails when servers of the job are on this node but none answered.
+// the job on this node, none of them answered, or none serves a node socket of this user's:
+// the caller then takes the direct path. It fails only when the servers refused the client or
+// could not prove the job token.
 func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*nodeRouter, error) {
 	r := &nodeRouter{cfg: cfg, log: log, members: members, token: token}
 	for _, m := range members {
@@ -89,7 +90,8 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 	var lastErr error
 	for {
 		var wg sync.WaitGroup
-		var mu sync.Mutex // protects lastErr
+		var mu sync.Mutex // protects lastErr and unproven
+		unproven := 0
 		for _, s := range r.servers {
 			if s.hasAnswered() {
 				continue
@@ -100,11 +102,18 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 				if err := s.hello(cfg, log); err != nil {
 					mu.Lock()
 					lastErr = err
+					if errors.Is(err, rpc.ErrUnproven) {
+						unproven++
+					}
 					mu.Unlock()
 				}
 			}()
 		}
 		wg.Wait()
+		if unproven == len(r.servers) {
+			r.close()
+			return nil, tokenRefused(lastErr)
+		}
 		missing := 0
 		for _, s := range r.servers {
 			if !s.hasAnswered() {
@@ -119,9 +128,10 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 			return nil, fmt.Errorf("the fitcache servers of this node refused this client: %w", lastErr)
 		}
 		if time.Now().After(deadline) {
+			log.Warn("no fitcache server of the job on this node answered; reading through the cluster directly",
+				"servers", strings.Join(r.ids(), ", "), "waited", cfg.WaitTimeout, "err", lastErr)
 			r.close()
-			return nil, fmt.Errorf("no fitcache server of the job on this node (%s) answered within %s: %w",
-				strings.Join(r.ids(), ", "), cfg.WaitTimeout, lastErr)
+			return nil, nil
 		}
 		time.Sleep(100 * time.Millisecond)
 	}

@@ -128,12 +128,7 @@ func (r *clusterRouter) waitForServers() error {
 			return nil
 		}
 		if unproven == len(r.peers) {
-			// A client cannot tell a token that differs from the servers' from listeners that
-			// are not the job's servers; with every server failing to prove the token, the
-			// first is far likelier.
-			return &core.ErrnoError{Errno: syscall.EACCES, Message: fmt.Sprintf("no fitcache server of the job proved "+
-				"that it knows this client's job token: the token differs from the servers' (or what listens at their "+
-				"addresses is not the job's servers): %v", lastErr)}
+			return tokenRefused(lastErr)
 		}
 		if time.Now().After(deadline) {
 			var down []string
@@ -153,6 +148,15 @@ func (r *clusterRouter) waitForServers() error {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// tokenRefused is the error of a client that no server proved the job token to. A client
+// cannot tell a token that differs from the servers' from listeners that are not the job's
+// servers; with every server failing to prove the token, the first is far likelier.
+func tokenRefused(last error) error {
+	return &core.ErrnoError{Errno: syscall.EACCES, Message: fmt.Sprintf("no fitcache server of the job proved "+
+		"that it knows this client's job token: the token differs from the servers' (or what listens at their "+
+		"addresses is not the job's servers): %v", last)}
 }
 
 // hello asks a server to describe itself and marks it alive if it answers.
