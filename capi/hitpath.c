@@ -533,6 +533,15 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 		errno = saved;
 		return FC_MISS;
 	}
+	if (c->node_opens) {
+		// The node's server answers a miss with a descriptor (OpOpen) in one round trip, its
+		// tier's copy or the bytes another node sent: asking it to fetch first (OpFetch) and
+		// then finding the file would cost a second round trip, and a second transfer of a
+		// file it has no room to keep.
+		put(c);
+		errno = saved;
+		return FC_DIRECT;
+	}
 	if (fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED)) {
 		put(c);
 		errno = saved;

@@ -49,7 +49,9 @@ int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_
 
 /* Asks the server of a client, over its node socket (package nodesock), to bring path into its
  * tiers, waiting a second at most for the server to acknowledge the request and no longer
- * than the client's read timeout for its answer. Returns 0 when the file is cached
+ * than the client's read timeout for its answer. A client whose node's server opens files
+ * for it (fcHitOpen's node_opens) is not asked: FC_DIRECT sends it to hit_read_direct, one
+ * round trip (OpOpen) instead of two. Returns 0 when the file is cached
  * now (hit_read finds it), FC_DIRECT when no tier takes the file (after the server said it
  * has no room for the dataset, misses are FC_DIRECT without asking for a second), FC_MISS
  * when there is no node socket or no server listening, FC_UNAVAILABLE when the server did not

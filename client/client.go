@@ -112,7 +112,9 @@ type Client struct {
 	cluster *clusterRouter // set in cluster mode (Config.Servers) on a node without a server of the job
 	node    *nodeRouter    // set in cluster mode on a node with servers of the job (see node.go)
 	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
-	spawned atomic.Bool    // set once this client started (or waited for) a server
+	// guestsFullUntil (Unix ns): before then, no node-local copy is kept (see keepGuest).
+	guestsFullUntil atomic.Int64
+	spawned         atomic.Bool // set once this client started (or waited for) a server
 
 	counts   counters
 	external atomic.Pointer[func() ExternalCounts]                // see SetExternalCounts

@@ -10,6 +10,7 @@ import (
 	"sort"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -172,10 +173,23 @@ func (c *Client) keepGuest(ctx context.Context, path string, reply *fitcachepb.R
 	if c.own == nil || reply.CachedPath != "" {
 		return errors.ErrUnsupported
 	}
-	return c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, Data: reply.Data, Session: session,
+	if time.Now().UnixNano() < c.guestsFullUntil.Load() {
+		return fmt.Errorf("%w: no room for node-local copies of %s", core.ErrCacheFull, c.root)
+	}
+	err := c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, Data: reply.Data, Session: session,
 		Source: tiers.Identity{Size: int64(len(reply.Data)), MTimeNanos: reply.MtimeNanos, CTimeNanos: reply.CtimeNanos,
 			Ino: uint64(reply.Inode)}})
+	if errors.Is(err, core.ErrCacheFull) {
+		// The tiers hold the server's own files and this dataset's copies: no room will come
+		// soon (copies of a dataset never make room for each other). Try again later.
+		c.guestsFullUntil.Store(time.Now().Add(guestsFullRecheck).UnixNano())
+	}
+	return err
 }
+
+// guestsFullRecheck is how long a client keeps no node-local copies after the tiers had no
+// room for one.
+const guestsFullRecheck = time.Second
 
 // FetchForReader brings the file at path (absolute, or relative to the root) into a tier of
 // this node for a reader on it that finds cached files itself, as the C hit path of
