@@ -60,9 +60,15 @@ func (l *connsListener) cut() {
 }
 
 // startClusterServer runs a server for root on host (a loopback address: its node).
-func startClusterServer(t *testing.T, host, root string) *testServer {
+func startClusterServer(t testing.TB, host, root string) *testServer {
 	t.Helper()
-	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "64MiB"}},
+	return startClusterServerWithBudget(t, host, root, "64MiB")
+}
+
+// startClusterServerWithBudget is startClusterServer with a memory tier of budget.
+func startClusterServerWithBudget(t testing.TB, host, root, budget string) *testServer {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: budget}},
 		Roots: []string{root}}, nil)
 	if err != nil {
 		t.Fatal(err)
