@@ -249,14 +249,15 @@ def loader(ds, sampler, args, workers, persistent=False, batched=False):
 
 
 class Check:
-    """Checks every item against the manifest: each index once per epoch, its crc and size."""
+    """Checks every item against the manifest: each index once per epoch (each index of part,
+    when given: one reader's share), its crc and size."""
 
     def __init__(self, manifest):
         self.crcs = [crc for _, _, crc in manifest]
         self.sizes = [size for _, size, _ in manifest]
         self.bad = 0
 
-    def epoch(self, batches, on_batch=None):
+    def epoch(self, batches, on_batch=None, part=None):
         seen = bytearray(len(self.crcs))
         files = nbytes = 0
         for idx, crcs, sizes in batches:
@@ -269,7 +270,11 @@ class Check:
             if on_batch is not None:
                 on_batch()
             checkpoint()
-        self.bad += len(self.crcs) - sum(seen)
+        if part is None:
+            self.bad += len(self.crcs) - sum(seen)
+        else:  # every index of part seen, and none other
+            missing = sum(1 for i in part if not seen[i])
+            self.bad += missing + sum(seen) - (len(part) - missing)
         return files, nbytes
 
 

@@ -26,6 +26,7 @@ class NetnsNodes:
         self.bridge = f"{tag}br"
         self.client_addr = f"10.231.{self.subnet}.254"
         self.namespaces, self.links, self.addrs = [], [], []
+        self.delay_pids = []  # the delay program's processes (see shape), stopped by close()
         try:
             self._ip("link", "add", self.bridge, "type", "bridge")
             self.links.append(self.bridge)
@@ -64,11 +65,46 @@ class NetnsNodes:
         veth = self.links[1 + self.addrs.index(addr)]
         self._ip("link", "set", veth, "down" if down else "up")
 
+    def shape(self, rate=None, delay_us=0, delay_program=None, burst="1mb"):
+        """Shapes every node's link, both ways. rate (tc syntax, "10gbit"): a token bucket
+        (tbf) on both ends of each node's veth. delay_us with delay_program (an NFQUEUE delay
+        program taking QUEUE DELAY_US PIDFILE, such as nfq-delay of ../shared/pfs, for kernels
+        without netem): every packet a node sends is held delay_us in its namespace (iptables
+        OUTPUT, one program per namespace), so a round trip between nodes gains 2 x delay_us.
+        Undone by close()."""
+        def run(*cmd):
+            subprocess.run(cmd, check=True, capture_output=True)
+
+        tbf = ["root", "tbf", "rate", str(rate), "burst", burst, "latency", "5ms"]
+        for i, ns in enumerate(self.namespaces):
+            enter = ["nsenter", f"--net=/run/netns/{ns}"]  # not `ip netns exec`: see Cluster.start
+            if rate:
+                run(*enter, "tc", "qdisc", "replace", "dev", "eth0", *tbf)  # what the node sends
+                run("tc", "qdisc", "replace", "dev", self.links[1 + i], *tbf)  # what it receives
+            if delay_us:
+                run(*enter, "iptables-legacy", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
+                    "--queue-num", "0", "--queue-bypass")
+                pidfile = f"/run/fitcache-delay-{ns}.pid"
+                # It daemonizes, keeping its standard descriptors: none of them may be a pipe
+                # of ours. Its pid comes in the pidfile after the parent has exited.
+                subprocess.run([*enter, delay_program, "0", str(int(delay_us)), pidfile], check=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                wait_for(lambda: os.path.exists(pidfile) and open(pidfile).read().endswith("\n"), timeout=10)
+                with open(pidfile) as f:
+                    self.delay_pids.append(int(f.read()))
+                os.unlink(pidfile)
+
     @staticmethod
     def _ip(*args):
         subprocess.run(["ip", *args], check=True, capture_output=True)
 
     def close(self):
+        for pid in self.delay_pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.delay_pids = []
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         for link in reversed(self.links):
@@ -85,9 +121,10 @@ def free_port(host):
 class Cluster:
     """Servers started by the test (and stopped by it, by pid)."""
 
-    def __init__(self, tmp_path, root, nodes=NODES, netns=None, serve_options=None):
+    def __init__(self, tmp_path, root, nodes=NODES, netns=None, serve_options=None, budget="256MiB"):
         """Servers on nodes (addresses); with netns (a NetnsNodes), each runs inside the
-        namespace that owns its address and the client is on the bridge. With serve_options
+        namespace that owns its address (on the first len(nodes) of them when nodes is given)
+        and the client is on the bridge. Each server has a memory tier of budget. With serve_options
         (a dict of cluster options, possibly empty), the servers are also given the job's
         server list and those options (as FITCACHE_*), so that their node sockets serve
         `fitcache run` on their node with every file of the job."""
@@ -96,8 +133,9 @@ class Cluster:
         self.run_id = secrets.token_hex(4)
         self.token_file = str(tmp_path / "token")
         subprocess.run([fitcache._native.server_binary(), "token", self.token_file], check=True)
+        self.budget = budget
         if netns:
-            self.addrs = [f"{host}:7070" for host in netns.addrs]
+            self.addrs = [f"{host}:7070" for host in netns.addrs[:len(nodes)]]
             self.node = netns.client_addr
         else:
             self.addrs = [f"{host}:{free_port(host)}" for host in nodes]
@@ -111,7 +149,7 @@ class Cluster:
     def tiers(self, addr):
         # A random part: pids come round again, and a tier left by an interrupted run must
         # not be rescanned into this one.
-        return f"memory:/dev/shm/fitcache-test-{os.getpid()}-{self.run_id}-{addr.replace(':', '_')}:256MiB"
+        return f"memory:/dev/shm/fitcache-test-{os.getpid()}-{self.run_id}-{addr.replace(':', '_')}:{self.budget}"
 
     def start(self, addr):
         ready = self.tmp / f"ready-{addr}"
