@@ -546,8 +546,10 @@ class Run:
         self.jobs += 1
         tmp = Path(self.work) / f"{self.nodes.variant}-cluster-{self.jobs}"
         tmp.mkdir()
+        # The servers know the job's list (`serve --servers`), as the README starts them: their
+        # node sockets answer their node's readers for every file of the job.
         c = Cluster(tmp, root, nodes=self.nodes.server_hosts, netns=self.nodes.netns,
-                    budget=f"{self.budget_bytes(budget) >> 20}MiB")
+                    budget=f"{self.budget_bytes(budget) >> 20}MiB", serve_options={})
         self.cleanup.append(c.stop)
         return c, f"bench-cluster-{os.getpid()}-{self.jobs}"
 
