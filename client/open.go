@@ -173,7 +173,7 @@ func (c *Client) keepGuest(ctx context.Context, path string, reply *fitcachepb.R
 	if c.own == nil || reply.CachedPath != "" {
 		return errors.ErrUnsupported
 	}
-	if time.Now().UnixNano() < c.guestsFullUntil.Load() {
+	if c.guestsFull() {
 		return fmt.Errorf("%w: no room for node-local copies of %s", core.ErrCacheFull, c.root)
 	}
 	err := c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, Data: reply.Data, Session: session,
@@ -190,6 +190,10 @@ func (c *Client) keepGuest(ctx context.Context, path string, reply *fitcachepb.R
 // guestsFullRecheck is how long a client keeps no node-local copies after the tiers had no
 // room for one.
 const guestsFullRecheck = time.Second
+
+// guestsFull reports whether the tiers had no room for a node-local copy of this client's
+// dataset less than guestsFullRecheck ago.
+func (c *Client) guestsFull() bool { return time.Now().UnixNano() < c.guestsFullUntil.Load() }
 
 // FetchForReader brings the file at path (absolute, or relative to the root) into a tier of
 // this node for a reader on it that finds cached files itself, as the C hit path of
@@ -245,6 +249,11 @@ func (c *Client) fetchFromPeer(ctx context.Context, p *peer, rest []*peer, path 
 		}
 		res.Release()
 		return nil
+	}
+	if !p.local && c.guestsFull() {
+		// No room for a node-local copy now: asking the owner would only move the bytes here
+		// to be dropped (the reader has the server open the file instead).
+		return fmt.Errorf("%w: no room for node-local copies of %s", core.ErrCacheFull, c.root)
 	}
 	session := own.engine.Session()
 	reply, err := c.askPeer(ctx, p, path)

@@ -199,7 +199,9 @@ class FitCacheDataset(_Base):
         """Hands the cache server the files in the order they will be read, to read from the
         source ahead of the readers: ``indices`` is any iterable of item indices (for example
         ``list(sampler)`` for a sampler with a seeded generator, or one rank's share), None for
-        every file in list order. The order is kept: every process that opens its client later
+        every file in list order. In cluster mode the dataset's other files follow the ones
+        given: each node's server keeps copies where it has room, and a rank of a
+        ``DistributedSampler`` reads another part of the dataset every epoch. The order is kept: every process that opens its client later
         (DataLoader workers) hands over the same list, which keeps the job alive while they
         read. With ``wait=True`` it returns when the server has dealt with every file (or its
         tiers are full: prefetch never evicts).
@@ -232,7 +234,15 @@ class FitCacheDataset(_Base):
     def _prefetch_paths(self):
         if self._prefetch_order is None:
             return [os.path.join(self.root, f) for f in self.files]
-        return [self.path(i) for i in self._prefetch_order]
+        paths = [self.path(i) for i in self._prefetch_order]
+        if self.options.get("servers") or os.environ.get("FITCACHE_SERVERS"):
+            # Cluster mode: the node's server keeps copies of what its readers read, where it
+            # has room. With one rank's share given (a DistributedSampler), the other files come
+            # after it: the rank reads another part every epoch, and a node with room for the
+            # whole dataset then reads all of it locally from the next epoch on.
+            given = set(self._prefetch_order)
+            paths += [self.path(i) for i in range(len(self.files)) if i not in given]
+        return paths
 
     def _encode_prefetch_list(self):
         """The prefetch list as bytes paths (a file name cannot hold a NUL byte)."""
