@@ -11,6 +11,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sync/singleflight"
+
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -64,8 +66,9 @@ type Engine struct {
 	// sessions number the validation sessions: a copy is served only once found to match
 	// its source in the current one (see session.go and validate).
 	sessions   *sessions
-	checkRoots rootDirs          // the dataset roots opened for the current session's checks
-	gen        *tiers.Generation // nil without EngineConfig.GenerationFile
+	checkRoots rootDirs           // the dataset roots opened for the current session's checks
+	checking   singleflight.Group // one check of a path at a time; its concurrent readers share it
+	gen        *tiers.Generation  // nil without EngineConfig.GenerationFile
 	genFile    string
 	maxSend    int64 // see EngineConfig.MaxSendBytes
 	// nodeFetch is EngineConfig.NodeFetch, or nil.

@@ -53,16 +53,35 @@ func (e *Engine) Session() uint32 { return e.sessions.current() }
 // It returns an error only for a request that fails anyway (a path outside the roots) or a
 // source that cannot be looked at; a file no tier lists costs an index lookup per tier.
 func (e *Engine) validate(root, path string) error {
-	session := e.sessions.current()
-	unchecked := false
-	for _, t := range e.tiers {
-		if listed, checked := t.Checked(path, session); listed && !checked {
-			unchecked = true
-		}
-	}
-	if !unchecked {
+	if !e.uncheckedCopy(path) {
 		return nil
 	}
+	// Readers of one file at once (a prefetch and a DataLoader worker, two workers) wait for
+	// one check, which is looked at again inside: one that began after another's check ended
+	// finds the copy checked.
+	_, err, _ := e.checking.Do(path, func() (any, error) {
+		if !e.uncheckedCopy(path) {
+			return nil, nil
+		}
+		return nil, e.check(root, path)
+	})
+	return err
+}
+
+// uncheckedCopy reports whether a tier lists a copy of path not checked in the current session.
+func (e *Engine) uncheckedCopy(path string) bool {
+	session := e.sessions.current()
+	for _, t := range e.tiers {
+		if listed, checked := t.Checked(path, session); listed && !checked {
+			return true
+		}
+	}
+	return false
+}
+
+// check compares the copies of path with its source (see validate).
+func (e *Engine) check(root, path string) error {
+	session := e.sessions.current()
 	e.stats.sourceChecks.Add(1)
 	id, err := e.sourceIdentity(root, path, session)
 	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -123,6 +124,35 @@ func TestUnchangedCopyIsCheckedOncePerSession(t *testing.T) {
 	if s.SourceChecks != int64(len(paths)) || s.StaleCopies != 0 || s.SourceReads != int64(len(paths)) {
 		t.Errorf("checks %d, stale %d, source reads %d; want %d checks, none stale, each file read once",
 			s.SourceChecks, s.StaleCopies, s.SourceReads, len(paths))
+	}
+}
+
+// Readers of one file at once (a prefetch and DataLoader workers) share one check of it.
+func TestConcurrentReadersShareOneCheck(t *testing.T) {
+	e := newEngine(t, "1MiB")
+	sizes := make([]int, 30)
+	for i := range sizes {
+		sizes[i] = 100 + i
+	}
+	root, paths := dataset(t, sizes...)
+	for _, p := range paths {
+		readAll(t, e, root, p)
+	}
+	e.BeginSession("next-job")
+	const readers = 8
+	var wg sync.WaitGroup
+	for range readers {
+		wg.Go(func() {
+			for _, p := range paths {
+				_, got := readAll(t, e, root, p)
+				wantBytes(t, p, got)
+			}
+		})
+	}
+	wg.Wait()
+	if s := e.Stats(); s.SourceChecks != int64(len(paths)) || s.StaleCopies != 0 {
+		t.Errorf("%d readers at once: %d checks, %d stale; want one check per file (%d), none stale",
+			readers, s.SourceChecks, s.StaleCopies, len(paths))
 	}
 }
 
