@@ -12,7 +12,7 @@ import (
 	"github.com/cloudwego/kitex/client/callopt"
 	"github.com/cloudwego/kitex/pkg/kerrors"
 	"github.com/cloudwego/kitex/pkg/klog"
-	"github.com/cloudwego/kitex/pkg/remote/trans/netpoll"
+	"github.com/cloudwego/kitex/pkg/remote"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -84,14 +84,16 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 	if cfg.MaxFrameBytes <= 0 && cfg.Token != "" {
 		cfg.MaxFrameBytes = DefaultMaxFrameBytes
 	}
+	// This package's transport (transport.go), whose connections are authenticated by the
+	// handshake before Kitex gets them.
+	var d remote.Dialer = remote.NewDefaultDialer()
+	if cfg.Token != "" {
+		d = handshakeDialer{inner: d, keys: newJobKeys(cfg.Token)}
+	}
 	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
 		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout),
-		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes))}
-	if cfg.Token != "" {
-		// Kitex's default (netpoll) dialer, with the handshake done before Kitex gets the
-		// connection.
-		opts = append(opts, client.WithDialer(handshakeDialer{inner: netpoll.NewDialer(), keys: newJobKeys(cfg.Token)}))
-	}
+		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes)), client.WithDialer(dialer{inner: d}),
+		client.WithTransHandlerFactory(cliTransHandlerFactory{})}
 	kc, err := client.NewClient(fitcache.NewServiceInfoForClient(), opts...)
 	if err != nil {
 		return nil, fmt.Errorf("fitcache client for %s: %w", addr, err)
@@ -167,14 +169,24 @@ func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitc
 
 // ReadGossip is Read with a request that may carry membership gossip (see the IDL).
 func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
+	return c.ReadInto(ctx, req, nil)
+}
+
+// ReadInto is ReadGossip into the caller's buffer: the bytes of a file that fits in buf are
+// read from the connection into buf, and the reply's Data is buf[:Size] (else a new buffer,
+// as with Read). The buffer is the caller's again when ReadInto returns, whatever it returns.
+func (c *Client) ReadInto(ctx context.Context, req *fitcachepb.ReadRequest, buf []byte) (*fitcachepb.ReadReply, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 	defer cancel()
+	dest := newBulkDest(buf)
+	ctx = context.WithValue(ctx, bulkDestKey{}, dest)
 	var r *fitcachepb.ReadReply
 	err := c.call(func() (err error) {
 		r, err = c.kc.Read(ctx, req, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
 		return err
 	})
 	if err != nil {
+		dest.abandon() // a decode that Kitex left running may still be writing to buf
 		return nil, c.failed(err)
 	}
 	return r, core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/cloudwego/kitex/pkg/endpoint"
-	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
 	"github.com/cloudwego/kitex/server"
 
 	"github.com/fitcache/fitcache/core"
@@ -97,27 +96,28 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 // host process); the host decides when to stop.
 //
 // With a token, connections are authenticated by the handshake and capped in number before
-// Kitex sees them, over Kitex's Go net transport (netpoll cannot take a wrapped listener);
-// without one, the server uses Kitex's default transport and accepts any connection. Either
-// way, a request is decoded only once its frame was checked (see framedCodec).
+// Kitex sees them; without one, the server accepts any connection. Either way it runs over
+// this package's transport (transport.go), and a request is decoded only once its frame was
+// checked (see framedCodec).
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := newHandler(e, cfg)
-	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate),
-		server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
 		h.guard = newGuardListener(ln, h.keys, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
-		opts = append(opts, server.WithListener(h.guard),
-			server.WithTransServerFactory(gonet.NewTransServerFactory()),
-			server.WithTransHandlerFactory(gonet.NewSvrTransHandlerFactory()))
-	} else {
-		opts = append(opts, server.WithListener(ln))
+		ln = h.guard
 	}
+	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate),
+		server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)), server.WithListener(ln),
+		server.WithTransServerFactory(transServerFactory{}), server.WithTransHandlerFactory(svrTransHandlerFactory{})}
 	srv := fitcache.NewServer(h, opts...)
 	done := make(chan error, 1)
 	go func() { done <- srv.Run() }()
 	return srv, h, done
 }
+
+// sendFromFiles is whether replies send files' bytes from the cached files (sendfile) rather
+// than from their mappings; tests turn it off.
+var sendFromFiles = true
 
 // frameSlack is room left in a frame for everything of a reply but the file's bytes.
 const frameSlack = 64 << 10
@@ -232,12 +232,19 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	h.members.Apply(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
-	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
+	read := h.engine.Read
+	if !req.Local && requestOf(ctx) != nil && sendFromFiles {
+		read = func(ctx context.Context, root, path string, _ bool) (core.Result, error) {
+			return h.engine.ReadToSend(ctx, root, path)
+		}
+	}
+	res, err := read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
-	defer res.Release()
+	release := res.Release
+	defer func() { release() }()
 	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
 	h.stampReply(req.Path, res, reply)
@@ -248,6 +255,18 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), Reason: fitcachepb.Reason_TOO_LARGE, MembershipVersion: version, Dead: dead,
 			Message: fmt.Sprintf("fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", req.Path,
 				len(res.Bytes()), h.cfg.MaxFrameBytes)}, nil
+	case res.Mapping != nil && requestOf(ctx) != nil:
+		// Sent from the cached file (sendfile), or else from its mapping, once the reply's
+		// other fields are written, and released then (see encodeBulk): the bytes never pass
+		// through this process's memory.
+		r := requestOf(ctx)
+		reply.Data = res.Bytes()
+		if res.File != nil {
+			r.sendFrom(reply.Data, res.File)
+			res.File = nil // the request closes it
+		}
+		r.afterReply(res.Release)
+		release = func() {}
 	case res.Mapping != nil:
 		reply.Data = bytes.Clone(res.Bytes()) // the mapping is released before the reply is sent
 	default:

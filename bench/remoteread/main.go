@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -422,9 +423,14 @@ func (f fitcacheReader) warm(paths []string, size int) error {
 	return nil
 }
 
+// read reads into a buffer of the worker's, as the baselines do.
 func (f fitcacheReader) read(size int) readFunc {
+	var bufs [maxInFlight][]byte
 	return func(w, i int, path string) (int, error) {
-		reply, err := f.c.Read(context.Background(), f.root, path, false)
+		if bufs[w] == nil {
+			bufs[w] = make([]byte, size)
+		}
+		reply, err := f.c.ReadInto(context.Background(), &fitcachepb.ReadRequest{Root: f.root, Path: path}, bufs[w])
 		if err != nil {
 			return 0, err
 		}
