@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -111,7 +112,13 @@ func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *H
 		server.WithTransServerFactory(transServerFactory{}), server.WithTransHandlerFactory(svrTransHandlerFactory{})}
 	srv := fitcache.NewServer(h, opts...)
 	done := make(chan error, 1)
-	go func() { done <- srv.Run() }()
+	go func() {
+		err := srv.Run()
+		if errors.Is(err, errStopped) {
+			err = nil
+		}
+		done <- err
+	}()
 	return srv, h, done
 }
 

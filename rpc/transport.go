@@ -224,11 +224,22 @@ func (s *transServer) CreateListener(addr net.Addr) (net.Listener, error) {
 	return net.Listen(addr.Network(), addr.String())
 }
 
-// BootstrapServer implements remote.TransServer: it serves ln until Shutdown.
+// errStopped ends BootstrapServer when the server stops. It is no nil error: Kitex's Run,
+// which may see BootstrapServer return before it waits for it (a server stopped as soon as it
+// started), takes nil then for an error and fails on it; Serve reports it as nil.
+var errStopped = errors.New("fitcache: server stopped")
+
+// BootstrapServer implements remote.TransServer: it serves ln until Shutdown, and then
+// returns errStopped.
 func (s *transServer) BootstrapServer(ln net.Listener) error {
 	s.mu.Lock()
 	s.ln = ln
+	stopping := s.stopping
 	s.mu.Unlock()
+	if stopping { // stopped before it started: ln was not closed
+		ln.Close()
+		return errStopped
+	}
 	for {
 		nc, err := ln.Accept()
 		if err != nil {
@@ -236,7 +247,7 @@ func (s *transServer) BootstrapServer(ln net.Listener) error {
 			stopping := s.stopping
 			s.mu.Unlock()
 			if stopping {
-				return nil
+				return errStopped
 			}
 			return err
 		}
