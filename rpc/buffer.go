@@ -17,11 +17,12 @@ import (
 // file (writeFile) or read them into a buffer of its own (readDirect).
 type buffer struct {
 	c      *conn
-	status int      // remote.BitReadable, remote.BitWritable
-	req    *request // a server's request, whose reply may send bytes from files; nil on clients
-	replay []byte   // read before the connection
-	rn     int      // bytes read from replay and directly (see ReadLen)
-	corked bool     // the socket holds partial segments back until Flush (see writeBulk)
+	status int        // remote.BitReadable, remote.BitWritable
+	req    *request   // a server's request, whose reply may send bytes from files; nil on clients
+	replay []byte     // read before the connection
+	rn     int        // bytes read from replay and directly (see ReadLen)
+	corked bool       // the socket holds partial segments back until Flush (see writeBulk)
+	call   *callState // a client's call: its reply read, or its request failed, ends its use of c
 }
 
 var buffers = sync.Pool{New: func() any { return new(buffer) }}
@@ -222,6 +223,9 @@ func (b *buffer) Release(e error) error {
 	}
 	if b.corked {
 		b.c.cork(false)
+	}
+	if b.call != nil && (b.status&remote.BitReadable != 0 || e != nil) {
+		b.call.detach()
 	}
 	*b = buffer{}
 	buffers.Put(b)

@@ -292,10 +292,11 @@ func findData(b []byte) (at, n int, ok bool) {
 type bulkDestKey struct{}
 
 // bulkDest is where a Read call wants the file's bytes: in the caller's buffer, when they
-// fit, else in a new one. Kitex may still decode the reply of a call that it gave up at its
-// deadline (see invoke), after the caller has its error and has reused its buffer: a
-// caller's buffer is lent to one decode at a time, and the caller takes it back (abandon)
-// only once that decode has stopped (the connection's read deadline ends it).
+// fit, else in a new one. The buffer is lent to one decode at a time, and the caller takes
+// it back (abandon) once no decode writes to it: calls run in the caller's goroutine (see
+// Client.call), so a decode has ended when its call returns, and should Kitex ever leave
+// one running past its call (as it did with an RPC timeout of its own), abandon waits for it
+// (the connection's deadline ends it).
 type bulkDest struct {
 	mu    sync.Mutex // protects state and done
 	buf   []byte

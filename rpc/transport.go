@@ -139,6 +139,67 @@ func (c *conn) cork(on bool) bool {
 	return serr == nil
 }
 
+// callKey is the context key of a client's call.
+type callKey struct{}
+
+// callState carries a client call's deadline and cancellation (those of ctx) to the
+// connection it runs on. Kitex runs a call in another goroutine, and waits for it, when the
+// call has an RPC timeout or a context that can be done; such a call costs a fifth more CPU
+// time for a file of 100 KiB. Client.call gives it neither, so that it runs in the caller's
+// goroutine, and the connection's deadlines end it instead: ctx's deadline, or an instant in
+// the past once ctx is done.
+type callState struct {
+	ctx  context.Context
+	mu   sync.Mutex  // protects conn and stop
+	conn *conn       // the call's connection while the call uses it
+	stop func() bool // unregisters interrupt
+}
+
+// callOf returns the call ctx belongs to, or nil.
+func callOf(ctx context.Context) *callState {
+	s, _ := ctx.Value(callKey{}).(*callState)
+	return s
+}
+
+// attach gives c the call's deadline; a call done meanwhile interrupts it.
+func (s *callState) attach(c *conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.conn = c
+	d, _ := s.ctx.Deadline()
+	if s.ctx.Err() != nil {
+		d = time.Unix(1, 0)
+	}
+	c.SetDeadline(d)
+	if s.stop == nil {
+		s.stop = context.AfterFunc(s.ctx, s.interrupt)
+	}
+}
+
+// interrupt ends the call's reads and writes on its connection.
+func (s *callState) interrupt() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conn != nil {
+		s.conn.SetDeadline(time.Unix(1, 0))
+	}
+}
+
+// detach ends the call's use of its connection, which may go back to the pool.
+func (s *callState) detach() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.conn = nil
+}
+
+// end ends the call.
+func (s *callState) end() {
+	s.detach()
+	if s.stop != nil {
+		s.stop()
+	}
+}
+
 // requestKey is the context key of a request on a server of this transport.
 type requestKey struct{}
 
@@ -373,7 +434,7 @@ type extension struct{}
 // little more, as Kitex gives it) to read its reply; a server sets its read deadlines itself
 // (see transServer.serve).
 func (extension) SetReadTimeout(ctx context.Context, c net.Conn, cfg rpcinfo.RPCConfig, role remote.RPCRole) {
-	if role == remote.Client {
+	if role == remote.Client && callOf(ctx) == nil { // a call's deadline is its own (see callState)
 		c.SetReadDeadline(deadline(trans.GetReadTimeout(cfg)))
 	}
 }
@@ -383,14 +444,19 @@ func (extension) SetReadTimeout(ctx context.Context, c net.Conn, cfg rpcinfo.RPC
 // peer that stops reading cannot hold a writer for longer.
 func (extension) NewWriteByteBuffer(ctx context.Context, c net.Conn, msg remote.Message) remote.ByteBuffer {
 	cc := connOf(c)
-	if ri := msg.RPCInfo(); ri != nil {
-		t := ri.Config().ReadWriteTimeout()
-		if msg.RPCRole() == remote.Client {
-			t = trans.GetReadTimeout(ri.Config())
-		}
-		cc.SetWriteDeadline(deadline(t))
+	call := callOf(ctx)
+	switch ri := msg.RPCInfo(); {
+	case call != nil:
+		call.attach(cc)
+	case ri == nil:
+	case msg.RPCRole() == remote.Client:
+		cc.SetWriteDeadline(deadline(trans.GetReadTimeout(ri.Config())))
+	default:
+		cc.SetWriteDeadline(deadline(ri.Config().ReadWriteTimeout()))
 	}
-	return newBuffer(cc, remote.BitWritable, requestOf(ctx))
+	b := newBuffer(cc, remote.BitWritable, requestOf(ctx))
+	b.call = call
+	return b
 }
 
 // deadline returns the deadline of a timeout from now, none for 0.
@@ -403,7 +469,9 @@ func deadline(t time.Duration) time.Time {
 
 // NewReadByteBuffer implements trans.Extension.
 func (extension) NewReadByteBuffer(ctx context.Context, c net.Conn, msg remote.Message) remote.ByteBuffer {
-	return newBuffer(connOf(c), remote.BitReadable, nil)
+	b := newBuffer(connOf(c), remote.BitReadable, nil)
+	b.call = callOf(ctx)
+	return b
 }
 
 // ReleaseBuffer implements trans.Extension.

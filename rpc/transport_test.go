@@ -4,10 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -104,6 +107,61 @@ func TestRepliesReleaseTheirFiles(t *testing.T) {
 	}
 	if fds, maps := openFiles(t, tiers); fds > fds0+2 || maps > maps0 {
 		t.Errorf("after 200 reads: %d descriptors (%d before), %d mappings of tier files (%d before)", fds, fds0, maps, maps0)
+	}
+}
+
+// silentServer accepts connections on a TCP port, runs the handshake, reads whatever comes
+// and never answers.
+func silentServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				if serverHandshake(c, newJobKeys(testToken)) == nil {
+					c.SetReadDeadline(time.Now().Add(10 * time.Second))
+					io.Copy(io.Discard, c)
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// TestUnansweredReadEndsWithItsContext: a read that gets no answer ends when its context is
+// canceled, or at the read timeout, with an error that is no refusal (the server may only be
+// slow), and leaves the caller's buffer alone.
+func TestUnansweredReadEndsWithItsContext(t *testing.T) {
+	addr := silentServer(t)
+	c, _ := Dial(addr, ClientConfig{Token: testToken, ReadTimeout: 300 * time.Millisecond})
+	defer c.Close()
+	buf := make([]byte, 100)
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(50*time.Millisecond, cancel)
+	_, err := c.ReadInto(ctx, &fitcachepb.ReadRequest{Root: "/r", Path: "/r/f"}, buf)
+	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, context.Canceled) || IsRefused(err) {
+		t.Errorf("canceled read: %v, want ErrUnavailable, context.Canceled, and no refusal", err)
+	}
+	_, err = c.ReadInto(context.Background(), &fitcachepb.ReadRequest{Root: "/r", Path: "/r/f"}, buf)
+	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) || IsRefused(err) {
+		t.Errorf("read past its timeout: %v, want ErrUnavailable, context.DeadlineExceeded, and no refusal", err)
+	}
+	if !bytes.Equal(buf, make([]byte, 100)) {
+		t.Errorf("the caller's buffer was written to")
 	}
 }
 
