@@ -58,10 +58,19 @@ const bulkMin = 4 << 10
 
 // Encode implements remote.Codec.
 func (c framedCodec) Encode(ctx context.Context, msg remote.Message, out remote.ByteBuffer) error {
-	if b, ok := out.(*buffer); ok && msg.RPCInfo().Config().TransportProtocol() == transport.Framed {
-		if bulk := bulkOf(msg); len(bulk) >= bulkMin {
-			return c.encodeBulk(msg, b)
+	b, ok := out.(*buffer)
+	if !ok {
+		return c.inner.Encode(ctx, msg, out)
+	}
+	ok = msg.RPCInfo().Config().TransportProtocol() == transport.Framed
+	if r, batch := msg.Data().(*fitcachepb.FitCacheReadBatchResult); batch && b.req != nil && b.req.batch != nil {
+		if !ok || msg.MessageType() != remote.Reply || r.Success == nil {
+			return errors.New("fitcache: a ReadBatch reply's data can only be sent over a Framed transport")
 		}
+		return c.encodeBatch(msg, b)
+	}
+	if bulk := bulkOf(msg); ok && len(bulk) >= bulkMin {
+		return c.encodeBulk(msg, b)
 	}
 	return c.inner.Encode(ctx, msg, out)
 }
@@ -124,6 +133,48 @@ func (c framedCodec) encodeBulk(msg remote.Message, out *buffer) error {
 	return err
 }
 
+// encodeBatch writes a ReadBatch reply as Kitex would, with its data (field 7, left unset in
+// the reply: the files' bytes, in out.req.batch) as the reply's last field: the client reads
+// every other field before the bytes (see decodeRead). The bytes are written as encodeBulk
+// writes a Read reply's.
+func (c framedCodec) encodeBatch(msg remote.Message, out *buffer) error {
+	inv := msg.RPCInfo().Invocation()
+	body := msg.Data().(*fitcachepb.FitCacheReadBatchResult)
+	method := inv.MethodName()
+	total := 0
+	for _, b := range out.req.batch {
+		total += len(b)
+	}
+	data := thrift.Binary.FieldBeginLength() + thrift.Binary.BinaryLengthNocopy(nil) // its header and length
+	size := thrift.Binary.MessageBeginLength(method) + body.BLength() + data + total
+	if c.max > 0 && size > c.max {
+		return perrors.NewProtocolErrorWithType(perrors.InvalidData,
+			fmt.Sprintf("invalid data: payload size(%d) larger than the limit(%d)", size, c.max))
+	}
+	head := make([]byte, 4+size-total)
+	binary.BigEndian.PutUint32(head, uint32(size))
+	n := 4 + thrift.Binary.WriteMessageBegin(head[4:], method, thrift.TMessageType(msg.MessageType()), inv.SeqID())
+	n += body.FastWriteNocopy(head[n:], nil)
+	// The result ends with the reply's STOP and its own: the data goes before them.
+	if n < 2 || head[n-2] != byte(thrift.STOP) || head[n-1] != byte(thrift.STOP) || n+data != len(head) {
+		return fmt.Errorf("rpc: encoding %s: the result does not end as expected", method)
+	}
+	stops := [2]byte{head[n-2], head[n-1]}
+	n -= 2
+	n += thrift.Binary.WriteFieldBegin(head[n:], thrift.STRING, 7)
+	binary.BigEndian.PutUint32(head[n:], uint32(total))
+	if _, err := out.WriteBinary(head[:n+4]); err != nil {
+		return err
+	}
+	for _, b := range out.req.batch {
+		if err := out.writeBulk(b); err != nil {
+			return err
+		}
+	}
+	_, err := out.WriteBinary(stops[:])
+	return err
+}
+
 // splitter is the no-copy writer (thrift.NocopyWriter) given to the generated code's
 // FastWriteNocopy, which passes it the binary and string fields of 4 KiB or more instead of
 // writing them into the frame.
@@ -169,8 +220,8 @@ func (c framedCodec) DecodeMeta(ctx context.Context, msg remote.Message, in remo
 // call fails. A client reads a Read reply's data into its buffer (see decodeRead).
 func (c framedCodec) DecodePayload(ctx context.Context, msg remote.Message, in remote.ByteBuffer) error {
 	if b, ok := in.(*buffer); ok && msg.RPCRole() == remote.Client {
-		if _, ok := msg.Data().(*fitcachepb.FitCacheReadResult); ok {
-			if done, err := c.decodeRead(ctx, msg, b); done {
+		if field := dataField(msg); field != 0 {
+			if done, err := c.decodeRead(ctx, msg, b, field); done {
 				return err
 			}
 		}
@@ -193,18 +244,32 @@ func (c framedCodec) Name() string { return "fitcache-framed" }
 // hundred bytes.
 const readWindow = 4 << 10
 
-// decodeRead decodes a Read reply on a client, its data straight from the socket into the
-// buffer of the call (see bulkDest): the frame's other bytes are set aside, checked as any
-// frame (checkFrame, with the data's length as 0) and decoded by Kitex's codec. It reads
-// nothing and reports false when the data does not start within readWindow bytes (the
-// caller decodes the frame as any other).
-func (c framedCodec) decodeRead(ctx context.Context, msg remote.Message, in *buffer) (bool, error) {
+// dataField returns the field of the reply struct that holds the files' bytes in the reply
+// msg a client awaits (Read: data, 5; ReadBatch: data, 7), or 0 for other replies.
+func dataField(msg remote.Message) uint16 {
+	switch msg.Data().(type) {
+	case *fitcachepb.FitCacheReadResult:
+		return 5
+	case *fitcachepb.FitCacheReadBatchResult:
+		return 7
+	}
+	return 0
+}
+
+// decodeRead decodes a Read or ReadBatch reply on a client, its data (the binary field of
+// the reply struct given) straight from the socket into the buffer of the call (see
+// bulkDest): the frame's other bytes are set aside, checked as any frame (checkFrame, with
+// the data's length as 0) and decoded by Kitex's codec. It reads nothing and reports false
+// when the data does not start within readWindow bytes (the caller decodes the frame as any
+// other).
+func (c framedCodec) decodeRead(ctx context.Context, msg remote.Message, in *buffer, field uint16) (bool, error) {
 	size := msg.PayloadLen()
-	win, err := in.Peek(min(size, readWindow))
+	dest := bulkDestOf(ctx)
+	win, err := in.Peek(min(size, readWindow+dest.window))
 	if err != nil {
 		return true, perrors.NewProtocolErrorWithErrMsg(err, "fitcache: reading a frame: "+err.Error())
 	}
-	at, n, ok := findData(win)
+	at, n, ok := findData(win, msg.RPCInfo().Invocation().MethodName(), field)
 	if !ok {
 		return false, nil
 	}
@@ -219,7 +284,6 @@ func (c framedCodec) decodeRead(ctx context.Context, msg remote.Message, in *buf
 	frame := make([]byte, at, size-n)
 	copy(frame, head)
 	binary.BigEndian.PutUint32(frame[at-4:], 0)
-	dest := bulkDestOf(ctx)
 	data := dest.take(n)
 	err = in.readDirect(data)
 	dest.give()
@@ -239,26 +303,33 @@ func (c framedCodec) decodeRead(ctx context.Context, msg remote.Message, in *buf
 	if err := c.inner.DecodePayload(ctx, msg, in); err != nil {
 		return true, err
 	}
-	if r := msg.Data().(*fitcachepb.FitCacheReadResult); r.Success != nil {
-		r.Success.Data = data
+	switch r := msg.Data().(type) {
+	case *fitcachepb.FitCacheReadResult:
+		if r.Success != nil {
+			r.Success.Data = data
+		}
+	case *fitcachepb.FitCacheReadBatchResult:
+		if r.Success != nil {
+			r.Success.Data = data
+		}
 	}
 	return true, nil
 }
 
-// findData returns where the data of a Read reply starts in b, the first bytes of its frame,
-// and its length as the frame says, if b holds them: a strict binary REPLY message to
-// "Read" whose result's success (field 0) has a binary data field (5).
-func findData(b []byte) (at, n int, ok bool) {
+// findData returns where the data of a reply starts in b, the first bytes of its frame, and
+// its length as the frame says, if b holds them: a strict binary REPLY message to method
+// whose result's success (field 0) has a binary field of id field.
+func findData(b []byte, method string, field uint16) (at, n int, ok bool) {
 	c := &frameCheck{b: b}
 	v, err := c.u32()
 	if err != nil || v != 0x80010000|uint32(thrift.REPLY) {
 		return 0, 0, false
 	}
 	name, err := c.u32()
-	if err != nil || name != uint32(len("Read")) {
+	if err != nil || name != uint32(len(method)) {
 		return 0, 0, false
 	}
-	if p, err := c.take(int(name)); err != nil || string(p) != "Read" {
+	if p, err := c.take(int(name)); err != nil || string(p) != method {
 		return 0, 0, false
 	}
 	if _, err := c.take(4); err != nil { // sequence id
@@ -267,7 +338,7 @@ func findData(b []byte) (at, n int, ok bool) {
 	for _, want := range []struct {
 		tt thrift.TType
 		id uint16
-	}{{thrift.STRUCT, 0}, {thrift.STRING, 5}} { // the result's success, then its data
+	}{{thrift.STRUCT, 0}, {thrift.STRING, field}} { // the result's success, then its data
 		for {
 			h, err := c.take(3)
 			if err != nil || thrift.TType(h[0]) == thrift.STOP {
@@ -298,10 +369,11 @@ type bulkDestKey struct{}
 // one running past its call (as it did with an RPC timeout of its own), abandon waits for it
 // (the connection's deadline ends it).
 type bulkDest struct {
-	mu    sync.Mutex // protects state and done
-	buf   []byte
-	state int           // destFree, destLent, destDone
-	done  chan struct{} // closed when a lent buffer is given back
+	window int        // bytes to look at for the data's place beyond readWindow (a batch's replies)
+	mu     sync.Mutex // protects state and done
+	buf    []byte
+	state  int           // destFree, destLent, destDone
+	done   chan struct{} // closed when a lent buffer is given back
 }
 
 const (

@@ -239,50 +239,75 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	h.members.Apply(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
-	read := h.engine.Read
-	if !req.Local && requestOf(ctx) != nil && sendFromFiles {
-		read = func(ctx context.Context, root, path string, _ bool) (core.Result, error) {
-			return h.engine.ReadToSend(ctx, root, path)
-		}
-	}
-	res, err := read(ctx, req.Root, req.Path, req.Local)
+	res, err := h.read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
-	release := res.Release
-	defer func() { release() }()
 	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
 	h.stampReply(req.Path, res, reply)
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
-	case h.cfg.MaxFrameBytes > 0 && int64(len(res.Bytes())) > int64(h.cfg.MaxFrameBytes)-frameSlack:
-		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), Reason: fitcachepb.Reason_TOO_LARGE, MembershipVersion: version, Dead: dead,
-			Message: fmt.Sprintf("fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", req.Path,
-				len(res.Bytes()), h.cfg.MaxFrameBytes)}, nil
-	case res.Mapping != nil && requestOf(ctx) != nil:
-		// Sent from the cached file (sendfile), or else from its mapping, once the reply's
-		// other fields are written, and released then (see encodeBulk): the bytes never pass
-		// through this process's memory.
-		r := requestOf(ctx)
-		reply.Data = res.Bytes()
-		if res.File != nil {
-			r.sendFrom(reply.Data, res.File)
-			res.File = nil // the request closes it
-		}
-		r.afterReply(res.Release)
-		release = func() {}
-	case res.Mapping != nil:
-		reply.Data = bytes.Clone(res.Bytes()) // the mapping is released before the reply is sent
+		res.Release()
+	case h.tooLarge(len(res.Bytes())):
+		res.Release()
+		errno, msg, reason := errnoOf(h.errTooLarge(req.Path, len(res.Bytes())))
+		return &fitcachepb.ReadReply{Errno: errno, Reason: reason, Message: msg, MembershipVersion: version, Dead: dead}, nil
 	default:
-		reply.Data = res.Data
+		reply.Data = h.replyBytes(ctx, res)
 	}
 	if h.cfg.OnRead != nil {
 		h.cfg.OnRead(req.Local, res.Origin, time.Since(start), reply.Size)
 	}
 	return reply, nil
+}
+
+// read reads a file for a caller on this node (local: it maps tier files) or not; over this
+// package's transport, a file in a tier comes with its cached file open to be sent from
+// (core.Engine.ReadToSend).
+func (h *Handler) read(ctx context.Context, root, path string, local bool) (core.Result, error) {
+	if !local && requestOf(ctx) != nil && sendFromFiles {
+		return h.engine.ReadToSend(ctx, root, path)
+	}
+	return h.engine.Read(ctx, root, path, local)
+}
+
+// tooLarge reports whether n bytes of a file do not fit in a reply.
+func (h *Handler) tooLarge(n int) bool {
+	return h.cfg.MaxFrameBytes > 0 && int64(n) > int64(h.cfg.MaxFrameBytes)-frameSlack
+}
+
+// errTooLarge is the error of a file of n bytes too large for a reply: EFBIG, the caller
+// reads the source.
+func (h *Handler) errTooLarge(path string, n int) error {
+	return core.NewErrnoError(int32(syscall.EFBIG), core.ReasonTooLarge, fmt.Sprintf(
+		"fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", path, n, h.cfg.MaxFrameBytes))
+}
+
+// replyBytes returns the bytes of res for a reply, and releases res when they are no longer
+// needed. Over this package's transport they are sent from the cached file (sendfile), or
+// else from its mapping, once the reply's other fields are written (see encodeBulk and
+// encodeBatch), and res is released then: the bytes never pass through this process's
+// memory. Otherwise a mapping is copied, and released at once.
+func (h *Handler) replyBytes(ctx context.Context, res core.Result) []byte {
+	r := requestOf(ctx)
+	switch {
+	case res.Mapping != nil && r != nil:
+		b := res.Bytes()
+		if res.File != nil {
+			r.sendFrom(b, res.File)
+			res.File = nil // the request closes it
+		}
+		r.afterReply(res.Release)
+		return b
+	case res.Mapping != nil:
+		defer res.Release()
+		return bytes.Clone(res.Bytes())
+	}
+	res.Release()
+	return res.Data
 }
 
 // Store caches bytes a client read from the file's owner (this server is a replica), if the

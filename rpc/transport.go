@@ -209,6 +209,7 @@ type request struct {
 	conn    *conn
 	release []func()
 	files   map[*byte]sendable // bytes of a reply that may be sent from a file instead
+	batch   [][]byte           // the data of a ReadBatch reply, in order (see encodeBatch)
 }
 
 // sendable is a file whose bytes are the same as some bytes in memory (its mapping).
@@ -255,7 +256,7 @@ func (r *request) done() {
 	for i := len(r.release) - 1; i >= 0; i-- {
 		r.release[i]()
 	}
-	r.release, r.files = nil, nil
+	r.release, r.files, r.batch = nil, nil, nil
 }
 
 // transServerFactory makes servers of this transport.

@@ -5,12 +5,14 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 	"github.com/cloudwego/kitex/pkg/remote"
 	"github.com/cloudwego/kitex/pkg/rpcinfo"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 )
 
@@ -238,7 +241,7 @@ func readReply(data []byte, message string) ([]byte, int) {
 func TestReadReplyDataIsFoundAndChecked(t *testing.T) {
 	data := pattern(10000, 3)
 	f, at := readReply(data, "")
-	if gotAt, n, ok := findData(f[4:]); !ok || gotAt != at || n != len(data) {
+	if gotAt, n, ok := findData(f[4:], "Read", 5); !ok || gotAt != at || n != len(data) {
 		t.Errorf("findData: %d, %d, %v; want %d, %d, true", gotAt, n, ok, at, len(data))
 	}
 	buf := make([]byte, len(data))
@@ -248,7 +251,7 @@ func TestReadReplyDataIsFoundAndChecked(t *testing.T) {
 	}
 	// A long message before the data: found beyond the window only by decoding the frame.
 	long, longAt := readReply(data, strings.Repeat("m", readWindow))
-	if _, _, ok := findData(long[4 : 4+readWindow]); ok {
+	if _, _, ok := findData(long[4:4+readWindow], "Read", 5); ok {
 		t.Errorf("findData found data at %d beyond a window of %d", longAt, readWindow)
 	}
 	if r, err := decodeReadReply(long, buf); err != nil || !bytes.Equal(r.Data, data) {
@@ -266,7 +269,7 @@ func TestReadReplyDataIsFoundAndChecked(t *testing.T) {
 	}
 	for name, notRead := range map[string][]byte{"exception": frame("Read", thrift.EXCEPTION, 1, []byte{0}),
 		"Hello reply": frame("Hello", thrift.REPLY, 1, []byte{0}), "no data": frame("Read", thrift.REPLY, 1, []byte{12, 0, 0, 0, 0})} {
-		if _, _, ok := findData(notRead[4:]); ok {
+		if _, _, ok := findData(notRead[4:], "Read", 5); ok {
 			t.Errorf("%s: findData found data", name)
 		}
 	}
@@ -292,4 +295,59 @@ func FuzzDecodeReadReply(f *testing.F) {
 			t.Fatalf("decoded data that is not in the frame")
 		}
 	})
+}
+
+// TestReadBatch: a batch's files come back in order, each with its bytes or its error (a
+// missing file, one too large for any reply, ones that no longer fit in this reply), into the
+// caller's buffer or a new one, sent from the cached files or from their mappings.
+func TestReadBatch(t *testing.T) {
+	const frame = 1 << 20
+	for _, fromFiles := range []bool{true, false} {
+		sendFromFiles = fromFiles
+		t.Cleanup(func() { sendFromFiles = true })
+		addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, MaxFrameBytes: frame})
+		c, _ := Dial(addr, ClientConfig{Token: testToken, MaxFrameBytes: frame})
+		defer c.Close()
+		root := t.TempDir()
+		sizes := []int{0, 100, 5000, 200 << 10, -1, 2 * frame, 300 << 10, 300 << 10, 300 << 10, 7}
+		var paths []string
+		want := map[string][]byte{}
+		for i, size := range sizes {
+			p := filepath.Join(root, fmt.Sprintf("f%d", i))
+			paths = append(paths, p)
+			if size >= 0 {
+				want[p] = pattern(size, byte(i))
+				os.WriteFile(p, want[p], 0o644)
+			}
+		}
+		// 200 KiB and two of 300 KiB fit in the 1 MiB reply (with its slack); the third 300 KiB no longer.
+		wantErr := map[int]syscall.Errno{4: syscall.ENOENT, 5: syscall.EFBIG, 8: syscall.ENOBUFS}
+		for round := range 2 {
+			for _, into := range []bool{false, true} {
+				var buf []byte
+				if into {
+					buf = make([]byte, 1<<20)
+				}
+				r, err := c.ReadBatch(context.Background(), &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}, buf)
+				if err != nil {
+					t.Fatalf("files %v, round %d: %v", fromFiles, round, err)
+				}
+				for i, f := range r.Replies {
+					err := core.NewErrnoError(f.Errno, core.Reason(f.Reason), f.Message)
+					if got := core.Errno(err); got != wantErr[i] {
+						t.Errorf("files %v, round %d, file %d: errno %v (%v), want %v", fromFiles, round, i, got, err, wantErr[i])
+					}
+					if err == nil && !bytes.Equal(f.Data, want[paths[i]]) {
+						t.Errorf("files %v, round %d, file %d: %d bytes, not the file's %d", fromFiles, round, i, len(f.Data), sizes[i])
+					}
+					if err == nil && cap(f.Data) != len(f.Data) {
+						t.Errorf("file %d: its data reaches into the next file's (capacity %d)", i, cap(f.Data))
+					}
+				}
+				if into && len(r.Data) > 0 && &r.Data[0] != &buf[0] {
+					t.Errorf("files %v, round %d: the batch's bytes were not read into the caller's buffer", fromFiles, round)
+				}
+			}
+		}
+	}
 }

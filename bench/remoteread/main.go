@@ -46,6 +46,7 @@ type config struct {
 	MaxBytes int64 // bytes of files per size, at most (fewer large files)
 	Reads    int   // reads per path and round
 	Rounds   int
+	Only     string // measure only this path beside the baselines ("" for all)
 	Profile  string // a directory for CPU profiles of FitCache reads (client and server), or ""
 	// ProfileBytes is what the profiled reads read at least (as many reads as it takes,
 	// Reads at least), for enough samples at 100 Hz.
@@ -57,7 +58,20 @@ const (
 	pathLocal    = "plain read"
 	pathTCP      = "plain TCP"
 	pathFitCache = "FitCache over Kitex"
+	pathBatch    = "FitCache, ReadBatch" // the reads in flight as one batch
 )
+
+// remotePaths are the paths measured at k reads in flight.
+func remotePaths(cfg config, k int) []string {
+	paths := []string{pathTCP, pathFitCache}
+	if k > 1 {
+		paths = append(paths, pathBatch)
+	}
+	if cfg.Only != "" {
+		paths = []string{pathTCP, cfg.Only}
+	}
+	return paths
+}
 
 // result is one path's figures at one size and number of reads in flight: medians over rounds.
 type result struct {
@@ -85,10 +99,11 @@ func main() {
 	reads := flag.Int("reads", 400, "reads per path and round")
 	rounds := flag.Int("rounds", 5, "rounds; figures are medians over rounds")
 	profile := flag.String("pprof", "", "directory for CPU profiles of the FitCache reads")
+	only := flag.String("only", "", "measure only this path beside the baselines: \""+pathFitCache+"\" or \""+pathBatch+"\"")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	flag.Parse()
 	cfg := config{MaxFiles: *files, MaxBytes: *maxBytes, Reads: *reads, Rounds: *rounds, Profile: *profile,
-		ProfileBytes: 2 << 30}
+		ProfileBytes: 2 << 30, Only: *only}
 	var err error
 	if cfg.Sizes, err = intList(*sizes); err == nil {
 		cfg.InFlight, err = intList(*inflight)
@@ -189,16 +204,19 @@ func runSize(cfg config, size int, data, tier string) ([]result, error) {
 			if err != nil {
 				return nil, err
 			}
-			order := []string{pathTCP, pathFitCache}
+			order := remotePaths(cfg, k)
 			if r%2 == 1 {
 				slices.Reverse(order)
 			}
 			for _, path := range order {
 				var s sample
-				if path == pathTCP {
+				switch path {
+				case pathTCP:
 					s, err = measure(paths, cfg.Reads, k, plain, tcp.read)
-				} else {
+				case pathFitCache:
 					s, err = measure(paths, cfg.Reads, k, fc, fitcache.read(size))
+				default:
+					s, err = measureBatches(paths, cfg.Reads, k, fc, fitcache.readBatch(size, k))
 				}
 				if err != nil {
 					tcp.close()
@@ -219,7 +237,7 @@ func runSize(cfg config, size int, data, tier string) ([]result, error) {
 
 	results := []result{summarize(samples[key(pathLocal, 1)], size, 1, pathLocal)}
 	for _, k := range cfg.InFlight {
-		for _, path := range []string{pathTCP, pathFitCache} {
+		for _, path := range remotePaths(cfg, k) {
 			results = append(results, summarize(samples[key(path, k)], size, k, path))
 		}
 	}
@@ -324,6 +342,32 @@ func measure(paths []string, reads, k int, server *child, read readFunc) (sample
 		s.bytes += total[w]
 	}
 	return s, errors.Join(errs...)
+}
+
+// batchFunc reads the files first, first+1, ... first+len(lat)-1 (modulo len(paths)) in
+// one call.
+type batchFunc func(first int, paths []string) (int, error)
+
+// measureBatches runs reads reads of the files in turn, k at a time in one call: each read
+// takes as long as its batch.
+func measureBatches(paths []string, reads, k int, server *child, read batchFunc) (sample, error) {
+	lat := make([]time.Duration, reads)
+	self := selfCPU()
+	srv0, cli0, start := server.cpu.now(), self.now(), time.Now()
+	var total int64
+	for i := 0; i < reads; i += k {
+		t := time.Now()
+		n, err := read(i, paths)
+		if err != nil {
+			return sample{}, err
+		}
+		total += int64(n)
+		for j := i; j < min(i+k, reads); j++ {
+			lat[j] = time.Since(t)
+		}
+	}
+	return sample{lat: lat, wall: time.Since(start), bytes: total, clientCPU: self.now() - cli0,
+		serverCPU: server.cpu.now() - srv0}, nil
 }
 
 // summarize returns the medians over rounds of a path's figures.
@@ -435,6 +479,32 @@ func (f fitcacheReader) read(size int) readFunc {
 			return 0, err
 		}
 		return len(reply.Data), check(reply.Data, i, size)
+	}
+}
+
+// readBatch reads k files in one call, into a buffer it reuses.
+func (f fitcacheReader) readBatch(size, k int) batchFunc {
+	buf := make([]byte, size*k)
+	return func(first int, paths []string) (int, error) {
+		req := &fitcachepb.ReadBatchRequest{Root: f.root}
+		for i := first; i < first+k; i++ {
+			req.Paths = append(req.Paths, paths[i%len(paths)])
+		}
+		r, err := f.c.ReadBatch(context.Background(), req, buf)
+		if err != nil {
+			return 0, err
+		}
+		n := 0
+		for j, reply := range r.Replies {
+			if reply.Errno != 0 {
+				return n, fmt.Errorf("%s: errno %d: %s", req.Paths[j], reply.Errno, reply.Message)
+			}
+			if err := check(reply.Data, (first+j)%len(paths), size); err != nil {
+				return n, err
+			}
+			n += len(reply.Data)
+		}
+		return n, nil
 	}
 }
 

@@ -30,7 +30,11 @@ func TestSmoke(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Log("\n" + out.String())
-	if got, want := len(results), len(cfg.Sizes)*(1+2*len(cfg.InFlight)); got != want {
+	want := 0
+	for _, k := range cfg.InFlight {
+		want += len(remotePaths(cfg, k))
+	}
+	if got, want := len(results), len(cfg.Sizes)*(1+want); got != want {
 		t.Fatalf("%d results, want %d", got, want)
 	}
 	for _, r := range results {
