@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"sync"
 
 	"github.com/cloudwego/kitex/pkg/remote"
@@ -14,7 +13,7 @@ import (
 // reads go through the connection's reader, or first through a frame the codec set aside
 // (replay); writes go through its writer, which passes slices of 4 KiB or more on to the
 // socket without copying them (bufiox.DefaultWriter), and the codec may send bytes from a
-// file (writeFile) or read them into a buffer of its own (readDirect).
+// file (writeBulk) or read them into a buffer of its own (readDirect).
 type buffer struct {
 	c      *conn
 	status int        // remote.BitReadable, remote.BitWritable
@@ -187,7 +186,7 @@ func (b *buffer) Write(p []byte) (int, error) { return b.WriteBinary(p) }
 // request.sendFrom): the bytes written so far are sent first.
 func (b *buffer) writeBulk(p []byte) error {
 	f, ok := b.req.fileOf(p)
-	if !ok {
+	if !ok || !b.c.canSendFile() {
 		_, err := b.WriteBinary(p)
 		return err
 	}
@@ -197,11 +196,8 @@ func (b *buffer) writeBulk(p []byte) error {
 	if err := b.c.w.Flush(); err != nil {
 		return err
 	}
-	return writeFile(b.c, f, int64(len(p)))
+	return b.c.sendFile(f, int64(len(p)))
 }
-
-// writeFile sends n bytes of f; tests replace it.
-var writeFile = func(c *conn, f *os.File, n int64) error { return c.sendFile(f, n) }
 
 // Flush implements remote.ByteBuffer.
 func (b *buffer) Flush() error {

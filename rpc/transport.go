@@ -100,18 +100,18 @@ func (c *conn) IsActive() bool {
 	return active
 }
 
-// sendFile writes n bytes of f, from its current offset, to the connection: with sendfile
-// where the kernel can, so that they never enter this process. Anything written through the
-// connection's buffer must have been flushed.
+// canSendFile reports whether sendFile sends a file's bytes without them entering this
+// process: over TCP (Go's TCPConn.ReadFrom uses sendfile); a Unix socket's bytes are better
+// written from a mapping than read and written again.
+func (c *conn) canSendFile() bool {
+	_, ok := c.sock.(io.ReaderFrom)
+	return ok
+}
+
+// sendFile writes n bytes of f, from its current offset, to the connection (see
+// canSendFile). Anything written through the connection's buffer must have been flushed.
 func (c *conn) sendFile(f *os.File, n int64) error {
-	src := io.LimitReader(f, n)
-	var written int64
-	var err error
-	if rf, ok := c.sock.(io.ReaderFrom); ok { // *net.TCPConn, *net.UnixConn: sendfile(2) or splice(2)
-		written, err = rf.ReadFrom(src)
-	} else {
-		written, err = io.Copy(c.Conn, src)
-	}
+	written, err := c.sock.(io.ReaderFrom).ReadFrom(io.LimitReader(f, n))
 	if err == nil && written != n {
 		err = io.ErrUnexpectedEOF // the cached file is shorter than its index said
 	}

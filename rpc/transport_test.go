@@ -34,14 +34,20 @@ func pattern(n int, seed byte) []byte {
 }
 
 // TestReadRepliesCarryTheFilesBytes: files of every size around the thresholds reach the
-// client whole, sent from the cached file (sendfile), from its mapping, or from the source's
-// bytes in memory, and read into a new buffer, into the caller's, or into a new one when the
-// caller's is too small.
+// client whole, sent from the cached file (sendfile, over TCP), from its mapping (over a
+// Unix socket, or with sendFromFiles off), or from the source's bytes in memory, and read into
+// a new buffer, into the caller's, or into a new one when the caller's is too small.
 func TestReadRepliesCarryTheFilesBytes(t *testing.T) {
-	for _, fromFiles := range []bool{true, false} {
+	for _, tc := range []struct {
+		unix, fromFiles bool
+	}{{false, true}, {false, false}, {true, true}} {
+		fromFiles := tc.fromFiles
 		sendFromFiles = fromFiles
 		t.Cleanup(func() { sendFromFiles = true })
-		addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+		addr, _ := serveEngine(t, testToken)
+		if !tc.unix {
+			addr, _, _ = serveTCP(t, ServerConfig{Token: testToken})
+		}
 		c, _ := Dial(addr, ClientConfig{Token: testToken})
 		defer c.Close()
 		root := t.TempDir()
