@@ -206,7 +206,6 @@ type requestKey struct{}
 // request is one request on a server connection: what its handler leaves for after its reply
 // is written.
 type request struct {
-	conn    *conn
 	release []func()
 	files   map[*byte]sendable // bytes of a reply that may be sent from a file instead
 	batch   [][]byte           // the data of a ReadBatch reply, in order (see encodeBatch)
@@ -354,7 +353,7 @@ func (s *transServer) serve(c *conn) {
 		if ri := rpcinfo.GetRPCInfo(ctx); ri != nil {
 			c.SetReadDeadline(deadline(ri.Config().ReadWriteTimeout()))
 		}
-		req := &request{conn: c}
+		req := &request{}
 		err = s.h.OnRead(context.WithValue(ctx, requestKey{}, req), c)
 		req.done()
 		if err != nil || !s.busy(c, false) {
@@ -440,20 +439,23 @@ func (extension) SetReadTimeout(ctx context.Context, c net.Conn, cfg rpcinfo.RPC
 	}
 }
 
-// NewWriteByteBuffer implements trans.Extension. A message has as long to be written as a
-// call to be answered (a client's request) or a request to be read (a server's reply): a
-// peer that stops reading cannot hold a writer for longer.
+// replyWriteTimeout is how long a server's reply has to be written: as long as a client
+// waits for a read (ClientConfig.ReadTimeout), so that a peer that stops reading holds a
+// connection, and the files its reply sends from, no longer.
+const replyWriteTimeout = time.Minute
+
+// NewWriteByteBuffer implements trans.Extension. A client's request has as long to be
+// written as its call (see callState), a server's reply replyWriteTimeout.
 func (extension) NewWriteByteBuffer(ctx context.Context, c net.Conn, msg remote.Message) remote.ByteBuffer {
 	cc := connOf(c)
 	call := callOf(ctx)
 	switch ri := msg.RPCInfo(); {
 	case call != nil:
 		call.attach(cc)
-	case ri == nil:
-	case msg.RPCRole() == remote.Client:
+	case msg.RPCRole() != remote.Client:
+		cc.SetWriteDeadline(deadline(replyWriteTimeout))
+	case ri != nil:
 		cc.SetWriteDeadline(deadline(trans.GetReadTimeout(ri.Config())))
-	default:
-		cc.SetWriteDeadline(deadline(ri.Config().ReadWriteTimeout()))
 	}
 	b := newBuffer(cc, remote.BitWritable, requestOf(ctx))
 	b.call = call
