@@ -49,9 +49,10 @@ type conn struct {
 	closed atomic.Bool
 }
 
-// newConn wraps c, which must be used through the returned conn only.
+// newConn wraps c, which must be used through the returned conn only. Its bytes are read and
+// written on the connection c wraps, if any (see countedConn.NetConn): a *net.TCPConn writes
+// a message's parts with one writev.
 func newConn(c net.Conn) *conn {
-	cc := &conn{Conn: c, r: bufiox.NewDefaultReader(c), w: bufiox.NewDefaultWriter(c)}
 	raw := c
 	for {
 		u, ok := raw.(interface{ NetConn() net.Conn })
@@ -60,6 +61,7 @@ func newConn(c net.Conn) *conn {
 		}
 		raw = u.NetConn()
 	}
+	cc := &conn{Conn: c, r: bufiox.NewDefaultReader(raw), w: bufiox.NewDefaultWriter(raw)}
 	cc.sock, _ = raw.(syscall.Conn)
 	return cc
 }
