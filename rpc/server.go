@@ -66,6 +66,8 @@ type Handler struct {
 	members  gossip.View
 	refusals *refusalLog
 	guard    *guardListener // nil without a token
+	// sendFromFiles: see the variable.
+	sendFromFiles bool
 }
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
@@ -88,7 +90,7 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.RefusalLogInterval <= 0 {
 		cfg.RefusalLogInterval = 10 * time.Second
 	}
-	return &Handler{engine: e, cfg: cfg, keys: newJobKeys(cfg.Token),
+	return &Handler{engine: e, cfg: cfg, keys: newJobKeys(cfg.Token), sendFromFiles: sendFromFiles,
 		refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
 }
 
@@ -122,8 +124,8 @@ func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *H
 	return srv, h, done
 }
 
-// sendFromFiles is whether replies send files' bytes from the cached files (sendfile) rather
-// than from their mappings; tests turn it off.
+// sendFromFiles is whether the replies of handlers made from now on send files' bytes from the
+// cached files (sendfile) rather than from their mappings; tests turn it off.
 var sendFromFiles = true
 
 // frameSlack is room left in a frame for everything of a reply but the file's bytes.
@@ -268,7 +270,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 // package's transport, a file in a tier comes with its cached file open to be sent from
 // (core.Engine.ReadToSend).
 func (h *Handler) read(ctx context.Context, root, path string, local bool) (core.Result, error) {
-	if !local && requestOf(ctx) != nil && sendFromFiles {
+	if !local && requestOf(ctx) != nil && h.sendFromFiles {
 		return h.engine.ReadToSend(ctx, root, path)
 	}
 	return h.engine.Read(ctx, root, path, local)

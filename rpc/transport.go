@@ -196,9 +196,12 @@ func (s *callState) detach() {
 
 // end ends the call.
 func (s *callState) end() {
-	s.detach()
-	if s.stop != nil {
-		s.stop()
+	s.mu.Lock()
+	s.conn = nil
+	stop := s.stop
+	s.mu.Unlock()
+	if stop != nil {
+		stop()
 	}
 }
 
