@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -228,6 +230,9 @@ type Result struct {
 	// (or the one it joined) opened the source, or when the tier's copy was made.
 	CTimeNanos int64
 	Ino        uint64
+	// File is the cached file Mapping maps, open, for a caller that sends its bytes
+	// elsewhere (see ReadToSend); nil otherwise. Release closes it.
+	File *os.File
 }
 
 // Bytes returns the file's bytes.
@@ -238,10 +243,13 @@ func (r Result) Bytes() []byte {
 	return r.Data
 }
 
-// Release releases the mapping, if any.
+// Release releases the mapping and closes the file, if any.
 func (r Result) Release() {
 	if r.Mapping != nil {
 		r.Mapping.Release()
+	}
+	if r.File != nil {
+		r.File.Close()
 	}
 }
 
@@ -265,6 +273,34 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	n := int64(len(res.Bytes()))
 	e.stats.bytesServed.Add(n)
 	e.lat.observe(opRead, res.Origin, time.Since(start), n)
+	return res, nil
+}
+
+// ReadToSend is Read for a caller that sends the file's bytes elsewhere (a server answering
+// a reader on another node) and cannot map tier files: a file served from a tier also comes
+// with its cached file open (Result.File), to be sent from the file (sendfile) rather than
+// through this process's memory. The mapping stays valid, and is released with the file.
+func (e *Engine) ReadToSend(ctx context.Context, root, path string) (Result, error) {
+	res, err := e.Read(ctx, root, path, false)
+	if err != nil || res.Mapping == nil {
+		return res, err
+	}
+	for _, t := range e.tiers {
+		if !strings.HasPrefix(res.Mapping.Path, t.Path+string(filepath.Separator)) {
+			continue
+		}
+		// The file at the mapping's place now, which is the one mapped if the place still
+		// holds it: a place never holds a file again once another replaced it (a copy is
+		// published under a new inode, and the mapping keeps its own inode in use).
+		if f, err := t.OpenFile(path); err == nil {
+			if res.Mapping.Unchanged() {
+				res.File = f
+			} else {
+				f.Close()
+			}
+		}
+		break
+	}
 	return res, nil
 }
 

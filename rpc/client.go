@@ -12,7 +12,7 @@ import (
 	"github.com/cloudwego/kitex/client/callopt"
 	"github.com/cloudwego/kitex/pkg/kerrors"
 	"github.com/cloudwego/kitex/pkg/klog"
-	"github.com/cloudwego/kitex/pkg/remote/trans/netpoll"
+	"github.com/cloudwego/kitex/pkg/remote"
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -84,14 +84,16 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 	if cfg.MaxFrameBytes <= 0 && cfg.Token != "" {
 		cfg.MaxFrameBytes = DefaultMaxFrameBytes
 	}
-	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
-		client.WithConnectTimeout(cfg.ConnectTimeout), client.WithRPCTimeout(cfg.CallTimeout),
-		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes))}
+	// This package's transport (transport.go), whose connections are authenticated by the
+	// handshake before Kitex gets them.
+	var d remote.Dialer = remote.NewDefaultDialer()
 	if cfg.Token != "" {
-		// Kitex's default (netpoll) dialer, with the handshake done before Kitex gets the
-		// connection.
-		opts = append(opts, client.WithDialer(handshakeDialer{inner: netpoll.NewDialer(), keys: newJobKeys(cfg.Token)}))
+		d = handshakeDialer{inner: d, keys: newJobKeys(cfg.Token)}
 	}
+	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
+		client.WithConnectTimeout(cfg.ConnectTimeout),
+		client.WithCodec(newFramedCodec(cfg.MaxFrameBytes)), client.WithDialer(dialer{inner: d}),
+		client.WithTransHandlerFactory(cliTransHandlerFactory{})}
 	kc, err := client.NewClient(fitcache.NewServiceInfoForClient(), opts...)
 	if err != nil {
 		return nil, fmt.Errorf("fitcache client for %s: %w", addr, err)
@@ -115,14 +117,31 @@ func (c *Client) Close() error {
 	return c.closer.Close()
 }
 
-// call runs f unless the client is closed.
-func (c *Client) call(f func() error) error {
+// call runs f unless the client is closed, with a context that gives the call at most
+// timeout. The deadline and the cancellation of ctx are the transport's to enforce (see
+// callState): Kitex gets neither, so that it runs the call in this goroutine.
+func (c *Client) call(ctx context.Context, timeout time.Duration, f func(ctx context.Context) error) error {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	if c.closed {
 		return fmt.Errorf("fitcache client for %s: %w", c.addr, core.ErrClosed)
 	}
-	return f()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	st := &callState{ctx: ctx}
+	err := f(context.WithValue(context.WithoutCancel(ctx), callKey{}, st))
+	st.end()
+	if err == nil {
+		return nil
+	}
+	cause := ctx.Err()
+	if d, ok := ctx.Deadline(); cause == nil && ok && !time.Now().Before(d) {
+		cause = context.DeadlineExceeded // the connection's deadline came first
+	}
+	if cause != nil {
+		err = fmt.Errorf("%w: %w", err, cause)
+	}
+	return err
 }
 
 // Addr returns the server's address.
@@ -149,7 +168,7 @@ func (c *Client) failed(err error) error {
 // Hello asks the server to describe itself.
 func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 	var r *fitcachepb.HelloReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.CallTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Job: c.cfg.Job}, c.target())
 		return err
 	})
@@ -164,7 +183,7 @@ func (c *Client) Hello(ctx context.Context) (*fitcachepb.HelloReply, error) {
 // too, whichever node they read from.
 func (c *Client) BeginJob(ctx context.Context, job string) error {
 	var r *fitcachepb.HelloReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.CallTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Hello(ctx, &fitcachepb.HelloRequest{Job: job, Relayed: true}, c.target())
 		return err
 	})
@@ -182,13 +201,20 @@ func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitc
 
 // ReadGossip is Read with a request that may carry membership gossip (see the IDL).
 func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
-	defer cancel()
+	return c.ReadInto(ctx, req, nil)
+}
+
+// ReadInto is ReadGossip into the caller's buffer: the bytes of a file that fits in buf are
+// read from the connection into buf, and the reply's Data is buf[:Size] (else a new buffer,
+// as with Read). The buffer is the caller's again when ReadInto returns, whatever it returns.
+func (c *Client) ReadInto(ctx context.Context, req *fitcachepb.ReadRequest, buf []byte) (*fitcachepb.ReadReply, error) {
+	dest := newBulkDest(buf)
 	var r *fitcachepb.ReadReply
-	err := c.call(func() (err error) {
-		r, err = c.kc.Read(ctx, req, c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+	err := c.call(ctx, c.cfg.ReadTimeout, func(ctx context.Context) (err error) {
+		r, err = c.kc.Read(context.WithValue(ctx, bulkDestKey{}, dest), req, c.target())
 		return err
 	})
+	dest.abandon() // no decode writes to buf from now on (see bulkDest)
 	if err != nil {
 		return nil, c.failed(err)
 	}
@@ -198,7 +224,7 @@ func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*
 // ReportHits reports hits served from this server's tier files by the caller.
 func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes int64) error {
 	var r *fitcachepb.HitReportReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.CallTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.ReportHits(ctx, &fitcachepb.HitReport{HitsByTier: byTier, Bytes: bytes}, c.target())
 		return err
 	})
@@ -212,13 +238,11 @@ func (c *Client) ReportHits(ctx context.Context, byTier map[string]int64, bytes 
 // their owner gave them in its Read reply (see StampOf) and the source as the replica sees it;
 // else it fails with EBADMSG (core.ErrBadCopy) or EAGAIN (core.ErrChanged).
 func (c *Client) Store(ctx context.Context, root, path string, data []byte, s Stamp) error {
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
-	defer cancel()
 	var r *fitcachepb.StoreReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.ReadTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Store(ctx, &fitcachepb.StoreRequest{Root: root, Path: path, Data: data, MtimeNanos: s.MTimeNanos,
 			CtimeNanos: s.CTimeNanos, Inode: int64(s.Ino), Checksum: int64(s.Checksum), Stamp: s.MAC},
-			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+			c.target())
 		return err
 	})
 	if err != nil {
@@ -230,7 +254,7 @@ func (c *Client) Store(ctx context.Context, root, path string, data []byte, s St
 // Stats returns the server's counters as JSON.
 func (c *Client) Stats(ctx context.Context) (string, error) {
 	var r *fitcachepb.StatsReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.CallTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Stats(ctx, &fitcachepb.StatsRequest{}, c.target())
 		return err
 	})

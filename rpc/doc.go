@@ -5,6 +5,17 @@
 // only validates, calls the engine and maps errors to errno codes. [Client] calls one server
 // with a deadline on every call.
 //
+// Both sides run over this package's transport for Kitex (transport.go, buffer.go): Kitex's
+// protocol handlers, codecs and client connection pool, over connections and buffers of its
+// own, so that a file's bytes skip the copies a codec makes. A server answering a Read from
+// another node sends the file from its cached copy once the reply's other fields are written
+// (sendfile under 1 MiB, the mapping written to the socket above, see encodeBulk), and
+// releases the copy once the reply is out; the client checks the frame's other bytes and
+// reads the file's bytes from the socket straight into its buffer ([Client.ReadInto]: the
+// caller's; see decodeRead). [Client.ReadBatch] reads several files in one call, their bytes
+// after every other field of the reply. A client's calls run in its goroutine, their
+// deadline and cancellation enforced by the connection (see callState).
+//
 // What a server and a client with a job token guarantee each other:
 //
 //   - Mutual authentication without the token on the wire (handshake.go). Each new
@@ -17,12 +28,13 @@
 //     client has proved itself. Requests carry no token: a connection is authenticated, so
 //     every request on it, Store, Forget and Clear included, comes from the job. Serve wraps
 //     the listener to run the handshake, cap connections and refuse the rest before Kitex
-//     sees them (such a server uses Kitex's Go net transport: netpoll takes no wrapped
-//     listener), and Dial runs it in its dialer before Kitex gets the connection.
+//     sees them, and Dial runs it in its dialer before Kitex gets the connection.
 //   - Bounded decoding (frame.go). Both sides use a codec that checks a frame's size against
 //     [DefaultMaxFrameBytes] (configurable) before reading its body, and then every length in
 //     it against the bytes it holds before Kitex's generated decoders, which allocate what a
-//     list claims, see it.
+//     list claims, see it. A Read or ReadBatch reply is checked without its file bytes: the
+//     rest of the frame, with the bytes' length as 0, is checked and decoded as any frame, and
+//     the bytes, which no decoder walks, must fit in the frame.
 //   - Checked replica copies (stamp.go). A Read reply carries the file's CRC-32C and its
 //     owner's stamp, which a client passes on to a replica's Store; the replica checks both,
 //     and the source's size and times with its own stat, before it keeps a copy.
@@ -44,4 +56,5 @@
 //	c, err := rpc.Dial("node7:7070", rpc.ClientConfig{Token: token})
 //	defer c.Close()
 //	reply, err := c.Read(ctx, "/data", "/data/train/0001.jpg", false)
+//	reply, err = c.ReadInto(ctx, &fitcachepb.ReadRequest{Root: "/data", Path: p}, buf) // reply.Data in buf
 package rpc

@@ -102,6 +102,37 @@ struct ReadReply {
   14: binary stamp
 }
 
+// Several files of one dataset root, for a caller that cannot map tier files (another node's
+// server, reading a DataLoader batch): one round trip, and the bytes of all of them together.
+struct ReadBatchRequest {
+  // Dataset root the paths must stay within (absolute, cleaned).
+  1: string root
+  // Files to read (absolute, cleaned, inside root).
+  2: list<string> paths
+  // Membership gossip, as in ReadRequest.
+  3: i64 membership_version
+  4: list<string> dead
+  5: list<string> alive
+}
+
+struct ReadBatchReply {
+  // Set when the request as a whole failed; each file has its own errno in replies.
+  1: i32 errno
+  2: string message
+  3: Reason reason
+  // One reply per path, in the order of the request: a file's errno, size, origin, times,
+  // checksum and stamp as Read gives them, and no data (see data). A file that did not fit in
+  // the room the reply had left has errno ENOBUFS: read it alone.
+  4: list<ReadReply> replies
+  // Membership gossip, as in ReadReply.
+  5: i64 membership_version
+  6: list<string> dead
+  // The bytes of the files read (errno 0), one after the other in the order of replies, each
+  // as long as its reply's size. Servers write it last, after every other field, so that a
+  // client can read the bytes into its buffer once it has checked the rest.
+  7: optional binary data
+}
+
 // Hits that clients served from tier files themselves, reported so that server counters see
 // every read.
 struct HitReport {
@@ -260,6 +291,7 @@ struct ForgetReply {
 service FitCache {
   HelloReply Hello(1: HelloRequest req)
   ReadReply Read(1: ReadRequest req)
+  ReadBatchReply ReadBatch(1: ReadBatchRequest req)
   HitReportReply ReportHits(1: HitReport req)
   StatsReply Stats(1: StatsRequest req)
   StoreReply Store(1: StoreRequest req)

@@ -24,7 +24,7 @@ func (h *Handler) Forget(ctx context.Context, req *fitcachepb.ForgetRequest) (*f
 // source is being written.
 func (c *Client) Forget(ctx context.Context, root, path string) error {
 	var r *fitcachepb.ForgetReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.CallTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Forget(ctx, &fitcachepb.ForgetRequest{Root: root, Path: path}, c.target())
 		return err
 	})

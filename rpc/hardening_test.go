@@ -29,17 +29,32 @@ const testToken = "job-token"
 // serveTCP serves a fresh engine on a loopback TCP port with cfg and returns the address.
 func serveTCP(t testing.TB, cfg ServerConfig) (string, *Handler, *core.Engine) {
 	t.Helper()
-	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "16MiB"}}}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	return serveTCPWithTiers(t, cfg, t.TempDir())
+}
+
+// serveTCPWithTiers is serveTCP with the memory tier in dir.
+func serveTCPWithTiers(t testing.TB, cfg ServerConfig, dir string) (string, *Handler, *core.Engine) {
+	t.Helper()
+	e := newTestEngine(t, dir)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv, h, _ := Serve(e, ln, cfg)
-	t.Cleanup(func() { srv.Stop(); e.Close() })
+	t.Cleanup(func() { srv.Stop() })
 	return ln.Addr().String(), h, e
+}
+
+// newTestEngine returns an engine with a memory tier of 16 MiB in dir, closed when the test
+// ends.
+func newTestEngine(t testing.TB, dir string) *core.Engine {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: dir, Kind: tiers.Memory, Budget: "16MiB"}}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
 }
 
 // dialRaw opens a plain TCP connection, closed at the end of the test.

@@ -225,6 +225,9 @@ type countedConn struct {
 	once   sync.Once
 }
 
+// NetConn returns the connection counted, for its transport to reach the socket (see conn).
+func (c *countedConn) NetConn() net.Conn { return c.Conn }
+
 // Close closes the connection and releases its place.
 func (c *countedConn) Close() error {
 	err := c.Conn.Close()

@@ -43,14 +43,12 @@ func sessionOf(n int64) uint32 {
 // Prefetch sends a prefetch request (a chunk of a list, or a renewal without paths) and
 // returns the job's state and progress.
 func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.PrefetchInfo, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
-	defer cancel()
 	var r *fitcachepb.PrefetchReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.ReadTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Root: req.Root, Owner: req.Owner,
 			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths,
 			Session: int64(req.Session), ForNode: req.ForNode},
-			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+			c.target())
 		return err
 	})
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -13,7 +14,6 @@ import (
 	"time"
 
 	"github.com/cloudwego/kitex/pkg/endpoint"
-	"github.com/cloudwego/kitex/pkg/remote/trans/gonet"
 	"github.com/cloudwego/kitex/server"
 
 	"github.com/fitcache/fitcache/core"
@@ -71,6 +71,8 @@ type Handler struct {
 	members  gossip.View
 	refusals *refusalLog
 	guard    *guardListener // nil without a token
+	// sendFromFiles: see the variable.
+	sendFromFiles bool
 }
 
 var _ fitcachepb.FitCache = (*Handler)(nil)
@@ -93,7 +95,7 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 	if cfg.RefusalLogInterval <= 0 {
 		cfg.RefusalLogInterval = 10 * time.Second
 	}
-	return &Handler{engine: e, cfg: cfg, keys: newJobKeys(cfg.Token),
+	return &Handler{engine: e, cfg: cfg, keys: newJobKeys(cfg.Token), sendFromFiles: sendFromFiles,
 		refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
 }
 
@@ -102,27 +104,34 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 // host process); the host decides when to stop.
 //
 // With a token, connections are authenticated by the handshake and capped in number before
-// Kitex sees them, over Kitex's Go net transport (netpoll cannot take a wrapped listener);
-// without one, the server uses Kitex's default transport and accepts any connection. Either
-// way, a request is decoded only once its frame was checked (see framedCodec).
+// Kitex sees them; without one, the server accepts any connection. Either way it runs over
+// this package's transport (transport.go), and a request is decoded only once its frame was
+// checked (see framedCodec).
 func Serve(e *core.Engine, ln net.Listener, cfg ServerConfig) (server.Server, *Handler, <-chan error) {
 	never := func() <-chan error { return make(chan error) }
 	h := newHandler(e, cfg)
-	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate),
-		server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes))}
 	if cfg.Token != "" {
 		h.guard = newGuardListener(ln, h.keys, h.cfg.MaxConns, h.cfg.HandshakeTimeout, h.refuse)
-		opts = append(opts, server.WithListener(h.guard),
-			server.WithTransServerFactory(gonet.NewTransServerFactory()),
-			server.WithTransHandlerFactory(gonet.NewSvrTransHandlerFactory()))
-	} else {
-		opts = append(opts, server.WithListener(ln))
+		ln = h.guard
 	}
+	opts := []server.Option{server.WithExitSignal(never), server.WithMiddleware(h.authenticate),
+		server.WithCodec(newFramedCodec(h.cfg.MaxFrameBytes)), server.WithListener(ln),
+		server.WithTransServerFactory(transServerFactory{}), server.WithTransHandlerFactory(svrTransHandlerFactory{})}
 	srv := fitcache.NewServer(h, opts...)
 	done := make(chan error, 1)
-	go func() { done <- srv.Run() }()
+	go func() {
+		err := srv.Run()
+		if errors.Is(err, errStopped) {
+			err = nil
+		}
+		done <- err
+	}()
 	return srv, h, done
 }
+
+// sendFromFiles is whether the replies of handlers made from now on send files' bytes from the
+// cached files (sendfile) rather than from their mappings; tests turn it off.
+var sendFromFiles = true
 
 // frameSlack is room left in a frame for everything of a reply but the file's bytes.
 const frameSlack = 64 << 10
@@ -241,31 +250,75 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	h.members.Apply(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
-	res, err := h.engine.Read(ctx, req.Root, req.Path, req.Local)
+	res, err := h.read(ctx, req.Root, req.Path, req.Local)
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
-	defer res.Release()
 	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
 	h.stampReply(req.Path, res, reply)
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
-	case h.cfg.MaxFrameBytes > 0 && int64(len(res.Bytes())) > int64(h.cfg.MaxFrameBytes)-frameSlack:
-		return &fitcachepb.ReadReply{Errno: int32(syscall.EFBIG), Reason: fitcachepb.Reason_TOO_LARGE, MembershipVersion: version, Dead: dead,
-			Message: fmt.Sprintf("fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", req.Path,
-				len(res.Bytes()), h.cfg.MaxFrameBytes)}, nil
-	case res.Mapping != nil:
-		reply.Data = bytes.Clone(res.Bytes()) // the mapping is released before the reply is sent
+		res.Release()
+	case h.tooLarge(len(res.Bytes())):
+		res.Release()
+		errno, msg, reason := errnoOf(h.errTooLarge(req.Path, len(res.Bytes())))
+		return &fitcachepb.ReadReply{Errno: errno, Reason: reason, Message: msg, MembershipVersion: version, Dead: dead}, nil
 	default:
-		reply.Data = res.Data
+		reply.Data = h.replyBytes(ctx, res)
 	}
 	if h.cfg.OnRead != nil {
 		h.cfg.OnRead(req.Local, res.Origin, time.Since(start), reply.Size)
 	}
 	return reply, nil
+}
+
+// read reads a file for a caller on this node (local: it maps tier files) or not; over this
+// package's transport, a file in a tier comes with its cached file open to be sent from
+// (core.Engine.ReadToSend).
+func (h *Handler) read(ctx context.Context, root, path string, local bool) (core.Result, error) {
+	if !local && requestOf(ctx) != nil && h.sendFromFiles {
+		return h.engine.ReadToSend(ctx, root, path)
+	}
+	return h.engine.Read(ctx, root, path, local)
+}
+
+// tooLarge reports whether n bytes of a file do not fit in a reply.
+func (h *Handler) tooLarge(n int) bool {
+	return h.cfg.MaxFrameBytes > 0 && int64(n) > int64(h.cfg.MaxFrameBytes)-frameSlack
+}
+
+// errTooLarge is the error of a file of n bytes too large for a reply: EFBIG, the caller
+// reads the source.
+func (h *Handler) errTooLarge(path string, n int) error {
+	return core.NewErrnoError(int32(syscall.EFBIG), core.ReasonTooLarge, fmt.Sprintf(
+		"fitcache: %s: %d bytes do not fit in a reply of at most %d bytes", path, n, h.cfg.MaxFrameBytes))
+}
+
+// replyBytes returns the bytes of res for a reply, and releases res when they are no longer
+// needed. Over this package's transport they are sent from the cached file (sendfile), or
+// else from its mapping, once the reply's other fields are written (see encodeBulk and
+// encodeBatch), and res is released then: the bytes never pass through this process's
+// memory. Otherwise a mapping is copied, and released at once.
+func (h *Handler) replyBytes(ctx context.Context, res core.Result) []byte {
+	r := requestOf(ctx)
+	switch {
+	case res.Mapping != nil && r != nil:
+		b := res.Bytes()
+		if res.File != nil {
+			r.sendFrom(b, res.File)
+			res.File = nil // the request closes it
+		}
+		r.afterReply(res.Release)
+		return b
+	case res.Mapping != nil:
+		defer res.Release()
+		return bytes.Clone(res.Bytes())
+	}
+	res.Release()
+	return res.Data
 }
 
 // Store caches bytes a client read from the file's owner (this server is a replica), if the

@@ -62,7 +62,7 @@ func fromWire(us []*fitcachepb.CacheUsage) []core.CacheUsage {
 // Usage asks the server what its tiers hold per dataset root.
 func (c *Client) Usage(ctx context.Context) ([]core.CacheUsage, error) {
 	var r *fitcachepb.UsageReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.CallTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Usage(ctx, &fitcachepb.UsageRequest{}, c.target())
 		return err
 	})
@@ -75,12 +75,10 @@ func (c *Client) Usage(ctx context.Context) ([]core.CacheUsage, error) {
 // Clear asks the server to remove the cached files of the dataset roots at or under root, or
 // of every root when root is "", and returns what it removed (with dryRun: would remove).
 func (c *Client) Clear(ctx context.Context, root string, dryRun bool) ([]core.CacheUsage, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.ReadTimeout) // unlinking many files takes a while
-	defer cancel()
 	var r *fitcachepb.ClearReply
-	err := c.call(func() (err error) {
+	err := c.call(ctx, c.cfg.ReadTimeout, func(ctx context.Context) (err error) { // unlinking many files takes a while
 		r, err = c.kc.Clear(ctx, &fitcachepb.ClearRequest{Root: root, All: root == "", DryRun: dryRun},
-			c.target(), callopt.WithRPCTimeout(c.cfg.ReadTimeout))
+			c.target())
 		return err
 	})
 	if err != nil {

@@ -478,6 +478,163 @@ var fieldIDToName_ReadReply = map[int16]string{
 	14: "stamp",
 }
 
+type ReadBatchRequest struct {
+	Root              string   `thrift:"root,1" frugal:"1,default,string" json:"root"`
+	Paths             []string `thrift:"paths,2" frugal:"2,default,list<string>" json:"paths"`
+	MembershipVersion int64    `thrift:"membership_version,3" frugal:"3,default,i64" json:"membership_version"`
+	Dead              []string `thrift:"dead,4" frugal:"4,default,list<string>" json:"dead"`
+	Alive             []string `thrift:"alive,5" frugal:"5,default,list<string>" json:"alive"`
+}
+
+func NewReadBatchRequest() *ReadBatchRequest {
+	return &ReadBatchRequest{}
+}
+
+func (p *ReadBatchRequest) InitDefault() {
+}
+
+func (p *ReadBatchRequest) GetRoot() (v string) {
+	return p.Root
+}
+
+func (p *ReadBatchRequest) GetPaths() (v []string) {
+	return p.Paths
+}
+
+func (p *ReadBatchRequest) GetMembershipVersion() (v int64) {
+	return p.MembershipVersion
+}
+
+func (p *ReadBatchRequest) GetDead() (v []string) {
+	return p.Dead
+}
+
+func (p *ReadBatchRequest) GetAlive() (v []string) {
+	return p.Alive
+}
+func (p *ReadBatchRequest) SetRoot(val string) {
+	p.Root = val
+}
+func (p *ReadBatchRequest) SetPaths(val []string) {
+	p.Paths = val
+}
+func (p *ReadBatchRequest) SetMembershipVersion(val int64) {
+	p.MembershipVersion = val
+}
+func (p *ReadBatchRequest) SetDead(val []string) {
+	p.Dead = val
+}
+func (p *ReadBatchRequest) SetAlive(val []string) {
+	p.Alive = val
+}
+
+func (p *ReadBatchRequest) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("ReadBatchRequest(%+v)", *p)
+}
+
+var fieldIDToName_ReadBatchRequest = map[int16]string{
+	1: "root",
+	2: "paths",
+	3: "membership_version",
+	4: "dead",
+	5: "alive",
+}
+
+type ReadBatchReply struct {
+	Errno             int32        `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message           string       `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	Reason            Reason       `thrift:"reason,3" frugal:"3,default,Reason" json:"reason"`
+	Replies           []*ReadReply `thrift:"replies,4" frugal:"4,default,list<ReadReply>" json:"replies"`
+	MembershipVersion int64        `thrift:"membership_version,5" frugal:"5,default,i64" json:"membership_version"`
+	Dead              []string     `thrift:"dead,6" frugal:"6,default,list<string>" json:"dead"`
+	Data              []byte       `thrift:"data,7,optional" frugal:"7,optional,binary" json:"data,omitempty"`
+}
+
+func NewReadBatchReply() *ReadBatchReply {
+	return &ReadBatchReply{}
+}
+
+func (p *ReadBatchReply) InitDefault() {
+}
+
+func (p *ReadBatchReply) GetErrno() (v int32) {
+	return p.Errno
+}
+
+func (p *ReadBatchReply) GetMessage() (v string) {
+	return p.Message
+}
+
+func (p *ReadBatchReply) GetReason() (v Reason) {
+	return p.Reason
+}
+
+func (p *ReadBatchReply) GetReplies() (v []*ReadReply) {
+	return p.Replies
+}
+
+func (p *ReadBatchReply) GetMembershipVersion() (v int64) {
+	return p.MembershipVersion
+}
+
+func (p *ReadBatchReply) GetDead() (v []string) {
+	return p.Dead
+}
+
+var ReadBatchReply_Data_DEFAULT []byte
+
+func (p *ReadBatchReply) GetData() (v []byte) {
+	if !p.IsSetData() {
+		return ReadBatchReply_Data_DEFAULT
+	}
+	return p.Data
+}
+func (p *ReadBatchReply) SetErrno(val int32) {
+	p.Errno = val
+}
+func (p *ReadBatchReply) SetMessage(val string) {
+	p.Message = val
+}
+func (p *ReadBatchReply) SetReason(val Reason) {
+	p.Reason = val
+}
+func (p *ReadBatchReply) SetReplies(val []*ReadReply) {
+	p.Replies = val
+}
+func (p *ReadBatchReply) SetMembershipVersion(val int64) {
+	p.MembershipVersion = val
+}
+func (p *ReadBatchReply) SetDead(val []string) {
+	p.Dead = val
+}
+func (p *ReadBatchReply) SetData(val []byte) {
+	p.Data = val
+}
+
+func (p *ReadBatchReply) IsSetData() bool {
+	return p.Data != nil
+}
+
+func (p *ReadBatchReply) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("ReadBatchReply(%+v)", *p)
+}
+
+var fieldIDToName_ReadBatchReply = map[int16]string{
+	1: "errno",
+	2: "message",
+	3: "reason",
+	4: "replies",
+	5: "membership_version",
+	6: "dead",
+	7: "data",
+}
+
 type HitReport struct {
 	HitsByTier map[string]int64 `thrift:"hits_by_tier,2" frugal:"2,default,map<string:i64>" json:"hits_by_tier"`
 	Bytes      int64            `thrift:"bytes,3" frugal:"3,default,i64" json:"bytes"`
@@ -1366,6 +1523,8 @@ type FitCache interface {
 
 	Read(ctx context.Context, req *ReadRequest) (r *ReadReply, err error)
 
+	ReadBatch(ctx context.Context, req *ReadBatchRequest) (r *ReadBatchReply, err error)
+
 	ReportHits(ctx context.Context, req *HitReport) (r *HitReportReply, err error)
 
 	Stats(ctx context.Context, req *StatsRequest) (r *StatsReply, err error)
@@ -1530,6 +1689,82 @@ func (p *FitCacheReadResult) String() string {
 }
 
 var fieldIDToName_FitCacheReadResult = map[int16]string{
+	0: "success",
+}
+
+type FitCacheReadBatchArgs struct {
+	Req *ReadBatchRequest `thrift:"req,1" frugal:"1,default,ReadBatchRequest" json:"req"`
+}
+
+func NewFitCacheReadBatchArgs() *FitCacheReadBatchArgs {
+	return &FitCacheReadBatchArgs{}
+}
+
+func (p *FitCacheReadBatchArgs) InitDefault() {
+}
+
+var FitCacheReadBatchArgs_Req_DEFAULT *ReadBatchRequest
+
+func (p *FitCacheReadBatchArgs) GetReq() (v *ReadBatchRequest) {
+	if !p.IsSetReq() {
+		return FitCacheReadBatchArgs_Req_DEFAULT
+	}
+	return p.Req
+}
+func (p *FitCacheReadBatchArgs) SetReq(val *ReadBatchRequest) {
+	p.Req = val
+}
+
+func (p *FitCacheReadBatchArgs) IsSetReq() bool {
+	return p.Req != nil
+}
+
+func (p *FitCacheReadBatchArgs) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheReadBatchArgs(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheReadBatchArgs = map[int16]string{
+	1: "req",
+}
+
+type FitCacheReadBatchResult struct {
+	Success *ReadBatchReply `thrift:"success,0,optional" frugal:"0,optional,ReadBatchReply" json:"success,omitempty"`
+}
+
+func NewFitCacheReadBatchResult() *FitCacheReadBatchResult {
+	return &FitCacheReadBatchResult{}
+}
+
+func (p *FitCacheReadBatchResult) InitDefault() {
+}
+
+var FitCacheReadBatchResult_Success_DEFAULT *ReadBatchReply
+
+func (p *FitCacheReadBatchResult) GetSuccess() (v *ReadBatchReply) {
+	if !p.IsSetSuccess() {
+		return FitCacheReadBatchResult_Success_DEFAULT
+	}
+	return p.Success
+}
+func (p *FitCacheReadBatchResult) SetSuccess(x interface{}) {
+	p.Success = x.(*ReadBatchReply)
+}
+
+func (p *FitCacheReadBatchResult) IsSetSuccess() bool {
+	return p.Success != nil
+}
+
+func (p *FitCacheReadBatchResult) String() string {
+	if p == nil {
+		return "<nil>"
+	}
+	return fmt.Sprintf("FitCacheReadBatchResult(%+v)", *p)
+}
+
+var fieldIDToName_FitCacheReadBatchResult = map[int16]string{
 	0: "success",
 }
 

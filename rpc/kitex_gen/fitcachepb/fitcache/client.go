@@ -13,6 +13,7 @@ import (
 type Client interface {
 	Hello(ctx context.Context, req *fitcachepb.HelloRequest, callOptions ...callopt.Option) (r *fitcachepb.HelloReply, err error)
 	Read(ctx context.Context, req *fitcachepb.ReadRequest, callOptions ...callopt.Option) (r *fitcachepb.ReadReply, err error)
+	ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest, callOptions ...callopt.Option) (r *fitcachepb.ReadBatchReply, err error)
 	ReportHits(ctx context.Context, req *fitcachepb.HitReport, callOptions ...callopt.Option) (r *fitcachepb.HitReportReply, err error)
 	Stats(ctx context.Context, req *fitcachepb.StatsRequest, callOptions ...callopt.Option) (r *fitcachepb.StatsReply, err error)
 	Store(ctx context.Context, req *fitcachepb.StoreRequest, callOptions ...callopt.Option) (r *fitcachepb.StoreReply, err error)
@@ -59,6 +60,11 @@ func (p *kFitCacheClient) Hello(ctx context.Context, req *fitcachepb.HelloReques
 func (p *kFitCacheClient) Read(ctx context.Context, req *fitcachepb.ReadRequest, callOptions ...callopt.Option) (r *fitcachepb.ReadReply, err error) {
 	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
 	return p.kClient.Read(ctx, req)
+}
+
+func (p *kFitCacheClient) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest, callOptions ...callopt.Option) (r *fitcachepb.ReadBatchReply, err error) {
+	ctx = client.NewCtxWithCallOptions(ctx, callOptions)
+	return p.kClient.ReadBatch(ctx, req)
 }
 
 func (p *kFitCacheClient) ReportHits(ctx context.Context, req *fitcachepb.HitReport, callOptions ...callopt.Option) (r *fitcachepb.HitReportReply, err error) {

@@ -27,6 +27,13 @@ var serviceMethods = map[string]kitex.MethodInfo{
 		false,
 		kitex.WithStreamingMode(kitex.StreamingNone),
 	),
+	"ReadBatch": kitex.NewMethodInfo(
+		readBatchHandler,
+		newFitCacheReadBatchArgs,
+		newFitCacheReadBatchResult,
+		false,
+		kitex.WithStreamingMode(kitex.StreamingNone),
+	),
 	"ReportHits": kitex.NewMethodInfo(
 		reportHitsHandler,
 		newFitCacheReportHitsArgs,
@@ -176,6 +183,24 @@ func newFitCacheReadArgs() interface{} {
 
 func newFitCacheReadResult() interface{} {
 	return fitcachepb.NewFitCacheReadResult()
+}
+
+func readBatchHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
+	realArg := arg.(*fitcachepb.FitCacheReadBatchArgs)
+	realResult := result.(*fitcachepb.FitCacheReadBatchResult)
+	success, err := handler.(fitcachepb.FitCache).ReadBatch(ctx, realArg.Req)
+	if err != nil {
+		return err
+	}
+	realResult.Success = success
+	return nil
+}
+func newFitCacheReadBatchArgs() interface{} {
+	return fitcachepb.NewFitCacheReadBatchArgs()
+}
+
+func newFitCacheReadBatchResult() interface{} {
+	return fitcachepb.NewFitCacheReadBatchResult()
 }
 
 func reportHitsHandler(ctx context.Context, handler interface{}, arg, result interface{}) error {
@@ -329,6 +354,16 @@ func (p *kClient) Read(ctx context.Context, req *fitcachepb.ReadRequest) (r *fit
 	_args.Req = req
 	var _result fitcachepb.FitCacheReadResult
 	if err = p.c.Call(ctx, "Read", &_args, &_result); err != nil {
+		return
+	}
+	return _result.GetSuccess(), nil
+}
+
+func (p *kClient) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest) (r *fitcachepb.ReadBatchReply, err error) {
+	var _args fitcachepb.FitCacheReadBatchArgs
+	_args.Req = req
+	var _result fitcachepb.FitCacheReadBatchResult
+	if err = p.c.Call(ctx, "ReadBatch", &_args, &_result); err != nil {
 		return
 	}
 	return _result.GetSuccess(), nil
