@@ -13,7 +13,7 @@ import pytest
 
 import fitcache
 from conftest import digest
-from harness import Cluster, server_stats
+from harness import Cluster, cached_names, server_stats
 from inotify import OpenCounter
 
 torch = pytest.importorskip("torch")
@@ -101,6 +101,36 @@ def test_a_reader_connects_to_its_nodes_servers_only(node_cluster, dataset):
         peers = remote_peers(os.getpid())
     others = {a for a in node_cluster.addrs[1:]}
     assert not peers & others, f"the reader connected to servers of other nodes: {peers & others}"
+
+
+def test_several_servers_on_one_node_share_its_readers(request, dataset, tmp_path):
+    """Two servers on the reader's node (as `servers_per_node=2` starts them) and one on each
+    of two other nodes: the reader's processes read both local servers' tiers themselves, and a
+    file of the second local server is never copied into the first as a node-local copy; the
+    files of other nodes are. Every byte right, every file opened once on the source."""
+    root, digests = dataset
+    local = "127.0.0.1"
+    c = Cluster(tmp_path, root, nodes=[local, local, "127.0.0.2", "127.0.0.3"],
+                serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    request.addfinalizer(c.stop)
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **c.options())
+    with OpenCounter(root) as opens:
+        assert ds[0] == digests[ds.files[0]]
+        for e in range(3):
+            assert epoch(ds, "fork") == digests, f"epoch {e}: wrong bytes"
+        counts = opens.counts()
+    peers = remote_peers(os.getpid())
+    assert not peers & set(c.addrs[2:]), f"the reader connected to servers of other nodes: {peers & set(c.addrs[2:])}"
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    first, second = (cached_names(c, a) for a in c.addrs[:2])
+    assert first and second and not first & second, (
+        f"node-local copies of the other local server's files: {first & second}")
+    remote = cached_names(c, c.addrs[2]) | cached_names(c, c.addrs[3])
+    assert remote and remote <= first | second, f"files of other nodes without a copy on this node: {remote - first - second}"
+    guests = sorted(server_stats_of(c, a)["guests"] for a in c.addrs[:2])
+    # The readers' misses go to one of the two (see client/node.go, home): it keeps the copies.
+    assert guests == [0, len(remote)], guests
 
 
 def remote_peers(pid):
