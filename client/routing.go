@@ -419,9 +419,16 @@ func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) 
 // askPeer asks one server for a file over RPC (naming the tier file when the server is on
 // this node and has it cached), exchanging membership gossip with it.
 func (c *Client) askPeer(ctx context.Context, p *peer, path string) (*fitcachepb.ReadReply, error) {
+	return c.askPeerInto(ctx, p, path, nil)
+}
+
+// askPeerInto is askPeer with the file's bytes read into buf when they fit in it (see
+// rpc.Client.ReadInto): the reply's Data is then buf's, for the caller to use before it
+// lends buf again.
+func (c *Client) askPeerInto(ctx context.Context, p *peer, path string, buf []byte) (*fitcachepb.ReadReply, error) {
 	version, dead, alive := p.news.Take()
-	reply, err := p.rpc.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: c.root, Path: path,
-		Local: p.local, MembershipVersion: version, Dead: dead, Alive: alive})
+	reply, err := p.rpc.ReadInto(ctx, &fitcachepb.ReadRequest{Root: c.root, Path: path,
+		Local: p.local, MembershipVersion: version, Dead: dead, Alive: alive}, buf)
 	if reply != nil {
 		c.cluster.learn(p, reply.MembershipVersion, reply.Dead)
 	}
