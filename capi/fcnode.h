@@ -202,6 +202,9 @@ static inline int fc_node_recv_open(int sock, int *fd, int32_t *err) {
 		errno = EPROTO;
 		ok = 0;
 	}
+	char message[FC_NODE_MAX_MESSAGE];
+	if (ok && fc_recv_all(sock, message, fc_get32(reply + 12)) != 0) /* the connection may serve again */
+		ok = 0;
 	*err = ok ? (int32_t)fc_get32(reply + 4) : 0;
 	if ((!ok || *err != 0) && *fd >= 0) {
 		close(*fd);

@@ -500,6 +500,33 @@ static int node_connect(const char *socket_path, int64_t timeout_ms) {
 	return fc_node_connect(&addr, timeout_ms);
 }
 
+// node_take returns the connection to the node socket that c keeps for this process's misses
+// when no other thread of it uses it (*kept then says so, and node_give must follow), or -1
+// (a thread that finds it busy connects on its own). A connection inherited through fork is
+// the parent's: it is closed, never used.
+static int node_take(struct hit_client *c, int *kept) {
+	*kept = pthread_mutex_trylock(&c->node_mu) == 0;
+	if (!*kept)
+		return -1;
+	if (c->node_fd >= 0 && c->node_pid != getpid()) {
+		close(c->node_fd);
+		c->node_fd = -1;
+	}
+	return c->node_fd;
+}
+
+// node_give ends what node_take began: fd (a connection whose last exchange went through, or
+// -1) is kept for the next miss, or closed when it was a thread's own.
+static void node_give(struct hit_client *c, int fd, int kept) {
+	if (kept) {
+		c->node_fd = fd;
+		c->node_pid = getpid();
+		pthread_mutex_unlock(&c->node_mu);
+	} else if (fd >= 0) {
+		close(fd);
+	}
+}
+
 // node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in
 // *err and its message in msg, or -1 with errno set when the connection failed (EAGAIN: the
 // server did not acknowledge within the probe time, or did not answer within timeout_ms).
@@ -547,19 +574,11 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 		errno = saved;
 		return FC_DIRECT; // the server said it has no room for this dataset: do not ask again yet
 	}
-	// One connection per client is kept for the misses of this process; a thread that finds
-	// it busy uses a connection of its own. A connection that failed is never used again (a
-	// late reply would be taken for the next request's); a broken kept one (the server
-	// restarted) is replaced once.
-	int locked = pthread_mutex_trylock(&c->node_mu) == 0;
-	int fd = -1;
-	if (locked) {
-		if (c->node_fd >= 0 && c->node_pid != getpid()) { // the parent's, inherited by fork
-			close(c->node_fd);
-			c->node_fd = -1;
-		}
-		fd = c->node_fd;
-	}
+	// One connection per client is kept for the misses of this process (node_take). A
+	// connection that failed is never used again (a late reply would be taken for the next
+	// request's); a broken kept one (the server restarted) is replaced once.
+	int kept;
+	int fd = node_take(c, &kept);
 	int32_t err = 0;
 	int asked = -1, timed_out = 0;
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
@@ -572,13 +591,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 			fd = -1;
 		}
 	}
-	if (locked) {
-		c->node_fd = fd;
-		c->node_pid = getpid();
-		pthread_mutex_unlock(&c->node_mu);
-	} else if (fd >= 0) {
-		close(fd);
-	}
+	node_give(c, fd, kept);
 	int rc = FC_MISS; // for anything but a timeout: Go handles it (starts a server, say)
 	if (timed_out) { // a hung server: skip it for a while
 		__atomic_store_n(&c->node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
@@ -616,12 +629,29 @@ static int hit_read_open(int64_t handle, const char *path, const void **data, in
 	struct hit_client *c = acquire(handle);
 	if (!c || !c->node_socket[0] || (n = source_path(c, path, clean, sizeof clean)) < 0)
 		goto out;
-	if ((sock = node_connect(c->node_socket, c->timeout_ms)) < 0)
-		goto out;
-	int32_t err;
-	if (fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms) != 0 ||
-	    fc_node_recv_open(sock, &fd, &err) != 0) {
-		if (errno == EAGAIN || errno == EWOULDBLOCK) {
+	// On the connection kept for this process's misses, as hit_fetch asks (a connection per
+	// open cost the server an accepted connection and a new goroutine per file, and the
+	// reader a connect): one that failed is closed, a broken kept one replaced once.
+	int kept, asked = -1, timed_out = 0;
+	int32_t err = 0;
+	sock = node_take(c, &kept);
+	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
+		if (sock < 0 && (sock = node_connect(c->node_socket, c->timeout_ms)) < 0)
+			break;
+		asked = fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms) == 0 &&
+		                fc_node_recv_open(sock, &fd, &err) == 0
+		            ? 0
+		            : -1;
+		if (asked != 0) {
+			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+			close(sock);
+			sock = -1;
+		}
+	}
+	node_give(c, sock, kept);
+	sock = -1;
+	if (asked != 0) {
+		if (timed_out) {
 			__atomic_store_n(&c->node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 			rc = FC_UNAVAILABLE;
 		}
