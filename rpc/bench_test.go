@@ -72,7 +72,7 @@ func BenchmarkConnect(b *testing.B) {
 	QuietKitexLogs()
 	addr, _, _ := serveTCP(b, ServerConfig{Token: "t"})
 	b.Run("dial", func(b *testing.B) {
-		d := dialer{inner: handshakeDialer{inner: remote.NewDefaultDialer(), keys: newJobKeys("t")}}
+		d := dialer{inner: newHandshakeDialer(remote.NewDefaultDialer(), newJobKeys("t"))}
 		b.ReportAllocs()
 		for b.Loop() {
 			c, err := d.DialTimeout("tcp", addr, time.Second)

@@ -88,7 +88,7 @@ func Dial(addr string, cfg ClientConfig) (*Client, error) {
 	// handshake before Kitex gets them.
 	var d remote.Dialer = remote.NewDefaultDialer()
 	if cfg.Token != "" {
-		d = handshakeDialer{inner: d, keys: newJobKeys(cfg.Token)}
+		d = newHandshakeDialer(d, newJobKeys(cfg.Token))
 	}
 	opts := []client.Option{client.WithDestService("fitcache"), client.WithHostPorts(addr),
 		client.WithConnectTimeout(cfg.ConnectTimeout),

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"syscall"
 	"time"
@@ -207,15 +208,38 @@ func serverHandshake(conn net.Conn, keys *jobKeys) error {
 	return nil
 }
 
-// handshakeDialer dials with inner and authenticates each new connection with the handshake.
+// handshakeDialer dials with inner and authenticates each new connection with the handshake,
+// at most maxHandshakes at once (slots, made by newHandshakeDialer).
 type handshakeDialer struct {
 	inner remote.Dialer
 	keys  *jobKeys
+	slots chan struct{}
 }
 
-// DialTimeout implements remote.Dialer: timeout bounds the connection and the handshake.
+// maxHandshakes bounds the connections a client dials and authenticates with its server at
+// once. A server lets maxPendingPerPeer connections from one host authenticate at a time and
+// closes the oldest beyond (see guardListener): a burst of calls that each need a new
+// connection (a node's prefetch asks up to 16 files at once, and every server of a job on one
+// host shares that host's places) had servers close the client's own connections, which
+// failed their calls and got the server taken for dead. A handshake takes a round trip.
+const maxHandshakes = 4
+
+func newHandshakeDialer(inner remote.Dialer, keys *jobKeys) handshakeDialer {
+	return handshakeDialer{inner: inner, keys: keys, slots: make(chan struct{}, maxHandshakes)}
+}
+
+// DialTimeout implements remote.Dialer: timeout bounds the wait for a slot, the connection
+// and the handshake.
 func (d handshakeDialer) DialTimeout(network, address string, timeout time.Duration) (net.Conn, error) {
 	deadline := time.Now().Add(timeout)
+	wait := time.NewTimer(timeout)
+	select {
+	case d.slots <- struct{}{}:
+		wait.Stop()
+		defer func() { <-d.slots }()
+	case <-wait.C:
+		return nil, &handshakeError{addr: address, err: os.ErrDeadlineExceeded}
+	}
 	conn, err := d.inner.DialTimeout(network, address, timeout)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {

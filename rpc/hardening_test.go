@@ -466,6 +466,67 @@ func TestServerAtItsCapIsNotRefused(t *testing.T) {
 	}
 }
 
+// A burst of calls from a new client, each needing a connection of its own (a node's
+// prefetch, the servers of a job on one host), is not refused by the server's limits on
+// connections authenticating: before, the server closed the oldest of the burst's
+// connections, their calls failed, and the client took the server for dead.
+func TestABurstOfNewConnectionsIsNotRefused(t *testing.T) {
+	addr, _, e := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
+	const calls = 4 * maxPendingPerPeer
+	clients := make([]*Client, 3) // three servers' clients on this host, as on loopback
+	for i := range clients {
+		c, err := Dial(addr, ClientConfig{Token: testToken, CallTimeout: 10 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		clients[i] = c
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, calls)
+	for i := range calls {
+		wg.Go(func() {
+			if _, err := clients[i%len(clients)].Hello(context.Background()); err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Errorf("a call of the burst failed: %v", err)
+	}
+	if n := e.Stats().Refusals; n != 0 {
+		t.Errorf("%d connections of the job's own user refused", n)
+	}
+}
+
+// A client dials and authenticates at most maxHandshakes connections to its server at once.
+func TestHandshakesAtOnceAreBounded(t *testing.T) {
+	inner := &countingDialer{}
+	d := newHandshakeDialer(inner, newJobKeys(testToken))
+	var wg sync.WaitGroup
+	for range 4 * maxHandshakes {
+		wg.Go(func() { d.DialTimeout("tcp", "127.0.0.1:1", 5*time.Second) })
+	}
+	wg.Wait()
+	if got := inner.most.Load(); got > maxHandshakes || got == 0 {
+		t.Errorf("%d dials at once, want at most %d", got, maxHandshakes)
+	}
+}
+
+// countingDialer fails every dial after a while, and records how many were in flight at most.
+type countingDialer struct{ now, most atomic.Int64 }
+
+func (d *countingDialer) DialTimeout(network, address string, timeout time.Duration) (net.Conn, error) {
+	n := d.now.Add(1)
+	defer d.now.Add(-1)
+	for m := d.most.Load(); n > m && !d.most.CompareAndSwap(m, n); m = d.most.Load() {
+	}
+	time.Sleep(20 * time.Millisecond)
+	return nil, syscall.ECONNREFUSED
+}
+
 // failingDialer fails every dial with err.
 type failingDialer struct{ err error }
 
@@ -502,7 +563,7 @@ func TestConnectTimeoutIsNotRefused(t *testing.T) {
 		{"closed by peer, nothing listening", closedAddr, netpollClosed, true},
 		{"connection refused", closedAddr, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, true},
 	} {
-		d := handshakeDialer{inner: failingDialer{tc.err}, keys: newJobKeys(testToken)}
+		d := newHandshakeDialer(failingDialer{tc.err}, newJobKeys(testToken))
 		_, err := d.DialTimeout("tcp", tc.addr, time.Second)
 		if got := IsRefused(kerrors.ErrGetConnection.WithCause(err)); got != tc.refused {
 			t.Errorf("%s: IsRefused = %v, want %v (%v)", tc.name, got, tc.refused, err)

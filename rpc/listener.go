@@ -49,9 +49,14 @@ type pendingConn struct {
 }
 
 // Limits on connections that have not authenticated yet.
+//
+// The server's own user on this host has maxPending places of its own: its processes are the
+// job's own (the servers of a job on one host, as the loopback benchmarks run them, its
+// readers), which could stop the server anyway; at maxPendingPerPeer, bursts of their
+// connections had the server close some of them.
 const (
 	maxPending        = 128 // in all, but for the server's own user on this host
-	maxPendingPerPeer = 16  // per host, or per user on this host
+	maxPendingPerPeer = 16  // per host, or per other user on this host
 )
 
 func newGuardListener(inner net.Listener, keys *jobKeys, maxConns int, timeout time.Duration,
@@ -144,8 +149,12 @@ func (g *guardListener) acceptLoop() {
 func (g *guardListener) startPending(key string, c *countedConn) (victim *countedConn, victimKey string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	share := maxPendingPerPeer
+	if key == g.ownUser {
+		share = maxPending
+	}
 	switch {
-	case len(g.pending[key]) >= maxPendingPerPeer:
+	case len(g.pending[key]) >= share:
 		victim, victimKey = g.pending[key][0].c, key
 	case key != g.ownUser && g.pendingOthers() >= maxPending:
 		var oldest time.Time
