@@ -133,6 +133,34 @@ def test_several_servers_on_one_node_share_its_readers(request, dataset, tmp_pat
     assert guests == [0, len(remote)], guests
 
 
+def test_node_local_copies_keep_to_the_budget(request, dataset, tmp_path):
+    """A tier too small for the dataset: the node's server keeps node-local copies only in the
+    room its own files leave, so its own files are never pushed out (each file is opened on
+    the source once) and no tier holds more than its budget, counted from the files on disk."""
+    root, digests = dataset
+    budget = 3 << 20  # the dataset is about 5 MB: this node's share and part of the rest
+    c = Cluster(tmp_path, root, budget="3MiB", serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    request.addfinalizer(c.stop)
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **c.options())
+    with OpenCounter(root) as opens:
+        assert ds[0] == digests[ds.files[0]]
+        for e in range(3):
+            assert epoch(ds, "fork") == digests, f"epoch {e}: wrong bytes"
+        counts = opens.counts()
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    for addr in c.addrs:
+        # The copies and their records; the index (fitcache.index) is sized apart (README, Layout).
+        tier = c.tiers(addr).split(":")[1]
+        on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(tier) for f in files
+                      if d != tier)
+        assert on_disk <= budget, f"{addr}: {on_disk} bytes of copies in its tier, budget {budget}"
+    home = server_stats_of(c, c.addrs[0])
+    held = sum(t.get("guests", 0) for t in home["tiers"])
+    others = len(digests) - (len(cached_names(c, c.addrs[0])) - held)  # files other nodes own
+    assert 0 < held < others, f"{held} node-local copies of {others} files of other nodes: {home['tiers']}"
+
+
 def remote_peers(pid):
     """host:port of the TCP peers of pid's established connections (/proc/net/tcp)."""
     inodes = set()
