@@ -103,3 +103,43 @@ func TestStoreGuestRefusesAShortCopy(t *testing.T) {
 		t.Errorf("a short guest: %v, want ErrBadCopy", err)
 	}
 }
+
+// A prefetch evicts no file of the server's own, but node-local copies never hold one back:
+// a tier full of guests makes room for the files a prefetch brings, which stay cached. Before,
+// those files found no room, were served uncached, and were read from the source again at
+// every epoch.
+func TestPrefetchOfOwnFilesPushesGuestsOut(t *testing.T) {
+	e := prefetchEngine(t, 4, nil, "64KiB") // 8 entries of 4 KiB data + a record block
+	root := t.TempDir()
+	other := t.TempDir() // the guests' dataset
+	for i := range 8 {
+		p := filepath.Join(other, fmt.Sprintf("guest%d", i))
+		os.WriteFile(p, make([]byte, 4096), 0o644)
+		data, _ := os.ReadFile(p)
+		if err := e.StoreGuest(context.Background(), GuestCopy{Root: other, Path: p, Data: data,
+			Source: identityFor(t, e, other, p), Session: e.Session()}); err != nil {
+			t.Fatalf("guest %d: %v", i, err)
+		}
+	}
+	var own []string
+	for i := range 4 {
+		p := filepath.Join(root, fmt.Sprintf("own%d", i))
+		os.WriteFile(p, make([]byte, 4096), 0o644)
+		own = append(own, p)
+	}
+	if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: own}); err != nil {
+		t.Fatal(err)
+	}
+	if final := waitPrefetch(t, e, root, "a"); final.Done != len(own) || final.Failed != 0 {
+		t.Errorf("prefetch: %+v, want all %d files done", final, len(own))
+	}
+	settle(e)
+	for _, p := range own {
+		if _, ok := e.cachedSize(p); !ok {
+			t.Errorf("%s not cached: the guests held it back", filepath.Base(p))
+		}
+	}
+	if s := e.Stats(); s.Guests != 8 || s.Uncached != 0 {
+		t.Errorf("%d guests kept in all, %d files uncached; want the 8 kept before, none uncached", s.Guests, s.Uncached)
+	}
+}

@@ -134,7 +134,18 @@ func (e *Engine) place(first int, entry tiers.Entry, c content) error {
 		}
 	}
 	if e.noEvict(entry.SourcePath) {
-		return tiers.ErrNoRoom // prefetch never evicts (see Engine.Prefetch)
+		// Prefetch evicts no file of the server's own (see Engine.Prefetch), but node-local
+		// copies of other servers' files never hold one back: without this, a node's
+		// prefetch of its readers' list found the room its own files need taken by copies,
+		// and those files were read from the source again at every epoch.
+		for _, t := range candidates {
+			if t.CanHold(need) && t.EvictGuests(need) == nil {
+				if err := c.publish(t, entry); err == nil || !errors.Is(err, tiers.ErrNoRoom) {
+					return err
+				}
+			}
+		}
+		return tiers.ErrNoRoom
 	}
 	for i, t := range candidates {
 		if !t.CanHold(need) {

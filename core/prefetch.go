@@ -873,10 +873,11 @@ func (e *Engine) cachedSize(path string) (int64, bool) {
 	return 0, false
 }
 
-// hasRoom reports whether some tier has room for n bytes without eviction.
+// hasRoom reports whether some tier has room for n bytes of the server's own without evicting
+// any of its own files (guests give way).
 func (e *Engine) hasRoom(n int64) bool {
 	for _, t := range e.tiers {
-		if t.HasRoom(n) {
+		if t.HasRoomForOwn(n) { // node-local copies give way (see place)
 			return true
 		}
 	}

@@ -18,8 +18,9 @@ type record struct {
 // that eviction can take the oldest entry outside a group. It is not safe for concurrent use
 // (Tier.mu guards it).
 type fifo struct {
-	groups map[string]*list.List     // group -> its records, oldest first
-	byID   map[entryID]*list.Element // element of each entry in its group's list
+	groups     map[string]*list.List     // group -> its records, oldest first
+	byID       map[entryID]*list.Element // element of each entry in its group's list
+	guestBytes int64                     // bytes of the guests' records (see guest.go)
 }
 
 func newFIFO() fifo {
@@ -36,6 +37,9 @@ func (f *fifo) push(r *record) {
 		f.groups[r.group] = l
 	}
 	f.byID[r.id] = l.PushBack(r)
+	if _, guest := groupRoot(r.group); guest {
+		f.guestBytes += r.size
+	}
 }
 
 // remove takes the entry id out, if present.
@@ -46,6 +50,9 @@ func (f *fifo) remove(id entryID) (*record, bool) {
 	}
 	delete(f.byID, id)
 	r := el.Value.(*record)
+	if _, guest := groupRoot(r.group); guest {
+		f.guestBytes -= r.size
+	}
 	l := f.groups[r.group]
 	l.Remove(el)
 	if l.Len() == 0 {

@@ -39,6 +39,25 @@ func groupRoot(group string) (root string, guest bool) {
 // it would only add transfers (see Tier.MakeRoom). When that gives too little room it returns
 // ErrNoRoom (having evicted what it did).
 func (t *Tier) MakeRoomForGuest(n int64, keep string) error {
+	return t.evictGuestsBut(n, GuestGroup(keep))
+}
+
+// EvictGuests evicts guests of any dataset, oldest first, until n more bytes fit in the
+// budget: room for a file of the server's own, which guests never hold back, also where no
+// file of its own may be evicted for it (a prefetch, see core.Engine.Prefetch). When the
+// guests give too little room it returns ErrNoRoom (having evicted what it did).
+func (t *Tier) EvictGuests(n int64) error { return t.evictGuestsBut(n, "") }
+
+// HasRoomForOwn reports whether n more bytes of the server's own fit in the budget once the
+// guests are evicted (see EvictGuests).
+func (t *Tier) HasRoomForOwn(n int64) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.used-t.fifo.guestBytes+n <= t.budget
+}
+
+// evictGuestsBut evicts guests but those of group keep, oldest first, until n more bytes fit.
+func (t *Tier) evictGuestsBut(n int64, keep string) error {
 	for {
 		t.mu.Lock()
 		switch {
@@ -52,7 +71,7 @@ func (t *Tier) MakeRoomForGuest(n int64, keep string) error {
 			t.mu.Unlock()
 			return fmt.Errorf("%w: tier closed", ErrNoRoom)
 		}
-		rec := t.fifo.popOldestGuestBut(GuestGroup(keep))
+		rec := t.fifo.popOldestGuestBut(keep)
 		if rec == nil {
 			t.mu.Unlock()
 			return fmt.Errorf("%w: the rest is the server's own files and copies of the dataset read", ErrNoRoom)
