@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"strings"
 	"syscall"
 	"time"
@@ -228,18 +227,19 @@ func newHandshakeDialer(inner remote.Dialer, keys *jobKeys) handshakeDialer {
 	return handshakeDialer{inner: inner, keys: keys, slots: make(chan struct{}, maxHandshakes)}
 }
 
-// DialTimeout implements remote.Dialer: timeout bounds the wait for a slot, the connection
-// and the handshake.
+// DialTimeout implements remote.Dialer: timeout bounds the connection and the handshake. A
+// dial that finds every slot taken waits for one up to timeout, then goes ahead without: the
+// slots spread a burst out, and never fail a call of it (the server evicts only beyond its
+// places, and a hung server's dials end with their own timeouts).
 func (d handshakeDialer) DialTimeout(network, address string, timeout time.Duration) (net.Conn, error) {
-	deadline := time.Now().Add(timeout)
 	wait := time.NewTimer(timeout)
 	select {
 	case d.slots <- struct{}{}:
-		wait.Stop()
 		defer func() { <-d.slots }()
 	case <-wait.C:
-		return nil, &handshakeError{addr: address, err: os.ErrDeadlineExceeded}
 	}
+	wait.Stop()
+	deadline := time.Now().Add(timeout)
 	conn, err := d.inner.DialTimeout(network, address, timeout)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) {

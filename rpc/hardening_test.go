@@ -501,7 +501,8 @@ func TestABurstOfNewConnectionsIsNotRefused(t *testing.T) {
 	}
 }
 
-// A client dials and authenticates at most maxHandshakes connections to its server at once.
+// A client dials and authenticates at most maxHandshakes connections to its server at once;
+// a dial that waited its timeout for a place goes ahead anyway.
 func TestHandshakesAtOnceAreBounded(t *testing.T) {
 	inner := &countingDialer{}
 	d := newHandshakeDialer(inner, newJobKeys(testToken))
@@ -512,6 +513,14 @@ func TestHandshakesAtOnceAreBounded(t *testing.T) {
 	wg.Wait()
 	if got := inner.most.Load(); got > maxHandshakes || got == 0 {
 		t.Errorf("%d dials at once, want at most %d", got, maxHandshakes)
+	}
+	inner.most.Store(0)
+	for range 2 * maxHandshakes { // each dial takes longer than the wait
+		wg.Go(func() { d.DialTimeout("tcp", "127.0.0.1:1", 5*time.Millisecond) })
+	}
+	wg.Wait()
+	if got := inner.most.Load(); got <= maxHandshakes {
+		t.Errorf("%d dials at once after waiting their timeout, want more than %d", got, maxHandshakes)
 	}
 }
 
