@@ -53,17 +53,25 @@ def epoch(ds, context):
     return {ds.files[i]: d for i, d in loader}
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_workers_read_through_the_node_and_the_source_once(node_cluster, dataset, context):
+def three_epochs_each_file_opened_once(cluster, dataset, context):
+    """Reads the dataset for three epochs through FitCacheDataset and a DataLoader whose
+    workers start with context, after the main process read a sample (the library is loaded
+    before they fork), and checks every byte and that each file was opened once on the
+    source, counted from outside with inotify."""
     root, digests = dataset
-    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **node_cluster.options())
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **cluster.options())
     with OpenCounter(root) as opens:
-        assert ds[0] == digests[ds.files[0]]  # loads the library here, before the workers fork
+        assert ds[0] == digests[ds.files[0]]
         for e in range(3):
             assert epoch(ds, context) == digests, f"epoch {e}: wrong bytes"
         counts = opens.counts()
     again = {k: n for k, n in counts.items() if n != 1}
     assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_read_through_the_node_and_the_source_once(node_cluster, dataset, context):
+    three_epochs_each_file_opened_once(node_cluster, dataset, context)
     # The node's server kept a copy of every file another node owns (its tier has room): the
     # later epochs were read from this node's tiers.
     first = server_stats_of(node_cluster, node_cluster.addrs[0])
@@ -113,16 +121,9 @@ def test_several_servers_on_one_node_share_its_readers(request, dataset, tmp_pat
     c = Cluster(tmp_path, root, nodes=[local, local, "127.0.0.2", "127.0.0.3"],
                 serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
     request.addfinalizer(c.stop)
-    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **c.options())
-    with OpenCounter(root) as opens:
-        assert ds[0] == digests[ds.files[0]]
-        for e in range(3):
-            assert epoch(ds, "fork") == digests, f"epoch {e}: wrong bytes"
-        counts = opens.counts()
+    three_epochs_each_file_opened_once(c, dataset, "fork")
     peers = remote_peers(os.getpid())
     assert not peers & set(c.addrs[2:]), f"the reader connected to servers of other nodes: {peers & set(c.addrs[2:])}"
-    again = {k: n for k, n in counts.items() if n != 1}
-    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
     first, second = (cached_names(c, a) for a in c.addrs[:2])
     assert first and second and not first & second, (
         f"node-local copies of the other local server's files: {first & second}")
@@ -141,14 +142,7 @@ def test_node_local_copies_keep_to_the_budget(request, dataset, tmp_path):
     budget = 3 << 20  # the dataset is about 5 MB: this node's share and part of the rest
     c = Cluster(tmp_path, root, budget="3MiB", serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
     request.addfinalizer(c.stop)
-    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **c.options())
-    with OpenCounter(root) as opens:
-        assert ds[0] == digests[ds.files[0]]
-        for e in range(3):
-            assert epoch(ds, "fork") == digests, f"epoch {e}: wrong bytes"
-        counts = opens.counts()
-    again = {k: n for k, n in counts.items() if n != 1}
-    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    three_epochs_each_file_opened_once(c, dataset, "fork")
     for addr in c.addrs:
         # The copies and their records; the index (fitcache.index) is sized apart (README, Layout).
         tier = c.tiers(addr).split(":")[1]
