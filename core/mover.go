@@ -139,7 +139,7 @@ func (e *Engine) place(first int, entry tiers.Entry, c content) error {
 		// prefetch of its readers' list found the room its own files need taken by copies,
 		// and those files were read from the source again at every epoch.
 		for _, t := range candidates {
-			if t.CanHold(need) && t.EvictGuests(need) == nil {
+			if t.CanHold(need) && t.HasRoomForOwn(need) && t.EvictGuests(need) == nil { // never in vain
 				if err := c.publish(t, entry); err == nil || !errors.Is(err, tiers.ErrNoRoom) {
 					return err
 				}

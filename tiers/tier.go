@@ -243,11 +243,9 @@ func (t *Tier) Info() Info {
 	for g, l := range t.fifo.groups {
 		if _, guest := groupRoot(g); guest {
 			info.Guests += l.Len()
-			for el := l.Front(); el != nil; el = el.Next() {
-				info.GuestBytes += el.Value.(*record).size
-			}
 		}
 	}
+	info.GuestBytes = t.fifo.guestBytes
 	return info
 }
 
