@@ -94,6 +94,20 @@ func (d Dir) Open(sourcePath string) (*Mapping, error) {
 	return m, err
 }
 
+// OpenToSend is Open for a caller that sends the copy's bytes elsewhere (a server answering
+// another node): it also returns the cached file, open, for sendfile. Both come from one
+// open, so the file is the one mapped, and a reply costs one open of the copy instead of
+// two. The caller closes the file and releases the mapping.
+func (d Dir) OpenToSend(sourcePath string) (*Mapping, *os.File, error) {
+	var m *Mapping
+	var f *os.File
+	err := d.withEntry(sourcePath, func(dirfd int, p string) (err error) {
+		m, f, err = openMapped(dirfd, d, p)
+		return err
+	})
+	return m, f, err
+}
+
 // OpenFile opens the cached copy of sourcePath read-only, checked as Open checks it, for a
 // caller that hands the descriptor to a reader in place of the source (the node socket's
 // answer to the preload shim). The caller closes it.
@@ -121,13 +135,28 @@ func (d Dir) withEntry(sourcePath string, open func(dirfd int, sourcePath string
 
 // openAt maps the cached copy of the clean sourcePath in the tier d open at dirfd.
 func openAt(dirfd int, d Dir, sourcePath string) (*Mapping, error) {
-	f, s, ino, err := openChecked(dirfd, d, sourcePath)
+	m, f, err := openMapped(dirfd, d, sourcePath)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
+	f.Close()
+	return m, nil
+}
+
+// openMapped opens and maps the cached copy of the clean sourcePath in the tier d open at
+// dirfd, and returns the mapping and the file, open.
+func openMapped(dirfd int, d Dir, sourcePath string) (*Mapping, *os.File, error) {
+	f, s, ino, err := openChecked(dirfd, d, sourcePath)
+	if err != nil {
+		return nil, nil, err
+	}
 	e := Entry{SourcePath: sourcePath, Size: s.size, MTimeNanos: s.mtime, Checksum: s.checksum}
-	return mapData(f, filepath.Join(d.Path, RelPath(sourcePath)), d.Kind, e, ino)
+	m, err := mapData(f, filepath.Join(d.Path, RelPath(sourcePath)), d.Kind, e, ino)
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	return m, f, nil
 }
 
 // openChecked opens the cached copy of the clean sourcePath in the tier d open at dirfd and

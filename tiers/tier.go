@@ -286,16 +286,31 @@ func (t *Tier) HasRoom(n int64) bool {
 // change time and inode number that readers' indexes do not carry).
 func (t *Tier) Open(sourcePath string) (*Mapping, error) {
 	m, err := t.Dir.Open(sourcePath)
-	t.removeIfDamaged(sourcePath, err)
-	if err == nil {
-		t.mu.Lock()
-		if el, ok := t.fifo.byID[idOf(filepath.Clean(sourcePath))]; ok {
-			src := el.Value.(*record).source
-			m.SourceCTimeNanos, m.SourceIno = src.CTimeNanos, src.Ino
-		}
-		t.mu.Unlock()
-	}
+	t.opened(sourcePath, m, err)
 	return m, err
+}
+
+// OpenToSend opens the cached copy of sourcePath like Dir.OpenToSend, and completes and
+// checks it as Open does.
+func (t *Tier) OpenToSend(sourcePath string) (*Mapping, *os.File, error) {
+	m, f, err := t.Dir.OpenToSend(sourcePath)
+	t.opened(sourcePath, m, err)
+	return m, f, err
+}
+
+// opened completes the mapping m of sourcePath with what the tier knows of the source (its
+// change time and inode), or deletes the copy if err, the open's, says it is damaged.
+func (t *Tier) opened(sourcePath string, m *Mapping, err error) {
+	t.removeIfDamaged(sourcePath, err)
+	if err != nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if el, ok := t.fifo.byID[idOf(filepath.Clean(sourcePath))]; ok {
+		src := el.Value.(*record).source
+		m.SourceCTimeNanos, m.SourceIno = src.CTimeNanos, src.Ino
+	}
 }
 
 // OpenFile opens the cached copy of sourcePath like Dir.OpenFile, and deletes the copy if

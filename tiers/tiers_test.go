@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -177,6 +178,40 @@ func TestPublishOpen(t *testing.T) {
 	publish(t, tier, "/data/empty", nil)
 	if m, err := tier.Open("/data/empty"); err != nil || len(m.Bytes()) != 0 {
 		t.Errorf("empty file: got %v, err %v", m, err)
+	}
+}
+
+// A copy opened to be sent comes mapped and open from one open: the file holds the bytes
+// mapped, even once the copy is replaced in the tier, and a damaged copy is a miss that is
+// removed, as Open's.
+func TestOpenToSendGivesTheFileMapped(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	publish(t, tier, "/data/a", []byte("first bytes"))
+	m, f, err := tier.OpenToSend("/data/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	defer f.Close()
+	publish(t, tier, "/data/a", []byte("other bytes, longer"))
+	got, err := io.ReadAll(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(got) != "first bytes" || string(m.Bytes()) != "first bytes" {
+		t.Errorf("file %q, mapping %q: want both %q", got, m.Bytes(), "first bytes")
+	}
+	if _, _, err := tier.OpenToSend("/data/b"); !errors.Is(err, ErrNotCached) {
+		t.Errorf("open of an uncached file: got %v, want ErrNotCached", err)
+	}
+
+	path := tier.CachedPath("/data/a")
+	os.WriteFile(path, []byte("other"), 0o600) // truncated in place
+	if _, _, err := tier.OpenToSend("/data/a"); !errors.Is(err, ErrDamaged) {
+		t.Fatalf("damaged copy: got %v, want ErrDamaged", err)
+	}
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Errorf("the damaged copy is still there: %v", err)
 	}
 }
 
