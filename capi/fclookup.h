@@ -45,6 +45,11 @@ extern "C" {
  * fc_tier_close. */
 #define FC_TIER_MAPS 8
 
+/* The tier directories a reader looks files up in, at most: those of every server on its node
+ * (the FITCACHE paper runs up to 16 servers per node), each with up to four tiers (memory,
+ * persistent memory, NVMe, disk). A reader with more reads the rest through its server. */
+#define FC_MAX_TIERS 64
+
 /* One mapping of a tier's index, with what a lookup needs read once when it was mapped: a
  * stray write to the index file cannot make a lookup read outside the mapping. */
 struct fc_index {

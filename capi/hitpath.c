@@ -19,7 +19,6 @@
 #include "fclookup.h"
 #include "fcnode.h"
 
-#define MAX_TIERS 8
 #define CLIENT_SLOTS 256 // clients open at once with a hit path; more go through Go
 
 struct hit_client {
@@ -43,7 +42,7 @@ struct hit_client {
 	pthread_mutex_t node_mu; // protects node_fd and node_pid
 	int node_fd;             // the connection kept to the node socket, or -1
 	pid_t node_pid;          // the process that opened node_fd
-	struct fc_tier tiers[MAX_TIERS];
+	struct fc_tier tiers[FC_MAX_TIERS];
 	int ntiers;          // tiers in use (atomic: added under clients_lock, read without it)
 	int64_t hits, bytes; // atomic
 	int refs;            // threads using the client (atomic): see acquire
@@ -301,7 +300,7 @@ int fcHitAddTier(int64_t handle, const char *dir, int kind, uint32_t session) {
 	pthread_rwlock_wrlock(&clients_lock);
 	struct hit_client *c = client(handle);
 	int rc = -EBADF;
-	if (c && c->ntiers == MAX_TIERS)
+	if (c && c->ntiers == FC_MAX_TIERS)
 		rc = -ENOSPC;
 	else if (c && (rc = fc_tier_open(&c->tiers[c->ntiers], dir, kind, session)) == 0)
 		__atomic_store_n(&c->ntiers, c->ntiers + 1, __ATOMIC_RELEASE); // readers take no lock

@@ -72,7 +72,6 @@
 #define EXPORT __attribute__((visibility("default")))
 
 #define MAX_ROOTS 16
-#define MAX_TIERS 8
 
 // NOT_OURS: the open is left to libc.
 #define NOT_OURS (-2)
@@ -87,7 +86,7 @@ struct root {
 
 static struct root roots[MAX_ROOTS];
 static int nroots;
-static struct fc_tier tiers[MAX_TIERS];
+static struct fc_tier tiers[FC_MAX_TIERS];
 static int ntiers;
 static struct sockaddr_un node_addr;
 static int64_t timeout_ms = 30000;
@@ -185,7 +184,7 @@ static uint32_t next_session(const char **s) {
 // sessions (FITCACHE_PRELOAD_SESSIONS, may be NULL).
 static void parse_tiers(const char *v, const char *sessions) {
 	char dir[FC_PATH_MAX];
-	while (*v && ntiers < MAX_TIERS) {
+	while (*v && ntiers < FC_MAX_TIERS) {
 		const char *end = strchr(v, ':');
 		size_t n = end ? (size_t)(end - v) : strlen(v);
 		uint32_t session = next_session(&sessions);

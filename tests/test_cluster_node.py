@@ -134,6 +134,27 @@ def test_several_servers_on_one_node_share_its_readers(request, dataset, tmp_pat
     assert guests == [0, len(remote)], guests
 
 
+def test_a_reader_finds_the_files_of_many_servers_on_its_node_itself(request, dataset, tmp_path):
+    """Ten servers on the reader's node (the FITCACHE paper runs up to 16 per node): once the
+    files are cached, the reader finds every one in its node's tiers itself, whichever
+    server holds it, and asks no server for any (its hit path covers all their tiers)."""
+    root, digests = dataset
+    c = Cluster(tmp_path, root, nodes=["127.0.0.1"] * 10, serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    request.addfinalizer(c.stop)
+    names = sorted(digests)
+    with fitcache.Client(root, **c.options()) as client:
+        for name in names:
+            assert digest(client.read(name)) == digests[name]
+        holders = [a for a in c.addrs if cached_names(c, a)]
+        before = client.stats()["client"]
+        for name in names:
+            assert digest(client.read(name)) == digests[name]
+        after = client.stats()["client"]
+    assert len(holders) > 8, f"the files are on {len(holders)} servers only: the test needs more than 8"
+    assert after["local_hits"] - before["local_hits"] == len(names), (before, after)
+    assert after["server_reads"] == before["server_reads"], (before, after)
+
+
 def test_node_local_copies_keep_to_the_budget(request, dataset, tmp_path):
     """A tier too small for the dataset: the node's server keeps node-local copies only in the
     room its own files leave, so its own files are never pushed out (each file is opened on
