@@ -203,7 +203,10 @@ func (b *buffer) writeBulk(p []byte) error {
 // sent from the file: sendfile costs less CPU time below it and more above it, on loopback
 // TCP (BenchmarkRemoteRead, both sides together, medians of 5 to 7 alternated runs: 110 KiB
 // 110 µs against 115 µs, 512 KiB 188 against 212, 1 MiB 470 against 448, 2 MiB 1051 against
-// 747, 4 MiB 2090 against 1583).
+// 747, 4 MiB 2090 against 1583). Above it, two other ways cost the server more than the
+// mapping for 4 MiB files (bench/remoteread, 3 alternated rounds each, 2026-11-26): the file
+// read through a pooled 1 MiB buffer (1,296-1,395 µs against 1,185-1,255) and a mapping
+// with its page tables filled at once, MAP_POPULATE (1,352-1,409 against 1,089-1,285).
 const sendFileMax = 1 << 20
 
 // Flush implements remote.ByteBuffer.
