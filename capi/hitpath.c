@@ -680,10 +680,15 @@ out:
 }
 
 int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	return hit_node_opens(handle) ? hit_read_open(handle, path, data, size, buffer)
+	                              : hit_read_source(handle, path, data, size, buffer);
+}
+
+bool hit_node_opens(int64_t handle) {
 	struct hit_client *c = acquire(handle);
-	bool opens = c && c->node_opens;
+	bool opens = c && c->node_opens && c->node_socket[0];
 	put(c);
-	return opens ? hit_read_open(handle, path, data, size, buffer) : hit_read_source(handle, path, data, size, buffer);
+	return opens;
 }
 
 // Source reads without Go: for files no tier takes (the server said so), and in a process

@@ -73,6 +73,10 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
  * job. Returns as hit_read_source, or FC_UNAVAILABLE, or the file's own negated errno. */
 int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* Whether the node's server of the client opens the files no tier of the node takes (cluster
+ * mode through the node socket): every miss is then one round trip to it in C. */
+bool hit_node_opens(int64_t handle);
+
 /* Releases a buffer of the hit path: 0, or -EBADF for an unknown or released one. */
 int hit_release(int64_t buffer);
 

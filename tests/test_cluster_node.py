@@ -101,6 +101,21 @@ def test_a_killed_owners_files_come_from_the_nodes_copies(node_cluster, dataset)
         f"{ {k: n for k, n in counts.items() if n != 1} }")
 
 
+def test_a_batchs_misses_are_read_without_go(node_cluster, dataset):
+    """A batch read (DataLoader workers read a batch with one call, __getitems__) whose files
+    are not in the node's tiers yet: the node's server opens each, and the library reads what
+    it answers in C, as it reads a single file, so no Go buffer holds any of them (C buffers
+    have ids from FC_CBUF_BASE, 2**62, on: capi/hitpath.h; an empty file has no buffer)."""
+    root, digests = dataset
+    names = sorted(digests)
+    with fitcache.Client(root, **node_cluster.options()) as c:
+        views = c.read_each(names)
+        assert [digest(v) for v in views] == [digests[n] for n in names]
+        through_go = [n for n, v in zip(names, views) if v.nbytes and v.obj._fitcache_owner._id < 1 << 62]
+        del views
+    assert not through_go, f"{len(through_go)} of {len(names)} files of the batch were read through Go"
+
+
 def test_a_reader_connects_to_its_nodes_servers_only(node_cluster, dataset):
     root, digests = dataset
     with fitcache.Client(root, **node_cluster.options()) as c:
