@@ -190,13 +190,20 @@ int fc_read_many(int64_t handle, int count, const char *const *paths, const void
 }
 
 int fc_prefetch(int64_t handle, int count, const char *const *paths) {
+	return fc_prefetch_epochs(handle, count, paths, 0);
+}
+
+int fc_prefetch_epochs(int64_t handle, int count, const char *const *paths, int this_epoch) {
 	if (forked()) return -ECHILD;
-	if (count < 0 || (count > 0 && !paths)) { snprintf(errmsg, sizeof errmsg, "fc_prefetch: bad argument"); return -EINVAL; }
+	if (count < 0 || (count > 0 && !paths) || this_epoch < 0) {
+		snprintf(errmsg, sizeof errmsg, "fc_prefetch: bad argument");
+		return -EINVAL;
+	}
 	for (int i = 0; i < count; i++) {
 		if (!paths[i]) { snprintf(errmsg, sizeof errmsg, "fc_prefetch: NULL path %d", i); return -EINVAL; }
 	}
 	if (count == 0) return 0;
-	return goPrefetch(handle, count, (char **)paths);
+	return goPrefetch(handle, count, (char **)paths, this_epoch);
 }
 
 int fc_release(int64_t buffer) {

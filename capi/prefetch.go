@@ -8,7 +8,7 @@ import "C"
 import "unsafe"
 
 //export goPrefetch
-func goPrefetch(handle C.int64_t, count C.int, paths **C.char) (rc C.int) {
+func goPrefetch(handle C.int64_t, count C.int, paths **C.char, thisEpoch C.int) (rc C.int) {
 	defer guard(&rc)
 	c, err := lookupClient(handle)
 	if err != nil {
@@ -19,7 +19,7 @@ func goPrefetch(handle C.int64_t, count C.int, paths **C.char) (rc C.int) {
 	for i, p := range pathv {
 		list[i] = C.GoString(p)
 	}
-	if err := c.Prefetch(list); err != nil {
+	if err := c.PrefetchEpochs(list, int(thisEpoch)); err != nil {
 		return fail(err)
 	}
 	return 0

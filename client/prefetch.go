@@ -105,7 +105,14 @@ func (j *prefetchJobs) held() []*rpc.Client {
 // replaces the client's earlier one. The client keeps its jobs alive until they end or it
 // closes; a server whose prefetch is off takes nothing, which is no error. An error says
 // which servers could not take the list; reads work regardless.
-func (c *Client) Prefetch(paths []string) error {
+func (c *Client) Prefetch(paths []string) error { return c.PrefetchEpochs(paths, 0) }
+
+// PrefetchEpochs is Prefetch for a node's readers whose list holds more than this epoch's
+// files: its first thisEpoch paths are read now, the others only in later epochs (with a
+// DistributedSampler, the other ranks' parts), which the node's server brings in after the
+// rest, at low priority (see core.PrefetchRequest.ThisEpoch). 0 means all of them are read
+// now. Only a node's server tells them apart; other servers get the whole list.
+func (c *Client) PrefetchEpochs(paths []string, thisEpoch int) error {
 	c.life.RLock()
 	defer c.life.RUnlock()
 	if c.closed.Load() {
@@ -157,7 +164,11 @@ func (c *Client) Prefetch(paths []string) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := c.sendPrefetch(to.server, to.session, forNode, owner, list); err != nil {
+			split := 0
+			if forNode {
+				split = thisEpoch
+			}
+			if err := c.sendPrefetch(to.server, to.session, forNode, split, owner, list); err != nil {
 				mu.Lock()
 				errs = append(errs, fmt.Errorf("prefetch on %s: %w", to.server.Addr(), err))
 				mu.Unlock()
@@ -172,10 +183,13 @@ func (c *Client) Prefetch(paths []string) error {
 // a probe with the list's id comes first, so that the fresh DataLoader workers of every
 // epoch join the list in one small call instead of sending its first chunk each. The job is
 // one of our validation session at the server (see core.PrefetchRequest.Session).
-func (c *Client) sendPrefetch(server *rpc.Client, session uint32, forNode bool, owner string, paths []string) error {
+func (c *Client) sendPrefetch(server *rpc.Client, session uint32, forNode bool, thisEpoch int, owner string, paths []string) error {
 	id := core.ListDigest(paths)
+	if thisEpoch > 0 && thisEpoch < len(paths) {
+		id += fmt.Sprintf("/%d", thisEpoch) // the same files read now and later in other parts: another job
+	}
 	info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
-		Total: len(paths), Session: session, ForNode: forNode})
+		Total: len(paths), Session: session, ForNode: forNode, ThisEpoch: thisEpoch})
 	if err != nil {
 		return err
 	}
@@ -190,7 +204,7 @@ func (c *Client) sendPrefetch(server *rpc.Client, session uint32, forNode bool, 
 			end++
 		}
 		info, err := server.Prefetch(context.Background(), core.PrefetchRequest{Root: c.root, Owner: owner, ListID: id,
-			Offset: off, Total: len(paths), Paths: paths[off:end], Session: session, ForNode: forNode})
+			Offset: off, Total: len(paths), Paths: paths[off:end], Session: session, ForNode: forNode, ThisEpoch: thisEpoch})
 		if err != nil {
 			return err
 		}

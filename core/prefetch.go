@@ -91,6 +91,14 @@ type PrefetchRequest struct {
 	// EngineConfig.NodeFetch): the server's own files as usual, another node's as node-local
 	// copies where there is room. Without a NodeFetch it changes nothing.
 	ForNode bool
+	// ThisEpoch, with ForNode: the first ThisEpoch paths of the whole list are what the node's
+	// readers read now; the rest they read only in later epochs (with a DistributedSampler,
+	// the other ranks' parts, which a node with room keeps as node-local copies). Those are
+	// pulled after every file read now, one at a time, and only while no reader of the node
+	// waits on the server (see Engine.ReaderWaits): during a cold epoch the node's CPU and
+	// network go to what its readers wait for, and the owners read the source in the order
+	// their own readers need it. 0 (or the list's length): all of them are read now.
+	ThisEpoch int
 	// Session is the validation session of the caller's job (see Engine.BeginSession): the
 	// job checks the copies it finds cached against their sources, ahead of the readers, so a
 	// list joins only a job of the same session or a later one. 0 joins any.
@@ -230,6 +238,7 @@ type prefetchJob struct {
 	total        int
 	session      uint32               // PrefetchRequest.Session of the list's first sender
 	forNode      bool                 // PrefetchRequest.ForNode
+	thisEpoch    int                  // PrefetchRequest.ThisEpoch: the files from this index on are for later epochs; 0: none
 	sender       string               // the owner that sends the list, chunk by chunk
 	paths        []string             // received so far; "" once handed out (or read by a reader)
 	pos          map[string]int       // index in paths of each file not handed out yet
@@ -256,12 +265,14 @@ func (j *prefetchJob) handOut(i int) string {
 }
 
 // nextFile hands out the job's next file: from the runs after readers' misses first, in
-// turn, then in list order. It reports false when none is left.
-func (j *prefetchJob) nextFile() (string, bool) {
+// turn, then in list order; a file for a later epoch (see PrefetchRequest.ThisEpoch) only
+// once every file before it is done, when no other such file is being fetched and no reader
+// waits (readersWait). It reports false when none is to be handed out now.
+func (j *prefetchJob) nextFile(readersWait bool) (string, bool) {
 	for len(j.hot) > 0 {
 		r := j.hot[0]
 		j.hot = j.hot[1:]
-		if r.at < len(j.paths) && j.paths[r.at] != "" && r.left > 0 {
+		if r.at < len(j.paths) && j.readNow(r.at) && j.paths[r.at] != "" && r.left > 0 {
 			if r.left > 1 {
 				j.hot = append(j.hot, hotRun{r.at + 1, r.left - 1}) // runs take turns
 			}
@@ -272,11 +283,20 @@ func (j *prefetchJob) nextFile() (string, bool) {
 	for j.next < len(j.paths) && j.paths[j.next] == "" {
 		j.next++
 	}
-	if j.next < len(j.paths) {
+	switch {
+	case j.next >= len(j.paths):
+		return "", false
+	case j.readNow(j.next):
 		return j.handOut(j.next), true
+	case j.busy > 0 || readersWait: // a file of the job is in flight, or a reader waits
+		return "", false
 	}
-	return "", false
+	return j.handOut(j.next), true
 }
+
+// readNow reports whether the file at index i of the list is read by the readers now rather
+// than in a later epoch (see PrefetchRequest.ThisEpoch).
+func (j *prefetchJob) readNow(i int) bool { return j.thisEpoch == 0 || i < j.thisEpoch }
 
 // follow starts a run after index i, unless one is about to reach it.
 func (j *prefetchJob) follow(i int) {
@@ -386,6 +406,9 @@ func (p *prefetcher) submit(req PrefetchRequest) (PrefetchInfo, error) {
 		j = &prefetchJob{root: req.Root, listID: id, total: total, session: req.Session, forNode: req.ForNode && p.e.nodeFetch != nil,
 			sender: req.Owner, owners: map[string]time.Time{},
 			pos: map[string]int{}, state: PrefetchRunning}
+		if j.forNode && req.ThisEpoch > 0 && req.ThisEpoch < total {
+			j.thisEpoch = req.ThisEpoch
+		}
 		p.jobs = append(p.jobs, j)
 		p.owned[key] = j
 		p.running++
@@ -591,7 +614,7 @@ func (p *prefetcher) take() (*prefetchJob, string) {
 		if j.state != PrefetchRunning {
 			continue
 		}
-		if path, ok := j.nextFile(); ok {
+		if path, ok := j.nextFile(p.demand > 0); ok {
 			p.rr = k + 1
 			j.busy++
 			return j, path
@@ -832,6 +855,17 @@ func (p *prefetcher) endDemand() {
 	p.demand--
 	p.cond.Broadcast()
 	p.mu.Unlock()
+}
+
+// ReaderWaits counts a reader of this node waiting on this server for path, in cluster mode
+// (the node socket's opens and fetches of files this server brings from their owners), as a
+// reader's source read is counted: prefetch gives way to it, the file leaves the lists of
+// running jobs (the reader reads it) and the files after it are handed out first. Files for
+// later epochs wait while any reader waits (see PrefetchRequest.ThisEpoch). The caller calls
+// the function returned once the reader has its answer.
+func (e *Engine) ReaderWaits(path string) (done func()) {
+	e.pf.startDemand(path)
+	return e.pf.endDemand
 }
 
 // demandFill is fill for a reader's miss. It counts the read as a demand read, which

@@ -438,14 +438,14 @@ func TestPrefetchFollowsReadersMisses(t *testing.T) {
 		j.paths = append(j.paths, path)
 	}
 	j.paths = append(j.paths, "") // "/d/0" again: dealt with at once
-	if first, _ := j.nextFile(); first != "/d/0" {
+	if first, _ := j.nextFile(false); first != "/d/0" {
 		t.Fatalf("first file handed out: got %s, want /d/0", first)
 	}
 	p.startDemand("/d/5")
 	p.startDemand("/d/2")
 	var got []string
 	for {
-		path, ok := j.nextFile()
+		path, ok := j.nextFile(false)
 		if !ok {
 			break
 		}
@@ -457,5 +457,62 @@ func TestPrefetchFollowsReadersMisses(t *testing.T) {
 	}
 	if j.info.SkippedInflight != 2 {
 		t.Errorf("files read by readers: got %d, want 2", j.info.SkippedInflight)
+	}
+}
+
+// A node's list whose tail is for later epochs: those files come after every file read now
+// is done, one at a time, and never while a reader waits; a reader's miss in the tail is
+// followed only within the files read now.
+func TestFilesForLaterEpochsWaitAndGoOneAtATime(t *testing.T) {
+	p := &prefetcher{limit: 8, floor: 2, running: 1, owned: map[ownerKey]*prefetchJob{}}
+	p.cond = sync.NewCond(&p.mu)
+	j := &prefetchJob{pos: map[string]int{}, total: 6, thisEpoch: 3, state: PrefetchRunning, owners: map[string]time.Time{}}
+	p.jobs = []*prefetchJob{j}
+	for i := range 6 {
+		path := fmt.Sprintf("/d/%d", i)
+		j.pos[path] = len(j.paths)
+		j.paths = append(j.paths, path)
+	}
+	take := func() string {
+		t.Helper()
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		_, path := p.take()
+		return path
+	}
+	done := func(path string) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.active++ // as wait counted it
+		p.record(j, path, outcome{kind: fetchedFile})
+	}
+	var now []string
+	for range 3 {
+		now = append(now, take())
+	}
+	if fmt.Sprint(now) != "[/d/0 /d/1 /d/2]" {
+		t.Fatalf("files read now: got %v", now)
+	}
+	if path := take(); path != "" {
+		t.Fatalf("a file for a later epoch while files read now are in flight: %s", path)
+	}
+	for _, path := range now {
+		done(path)
+	}
+	p.startDemand("/d/5") // a reader waits (for a file of the tail: no run follows it)
+	if path := take(); path != "" {
+		t.Fatalf("a file for a later epoch while a reader waits: %s", path)
+	}
+	p.endDemand()
+	first := take()
+	if first != "/d/3" {
+		t.Fatalf("first file for a later epoch: got %q, want /d/3", first)
+	}
+	if path := take(); path != "" {
+		t.Fatalf("a second file for a later epoch while %s is in flight: %s", first, path)
+	}
+	done(first)
+	if path := take(); path != "/d/4" {
+		t.Fatalf("next file for a later epoch: got %q, want /d/4 (/d/5 was read by the reader)", path)
 	}
 }

@@ -20,7 +20,7 @@ func (t typedClient) Prefetch(ctx context.Context, req *fitcachepb.PrefetchReque
 func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest) (*fitcachepb.PrefetchReply, error) {
 	info, err := h.engine.Prefetch(core.PrefetchRequest{Root: req.Root, Owner: req.Owner, ListID: req.ListId,
 		Offset: int(req.Offset), Total: int(req.Total), Paths: req.Paths, Session: sessionOf(req.Session),
-		ForNode: req.ForNode})
+		ForNode: req.ForNode, ThisEpoch: thisEpochOf(req.ThisEpoch)})
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.PrefetchReply{Errno: errno, Message: msg, Reason: reason}, nil
@@ -29,6 +29,15 @@ func (h *Handler) Prefetch(ctx context.Context, req *fitcachepb.PrefetchRequest)
 		Files: int64(info.Files), Received: int64(info.Received), Done: int64(info.Done), Fetched: int64(info.Fetched),
 		SkippedCached: int64(info.SkippedCached), SkippedInflight: int64(info.SkippedInflight), Failed: int64(info.Failed),
 		Bytes: info.Bytes, Owners: int64(info.Owners), Errors: info.Errors}, nil
+}
+
+// thisEpochOf converts PrefetchRequest.this_epoch from the wire; a number out of range is
+// taken for the whole list (0).
+func thisEpochOf(n int64) int {
+	if n < 0 || n > math.MaxInt32 {
+		return 0
+	}
+	return int(n)
 }
 
 // sessionOf converts a session number from the wire, where it is an i64; a number outside
@@ -47,7 +56,7 @@ func (c *Client) Prefetch(ctx context.Context, req core.PrefetchRequest) (core.P
 	err := c.call(ctx, c.cfg.ReadTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.Prefetch(ctx, &fitcachepb.PrefetchRequest{Root: req.Root, Owner: req.Owner,
 			ListId: req.ListID, Offset: int64(req.Offset), Total: int64(req.Total), Paths: req.Paths,
-			Session: int64(req.Session), ForNode: req.ForNode},
+			Session: int64(req.Session), ForNode: req.ForNode, ThisEpoch: int64(req.ThisEpoch)},
 			c.target())
 		return err
 	})

@@ -221,6 +221,7 @@ func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, co
 	if err != nil {
 		return nil, 0, err
 	}
+	defer n.engine.ReaderWaits(path)() // prefetch gives way (see core.Engine.ReaderWaits)
 	return c.OpenForReader(ctx, path)
 }
 
@@ -245,6 +246,12 @@ func (n *clusterNode) forget(root, path string) error {
 // copy of a file another node owns. When no tier of the node takes it, the error (ENOSPC or
 // EFBIG) sends the caller to OpOpen.
 func (n *clusterNode) fetch(ctx context.Context, root, path string) error {
+	defer n.engine.ReaderWaits(path)() // prefetch gives way (see core.Engine.ReaderWaits)
+	return n.bring(ctx, root, path)
+}
+
+// bring brings path into a tier of this node, for a reader (fetch) or for prefetch.
+func (n *clusterNode) bring(ctx context.Context, root, path string) error {
 	if err := n.engine.CheckRoot(root, path); err != nil {
 		return err
 	}
@@ -262,7 +269,7 @@ func (n *clusterNode) fetchForPrefetch(ctx context.Context, root, path string) (
 		f.Close()
 		return true, nil
 	}
-	return false, n.fetch(ctx, root, path)
+	return false, n.bring(ctx, root, path)
 }
 
 // announce passes a job that began with a reader of this node on to the job's other servers

@@ -116,6 +116,22 @@ def test_a_batchs_misses_are_read_without_go(node_cluster, dataset):
     assert not through_go, f"{len(through_go)} of {len(names)} files of the batch were read through Go"
 
 
+def test_a_ranks_part_comes_first_and_the_other_files_after(node_cluster, dataset):
+    """A rank's part handed over for prefetch (a DistributedSampler's): the node's server
+    brings it in, then the dataset's other files, which the rank reads in later epochs, as
+    node-local copies (its tier has room): every file ends up on the node, read from the
+    source once."""
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, prefetch=False, **node_cluster.options())
+    with OpenCounter(root) as opens:
+        state = ds.prefetch(indices=range(0, len(ds), 4), wait=True)
+        counts = opens.counts()
+    assert state["state"] == "done" and state["done"] == len(ds) and state["failed"] == 0, state
+    on_node = set().union(*(cached_names(node_cluster, a) for a in node_cluster.addrs[:1]))
+    assert {os.path.basename(n) for n in digests} <= on_node, "files of the dataset not brought into the node"
+    assert len(counts) == len(digests) and all(n == 1 for n in counts.values()), counts
+
+
 def test_a_reader_connects_to_its_nodes_servers_only(node_cluster, dataset):
     root, digests = dataset
     with fitcache.Client(root, **node_cluster.options()) as c:

@@ -119,6 +119,9 @@ def _declare(lib):
     # int fc_prefetch(int64_t handle, int count, const char *const *paths);
     lib.fc_prefetch.argtypes = [i64, ctypes.c_int, p(ctypes.c_char_p)]
     lib.fc_prefetch.restype = ctypes.c_int
+    # int fc_prefetch_epochs(int64_t handle, int count, const char *const *paths, int this_epoch);
+    lib.fc_prefetch_epochs.argtypes = [i64, ctypes.c_int, p(ctypes.c_char_p), ctypes.c_int]
+    lib.fc_prefetch_epochs.restype = ctypes.c_int
     # int fc_release(int64_t buffer);
     lib.fc_release.argtypes = [i64]
     lib.fc_release.restype = ctypes.c_int
@@ -265,17 +268,20 @@ class Client:
                 out.append(_ERRORS.get(code, FitCacheError)(code, os.strerror(code), paths[i]))
         return out
 
-    def prefetch(self, paths: Iterable[PathArg]) -> None:
+    def prefetch(self, paths: Iterable[PathArg], this_epoch: int = 0) -> None:
         """Hands the server the files this client's readers are about to read, in the order
         they will read them, for the server to read from the source ahead of them (see
         fc_prefetch in fitcache.h). A new list replaces the client's earlier one; the job lives
-        while the client is open. Raises PermissionError for a path outside the root (then
-        nothing is sent)."""
+        while the client is open. In cluster mode, with this_epoch, only the first this_epoch
+        paths are read in this epoch, the rest in later ones (see fc_prefetch_epochs). Raises
+        PermissionError for a path outside the root (then nothing is sent)."""
         encoded = [p if isinstance(p, bytes) and b"\0" not in p else _fs(p) for p in paths]
         if not encoded:
             return
+        if this_epoch < 0:
+            raise ValueError(f"this_epoch {this_epoch} is negative")
         c_paths = (ctypes.c_char_p * len(encoded))(*encoded)
-        rc = self._lib.fc_prefetch(self._checked(), len(encoded), c_paths)
+        rc = self._lib.fc_prefetch_epochs(self._checked(), len(encoded), c_paths, this_epoch)
         if rc < 0:
             _raise(self._lib, rc)
 

@@ -229,31 +229,39 @@ class FitCacheDataset(_Base):
             if _native.loaded_here():
                 self._get_client()  # hands the list over
                 return None
-        return prefetch_files(self.root, self._prefetch_paths(), wait=wait, **self.options)
+        paths, this_epoch = self._prefetch_paths()
+        return prefetch_files(self.root, paths, wait=wait, this_epoch=this_epoch, **self.options)
 
     def _prefetch_paths(self):
+        """The prefetch list, and how many of its paths are read in this epoch (0: all)."""
         if self._prefetch_order is None:
-            return [os.path.join(self.root, f) for f in self.files]
+            return [os.path.join(self.root, f) for f in self.files], 0
         paths = [self.path(i) for i in self._prefetch_order]
         if self.options.get("servers") or os.environ.get("FITCACHE_SERVERS"):
             # Cluster mode: the node's server keeps copies of what its readers read, where it
             # has room. With one rank's share given (a DistributedSampler), the other files come
-            # after it: the rank reads another part every epoch, and a node with room for the
-            # whole dataset then reads all of it locally from the next epoch on.
+            # after it, for later epochs: the rank reads another part every epoch, and a node
+            # with room for the whole dataset then reads all of it locally. The server brings
+            # them in once this epoch's files are in, and while no reader waits on it.
             given = set(self._prefetch_order)
-            paths += [self.path(i) for i in range(len(self.files)) if i not in given]
-        return paths
+            rest = [self.path(i) for i in range(len(self.files)) if i not in given]
+            if rest:
+                return paths + rest, len(paths)
+        return paths, 0
 
     def _encode_prefetch_list(self):
-        """The prefetch list as bytes paths (a file name cannot hold a NUL byte)."""
-        return [os.fsencode(p) for p in self._prefetch_paths()]
+        """The prefetch list as bytes paths (a file name cannot hold a NUL byte), and how many
+        of them are read in this epoch."""
+        paths, this_epoch = self._prefetch_paths()
+        return [os.fsencode(p) for p in paths], this_epoch
 
     def _send_prefetch(self, client):
         """Hands the list over through client; a failure is a warning, never a failed read."""
         if self._prefetch_encoded is None:
             self._prefetch_encoded = self._encode_prefetch_list()
+        paths, this_epoch = self._prefetch_encoded
         try:
-            client.prefetch(self._prefetch_encoded)
+            client.prefetch(paths, this_epoch=this_epoch)
         except (_native.FitCacheError, ValueError) as err:
             log.warning("prefetch not started: %s", err)
 
@@ -310,18 +318,22 @@ def server_stats(**options: Any) -> dict | None:
     return stats
 
 
-def prefetch_files(root: PathLike, paths: Iterable[str], wait: bool = False, **options: Any) -> dict | None:
+def prefetch_files(root: PathLike, paths: Iterable[str], wait: bool = False, this_epoch: int = 0,
+                   **options: Any) -> dict | None:
     """Hands the server of the dataset under root the files at paths (absolute, or relative to
     root), in that order, to read ahead of the readers, through the ``fitcache prefetch``
     command (a separate process, so the caller never loads the Go runtime); it starts the
     server if none runs. Without ``wait`` the job lives while readers that hand over the same
     list renew it, and at least 10 s; with it, the call returns when the job ended. Returns
     the job's state as a dict (``state``: running, done, budget, off...; files, fetched,
-    skipped_cached, skipped_inflight, failed, bytes, errors), or None for an empty list."""
+    skipped_cached, skipped_inflight, failed, bytes, errors), or None for an empty list. In
+    cluster mode, with ``this_epoch``, only the first this_epoch paths are read in this epoch
+    (see fc_prefetch_epochs in fitcache.h)."""
     data = b"".join(_native._fs(p) + b"\0" for p in paths)
     if not data:
         return None
-    cmd = [_native.server_binary(), "prefetch", "-0", "--json", "--quiet"] + (["--wait"] if wait else [])
+    cmd = [_native.server_binary(), "prefetch", "-0", "--json", "--quiet"] + (["--wait"] if wait else []) + (
+        [f"--this-epoch={this_epoch}"] if this_epoch else [])
     out = subprocess.run(cmd + [os.fsdecode(_native._fs(root))], input=data, env=_command_env(options),
                          capture_output=True, timeout=None if wait else 120)
     if out.returncode != 0:

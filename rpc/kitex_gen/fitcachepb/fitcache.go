@@ -935,14 +935,15 @@ var fieldIDToName_StatsReply = map[int16]string{
 }
 
 type PrefetchRequest struct {
-	Root    string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
-	Owner   string   `thrift:"owner,3" frugal:"3,default,string" json:"owner"`
-	ListId  string   `thrift:"list_id,4" frugal:"4,default,string" json:"list_id"`
-	Offset  int64    `thrift:"offset,5" frugal:"5,default,i64" json:"offset"`
-	Total   int64    `thrift:"total,6" frugal:"6,default,i64" json:"total"`
-	Paths   []string `thrift:"paths,7" frugal:"7,default,list<string>" json:"paths"`
-	Session int64    `thrift:"session,8" frugal:"8,default,i64" json:"session"`
-	ForNode bool     `thrift:"for_node,9" frugal:"9,default,bool" json:"for_node"`
+	Root      string   `thrift:"root,2" frugal:"2,default,string" json:"root"`
+	Owner     string   `thrift:"owner,3" frugal:"3,default,string" json:"owner"`
+	ListId    string   `thrift:"list_id,4" frugal:"4,default,string" json:"list_id"`
+	Offset    int64    `thrift:"offset,5" frugal:"5,default,i64" json:"offset"`
+	Total     int64    `thrift:"total,6" frugal:"6,default,i64" json:"total"`
+	Paths     []string `thrift:"paths,7" frugal:"7,default,list<string>" json:"paths"`
+	Session   int64    `thrift:"session,8" frugal:"8,default,i64" json:"session"`
+	ForNode   bool     `thrift:"for_node,9" frugal:"9,default,bool" json:"for_node"`
+	ThisEpoch int64    `thrift:"this_epoch,10" frugal:"10,default,i64" json:"this_epoch"`
 }
 
 func NewPrefetchRequest() *PrefetchRequest {
@@ -983,6 +984,10 @@ func (p *PrefetchRequest) GetSession() (v int64) {
 func (p *PrefetchRequest) GetForNode() (v bool) {
 	return p.ForNode
 }
+
+func (p *PrefetchRequest) GetThisEpoch() (v int64) {
+	return p.ThisEpoch
+}
 func (p *PrefetchRequest) SetRoot(val string) {
 	p.Root = val
 }
@@ -1007,6 +1012,9 @@ func (p *PrefetchRequest) SetSession(val int64) {
 func (p *PrefetchRequest) SetForNode(val bool) {
 	p.ForNode = val
 }
+func (p *PrefetchRequest) SetThisEpoch(val int64) {
+	p.ThisEpoch = val
+}
 
 func (p *PrefetchRequest) String() string {
 	if p == nil {
@@ -1016,14 +1024,15 @@ func (p *PrefetchRequest) String() string {
 }
 
 var fieldIDToName_PrefetchRequest = map[int16]string{
-	2: "root",
-	3: "owner",
-	4: "list_id",
-	5: "offset",
-	6: "total",
-	7: "paths",
-	8: "session",
-	9: "for_node",
+	2:  "root",
+	3:  "owner",
+	4:  "list_id",
+	5:  "offset",
+	6:  "total",
+	7:  "paths",
+	8:  "session",
+	9:  "for_node",
+	10: "this_epoch",
 }
 
 type PrefetchReply struct {
