@@ -66,8 +66,8 @@ int fc_prefetch(int64_t handle, int count, const char *const *paths);
 /* fc_prefetch for the readers of a node in cluster mode whose list holds more than the files
  * they read in this epoch: the first this_epoch paths are read now, the others only in later
  * epochs (with a DistributedSampler, the other ranks' parts, which a node with room keeps).
- * The node's server brings those in after every file read now, one at a time and only while
- * no reader waits on it, so that a first epoch is not slowed by files for the next ones.
+ * The node's server brings those in after every file read now, one at a time, so that a first
+ * epoch is little slowed by files for the next ones.
  * this_epoch 0 (or count) is fc_prefetch. Returns as fc_prefetch, and -EINVAL for a negative
  * this_epoch. */
 int fc_prefetch_epochs(int64_t handle, int count, const char *const *paths, int this_epoch);

@@ -94,10 +94,9 @@ type PrefetchRequest struct {
 	// ThisEpoch, with ForNode: the first ThisEpoch paths of the whole list are what the node's
 	// readers read now; the rest they read only in later epochs (with a DistributedSampler,
 	// the other ranks' parts, which a node with room keeps as node-local copies). Those are
-	// pulled after every file read now, one at a time, and only while no reader of the node
-	// waits on the server (see Engine.ReaderWaits): during a cold epoch the node's CPU and
-	// network go to what its readers wait for, and the owners read the source in the order
-	// their own readers need it. 0 (or the list's length): all of them are read now.
+	// pulled after every file read now is done, laterAtOnce at a time: during a cold epoch
+	// the node's CPU and network go to what its readers wait for. 0 (or the list's length):
+	// all of them are read now.
 	ThisEpoch int
 	// Session is the validation session of the caller's job (see Engine.BeginSession): the
 	// job checks the copies it finds cached against their sources, ahead of the readers, so a
@@ -239,6 +238,7 @@ type prefetchJob struct {
 	session      uint32               // PrefetchRequest.Session of the list's first sender
 	forNode      bool                 // PrefetchRequest.ForNode
 	thisEpoch    int                  // PrefetchRequest.ThisEpoch: the files from this index on are for later epochs; 0: none
+	later        map[string]bool      // files for later epochs being fetched (at most laterAtOnce)
 	sender       string               // the owner that sends the list, chunk by chunk
 	paths        []string             // received so far; "" once handed out (or read by a reader)
 	pos          map[string]int       // index in paths of each file not handed out yet
@@ -266,9 +266,9 @@ func (j *prefetchJob) handOut(i int) string {
 
 // nextFile hands out the job's next file: from the runs after readers' misses first, in
 // turn, then in list order; a file for a later epoch (see PrefetchRequest.ThisEpoch) only
-// once every file before it is done, when no other such file is being fetched and no reader
-// waits (readersWait). It reports false when none is to be handed out now.
-func (j *prefetchJob) nextFile(readersWait bool) (string, bool) {
+// once every file read now is done, and while fewer than laterAtOnce such files are being
+// fetched. It reports false when none is to be handed out now.
+func (j *prefetchJob) nextFile() (string, bool) {
 	for len(j.hot) > 0 {
 		r := j.hot[0]
 		j.hot = j.hot[1:]
@@ -288,11 +288,24 @@ func (j *prefetchJob) nextFile(readersWait bool) (string, bool) {
 		return "", false
 	case j.readNow(j.next):
 		return j.handOut(j.next), true
-	case j.busy > 0 || readersWait: // a file of the job is in flight, or a reader waits
+	case j.busy > len(j.later) || len(j.later) >= laterAtOnce: // files read now are in flight
 		return "", false
 	}
-	return j.handOut(j.next), true
+	path := j.handOut(j.next)
+	if j.later == nil {
+		j.later = map[string]bool{}
+	}
+	j.later[path] = true
+	return path, true
 }
+
+// laterAtOnce is how many files for later epochs a job fetches at once. Measured with
+// bench/bench_cluster.py (4 nodes on 2 shared cores, a reader per node, 2026-11-26): at full
+// prefetch concurrency (16) the pull cost the first epoch over GlusterFS a third of its speed
+// (0.44x the file system's limit); one at a time, or only while no reader of the node
+// waited, the pull was not done before the warm epochs and they stayed remote (0.22-0.28x
+// plain reads with persistent workers); 4 gave 0.55x and 0.91x.
+const laterAtOnce = 4
 
 // readNow reports whether the file at index i of the list is read by the readers now rather
 // than in a later epoch (see PrefetchRequest.ThisEpoch).
@@ -614,7 +627,7 @@ func (p *prefetcher) take() (*prefetchJob, string) {
 		if j.state != PrefetchRunning {
 			continue
 		}
-		if path, ok := j.nextFile(p.demand > 0); ok {
+		if path, ok := j.nextFile(); ok {
 			p.rr = k + 1
 			j.busy++
 			return j, path
@@ -645,6 +658,7 @@ func (p *prefetcher) record(j *prefetchJob, path string, out outcome) {
 	p.active--
 	p.reserved -= out.reserved
 	j.busy--
+	delete(j.later, path)
 	switch out.kind {
 	case fetchedFile:
 		j.info.Fetched++
@@ -860,9 +874,8 @@ func (p *prefetcher) endDemand() {
 // ReaderWaits counts a reader of this node waiting on this server for path, in cluster mode
 // (the node socket's opens and fetches of files this server brings from their owners), as a
 // reader's source read is counted: prefetch gives way to it, the file leaves the lists of
-// running jobs (the reader reads it) and the files after it are handed out first. Files for
-// later epochs wait while any reader waits (see PrefetchRequest.ThisEpoch). The caller calls
-// the function returned once the reader has its answer.
+// running jobs (the reader reads it) and the files after it are handed out first. The caller
+// calls the function returned once the reader has its answer.
 func (e *Engine) ReaderWaits(path string) (done func()) {
 	e.pf.startDemand(path)
 	return e.pf.endDemand

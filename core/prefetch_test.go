@@ -438,14 +438,14 @@ func TestPrefetchFollowsReadersMisses(t *testing.T) {
 		j.paths = append(j.paths, path)
 	}
 	j.paths = append(j.paths, "") // "/d/0" again: dealt with at once
-	if first, _ := j.nextFile(false); first != "/d/0" {
+	if first, _ := j.nextFile(); first != "/d/0" {
 		t.Fatalf("first file handed out: got %s, want /d/0", first)
 	}
 	p.startDemand("/d/5")
 	p.startDemand("/d/2")
 	var got []string
 	for {
-		path, ok := j.nextFile(false)
+		path, ok := j.nextFile()
 		if !ok {
 			break
 		}
@@ -461,14 +461,15 @@ func TestPrefetchFollowsReadersMisses(t *testing.T) {
 }
 
 // A node's list whose tail is for later epochs: those files come after every file read now
-// is done, one at a time, and never while a reader waits; a reader's miss in the tail is
-// followed only within the files read now.
-func TestFilesForLaterEpochsWaitAndGoOneAtATime(t *testing.T) {
-	p := &prefetcher{limit: 8, floor: 2, running: 1, owned: map[ownerKey]*prefetchJob{}}
+// is done, laterAtOnce at a time; a reader's miss in the tail is followed only within the
+// files read now.
+func TestFilesForLaterEpochsComeAfterTheOthers(t *testing.T) {
+	p := &prefetcher{limit: 16, floor: 4, running: 1, owned: map[ownerKey]*prefetchJob{}}
 	p.cond = sync.NewCond(&p.mu)
-	j := &prefetchJob{pos: map[string]int{}, total: 6, thisEpoch: 3, state: PrefetchRunning, owners: map[string]time.Time{}}
+	n := 3 + laterAtOnce + 2
+	j := &prefetchJob{pos: map[string]int{}, total: n, thisEpoch: 3, state: PrefetchRunning, owners: map[string]time.Time{}}
 	p.jobs = []*prefetchJob{j}
-	for i := range 6 {
+	for i := range n {
 		path := fmt.Sprintf("/d/%d", i)
 		j.pos[path] = len(j.paths)
 		j.paths = append(j.paths, path)
@@ -496,23 +497,34 @@ func TestFilesForLaterEpochsWaitAndGoOneAtATime(t *testing.T) {
 	if path := take(); path != "" {
 		t.Fatalf("a file for a later epoch while files read now are in flight: %s", path)
 	}
-	for _, path := range now {
+	for _, path := range now[:2] {
 		done(path)
 	}
-	p.startDemand("/d/5") // a reader waits (for a file of the tail: no run follows it)
 	if path := take(); path != "" {
-		t.Fatalf("a file for a later epoch while a reader waits: %s", path)
+		t.Fatalf("a file for a later epoch while %s is in flight: %s", now[2], path)
 	}
-	p.endDemand()
-	first := take()
-	if first != "/d/3" {
-		t.Fatalf("first file for a later epoch: got %q, want /d/3", first)
+	done(now[2])
+	p.startDemand(fmt.Sprintf("/d/%d", n-1)) // a reader reads the last file: no run follows it
+	defer p.endDemand()
+	var later []string
+	for range laterAtOnce {
+		later = append(later, take())
+	}
+	var want []string
+	for i := range laterAtOnce {
+		want = append(want, fmt.Sprintf("/d/%d", 3+i))
+	}
+	if fmt.Sprint(later) != fmt.Sprint(want) {
+		t.Fatalf("files for later epochs: got %v, want %v", later, want)
 	}
 	if path := take(); path != "" {
-		t.Fatalf("a second file for a later epoch while %s is in flight: %s", first, path)
+		t.Fatalf("more than %d files for later epochs at once: %s", laterAtOnce, path)
 	}
-	done(first)
-	if path := take(); path != "/d/4" {
-		t.Fatalf("next file for a later epoch: got %q, want /d/4 (/d/5 was read by the reader)", path)
+	done(later[0])
+	if path, want := take(), fmt.Sprintf("/d/%d", 3+laterAtOnce); path != want {
+		t.Fatalf("next file for a later epoch: got %q, want %s", path, want)
+	}
+	if path := take(); path != "" {
+		t.Fatalf("a file the reader read was handed out: %s", path)
 	}
 }
