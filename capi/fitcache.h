@@ -66,7 +66,7 @@ int fc_prefetch(int64_t handle, int count, const char *const *paths);
 /* fc_prefetch for the readers of a node in cluster mode whose list holds more than the files
  * they read in this epoch: the first this_epoch paths are read now, the others only in later
  * epochs (with a DistributedSampler, the other ranks' parts, which a node with room keeps).
- * The node's server brings those in after every file read now, one at a time, so that a first
+ * The node's server brings those in after every file read now, a few at a time, so that a first
  * epoch is little slowed by files for the next ones.
  * this_epoch 0 (or count) is fc_prefetch. Returns as fc_prefetch, and -EINVAL for a negative
  * this_epoch. */

@@ -110,7 +110,7 @@ func (c *Client) Prefetch(paths []string) error { return c.PrefetchEpochs(paths,
 // PrefetchEpochs is Prefetch for a node's readers whose list holds more than this epoch's
 // files: its first thisEpoch paths are read now, the others only in later epochs (with a
 // DistributedSampler, the other ranks' parts), which the node's server brings in after those,
-// one at a time (see core.PrefetchRequest.ThisEpoch). 0 means all of them are read
+// a few at a time (see core.PrefetchRequest.ThisEpoch). 0 means all of them are read
 // now. Only a node's server tells them apart; other servers get the whole list.
 func (c *Client) PrefetchEpochs(paths []string, thisEpoch int) error {
 	c.life.RLock()

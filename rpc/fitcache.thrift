@@ -204,8 +204,8 @@ struct PrefetchRequest {
   // file into a tier of its node, whichever server owns it (see core.PrefetchRequest.ForNode).
   9: bool for_node
   // With for_node: the first this_epoch paths of the whole list are what the node's readers
-  // read now; the others only in later epochs (other ranks' parts), pulled after them one at
-  // a time (see core.PrefetchRequest.ThisEpoch). 0: all of them are read now.
+  // read now; the others only in later epochs (other ranks' parts), pulled after them a few
+  // at a time (see core.PrefetchRequest.ThisEpoch). 0: all of them are read now.
   10: i64 this_epoch
 }
 

@@ -25,7 +25,7 @@ func prefetchCmd(args []string) error {
 	null := fset.Bool("0", false, "paths on standard input end with NUL bytes (default: one per line; input holding a NUL byte is read this way too)")
 	quiet := fset.Bool("quiet", false, "no progress line")
 	asJSON := fset.Bool("json", false, "print the job's state as JSON on standard output")
-	thisEpoch := fset.Int("this-epoch", 0, "cluster mode: only the first N files are read in this epoch, the others in later ones (the node's server brings them in after those, one at a time); 0: all")
+	thisEpoch := fset.Int("this-epoch", 0, "cluster mode: only the first N files are read in this epoch, the others in later ones (the node's server brings them in after those, a few at a time); 0: all")
 	fset.Usage = func() {
 		fmt.Fprintln(fset.Output(), "usage: fitcache prefetch [--wait] [-0] [--quiet] [--json] [--this-epoch N] DIR < LIST\n\n"+
 			"Hands the server the files listed on standard input (absolute, or relative to the dataset root DIR),\n"+

@@ -242,7 +242,7 @@ class FitCacheDataset(_Base):
             # has room. With one rank's share given (a DistributedSampler), the other files come
             # after it, for later epochs: the rank reads another part every epoch, and a node
             # with room for the whole dataset then reads all of it locally. The server brings
-            # them in once this epoch's files are in, one at a time.
+            # them in once this epoch's files are in, a few at a time.
             given = set(self._prefetch_order)
             rest = [self.path(i) for i in range(len(self.files)) if i not in given]
             if rest:
