@@ -137,7 +137,11 @@ type counters struct {
 // Open returns a client for the dataset under root, connecting to (and if needed starting)
 // the embedded server. A server that cannot be started is not an error: reads then go to the
 // source until it can be.
-func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
+func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Client, error) {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -173,7 +177,7 @@ func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 			}
 		}
 		if c.node == nil {
-			if c.cluster, err = newClusterRouter(cfg, log, members, token); err != nil {
+			if c.cluster, err = newClusterRouter(cfg, log, members, token, o.dead); err != nil {
 				return nil, err
 			}
 		}
@@ -182,6 +186,27 @@ func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 	}
 	go c.reportLoop()
 	return c, nil
+}
+
+// An Option changes how Open opens a client.
+type Option func(*options)
+
+type options struct {
+	dead map[string]bool // see KnownDead
+}
+
+// KnownDead tells a cluster client the servers the job's servers know to be dead (see
+// package membership): it starts with them dead, says no hello to them and waits for none of
+// them (it still asks them every second whether they are back).
+func KnownDead(ids []string) Option {
+	return func(o *options) {
+		if o.dead == nil {
+			o.dead = map[string]bool{}
+		}
+		for _, id := range ids {
+			o.dead[id] = true
+		}
+	}
 }
 
 // NewJobID returns a new random job id (see config.Config.Job).

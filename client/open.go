@@ -39,6 +39,15 @@ type ownServer struct {
 // before the client's first OpenForReader.
 func (c *Client) SetOwnServer(id string, e *core.Engine) { c.own = &ownServer{id: id, engine: e} }
 
+// SetServerState tells a cluster-mode client what the job's servers found of server id (see
+// package membership): dead, its reads go by the policy at once; alive, it is walked again.
+// A client outside cluster mode, or one that routes through its node's servers, ignores it.
+func (c *Client) SetServerState(id string, alive bool) {
+	if c.cluster != nil {
+		c.cluster.told(id, alive)
+	}
+}
+
 // OpenForReader returns a read-only descriptor holding the bytes of the file at path
 // (absolute, or relative to the root) for a reader on this node that has no client of its
 // own: a miss of the preload shim, which the server running this client answers through its

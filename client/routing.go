@@ -42,6 +42,9 @@ type peer struct {
 	nodeSocket  string // its node socket, as its last hello said (local servers only)
 	failedCalls int    // consecutive calls that got no answer (timeouts and refusals alike)
 	dead        bool
+	// knownDead: the job's servers knew it dead when this client started (see KnownDead):
+	// the client waited for no hello from it. Set once, before the router is shared.
+	knownDead bool
 }
 
 func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {
@@ -85,7 +88,7 @@ type clusterRouter struct {
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
-func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*clusterRouter, error) {
+func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string, knownDead map[string]bool) (*clusterRouter, error) {
 	r := &clusterRouter{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*peer{},
 		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{})}
 	r.ring.Add(members...)
@@ -95,7 +98,7 @@ func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member
 		if err != nil {
 			return nil, err
 		}
-		r.peers[m.ID] = &peer{member: m, rpc: c, local: m.Node == cfg.Node, dead: true}
+		r.peers[m.ID] = &peer{member: m, rpc: c, local: m.Node == cfg.Node, dead: true, knownDead: knownDead[m.ID]}
 	}
 	if err := r.waitForServers(); err != nil {
 		return nil, err
@@ -104,30 +107,52 @@ func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member
 	return r, nil
 }
 
-// waitForServers says hello to every server until all answered or WaitTimeout passed.
+// waitForServers says hello to every server, all at once, until all answered or WaitTimeout
+// passed. Servers known dead (KnownDead) are not waited for.
 func (r *clusterRouter) waitForServers() error {
 	deadline := time.Now().Add(r.cfg.WaitTimeout)
 	var lastErr error
+	waited := 0 // servers not known dead
+	for _, p := range r.peers {
+		if !p.knownDead {
+			waited++
+		}
+	}
 	for {
-		missing, unproven := 0, 0
+		var asked []*peer
 		for _, p := range r.peers {
-			if _, _, dead := p.state(); dead {
-				if err := r.hello(p); err != nil {
-					missing++
-					lastErr = err
-					if errors.Is(err, fs.ErrPermission) {
-						return fmt.Errorf("fitcache server %s refused this client: %w", p.member.ID, err)
-					}
-					if errors.Is(err, rpc.ErrUnproven) {
-						unproven++
-					}
-				}
+			if _, _, dead := p.state(); dead && !p.knownDead {
+				asked = append(asked, p)
+			}
+		}
+		errs := make([]error, len(asked))
+		var wg sync.WaitGroup
+		for i, p := range asked {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[i] = r.hello(p)
+			}()
+		}
+		wg.Wait()
+		missing, unproven := 0, 0
+		for i, err := range errs {
+			if err == nil {
+				continue
+			}
+			missing++
+			lastErr = err
+			if errors.Is(err, fs.ErrPermission) {
+				return fmt.Errorf("fitcache server %s refused this client: %w", asked[i].member.ID, err)
+			}
+			if errors.Is(err, rpc.ErrUnproven) {
+				unproven++
 			}
 		}
 		if missing == 0 {
 			return nil
 		}
-		if unproven == len(r.peers) {
+		if unproven == waited {
 			return tokenRefused(lastErr)
 		}
 		if time.Now().After(deadline) {
@@ -138,7 +163,7 @@ func (r *clusterRouter) waitForServers() error {
 				}
 			}
 			sort.Strings(down)
-			if missing == len(r.peers) {
+			if missing == waited {
 				return fmt.Errorf("no fitcache server of the job answered within %s (%s): %w",
 					r.cfg.WaitTimeout, strings.Join(down, ", "), lastErr)
 			}
@@ -242,19 +267,40 @@ func (r *clusterRouter) learn(from *peer, version int64, dead []string) {
 		return
 	}
 	for _, id := range dead {
-		p, ok := r.peers[id]
-		if !ok || p == from {
-			continue
-		}
-		p.mu.Lock()
-		wasAlive := !p.dead
-		p.dead = true
-		p.mu.Unlock()
-		if wasAlive {
-			r.gossiped.Add(1)
-			r.log.Warn("fitcache server declared dead by its peers' clients", "server", id, "told_by", from.member.ID)
+		if p, ok := r.peers[id]; ok && p != from {
+			r.deadByNews(p, "its peers' clients", from.member.ID)
 		}
 	}
+}
+
+// deadByNews marks p dead on news from others (who: the source of the news, by its told).
+func (r *clusterRouter) deadByNews(p *peer, who, by string) {
+	p.mu.Lock()
+	wasAlive := !p.dead
+	p.dead = true
+	p.mu.Unlock()
+	if wasAlive {
+		r.gossiped.Add(1)
+		r.log.Warn("fitcache server declared dead by "+who, "server", p.member.ID, "told_by", by, "policy", r.cfg.Policy)
+	}
+}
+
+// told applies what the servers' membership says of a server (see package membership): dead,
+// it is skipped at once, as if this client had found it dead itself; alive (it joined, or
+// rejoined), it is said hello to and walked again, without waiting for the next probe.
+func (r *clusterRouter) told(id string, alive bool) {
+	p, ok := r.peers[id]
+	if !ok {
+		return
+	}
+	if alive {
+		if _, _, dead := p.state(); dead && r.hello(p) == nil {
+			r.rejoins.Add(1)
+			r.log.Info("fitcache server rejoined, by the servers' membership", "server", id)
+		}
+		return
+	}
+	r.deadByNews(p, "the servers' membership", "membership")
 }
 
 func (r *clusterRouter) succeeded(p *peer) {

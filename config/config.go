@@ -24,6 +24,7 @@ import (
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
+	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -89,6 +90,13 @@ type Config struct {
 	WaitTimeout time.Duration
 	// VirtualNodes per server on the hash ring.
 	VirtualNodes int
+	// GossipPortOffset: the job's servers watch each other (package membership) on their RPC
+	// port plus this; 0 turns that off (failures are then found by reads only).
+	GossipPortOffset int
+	// ProbeInterval paces the servers' membership protocol: each probes another at random
+	// this often, and a member that stops answering is declared dead after a suspicion of 4
+	// to 24 intervals (fewer as more members confirm it).
+	ProbeInterval time.Duration
 	// Direct makes a client route over the ring and read from the job's servers itself, even
 	// on a node that runs servers of the job (whose node socket readers otherwise go
 	// through). Not an option: a cluster server sets it for the clients it reads through.
@@ -104,7 +112,8 @@ const (
 // configKeys lists the option names, each also read from FITCACHE_<NAME in upper case>.
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
-	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch", "job"}
+	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch", "job",
+	"gossip_port_offset", "probe_interval"}
 
 // Load resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -161,6 +170,14 @@ func Load(options map[string]string) (Config, error) {
 			*n.dst = i
 		}
 	}
+	cfg.GossipPortOffset = membership.DefaultPortOffset
+	if v := get("gossip_port_offset"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 || n > 65535 {
+			return Config{}, fmt.Errorf("option gossip_port_offset: want a whole number from 0 (off) to 65535, got %q", v)
+		}
+		cfg.GossipPortOffset = n
+	}
 	cfg.Prefetch = core.DefaultPrefetch
 	if v := get("prefetch"); v != "" {
 		n, err := strconv.Atoi(v)
@@ -182,6 +199,7 @@ func Load(options map[string]string) (Config, error) {
 		{"start_timeout", &cfg.StartTimeout, 15 * time.Second},
 		{"rpc_timeout", &cfg.RPCTimeout, 5 * time.Second},
 		{"wait_timeout", &cfg.WaitTimeout, 60 * time.Second},
+		{"probe_interval", &cfg.ProbeInterval, time.Second},
 	} {
 		*d.dst = d.dflt
 		if v := get(d.key); v != "" {

@@ -33,7 +33,7 @@ func TestLoadDefaults(t *testing.T) {
 	want := Config{RuntimeDir: "/run/x", Policy: PolicyRecache, Node: host, PerNode: 1, BasePort: 7070,
 		FailureThreshold: 3, Replicas: 1, VirtualNodes: 100, Prefetch: 16,
 		IdleTimeout: 15 * time.Minute, ReadTimeout: time.Minute, StartTimeout: 15 * time.Second,
-		RPCTimeout: 5 * time.Second, WaitTimeout: time.Minute}
+		RPCTimeout: 5 * time.Second, WaitTimeout: time.Minute, GossipPortOffset: 1000, ProbeInterval: time.Second}
 	if cfg != want {
 		t.Errorf("defaults:\n got %+v\nwant %+v", cfg, want)
 	}

@@ -45,7 +45,10 @@ type ServerConfig struct {
 	// a caller on this node (local) or not, the file's origin (a tier kind, "inflight" or
 	// "source"), the time the answer took and the file's size (metrics.Server.ObserveRead).
 	OnRead func(local bool, origin string, d time.Duration, bytes int64)
-	Log    *slog.Logger
+	// Members, if set, tells what the servers' membership knows (package membership): the
+	// servers alive and dead, for Stats; nil lists when there is none.
+	Members func() (alive, dead []string)
+	Log     *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
@@ -343,9 +346,27 @@ func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*f
 	return &fitcachepb.HitReportReply{}, nil
 }
 
+// statsReply is what Stats answers: the engine's counters and, on a server of a cluster job,
+// the membership's view.
+type statsReply struct {
+	core.StatsSnapshot
+	Members *membersView `json:"members,omitempty"`
+}
+
+type membersView struct {
+	Alive []string `json:"alive"`
+	Dead  []string `json:"dead"`
+}
+
 // Stats returns the engine's counters as JSON.
 func (h *Handler) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (*fitcachepb.StatsReply, error) {
-	b, err := json.Marshal(h.engine.Stats())
+	reply := statsReply{StatsSnapshot: h.engine.Stats()}
+	if h.cfg.Members != nil {
+		if alive, dead := h.cfg.Members(); alive != nil {
+			reply.Members = &membersView{Alive: alive, Dead: append([]string{}, dead...)}
+		}
+	}
+	b, err := json.Marshal(reply)
 	if err != nil {
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
+	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
@@ -101,6 +102,9 @@ type clusterNode struct {
 	log    *slog.Logger
 
 	members []ring.Member // the job's servers
+	// watch is this server's part in the servers' membership (package membership), nil when
+	// it is off or could not start: what it finds is passed to every client (see told).
+	watch *membership.Membership
 
 	mu      sync.Mutex // protects clients, peers and closed
 	clients map[string]*rootClient
@@ -137,7 +141,56 @@ func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string
 		log.Warn("this server is not among the job's servers: its node socket reads its own files over RPC too",
 			"listen", listen, "node", cfg.Node, "servers", cfg.Servers)
 	}
+	cn.startMembership()
 	return cn, nil
+}
+
+// startMembership makes this server a member of the servers' membership (gossip_port_offset
+// not 0, and the server among the job's): the servers watch each other, and a server found
+// dead is skipped by this node's reads at once, whether they read it or not. A membership
+// that cannot start (its port taken, say) is logged: failures are then found by reads alone.
+func (n *clusterNode) startMembership() {
+	if n.self == "" || n.cfg.GossipPortOffset == 0 {
+		return
+	}
+	ids := make([]string, len(n.members))
+	for i, m := range n.members {
+		ids[i] = m.ID
+	}
+	w, err := membership.Start(membership.Config{Self: n.self, Servers: ids, PortOffset: n.cfg.GossipPortOffset,
+		Token: n.cfg.Token, ProbeInterval: n.cfg.ProbeInterval, OnChange: n.told, Log: n.log})
+	if err != nil {
+		n.log.Warn("no membership among the servers: failed servers are found by reads alone", "err", err)
+		return
+	}
+	n.watch = w
+}
+
+// told passes what the membership found of a server to every client of this node.
+func (n *clusterNode) told(id string, alive bool) {
+	n.mu.Lock()
+	var clients []*client.Client
+	for _, rc := range n.clients {
+		select {
+		case <-rc.ready:
+			if rc.c != nil {
+				clients = append(clients, rc.c)
+			}
+		default: // being made: it takes the membership's view when ready (see client)
+		}
+	}
+	n.mu.Unlock()
+	for _, c := range clients {
+		c.SetServerState(id, alive)
+	}
+}
+
+// Members returns the servers the membership knows alive and dead, or nil lists without one.
+func (n *clusterNode) Members() (alive, dead []string) {
+	if n == nil || n.watch == nil {
+		return nil, nil
+	}
+	return n.watch.Alive(), n.watch.Dead()
 }
 
 // selfMember finds the server listening on listen among the job's servers: the one whose id
@@ -192,9 +245,18 @@ func (n *clusterNode) client(ctx context.Context, root string) (*client.Client, 
 	}
 	n.mu.Unlock()
 	if mine {
-		rc.c, rc.err = client.Open(root, n.cfg, n.log)
+		var dead []string
+		if n.watch != nil {
+			dead = n.watch.Dead() // not waited for at start
+		}
+		rc.c, rc.err = client.Open(root, n.cfg, n.log, client.KnownDead(dead))
 		if rc.err == nil && n.self != "" {
 			rc.c.SetOwnServer(n.self, n.engine)
+		}
+		if rc.err == nil && n.watch != nil {
+			for _, id := range n.watch.Dead() { // found while the client started
+				rc.c.SetServerState(id, false)
+			}
 		}
 		if rc.err != nil {
 			n.log.Warn("node socket: no cluster client for a dataset root; its misses read the source",
@@ -319,6 +381,11 @@ func (n *clusterNode) peerClients() []*rpc.Client {
 
 // Close closes the clients, after their reads in progress.
 func (n *clusterNode) Close() {
+	if n.watch != nil {
+		if err := n.watch.Close(); err != nil {
+			n.log.Warn("leaving the servers' membership", "err", err)
+		}
+	}
 	n.mu.Lock()
 	n.closed = true
 	clients, peers := n.clients, n.peers

@@ -1,0 +1,279 @@
+// Package membership is how the servers of a cluster job watch each other: SWIM, the protocol
+// of hashicorp/memberlist (random probes, indirect probes through other members, suspicion
+// before a member is declared dead, news spread by gossip), as Consul, Nomad and Serf run it.
+//
+// Each server is a member named by its RPC address (host:port, as the job's server list
+// gives it) and gossips on the same host at that port plus an offset (GossipAddr). Every
+// packet and stream is encrypted and authenticated (AES-GCM) with a key derived from the job
+// token, so a host without the token can neither join nor forge news about the members.
+//
+// A member that stops answering probes is suspected first and keeps its files; only once the
+// suspicion times out (SuspicionMult * log10(N) probe intervals at least, less as other
+// members confirm it) is it declared dead, and the server's reads skip it (see OnChange). A
+// member that answers again, or a server started later at an address of the list, rejoins.
+// The read path keeps what it learns at once (a refused connection, a reply past its
+// deadline: see client's routing), without waiting for a probe.
+package membership
+
+import (
+	"crypto/hkdf"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+)
+
+// DefaultPortOffset is the default of the gossip_port_offset option: a server gossips on its
+// RPC port plus this (7070 -> 8070), clear of the ports of several servers per node (7070,
+// 7071, ...).
+const DefaultPortOffset = 1000
+
+// DefaultProbeInterval is how often a member probes another at random (memberlist's LAN
+// default); the probe timeout is half of it and gossip runs five times as often.
+const DefaultProbeInterval = time.Second
+
+// Config configures a server's membership.
+type Config struct {
+	Self       string   // this server's RPC address (host:port): its name
+	Servers    []string // the job's servers' RPC addresses, Self included or not
+	PortOffset int      // gossip port = RPC port + PortOffset (see DefaultPortOffset)
+	Token      string   // the job token: the gossip key is derived from it
+	// ProbeInterval paces the protocol (0: DefaultProbeInterval); tests shorten it.
+	ProbeInterval time.Duration
+	// OnChange is called, one call at a time, when a member was declared dead (alive false)
+	// or joined or rejoined (alive true). Members never heard of are neither.
+	OnChange func(id string, alive bool)
+	Log      *slog.Logger
+}
+
+// Membership is a running member. Close it to leave.
+type Membership struct {
+	cfg  Config
+	list *memberlist.Memberlist
+	log  *slog.Logger
+
+	mu    sync.Mutex      // protects known and closed
+	known map[string]bool // member -> alive, for the members heard of
+	// closed stops the join loop.
+	closed bool
+	events chan event
+	done   chan struct{}
+}
+
+type event struct {
+	id    string
+	alive bool
+}
+
+// GossipAddr returns the gossip address of the server at RPC address id.
+func GossipAddr(id string, offset int) (string, error) {
+	host, port, err := net.SplitHostPort(id)
+	if err != nil {
+		return "", err
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil {
+		return "", fmt.Errorf("%s: port %q: %w", id, port, err)
+	}
+	if offset <= 0 || p+offset > 65535 {
+		return "", fmt.Errorf("%s: gossip port %d (port + %d) out of range", id, p+offset, offset)
+	}
+	return net.JoinHostPort(host, strconv.Itoa(p+offset)), nil
+}
+
+// Key derives the gossip key from the job token: 32 bytes (AES-256), HKDF-SHA256.
+func Key(token string) ([]byte, error) {
+	if token == "" {
+		return nil, errors.New("membership needs a job token")
+	}
+	return hkdf.Key(sha256.New, []byte(token), nil, "fitcache membership v1", 32)
+}
+
+// Start makes this server a member and starts joining the others (in the background, until
+// one answers: servers start in any order).
+func Start(cfg Config) (*Membership, error) {
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.ProbeInterval <= 0 {
+		cfg.ProbeInterval = DefaultProbeInterval
+	}
+	key, err := Key(cfg.Token)
+	if err != nil {
+		return nil, err
+	}
+	gossip, err := GossipAddr(cfg.Self, cfg.PortOffset)
+	if err != nil {
+		return nil, err
+	}
+	host, portText, _ := net.SplitHostPort(gossip)
+	port, _ := strconv.Atoi(portText)
+	m := &Membership{cfg: cfg, log: cfg.Log, known: map[string]bool{}, events: make(chan event, 256),
+		done: make(chan struct{})}
+
+	c := memberlist.DefaultLANConfig()
+	c.Name = cfg.Self
+	c.BindAddr, c.BindPort = host, port
+	c.AdvertiseAddr, c.AdvertisePort = host, port
+	c.SecretKey = key
+	c.GossipVerifyIncoming, c.GossipVerifyOutgoing = true, true
+	c.ProbeInterval = cfg.ProbeInterval
+	c.ProbeTimeout = cfg.ProbeInterval / 2
+	c.GossipInterval = cfg.ProbeInterval / 5
+	c.PushPullInterval = 30 * cfg.ProbeInterval
+	c.DeadNodeReclaimTime = cfg.ProbeInterval // a server restarted at its address rejoins at once
+	c.Events = (*events)(m)
+	c.Logger = log.New(&logWriter{log: cfg.Log}, "", 0)
+	list, err := memberlist.Create(c)
+	if err != nil {
+		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
+	}
+	m.list = list
+	go m.deliver()
+	go m.join()
+	return m, nil
+}
+
+// join contacts the other servers until one answers (then gossip does the rest), or the
+// member closes. A lone server waits for the others to contact it.
+func (m *Membership) join() {
+	var seeds []string
+	for _, id := range m.cfg.Servers {
+		if id == m.cfg.Self {
+			continue
+		}
+		if addr, err := GossipAddr(id, m.cfg.PortOffset); err == nil {
+			seeds = append(seeds, addr)
+		}
+	}
+	if len(seeds) == 0 {
+		return
+	}
+	for wait := m.cfg.ProbeInterval; ; wait = min(2*wait, 30*m.cfg.ProbeInterval) {
+		m.mu.Lock()
+		closed := m.closed
+		m.mu.Unlock()
+		if closed {
+			return
+		}
+		if n, err := m.list.Join(seeds); err == nil && n > 0 {
+			return
+		}
+		select {
+		case <-m.done:
+			return
+		case <-time.After(wait):
+		}
+	}
+}
+
+// events receives memberlist's notifications (on its own goroutines) and queues them, so
+// that OnChange runs one call at a time and never blocks the protocol.
+type events Membership
+
+func (e *events) NotifyJoin(n *memberlist.Node)   { (*Membership)(e).note(n.Name, true) }
+func (e *events) NotifyLeave(n *memberlist.Node)  { (*Membership)(e).note(n.Name, false) }
+func (e *events) NotifyUpdate(n *memberlist.Node) {}
+
+func (m *Membership) note(id string, alive bool) {
+	if id == m.cfg.Self {
+		return
+	}
+	m.mu.Lock()
+	was, heard := m.known[id]
+	m.known[id] = alive
+	closed := m.closed
+	m.mu.Unlock()
+	if closed || (heard && was == alive) {
+		return
+	}
+	if alive {
+		m.log.Info("server joined", "server", id)
+	} else {
+		m.log.Warn("server declared dead by the servers' membership", "server", id)
+	}
+	select {
+	case m.events <- event{id, alive}:
+	case <-m.done:
+	}
+}
+
+// deliver calls OnChange for each queued event, in order.
+func (m *Membership) deliver() {
+	for {
+		select {
+		case ev := <-m.events:
+			if m.cfg.OnChange != nil {
+				m.cfg.OnChange(ev.id, ev.alive)
+			}
+		case <-m.done:
+			return
+		}
+	}
+}
+
+// Dead returns the members heard of that are dead now, sorted.
+func (m *Membership) Dead() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []string
+	for id, alive := range m.known {
+		if !alive {
+			out = append(out, id)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Alive returns the members alive now, this one included, sorted.
+func (m *Membership) Alive() []string {
+	var out []string
+	for _, n := range m.list.Members() {
+		out = append(out, n.Name)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Close leaves the job (the others learn it at once instead of suspecting this member) and
+// stops.
+func (m *Membership) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
+	m.closed = true
+	m.mu.Unlock()
+	close(m.done)
+	err := m.list.Leave(m.cfg.ProbeInterval)
+	return errors.Join(err, m.list.Shutdown())
+}
+
+// logWriter passes memberlist's log lines to slog: its warnings and errors at warning level,
+// the rest (debug) at debug level.
+type logWriter struct{ log *slog.Logger }
+
+func (w *logWriter) Write(p []byte) (int, error) {
+	line := strings.TrimSpace(string(p))
+	switch {
+	case strings.Contains(line, "[ERR]"), strings.Contains(line, "[WARN]"):
+		w.log.Warn("membership: " + line)
+	default:
+		w.log.Debug("membership: " + line)
+	}
+	return len(p), nil
+}
+
+var _ io.Writer = (*logWriter)(nil)

@@ -1,0 +1,179 @@
+package membership
+
+import (
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+)
+
+// probe paces the tests' members: a crashed member is declared dead within a few seconds.
+const probe = 100 * time.Millisecond
+
+// names returns n member names on loopback whose gossip ports (name's port + DefaultPortOffset)
+// were free a moment ago, TCP and UDP.
+func names(t *testing.T, n int) []string {
+	t.Helper()
+	var out []string
+	for len(out) < n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		u, uerr := net.ListenPacket("udp", fmt.Sprintf("127.0.0.1:%d", port))
+		l.Close()
+		if uerr != nil || port <= DefaultPortOffset {
+			continue
+		}
+		u.Close()
+		out = append(out, fmt.Sprintf("127.0.0.1:%d", port-DefaultPortOffset))
+	}
+	return out
+}
+
+// recorder keeps the changes a member reported.
+type recorder struct {
+	mu    sync.Mutex
+	state map[string]bool
+}
+
+func (r *recorder) change(id string, alive bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state == nil {
+		r.state = map[string]bool{}
+	}
+	r.state[id] = alive
+}
+
+func (r *recorder) is(id string, alive bool) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	a, ok := r.state[id]
+	return ok && a == alive
+}
+
+func (r *recorder) heard(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.state[id]
+	return ok
+}
+
+func start(t *testing.T, self string, servers []string, token string, r *recorder) *Membership {
+	t.Helper()
+	m, err := Start(Config{Self: self, Servers: servers, Token: token, PortOffset: DefaultPortOffset,
+		ProbeInterval: probe, OnChange: r.change,
+		Log: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// crash stops m as a crashed server stops: without telling the others.
+func (m *Membership) crash() {
+	m.mu.Lock()
+	m.closed = true
+	m.mu.Unlock()
+	close(m.done)
+	m.list.Shutdown()
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not in 15 s: %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Three servers find each other from the job's list, started in any order; one that crashes
+// (stops without leaving) is declared dead by the others; started again at its address, it
+// rejoins.
+func TestMembersJoinAreDeclaredDeadAndRejoin(t *testing.T) {
+	ids := names(t, 3)
+	recs := make([]*recorder, 3)
+	ms := make([]*Membership, 3)
+	for i, id := range ids {
+		recs[i] = &recorder{}
+		ms[i] = start(t, id, ids, "token", recs[i])
+	}
+	defer func() {
+		for _, m := range ms {
+			m.Close()
+		}
+	}()
+	waitFor(t, "every member alive at every member", func() bool {
+		for i := range ms {
+			if !slices.Equal(ms[i].Alive(), slices.Sorted(slices.Values(ids))) {
+				return false
+			}
+		}
+		return true
+	})
+
+	ms[2].crash() // no leave message: the others must find out
+	waitFor(t, "the crashed member declared dead", func() bool { return recs[0].is(ids[2], false) && recs[1].is(ids[2], false) })
+	if got := ms[0].Dead(); !slices.Equal(got, ids[2:]) {
+		t.Errorf("dead members: got %v, want %v", got, ids[2:])
+	}
+
+	ms[2] = start(t, ids[2], ids, "token", &recorder{})
+	waitFor(t, "the restarted member alive again", func() bool { return recs[0].is(ids[2], true) && recs[1].is(ids[2], true) })
+}
+
+// A member whose key comes from another token can neither join nor be heard of.
+func TestAMemberWithoutTheTokenCannotJoin(t *testing.T) {
+	ids := names(t, 3)
+	recs := []*recorder{{}, {}, {}}
+	a := start(t, ids[0], ids, "token", recs[0])
+	defer a.Close()
+	b := start(t, ids[1], ids, "token", recs[1])
+	defer b.Close()
+	waitFor(t, "the two members of the job alive", func() bool { return len(a.Alive()) == 2 && len(b.Alive()) == 2 })
+	stranger := start(t, ids[2], ids, "another token", recs[2])
+	defer stranger.Close()
+	time.Sleep(20 * probe) // time for the stranger's joins and gossip to arrive
+	if recs[0].heard(ids[2]) || recs[1].heard(ids[2]) || len(a.Alive()) != 2 || len(b.Alive()) != 2 {
+		t.Errorf("the job's members took in a member without the token: %v, %v", a.Alive(), b.Alive())
+	}
+	if got := stranger.Alive(); !slices.Equal(got, ids[2:]) {
+		t.Errorf("the stranger sees %v", got)
+	}
+}
+
+func TestGossipAddr(t *testing.T) {
+	for _, tc := range []struct {
+		id, want string
+		offset   int
+		ok       bool
+	}{
+		{"gpu001:7070", "gpu001:8070", DefaultPortOffset, true},
+		{"10.0.0.1:7071", "10.0.0.1:7171", 100, true},
+		{"[::1]:7070", "[::1]:8070", DefaultPortOffset, true},
+		{"gpu001:65000", "", DefaultPortOffset, false},
+		{"gpu001:7070", "", 0, false},
+		{"gpu001", "", DefaultPortOffset, false},
+	} {
+		got, err := GossipAddr(tc.id, tc.offset)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("GossipAddr(%q, %d) = %q, %v", tc.id, tc.offset, got, err)
+		}
+	}
+	if _, err := Key(""); err == nil {
+		t.Error("a key without a token")
+	}
+	k1, _ := Key("a")
+	k2, _ := Key("b")
+	if len(k1) != 32 || string(k1) == string(k2) {
+		t.Errorf("keys: %x, %x", k1, k2)
+	}
+}

@@ -1,0 +1,59 @@
+"""The servers of a cluster job watch each other (package membership: SWIM over
+hashicorp/memberlist, encrypted with a key derived from the job token): a hung server is
+declared dead by the others without any read reaching it, its files are then read by the
+policy without a wait on it, and it rejoins when it answers again."""
+
+import os
+import signal
+import time
+
+import fitcache
+from conftest import digest
+from harness import Cluster, server_stats, wait_for
+
+NODES3 = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+
+def members_of(client, addr):
+    """The membership view of the server at addr: (alive, dead) address lists."""
+    view = server_stats(client)[addr].get("members") or {}
+    return set(view.get("alive") or []), set(view.get("dead") or [])
+
+
+def test_a_hung_server_is_found_dead_without_a_read_and_rejoins(request, dataset, tmp_path):
+    root, digests = dataset
+    c = Cluster(tmp_path, root, nodes=NODES3, serve_options={"probe_interval": "0.1", "rpc_timeout": "2"})
+    request.addfinalizer(c.stop)
+    first, hung = c.addrs[0], c.addrs[2]
+    with fitcache.Client(root, **c.options()) as client:
+        wait_for(lambda: members_of(client, first)[0] == set(c.addrs))
+        os.kill(c.procs[hung].pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            # A tenth of a second per probe: suspicion lasts 0.4 to 2.4 s with three members.
+            wait_for(lambda: hung in members_of(client, first)[1], timeout=20)
+            found_in = time.monotonic() - start
+            assert hung not in members_of(client, first)[0]
+            # Known dead: no read waits on it (a call to it would take the 2 s RPC timeout).
+            start = time.monotonic()
+            for name in sorted(digests):
+                assert digest(client.read(name)) == digests[name]
+            reads_took = time.monotonic() - start
+        finally:
+            os.kill(c.procs[hung].pid, signal.SIGCONT)
+        wait_for(lambda: members_of(client, first) == (set(c.addrs), set()), timeout=20)
+        for name in sorted(digests):
+            assert digest(client.read(name)) == digests[name]
+    assert found_in < 15, f"the hung server was declared dead after {found_in:.1f} s"
+    assert reads_took < 2, f"reads waited on the hung server: {reads_took:.1f} s for {len(digests)} files"
+
+
+def test_membership_off(request, dataset, tmp_path):
+    """gossip_port_offset 0 turns the membership off: the stats say nothing of it, and reads work."""
+    root, digests = dataset
+    c = Cluster(tmp_path, root, nodes=NODES3[:2], serve_options={"gossip_port_offset": "0"})
+    request.addfinalizer(c.stop)
+    with fitcache.Client(root, **c.options()) as client:
+        assert "members" not in server_stats(client)[c.addrs[0]]
+        for name in sorted(digests)[:4]:
+            assert digest(client.read(name)) == digests[name]
