@@ -177,7 +177,7 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 			}
 		}
 		if c.node == nil {
-			if c.cluster, err = newClusterRouter(cfg, log, members, token, o.dead); err != nil {
+			if c.cluster, err = newClusterRouter(cfg, log, members, token, o); err != nil {
 				return nil, err
 			}
 		}
@@ -192,8 +192,14 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 type Option func(*options)
 
 type options struct {
-	dead map[string]bool // see KnownDead
+	dead   map[string]bool // see KnownDead
+	onDead func(id string) // see OnServerDead
 }
+
+// OnServerDead gives a cluster client a function to call when its own calls find a server
+// dead (a refused connection, FailureThreshold calls without an answer): a server passes it
+// on to the job's other servers (package membership).
+func OnServerDead(f func(id string)) Option { return func(o *options) { o.onDead = f } }
 
 // KnownDead tells a cluster client the servers the job's servers know to be dead (see
 // package membership): it starts with them dead, says no hello to them and waits for none of

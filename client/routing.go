@@ -83,14 +83,16 @@ type clusterRouter struct {
 	replicasSkipped atomic.Int64   // replica copies not sent for the bounds above
 	stop            chan struct{}
 	stopped         chan struct{}
+	// onDead, if set, is told of the servers this client's calls found dead (OnServerDead).
+	onDead func(id string)
 }
 
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
 // answer. Servers that do not answer by then start dead (and are probed); if none answers,
 // it fails with a message naming them.
-func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string, knownDead map[string]bool) (*clusterRouter, error) {
+func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string, o options) (*clusterRouter, error) {
 	r := &clusterRouter{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*peer{},
-		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{})}
+		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}), onDead: o.onDead}
 	r.ring.Add(members...)
 	for _, m := range members {
 		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, Job: cfg.Job, ConnectTimeout: cfg.RPCTimeout,
@@ -98,7 +100,7 @@ func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member
 		if err != nil {
 			return nil, err
 		}
-		r.peers[m.ID] = &peer{member: m, rpc: c, local: m.Node == cfg.Node, dead: true, knownDead: knownDead[m.ID]}
+		r.peers[m.ID] = &peer{member: m, rpc: c, local: m.Node == cfg.Node, dead: true, knownDead: o.dead[m.ID]}
 	}
 	if err := r.waitForServers(); err != nil {
 		return nil, err
@@ -169,6 +171,11 @@ func (r *clusterRouter) waitForServers() error {
 			}
 			r.log.Warn("fitcache servers not answering; starting without them", "servers", down)
 			r.deaths.Add(int64(len(down)))
+			for _, id := range down {
+				if r.onDead != nil && !r.peers[id].knownDead {
+					r.onDead(id)
+				}
+			}
 			return nil
 		}
 		time.Sleep(100 * time.Millisecond)
@@ -246,6 +253,9 @@ func (r *clusterRouter) failed(p *peer, err error) bool {
 		r.deaths.Add(1)
 		r.log.Warn("fitcache server declared dead", "server", p.member.ID, "policy", r.cfg.Policy, "err", err)
 		r.spread(p.member.ID, true)
+		if r.onDead != nil {
+			r.onDead(p.member.ID)
+		}
 	}
 	return died
 }

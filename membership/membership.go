@@ -11,8 +11,10 @@
 // suspicion times out (SuspicionMult * log10(N) probe intervals at least, less as other
 // members confirm it) is it declared dead, and the server's reads skip it (see OnChange). A
 // member that answers again, or a server started later at an address of the list, rejoins.
-// The read path keeps what it learns at once (a refused connection, a reply past its
-// deadline: see client's routing), without waiting for a probe.
+// What a server's reads learn at once (a refused connection, replies past their deadline:
+// see client's routing) it tells the others (Tell), who act on it without waiting for the
+// protocol's own probes; a server wrongly taken for dead that way is asked again within a
+// second by each (client's probe loop).
 package membership
 
 import (
@@ -39,7 +41,8 @@ import (
 const DefaultPortOffset = 1000
 
 // DefaultProbeInterval is how often a member probes another at random (memberlist's LAN
-// default); the probe timeout is half of it and gossip runs five times as often.
+// default); the probe timeout is half of it, and gossip runs five times as often, or every
+// 200 ms at least.
 const DefaultProbeInterval = time.Second
 
 // Config configures a server's membership.
@@ -62,12 +65,15 @@ type Membership struct {
 	list *memberlist.Memberlist
 	log  *slog.Logger
 
-	mu    sync.Mutex      // protects known and closed
+	mu    sync.Mutex      // protects known, reported and closed
 	known map[string]bool // member -> alive, for the members heard of
+	// reported: servers other servers' reads found dead (Tell), when the news arrived.
+	reported map[string]time.Time
 	// closed stops the join loop.
 	closed bool
 	events chan event
 	done   chan struct{}
+	news   *memberlist.TransmitLimitedQueue // what this server's reads found (see Tell)
 }
 
 type event struct {
@@ -118,8 +124,8 @@ func Start(cfg Config) (*Membership, error) {
 	}
 	host, portText, _ := net.SplitHostPort(gossip)
 	port, _ := strconv.Atoi(portText)
-	m := &Membership{cfg: cfg, log: cfg.Log, known: map[string]bool{}, events: make(chan event, 256),
-		done: make(chan struct{})}
+	m := &Membership{cfg: cfg, log: cfg.Log, known: map[string]bool{}, reported: map[string]time.Time{},
+		events: make(chan event, 256), done: make(chan struct{})}
 
 	c := memberlist.DefaultLANConfig()
 	c.Name = cfg.Self
@@ -129,10 +135,13 @@ func Start(cfg Config) (*Membership, error) {
 	c.GossipVerifyIncoming, c.GossipVerifyOutgoing = true, true
 	c.ProbeInterval = cfg.ProbeInterval
 	c.ProbeTimeout = cfg.ProbeInterval / 2
-	c.GossipInterval = cfg.ProbeInterval / 5
+	c.GossipInterval = min(cfg.ProbeInterval/5, 200*time.Millisecond) // news (Tell) travels with gossip
 	c.PushPullInterval = 30 * cfg.ProbeInterval
 	c.DeadNodeReclaimTime = cfg.ProbeInterval // a server restarted at its address rejoins at once
 	c.Events = (*events)(m)
+	c.Delegate = (*delegate)(m)
+	jobSize := max(len(cfg.Servers), 1) // for how often news is retransmitted
+	m.news = &memberlist.TransmitLimitedQueue{RetransmitMult: c.RetransmitMult, NumNodes: func() int { return jobSize }}
 	c.Logger = log.New(&logWriter{log: cfg.Log}, "", 0)
 	list, err := memberlist.Create(c)
 	if err != nil {
@@ -208,6 +217,64 @@ func (m *Membership) note(id string, alive bool) {
 	}
 }
 
+// Tell spreads what this server's reads found: the server id is dead. The others act on it at
+// once (OnChange), without waiting for their probes to suspect it.
+func (m *Membership) Tell(id string) {
+	if id == m.cfg.Self {
+		return
+	}
+	m.news.QueueBroadcast(deadNews(id))
+}
+
+// deadNews is a broadcast that a server's reads found the server dead.
+type deadNews string
+
+const deadNewsTag = 'D'
+
+func (n deadNews) Message() []byte { return append([]byte{deadNewsTag}, n...) }
+func (n deadNews) Finished()       {}
+func (n deadNews) Invalidates(other memberlist.Broadcast) bool {
+	o, ok := other.(deadNews)
+	return ok && o == n
+}
+
+// delegate carries Tell's news in memberlist's gossip (encrypted like the rest).
+type delegate Membership
+
+func (d *delegate) NodeMeta(limit int) []byte { return nil }
+func (d *delegate) NotifyMsg(b []byte) {
+	if len(b) > 1 && b[0] == deadNewsTag {
+		(*Membership)(d).heard(string(b[1:]))
+	}
+}
+func (d *delegate) GetBroadcasts(overhead, limit int) [][]byte {
+	return d.news.GetBroadcasts(overhead, limit)
+}
+func (d *delegate) LocalState(join bool) []byte            { return nil }
+func (d *delegate) MergeRemoteState(buf []byte, join bool) {}
+
+// heard passes on another server's news that id is dead, if it is a server of the job.
+func (m *Membership) heard(id string) {
+	if id == m.cfg.Self || !slices.Contains(m.cfg.Servers, id) {
+		return
+	}
+	m.mu.Lock()
+	closed := m.closed
+	_, again := m.reported[id]
+	m.reported[id] = time.Now()
+	m.mu.Unlock()
+	if closed {
+		return
+	}
+	if !again {
+		m.log.Warn("server found dead by another server's reads", "server", id)
+	}
+	select {
+	case m.events <- event{id, false}:
+	case <-m.done:
+	}
+}
+
 // deliver calls OnChange for each queued event, in order.
 func (m *Membership) deliver() {
 	for {
@@ -235,6 +302,26 @@ func (m *Membership) Dead() []string {
 	slices.Sort(out)
 	return out
 }
+
+// Reported returns the servers other servers' reads found dead (see Tell) in the last
+// reportedFor, sorted.
+func (m *Membership) Reported() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []string
+	for id, at := range m.reported {
+		if time.Since(at) < reportedFor {
+			out = append(out, id)
+		} else {
+			delete(m.reported, id)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// reportedFor is how long Reported lists a server after the last news of it.
+const reportedFor = time.Minute
 
 // Alive returns the members alive now, this one included, sorted.
 func (m *Membership) Alive() []string {

@@ -177,3 +177,32 @@ func TestGossipAddr(t *testing.T) {
 		t.Errorf("keys: %x, %x", k1, k2)
 	}
 }
+
+// What one server's reads found (Tell) reaches the others at once, long before their probes
+// would suspect anything (the member is in fact alive here).
+func TestNewsFromReadsReachesTheOthers(t *testing.T) {
+	ids := names(t, 3)
+	recs := []*recorder{{}, {}, {}}
+	var ms []*Membership
+	for i, id := range ids {
+		m, err := Start(Config{Self: id, Servers: ids, Token: "token", PortOffset: DefaultPortOffset,
+			ProbeInterval: time.Second, OnChange: recs[i].change, Log: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		ms = append(ms, m)
+	}
+	waitFor(t, "every member alive at every member", func() bool {
+		return len(ms[0].Alive()) == 3 && len(ms[1].Alive()) == 3 && len(ms[2].Alive()) == 3
+	})
+	ms[0].Tell(ids[2])
+	ms[0].Tell("127.0.0.1:1") // not a server of the job: ignored
+	waitFor(t, "the news at the second member", func() bool { return recs[1].is(ids[2], false) })
+	if got := ms[1].Reported(); !slices.Equal(got, ids[2:]) {
+		t.Errorf("reported dead at the second member: %v", got)
+	}
+	if recs[1].heard("127.0.0.1:1") {
+		t.Error("news of a server outside the job was passed on")
+	}
+}

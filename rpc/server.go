@@ -46,8 +46,9 @@ type ServerConfig struct {
 	// "source"), the time the answer took and the file's size (metrics.Server.ObserveRead).
 	OnRead func(local bool, origin string, d time.Duration, bytes int64)
 	// Members, if set, tells what the servers' membership knows (package membership): the
-	// servers alive and dead, for Stats; nil lists when there is none.
-	Members func() (alive, dead []string)
+	// servers alive and dead, and those other servers' reads found dead lately, for Stats; nil
+	// lists when there is none.
+	Members func() (alive, dead, reported []string)
 	Log     *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
@@ -354,16 +355,18 @@ type statsReply struct {
 }
 
 type membersView struct {
-	Alive []string `json:"alive"`
-	Dead  []string `json:"dead"`
+	Alive    []string `json:"alive"`
+	Dead     []string `json:"dead"`
+	Reported []string `json:"reported_dead"`
 }
 
 // Stats returns the engine's counters as JSON.
 func (h *Handler) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (*fitcachepb.StatsReply, error) {
 	reply := statsReply{StatsSnapshot: h.engine.Stats()}
 	if h.cfg.Members != nil {
-		if alive, dead := h.cfg.Members(); alive != nil {
-			reply.Members = &membersView{Alive: alive, Dead: append([]string{}, dead...)}
+		if alive, dead, reported := h.cfg.Members(); alive != nil {
+			reply.Members = &membersView{Alive: alive, Dead: append([]string{}, dead...),
+				Reported: append([]string{}, reported...)}
 		}
 	}
 	b, err := json.Marshal(reply)

@@ -166,6 +166,16 @@ func (n *clusterNode) startMembership() {
 	n.watch = w
 }
 
+// foundDead passes on what the reads of one of this node's clients found: the server id is
+// dead. The node's other clients (of other dataset roots) and the job's other servers act on
+// it at once.
+func (n *clusterNode) foundDead(id string) {
+	if n.watch != nil {
+		n.watch.Tell(id)
+	}
+	n.told(id, false)
+}
+
 // told passes what the membership found of a server to every client of this node.
 func (n *clusterNode) told(id string, alive bool) {
 	n.mu.Lock()
@@ -185,12 +195,13 @@ func (n *clusterNode) told(id string, alive bool) {
 	}
 }
 
-// Members returns the servers the membership knows alive and dead, or nil lists without one.
-func (n *clusterNode) Members() (alive, dead []string) {
+// Members returns the servers the membership knows alive and dead, and those other servers'
+// reads found dead lately; nil lists without a membership.
+func (n *clusterNode) Members() (alive, dead, reported []string) {
 	if n == nil || n.watch == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
-	return n.watch.Alive(), n.watch.Dead()
+	return n.watch.Alive(), n.watch.Dead(), n.watch.Reported()
 }
 
 // selfMember finds the server listening on listen among the job's servers: the one whose id
@@ -249,7 +260,7 @@ func (n *clusterNode) client(ctx context.Context, root string) (*client.Client, 
 		if n.watch != nil {
 			dead = n.watch.Dead() // not waited for at start
 		}
-		rc.c, rc.err = client.Open(root, n.cfg, n.log, client.KnownDead(dead))
+		rc.c, rc.err = client.Open(root, n.cfg, n.log, client.KnownDead(dead), client.OnServerDead(n.foundDead))
 		if rc.err == nil && n.self != "" {
 			rc.c.SetOwnServer(n.self, n.engine)
 		}

@@ -57,3 +57,22 @@ def test_membership_off(request, dataset, tmp_path):
         assert "members" not in server_stats(client)[c.addrs[0]]
         for name in sorted(digests)[:4]:
             assert digest(client.read(name)) == digests[name]
+
+
+def test_what_one_nodes_reads_find_reaches_the_other_servers_at_once(request, dataset, tmp_path):
+    """A killed server refuses connections: the first read of the reader's node that reaches it
+    finds it dead, and that server tells the job's others at once, long before their own
+    probes (paced here at 30 s) would suspect it."""
+    root, digests = dataset
+    c = Cluster(tmp_path, root, nodes=NODES3, serve_options={"probe_interval": "30", "rpc_timeout": "2"})
+    request.addfinalizer(c.stop)
+    other, victim = c.addrs[1], c.addrs[2]
+    with fitcache.Client(root, **c.options()) as client:
+        wait_for(lambda: members_of(client, other)[0] == set(c.addrs), timeout=60)
+        names = sorted(digests)
+        for name in names[:2]:  # the reader's node starts reading: its server's client is up
+            assert digest(client.read(name)) == digests[name]
+        c.kill(victim)
+        for name in names[2:]:
+            assert digest(client.read(name)) == digests[name]
+        wait_for(lambda: victim in set(server_stats(client)[other]["members"]["reported_dead"]), timeout=10)
