@@ -169,6 +169,17 @@ func (h *Handler) Conns() int {
 // package gossip).
 func (h *Handler) Membership() (version int64, dead []string) { return h.members.Since(-1) }
 
+// Learn records what the servers' own membership found of a server (package membership):
+// it rides on this server's replies to its clients as their reports do, so that a client on
+// a node without a server of the job drops a dead server without waiting for its timeouts.
+func (h *Handler) Learn(id string, alive bool) {
+	if alive {
+		h.members.Apply(nil, []string{id})
+	} else {
+		h.members.Apply([]string{id}, nil)
+	}
+}
+
 // refuse counts a refused connection or request and logs it, rate-limited per peer.
 func (h *Handler) refuse(peer, reason string) {
 	h.engine.CountRefusal()

@@ -106,7 +106,10 @@ type clusterNode struct {
 	// it is off or could not start: what it finds is passed to every client (see told).
 	watch *membership.Membership
 
-	mu      sync.Mutex // protects clients, peers and closed
+	mu      sync.Mutex // protects clients, peers, relay and closed
+	// relay, if set, passes what the membership found on to this server's RPC clients (see
+	// rpc.Handler.Learn); set once the RPC server runs.
+	relay func(id string, alive bool)
 	clients map[string]*rootClient
 	peers   map[string]*rpc.Client // the job's other servers, for announce
 	closed  bool
@@ -176,9 +179,26 @@ func (n *clusterNode) foundDead(id string) {
 	n.told(id, false)
 }
 
-// told passes what the membership found of a server to every client of this node.
+// relayTo makes f hear what the membership finds from now on (see relay).
+func (n *clusterNode) relayTo(f func(id string, alive bool)) {
+	if n == nil {
+		return
+	}
+	n.mu.Lock()
+	n.relay = f
+	n.mu.Unlock()
+	if n.watch != nil {
+		for _, id := range n.watch.Dead() { // found before
+			f(id, false)
+		}
+	}
+}
+
+// told passes what the membership found of a server to every client of this node, and to
+// this server's RPC clients (relay).
 func (n *clusterNode) told(id string, alive bool) {
 	n.mu.Lock()
+	relay := n.relay
 	var clients []*client.Client
 	for _, rc := range n.clients {
 		select {
@@ -192,6 +212,9 @@ func (n *clusterNode) told(id string, alive bool) {
 	n.mu.Unlock()
 	for _, c := range clients {
 		c.SetServerState(id, alive)
+	}
+	if relay != nil {
+		relay(id, alive)
 	}
 }
 

@@ -9,7 +9,7 @@ import time
 
 import fitcache
 from conftest import digest
-from harness import Cluster, server_stats, wait_for
+from harness import Cluster, cached_names, server_stats, wait_for
 
 NODES3 = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
@@ -76,3 +76,31 @@ def test_what_one_nodes_reads_find_reaches_the_other_servers_at_once(request, da
         for name in names[2:]:
             assert digest(client.read(name)) == digests[name]
         wait_for(lambda: victim in set(server_stats(client)[other]["members"]["reported_dead"]), timeout=10)
+
+
+def test_a_reader_without_a_server_on_its_node_learns_from_the_servers(request, dataset, tmp_path):
+    """A reader on a node without a server of the job (a login node) reads from the servers
+    directly: once their membership found a hung server dead, the next reply it gets from any
+    server says so, and none of its reads waits on the hung one."""
+    root, digests = dataset
+    c = Cluster(tmp_path, root, nodes=NODES3, serve_options={"probe_interval": "0.1", "rpc_timeout": "2"})
+    request.addfinalizer(c.stop)
+    first, hung = c.addrs[0], c.addrs[2]
+    names = sorted(digests)
+    with fitcache.Client(root, **c.options(node="127.0.0.9")) as client:
+        for name in names:
+            assert digest(client.read(name)) == digests[name]
+        on_first = sorted(n for n in names if os.path.basename(n) in cached_names(c, first))
+        os.kill(c.procs[hung].pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: hung in members_of(client, first)[1], timeout=20)
+            assert digest(client.read(on_first[0])) == digests[on_first[0]]  # its reply carries the news
+            start = time.monotonic()
+            for name in names:
+                assert digest(client.read(name)) == digests[name]
+            reads_took = time.monotonic() - start
+            learned = client.stats()["client"].get("servers_dead_by_gossip", 0)
+        finally:
+            os.kill(c.procs[hung].pid, signal.SIGCONT)
+    assert learned >= 1, "the reader did not learn of the hung server from the servers"
+    assert reads_took < 2, f"reads waited on the hung server: {reads_took:.1f} s for {len(names)} files"
