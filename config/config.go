@@ -90,6 +90,10 @@ type Config struct {
 	WaitTimeout time.Duration
 	// VirtualNodes per server on the hash ring.
 	VirtualNodes int
+	// Topology gives the failure domains of the job's nodes (switches, racks: "re:REGEX" of
+	// the host names, or "@FILE", Slurm's topology.conf or HOST DOMAIN lines): replicas go to
+	// distinct domains (see discovery.Spec.Topology).
+	Topology string
 	// GossipPortOffset: the job's servers watch each other (package membership) on their RPC
 	// port plus this; 0 turns that off (failures are then found by reads only).
 	GossipPortOffset int
@@ -113,7 +117,7 @@ const (
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
 	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch", "job",
-	"gossip_port_offset", "probe_interval"}
+	"gossip_port_offset", "probe_interval", "topology"}
 
 // Load resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -135,7 +139,7 @@ func Load(options map[string]string) (Config, error) {
 	}
 	cfg := Config{Tiers: get("tiers"), RuntimeDir: get("runtime_dir"), ServerBin: get("server_bin"),
 		Servers: get("servers"), Token: get("token"), TokenFile: get("token_file"), Policy: get("policy"),
-		Node: get("node"), Job: get("job")}
+		Node: get("node"), Job: get("job"), Topology: get("topology")}
 	if cfg.Policy == "" {
 		cfg.Policy = PolicyRecache
 	}
@@ -218,7 +222,7 @@ func Load(options map[string]string) (Config, error) {
 
 // ServerSpec says where the job's servers are (cluster mode), for package discovery.
 func (c Config) ServerSpec() discovery.Spec {
-	return discovery.Spec{Servers: c.Servers, PerNode: c.PerNode, BasePort: c.BasePort}
+	return discovery.Spec{Servers: c.Servers, PerNode: c.PerNode, BasePort: c.BasePort, Topology: c.Topology}
 }
 
 // parseDuration accepts Go durations ("90s", "15m") and plain seconds ("30", "0.5").

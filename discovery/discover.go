@@ -24,6 +24,9 @@ type Spec struct {
 	BasePort int
 	// NodeList overrides SLURM_JOB_NODELIST (for tests).
 	NodeList string
+	// Topology gives the nodes' failure domains (switches, racks), "" for none: see
+	// topology.go.
+	Topology string
 }
 
 // Job returns what a client of a cluster job needs to reach its servers: the servers (see
@@ -40,9 +43,21 @@ func Job(s Spec, token, tokenFile string) ([]ring.Member, string, error) {
 	return members, token, nil
 }
 
-// Discover returns the servers as ring members (ID "host:port", Node the host), in a
-// deterministic order.
+// Discover returns the servers as ring members (ID "host:port", Node the host, Domain its
+// failure domain from the topology), in a deterministic order.
 func Discover(s Spec) ([]ring.Member, error) {
+	domainOf, err := domains(s.Topology)
+	if err != nil {
+		return nil, err
+	}
+	members, err := discover(s)
+	for i := range members {
+		members[i].Domain = domainOf(members[i].Node)
+	}
+	return members, err
+}
+
+func discover(s Spec) ([]ring.Member, error) {
 	if s.PerNode <= 0 {
 		s.PerNode = 1
 	}

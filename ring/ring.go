@@ -3,6 +3,7 @@ package ring
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -21,6 +22,11 @@ type Hash func(string) uint64
 type Member struct {
 	ID   string // unique; must not contain NUL
 	Node string
+	// Domain is the failure domain of the member's node above the node itself (its switch,
+	// its rack), "" when unknown: with distinct nodes asked, Choose also puts the members it
+	// chooses in distinct domains while there are domains left. It takes no part in the
+	// ring's points, so a member's place does not depend on it.
+	Domain string
 }
 
 type point struct {
@@ -195,7 +201,8 @@ func (r *Ring) Walk(key string, visit func(Member) bool) {
 
 // Successors returns up to n distinct members for key, walking clockwise from its owner (which
 // comes first). With distinctNodes, it skips members on a node already chosen, so replicas
-// land on different nodes; it then returns fewer than n when there are fewer nodes.
+// land on different nodes, and in a failure domain already chosen while other domains are
+// left (see Member.Domain); it then returns fewer than n when there are fewer nodes.
 func (r *Ring) Successors(key string, n int, distinctNodes bool) []Member {
 	return Choose(r, key, n, distinctNodes, func(m Member) (Member, Choice) { return m, Take })
 }
@@ -218,39 +225,47 @@ const (
 // reaches, in ring order, and gives the value to return for a member it takes (the caller's
 // own record of it, so that the result needs no second pass). The walk stops as soon as n
 // slots are taken or held, so a key's placement costs a few steps, not a pass over the ring.
+// With distinctNodes, members in a failure domain already used are passed over first; when
+// the domains run out before n slots are filled, a second walk fills them from the members
+// on nodes not used yet (so losing a whole domain loses no key that had room elsewhere).
 // It is a function, not a method, because Go methods take no type parameters.
 func Choose[T any](r *Ring, key string, n int, distinctNodes bool, judge func(Member) (T, Choice)) []T {
 	if n <= 0 {
 		return nil
 	}
 	out := make([]T, 0, min(n, len(r.members)))
-	var nodesBuf [8]string // nodes used; n is a replica count, so a scan beats a map
-	nodes := nodesBuf[:0]
-	used := func(node string) bool {
-		for _, u := range nodes {
-			if u == node {
+	var nodesBuf, domainsBuf [8]string // used; n is a replica count, so a scan beats a map
+	nodes, domains := nodesBuf[:0], domainsBuf[:0]
+	slots, passedForDomain := 0, false
+	walk := func(byDomain bool) {
+		r.Walk(key, func(m Member) bool {
+			if distinctNodes && slices.Contains(nodes, m.Node) {
 				return true
 			}
-		}
-		return false
+			if byDomain && m.Domain != "" && slices.Contains(domains, m.Domain) {
+				passedForDomain = true // a second walk may want it
+				return true
+			}
+			v, choice := judge(m)
+			switch choice {
+			case Pass:
+				return true
+			case Take:
+				out = append(out, v)
+			}
+			if distinctNodes {
+				nodes = append(nodes, m.Node)
+				if m.Domain != "" {
+					domains = append(domains, m.Domain)
+				}
+			}
+			slots++
+			return slots < n
+		})
 	}
-	slots := 0
-	r.Walk(key, func(m Member) bool {
-		if distinctNodes && used(m.Node) {
-			return true
-		}
-		v, choice := judge(m)
-		switch choice {
-		case Pass:
-			return true
-		case Take:
-			out = append(out, v)
-		}
-		if distinctNodes {
-			nodes = append(nodes, m.Node)
-		}
-		slots++
-		return slots < n
-	})
+	walk(distinctNodes)
+	if distinctNodes && slots < n && passedForDomain {
+		walk(false)
+	}
 	return out
 }

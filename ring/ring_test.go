@@ -264,3 +264,56 @@ func BenchmarkLookup(b *testing.B) {
 		})
 	}
 }
+
+// With failure domains (racks), replicas go to distinct domains while there are domains
+// left, and to distinct nodes past that; a key's owner does not depend on the domains.
+func TestReplicasGoToDistinctDomains(t *testing.T) {
+	var plain, racked []Member
+	for i := range 6 {
+		node := fmt.Sprintf("n%d", i)
+		plain = append(plain, Member{ID: node + ":7070", Node: node})
+		racked = append(racked, Member{ID: node + ":7070", Node: node, Domain: fmt.Sprintf("rack%d", i/2)})
+	}
+	rp, rr := New(100, nil), New(100, nil)
+	rp.Add(plain...)
+	rr.Add(racked...)
+	sameDomain := 0
+	for k := range 2000 {
+		key := fmt.Sprintf("/data/%d", k)
+		if owner, got := rp.Successors(key, 1, true)[0].ID, rr.Successors(key, 1, true)[0].ID; owner != got {
+			t.Fatalf("%s: owner %s with racks, %s without", key, got, owner)
+		}
+		three := rr.Successors(key, 3, true)
+		domains := map[string]bool{}
+		for _, m := range three {
+			domains[m.Domain] = true
+		}
+		if len(three) != 3 || len(domains) != 3 {
+			t.Fatalf("%s: 3 replicas in %d domains: %v", key, len(domains), three)
+		}
+		four := rr.Successors(key, 4, true)
+		nodes := map[string]bool{}
+		for _, m := range four {
+			nodes[m.Node] = true
+		}
+		if len(four) != 4 || len(nodes) != 4 {
+			t.Fatalf("%s: 4 replicas on %d nodes (3 racks): %v", key, len(nodes), four)
+		}
+		two := rp.Successors(key, 2, true) // without domains, for contrast
+		if racked[indexOf(racked, two[1].ID)].Domain == racked[indexOf(racked, two[0].ID)].Domain {
+			sameDomain++
+		}
+	}
+	if sameDomain == 0 {
+		t.Error("without domains no key had both replicas in one rack: the test shows nothing")
+	}
+}
+
+func indexOf(ms []Member, id string) int {
+	for i, m := range ms {
+		if m.ID == id {
+			return i
+		}
+	}
+	return -1
+}
