@@ -30,6 +30,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -74,6 +75,44 @@ type Membership struct {
 	events chan event
 	done   chan struct{}
 	news   *memberlist.TransmitLimitedQueue // what this server's reads found (see Tell)
+	sent   *countingTransport
+}
+
+// Traffic is what a member sent since it started: UDP packets (probes, acks, gossip) and TCP
+// streams (fallback probes, state exchanges, joins).
+type Traffic struct {
+	Packets, Streams int64
+}
+
+// Sent returns what this member sent since it started.
+func (m *Membership) Sent() Traffic {
+	return Traffic{Packets: m.sent.packets.Load(), Streams: m.sent.streams.Load()}
+}
+
+// countingTransport is memberlist's network transport, counting what the member sends.
+type countingTransport struct {
+	*memberlist.NetTransport
+	packets, streams atomic.Int64
+}
+
+func (t *countingTransport) WriteTo(b []byte, addr string) (time.Time, error) {
+	t.packets.Add(1)
+	return t.NetTransport.WriteTo(b, addr)
+}
+
+func (t *countingTransport) WriteToAddress(b []byte, a memberlist.Address) (time.Time, error) {
+	t.packets.Add(1)
+	return t.NetTransport.WriteToAddress(b, a)
+}
+
+func (t *countingTransport) DialTimeout(addr string, timeout time.Duration) (net.Conn, error) {
+	t.streams.Add(1)
+	return t.NetTransport.DialTimeout(addr, timeout)
+}
+
+func (t *countingTransport) DialAddressTimeout(a memberlist.Address, timeout time.Duration) (net.Conn, error) {
+	t.streams.Add(1)
+	return t.NetTransport.DialAddressTimeout(a, timeout)
 }
 
 type event struct {
@@ -143,8 +182,16 @@ func Start(cfg Config) (*Membership, error) {
 	jobSize := max(len(cfg.Servers), 1) // for how often news is retransmitted
 	m.news = &memberlist.TransmitLimitedQueue{RetransmitMult: c.RetransmitMult, NumNodes: func() int { return jobSize }}
 	c.Logger = log.New(&logWriter{log: cfg.Log}, "", 0)
+	nt, err := memberlist.NewNetTransport(&memberlist.NetTransportConfig{BindAddrs: []string{host}, BindPort: port,
+		Logger: c.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
+	}
+	m.sent = &countingTransport{NetTransport: nt}
+	c.Transport = m.sent
 	list, err := memberlist.Create(c)
 	if err != nil {
+		nt.Shutdown()
 		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
 	}
 	m.list = list
@@ -260,15 +307,19 @@ func (m *Membership) heard(id string) {
 	}
 	m.mu.Lock()
 	closed := m.closed
-	_, again := m.reported[id]
-	m.reported[id] = time.Now()
+	last, again := m.reported[id]
+	fresh := !again || time.Since(last) > reportedFor/2
+	if fresh {
+		m.reported[id] = time.Now()
+	}
 	m.mu.Unlock()
-	if closed {
-		return
+	if closed || !fresh {
+		return // heard lately: passed on already
 	}
-	if !again {
-		m.log.Warn("server found dead by another server's reads", "server", id)
-	}
+	m.log.Warn("server found dead by another server's reads", "server", id)
+	// Pass it on, as memberlist passes on its own news: a member sends a broadcast only a
+	// few times (retransmitMult * log10(N+1)), to random members.
+	m.news.QueueBroadcast(deadNews(id))
 	select {
 	case m.events <- event{id, false}:
 	case <-m.done:
@@ -331,6 +382,20 @@ func (m *Membership) Alive() []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// Halt stops this member without telling the others, as a crashed or hung server stops
+// answering: for benchmarks and tests of failure detection.
+func (m *Membership) Halt() {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return
+	}
+	m.closed = true
+	m.mu.Unlock()
+	close(m.done)
+	m.list.Shutdown()
 }
 
 // Close leaves the job (the others learn it at once instead of suspecting this member) and

@@ -75,15 +75,6 @@ func start(t *testing.T, self string, servers []string, token string, r *recorde
 	return m
 }
 
-// crash stops m as a crashed server stops: without telling the others.
-func (m *Membership) crash() {
-	m.mu.Lock()
-	m.closed = true
-	m.mu.Unlock()
-	close(m.done)
-	m.list.Shutdown()
-}
-
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
@@ -120,7 +111,7 @@ func TestMembersJoinAreDeclaredDeadAndRejoin(t *testing.T) {
 		return true
 	})
 
-	ms[2].crash() // no leave message: the others must find out
+	ms[2].Halt() // no leave message: the others must find out
 	waitFor(t, "the crashed member declared dead", func() bool { return recs[0].is(ids[2], false) && recs[1].is(ids[2], false) })
 	if got := ms[0].Dead(); !slices.Equal(got, ids[2:]) {
 		t.Errorf("dead members: got %v, want %v", got, ids[2:])
