@@ -25,6 +25,7 @@ import (
 	"io"
 	"log"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"slices"
 	"strconv"
@@ -216,14 +217,20 @@ func (m *Membership) join() {
 		return
 	}
 	for wait := m.cfg.ProbeInterval; ; wait = min(2*wait, 30*m.cfg.ProbeInterval) {
-		m.mu.Lock()
-		closed := m.closed
-		m.mu.Unlock()
-		if closed {
-			return
-		}
-		if n, err := m.list.Join(seeds); err == nil && n > 0 {
-			return
+		// One member that answers is enough: gossip and the state exchange with it bring the
+		// rest. (memberlist's Join with every seed exchanges state with each: N-1 streams
+		// per member, N squared for the job.)
+		rand.Shuffle(len(seeds), func(i, j int) { seeds[i], seeds[j] = seeds[j], seeds[i] })
+		for _, seed := range seeds {
+			m.mu.Lock()
+			closed := m.closed
+			m.mu.Unlock()
+			if closed {
+				return
+			}
+			if n, err := m.list.Join([]string{seed}); err == nil && n > 0 {
+				return
+			}
 		}
 		select {
 		case <-m.done:
