@@ -25,7 +25,6 @@ import (
 	"io"
 	"log"
 	"log/slog"
-	"math/rand/v2"
 	"net"
 	"slices"
 	"strconv"
@@ -218,9 +217,10 @@ func (m *Membership) join() {
 	}
 	for wait := m.cfg.ProbeInterval; ; wait = min(2*wait, 30*m.cfg.ProbeInterval) {
 		// One member that answers is enough: gossip and the state exchange with it bring the
-		// rest. (memberlist's Join with every seed exchanges state with each: N-1 streams
-		// per member, N squared for the job.)
-		rand.Shuffle(len(seeds), func(i, j int) { seeds[i], seeds[j] = seeds[j], seeds[i] })
+		// rest (memberlist's Join with every seed exchanges state with each: N-1 streams per
+		// member, N squared for the job). Every server tries the job's servers in the list's
+		// order, so that all join through the first that is up and none forms a group of
+		// its own with others that the rest never hear of.
 		for _, seed := range seeds {
 			m.mu.Lock()
 			closed := m.closed
