@@ -215,7 +215,10 @@ func (m *Membership) join() {
 	if len(seeds) == 0 {
 		return
 	}
-	for wait := m.cfg.ProbeInterval; ; wait = min(2*wait, 30*m.cfg.ProbeInterval) {
+	// A server that found none up waits at most a few probe intervals before it tries again:
+	// no other member knows of it until it joins (with a 30-interval cap, one of 64
+	// servers started at once took 80 s to be seen by all: bench/membership).
+	for wait := m.cfg.ProbeInterval; ; wait = min(2*wait, 4*m.cfg.ProbeInterval) {
 		// One member that answers is enough: gossip and the state exchange with it bring the
 		// rest (memberlist's Join with every seed exchanges state with each: N-1 streams per
 		// member, N squared for the job). Every server tries the job's servers in the list's

@@ -68,6 +68,11 @@ func main() {
 		}
 		for r := range *rounds {
 			res, err := measure(n, *probe, *steady)
+			for try := 1; err != nil && strings.Contains(err.Error(), "address already in use") && try < 3; try++ {
+				// A port found free was taken meanwhile (an outgoing connection's): again.
+				log.Printf("%d members, round %d: %v; again", n, r+1, err)
+				res, err = measure(n, *probe, *steady)
+			}
 			if err != nil {
 				log.Fatalf("%d members: %v", n, err)
 			}
