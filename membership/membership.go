@@ -176,6 +176,7 @@ func Start(cfg Config) (*Membership, error) {
 	c.ProbeTimeout = cfg.ProbeInterval / 2
 	c.GossipInterval = min(cfg.ProbeInterval/5, 200*time.Millisecond) // news (Tell) travels with gossip
 	c.PushPullInterval = 30 * cfg.ProbeInterval
+	c.GossipToTheDeadTime = 30 * cfg.ProbeInterval // then reconnect alone brings a cut-off member back
 	c.DeadNodeReclaimTime = cfg.ProbeInterval // a server restarted at its address rejoins at once
 	c.Events = (*events)(m)
 	c.Delegate = (*delegate)(m)
@@ -197,8 +198,35 @@ func Start(cfg Config) (*Membership, error) {
 	m.list = list
 	go m.deliver()
 	go m.join()
+	go m.reconnect()
 	return m, nil
 }
+
+// reconnect asks the members declared dead, every reconnectEvery probe intervals, to join
+// again. A member cut off by a partition is declared dead on both sides, and memberlist
+// gossips to the dead only for a while (GossipToTheDeadTime): without this, a healed
+// partition would leave two groups that never hear of each other again (as Serf's reconnect
+// does for it). A member that answers exchanges state with this one, learns it was declared
+// dead, refutes it, and is alive again on every member.
+func (m *Membership) reconnect() {
+	tick := time.NewTicker(reconnectEvery * m.cfg.ProbeInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-m.done:
+			return
+		case <-tick.C:
+		}
+		for _, id := range m.Dead() {
+			if addr, err := GossipAddr(id, m.cfg.PortOffset); err == nil {
+				m.list.Join([]string{addr}) // a member still down refuses or times out: tried again later
+			}
+		}
+	}
+}
+
+// reconnectEvery: how many probe intervals apart reconnect asks the dead members.
+const reconnectEvery = 5
 
 // join contacts the other servers until one answers (then gossip does the rest), or the
 // member closes. A lone server waits for the others to contact it.

@@ -7,9 +7,11 @@ import os
 import signal
 import time
 
+import pytest
+
 import fitcache
 from conftest import digest
-from harness import Cluster, cached_names, server_stats, wait_for
+from harness import Cluster, NetnsNodes, cached_names, server_stats, wait_for
 
 NODES3 = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
@@ -104,3 +106,31 @@ def test_a_reader_without_a_server_on_its_node_learns_from_the_servers(request, 
             os.kill(c.procs[hung].pid, signal.SIGCONT)
     assert learned >= 1, "the reader did not learn of the hung server from the servers"
     assert reads_took < 2, f"reads waited on the hung server: {reads_took:.1f} s for {len(names)} files"
+
+
+def test_a_partition_heals_without_a_restart(request, dataset, tmp_path):
+    """A node cut off the network (its link down, in a network namespace) is declared dead by
+    the other servers, which never read from it meanwhile; once its link is back, long after
+    the others stopped gossiping to it, it rejoins without a restart, and every server sees
+    all of them alive again."""
+    if not NetnsNodes.available():
+        pytest.skip("cutting a node off the network needs network namespaces")
+    root, digests = dataset
+    netns = NetnsNodes(3)
+    request.addfinalizer(netns.close)
+    c = Cluster(tmp_path, root, nodes=NODES3, netns=netns, serve_options={"probe_interval": "0.2", "rpc_timeout": "1"})
+    request.addfinalizer(c.stop)
+    first, cut = c.addrs[0], c.addrs[2]
+    with fitcache.Client(root, **c.options()) as client:
+        wait_for(lambda: members_of(client, first)[0] == set(c.addrs), timeout=30)
+        netns.cut(cut.split(":")[0])
+        try:
+            wait_for(lambda: cut in members_of(client, first)[1], timeout=30)
+            # Longer than memberlist gossips to the dead (30 probe intervals, 6 s here):
+            # only the servers' reconnect brings the node back after that.
+            time.sleep(8)
+        finally:
+            netns.cut(cut.split(":")[0], down=False)
+        wait_for(lambda: all(members_of(client, a) == (set(c.addrs), set()) for a in c.addrs), timeout=60)
+        for name in sorted(digests):
+            assert digest(client.read(name)) == digests[name]
