@@ -41,13 +41,17 @@ def make_dataset(root, files, size):
     return sorted(names)
 
 
-def run(policy, failure, epochs, work, root, names, netns, seed):
+def run(policy, failure, epochs, work, root, names, netns, seed, servers):
     run_dir = Path(work) / f"run-{policy}-{failure}"
     run_dir.mkdir()
-    nodes = NetnsNodes() if netns else None
-    cluster = Cluster(run_dir, root, netns=nodes)
+    nodes = NetnsNodes(servers) if netns else None
+    cluster = Cluster(run_dir, root, nodes=[f"127.0.0.{i}" for i in range(1, servers + 1)], netns=nodes)
+    # The reader is on a node without a server (the bridge in the namespaces, 127.0.0.254 on
+    # loopback): it reads from the servers itself and declares the failed one dead itself,
+    # which the detection time below counts (a reader on a server's node reads through that
+    # server, which does).
     opts = {"policy": "recache" if policy == "replicas=2" else policy, "rpc_timeout": "0.5",
-            "failure_threshold": "3"}
+            "failure_threshold": "3", **({} if netns else {"node": "127.0.0.254"})}
     if policy == "replicas=2":
         opts["replicas"] = "2"
     victim = cluster.addrs[2]
@@ -88,7 +92,10 @@ def run(policy, failure, epochs, work, root, names, netns, seed):
                         # Time the reads that run into the failure (not the stats calls in
                         # between, which also wait for a hung server).
                         elapsed, i = time.perf_counter() - t, 0
+                        deadline = time.monotonic() + 120  # bounded: a detection never seen is an error
                         while not client.stats()["client"].get("servers_declared_dead"):
+                            if time.monotonic() > deadline:
+                                raise RuntimeError(f"{victim} not declared dead in 120 s")
                             t = time.perf_counter()
                             client.read(victim_files[i % len(victim_files)])
                             elapsed += time.perf_counter() - t
@@ -123,6 +130,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--source", help="directory for the dataset (for example on the PFS); default: a temporary one")
     ap.add_argument("--netns", action="store_true", help="one network namespace per node (root)")
+    ap.add_argument("--servers", type=int, default=4, help="servers, one per node")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1, help="rounds (a new random failure point each); figures are medians")
     ap.add_argument("--out", help="write the rows as JSON here")
@@ -134,11 +142,12 @@ def main():
         rounds = {c: [] for c in cases}
         for rnd in range(args.repeats):
             for p, f in cases:
-                rounds[(p, f)].append(run(p, f, args.epochs, work, root, names, args.netns, args.seed + rnd))
+                rounds[(p, f)].append(run(p, f, args.epochs, work, root, names, args.netns, args.seed + rnd,
+                                          args.servers))
                 shutil.rmtree(Path(work) / f"run-{p}-{f}", ignore_errors=True)
         rows = [median_row(rs) for rs in rounds.values()]
     where = "network namespaces" if args.netns else "loopback addresses"
-    print(f"\n{args.files} files of {args.size >> 10} KiB in {root}, 4 servers on {where}, failure at a random "
+    print(f"\n{args.files} files of {args.size >> 10} KiB in {root}, {args.servers} servers on {where}, failure at a random "
           f"point of epoch 2, rpc_timeout 0.5 s, threshold 3, medians over {args.repeats} rounds\n")
     print("| policy | failure | files on the failed server | failure to declared dead (reads) | source reads per epoch | seconds per epoch | total s |")
     print("|---|---|---|---|---|---|---|")
