@@ -177,7 +177,7 @@ func Start(cfg Config) (*Membership, error) {
 	c.GossipInterval = min(cfg.ProbeInterval/5, 200*time.Millisecond) // news (Tell) travels with gossip
 	c.PushPullInterval = 30 * cfg.ProbeInterval
 	c.GossipToTheDeadTime = 30 * cfg.ProbeInterval // then reconnect alone brings a cut-off member back
-	c.DeadNodeReclaimTime = cfg.ProbeInterval // a server restarted at its address rejoins at once
+	c.DeadNodeReclaimTime = cfg.ProbeInterval      // a server restarted at its address rejoins at once
 	c.Events = (*events)(m)
 	c.Delegate = (*delegate)(m)
 	jobSize := max(len(cfg.Servers), 1) // for how often news is retransmitted

@@ -16,6 +16,11 @@ if [ -n "$large" ]; then
 fi
 
 echo "== Go: vet and unit tests"
+unformatted=$(git ls-files -z '*.go' | grep -zv '^rpc/kitex_gen/' | xargs -0 -r gofmt -l)
+if [ -n "$unformatted" ]; then
+  echo "not gofmt-formatted (run gofmt -w): $unformatted" >&2
+  exit 1
+fi
 go vet ./...
 go test -race -count=1 ./...
 

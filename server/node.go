@@ -106,10 +106,10 @@ type clusterNode struct {
 	// it is off or could not start: what it finds is passed to every client (see told).
 	watch *membership.Membership
 
-	mu      sync.Mutex // protects clients, peers, relay and closed
+	mu sync.Mutex // protects clients, peers, relay and closed
 	// relay, if set, passes what the membership found on to this server's RPC clients (see
 	// rpc.Handler.Learn); set once the RPC server runs.
-	relay func(id string, alive bool)
+	relay   func(id string, alive bool)
 	clients map[string]*rootClient
 	peers   map[string]*rpc.Client // the job's other servers, for announce
 	closed  bool

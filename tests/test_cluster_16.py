@@ -21,28 +21,11 @@ from inotify import OpenCounter
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
+from test_cluster_node import Digest, Indexed  # noqa: E402
 
 NODES16 = [f"127.0.0.{i}" for i in range(1, 17)]
 FILES = 2000
 EPOCHS = 5
-
-
-class Digest:
-    """Transform: the item's sha256 (picklable, for workers)."""
-
-    def __call__(self, view):
-        return hashlib.sha256(view).hexdigest()
-
-
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        return i, self.ds[i]
 
 
 def small_dataset(root):

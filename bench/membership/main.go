@@ -41,7 +41,7 @@ const (
 
 type round struct {
 	N              int     `json:"n"`
-	ConvergeS      float64 `json:"converge_s"`        // until every member sees N alive
+	ConvergeS      float64 `json:"converge_s"`         // until every member sees N alive
 	PacketsPerS    float64 `json:"packets_per_node_s"` // UDP, steady state, per member
 	StreamsPerS    float64 `json:"streams_per_node_s"` // TCP, steady state, per member
 	DetectMedianS  float64 `json:"detect_median_s"`    // halt -> a member declares it dead
