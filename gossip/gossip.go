@@ -1,19 +1,21 @@
-// Package gossip is the membership gossip of a cluster job, both halves: how the clients of
-// a job share which servers they found dead, so that one client's timeouts spare the others
-// theirs.
+// Package gossip is how a job's servers and the readers that talk to them directly share
+// which servers are dead: the readers on nodes without a server of the job (a login node, a
+// node of another job), which have no node server to read through.
 //
-// The protocol rides on read requests and replies (ReadRequest and ReadReply in
-// rpc/fitcache.thrift):
+// It rides on read requests and replies (ReadRequest and ReadReply in rpc/fitcache.thrift):
 //
-//   - A client that declares a server dead (or sees it answer again) queues the news for every
+//   - A reader that declares a server dead (or sees it answer again) queues the news for every
 //     other server ([Outbox.Tell]) and sends it with its next read to each ([Outbox.Take]:
 //     the request's dead and alive lists, with the newest version it heard from that server).
-//   - A server records what its clients report ([View.Apply]) and, to a client whose version
-//     is older than its own, answers with the servers its clients found dead ([View.Since]).
-//   - The client takes those as dead too when the version is newer than the last it heard
-//     from that server ([Outbox.Heard]).
+//   - A server records the news ([View.Apply]) and passes a death on to the servers'
+//     membership (package membership), which spreads it to every server of the job. What the
+//     membership finds itself is recorded in the same view (rpc.Handler.Learn).
+//   - To a reader whose version is older than its own, a server answers with the servers its
+//     view holds dead ([View.Since]); the reader takes those as dead too when the version is
+//     newer than the last it heard from that server ([Outbox.Heard]).
 //
-// A server takes no part in routing: it only relays what its clients saw.
+// Servers watch each other with the membership alone; this package is its edge towards the
+// readers that are not on a server's node.
 package gossip
 
 import (
@@ -29,8 +31,8 @@ type View struct {
 	dead    map[string]bool
 }
 
-// Apply records reported deaths and rejoins and returns the resulting version.
-func (v *View) Apply(dead, alive []string) int64 {
+// Apply records reported deaths and rejoins; it reports whether a death was news.
+func (v *View) Apply(dead, alive []string) (newDeath bool) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.dead == nil {
@@ -40,6 +42,7 @@ func (v *View) Apply(dead, alive []string) int64 {
 		if !v.dead[id] {
 			v.dead[id] = true
 			v.version++
+			newDeath = true
 		}
 	}
 	for _, id := range alive {
@@ -48,7 +51,7 @@ func (v *View) Apply(dead, alive []string) int64 {
 			v.version++
 		}
 	}
-	return v.version
+	return newDeath
 }
 
 // Since returns the version and, if the caller's version is older, the dead servers (sorted).

@@ -31,7 +31,7 @@ const replyOverhead = 256
 // in the room the reply has left has errno ENOBUFS (the caller reads it alone), one that
 // does not fit in a reply at all EFBIG.
 func (h *Handler) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest) (*fitcachepb.ReadBatchReply, error) {
-	h.members.Apply(req.Dead, req.Alive)
+	h.heard(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	reply := &fitcachepb.ReadBatchReply{MembershipVersion: version, Dead: dead,
 		Replies: make([]*fitcachepb.ReadReply, len(req.Paths))}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -128,12 +129,16 @@ func TestDeadServerIsUnavailable(t *testing.T) {
 }
 
 func TestMembership(t *testing.T) {
-	h := newHandler(nil, ServerConfig{})
-	h.members.Apply([]string{"n2:7070", "n3:7070"}, nil)
-	h.members.Apply(nil, []string{"n3:7070"})
+	var passedOn []string
+	h := newHandler(nil, ServerConfig{OnReportedDead: func(id string) { passedOn = append(passedOn, id) }})
+	h.heard([]string{"n2:7070", "n3:7070"}, nil)
+	h.heard([]string{"n2:7070"}, []string{"n3:7070"}) // n2 again: not news
 	version, dead := h.Membership()
 	if version != 3 || len(dead) != 1 || dead[0] != "n2:7070" {
 		t.Errorf("got version %d, dead %v; want 3, [n2:7070]", version, dead)
+	}
+	if !slices.Equal(passedOn, []string{"n2:7070", "n3:7070"}) {
+		t.Errorf("deaths passed on to the membership: %v, want each once", passedOn)
 	}
 }
 

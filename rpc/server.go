@@ -49,7 +49,11 @@ type ServerConfig struct {
 	// servers alive and dead, and those other servers' reads found dead lately, for Stats; nil
 	// lists when there is none.
 	Members func() (alive, dead, reported []string)
-	Log     *slog.Logger
+	// OnReportedDead, if set, is told of each server a client's reads found dead, as its
+	// requests report it (a client on a node without a server of the job has no node
+	// server to tell): the servers' membership spreads it to the job's other servers.
+	OnReportedDead func(id string)
+	Log            *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
@@ -180,6 +184,16 @@ func (h *Handler) Learn(id string, alive bool) {
 	}
 }
 
+// heard records what a client's request reports of other servers and passes news of a
+// death on (OnReportedDead).
+func (h *Handler) heard(dead, alive []string) {
+	if h.members.Apply(dead, alive) && h.cfg.OnReportedDead != nil {
+		for _, id := range dead {
+			h.cfg.OnReportedDead(id)
+		}
+	}
+}
+
 // refuse counts a refused connection or request and logs it, rate-limited per peer.
 func (h *Handler) refuse(peer, reason string) {
 	h.engine.CountRefusal()
@@ -262,7 +276,7 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 
 // Read serves a file: the tier file to map for local callers when it is cached, else the bytes.
 func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
-	h.members.Apply(req.Dead, req.Alive)
+	h.heard(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
 	res, err := h.read(ctx, req.Root, req.Path, req.Local)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -177,6 +178,16 @@ func (n *clusterNode) foundDead(id string) {
 		n.watch.Tell(id)
 	}
 	n.told(id, false)
+}
+
+// reportedDead passes on what a client on a node without a server of the job reported of a
+// server in its requests to this one (rpc.ServerConfig.OnReportedDead): the servers'
+// membership spreads it as it spreads what this node's own reads find.
+func (n *clusterNode) reportedDead(id string) {
+	if n == nil || id == n.self || !slices.ContainsFunc(n.members, func(m ring.Member) bool { return m.ID == id }) {
+		return // not news this server can act on: itself, or not a server of the job
+	}
+	n.foundDead(id)
 }
 
 // relayTo makes f hear what the membership finds from now on (see relay).

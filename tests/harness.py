@@ -2,6 +2,7 @@
 server listens on its own 127.0.0.x address (a "node") with its own memory tier, all sharing a
 job token. Every process it starts it also stops, by pid."""
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -27,6 +28,10 @@ class NetnsNodes:
         self.client_addr = f"10.231.{self.subnet}.254"
         self.namespaces, self.links, self.addrs = [], [], []
         self.delay_pids = []  # the delay program's processes (see shape), stopped by close()
+        # The namespace the bridge and the nodes' links live in: the links are managed there
+        # even after this process moved into a node's namespace (enter).
+        self._home_fd = os.open("/proc/self/ns/net", os.O_RDONLY)
+        self._home = ["nsenter", f"--net=/proc/{os.getpid()}/fd/{self._home_fd}"]
         try:
             self._ip("link", "add", self.bridge, "type", "bridge")
             self.links.append(self.bridge)
@@ -60,6 +65,16 @@ class NetnsNodes:
     def namespace_of(self, addr):
         return self.namespaces[self.addrs.index(addr)]
 
+    def enter(self, addr):
+        """Moves this process into the namespace of the node at addr, as a program started
+        on that node. A namespace is a thread's: the process must have no other thread yet
+        (before FitCache's library is loaded, before torch starts its own)."""
+        threads = len(os.listdir("/proc/self/task"))
+        assert threads == 1, f"cannot enter a node's namespace with {threads} threads"
+        with open(f"/run/netns/{self.namespace_of(addr)}") as ns:
+            if ctypes.CDLL(None, use_errno=True).setns(ns.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), "setns")
+
     def cut(self, addr, down=True):
         """Cuts a node off the network (its link goes down) or restores it."""
         veth = self.links[1 + self.addrs.index(addr)]
@@ -80,7 +95,7 @@ class NetnsNodes:
             enter = ["nsenter", f"--net=/run/netns/{ns}"]  # not `ip netns exec`: see Cluster.start
             if rate:
                 run(*enter, "tc", "qdisc", "replace", "dev", "eth0", *tbf)  # what the node sends
-                run("tc", "qdisc", "replace", "dev", self.links[1 + i], *tbf)  # what it receives
+                run(*self._home, "tc", "qdisc", "replace", "dev", self.links[1 + i], *tbf)  # what it receives
             if delay_us:
                 run(*enter, "iptables-legacy", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
                     "--queue-num", "0", "--queue-bypass")
@@ -94,9 +109,8 @@ class NetnsNodes:
                     self.delay_pids.append(int(f.read()))
                 os.unlink(pidfile)
 
-    @staticmethod
-    def _ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True)
+    def _ip(self, *args, check=True):
+        subprocess.run([*self._home, "ip", *args], check=check, capture_output=True)
 
     def close(self):
         for pid in self.delay_pids:
@@ -106,10 +120,13 @@ class NetnsNodes:
                 pass
         self.delay_pids = []
         for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            self._ip("netns", "del", ns, check=False)
         for link in reversed(self.links):
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
+            self._ip("link", "del", link, check=False)
         self.namespaces, self.links = [], []
+        if self._home_fd is not None:
+            os.close(self._home_fd)
+            self._home_fd = None
 
 
 def free_port(host):

@@ -4,6 +4,7 @@ declared dead by the others without any read reaching it, its files are then rea
 policy without a wait on it, and it rejoins when it answers again."""
 
 import os
+import shutil
 import signal
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import fitcache
 from conftest import digest
 from harness import Cluster, NetnsNodes, cached_names, server_stats, wait_for
+from inotify import OpenCounter
 
 NODES3 = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
@@ -61,15 +63,18 @@ def test_membership_off(request, dataset, tmp_path):
             assert digest(client.read(name)) == digests[name]
 
 
-def test_what_one_nodes_reads_find_reaches_the_other_servers_at_once(request, dataset, tmp_path):
+@pytest.mark.parametrize("reader", ["server's node", "node without a server"])
+def test_what_one_nodes_reads_find_reaches_the_other_servers_at_once(request, dataset, tmp_path, reader):
     """A killed server refuses connections: the first read of the reader's node that reaches it
-    finds it dead, and that server tells the job's others at once, long before their own
-    probes (paced here at 30 s) would suspect it."""
+    finds it dead, and the servers tell the job's others at once, long before their own
+    probes (paced here at 30 s) would suspect it: the reader's node's server, or, for a reader
+    on a node without a server, the servers its next reads go to."""
     root, digests = dataset
     c = Cluster(tmp_path, root, nodes=NODES3, serve_options={"probe_interval": "30", "rpc_timeout": "2"})
     request.addfinalizer(c.stop)
     other, victim = c.addrs[1], c.addrs[2]
-    with fitcache.Client(root, **c.options()) as client:
+    node = {"server's node": c.node, "node without a server": "127.0.0.9"}[reader]
+    with fitcache.Client(root, **c.options(node=node)) as client:
         wait_for(lambda: members_of(client, other)[0] == set(c.addrs), timeout=60)
         names = sorted(digests)
         for name in names[:2]:  # the reader's node starts reading: its server's client is up
@@ -77,7 +82,8 @@ def test_what_one_nodes_reads_find_reaches_the_other_servers_at_once(request, da
         c.kill(victim)
         for name in names[2:]:
             assert digest(client.read(name)) == digests[name]
-        wait_for(lambda: victim in set(server_stats(client)[other]["members"]["reported_dead"]), timeout=10)
+        wait_for(lambda: all(victim in set(server_stats(client)[a]["members"]["reported_dead"])
+                             for a in c.addrs[:2]), timeout=10)
 
 
 def test_a_reader_without_a_server_on_its_node_learns_from_the_servers(request, dataset, tmp_path):
@@ -134,3 +140,39 @@ def test_a_partition_heals_without_a_restart(request, dataset, tmp_path):
         wait_for(lambda: all(members_of(client, a) == (set(c.addrs), set()) for a in c.addrs), timeout=60)
         for name in sorted(digests):
             assert digest(client.read(name)) == digests[name]
+
+
+def test_a_replacement_server_joins_a_running_job_and_takes_its_share(request, dataset, tmp_path):
+    """A node dies with its tiers, and a replacement server starts at its address (a spare
+    node given the address, or a restarted node whose memory is gone) while the job runs: the
+    other servers take it in, and the reader's next epoch puts back on it exactly the files it
+    held, each read from the source once, the others staying where they are. (The reader is
+    on a node without a server, so that every read goes to the file's owner: a reader on a
+    server's node would keep node-local copies of every file of this small dataset.)"""
+    root, digests = dataset
+    c = Cluster(tmp_path, root, nodes=NODES3, serve_options={"probe_interval": "0.1", "rpc_timeout": "1"})
+    request.addfinalizer(c.stop)
+    first, other, replaced = c.addrs
+    names = sorted(digests)
+    with fitcache.Client(root, **c.options(node="127.0.0.9")) as client:
+        for name in names:
+            assert digest(client.read(name)) == digests[name]
+        share = cached_names(c, replaced)
+        assert share, "the dataset left the third server nothing to hold"
+        c.kill(replaced)
+        shutil.rmtree(c.tiers(replaced).split(":")[1])
+        for name in names:  # its files go to the others, from the source (recache)
+            assert digest(client.read(name)) == digests[name]
+        assert client.stats()["client"].get("servers_declared_dead") == 1
+        c.start(replaced)
+        wait_for(lambda: all(members_of(client, a)[0] == set(c.addrs) for a in (first, other)), timeout=30)
+        # The reader takes it back when it answers its probe (every second) or a reply of the
+        # servers says it joined.
+        wait_for(lambda: client.stats()["client"].get("servers_rejoined", 0) == 1, timeout=10)
+        with OpenCounter(root) as opens:
+            for name in names:
+                assert digest(client.read(name)) == digests[name]
+            counts = opens.counts()
+    assert cached_names(c, replaced) == share
+    assert {os.path.basename(n) for n in counts} == share, "source opens other than the replacement's share"
+    assert set(counts.values()) == {1}, f"a file of the share read from the source more than once: {counts}"
