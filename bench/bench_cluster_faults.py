@@ -121,9 +121,8 @@ class Failure:
 
 
 def run_case(kind, src, names, manifest, work, args, netns):
-    work = os.environ.get("KEEP", work)
     tmp = Path(work) / f"cluster-{kind}"
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
     nodes = [f"127.0.0.{i + 1}" for i in range(args.servers)]
     cluster = Cluster(tmp, src, nodes=nodes, budget=args.budget, netns=netns,
                       serve_options={"rpc_timeout": "0.5", "failure_threshold": "3"})
@@ -199,6 +198,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--at", type=float, default=0.4, help="how far into the epoch the failure comes")
     ap.add_argument("--netns", action="store_true", help="each server on a node of its own network namespace (root)")
+    ap.add_argument("--keep", help="keep the servers' logs in this directory (default: a temporary one, removed)")
     ap.add_argument("--failures", help="comma-separated: kill, hang, partition (default: all the mode allows)")
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
@@ -215,7 +215,8 @@ def main():
         if netns:
             netns.enter(netns.addrs[0])  # the reader runs on the first server's node
         results = {"args": vars(args), "loadavg_start": open("/proc/loadavg").read().split()[:3], "cases": []}
-        with tempfile.TemporaryDirectory(prefix="fitcache-faults-") as work:
+        with tempfile.TemporaryDirectory(prefix="fitcache-faults-") as tmp:
+            work = args.keep or tmp
             for failure in kinds:
                 plain = [plain_epoch(src, names, manifest, args) for _ in range(3)]
                 row = run_case(failure, src, names, manifest, work, args, netns)

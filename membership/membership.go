@@ -9,7 +9,8 @@
 //
 // A member that stops answering probes is suspected first and keeps its files; only once the
 // suspicion times out (SuspicionMult * log10(N) probe intervals at least, less as other
-// members confirm it) is it declared dead, and the server's reads skip it (see OnChange). A
+// members confirm it) is it declared dead, and, once it does not answer a ping of this
+// server's own either (confirmDead), the server's reads skip it (see OnChange). A
 // member that answers again, or a server started later at an address of the list, rejoins.
 // What a server's reads learn at once (a refused connection, replies past their deadline:
 // see client's routing) it tells the others (Tell), who act on it without waiting for the
@@ -66,8 +67,11 @@ type Membership struct {
 	list *memberlist.Memberlist
 	log  *slog.Logger
 
-	mu    sync.Mutex      // protects known, reported and closed
+	mu    sync.Mutex      // protects known, notes, reported and closed
 	known map[string]bool // member -> alive, for the members heard of
+	// notes counts memberlist's notifications per member, so that a death confirmed late
+	// (confirmDead) is not recorded over a newer notification.
+	notes map[string]uint64
 	// reported: servers other servers' reads found dead (Tell), when the news arrived.
 	reported map[string]time.Time
 	// closed stops the join loop.
@@ -163,8 +167,9 @@ func Start(cfg Config) (*Membership, error) {
 	}
 	host, portText, _ := net.SplitHostPort(gossip)
 	port, _ := strconv.Atoi(portText)
-	m := &Membership{cfg: cfg, log: cfg.Log, known: map[string]bool{}, reported: map[string]time.Time{},
-		events: make(chan event, 256), done: make(chan struct{})}
+	m := &Membership{cfg: cfg, log: cfg.Log, known: map[string]bool{}, notes: map[string]uint64{},
+		reported: map[string]time.Time{},
+		events:   make(chan event, 256), done: make(chan struct{})}
 
 	c := memberlist.DefaultLANConfig()
 	c.Name = cfg.Self
@@ -275,15 +280,77 @@ func (m *Membership) join() {
 // that OnChange runs one call at a time and never blocks the protocol.
 type events Membership
 
-func (e *events) NotifyJoin(n *memberlist.Node)   { (*Membership)(e).note(n.Name, true) }
-func (e *events) NotifyLeave(n *memberlist.Node)  { (*Membership)(e).note(n.Name, false) }
+func (e *events) NotifyJoin(n *memberlist.Node)   { (*Membership)(e).note(n, true) }
+func (e *events) NotifyLeave(n *memberlist.Node)  { (*Membership)(e).note(n, false) }
 func (e *events) NotifyUpdate(n *memberlist.Node) {}
 
-func (m *Membership) note(id string, alive bool) {
-	if id == m.cfg.Self {
+// note records that memberlist took a member for alive or dead (or left). A death is acted on
+// only once this member's own ping gets no answer (see confirmDead), in the background:
+// memberlist calls note from its protocol's goroutines, which must not wait.
+func (m *Membership) note(n *memberlist.Node, alive bool) {
+	if n.Name == m.cfg.Self {
 		return
 	}
 	m.mu.Lock()
+	m.notes[n.Name]++
+	note := m.notes[n.Name]
+	m.mu.Unlock()
+	if alive {
+		m.record(n.Name, true, 0)
+		return
+	}
+	go m.confirmDead(n.Name, &net.UDPAddr{IP: n.Addr, Port: int(n.Port)}, note)
+}
+
+// confirmDead acts on memberlist's word that a member is dead (or left) once the member does
+// not answer a ping of this one. The word can be stale: a member cut off by a partition
+// declares the others dead one after another, and once the network heals its last
+// declarations still wait in its gossip queue; memberlist applies them as they arrive, and a
+// healthy server is dead everywhere until it hears of it and refutes it (one of 16 healthy
+// servers went so at a healed partition, its files read from the source meanwhile:
+// docs/BENCHMARKS.md section 11). While the member answers, this asks again every probe
+// interval, until memberlist takes it back (it refuted) or a later notification came; a
+// member that left answers until it has shut down. A member really gone costs this member
+// one probe timeout more.
+func (m *Membership) confirmDead(id string, addr net.Addr, note uint64) {
+	for kept := false; ; kept = true {
+		if _, err := m.list.Ping(id, addr); err != nil {
+			break
+		}
+		if !kept {
+			m.log.Info("server declared dead by another member answers this one: kept", "server", id)
+		}
+		select {
+		case <-m.done:
+			return
+		case <-time.After(m.cfg.ProbeInterval):
+		}
+		m.mu.Lock()
+		newer := m.notes[id] != note
+		m.mu.Unlock()
+		if newer || m.listed(id) {
+			return
+		}
+	}
+	if !m.listed(id) { // memberlist may have taken it back while the ping waited
+		m.record(id, false, note)
+	}
+}
+
+// listed reports whether memberlist holds the member alive (or suspected).
+func (m *Membership) listed(id string) bool {
+	return slices.ContainsFunc(m.list.Members(), func(n *memberlist.Node) bool { return n.Name == id })
+}
+
+// record notes a member's state and, if it changed, logs it and queues it for OnChange. A
+// death confirmed in the background (note not 0) is dropped if memberlist said anything of
+// the member since.
+func (m *Membership) record(id string, alive bool, note uint64) {
+	m.mu.Lock()
+	if note != 0 && m.notes[id] != note {
+		m.mu.Unlock()
+		return
+	}
 	was, heard := m.known[id]
 	m.known[id] = alive
 	closed := m.closed

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/hashicorp/memberlist"
 )
 
 // probe paces the tests' members: a crashed member is declared dead within a few seconds.
@@ -196,4 +198,41 @@ func TestNewsFromReadsReachesTheOthers(t *testing.T) {
 	if recs[1].heard("127.0.0.1:1") {
 		t.Error("news of a server outside the job was passed on")
 	}
+}
+
+// Memberlist's word that a member is dead can be stale (a member cut off by a partition
+// declared it dead, and its gossip arrives once the network heals): a member that answers
+// this one's ping is kept, one that does not is declared dead, one that left is out at once.
+func TestADeathIsActedOnOnlyIfTheMemberDoesNotAnswer(t *testing.T) {
+	ids := names(t, 3)
+	recs := []*recorder{{}, {}, {}}
+	ms := make([]*Membership, 3)
+	for i, id := range ids {
+		ms[i] = start(t, id, ids, "token", recs[i])
+	}
+	defer func() {
+		for _, m := range ms {
+			m.Close()
+		}
+	}()
+	waitFor(t, "every member alive at member 0", func() bool { return len(ms[0].Alive()) == 3 })
+	nodes := map[string]*memberlist.Node{}
+	for _, n := range ms[0].list.Members() {
+		nodes[n.Name] = n
+	}
+
+	(*events)(ms[0]).NotifyLeave(nodes[ids[1]]) // stale: member 1 runs and answers
+	time.Sleep(5 * probe)                       // more than the ping's timeout
+	if recs[0].is(ids[1], false) || len(ms[0].Dead()) != 0 {
+		t.Errorf("a member that answers was taken for dead: %v", ms[0].Dead())
+	}
+
+	ms[2].Halt()
+	(*events)(ms[0]).NotifyLeave(nodes[ids[2]]) // true, ahead of memberlist's own suspicion
+	waitFor(t, "the halted member declared dead", func() bool { return recs[0].is(ids[2], false) })
+
+	// One that leaves (Close) says so itself: out at once, though it may still answer a
+	// ping while it shuts down.
+	ms[1].Close()
+	waitFor(t, "the member that left out", func() bool { return recs[0].is(ids[1], false) })
 }
