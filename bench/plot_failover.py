@@ -30,6 +30,7 @@ def main(src, dst):
     r.set_xlabel("epoch")
     r.set_ylabel("source reads")
     r.set_yscale("symlog")
+    r.set_ylim(bottom=0)
     t.legend()
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
