@@ -123,7 +123,8 @@ func TestMembersJoinAreDeclaredDeadAndRejoin(t *testing.T) {
 	waitFor(t, "the restarted member alive again", func() bool { return recs[0].is(ids[2], true) && recs[1].is(ids[2], true) })
 }
 
-// A member whose key comes from another token can neither join nor be heard of.
+// A member whose key comes from another token can neither join nor be heard of, nor change
+// what the job's members know with news of its own.
 func TestAMemberWithoutTheTokenCannotJoin(t *testing.T) {
 	ids := names(t, 3)
 	recs := []*recorder{{}, {}, {}}
@@ -134,9 +135,26 @@ func TestAMemberWithoutTheTokenCannotJoin(t *testing.T) {
 	waitFor(t, "the two members of the job alive", func() bool { return len(a.Alive()) == 2 && len(b.Alive()) == 2 })
 	stranger := start(t, ids[2], ids, "another token", recs[2])
 	defer stranger.Close()
-	time.Sleep(20 * probe) // time for the stranger's joins and gossip to arrive
+	// Forged news, as a host without the token can only send it: b is dead, in a plain
+	// memberlist user message (type 8) to a's gossip port.
+	gossipOfA, err := GossipAddr(ids[0], DefaultPortOffset)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("udp", gossipOfA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write(append([]byte{8}, deadNews(ids[1]).Message()...)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * probe) // time for the stranger's joins and gossip, and the forgery, to arrive
 	if recs[0].heard(ids[2]) || recs[1].heard(ids[2]) || len(a.Alive()) != 2 || len(b.Alive()) != 2 {
 		t.Errorf("the job's members took in a member without the token: %v, %v", a.Alive(), b.Alive())
+	}
+	if recs[0].is(ids[1], false) || len(a.Reported()) != 0 {
+		t.Errorf("a member took the stranger's news: %v reported dead", a.Reported())
 	}
 	if got := stranger.Alive(); !slices.Equal(got, ids[2:]) {
 		t.Errorf("the stranger sees %v", got)
