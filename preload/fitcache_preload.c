@@ -61,6 +61,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
@@ -416,10 +417,22 @@ static void forget(const struct root *r, const char *key, size_t len) {
 	NEXT(close)(sock);
 }
 
-// Flags of a read-only open the shim serves; others (O_DIRECTORY, O_PATH, O_NOFOLLOW,
-// O_TMPFILE, O_SYNC...) go to libc.
-#define SERVED_FLAGS (O_ACCMODE | O_CLOEXEC | O_LARGEFILE | O_NONBLOCK | O_NOATIME | O_DIRECT | O_NOCTTY)
+// Flags of a read-only open the shim serves; others (O_DIRECTORY, O_PATH, O_TMPFILE,
+// O_SYNC...) go to libc. O_NOFOLLOW (GNU tar and rsync open every file with it) is served
+// when the path does not end in a symbolic link (see follows_no_link).
+#define SERVED_FLAGS                                                                                                   \
+	(O_ACCMODE | O_CLOEXEC | O_LARGEFILE | O_NONBLOCK | O_NOATIME | O_DIRECT | O_NOCTTY | O_NOFOLLOW)
 #define WRITE_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND)
+
+// follows_no_link reports whether an O_NOFOLLOW open of path (relative to dirfd) would follow
+// no symbolic link at its end, which is all that O_NOFOLLOW refuses: a path that ends in a
+// link is left to libc, which fails it with ELOOP as the program expects. A link put in its
+// place after this check and before the open is served as the file it replaced was (the
+// cache holds the file that path named); the program could not tell the two orders apart.
+static int follows_no_link(int dirfd, const char *path) {
+	struct stat st;
+	return fstatat(dirfd, path, &st, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISLNK(st.st_mode);
+}
 
 // set_flags gives a descriptor from the server the flags the program asked for (it comes
 // plain read-only and close-on-exec). Flags the file refuses (O_DIRECT on tmpfs) are dropped:
@@ -488,7 +501,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		*writes = 1;
 		goto out;
 	}
-	if (flags & ~SERVED_FLAGS)
+	if ((flags & ~SERVED_FLAGS) || ((flags & O_NOFOLLOW) && !follows_no_link(dirfd, path)))
 		goto out;
 	struct fc_hit hit;
 	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {

@@ -277,7 +277,7 @@ def test_prefetch_zero_turns_it_off(dataset, cache_options):
 
 # tool: (command for the files, expected output from their bytes). md5sum reads through
 # fopen, cat and dd through open (dd seeks past the first 1000 bytes), sh opens the file
-# itself for the `<` redirection and hands the descriptor to cat.
+# itself for the `<` redirection and hands the descriptor to cat, tar opens with O_NOFOLLOW.
 TOOLS = {
     "cat": (lambda paths: ["cat", *paths],
             lambda data, paths: b"".join(data[p] for p in paths)),
@@ -288,6 +288,11 @@ TOOLS = {
            lambda data, paths: b"".join(data[p][1000:] for p in paths)),
     "sh-redirect": (lambda paths: ["sh", "-c", 'for f in "$@"; do cat < "$f" || exit 1; done', "sh", *paths],
                     lambda data, paths: b"".join(data[p] for p in paths)),
+    # GNU tar opens every file with O_NOFOLLOW; the archive must be the one tar makes without
+    # FitCache (and tar must not find a file "changed as we read it").
+    "tar": (lambda paths: ["tar", "cf", "-", "-P", *paths],
+            lambda data, paths: subprocess.run(["tar", "cf", "-", "-P", *paths], check=True,
+                                               capture_output=True).stdout),
 }
 
 
@@ -836,6 +841,7 @@ if __name__ == "__main__":
     r["file with O_DIRECTORY"] = attempt(lambda: fd_info(os.open(p("a.bin"), os.O_RDONLY | os.O_DIRECTORY)))
     r["O_CREAT|O_EXCL existing"] = attempt(lambda: fd_info(os.open(p("a.bin"), os.O_RDONLY | os.O_CREAT | os.O_EXCL)))
     r["O_NOFOLLOW on a link"] = attempt(lambda: fd_info(os.open(p("link_in"), os.O_RDONLY | os.O_NOFOLLOW)))
+    r["O_NOFOLLOW on a file"] = attempt(lambda: fd_info(os.open(p("a.bin"), os.O_RDONLY | os.O_NOFOLLOW)))
     r["link inside"] = attempt(lambda: read(p("link_in")))
     r["link to outside"] = attempt(lambda: read(p("link_out")))
     r["O_PATH"] = attempt(lambda: fd_path(os.open(p("a.bin"), os.O_PATH)))
