@@ -267,7 +267,9 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 	start := time.Now()
 	res, err := e.read(ctx, root, path, wantMapping)
 	if err != nil {
-		e.stats.errors.Add(1)
+		if !errors.Is(err, ErrTooLarge) { // declined, not failed: counted as uncached where decided
+			e.stats.errors.Add(1)
+		}
 		return Result{}, err
 	}
 	n := int64(len(res.Bytes()))
