@@ -310,15 +310,25 @@ func (m *Membership) note(n *memberlist.Node, alive bool) {
 // servers went so at a healed partition, its files read from the source meanwhile:
 // docs/BENCHMARKS.md section 11). While the member answers, this asks again every probe
 // interval, until memberlist takes it back (it refuted) or a later notification came; a
-// member that left answers until it has shut down. A member really gone costs this member
-// one probe timeout more.
+// member that left answers until it has shut down. One that answers but stays dead is asked
+// for a state exchange (which makes it refute), and after a minute left alive here. A
+// member really gone costs this member one probe timeout more.
 func (m *Membership) confirmDead(id string, addr net.Addr, note uint64) {
-	for kept := false; ; kept = true {
+	for tries := 0; ; tries++ {
 		if _, err := m.list.Ping(id, addr); err != nil {
 			break
 		}
-		if !kept {
+		switch {
+		case tries == 0:
 			m.log.Info("server declared dead by another member answers this one: kept", "server", id)
+		case tries == confirmJoinAfter:
+			// It answers pings but has not refuted its death: it may not have heard of it.
+			// A state exchange tells it (it refutes) or brings it back here.
+			m.list.Join([]string{addr.String()})
+		case tries == confirmGiveUp:
+			m.log.Warn("server declared dead answers pings but never came back: kept; reads find it if it is gone",
+				"server", id)
+			return
 		}
 		select {
 		case <-m.done:
@@ -336,6 +346,13 @@ func (m *Membership) confirmDead(id string, addr net.Addr, note uint64) {
 		m.record(id, false, note)
 	}
 }
+
+// Bounds of confirmDead for a member declared dead that goes on answering pings, in probe
+// intervals: when it is asked for a state exchange, and when it is left alone.
+const (
+	confirmJoinAfter = 3
+	confirmGiveUp    = 60
+)
 
 // listed reports whether memberlist holds the member alive (or suspected).
 func (m *Membership) listed(id string) bool {
