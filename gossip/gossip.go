@@ -31,8 +31,8 @@ type View struct {
 	dead    map[string]bool
 }
 
-// Apply records reported deaths and rejoins; it reports whether a death was news.
-func (v *View) Apply(dead, alive []string) (newDeath bool) {
+// Apply records reported deaths and rejoins; it returns the deaths that were news.
+func (v *View) Apply(dead, alive []string) (news []string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.dead == nil {
@@ -42,7 +42,7 @@ func (v *View) Apply(dead, alive []string) (newDeath bool) {
 		if !v.dead[id] {
 			v.dead[id] = true
 			v.version++
-			newDeath = true
+			news = append(news, id)
 		}
 	}
 	for _, id := range alive {
@@ -51,7 +51,7 @@ func (v *View) Apply(dead, alive []string) (newDeath bool) {
 			v.version++
 		}
 	}
-	return newDeath
+	return news
 }
 
 // Since returns the version and, if the caller's version is older, the dead servers (sorted).

@@ -132,12 +132,12 @@ func TestMembership(t *testing.T) {
 	var passedOn []string
 	h := newHandler(nil, ServerConfig{OnReportedDead: func(id string) { passedOn = append(passedOn, id) }})
 	h.heard([]string{"n2:7070", "n3:7070"}, nil)
-	h.heard([]string{"n2:7070"}, []string{"n3:7070"}) // n2 again: not news
+	h.heard([]string{"n2:7070", "n4:7070"}, []string{"n3:7070"}) // n2 again: not news
 	version, dead := h.Membership()
-	if version != 3 || len(dead) != 1 || dead[0] != "n2:7070" {
-		t.Errorf("got version %d, dead %v; want 3, [n2:7070]", version, dead)
+	if version != 4 || !slices.Equal(dead, []string{"n2:7070", "n4:7070"}) {
+		t.Errorf("got version %d, dead %v; want 4, [n2:7070 n4:7070]", version, dead)
 	}
-	if !slices.Equal(passedOn, []string{"n2:7070", "n3:7070"}) {
+	if !slices.Equal(passedOn, []string{"n2:7070", "n3:7070", "n4:7070"}) {
 		t.Errorf("deaths passed on to the membership: %v, want each once", passedOn)
 	}
 }

@@ -184,11 +184,12 @@ func (h *Handler) Learn(id string, alive bool) {
 	}
 }
 
-// heard records what a client's request reports of other servers and passes news of a
-// death on (OnReportedDead).
+// heard records what a client's request reports of other servers and passes the deaths that
+// are news on (OnReportedDead).
 func (h *Handler) heard(dead, alive []string) {
-	if h.members.Apply(dead, alive) && h.cfg.OnReportedDead != nil {
-		for _, id := range dead {
+	news := h.members.Apply(dead, alive)
+	if h.cfg.OnReportedDead != nil {
+		for _, id := range news {
 			h.cfg.OnReportedDead(id)
 		}
 	}
