@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -36,26 +37,50 @@ func (o Origin) String() string {
 // OpenForReader returns a read-only descriptor that a reader on this node reads in place of
 // the source file at path (inside root): the preload shim's answer to an open it could not
 // serve from the tiers itself (see package nodesock). That is the cached copy, brought into
-// a tier first on a miss (the source is read once, as by Fetch); or, when no tier takes the
-// file (too large, or no room left for its dataset), the source itself, opened beneath the
-// resolved root as every source read is. The caller closes the file.
+// a tier first on a miss (the source is read once, as by Fetch); or the source itself,
+// opened beneath the resolved root as every source read is, when no tier takes the file (too
+// large, or no room left for its dataset) and when the file is large (readNowBytes): then
+// the reader does not wait for the copy, which is made meanwhile from the same open of the
+// source. The caller closes the file.
 func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File, Origin, error) {
+	if e.closed.Load() {
+		return nil, 0, ErrClosed
+	}
 	// The copy may be evicted between its publication and the open here (a burst of other
 	// misses): fetch once more, then read the source.
 	for attempt := 0; attempt < 2; attempt++ {
-		err := e.Fetch(ctx, root, path)
+		start := time.Now()
+		origin, handed, err := e.fetch(ctx, root, path, true)
+		if handed != nil { // a large file, or one no tier takes: its source, while it is cached
+			e.lat.observe(opFetch, origin, time.Since(start), 0)
+			return handed, OriginSource, nil
+		}
+		if errors.Is(err, errReadNow) {
+			return e.openSourceForReader(root, path)
+		}
 		if errors.Is(err, ErrTooLarge) || errors.Is(err, ErrCacheFull) {
 			break
 		}
 		if err != nil {
+			e.stats.errors.Add(1)
 			return nil, 0, err
 		}
+		e.lat.observe(opFetch, origin, time.Since(start), 0)
 		for _, t := range e.tiers {
 			if f, err := t.OpenFile(path); err == nil {
 				return f, OriginTier, nil
 			}
 		}
 	}
+	f, origin, err := e.openSourceForReader(root, path)
+	if err == nil {
+		e.stats.uncached.Add(1)
+	}
+	return f, origin, err
+}
+
+// openSourceForReader opens the source at path beneath its resolved root for a reader.
+func (e *Engine) openSourceForReader(root, path string) (*os.File, Origin, error) {
 	src, err := e.openSource(root, path)
 	if err != nil {
 		return nil, 0, err
@@ -64,8 +89,22 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 	if err != nil {
 		return nil, 0, err
 	}
-	e.stats.uncached.Add(1)
 	return f, OriginSource, nil
+}
+
+// ReaderDup returns a second descriptor of the open source for a reader on this node, with
+// the flags of a plain read-only open (see ReaderFile); the Source stays usable. Both share
+// one open file, so the Source must be read at explicit offsets only, as it is.
+func (s *Source) ReaderDup() (*os.File, error) {
+	fd, err := unix.FcntlInt(s.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, pathError("dup", s.path, err)
+	}
+	if err := unix.SetNonblock(fd, false); err != nil { // the open file's flag: regular files ignore it
+		unix.Close(fd)
+		return nil, pathError("fcntl", s.path, err)
+	}
+	return os.NewFile(uintptr(fd), s.path), nil
 }
 
 // OpenCached opens the copy of the file at path (inside root) that a tier holds, checked

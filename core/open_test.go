@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -70,6 +71,100 @@ func TestOpenForReaderGivesTheSourceWhenNoTierTakesIt(t *testing.T) {
 	}
 	if got := readFile(t, f); !bytes.Equal(got, data) {
 		t.Errorf("read %d bytes, want the source's %d", len(got), len(data))
+	}
+}
+
+// A reader that opens a large file is not kept waiting for its copy: it gets the source,
+// opened once for it and for the copy, which is made meanwhile; readers that open it during
+// the copy get the source too; once the copy is published, the next open gets it.
+func TestALargeFileIsHandedToItsReaderWhileItIsCached(t *testing.T) {
+	e := newEngine(t, "256MiB")
+	root := t.TempDir()
+	path := filepath.Join(root, "large.bin")
+	data := make([]byte, 2*readNowBytes+12345)
+	for i := range data {
+		data[i] = byte(i * 7 % 251)
+	}
+	if err := os.WriteFile(path, data, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	const readers = 4
+	type opened struct {
+		origin Origin
+		data   []byte
+		err    error
+	}
+	got := make(chan opened, readers)
+	for range readers {
+		go func() {
+			f, origin, err := e.OpenForReader(context.Background(), root, path)
+			if err != nil {
+				got <- opened{err: err}
+				return
+			}
+			defer f.Close()
+			b, err := io.ReadAll(f)
+			got <- opened{origin, b, err}
+		}()
+	}
+	for range readers {
+		o := <-got
+		if o.err != nil || !bytes.Equal(o.data, data) {
+			t.Fatalf("a reader got %d bytes, err %v; want the file's %d", len(o.data), o.err, len(data))
+		}
+		if o.origin != OriginSource && o.origin != OriginTier {
+			t.Errorf("origin %v", o.origin)
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, ok := e.cachedSize(path); ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the large file was not cached in 10 s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	f, origin, err := e.OpenForReader(context.Background(), root, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if b := readFile(t, f); origin != OriginTier || !bytes.Equal(b, data) {
+		t.Errorf("after the copy: origin %v, %d bytes; want the tier's copy", origin, len(b))
+	}
+	if s := e.Stats(); s.SourceReads != 1 || s.Errors != 0 {
+		t.Errorf("source reads %d, errors %d; want 1 and 0", s.SourceReads, s.Errors)
+	}
+}
+
+// The first reader of a large file gets it as the source at once: the open does not wait for
+// the copy, which a reader can see by the descriptor (the source file, not a tier's).
+func TestTheFirstOpenOfALargeFileIsTheSource(t *testing.T) {
+	e := newEngine(t, "256MiB")
+	root := t.TempDir()
+	path := sparseFile(t, root, "large.bin", 4*readNowBytes)
+	f, origin, err := e.OpenForReader(context.Background(), root, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var st, src unix.Stat_t
+	unix.Fstat(int(f.Fd()), &st)
+	unix.Stat(path, &src)
+	if origin != OriginSource || st.Ino != src.Ino || st.Dev != src.Dev {
+		t.Errorf("origin %v, inode %d: want the source (inode %d)", origin, st.Ino, src.Ino)
+	}
+	small := filepath.Join(root, "small.bin")
+	os.WriteFile(small, []byte("small"), 0o600)
+	g, origin, err := e.OpenForReader(context.Background(), root, small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Close()
+	if origin != OriginTier {
+		t.Errorf("a small file: origin %v, want its copy", origin)
 	}
 }
 

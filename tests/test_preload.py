@@ -588,6 +588,43 @@ def test_numpy_mmap_load_and_fromfile(cache_options, tmp_path):
     assert_each_opened_once(counts, list(arrays) + ["raw.f8"])
 
 
+LARGE = r'''
+if __name__ == "__main__":
+    runs = []
+    for run in range(2):
+        if run == 1:
+            wait_published(1)
+        fd = os.open(ARGS["path"], os.O_RDONLY)
+        where = fd_path(fd)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        os.close(fd)
+        runs.append({"sha": sha(b"".join(chunks)), "where": where, "in_tier": in_tier(where)})
+    done({"runs": runs})
+'''
+
+
+def test_a_large_file_is_read_from_its_source_while_it_is_cached(cache_options, tmp_path):
+    """The first open of a large file does not wait for its copy: the program gets the source
+    (opened once by the server, for the program and for the copy), and the next open, once
+    the copy is published, gets the copy. The source is opened once in all."""
+    root = tmp_path / "large"
+    root.mkdir()
+    path = root / "large.bin"
+    data = os.urandom(24 << 20)  # over the size a reader is not kept waiting for (8 MiB)
+    path.write_bytes(data)
+    script = write_script(tmp_path, "large.py", LARGE)
+    with OpenCounter(str(root)) as opens:
+        result = run_script(cache_options, [str(root)], script, {"path": str(path)}, prefetch=0)
+        counts = opens.counts()
+    first, second = result["runs"]
+    assert first["sha"] == second["sha"] == sha(data)
+    assert first["where"] == str(path), f"the first open got {first['where']}, want the source"
+    assert second["in_tier"], f"the second open got {second['where']}, want the cached copy"
+    assert counts == {"large.bin": 1}, f"source opens: {counts}"
+
+
 H5PY = r'''
 import h5py
 import numpy as np
