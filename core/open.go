@@ -52,8 +52,7 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 		start := time.Now()
 		origin, handed, err := e.fetch(ctx, root, path, true)
 		if handed != nil { // a large file, or one no tier takes: its source, while it is cached
-			e.lat.observe(opFetch, origin, time.Since(start), 0)
-			return handed, OriginSource, nil
+			return handed, OriginSource, nil // not timed: the copy is not done
 		}
 		if errors.Is(err, errReadNow) {
 			return e.openSourceForReader(root, path)
