@@ -120,7 +120,6 @@ def test_wrong_token_and_paths_outside_the_roots_are_refused(cluster, dataset, t
 
 def test_hung_server_is_detected_by_timeouts_and_other_clients_learn_it(cluster, dataset):
     root, digests = dataset
-    victim = cluster.addrs[2]
     threshold = 3
     opts = cluster.options(rpc_timeout="0.5", failure_threshold=str(threshold))
     with fitcache.Client(root, **opts) as a, fitcache.Client(root, **opts) as b, OpenCounter(root) as opens:
@@ -129,17 +128,27 @@ def test_hung_server_is_detected_by_timeouts_and_other_clients_learn_it(cluster,
         # Every file is at its owner only if no server was taken for dead meanwhile (a file
         # of a server wrongly declared dead would be cached by the next one, the victim say).
         assert a.stats()["client"].get("servers_declared_dead", 0) == 0, a.stats()["client"]
+        # The victim: the server of another node holding the most files (the servers' ports,
+        # and so the placement, change from run to run).
+        victim = max(cluster.addrs[1:], key=lambda addr: len(cached_names(cluster, addr)))
         held = cached_names(cluster, victim)
-        victim_files = [n for n in sorted(digests) if os.path.basename(n) in held]
-        assert victim_files
+        # A server's tier may also hold node-local copies of files other servers own (see
+        # test_cluster_node): the files only the victim holds are read first.
+        elsewhere = set().union(*(cached_names(cluster, addr) for addr in cluster.addrs if addr != victim))
+        only = held - elsewhere
+        victim_files = [n for n in sorted(digests) if os.path.basename(n) in only]
+        assert len(victim_files) >= threshold, f"the victim alone holds {len(victim_files)} files"
         os.kill(cluster.procs[victim].pid, signal.SIGSTOP)  # it stops answering, connections stay open
         try:
-            for i in range(threshold):  # each read times out, then is served from the source
-                name = victim_files[i % len(victim_files)]
+            for name in victim_files[:threshold]:  # a read that reaches it times out: served from the source
                 assert digest(a.read(name)) == digests[name]
-            sa = a.stats()["client"]
-            assert (sa.get("servers_declared_dead"), sa.get("server_failures")) == (1, threshold), sa
             run_epochs(a, digests, 1)
+            # a took the victim for dead after threshold timeouts of its own, or sooner when
+            # the servers found it first (their replies carry it): either way, no more.
+            sa = a.stats()["client"]
+            own, told = sa.get("servers_declared_dead", 0), sa.get("servers_dead_by_gossip", 0)
+            failures = sa.get("server_failures", 0)
+            assert own + told == 1 and failures <= threshold and (own == 0 or failures == threshold), str(sa)
             # b reads files the victim does not hold first: the servers answering them pass on
             # what a found, so b never waits for the hung server.
             for name in sorted(digests, key=lambda n: os.path.basename(n) in held):
@@ -150,9 +159,11 @@ def test_hung_server_is_detected_by_timeouts_and_other_clients_learn_it(cluster,
         finally:
             os.kill(cluster.procs[victim].pid, signal.SIGCONT)
         counts = opens.counts()
-    # While suspected, threshold - 1 reads went to the source; then each of the victim's files
-    # was re-cached once by its next owner.
-    assert sum(counts.values()) - len(digests) == (threshold - 1) + len(held)
+    # While suspected, each read that timed out went to the source (the one that made a
+    # declare the victim dead went to its next owner); then each of the victim's files was
+    # re-cached once at most by its next owner (not if that one held a copy already).
+    again = sum(counts.values()) - len(digests) - (failures - own)
+    assert 0 <= again <= len(held), (again, len(held))
 
 
 def test_job_stats_and_metrics(cluster, dataset):
