@@ -9,7 +9,8 @@ Configurations, in each of --repeats rounds (medians reported):
 
   plain           the program alone; the file is in the page cache (read once first)
   fitcache-cold   under `fitcache run --data DIR --prefetch 0` with a new private cache (a
-                  memory tier under /dev/shm that holds the file): the first open
+                  memory tier under --tier-parent, default /dev/shm, that holds the file):
+                  the first open
   fitcache-warm   the same cache once the file's copy is published: the next open
 
     python bench/bench_large.py --out bench/results/large-2026-11-26.json
@@ -90,7 +91,7 @@ def published(fc, env):
 def fitcache_round(path, args, work):
     """One cold and one warm run on a new private cache; returns both rows."""
     fc = fitcache._native.server_binary()
-    tier = Path(tempfile.mkdtemp(prefix="fitcache-bench-large-", dir="/dev/shm"))
+    tier = Path(tempfile.mkdtemp(prefix="fitcache-bench-large-", dir=args.tier_parent))
     runtime = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     budget = (args.size >> 20) + 1024
     env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime), "FITCACHE_TIERS": f"memory:{tier}:{budget}MiB"}
@@ -121,6 +122,8 @@ def main():
     ap.add_argument("--ranges", type=int, default=2000)
     ap.add_argument("--range-bytes", type=int, default=64 << 10)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tier-parent", default="/dev/shm",
+                    help="where the memory tier is made (a tmpfs; for example one mounted with huge=within_size)")
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
     path = Path(args.data) / f"large-{args.size}" / "large.bin"
