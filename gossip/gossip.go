@@ -31,8 +31,8 @@ type View struct {
 	dead    map[string]bool
 }
 
-// Apply records reported deaths and rejoins; it returns the deaths that were news.
-func (v *View) Apply(dead, alive []string) (news []string) {
+// Apply records reported deaths and rejoins and returns the resulting version.
+func (v *View) Apply(dead, alive []string) int64 {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.dead == nil {
@@ -42,7 +42,6 @@ func (v *View) Apply(dead, alive []string) (news []string) {
 		if !v.dead[id] {
 			v.dead[id] = true
 			v.version++
-			news = append(news, id)
 		}
 	}
 	for _, id := range alive {
@@ -51,7 +50,7 @@ func (v *View) Apply(dead, alive []string) (news []string) {
 			v.version++
 		}
 	}
-	return news
+	return v.version
 }
 
 // Since returns the version and, if the caller's version is older, the dead servers (sorted).

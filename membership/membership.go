@@ -72,6 +72,8 @@ type Membership struct {
 	// notes counts memberlist's notifications per member, so that a death confirmed late
 	// (confirmDead) is not recorded over a newer notification.
 	notes map[string]uint64
+	// recording orders record's calls (see there); never held with mu by anyone else.
+	recording sync.Mutex
 	// reported: servers other servers' reads found dead (Tell), when the news arrived.
 	reported map[string]time.Time
 	// closed stops the join loop.
@@ -363,6 +365,10 @@ func (m *Membership) listed(id string) bool {
 // death confirmed in the background (note not 0) is dropped if memberlist said anything of
 // the member since.
 func (m *Membership) record(id string, alive bool, note uint64) {
+	// One record at a time, from its check to its event: a death confirmed late must not
+	// reach OnChange after the rejoin that came after it.
+	m.recording.Lock()
+	defer m.recording.Unlock()
 	m.mu.Lock()
 	if note != 0 && m.notes[id] != note {
 		m.mu.Unlock()

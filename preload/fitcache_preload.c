@@ -61,7 +61,6 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
@@ -435,14 +434,15 @@ static int follows_no_link(int dirfd, const char *path) {
 }
 
 // set_flags gives a descriptor from the server the flags the program asked for (it comes
-// plain read-only and close-on-exec). Flags the file refuses (O_DIRECT on tmpfs) are dropped:
-// the bytes read are the same.
+// plain read-only and close-on-exec), except O_DIRECT: the descriptor may share its open
+// file with the server's copy of a large file in progress (see core.Engine.OpenForReader),
+// whose last, partial read would fail with it. The bytes read are the same without it.
 static void set_flags(int fd, int flags) {
 	if (!(flags & O_CLOEXEC))
 		fcntl(fd, F_SETFD, 0);
-	int fl = flags & (O_NONBLOCK | O_NOATIME | O_DIRECT);
-	if (fl && fcntl(fd, F_SETFL, fl) != 0 && (fl & O_DIRECT))
-		fcntl(fd, F_SETFL, fl & ~O_DIRECT);
+	int fl = flags & (O_NONBLOCK | O_NOATIME);
+	if (fl)
+		fcntl(fd, F_SETFL, fl);
 }
 
 // Descriptors of dataset files open for writing, as a bitmap (atomic words): their cached

@@ -184,12 +184,14 @@ func (h *Handler) Learn(id string, alive bool) {
 	}
 }
 
-// heard records what a client's request reports of other servers and passes the deaths that
-// are news on (OnReportedDead).
+// heard records what a client's request reports of other servers and passes every death
+// it reports on (OnReportedDead), news to this server's view or not: the view may still hold
+// a server dead that came back meanwhile (it keeps what clients and the membership said
+// last), and the membership drops repeats itself.
 func (h *Handler) heard(dead, alive []string) {
-	news := h.members.Apply(dead, alive)
+	h.members.Apply(dead, alive)
 	if h.cfg.OnReportedDead != nil {
-		for _, id := range news {
+		for _, id := range dead {
 			h.cfg.OnReportedDead(id)
 		}
 	}

@@ -625,6 +625,34 @@ def test_a_large_file_is_read_from_its_source_while_it_is_cached(cache_options, 
     assert counts == {"large.bin": 1}, f"source opens: {counts}"
 
 
+LARGE_DIRECT = r'''
+import mmap
+
+if __name__ == "__main__":
+    fd = os.open(ARGS["path"], os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT wants
+    n = os.readv(fd, [buf])
+    os.close(fd)
+    wait_published(1)
+    done({"sha": sha(buf[:n]), "n": n})
+'''
+
+
+def test_an_o_direct_reader_of_a_large_file_does_not_spoil_its_copy(cache_options, tmp_path):
+    """The first open of a large file shares the source's open file with the server's copy:
+    a program that opens it with O_DIRECT must not turn direct I/O on for the copy, whose
+    last read (not a multiple of the block size) would fail, and the file would never be
+    cached."""
+    root = tmp_path / "direct"
+    root.mkdir()
+    path = root / "large.bin"
+    data = os.urandom((12 << 20) + 1234)
+    path.write_bytes(data)
+    script = write_script(tmp_path, "direct.py", LARGE_DIRECT)
+    result = run_script(cache_options, [str(root)], script, {"path": str(path)}, prefetch=0)
+    assert result["n"] == 1 << 20 and result["sha"] == sha(data[:1 << 20])
+
+
 H5PY = r'''
 import h5py
 import numpy as np
