@@ -114,6 +114,9 @@ type Client struct {
 	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
 	// guestsFullUntil (Unix ns): before then, no node-local copy is kept (see keepGuest).
 	guestsFullUntil atomic.Int64
+	// bringing: the large files being brought to this node in the background (see
+	// openLargeNow), path -> struct{}.
+	bringing sync.Map
 	spawned         atomic.Bool // set once this client started (or waited for) a server
 
 	counts   counters

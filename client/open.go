@@ -86,6 +86,9 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 		if f, ok := c.own.engine.OpenCached(c.root, path); ok {
 			return f, core.OriginTier, nil
 		}
+		if f, ok := c.openLargeNow(path); ok {
+			return f, core.OriginSource, nil
+		}
 	}
 	var f *os.File
 	var origin core.Origin
@@ -102,6 +105,42 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 	}
 	return f, origin, nil
 }
+
+// openLargeNow opens a large file (core.ReadNowBytes or more) whose owner is another server
+// from its source at once, so that the reader does not wait for the owner's copy and its
+// transfer, and brings the file to this node in the background, as prefetch does
+// (FetchForReader: the owner caches it, this node keeps a node-local copy where there is
+// room); the next open finds it here. A file this client's own server owns is handed over by
+// that server's engine itself (core.Engine.OpenForReader). false: open it as any other.
+func (c *Client) openLargeNow(path string) (*os.File, bool) {
+	st, err := os.Stat(path) // its size only: the open below is made beneath the root
+	if err != nil || !st.Mode().IsRegular() || st.Size() < core.ReadNowBytes {
+		return nil, false
+	}
+	if targets := c.cluster.targets(path); len(targets) == 0 || targets[0].member.ID == c.own.id {
+		return nil, false
+	}
+	f, _, err := c.openSource(path)
+	if err != nil {
+		return nil, false
+	}
+	if _, busy := c.bringing.LoadOrStore(path, struct{}{}); !busy {
+		go func() {
+			defer c.bringing.Delete(path)
+			ctx, cancel := context.WithTimeout(context.Background(), bringTimeout)
+			defer cancel()
+			if err := c.FetchForReader(ctx, path); err != nil && !errors.Is(err, core.ErrTooLarge) &&
+				!errors.Is(err, core.ErrCacheFull) {
+				c.log.Warn("bringing a large file to this node", "path", path, "err", err)
+			}
+		}()
+	}
+	return f, true
+}
+
+// bringTimeout bounds the background transfer of a large file (see openLargeNow); Close
+// waits for it.
+const bringTimeout = time.Minute
 
 // openFromPeer opens the file at path as one server holds it (see OpenForReader); rest are
 // the servers that hold replicas.

@@ -100,7 +100,7 @@ type flight struct {
 	noEvict   atomic.Bool   // fetched by prefetch alone: publish without eviction (see noEvict)
 	forgotten atomic.Bool   // Forget was called for the file meanwhile: drop what this flight publishes
 	// large is closed once fill has the source open and the file is one a reader should
-	// not wait for (see readNowBytes); forReader, set by a reader that started the flight
+	// not wait for (see ReadNowBytes); forReader, set by a reader that started the flight
 	// (OpenForReader), receives a descriptor of that open source.
 	large     chan struct{}
 	forReader chan *os.File
@@ -424,7 +424,7 @@ func (e *Engine) Fetch(ctx context.Context, root, path string) error {
 
 // fetch is Fetch; it also returns where the file came from (a tier kind, "inflight" or
 // "source"). With forReader (OpenForReader), a large file is not waited for (see
-// readNowBytes): the caller that starts its flight gets a descriptor of the source the
+// ReadNowBytes): the caller that starts its flight gets a descriptor of the source the
 // flight opened (handed), one that joins it gets errReadNow, and the copy goes on.
 func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (origin string, handed *os.File, err error) {
 	if err := e.checkRoot(root, path); err != nil {
@@ -516,15 +516,15 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 	return origin, nil, nil
 }
 
-// readNowBytes: a reader that opens a file at least this long (OpenForReader) is not kept
+// ReadNowBytes: a reader that opens a file at least this long (OpenForReader) is not kept
 // waiting for its copy: it gets the source at once, and the copy is made meanwhile. An
 // h5py program reading 9% of a 2 GB file spent 1.7-3.8 s in open waiting for the whole
 // copy; copying 8 MiB into a memory tier takes about 3 ms here. Smaller files are copied
 // first, and read from their copy: the reader does not read the source as well.
-const readNowBytes = 8 << 20
+const ReadNowBytes = 8 << 20
 
 // errReadNow: the file is being cached by another reader's flight and is large (see
-// readNowBytes): the caller reads the source meanwhile.
+// ReadNowBytes): the caller reads the source meanwhile.
 var errReadNow = errors.New("fitcache: the file is being cached: read the source meanwhile")
 
 // handOver passes a descriptor of the source a fill has open to the reader that started the
@@ -621,7 +621,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, SourceCTimeNanos: f.ctime,
 		SourceIno: f.ino, Session: session, Group: root, Mode: src.Mode()}
 	f.size = entry.Size
-	if entry.Size >= readNowBytes || !e.canCache(entry) {
+	if entry.Size >= ReadNowBytes || !e.canCache(entry) {
 		e.handOver(f, src)
 	}
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {

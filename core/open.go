@@ -39,7 +39,7 @@ func (o Origin) String() string {
 // serve from the tiers itself (see package nodesock). That is the cached copy, brought into
 // a tier first on a miss (the source is read once, as by Fetch); or the source itself,
 // opened beneath the resolved root as every source read is, when no tier takes the file (too
-// large, or no room left for its dataset) and when the file is large (readNowBytes): then
+// large, or no room left for its dataset) and when the file is large (ReadNowBytes): then
 // the reader does not wait for the copy, which is made meanwhile from the same open of the
 // source. The caller closes the file.
 func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File, Origin, error) {

@@ -81,7 +81,7 @@ func TestALargeFileIsHandedToItsReaderWhileItIsCached(t *testing.T) {
 	e := newEngine(t, "256MiB")
 	root := t.TempDir()
 	path := filepath.Join(root, "large.bin")
-	data := make([]byte, 2*readNowBytes+12345)
+	data := make([]byte, 2*ReadNowBytes+12345)
 	for i := range data {
 		data[i] = byte(i * 7 % 251)
 	}
@@ -144,7 +144,7 @@ func TestALargeFileIsHandedToItsReaderWhileItIsCached(t *testing.T) {
 func TestTheFirstOpenOfALargeFileIsTheSource(t *testing.T) {
 	e := newEngine(t, "256MiB")
 	root := t.TempDir()
-	path := sparseFile(t, root, "large.bin", 4*readNowBytes)
+	path := sparseFile(t, root, "large.bin", 4*ReadNowBytes)
 	f, origin, err := e.OpenForReader(context.Background(), root, path)
 	if err != nil {
 		t.Fatal(err)

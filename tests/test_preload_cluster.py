@@ -62,18 +62,19 @@ def run_env(cluster, tmp_path, policy="recache", **extra):
     return env
 
 
-def fitcache_run(env, root, cmd):
-    out = subprocess.run([FITCACHE, "run", "--data", root, "--", *cmd], env=env, capture_output=True, text=True,
-                         timeout=90)
+def fitcache_run(env, root, cmd, prefetch=None):
+    extra = [] if prefetch is None else ["--prefetch", str(prefetch)]
+    out = subprocess.run([FITCACHE, "run", "--data", root, *extra, "--", *cmd], env=env, capture_output=True,
+                         text=True, timeout=90)
     assert out.returncode == 0, f"exit {out.returncode}\nstdout: {out.stdout[-2000:]}\nstderr: {out.stderr[-3000:]}"
     return out
 
 
-def read_all(env, root, tmp_path, digests):
+def read_all(env, root, tmp_path, digests, prefetch=None):
     """Runs READER under `fitcache run`; checks every file's bytes; returns {rel: fd target}."""
     script = tmp_path / "reader.py"
     script.write_text(READER)
-    got = json.loads(fitcache_run(env, root, [PYTHON, str(script), root]).stdout.strip().splitlines()[-1])
+    got = json.loads(fitcache_run(env, root, [PYTHON, str(script), root], prefetch).stdout.strip().splitlines()[-1])
     assert set(got) == set(digests)
     wrong = sorted(rel for rel, (sha, _) in got.items() if sha != digests[rel])
     assert not wrong, f"wrong bytes for {wrong}"
@@ -173,3 +174,29 @@ def test_servers_without_the_job_list_serve_only_what_this_node_holds(request, d
                          env=run_env(cluster, tmp_path), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "serve no node socket" in out.stderr, out.stderr
     assert out.stdout.split()[0] == digests[rel]
+
+
+def test_large_files_are_read_from_their_source_while_they_come_to_the_node(request, tmp_path):
+    """A large file (8 MiB or more) is not waited for, whichever server owns it: the first
+    run's program reads each from its source, opened once for it, while the file's owner
+    caches it and (for another node's file) this node keeps a copy; the next run reads every
+    one on this node. The source is opened at most twice per file: the program's first
+    open, and the owner's copy when the owner is on another node."""
+    root = tmp_path / "large"
+    root.mkdir()
+    digests = {}
+    for i in range(6):  # one of three servers owns each: some are surely another node's
+        data = os.urandom((9 << 20) + i)
+        (root / f"l{i}.bin").write_bytes(data)
+        digests[f"l{i}.bin"] = hashlib.sha256(data).hexdigest()
+    cluster = start_cluster(request, tmp_path, str(root))
+    env = run_env(cluster, tmp_path)
+    with OpenCounter(str(root)) as opens:
+        first = read_all(env, str(root), tmp_path, digests, prefetch=0)
+        assert first == {rel: str(root / rel) for rel in digests}, f"first run: {first}"
+        wait_for(lambda: set(digests) <= cached_names(cluster, cluster.addrs[0]), timeout=60)
+        second = read_all(env, str(root), tmp_path, digests, prefetch=0)
+        counts = opens.counts()
+    tier = cluster.tiers(cluster.addrs[0]).split(":")[1]
+    assert all(target.startswith(tier + os.sep) for target in second.values()), f"second run: {second}"
+    assert set(counts) == set(digests) and max(counts.values()) <= 2, f"source opens: {counts}"
