@@ -13,7 +13,16 @@ Configurations, in each of --repeats rounds (medians reported):
                   the first open
   fitcache-warm   the same cache once the file's copy is published: the next open
 
+With --servers N (N >= 2), the same in cluster mode instead: N servers on loopback addresses
+127.0.0.1..N (`fitcache serve --servers ...`, memory tiers of --size + 1 GiB), the program on
+the first one's node under `fitcache run` with the job's servers (FITCACHE_SERVERS), a new
+cluster per round (so the file's owner, on the ring, changes with the servers' ports). Each
+round says whether the owner was the reader's node or another; "warm" is the next open once
+the owner has cached the file (a file over 64 MiB of another node is then still read from
+the source: it is too large to send whole).
+
     python bench/bench_large.py --out bench/results/large-2026-11-26.json
+    python bench/bench_large.py --servers 3 --size 50331648 --out bench/results/large-cluster-2026-11-26.json
 
 The figures are ratios against plain reads measured in the same round.
 """
@@ -115,6 +124,43 @@ def fitcache_round(path, args, work):
     return rows
 
 
+def cluster_round(path, args, work):
+    """One cold and one warm run in a new loopback cluster of args.servers servers."""
+    from harness import Cluster, cached_names  # noqa: E402 (tests/harness.py)
+
+    fc = fitcache._native.server_binary()
+    tmp = Path(tempfile.mkdtemp(prefix="cluster-", dir=work))
+    budget = f"{(args.size >> 20) + 1024}MiB"
+    cluster = Cluster(tmp, str(path.parent), nodes=[f"127.0.0.{i + 1}" for i in range(args.servers)],
+                      budget=budget, serve_options={"rpc_timeout": "5", "wait_timeout": "5"})
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("FITCACHE_")}
+    env.update({"FITCACHE_SERVERS": ",".join(cluster.addrs), "FITCACHE_TOKEN_FILE": cluster.token_file,
+                "FITCACHE_NODE": cluster.node, "FITCACHE_RUNTIME_DIR": str(tmp / "client-run")})
+    prefix = [fc, "run", "--data", str(path.parent), "--prefetch", "0", "--"]
+    rows = {}
+    try:
+        with OpenCounter(str(path.parent)) as opens:
+            rows["fitcache-cold"] = run_reader(prefix, path, args, env)
+            rows["fitcache-cold"]["source_opens"] = sum(opens.counts().values())
+            holders = []
+            deadline = time.monotonic() + 300
+            while not holders:
+                holders = [a for a in cluster.addrs if path.name in cached_names(cluster, a)]
+                if time.monotonic() > deadline:
+                    sys.exit("the file was not cached in 300 s")
+                time.sleep(0.1)
+            time.sleep(1)  # a node-local copy, if any, comes after the owner's
+            owner_remote = any(a != cluster.addrs[0] for a in holders)
+            seen = sum(opens.counts().values())
+            rows["fitcache-warm"] = run_reader(prefix, path, args, env)
+            rows["fitcache-warm"]["source_opens"] = sum(opens.counts().values()) - seen
+            for row in rows.values():
+                row["owner"] = "another node" if owner_remote else "the reader's node"
+    finally:
+        cluster.stop()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=2 << 30, help="bytes of the large file")
@@ -124,6 +170,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tier-parent", default="/dev/shm",
                     help="where the memory tier is made (a tmpfs; for example one mounted with huge=within_size)")
+    ap.add_argument("--servers", type=int, default=0, help="cluster mode with this many servers (see above)")
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
     path = Path(args.data) / f"large-{args.size}" / "large.bin"
@@ -133,7 +180,7 @@ def main():
         for r in range(args.repeats):
             warm(path)
             row = {"plain": run_reader([], path, args)}
-            row.update(fitcache_round(path, args, work))
+            row.update(cluster_round(path, args, work) if args.servers >= 2 else fitcache_round(path, args, work))
             rounds.append(row)
             print(json.dumps(row), flush=True)
     configs = ["plain", "fitcache-cold", "fitcache-warm"]
@@ -151,6 +198,10 @@ def main():
         opens = ", ".join(str(n) for n in m.get("source_opens", [])) or "-"
         print(f"| {c} | {m['open_s'] * 1e3:.3f} | {m['ranges_s']:.3f} | "
               f"{med['plain']['ranges_s'] / m['ranges_s']:.2f}x | {opens} |")
+    if args.servers >= 2:
+        print("\nper round: " + "; ".join(
+            f"owner on {r['fitcache-cold']['owner']}, cold open {r['fitcache-cold']['open_s'] * 1e3:.2f} ms, "
+            f"warm open {r['fitcache-warm']['open_s'] * 1e3:.2f} ms" for r in rounds))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -117,7 +117,7 @@ type Client struct {
 	// bringing: the large files being brought to this node in the background (see
 	// openLargeNow), path -> struct{}.
 	bringing sync.Map
-	spawned         atomic.Bool // set once this client started (or waited for) a server
+	spawned  atomic.Bool // set once this client started (or waited for) a server
 
 	counts   counters
 	external atomic.Pointer[func() ExternalCounts]                // see SetExternalCounts
