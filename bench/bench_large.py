@@ -141,7 +141,6 @@ def cluster_round(path, args, work):
     try:
         with OpenCounter(str(path.parent)) as opens:
             rows["fitcache-cold"] = run_reader(prefix, path, args, env)
-            rows["fitcache-cold"]["source_opens"] = sum(opens.counts().values())
             holders = []
             deadline = time.monotonic() + 300
             while not holders:
@@ -151,7 +150,8 @@ def cluster_round(path, args, work):
                 time.sleep(0.1)
             time.sleep(1)  # a node-local copy, if any, comes after the owner's
             owner_remote = any(a != cluster.addrs[0] for a in holders)
-            seen = sum(opens.counts().values())
+            seen = sum(opens.counts().values())  # the program's and the copy's
+            rows["fitcache-cold"]["source_opens"] = seen
             rows["fitcache-warm"] = run_reader(prefix, path, args, env)
             rows["fitcache-warm"]["source_opens"] = sum(opens.counts().values()) - seen
             for row in rows.values():
