@@ -117,7 +117,11 @@ type Client struct {
 	// bringing: the large files being brought to this node in the background (see
 	// openLargeNow), path -> struct{}.
 	bringing sync.Map
-	spawned  atomic.Bool // set once this client started (or waited for) a server
+	// notLarge: files openLargeNow found too small, path -> struct{}, at most notLargeMax
+	// (notLargeCount counts the attempts to add one).
+	notLarge      sync.Map
+	notLargeCount atomic.Int64
+	spawned       atomic.Bool // set once this client started (or waited for) a server
 
 	counts   counters
 	external atomic.Pointer[func() ExternalCounts]                // see SetExternalCounts

@@ -113,11 +113,19 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 // room); the next open finds it here. A file this client's own server owns is handed over by
 // that server's engine itself (core.Engine.OpenForReader). false: open it as any other.
 func (c *Client) openLargeNow(path string) (*os.File, bool) {
-	st, err := os.Stat(path) // its size only: the open below is made beneath the root
-	if err != nil || !st.Mode().IsRegular() || st.Size() < core.ReadNowBytes {
+	if targets := c.cluster.targets(path); len(targets) == 0 || targets[0].member.ID == c.own.id {
 		return nil, false
 	}
-	if targets := c.cluster.targets(path); len(targets) == 0 || targets[0].member.ID == c.own.id {
+	// The size costs a stat of the source (a metadata round trip on a parallel file system):
+	// once per file, since a file found small is remembered as such.
+	if _, small := c.notLarge.Load(path); small {
+		return nil, false
+	}
+	st, err := os.Stat(path) // its size only: the open below is made beneath the root
+	if err != nil || !st.Mode().IsRegular() || st.Size() < core.ReadNowBytes {
+		if err == nil && c.notLargeCount.Add(1) <= notLargeMax {
+			c.notLarge.Store(path, struct{}{})
+		}
 		return nil, false
 	}
 	f, _, err := c.openSource(path)
@@ -137,6 +145,10 @@ func (c *Client) openLargeNow(path string) (*os.File, bool) {
 	}
 	return f, true
 }
+
+// notLargeMax bounds the files a client remembers as too small for openLargeNow (about 100
+// bytes each); past it, the others are stat'ed at each open.
+const notLargeMax = 1 << 20
 
 // bringTimeout bounds the background transfer of a large file (see openLargeNow); Close
 // waits for it.
