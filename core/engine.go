@@ -408,18 +408,27 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 // wrapping ErrTooLarge, without reading the file, when no tier takes it: the caller reads
 // the source.
 func (e *Engine) Fetch(ctx context.Context, root, path string) error {
+	_, err := e.countedFetch(ctx, root, path, false)
+	return err
+}
+
+// countedFetch is fetch with its time observed and its failure counted: a file declined
+// (ErrTooLarge, or errReadNow) is no failure, and a source handed over is not timed (its
+// copy is not done).
+func (e *Engine) countedFetch(ctx context.Context, root, path string, forReader bool) (handed *os.File, err error) {
 	if e.closed.Load() {
-		return ErrClosed
+		return nil, ErrClosed
 	}
 	start := time.Now()
-	origin, _, err := e.fetch(ctx, root, path, false)
+	origin, handed, err := e.fetch(ctx, root, path, forReader)
 	switch {
+	case handed != nil:
 	case err == nil:
 		e.lat.observe(opFetch, origin, time.Since(start), 0)
-	case !errors.Is(err, ErrTooLarge):
+	case !errors.Is(err, ErrTooLarge) && !errors.Is(err, errReadNow):
 		e.stats.errors.Add(1)
 	}
-	return err
+	return handed, err
 }
 
 // fetch is Fetch; it also returns where the file came from (a tier kind, "inflight" or
@@ -462,22 +471,14 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 		case file := <-f.forReader:
 			return origin, file, nil
 		case <-f.done:
-			select {
-			case file := <-f.forReader: // handed over, then done at once
+			if file := handedOver(f); file != nil { // handed over, then done at once
 				return origin, file, nil
-			default:
 			}
 		case <-ctx.Done():
 			go func() { // a descriptor handed over later must not leak
-				select {
-				case file := <-f.forReader:
+				<-f.done
+				if file := handedOver(f); file != nil {
 					file.Close()
-				case <-f.done:
-					select {
-					case file := <-f.forReader:
-						file.Close()
-					default:
-					}
 				}
 			}()
 			return "", nil, ctx.Err()
@@ -526,6 +527,17 @@ const ReadNowBytes = 8 << 20
 // errReadNow: the file is being cached by another reader's flight and is large (see
 // ReadNowBytes): the caller reads the source meanwhile.
 var errReadNow = errors.New("fitcache: the file is being cached: read the source meanwhile")
+
+// handedOver returns the descriptor handOver left for the reader of a flight that is done,
+// if it did and nobody took it: handOver sends before the flight is done.
+func handedOver(f *flight) *os.File {
+	select {
+	case file := <-f.forReader:
+		return file
+	default:
+		return nil
+	}
+}
 
 // handOver passes a descriptor of the source a fill has open to the reader that started the
 // flight (OpenForReader), if one did, and lets the readers that joined it read the source

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -43,16 +42,12 @@ func (o Origin) String() string {
 // the reader does not wait for the copy, which is made meanwhile from the same open of the
 // source. The caller closes the file.
 func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File, Origin, error) {
-	if e.closed.Load() {
-		return nil, 0, ErrClosed
-	}
 	// The copy may be evicted between its publication and the open here (a burst of other
 	// misses): fetch once more, then read the source.
 	for attempt := 0; attempt < 2; attempt++ {
-		start := time.Now()
-		origin, handed, err := e.fetch(ctx, root, path, true)
+		handed, err := e.countedFetch(ctx, root, path, true)
 		if handed != nil { // a large file, or one no tier takes: its source, while it is cached
-			return handed, OriginSource, nil // not timed: the copy is not done
+			return handed, OriginSource, nil
 		}
 		if errors.Is(err, errReadNow) {
 			return e.openSourceForReader(root, path)
@@ -61,10 +56,8 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 			break
 		}
 		if err != nil {
-			e.stats.errors.Add(1)
 			return nil, 0, err
 		}
-		e.lat.observe(opFetch, origin, time.Since(start), 0)
 		for _, t := range e.tiers {
 			if f, err := t.OpenFile(path); err == nil {
 				return f, OriginTier, nil
