@@ -138,7 +138,8 @@ static int rel_path(const char *path, size_t len, uint64_t key, char *rel, size_
 	for (int i = 0; i < 16; i++)
 		rel[6 + i] = hex[(key >> (60 - 4 * i)) & 15];
 	rel[22] = '-';
-	memcpy(rel + 23, base, blen);
+	for (size_t i = 0; i < blen; i++) // a block's NUL byte shows as '#' (tiers.BlockName)
+		rel[23 + i] = base[i] ? base[i] : '#';
 	rel[23 + blen] = 0;
 	return (int)(23 + blen);
 }

@@ -41,6 +41,9 @@ type EngineConfig struct {
 	// such as clients on other nodes): larger ones fail with ErrTooLarge and the caller reads
 	// the source. It must stay below the RPC frame limit. 0 means 64 MiB.
 	MaxSendBytes int64
+	// BlockBytes is the size of the blocks that ranges of large files are cached in (see
+	// ReadBlock); 0 means DefaultBlockBytes.
+	BlockBytes int64
 	// Warnings are problems found before the engine started (a default directory that could
 	// not be used, say), reported with its statistics.
 	Warnings []string
@@ -73,6 +76,7 @@ type Engine struct {
 	gen        *tiers.Generation  // nil without EngineConfig.GenerationFile
 	genFile    string
 	maxSend    int64 // see EngineConfig.MaxSendBytes
+	blockBytes int64 // see EngineConfig.BlockBytes
 	// nodeFetch is EngineConfig.NodeFetch, or nil.
 	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	closed    atomic.Bool
@@ -115,9 +119,12 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}
-	e.maxSend, e.nodeFetch = cfg.MaxSendBytes, cfg.NodeFetch
+	e.maxSend, e.nodeFetch, e.blockBytes = cfg.MaxSendBytes, cfg.NodeFetch, cfg.BlockBytes
 	if e.maxSend <= 0 {
 		e.maxSend = 64 << 20
+	}
+	if e.blockBytes <= 0 {
+		e.blockBytes = DefaultBlockBytes
 	}
 	for _, r := range cfg.Roots {
 		abs, err := filepath.Abs(r)
@@ -659,7 +666,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 		return
 	}
 	f.inTier = true
-	f.err = e.fillFromSource(src, entry)
+	f.err = e.fillFromSource(src, entry, 0)
 	e.dropIfForgotten(f, path)
 	if errors.Is(f.err, ErrCacheFull) && bytesWanted && entry.Size <= uncachedReadMax {
 		// Less room than this file needs, and nothing to evict: served from memory.
@@ -696,10 +703,11 @@ func (e *Engine) finish(path string, f *flight) {
 	close(f.done)
 }
 
-// fillFromSource copies a source file into the fastest tier that takes it. It returns
-// ErrTooLarge when no tier takes it, so that the caller reads the source itself.
-func (e *Engine) fillFromSource(src *Source, entry tiers.Entry) error {
-	err := e.place(0, entry, content{src: src})
+// fillFromSource copies the entry.Size bytes of a source file at off (the whole file, or
+// one of its blocks) into the fastest tier that takes them. It returns ErrTooLarge when no
+// tier takes them, so that the caller reads the source itself.
+func (e *Engine) fillFromSource(src *Source, entry tiers.Entry, off int64) error {
+	err := e.place(0, entry, content{src: src, off: off})
 	if err != nil {
 		if cerr := src.Unchanged(); cerr != nil {
 			return cerr // whatever the tier made of the error it was given

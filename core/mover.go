@@ -107,12 +107,13 @@ func (e *Engine) publish(j job) {
 // for each attempt.
 type content struct {
 	data []byte
-	src  *Source // when set, data is unused
+	src  *Source // when set, data is unused: the entry's bytes are the source's from off
+	off  int64
 }
 
 func (c content) publish(t *tiers.Tier, entry tiers.Entry) error {
 	if c.src != nil {
-		return t.PublishFrom(entry, c.src.Reader())
+		return t.PublishFrom(entry, c.src.RangeReader(c.off, entry.Size))
 	}
 	return t.Publish(entry, c.data)
 }

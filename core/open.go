@@ -146,12 +146,11 @@ func (e *Engine) Forget(root, path string) error {
 	// The flight is marked before the tiers are cleared: a fill that publishes after the
 	// mark sees it and drops its copy; one that published before has its copy cleared here.
 	e.mu.Lock()
-	if f := e.flights[path]; f != nil {
-		f.forgotten.Store(true)
-	}
+	e.forgetFlights(path)
 	e.mu.Unlock()
 	for _, t := range e.tiers {
 		t.Forget(path)
+		t.ForgetBlocks(path)
 	}
 	return nil
 }

@@ -232,15 +232,20 @@ func (s *Source) ReadAll() ([]byte, error) {
 // Reader returns a reader of the file's bytes from the start. When it has delivered the
 // last byte it checks that the file did not change meanwhile, and fails with ErrChanged if
 // it did, so that a writer copying it (into a tier) discards the copy.
-func (s *Source) Reader() io.Reader {
-	return &checkedReader{s: s, r: io.NewSectionReader(s.f, 0, s.stamp.size)}
+func (s *Source) Reader() io.Reader { return s.RangeReader(0, s.stamp.size) }
+
+// RangeReader is Reader for the n bytes at off (a block of the file), which must lie
+// inside the file as it was opened: after the last of them it checks the file as Reader does.
+func (s *Source) RangeReader(off, n int64) io.Reader {
+	return &checkedReader{s: s, r: io.NewSectionReader(s.f, off, n), want: n}
 }
 
 type checkedReader struct {
-	s   *Source
-	r   *io.SectionReader
-	n   int64 // bytes delivered
-	err error // the change found after the last byte, returned by every later Read
+	s    *Source
+	r    *io.SectionReader
+	want int64 // bytes to deliver
+	n    int64 // bytes delivered
+	err  error // the change found after the last byte, returned by every later Read
 }
 
 func (c *checkedReader) Read(p []byte) (int, error) {
@@ -249,10 +254,10 @@ func (c *checkedReader) Read(p []byte) (int, error) {
 	}
 	n, err := c.r.Read(p)
 	c.n += int64(n)
-	if err == io.EOF && c.n < c.s.stamp.size {
+	if err == io.EOF && c.n < c.want {
 		return n, fmt.Errorf("%w: %s shrank while being read", ErrChanged, c.s.path)
 	}
-	if c.n == c.s.stamp.size && (err == nil || err == io.EOF) {
+	if c.n == c.want && (err == nil || err == io.EOF) {
 		if testHookSourceRead != nil {
 			testHookSourceRead(c.s.path)
 		}

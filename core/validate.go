@@ -52,18 +52,22 @@ func (e *Engine) Session() uint32 { return e.sessions.current() }
 // beneath the dataset root) and marked checked, or dropped when the source changed or is gone.
 // It returns an error only for a request that fails anyway (a path outside the roots) or a
 // source that cannot be looked at; a file no tier lists costs an index lookup per tier.
-func (e *Engine) validate(root, path string) error {
-	if !e.uncheckedCopy(path) {
+func (e *Engine) validate(root, path string) error { return e.validateEntry(root, path, path, -1) }
+
+// validateEntry is validate for the entry name: the whole file at path (block -1), or its
+// block (name is tiers.BlockName(path, block)), which is checked against the file's identity.
+func (e *Engine) validateEntry(root, path, name string, block int64) error {
+	if !e.uncheckedCopy(name) {
 		return nil
 	}
 	// Readers of one file at once (a prefetch and a DataLoader worker, two workers) wait for
 	// one check, which is looked at again inside: one that began after another's check ended
 	// finds the copy checked.
-	_, err, _ := e.checking.Do(path, func() (any, error) {
-		if !e.uncheckedCopy(path) {
+	_, err, _ := e.checking.Do(name, func() (any, error) {
+		if !e.uncheckedCopy(name) {
 			return nil, nil
 		}
-		return nil, e.check(root, path)
+		return nil, e.check(root, path, name, block)
 	})
 	return err
 }
@@ -79,16 +83,17 @@ func (e *Engine) uncheckedCopy(path string) bool {
 	return false
 }
 
-// check compares the copies of path with its source (see validate).
-func (e *Engine) check(root, path string) error {
+// check compares the copies of entry name (path, or its block: see validateEntry) with
+// the source at path.
+func (e *Engine) check(root, path, name string, block int64) error {
 	session := e.sessions.current()
 	e.stats.sourceChecks.Add(1)
 	id, err := e.sourceIdentity(root, path, session)
 	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
 		// Gone from the source: the copies go too, and the read says so as for any file.
 		for _, t := range e.tiers {
-			if listed, _ := t.Checked(path, 0); listed {
-				t.Forget(path)
+			if listed, _ := t.Checked(name, 0); listed {
+				t.Forget(name)
 				e.stats.staleCopies.Add(1)
 			}
 		}
@@ -97,10 +102,13 @@ func (e *Engine) check(root, path string) error {
 	if err != nil {
 		return err
 	}
+	if block >= 0 {
+		id = e.blockIdentity(id, block)
+	}
 	for _, t := range e.tiers {
-		if listed, checked := t.Checked(path, session); listed && !checked && !t.Validate(path, id, session) {
+		if listed, checked := t.Checked(name, session); listed && !checked && !t.Validate(name, id, session) {
 			e.stats.staleCopies.Add(1)
-			e.log.Info("dropped a cached copy whose source changed", "path", path, "tier", t.Kind.String())
+			e.log.Info("dropped a cached copy whose source changed", "path", path, "block", block, "tier", t.Kind.String())
 		}
 	}
 	return nil

@@ -12,6 +12,17 @@ type record struct {
 	ino   uint64  // inode number of the data file, so that eviction never unlinks a newer copy
 	// source is the identity of the source version the copy holds (see Tier.Validate).
 	source Identity
+	// blockOf is the cleaned source path of the file whose block this entry holds (see
+	// BlockName), "" for a whole file: ForgetBlocks finds a file's blocks by it.
+	blockOf string
+}
+
+// blockOf returns the file whose block an entry named sourcePath holds, or "".
+func blockOf(sourcePath string) string {
+	if path, _, ok := SplitBlockName(sourcePath); ok {
+		return path
+	}
+	return ""
 }
 
 // fifo holds a tier's entries in publication order, one list per group (dataset root), so

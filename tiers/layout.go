@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"path/filepath"
+	"strconv"
 	"strings"
 )
 
@@ -19,6 +20,26 @@ func KeyOf(sourcePath string) Key {
 	return Key(h.Sum64())
 }
 
+// BlockName names block n of a large file cached by blocks (see core.Engine.ReadBlock): the
+// cleaned source path, a NUL byte and n in decimal. Every part of a tier treats it as the
+// source path of an entry of its own (key, index slot, record, FIFO order, eviction); no
+// real path has a NUL byte, so it never names a whole file. The data file's name shows it
+// as "<base name>#<n>" (see RelPath).
+func BlockName(sourcePath string, n int64) string {
+	return filepath.Clean(sourcePath) + "\x00" + strconv.FormatInt(n, 10)
+}
+
+// SplitBlockName returns the source path and block number of a name made by BlockName, and
+// ok false for a source path.
+func SplitBlockName(name string) (sourcePath string, n int64, ok bool) {
+	i := strings.IndexByte(name, 0)
+	if i < 0 {
+		return name, 0, false
+	}
+	n, err := strconv.ParseInt(name[i+1:], 10, 64)
+	return name[:i], n, err == nil && n >= 0
+}
+
 // maxNameBytes bounds the base-name part of a cached file name, well inside NAME_MAX (255).
 const maxNameBytes = 120
 
@@ -32,12 +53,13 @@ func RelPath(sourcePath string) string {
 
 // safeName keeps a base name readable while making sure it cannot be mistaken for a temporary
 // file or exceed maxNameBytes.
+// A block's NUL byte (see BlockName) becomes '#', which file names may hold.
 func safeName(name string) string {
 	name = strings.TrimLeft(name, ".")
 	if len(name) > maxNameBytes {
 		name = name[:maxNameBytes]
 	}
-	return name
+	return strings.ReplaceAll(name, "\x00", "#")
 }
 
 // tempPrefix starts the name of every file being written; a rescan deletes such leftovers.

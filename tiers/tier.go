@@ -336,6 +336,24 @@ func (t *Tier) Forget(sourcePath string) {
 	t.remove(idOf(filepath.Clean(sourcePath)))
 }
 
+// ForgetBlocks removes the cached blocks of sourcePath (see BlockName), as Forget removes a
+// whole copy. It looks at every entry of the tier: it serves the rare write to a dataset
+// file through the preload shim, not reads.
+func (t *Tier) ForgetBlocks(sourcePath string) {
+	sourcePath = filepath.Clean(sourcePath)
+	var ids []entryID
+	t.mu.Lock()
+	for id, el := range t.fifo.byID {
+		if el.Value.(*record).blockOf == sourcePath {
+			ids = append(ids, id)
+		}
+	}
+	t.mu.Unlock()
+	for _, id := range ids {
+		t.remove(id)
+	}
+}
+
 // LastSession returns the last validation session that the server before this one recorded
 // in the tier (see NoteSession), or 0: a restarted server numbers its sessions on from it,
 // so that a reader of an earlier session never waits for numbers to catch up.
@@ -633,7 +651,8 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 	if old, ok := t.fifo.remove(id); ok { // replaced an older copy of the same file
 		t.used -= old.size
 	}
-	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino, source: e.Identity()})
+	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino, source: e.Identity(),
+		blockOf: blockOf(e.SourcePath)})
 	t.index(s, id)
 	return nil
 }
@@ -777,7 +796,7 @@ func (t *Tier) rescan() error {
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
 		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
-			source: f.Identity()})
+			source: f.Identity(), blockOf: blockOf(f.SourcePath)})
 		t.used += f.size
 		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)

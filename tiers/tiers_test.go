@@ -545,3 +545,39 @@ func TestIndexBucketsSpreadSequentialNames(t *testing.T) {
 		}
 	}
 }
+
+// A block's name is a source path of its own to every part of a tier, and its data file
+// shows the block's number after a '#'; no real path (which has no NUL byte) shares it.
+func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
+	name := BlockName("/data/./train/big.h5", 12)
+	if p, n, ok := SplitBlockName(name); !ok || p != "/data/train/big.h5" || n != 12 {
+		t.Fatalf("SplitBlockName(%q) = %q, %d, %v", name, p, n, ok)
+	}
+	if _, _, ok := SplitBlockName("/data/train/big.h5"); ok {
+		t.Fatal("a path taken for a block")
+	}
+	if rel := RelPath(name); !strings.HasSuffix(rel, "-big.h5#12") || KeyOf(name) == KeyOf("/data/train/big.h5") {
+		t.Fatalf("RelPath(block) = %q", rel)
+	}
+	tier, err := New(Config{Dir: t.TempDir(), Kind: Memory, Budget: "16MiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	for n := int64(0); n < 2; n++ {
+		e := Entry{SourcePath: BlockName("/data/train/big.h5", n), Size: 5, MTimeNanos: 1, Group: "/data"}
+		if err := tier.Publish(e, []byte("block")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tier.Publish(Entry{SourcePath: "/data/train/big.h5", Size: 4, MTimeNanos: 1, Group: "/data"}, []byte("file")); err != nil {
+		t.Fatal(err)
+	}
+	tier.ForgetBlocks("/data/train/big.h5")
+	if tier.Listed(BlockName("/data/train/big.h5", 0)) || tier.Listed(BlockName("/data/train/big.h5", 1)) {
+		t.Error("ForgetBlocks left a block")
+	}
+	if !tier.Listed("/data/train/big.h5") {
+		t.Error("ForgetBlocks removed the whole file's copy")
+	}
+}

@@ -1,0 +1,161 @@
+package core
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// Large files are cached in blocks as well as whole. A reader of ranges of a large file
+// (Client.ReadAt, fc_pread) asks for the blocks its ranges cover: each block is an entry of
+// a tier of its own, named by tiers.BlockName (the file's path and the block's number),
+// published, indexed, checked against its source, evicted and verified like a whole file. So
+// a file larger than every tier, or than the whole cache, is cached by the ranges that are
+// read, and a range costs a block's fill at most, never a whole file's copy.
+//
+// Whole-file reads (Read, OpenForReader) are unchanged: a file some tier can hold is cached
+// whole, and a reader of ranges serves a whole copy when there is one.
+
+// DefaultBlockBytes is the size of the blocks large files are cached in, unless
+// EngineConfig.BlockBytes says otherwise (docs/BENCHMARKS.md section 12 measures 1-16 MiB).
+const DefaultBlockBytes = 4 << 20
+
+// BlockBytes returns the size of this engine's blocks.
+func (e *Engine) BlockBytes() int64 { return e.blockBytes }
+
+// blockLen returns the number of bytes block n of a file of size bytes holds: blockBytes,
+// less for the last block, 0 past the end.
+func (e *Engine) blockLen(size, n int64) int64 {
+	return max(0, min(e.blockBytes, size-n*e.blockBytes))
+}
+
+// ReadBlock returns block n of the file at path, inside root: its bytes from n*BlockBytes,
+// BlockBytes of them or fewer at the end of the file, none past it. A block not cached is
+// read from the source once (readers that miss on it at once share that read) into the
+// fastest tier that takes it, and served from there; wantMapping is as for Read. A block
+// no tier takes fails with ErrTooLarge or ErrCacheFull, and the caller reads the source.
+func (e *Engine) ReadBlock(ctx context.Context, root, path string, n int64, wantMapping bool) (Result, error) {
+	if e.closed.Load() {
+		return Result{}, ErrClosed
+	}
+	if n < 0 {
+		return Result{}, fmt.Errorf("%w: block %d of %s", ErrBadPath, n, path)
+	}
+	start := time.Now()
+	res, err := e.readBlock(ctx, root, path, n, wantMapping)
+	if err != nil {
+		if !errors.Is(err, ErrTooLarge) && !errors.Is(err, ErrCacheFull) { // declined, not failed
+			e.stats.errors.Add(1)
+		}
+		return Result{}, err
+	}
+	size := int64(len(res.Bytes()))
+	e.stats.bytesServed.Add(size)
+	e.lat.observe(opRead, res.Origin, time.Since(start), size)
+	return res, nil
+}
+
+func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, wantMapping bool) (Result, error) {
+	if err := e.checkRoot(root, path); err != nil {
+		return Result{}, err
+	}
+	name := tiers.BlockName(path, n)
+	if err := e.validateEntry(root, path, name, n); err != nil {
+		return Result{}, err
+	}
+	if res, err := e.probe(name, wantMapping); err == nil {
+		e.stats.hits[res.Mapping.Tier].Add(1)
+		return res, nil
+	} else if !errors.Is(err, tiers.ErrNotCached) {
+		return Result{}, err
+	}
+	f, leader := e.join(name)
+	origin := "inflight"
+	switch {
+	case leader && e.startFill():
+		// Filled here: the caller waits for it anyway, and a block is a bounded read.
+		origin = "source"
+		e.stats.misses.Add(1)
+		func() {
+			defer e.fills.Done()
+			e.fillBlock(f, root, path, n)
+		}()
+	case leader:
+		f.err = ErrClosed
+		e.finish(name, f)
+	default:
+		e.stats.inflightHits.Add(1)
+	}
+	select {
+	case <-f.done:
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
+	if f.err != nil {
+		return Result{}, f.err
+	}
+	if !f.inTier { // past the end of the file
+		return Result{Origin: origin, MTimeNanos: f.mtime, CTimeNanos: f.ctime, Ino: f.ino}, nil
+	}
+	res, err := e.probe(name, wantMapping)
+	if errors.Is(err, tiers.ErrNotCached) { // evicted at once by a burst of other fills
+		return Result{}, fmt.Errorf("%w: block %d of %s was evicted before it could be served", ErrTooLarge, n, path)
+	}
+	res.Origin, res.CTimeNanos, res.Ino = origin, f.ctime, f.ino
+	return res, err
+}
+
+// fillBlock reads block n of the source into a tier for its flight (see fill, which does
+// the same for whole files). The source is opened for the block alone: a block is read
+// once, so a file is opened at most once per block it has.
+func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
+	name := tiers.BlockName(path, n)
+	defer e.finish(name, f)
+	if e.fullFor(root) {
+		f.err = fmt.Errorf("%w: block %d of %s", ErrCacheFull, n, path)
+		e.stats.uncached.Add(1)
+		return
+	}
+	session := e.sessions.current() // before the open: see fill
+	src, err := e.openSource(root, path)
+	if err != nil {
+		f.err = err
+		return
+	}
+	defer src.Close()
+	f.mtime, f.ctime, f.ino, f.size = src.MTimeNanos(), src.CTimeNanos(), src.Ino(), src.Size()
+	entry := tiers.Entry{SourcePath: name, Size: e.blockLen(src.Size(), n), MTimeNanos: f.mtime,
+		SourceCTimeNanos: f.ctime, SourceIno: f.ino, Session: session, Group: root, Mode: src.Mode()}
+	if entry.Size == 0 {
+		return // past the end: no bytes, nothing cached
+	}
+	f.inTier = true
+	f.err = e.fillFromSource(src, entry, n*e.blockBytes)
+	e.dropIfForgotten(f, name)
+}
+
+// blockIdentity is the identity a copy of block n records for a source version of identity
+// id: the same times and inode, and the block's length for the size (see fillBlock).
+func (e *Engine) blockIdentity(id tiers.Identity, n int64) tiers.Identity {
+	id.Size = e.blockLen(id.Size, n)
+	return id
+}
+
+// forgetFlights marks the flights of path and of its blocks forgotten (see Engine.Forget);
+// e.mu is held.
+func (e *Engine) forgetFlights(path string) {
+	if f := e.flights[path]; f != nil {
+		f.forgotten.Store(true)
+	}
+	prefix := tiers.BlockName(path, 0)
+	prefix = prefix[:len(prefix)-1] // the path and the NUL byte
+	for name, f := range e.flights {
+		if strings.HasPrefix(name, prefix) {
+			f.forgotten.Store(true)
+		}
+	}
+}

@@ -1,0 +1,150 @@
+package core
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// newBlockEngine returns an engine with 1 MiB blocks and one memory tier of budget.
+func newBlockEngine(t *testing.T, budget string) *Engine {
+	t.Helper()
+	e, err := NewEngine(EngineConfig{Tiers: testTiers(t, budget), BlockBytes: 1 << 20}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// readBlock reads block n and returns its origin and bytes.
+func readBlock(t *testing.T, e *Engine, root, path string, n int64) (string, []byte) {
+	t.Helper()
+	res, err := e.ReadBlock(context.Background(), root, path, n, true)
+	if err != nil {
+		t.Fatalf("block %d of %s: %v", n, path, err)
+	}
+	defer res.Release()
+	return res.Origin, bytes.Clone(res.Bytes())
+}
+
+// wantBlock checks that got holds block n (of 1 MiB) of the file at path.
+func wantBlock(t *testing.T, path string, n int64, got []byte) {
+	t.Helper()
+	data, _ := os.ReadFile(path)
+	want := data[min(int64(len(data)), n<<20):min(int64(len(data)), (n+1)<<20)]
+	if !bytes.Equal(got, want) {
+		t.Fatalf("block %d: got %d bytes that differ from the source's %d", n, len(got), len(want))
+	}
+}
+
+// A file larger than the tier is cached by the blocks that are read: each is read from the
+// source once, by however many readers at once, and served from the tier afterwards; the
+// last block is short and a block past the end is empty.
+func TestBlocksOfAFileLargerThanTheTierAreCachedAsTheyAreRead(t *testing.T) {
+	root, paths := dataset(t, 10<<20+123)
+	path := paths[0]
+	e := newBlockEngine(t, "6MiB")
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for _, n := range []int64{0, 3, 10} {
+				res, err := e.ReadBlock(context.Background(), root, path, n, true)
+				if err != nil {
+					t.Errorf("block %d: %v", n, err)
+					continue
+				}
+				wantBlock(t, path, n, res.Bytes())
+				res.Release()
+			}
+		}()
+	}
+	wg.Wait()
+	if s := e.Stats(); s.SourceReads != 3 || s.SourceBytes != 2<<20+123 || s.Errors != 0 {
+		t.Fatalf("source reads %d (%d bytes), errors %d; want 3 blocks read once (%d bytes), no error",
+			s.SourceReads, s.SourceBytes, s.Errors, 2<<20+123)
+	}
+	for _, n := range []int64{0, 3, 10} {
+		if origin, got := readBlock(t, e, root, path, n); origin != "memory" {
+			t.Errorf("block %d again: origin %q, want memory", n, origin)
+		} else {
+			wantBlock(t, path, n, got)
+		}
+	}
+	if _, got := readBlock(t, e, root, path, 11); len(got) != 0 {
+		t.Errorf("block past the end: %d bytes, want none", len(got))
+	}
+	if _, err := e.ReadBlock(context.Background(), root, path, -1, true); !errors.Is(err, ErrBadPath) {
+		t.Errorf("block -1: %v, want ErrBadPath", err)
+	}
+	if s := e.Stats(); s.SourceReads != 3 {
+		t.Errorf("source reads %d after hits, want 3", s.SourceReads)
+	}
+}
+
+// Blocks never evict blocks of the file's own dataset: once the tier is full of them, the
+// next block is declined (the caller reads the source) and counted as uncached, not failed.
+func TestBlocksBeyondTheTierAreDeclinedNotFailed(t *testing.T) {
+	root, paths := dataset(t, 10<<20)
+	e := newBlockEngine(t, "4MiB")
+	declined := 0
+	for n := int64(0); n < 10; n++ {
+		res, err := e.ReadBlock(context.Background(), root, paths[0], n, true)
+		switch {
+		case errors.Is(err, ErrCacheFull) || errors.Is(err, ErrTooLarge):
+			declined++
+		case err != nil:
+			t.Fatalf("block %d: %v", n, err)
+		default:
+			wantBlock(t, paths[0], n, res.Bytes())
+			res.Release()
+		}
+	}
+	if s := e.Stats(); declined < 5 || s.Errors != 0 || s.Uncached < int64(declined) {
+		t.Fatalf("declined %d, errors %d, uncached %d; want most declined, none an error", declined, s.Errors, s.Uncached)
+	}
+	if origin, _ := readBlock(t, e, root, paths[0], 0); origin != "memory" {
+		t.Errorf("block 0 again: origin %q; a declined block must not evict the cached ones", origin)
+	}
+}
+
+// A block is served only while its file is the version it was read from: a new job's
+// session finds the file changed and reads the block again; Forget drops every block.
+func TestBlocksOfAChangedFileAreReadAgain(t *testing.T) {
+	root, paths := dataset(t, 3<<20)
+	path := paths[0]
+	e := newBlockEngine(t, "64MiB")
+	readBlock(t, e, root, path, 0)
+	readBlock(t, e, root, path, 2)
+	changed := bytes.Repeat([]byte("x"), 3<<20)
+	if err := os.WriteFile(path, changed, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	os.Chtimes(path, time.Now(), time.Now().Add(time.Hour))
+	e.BeginSession("next job")
+	origin, got := readBlock(t, e, root, path, 0)
+	if origin != "source" || !bytes.Equal(got, changed[:1<<20]) {
+		t.Fatalf("block 0 of the changed file: origin %q, new bytes %v; want the source's new bytes", origin, bytes.Equal(got, changed[:1<<20]))
+	}
+	if s := e.Stats(); s.StaleCopies != 1 {
+		t.Errorf("stale copies %d, want 1 (block 0; block 2 is checked when read)", s.StaleCopies)
+	}
+	if err := e.Forget(root, path); err != nil {
+		t.Fatal(err)
+	}
+	for _, tier := range e.tiers {
+		for _, n := range []int64{0, 2} {
+			if tier.Listed(tiers.BlockName(path, n)) {
+				t.Errorf("block %d still listed after Forget", n)
+			}
+		}
+	}
+}
