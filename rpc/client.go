@@ -199,6 +199,12 @@ func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitc
 	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local})
 }
 
+// ReadBlock asks the server for block n of a file (see core.Engine.ReadBlock); local is as
+// for Read. The reply's Size is 0 for a block past the end of the file.
+func (c *Client) ReadBlock(ctx context.Context, root, path string, n int64, local bool) (*fitcachepb.ReadReply, error) {
+	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n})
+}
+
 // ReadGossip is Read with a request that may carry membership gossip (see the IDL).
 func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
 	return c.ReadInto(ctx, req, nil)

@@ -54,6 +54,10 @@ struct HelloReply {
   // The caller's validation session: a cached copy whose index slot records an earlier
   // check is not served from the tiers without asking the server (see tiers.Dir.WithSession).
   9: i64 session
+  // The size of the blocks ranges of large files are cached in (ReadRequest.block): a
+  // client finds a cached block in the tiers by its name (tiers.BlockName). 0 from a server
+  // older than blocks.
+  10: i64 block_bytes
 }
 
 struct ReadRequest {
@@ -69,6 +73,10 @@ struct ReadRequest {
   5: i64 membership_version
   6: list<string> dead
   7: list<string> alive
+  // When set, block number `block` of the file is read instead of the whole file: its bytes
+  // from block * HelloReply.block_bytes on, block_bytes of them or fewer at the end of the
+  // file, none past it (see core.Engine.ReadBlock). A reply for a block carries no stamp.
+  8: optional i64 block
 }
 
 struct ReadReply {

@@ -163,6 +163,11 @@ func typeOf(t reflect.Type, idl string, seen map[reflect.Type]*wireType) *wireTy
 			}
 			return w
 		}
+		if _, ok := scalarTypes[t.Elem().Kind()]; ok { // an optional scalar: allocated when set
+			w := *typeOf(t.Elem(), idl, seen)
+			w.goSize += int(t.Size())
+			return &w
+		}
 	case reflect.Slice:
 		if t.Elem().Kind() == reflect.Uint8 {
 			return &wireType{tt: thrift.STRING, goSize: 24} // binary

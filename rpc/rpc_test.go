@@ -248,3 +248,35 @@ func TestReasonsMatchTheIDL(t *testing.T) {
 		t.Errorf("the IDL has reason %s, which core.Reason lacks", next)
 	}
 }
+
+// A block travels as a file does: bytes to a caller on another node, the tier file to map to
+// one on this node; Hello says how large blocks are, and a block's reply carries no stamp
+// (a replica must never take a block for the file).
+func TestReadBlockRepliesWithTheBlock(t *testing.T) {
+	sock, e := serveEngine(t, "")
+	root := t.TempDir()
+	want := bytes.Repeat([]byte("0123456789abcdef"), (core.DefaultBlockBytes+100)/16)
+	path := filepath.Join(root, "big.bin")
+	os.WriteFile(path, want, 0o644)
+	c, _ := Dial(sock, ClientConfig{})
+	defer c.Close()
+	ctx := context.Background()
+	hello, err := c.Hello(ctx)
+	if err != nil || hello.BlockBytes != e.BlockBytes() {
+		t.Fatalf("hello: block bytes %d (%v), want %d", hello.GetBlockBytes(), err, e.BlockBytes())
+	}
+	r, err := c.ReadBlock(ctx, root, path, 1, false)
+	if err != nil || !bytes.Equal(r.Data, want[core.DefaultBlockBytes:]) || len(r.Stamp) != 0 {
+		t.Fatalf("block 1: %d bytes (want %d), stamp %d bytes, err %v", len(r.GetData()), len(want)-core.DefaultBlockBytes, len(r.GetStamp()), err)
+	}
+	r, err = c.ReadBlock(ctx, root, path, 0, true)
+	if err != nil || r.CachedPath == "" || r.Size != core.DefaultBlockBytes {
+		t.Fatalf("local block 0: cached path %q, size %d, err %v", r.GetCachedPath(), r.GetSize(), err)
+	}
+	if got, _ := os.ReadFile(r.CachedPath); !bytes.Equal(got, want[:core.DefaultBlockBytes]) {
+		t.Fatal("the tier file named for block 0 does not hold it")
+	}
+	if r, err = c.ReadBlock(ctx, root, path, 2, false); err != nil || r.Size != 0 || len(r.Data) != 0 {
+		t.Fatalf("block past the end: %d bytes, err %v", r.GetSize(), err)
+	}
+}

@@ -270,7 +270,7 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 		h.cfg.OnNewJob(ctx, req.Job) // before the reply: the job's reads may go to the others
 	}
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
-		NodeSocket: h.cfg.NodeSocket, Session: int64(session)}
+		NodeSocket: h.cfg.NodeSocket, Session: int64(session), BlockBytes: h.engine.BlockBytes()}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})
 	}
@@ -282,14 +282,16 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	h.heard(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
-	res, err := h.read(ctx, req.Root, req.Path, req.Local)
+	res, err := h.readWhat(ctx, req)
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
 	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
-	h.stampReply(req.Path, res, reply)
+	if !req.IsSetBlock() { // a block's bytes are no copy of the file a replica may take
+		h.stampReply(req.Path, res, reply)
+	}
 	switch {
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
@@ -305,6 +307,14 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		h.cfg.OnRead(req.Local, res.Origin, time.Since(start), reply.Size)
 	}
 	return reply, nil
+}
+
+// readWhat reads what req asks for: the whole file, or one of its blocks.
+func (h *Handler) readWhat(ctx context.Context, req *fitcachepb.ReadRequest) (core.Result, error) {
+	if req.IsSetBlock() {
+		return h.engine.ReadBlock(ctx, req.Root, req.Path, req.GetBlock(), req.Local)
+	}
+	return h.read(ctx, req.Root, req.Path, req.Local)
 }
 
 // read reads a file for a caller on this node (local: it maps tier files) or not; over this

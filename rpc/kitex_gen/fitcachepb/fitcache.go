@@ -167,6 +167,7 @@ type HelloReply struct {
 	NodeSocket     string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
 	Reason         Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
 	Session        int64       `thrift:"session,9" frugal:"9,default,i64" json:"session"`
+	BlockBytes     int64       `thrift:"block_bytes,10" frugal:"10,default,i64" json:"block_bytes"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -211,6 +212,10 @@ func (p *HelloReply) GetReason() (v Reason) {
 func (p *HelloReply) GetSession() (v int64) {
 	return p.Session
 }
+
+func (p *HelloReply) GetBlockBytes() (v int64) {
+	return p.BlockBytes
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -238,6 +243,9 @@ func (p *HelloReply) SetReason(val Reason) {
 func (p *HelloReply) SetSession(val int64) {
 	p.Session = val
 }
+func (p *HelloReply) SetBlockBytes(val int64) {
+	p.BlockBytes = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -247,15 +255,16 @@ func (p *HelloReply) String() string {
 }
 
 var fieldIDToName_HelloReply = map[int16]string{
-	1: "errno",
-	2: "message",
-	3: "server_id",
-	4: "pid",
-	5: "tiers",
-	6: "generation_file",
-	7: "node_socket",
-	8: "reason",
-	9: "session",
+	1:  "errno",
+	2:  "message",
+	3:  "server_id",
+	4:  "pid",
+	5:  "tiers",
+	6:  "generation_file",
+	7:  "node_socket",
+	8:  "reason",
+	9:  "session",
+	10: "block_bytes",
 }
 
 type ReadRequest struct {
@@ -265,6 +274,7 @@ type ReadRequest struct {
 	MembershipVersion int64    `thrift:"membership_version,5" frugal:"5,default,i64" json:"membership_version"`
 	Dead              []string `thrift:"dead,6" frugal:"6,default,list<string>" json:"dead"`
 	Alive             []string `thrift:"alive,7" frugal:"7,default,list<string>" json:"alive"`
+	Block             *int64   `thrift:"block,8,optional" frugal:"8,optional,i64" json:"block,omitempty"`
 }
 
 func NewReadRequest() *ReadRequest {
@@ -297,6 +307,15 @@ func (p *ReadRequest) GetDead() (v []string) {
 func (p *ReadRequest) GetAlive() (v []string) {
 	return p.Alive
 }
+
+var ReadRequest_Block_DEFAULT int64
+
+func (p *ReadRequest) GetBlock() (v int64) {
+	if !p.IsSetBlock() {
+		return ReadRequest_Block_DEFAULT
+	}
+	return *p.Block
+}
 func (p *ReadRequest) SetRoot(val string) {
 	p.Root = val
 }
@@ -315,6 +334,13 @@ func (p *ReadRequest) SetDead(val []string) {
 func (p *ReadRequest) SetAlive(val []string) {
 	p.Alive = val
 }
+func (p *ReadRequest) SetBlock(val *int64) {
+	p.Block = val
+}
+
+func (p *ReadRequest) IsSetBlock() bool {
+	return p.Block != nil
+}
 
 func (p *ReadRequest) String() string {
 	if p == nil {
@@ -330,6 +356,7 @@ var fieldIDToName_ReadRequest = map[int16]string{
 	5: "membership_version",
 	6: "dead",
 	7: "alive",
+	8: "block",
 }
 
 type ReadReply struct {
