@@ -128,6 +128,8 @@ type Client struct {
 	onState  atomic.Pointer[func(up bool, backoff time.Duration)] // see SetOnServerState
 	pending  hitReport                                            // local hits not yet reported to the server
 	pf       prefetchJobs                                         // prefetch jobs to renew (see Prefetch)
+	ranges   rangeFiles                                           // files kept open for ReadAt (see ranges.go)
+	brings   blockBrings                                          // blocks being cached for ReadAt
 	closed   atomic.Bool
 	stop     chan struct{}
 	stopped  chan struct{}
@@ -137,8 +139,13 @@ type counters struct {
 	localHits   atomic.Int64 // served from a tier file mapped by this client
 	serverReads atomic.Int64 // answered by the server
 	directReads atomic.Int64 // read from the source because the server was unavailable
-	connects    atomic.Int64 // attempts to reach or start the embedded server
-	errors      atomic.Int64
+	// sourceOpens counts the opens of large files' sources for ranges (see largeSize),
+	// sourceRanges and sourceRangeBytes the ranges read from them (blocks not cached).
+	sourceOpens      atomic.Int64
+	sourceRanges     atomic.Int64
+	sourceRangeBytes atomic.Int64
+	connects         atomic.Int64 // attempts to reach or start the embedded server
+	errors           atomic.Int64
 }
 
 // Open returns a client for the dataset under root, connecting to (and if needed starting)
@@ -479,24 +486,6 @@ func (c *Client) Size(path string) (int64, error) {
 	return fi.Size(), nil
 }
 
-// ReadAt copies up to len(p) bytes of the file at path, starting at off, into p, and returns
-// how many it copied (0 at or past the end).
-func (c *Client) ReadAt(path string, p []byte, off int64) (int, error) {
-	if off < 0 {
-		return 0, fmt.Errorf("%w: negative offset", core.ErrBadPath)
-	}
-	buf, err := c.Read(path)
-	if err != nil {
-		return 0, err
-	}
-	defer buf.Release()
-	b := buf.Bytes()
-	if off >= int64(len(b)) {
-		return 0, nil
-	}
-	return copy(p, b[off:]), nil
-}
-
 // TierDirs returns the tier directories on this node that the client reads cached files
 // from (its server's, or in cluster mode those of the servers on this node), fastest first.
 func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
@@ -531,6 +520,7 @@ func (c *Client) Close() error {
 	}
 	close(c.stop)
 	<-c.stopped
+	c.brings.wg.Wait() // each ends at once: c.stop cancels it
 	if server := c.reportTo(); server != nil {
 		c.flushHits(server)
 	}
@@ -561,6 +551,7 @@ func (c *Client) Close() error {
 	if c.node != nil {
 		c.node.close()
 	}
+	c.ranges.close()
 	return nil
 }
 

@@ -31,6 +31,9 @@ type serverConn struct {
 	dirs    []tiers.Dir       // the server's tier directories, fastest first, for our session
 	gen     *tiers.Generation // the server's removal counter, or nil
 	session uint32            // our job's validation session at the server (see tiers.Dir.WithSession)
+	// blockBytes is the size of the server's blocks (see ranges.go); 0 for a server
+	// without them.
+	blockBytes int64
 }
 
 // tierView returns the tier directories and removal counter of the last server that
@@ -157,7 +160,8 @@ func (c *Client) dial() (*serverConn, error) {
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
 	session := sessionOf(hello)
-	conn := &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session}
+	conn := &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session,
+		blockBytes: hello.BlockBytes}
 	if hello.GenerationFile != "" {
 		if conn.gen, err = tiers.OpenGeneration(hello.GenerationFile); err != nil {
 			c.log.Warn("cannot watch the server's removals; not keeping mappings", "err", err)

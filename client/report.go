@@ -27,6 +27,11 @@ type ClientStats struct {
 	DirectReads int64 `json:"direct_reads"`
 	Connects    int64 `json:"connects"`
 	Errors      int64 `json:"errors"`
+	// Ranges of large files (ReadAt): opens of their sources by this client, and the ranges
+	// (and bytes) read from them because their block was not cached yet.
+	SourceOpens      int64 `json:"source_opens"`
+	SourceRanges     int64 `json:"source_ranges"`
+	SourceRangeBytes int64 `json:"source_range_bytes"`
 	// Cluster mode: servers this client declared dead itself, or because a server's other
 	// clients had; dead servers that came back; calls that got no answer.
 	ServersDead     int64 `json:"servers_declared_dead,omitempty"`
@@ -46,7 +51,8 @@ func (c *Client) Stats() (string, error) {
 	}{Client: ClientStats{
 		LocalHits: c.counts.localHits.Load(), ServerReads: c.counts.serverReads.Load(),
 		DirectReads: c.counts.directReads.Load(), Connects: c.counts.connects.Load(),
-		Errors: c.counts.errors.Load(),
+		Errors: c.counts.errors.Load(), SourceOpens: c.counts.sourceOpens.Load(),
+		SourceRanges: c.counts.sourceRanges.Load(), SourceRangeBytes: c.counts.sourceRangeBytes.Load(),
 	}}
 	if f := c.external.Load(); f != nil {
 		ext := (*f)()

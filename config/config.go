@@ -62,6 +62,9 @@ type Config struct {
 	// core.DefaultPrefetch); 0 turns prefetch off. Servers take it from their options; a
 	// client passes it to the embedded server it starts.
 	Prefetch int
+	// BlockBytes is the size of the blocks a server caches ranges of large files in (see
+	// core.DefaultBlockBytes); a client passes it to the embedded server it starts.
+	BlockBytes int64
 
 	// Cluster mode (Servers set):
 
@@ -107,6 +110,12 @@ type Config struct {
 	Direct bool
 }
 
+// The sizes option block_size accepts.
+const (
+	blockBytesMin = 64 << 10
+	blockBytesMax = 256 << 20
+)
+
 // Policies for a dead server's files.
 const (
 	PolicyRecache = "recache"
@@ -117,7 +126,7 @@ const (
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
 	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch", "job",
-	"gossip_port_offset", "probe_interval", "topology"}
+	"gossip_port_offset", "probe_interval", "topology", "block_size"}
 
 // Load resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -189,6 +198,14 @@ func Load(options map[string]string) (Config, error) {
 			return Config{}, fmt.Errorf("option prefetch: want a whole number from 0 (off) to %d, got %q", core.MaxPrefetchReads, v)
 		}
 		cfg.Prefetch = n
+	}
+	cfg.BlockBytes = core.DefaultBlockBytes
+	if v := get("block_size"); v != "" {
+		n, err := tiers.ParseSize(v)
+		if err != nil || n.Percent != 0 || n.Bytes < blockBytesMin || n.Bytes > blockBytesMax {
+			return Config{}, fmt.Errorf("option block_size: want a size from 64KiB to 256MiB (such as 4MiB), got %q", v)
+		}
+		cfg.BlockBytes = n.Bytes
 	}
 	if cfg.RuntimeDir == "" {
 		cfg.RuntimeDir, cfg.RuntimeDirWarning = defaultRuntimeDir()

@@ -31,7 +31,7 @@ func TestLoadDefaults(t *testing.T) {
 	}
 	host, _ := os.Hostname()
 	want := Config{RuntimeDir: "/run/x", Policy: PolicyRecache, Node: host, PerNode: 1, BasePort: 7070,
-		FailureThreshold: 3, Replicas: 1, VirtualNodes: 100, Prefetch: 16,
+		FailureThreshold: 3, Replicas: 1, VirtualNodes: 100, Prefetch: 16, BlockBytes: 4 << 20,
 		IdleTimeout: 15 * time.Minute, ReadTimeout: time.Minute, StartTimeout: 15 * time.Second,
 		RPCTimeout: 5 * time.Second, WaitTimeout: time.Minute, GossipPortOffset: 1000, ProbeInterval: time.Second}
 	if cfg != want {
@@ -66,6 +66,8 @@ func TestLoadRefusesBadOptions(t *testing.T) {
 		{"base_port", "7k", "positive whole number"},
 		{"prefetch", "-1", "from 0 (off) to 1024"},
 		{"prefetch", "1025", "from 0 (off) to 1024"},
+		{"block_size", "1KiB", "from 64KiB to 256MiB"},
+		{"block_size", "10%", "from 64KiB to 256MiB"},
 		{"read_timeout", "soon", "read_timeout"},
 		{"verify", "yes please", "verify"},
 		{"tiers", "memory", "want kind:dir[:budget]"},

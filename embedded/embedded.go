@@ -262,7 +262,8 @@ func spawn(cfg config.Config) (*exec.Cmd, error) {
 		"FITCACHE_TIERS="+cfg.Tiers,
 		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String(),
 		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify),
-		"FITCACHE_PREFETCH="+strconv.Itoa(cfg.Prefetch))
+		"FITCACHE_PREFETCH="+strconv.Itoa(cfg.Prefetch),
+		"FITCACHE_BLOCK_SIZE="+strconv.FormatInt(cfg.BlockBytes, 10))
 	if cfg.RuntimeDirWarning == "" {
 		// Else the runtime directory is the private stand-in for the default one: the server
 		// finds it the same way, and reports why.

@@ -54,6 +54,9 @@ type Config struct {
 	Verify bool
 	// Prefetch is how many source reads prefetch runs at once; 0 turns prefetch off.
 	Prefetch int
+	// BlockBytes is the size of the blocks ranges of large files are cached in (0: the
+	// default, see core.EngineConfig.BlockBytes).
+	BlockBytes int64
 	// RuntimeDir is the private directory (see embedded.PrepareDir, which makes it when it
 	// is missing) of the embedded server's lock and socket, and of a TCP server's removal
 	// counter and node socket (server-HOST_PORT.gen, server-HOST_PORT.node). Required with
@@ -253,7 +256,8 @@ func (s *Server) openEngine() (err error) {
 	}
 	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots, GenerationFile: genFile,
 		Verify: s.cfg.Verify, Warnings: s.cfg.Warnings, Prefetch: core.PrefetchConfig{Reads: s.cfg.Prefetch},
-		Holder: "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
+		BlockBytes: s.cfg.BlockBytes,
+		Holder:     "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
 	if s.cfg.Listen != "" && s.cfg.Cluster.Servers != "" {
 		// The lists of this node's readers are brought into the node through the cluster node,
 		// which openNodeSocket makes before the RPC server takes a request.

@@ -102,7 +102,7 @@ func serve(args []string) error {
 		return err
 	}
 	s, err := server.Start(server.Config{Listen: *listen, Socket: *socket, Embedded: *asEmbedded, Token: token,
-		Roots: roots, Tiers: tierCfgs, Verify: cfg.Verify, Prefetch: cfg.Prefetch, RuntimeDir: cfg.RuntimeDir,
+		Roots: roots, Tiers: tierCfgs, Verify: cfg.Verify, Prefetch: cfg.Prefetch, BlockBytes: cfg.BlockBytes, RuntimeDir: cfg.RuntimeDir,
 		Warnings: warnings(cfg.RuntimeDirWarning), MetricsAddr: *metricsAddr, ReadyFile: *readyFile,
 		IdleTimeout: idleTimeout, MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns, Cluster: cfg, Log: log})
 	if errors.Is(err, embedded.ErrAlreadyRunning) {

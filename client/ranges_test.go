@@ -1,0 +1,88 @@
+package client
+
+import (
+	"bytes"
+	"encoding/json"
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// stats returns a client's statistics, decoded.
+type rangeStats struct {
+	Client ClientStats `json:"client"`
+	Server struct {
+		SourceReads int64 `json:"source_reads"`
+		Published   int64 `json:"published"`
+		Errors      int64 `json:"errors"`
+	} `json:"server"`
+}
+
+func statsOf(t *testing.T, c *Client) rangeStats {
+	t.Helper()
+	js, err := c.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s rangeStats
+	if err := json.Unmarshal([]byte(js), &s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// Ranges of a file larger than the server's tier: the first pass reads the source at once
+// and has the server cache the blocks read; the next pass is served from those blocks. Every
+// range has the file's bytes (across blocks, at the end, past it), the source is opened once
+// by the client and once per block cached by the server, and nothing counts as an error.
+func TestRangesOfAFileLargerThanTheTierAreCachedByBlocks(t *testing.T) {
+	cfg, _ := startServerWithBudget(t, "12MiB")
+	root := t.TempDir()
+	data := make([]byte, 20<<20+5)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	writeFile(t, root, "big.bin", data)
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	type rangeAt struct{ off, n int64 }
+	ranges := []rangeAt{{4<<20 - 10, 20}, {int64(len(data)) - 3, 10}, {int64(len(data)) + 1, 10}, {0, 9 << 20}}
+	for range 60 {
+		ranges = append(ranges, rangeAt{rng.Int64N(int64(len(data))), 1 + rng.Int64N(256<<10)})
+	}
+	check := func(pass int) {
+		for _, r := range ranges {
+			p := make([]byte, r.n)
+			n, err := c.ReadAt("big.bin", p, r.off)
+			want := data[min(r.off, int64(len(data))):min(r.off+r.n, int64(len(data)))]
+			if err != nil || !bytes.Equal(p[:n], want) {
+				t.Fatalf("pass %d: ReadAt(%d bytes at %d) = %d, %v; want the file's %d bytes", pass, r.n, r.off, n, err, len(want))
+			}
+		}
+	}
+	check(1)
+	first := statsOf(t, c)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if s := statsOf(t, c); s.Server.Published >= 2 && s.Server.Published == s.Server.SourceReads {
+			break
+		}
+	}
+	check(2)
+	s := statsOf(t, c)
+	t.Logf("pass 1: %+v\npass 2: %+v", first, s)
+	if first.Client.SourceRanges == 0 || s.Client.SourceRanges-first.Client.SourceRanges >= first.Client.SourceRanges {
+		t.Errorf("ranges read from the source: %d in pass 1, %d in pass 2; want fewer once blocks are cached",
+			first.Client.SourceRanges, s.Client.SourceRanges-first.Client.SourceRanges)
+	}
+	if s.Client.SourceOpens != 1 || s.Server.SourceReads > 6 || s.Server.Published < 2 {
+		t.Errorf("source opens: %d by the client, %d by the server (%d blocks cached); want 1 and at most one per block (6)",
+			s.Client.SourceOpens, s.Server.SourceReads, s.Server.Published)
+	}
+	if s.Client.Errors != 0 || s.Server.Errors != 0 {
+		t.Errorf("errors: client %d, server %d; want none", s.Client.Errors, s.Server.Errors)
+	}
+}
