@@ -44,9 +44,9 @@ static int sys_openat(int dirfd, const char *path, int flags) {
 	return (int)syscall(SYS_openat, dirfd, path, flags, 0);
 }
 
-// path_hashes computes fc_key and fc_check of p in one pass: two independent multiply
+// fc_hashes computes fc_key and fc_check of p in one pass: two independent multiply
 // chains, which the CPU overlaps (each alone is one multiply's latency per byte).
-static void path_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
+void fc_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
 	uint64_t h = 0xcbf29ce484222325ULL, c = 0xcbf29ce484222325ULL;
 	for (size_t i = 0; i < n; i++) {
 		h = (h ^ (unsigned char)p[i]) * 0x100000001b3ULL;
@@ -369,7 +369,7 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
               struct fc_hit *hit) {
 	int saved = errno;
 	uint64_t key, check;
-	path_hashes(path, len, &key, &check);
+	fc_hashes(path, len, &key, &check);
 	char rel[MAX_NAME_BYTES + 32];
 	int have_rel = 0;
 	for (int i = 0; i < n; i++) {

@@ -118,6 +118,9 @@ int fc_clean_path(const char *in, char *out, size_t cap);
 uint64_t fc_key(const char *path, size_t len);
 uint64_t fc_check(const char *path, size_t len);
 
+/* fc_key and fc_check of path in one pass. */
+void fc_hashes(const char *path, size_t len, uint64_t *key, uint64_t *check);
+
 #ifdef __cplusplus
 }
 #endif

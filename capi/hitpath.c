@@ -20,6 +20,22 @@
 #include "fcnode.h"
 
 #define CLIENT_SLOTS 256 // clients open at once with a hit path; more go through Go
+#define RANGE_SETS 1024 // cached copies a client keeps mapped for ranges: RANGE_SETS sets of
+#define RANGE_WAYS 4    // RANGE_WAYS (see hit_pread): 4,096, 16 GiB of 4 MiB blocks
+
+// A cached copy (a whole file or a block) kept mapped for ranges: a range of it is a copy
+// from memory, without a system call (a page not yet touched by this process costs a fault,
+// which maps the pages around it too). A copy never changes once published (a new copy is a
+// new file), and one evicted meanwhile still holds the right bytes; each was checked for the
+// client's session when it was opened. A mapping holds no descriptor: a program's descriptor
+// limit is not spent on them.
+struct range_map {
+	uint64_t key, check; // the hashes of its name; 0, 0: the entry is free
+	const char *data;
+	int64_t size;
+	int tier;
+	int refs; // readers copying from it: an entry is replaced only when it has none
+};
 
 struct hit_client {
 	int64_t handle;
@@ -46,6 +62,10 @@ struct hit_client {
 	int ntiers;          // tiers in use (atomic: added under clients_lock, read without it)
 	int64_t hits, bytes; // atomic
 	int refs;            // threads using the client (atomic): see acquire
+	int64_t block_bytes; // the size of its server's blocks, 0 for none (atomic: see fcHitSetBlockBytes)
+	pthread_mutex_t ranges_mu; // protects ranges and ranges_turn; never held across a copy
+	struct range_map ranges[RANGE_SETS * RANGE_WAYS];
+	unsigned ranges_turn; // picks the entry of a full set that a new mapping replaces
 };
 
 // clients_lock is held shared to find a client and take a reference to it (acquire), and
@@ -85,9 +105,15 @@ static void lock_all(void) {
 	pthread_rwlock_wrlock(&clients_lock);
 	pthread_mutex_lock(&bufs_lock);
 	pthread_mutex_lock(&pool_lock);
+	for (int i = 0; i < CLIENT_SLOTS; i++)
+		if (clients[i])
+			pthread_mutex_lock(&clients[i]->ranges_mu);
 }
 
 static void unlock_all(void) {
+	for (int i = 0; i < CLIENT_SLOTS; i++)
+		if (clients[i])
+			pthread_mutex_unlock(&clients[i]->ranges_mu);
 	pthread_mutex_unlock(&pool_lock);
 	pthread_mutex_unlock(&bufs_lock);
 	pthread_rwlock_unlock(&clients_lock);
@@ -107,6 +133,9 @@ static void reset_in_child(void) {
 		if (clients[i]) {
 			pthread_mutex_init(&clients[i]->node_mu, NULL); // a parent's thread may have held it in a fetch
 			__atomic_store_n(&clients[i]->refs, 0, __ATOMIC_RELAXED);
+			pthread_mutex_init(&clients[i]->ranges_mu, NULL); // held by the prepare handler
+			for (int r = 0; r < RANGE_SETS * RANGE_WAYS; r++)
+				clients[i]->ranges[r].refs = 0; // the parent's readers are not here
 		}
 }
 
@@ -279,6 +308,7 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	c->node_down_until = INT64_MAX; // until the Go client reports its server up
 	c->node_fd = -1;
 	pthread_mutex_init(&c->node_mu, NULL);
+	pthread_mutex_init(&c->ranges_mu, NULL);
 	memcpy(c->root, root, n + 1);
 	c->rootlen = n;
 	pthread_rwlock_wrlock(&clients_lock);
@@ -291,6 +321,7 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 		if (c->real_root_fd >= 0)
 			close(c->real_root_fd);
 		pthread_mutex_destroy(&c->node_mu);
+		pthread_mutex_destroy(&c->ranges_mu);
 		free(c);
 	}
 	return ok ? 0 : -1;
@@ -347,8 +378,19 @@ void fcHitClose(int64_t handle) {
 		close(c->node_fd);
 	if (c->real_root_fd >= 0)
 		close(c->real_root_fd);
+	for (int i = 0; i < RANGE_SETS * RANGE_WAYS; i++)
+		if (c->ranges[i].data)
+			munmap((void *)c->ranges[i].data, (size_t)c->ranges[i].size);
 	pthread_mutex_destroy(&c->node_mu);
+	pthread_mutex_destroy(&c->ranges_mu);
 	free(c);
+}
+
+void fcHitSetBlockBytes(int64_t handle, int64_t n) {
+	struct hit_client *c = acquire(handle);
+	if (c)
+		__atomic_store_n(&c->block_bytes, n, __ATOMIC_RELAXED);
+	put(c);
 }
 
 void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct) {
@@ -478,6 +520,151 @@ static int hit_read_counted(int64_t handle, const char *path, const void **data,
 	fc_count_hit(&c->tiers[h.tier], h.size);
 	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
 	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
+out:
+	put(c);
+	errno = saved;
+	return rc;
+}
+
+// range_set returns the set of entries where c keeps the copy whose name has hash key. The
+// key's bits are mixed first (as the tiers' index does): names of blocks of one file differ
+// in their last bytes only, which FNV-1a leaves in few of its bits.
+static struct range_map *range_set(struct hit_client *c, uint64_t key) {
+	_Static_assert((RANGE_SETS & (RANGE_SETS - 1)) == 0, "RANGE_SETS is a power of 2");
+	return &c->ranges[((key * 0x9E3779B97F4A7C15ULL) >> (64 - __builtin_ctz(RANGE_SETS))) * RANGE_WAYS];
+}
+
+// range_take returns the mapping c keeps of the copy (key, check) with a reference taken
+// (give it back with range_give), or NULL.
+static struct range_map *range_take(struct hit_client *c, uint64_t key, uint64_t check) {
+	struct range_map *set = range_set(c, key), *found = NULL;
+	pthread_mutex_lock(&c->ranges_mu);
+	for (int i = 0; i < RANGE_WAYS; i++) {
+		if (set[i].data && set[i].key == key && set[i].check == check) {
+			found = &set[i];
+			found->refs++;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&c->ranges_mu);
+	return found;
+}
+
+static void range_give(struct hit_client *c, struct range_map *r) {
+	pthread_mutex_lock(&c->ranges_mu);
+	r->refs--;
+	pthread_mutex_unlock(&c->ranges_mu);
+}
+
+// range_keep keeps data, a mapping of size bytes just made of the copy (key, check), in an
+// entry of its set that no reader uses (unmapping the one it held), with a reference taken;
+// it returns the entry, or NULL when every entry of the set is in use (the caller then
+// unmaps data itself).
+static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t check, const char *data,
+                                    int64_t size, int tier) {
+	struct range_map *set = range_set(c, key), *r = NULL;
+	struct range_map old = {0};
+	pthread_mutex_lock(&c->ranges_mu);
+	for (int i = 0; i < RANGE_WAYS && !r; i++)
+		if (!set[i].data)
+			r = &set[i];
+	for (int k = 0; k < RANGE_WAYS && !r; k++) {
+		struct range_map *e = &set[(c->ranges_turn + (unsigned)k) % RANGE_WAYS];
+		if (e->refs == 0)
+			r = e;
+	}
+	if (r) {
+		old = *r;
+		*r = (struct range_map){.key = key, .check = check, .data = data, .size = size, .tier = tier, .refs = 1};
+		c->ranges_turn++;
+	}
+	pthread_mutex_unlock(&c->ranges_mu);
+	if (old.data)
+		munmap((void *)old.data, (size_t)old.size);
+	return r;
+}
+
+// read_copy copies n bytes at off of the cached copy named name (len bytes) into p, from a
+// mapping kept (range_take) or made now; it returns the bytes copied (fewer than n at the
+// end of the copy), -FC_MISS when no tier holds the copy checked in the client's session, or
+// -EIO.
+static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t len, char *p, size_t n, off_t off) {
+	uint64_t key, check;
+	fc_hashes(name, len, &key, &check);
+	struct range_map *r = range_take(c, key, check), made;
+	if (!r) {
+		struct fc_hit h;
+		if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, 1, &h) != 0)
+			return -FC_MISS;
+		made = (struct range_map){.size = h.size, .tier = h.tier};
+		if (h.size > 0) {
+			void *m = mmap(NULL, (size_t)h.size, PROT_READ, MAP_SHARED, h.fd, 0);
+			close(h.fd);
+			if (m == MAP_FAILED)
+				return -EIO;
+			made.data = m;
+			r = range_keep(c, key, check, m, h.size, h.tier);
+		} else {
+			close(h.fd);
+		}
+	}
+	const struct range_map *use = r ? r : &made;
+	size_t k = off >= use->size ? 0 : (size_t)(use->size - off) < n ? (size_t)(use->size - off) : n;
+	if (k > 0)
+		memcpy(p, use->data + off, k);
+	int tier = use->tier;
+	if (r)
+		range_give(c, r);
+	else if (made.data)
+		munmap((void *)made.data, (size_t)made.size);
+	fc_count_hit(&c->tiers[tier], (int64_t)k);
+	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&c->bytes, (int64_t)k, __ATOMIC_RELAXED);
+	return (ssize_t)k;
+}
+
+int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int64_t *got) {
+	int saved = errno;
+	struct hit_client *c = acquire(handle);
+	char name[FC_PATH_MAX + 24];
+	int n, nt, rc = FC_MISS;
+	if (!c || (nt = tier_count(c)) == 0 || (n = source_path(c, path, name, FC_PATH_MAX)) < 0)
+		goto out;
+	// Blocks first, when the server has them: a large file is read by ranges through its
+	// blocks, and its whole copy is the exception. The range may span several blocks; a block
+	// shorter than the rest of the range is the file's last. A block not cached leaves the
+	// range to the whole copy, if there is one, else to Go.
+	int64_t bb = __atomic_load_n(&c->block_bytes, __ATOMIC_RELAXED), done = 0;
+	ssize_t k = -FC_MISS;
+	while (bb > 0 && done < len) {
+		int64_t at = off + done, block = at / bb, within = at % bb;
+		int64_t want = len - done < bb - within ? len - done : bb - within;
+		// tiers.BlockName: the path, a NUL byte, the block's number in decimal.
+		char digits[24];
+		int nd = 0;
+		do {
+			digits[nd++] = (char)('0' + block % 10);
+			block /= 10;
+		} while (block > 0);
+		name[n] = 0;
+		for (int i = 0; i < nd; i++)
+			name[n + 1 + i] = digits[nd - 1 - i];
+		k = read_copy(c, nt, name, (size_t)n + 1 + (size_t)nd, (char *)buf + done, (size_t)want, (off_t)within);
+		if (k < 0)
+			break;
+		done += k;
+		if (k < want)
+			break; // the end of the file
+	}
+	if (k < 0) {
+		if (done > 0 || k != -FC_MISS)
+			goto out;
+		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off)) < 0) // a whole copy
+			goto out;
+		done = k;
+	}
+	*got = done;
+	rc = 0;
 out:
 	put(c);
 	errno = saved;

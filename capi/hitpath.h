@@ -77,6 +77,17 @@ int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t
  * mode through the node socket): every miss is then one round trip to it in C. */
 bool hit_node_opens(int64_t handle);
 
+/* Reads up to len bytes of path (as hit_read takes it) at off into buf from cached copies in
+ * the client's tiers, through descriptors it keeps open: a whole copy of the file, else the
+ * blocks the range covers (tiers.BlockName, of the size fcHitSetBlockBytes gave). Returns 0
+ * with the bytes read in *got (fewer than len only at the end of the file), or FC_MISS when
+ * a copy the range needs is not cached here (Go then serves the whole range). Like hit_read,
+ * it works in a process forked after load. */
+int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int64_t *got);
+
+/* Tells the hit path the size of the blocks of a client's server (0: none). */
+void fcHitSetBlockBytes(int64_t handle, int64_t n);
+
 /* Releases a buffer of the hit path: 0, or -EBADF for an unknown or released one. */
 int hit_release(int64_t buffer);
 

@@ -186,6 +186,7 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 // addHitTiers hands the tier directories of a client's server to the hit path (hitpath.c),
 // which then serves cached files without entering Go.
 func addHitTiers(h int64, c *client.Client) {
+	C.fcHitSetBlockBytes(C.int64_t(h), C.int64_t(c.BlockBytes()))
 	for _, d := range c.TierDirs() {
 		dir := C.CString(d.Path)
 		if rc := C.fcHitAddTier(C.int64_t(h), dir, C.int(d.Kind), C.uint32_t(d.Session())); rc != 0 && rc != -C.int(syscall.EBADF) {

@@ -179,3 +179,75 @@ func BenchmarkOpenForReaderRemote(b *testing.B) {
 		f.Close()
 	}
 }
+
+// BenchmarkRangesOfCachedBlocks reads random 64 KiB ranges of a 64 MiB file whose blocks
+// are all cached (the tier is on the file system of the test's temporary directory), with
+// ReadAt, against preads of the page-cached file: what a range served from a block costs
+// beyond the pread itself.
+func BenchmarkRangesOfCachedBlocks(b *testing.B) {
+	const size, length = 64 << 20, 64 << 10
+	root := b.TempDir()
+	path := filepath.Join(root, "big.bin")
+	os.WriteFile(path, make([]byte, size), 0o644)
+	offsets := make([]int64, 1024)
+	for i := range offsets {
+		offsets[i] = int64(i*7919*4096) % (size - length)
+	}
+	p := make([]byte, length)
+	b.Run("plain", func(b *testing.B) {
+		f, _ := os.Open(path)
+		defer f.Close()
+		i := 0
+		for b.Loop() {
+			f.ReadAt(p, offsets[i%len(offsets)])
+			i++
+		}
+	})
+	b.Run("fitcache", func(b *testing.B) {
+		cfg, _ := startServerWithTier(b, b.TempDir(), "1GiB")
+		c, err := Open(root, cfg, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer c.Close()
+		for n := int64(0); n < size>>22; n++ { // every block, cached
+			conn, _ := c.blockServer()
+			if _, err := conn.rpc.ReadBlock(context.Background(), c.root, path, n, true); err != nil {
+				b.Fatal(err)
+			}
+		}
+		i := 0
+		for b.Loop() {
+			if _, err := c.ReadAt("big.bin", p, offsets[i%len(offsets)]); err != nil {
+				b.Fatal(err)
+			}
+			i++
+		}
+		if c.counts.sourceRanges.Load() != 0 {
+			b.Fatalf("%d ranges read from the source", c.counts.sourceRanges.Load())
+		}
+	})
+}
+
+// BenchmarkRangesOfUncachedBlocks is BenchmarkRangesOfCachedBlocks with a tier too small for
+// any block: every range is read from the source, through the client.
+func BenchmarkRangesOfUncachedBlocks(b *testing.B) {
+	const size, length = 64 << 20, 64 << 10
+	root := b.TempDir()
+	path := filepath.Join(root, "big.bin")
+	os.WriteFile(path, make([]byte, size), 0o644)
+	p := make([]byte, length)
+	cfg, _ := startServerWithTier(b, b.TempDir(), "1MiB")
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	i := 0
+	for b.Loop() {
+		if _, err := c.ReadAt("big.bin", p, int64(i*7919*4096)%(size-length)); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
+}

@@ -98,6 +98,14 @@ func copyAt(b, p []byte, off int64) int {
 	return copy(p, b[off:])
 }
 
+// BlockBytes returns the size of the blocks the server of this node caches ranges of large
+// files in, or 0 where ranges are read through whole files (cluster mode, no server yet):
+// the C hit path of libfitcache reads cached blocks itself.
+func (c *Client) BlockBytes() int64 {
+	_, n := c.blockServer()
+	return n
+}
+
 // blockServer returns the connection to the server on this node that caches blocks, and
 // their size; nil in cluster mode and while there is no such server (then ranges are read
 // through whole files, as before blocks).
@@ -170,17 +178,19 @@ func (c *Client) readBlockRange(conn *serverConn, dirs []tiers.Dir, path string,
 }
 
 // readCopy reads len(p) bytes at off from the cached copy of name (a whole file or a
-// block) in a tier of this node, kept open under key; ok is false when no tier has it.
+// block) in a tier of this node, kept mapped under key; ok is false when no tier has it.
 func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int64) (n int, ok bool, err error) {
 	n, kind, ok, err := c.ranges.readAt(key, p, off)
 	if !ok {
-		f, d, oerr := openTier(dirs, name)
-		if oerr != nil {
+		if !tiers.Listed(dirs, name) { // an index lookup: a probe of several tiers is not free
 			return 0, false, nil
 		}
-		n, err = readFull(f, p, off)
-		c.ranges.add(key, rangeFile{f: f, kind: d.Kind})
-		kind = d.Kind
+		m, perr := tiers.Probe(dirs, name)
+		if perr != nil {
+			return 0, false, nil
+		}
+		n, kind = copyAt(m.Bytes(), p, off), m.Tier
+		c.ranges.add(key, rangeFile{m: m, kind: kind})
 	}
 	c.counts.localHits.Add(1)
 	c.pending.add(kind.String(), int64(n))
@@ -197,49 +207,67 @@ func readFull(f *os.File, p []byte, off int64) (int, error) {
 }
 
 // bringBlock asks the server, in the background, to cache block n of the file at path,
-// unless it was asked already (a failed ask is repeated after blockAskAgain) or
-// blockBringsMax asks are under way (the next miss on the block asks again).
+// unless it was asked already (an ask is repeated after blockAskAgain: the server may have
+// declined it). Asks wait in a queue of at most blockQueueMax (past it, the next miss on the
+// block asks again), served by up to blockBringsMax goroutines.
 func (c *Client) bringBlock(conn *serverConn, path string, n int64) {
 	name := tiers.BlockName(path, n)
-	c.brings.mu.Lock()
-	if at, asked := c.brings.asked[name]; asked && time.Since(at) < blockAskAgain ||
-		c.brings.running >= blockBringsMax {
-		c.brings.mu.Unlock()
+	b := &c.brings
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if at, asked := b.asked[name]; asked && time.Since(at) < blockAskAgain || len(b.queue) >= blockQueueMax {
 		return
 	}
-	if c.brings.asked == nil || len(c.brings.asked) >= blockAsksMax {
-		c.brings.asked = make(map[string]time.Time)
+	if b.asked == nil || len(b.asked) >= blockAsksMax {
+		b.asked = make(map[string]time.Time)
 	}
-	c.brings.asked[name] = time.Now()
-	c.brings.running++
-	c.brings.wg.Add(1)
-	c.brings.mu.Unlock()
-	go func() {
-		defer func() {
-			c.brings.mu.Lock()
-			c.brings.running--
-			c.brings.mu.Unlock()
-			c.brings.wg.Done()
-		}()
-		ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
-		defer cancel()
-		go func() { // Close does not wait for a slow server
-			select {
-			case <-c.stop:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		if _, err := conn.rpc.ReadBlock(ctx, c.root, path, n, true); err != nil &&
-			!errors.Is(err, core.ErrTooLarge) && !errors.Is(err, core.ErrCacheFull) && ctx.Err() == nil {
-			c.log.Warn("caching a block", "path", path, "block", n, "err", err)
+	b.asked[name] = time.Now()
+	b.queue = append(b.queue, blockAsk{conn: conn, path: path, n: n})
+	if b.running < blockBringsMax {
+		b.running++
+		b.wg.Add(1)
+		go c.bringBlocks()
+	}
+}
+
+// bringBlocks asks the server for the queued blocks until the queue is empty or the client
+// closes.
+func (c *Client) bringBlocks() {
+	b := &c.brings
+	defer b.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { // Close does not wait for a slow server
+		select {
+		case <-c.stop:
+			cancel()
+		case <-ctx.Done():
 		}
 	}()
+	for {
+		b.mu.Lock()
+		if len(b.queue) == 0 || ctx.Err() != nil {
+			b.running--
+			b.mu.Unlock()
+			return
+		}
+		ask := b.queue[0]
+		b.queue = b.queue[1:]
+		b.mu.Unlock()
+		actx, acancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
+		_, err := ask.conn.rpc.ReadBlock(actx, c.root, ask.path, ask.n, true)
+		acancel()
+		if err != nil && !errors.Is(err, core.ErrTooLarge) && !errors.Is(err, core.ErrCacheFull) && ctx.Err() == nil {
+			c.log.Warn("caching a block", "path", ask.path, "block", ask.n, "err", err)
+		}
+	}
 }
 
 const (
 	// blockBringsMax bounds the blocks a client asks its server to cache at once.
 	blockBringsMax = 4
+	// blockQueueMax bounds the asks waiting.
+	blockQueueMax = 1024
 	// blockAskAgain is how long a client waits before asking again for a block it asked for
 	// (the server declined it: no room; or a reader still misses on it).
 	blockAskAgain = 10 * time.Second
@@ -249,34 +277,60 @@ const (
 
 // blockBrings are a client's background asks for blocks (see bringBlock).
 type blockBrings struct {
-	mu      sync.Mutex           // protects asked and running
+	mu      sync.Mutex           // protects asked, queue and running
 	asked   map[string]time.Time // block name -> when it was asked for
-	running int
-	wg      sync.WaitGroup // the asks under way, awaited by Close
+	queue   []blockAsk           // asks waiting, oldest first
+	running int                  // goroutines serving the queue
+	wg      sync.WaitGroup       // those goroutines, awaited by Close
 }
 
-// rangeFile is a file a client keeps open to read ranges of: a whole copy or a block in a
-// tier (kind), or the source of a large file (until: when it must be opened again, size: its
-// size then).
+// blockAsk is an ask for block n of the file at path, to the server of conn.
+type blockAsk struct {
+	conn *serverConn
+	path string
+	n    int64
+}
+
+// rangeFile is what a client keeps for ranges: a mapping of a whole copy or a block in a
+// tier (kind), or the source of a large file, open (until: when it must be opened again,
+// size: its size then).
 type rangeFile struct {
+	m     *tiers.Mapping
 	f     *os.File
 	kind  tiers.Kind
 	size  int64
 	until time.Time
 }
 
-// rangeFiles are the files a client keeps open for ranges, at most rangeFilesMax: a range
-// of a cached copy costs one pread, as a range of the source does. A copy never changes
-// once published (a new copy is a new file), one evicted meanwhile still holds the right
-// bytes, and each was checked against its source for this client's job when it was opened
-// (tiers.Dir.OpenFile), as a mapping a client keeps is. It is safe for concurrent use.
-type rangeFiles struct {
-	mu    sync.RWMutex // held shared by reads of the files, exclusively to close one
-	files map[string]rangeFile
+// release unmaps or closes the file.
+func (rf rangeFile) release() {
+	if rf.m != nil {
+		rf.m.Release()
+	} else {
+		rf.f.Close()
+	}
 }
 
-// rangeFilesMax bounds the files kept open: 1 GiB of 4 MiB blocks.
-const rangeFilesMax = 256
+// rangeFiles are the cached copies a client keeps mapped for ranges, at most rangeMapsMax,
+// and the sources it keeps open, at most rangeSourcesMax: a range of a cached copy is then a
+// copy from memory, as a range of the source is a pread. A copy never changes once
+// published (a new copy is a new file), one evicted meanwhile still holds the right bytes,
+// and each was checked against its source for this client's job when it was mapped
+// (tiers.Probe), as a mapping a client keeps is. Mappings hold no descriptor. It is safe for
+// concurrent use.
+type rangeFiles struct {
+	mu      sync.RWMutex // held shared by reads of the files, exclusively to change files
+	files   map[string]rangeFile
+	sources int // entries that are sources
+}
+
+const (
+	// rangeMapsMax bounds the copies kept mapped: 16 GiB of 4 MiB blocks (address space,
+	// not memory: the pages are the tier's).
+	rangeMapsMax = 4096
+	// rangeSourcesMax bounds the sources kept open (descriptors of the program's).
+	rangeSourcesMax = 16
+)
 
 // readAt reads len(p) bytes at off from the file kept for key, if there is one still valid.
 func (r *rangeFiles) readAt(key string, p []byte, off int64) (n int, kind tiers.Kind, ok bool, err error) {
@@ -285,6 +339,9 @@ func (r *rangeFiles) readAt(key string, p []byte, off int64) (n int, kind tiers.
 	rf, found := r.files[key]
 	if !found || !rf.until.IsZero() && time.Now().After(rf.until) {
 		return 0, 0, false, nil
+	}
+	if rf.m != nil {
+		return copyAt(rf.m.Bytes(), p, off), rf.kind, true, nil
 	}
 	n, err = readFull(rf.f, p, off)
 	return n, rf.kind, true, err
@@ -301,33 +358,49 @@ func (r *rangeFiles) size(path string) (int64, bool) {
 	return rf.size, true
 }
 
-// add keeps rf open for key, closing the one it replaces and, past rangeFilesMax, another.
+// add keeps rf for key, releasing the one it replaces and, past the bounds, another of its
+// sort (an arbitrary one: map order).
 func (r *rangeFiles) add(key string, rf rangeFile) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.files == nil {
 		r.files = make(map[string]rangeFile)
 	}
-	if old, ok := r.files[key]; ok {
-		old.f.Close()
-		delete(r.files, key)
-	}
-	for k, old := range r.files { // an arbitrary one: map order
-		if len(r.files) < rangeFilesMax {
+	r.drop(key)
+	isSource := rf.m == nil
+	for k, old := range r.files {
+		if isSource && r.sources < rangeSourcesMax || !isSource && len(r.files)-r.sources < rangeMapsMax {
 			break
 		}
-		old.f.Close()
-		delete(r.files, k)
+		if (old.m == nil) == isSource {
+			r.drop(k)
+		}
 	}
 	r.files[key] = rf
+	if isSource {
+		r.sources++
+	}
 }
 
-// close closes every file kept.
+// drop releases the entry of key, if any (r.mu held).
+func (r *rangeFiles) drop(key string) {
+	rf, ok := r.files[key]
+	if !ok {
+		return
+	}
+	rf.release()
+	delete(r.files, key)
+	if rf.m == nil {
+		r.sources--
+	}
+}
+
+// close releases every entry.
 func (r *rangeFiles) close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, rf := range r.files {
-		rf.f.Close()
+		rf.release()
 	}
-	r.files = nil
+	r.files, r.sources = nil, 0
 }

@@ -287,11 +287,30 @@ class Client:
 
     def pread(self, path: PathArg, length: int, offset: int = 0) -> bytes:
         """Returns up to length bytes of the file from offset, copied into new bytes."""
-        out = ctypes.create_string_buffer(length)
-        n = self._lib.fc_pread(self._checked(), _fs(path), out, length, offset)
+        if length < 0:
+            raise ValueError(f"length {length} is negative")
+        out = bytearray(length)
+        n = self.pread_into(path, out, offset)
+        del out[n:]
+        return bytes(out)
+
+    def pread_into(self, path: PathArg, buffer: Any, offset: int = 0) -> int:
+        """Reads up to len(buffer) bytes of the file from offset into buffer, a writable
+        contiguous bytes-like object (bytearray, memoryview, numpy array), and returns how
+        many it read: 0 at or past the end of the file. Nothing is allocated or copied
+        besides the read itself, as with os.preadv."""
+        view = memoryview(buffer)
+        if view.readonly or not view.c_contiguous:
+            raise TypeError("pread_into needs a writable contiguous buffer")
+        length = view.nbytes
+        # The first byte as a ctypes object holds an export of the buffer (as view does):
+        # the buffer cannot be resized or freed while the call writes into it.
+        anchor = ctypes.c_char.from_buffer(view) if length else None
+        target = ctypes.addressof(anchor) if length else None
+        n = self._lib.fc_pread(self._checked(), _fs(path), target, length, offset)
         if n < 0:
             _raise(self._lib, n, path)
-        return out.raw[:n]
+        return n
 
     def size(self, path: PathArg) -> int:
         """Returns the file's size in bytes."""

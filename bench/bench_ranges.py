@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Ranges of a large file through the API (issue 19, blocks): a program reads --ranges
+(default 6,000) random ranges of --range-bytes (default 64 KiB) of one file of --size bytes
+(default 3 GiB, random bytes, kept under --data) with `fitcache.Client.pread_into` (fc_pread)
+into one buffer, as an indexed or sharded dataset reader does, and the same ranges with
+os.preadv of the file opened once (plain; the file is in the page cache, read once first).
+--api pread compares Client.pread with os.pread instead (new bytes per range).
+
+FitCache's embedded server gets a memory tier under --tier-parent (default /dev/shm) of
+--tier-bytes (default 2.5 GiB: smaller than the file) and caches the file in blocks of
+--block-size (a list to compare: "1MiB,4MiB,16MiB"). Each round starts a new private cache
+and reads the ranges in passes: pass 1 finds nothing cached (the source is read at once and
+the blocks read are cached in the background), passes 2 and 3 are warm. Between passes the
+bench waits for the server's block fills to end. Source opens are counted by inotify on
+the file's directory, from outside FitCache.
+
+    python bench/bench_ranges.py --out bench/results/ranges-2026-11-26.json
+
+Reported per block size: each pass's time as a ratio of plain's (plain / FitCache: above 1
+is faster), medians over --repeats rounds; source opens in all; blocks cached.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+import fitcache  # noqa: E402
+from bench_large import make_file, warm  # noqa: E402
+from inotify import OpenCounter  # noqa: E402
+
+
+def offsets(args):
+    rng = random.Random(1)
+    return [rng.randrange(0, args.size - args.range_bytes) for _ in range(args.ranges)]
+
+
+def plain_pass(path, offs, length, api):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if api == "pread":
+            t = time.perf_counter()
+            got = sum(len(os.pread(fd, length, o)) for o in offs)
+        else:
+            buf = [bytearray(length)]
+            t = time.perf_counter()
+            got = sum(os.preadv(fd, buf, o) for o in offs)
+        return time.perf_counter() - t, got
+    finally:
+        os.close(fd)
+
+
+def fitcache_pass(client, path, offs, length, api):
+    if api == "pread":
+        t = time.perf_counter()
+        got = sum(len(client.pread(path, length, o)) for o in offs)
+    else:
+        buf = bytearray(length)
+        t = time.perf_counter()
+        got = sum(client.pread_into(path, buf, o) for o in offs)
+    return time.perf_counter() - t, got
+
+
+def settled(client):
+    """Waits until the server's block fills end (published stops growing); returns its stats."""
+    last, deadline = -1, time.monotonic() + 300
+    while time.monotonic() < deadline:
+        s = client.stats()
+        server = s.get("server", {})
+        if server.get("published", 0) == last:
+            return s
+        last = server.get("published", 0)
+        time.sleep(0.5)
+    sys.exit("block fills did not settle in 300 s")
+
+
+def fitcache_round(path, offs, args, block_size):
+    tier = Path(tempfile.mkdtemp(prefix="fitcache-bench-ranges-", dir=args.tier_parent))
+    runtime = Path(tempfile.mkdtemp(prefix="fitcache-bench-run-"))
+    rows = []
+    try:
+        with OpenCounter(str(path.parent)) as opens, fitcache.Client(
+                path.parent, tiers=f"memory:{tier}:{args.tier_bytes}", runtime_dir=str(runtime),
+                block_size=block_size, prefetch="0") as client:
+            for p in range(1, args.passes + 1):
+                took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api)
+                if got != len(offs) * args.range_bytes:
+                    sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
+                stats = settled(client)
+                rows.append({"pass": p, "seconds": took, "source_opens": sum(opens.counts().values()),
+                             "client": stats["client"], "published": stats["server"].get("published"),
+                             "source_reads": stats["server"].get("source_reads")})
+    finally:
+        subprocess.run([fitcache._native.server_binary(), "stop"], capture_output=True, timeout=60,
+                       env={**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime)})
+        shutil.rmtree(tier, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=3 << 30, help="bytes of the large file")
+    ap.add_argument("--data", default="/var/tmp/fitcache-bench-ranges", help="where the file is kept")
+    ap.add_argument("--ranges", type=int, default=6000)
+    ap.add_argument("--range-bytes", type=int, default=64 << 10)
+    ap.add_argument("--tier-bytes", default="2560MiB", help="the memory tier's budget")
+    ap.add_argument("--tier-parent", default="/dev/shm")
+    ap.add_argument("--block-size", default="4MiB", help="comma-separated block sizes to compare")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--api", choices=("pread_into", "pread"), default="pread_into",
+                    help="Client.pread_into into one buffer against os.preadv, or Client.pread "
+                         "(new bytes per range) against os.pread")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="JSON results")
+    args = ap.parse_args()
+
+    path = Path(args.data) / f"large-{args.size}.bin"
+    make_file(path, args.size)
+    offs = offsets(args)
+    results = {"args": vars(args), "rounds": []}
+    for r in range(args.repeats):
+        for bs in args.block_size.split(","):
+            warm(path)
+            plain, _ = plain_pass(path, offs, args.range_bytes, args.api)
+            rows = fitcache_round(path, offs, args, bs)
+            results["rounds"].append({"round": r, "block_size": bs, "plain_s": plain, "passes": rows})
+            print(f"round {r} block {bs}: plain {plain:.3f} s; " + "; ".join(
+                f"pass {x['pass']} {x['seconds']:.3f} s ({plain / x['seconds']:.2f}x), "
+                f"{x['client']['source_ranges']} ranges from the source, opens so far {x['source_opens']}"
+                for x in rows), flush=True)
+    summary = {}
+    for bs in args.block_size.split(","):
+        rounds = [x for x in results["rounds"] if x["block_size"] == bs]
+        summary[bs] = {
+            f"pass {p}": round(statistics.median(x["plain_s"] / x["passes"][p - 1]["seconds"] for x in rounds), 2)
+            for p in range(1, args.passes + 1)}
+        summary[bs]["source opens (max)"] = max(x["passes"][-1]["source_opens"] for x in rounds)
+        summary[bs]["blocks cached (min)"] = min(x["passes"][-1]["published"] for x in rounds)
+        summary[bs]["blocks in the file"] = -(-args.size // fitcache_block_bytes(bs))
+    results["summary"] = summary
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def fitcache_block_bytes(s):
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for u, m in units.items():
+        if s.endswith(u):
+            return int(float(s[:-len(u)]) * m)
+    return int(s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Ranges of large files through the API (Client.pread, Client.pread_into, fc_pread): a file
+larger than the cache is cached by the blocks that are read, every range has the file's
+bytes, the source is opened once per block at most, and a block hit needs no Go (it is
+served in a process forked after the library was loaded)."""
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+import fitcache
+
+BLOCK = 1 << 20
+
+
+@pytest.fixture
+def large_file(tmp_path):
+    """A dataset root holding one file of 20 blocks and 5 bytes, larger than the tiers below."""
+    root = tmp_path / "dataset"
+    root.mkdir()
+    data = random.Random(5).randbytes(20 * BLOCK + 5)
+    (root / "big.bin").write_bytes(data)
+    return str(root), data
+
+
+@pytest.fixture
+def small_tiers(cache_options):
+    """cache_options with one memory tier of 12 MiB (12 blocks of the file) and 1 MiB blocks."""
+    shm = cache_options["tiers"].split(",")[0].split(":")[1]
+    return {**cache_options, "tiers": f"memory:{shm}:12MiB", "block_size": "1MiB", "prefetch": "0"}
+
+
+def ranges_of(data, n=300, seed=9):
+    rng = random.Random(seed)
+    out = [(BLOCK - 7, 20), (len(data) - 3, 10), (len(data) + 1, 10), (0, 3 * BLOCK + 11)]
+    out += [(rng.randrange(0, len(data)), rng.randrange(1, 300_000)) for _ in range(n)]
+    return out
+
+
+def settle(client, timeout=30):
+    """Waits until the server's block fills end; returns the client's statistics."""
+    last, deadline = -1, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if stats["server"]["published"] == last:
+            return stats
+        last = stats["server"]["published"]
+        time.sleep(0.3)
+    raise AssertionError("block fills did not settle")
+
+
+def test_ranges_of_a_file_larger_than_the_cache_are_cached_by_blocks(large_file, small_tiers):
+    root, data = large_file
+    with fitcache.Client(root, **small_tiers) as client:
+        buf = bytearray(4 * BLOCK)
+        from_source = []  # ranges read from the source, by pass
+        for p in range(3):
+            for off, n in ranges_of(data):
+                want = data[off:off + n]
+                assert client.pread("big.bin", n, off) == want, (p, off, n)
+                view = memoryview(buf)[:n]
+                assert client.pread_into("big.bin", view, off) == len(want)
+                assert view[:len(want)] == want
+            stats = settle(client)
+            from_source.append(stats["client"]["source_ranges"] - sum(from_source))
+        server, own = stats["server"], stats["client"]
+        # 12 of the 21 blocks fit: the others are read from the source at every pass.
+        assert 8 <= server["published"] <= 12, server
+        assert server["source_reads"] == server["published"], "each block cached read from the source once"
+        assert own["source_opens"] <= 2, "the client reads the blocks not cached through one open (kept 5 s)"
+        assert from_source[2] < from_source[0], f"ranges from the source by pass: {from_source}"
+        assert own["errors"] == 0 and server["errors"] == 0, stats
+
+
+def test_cached_blocks_are_read_without_go_in_a_forked_process(large_file, small_tiers):
+    """A DataLoader worker forked after its parent loaded the library cannot run Go: ranges
+    of cached blocks are still served (in C), and a range of a block not cached fails at once
+    with ForkedAfterLoad, never a hang."""
+    root, data = large_file
+    code = f"""
+import os, random, time, fitcache
+c = fitcache.Client({root!r}, **{small_tiers!r})
+for b in range(4):
+    c.pread("big.bin", 10, b * {BLOCK})  # read from the source; the server caches blocks 0-3
+for _ in range(300):
+    if c.stats()["server"]["published"] >= 4:
+        break
+    time.sleep(0.1)
+data = open({root!r} + "/big.bin", "rb").read()
+pid = os.fork()
+if pid == 0:
+    rng = random.Random(1)
+    ok = True
+    for _ in range(200):
+        off = rng.randrange(0, 4 * {BLOCK} - 100_000)
+        ok = ok and c.pread("big.bin", 100_000, off) == data[off:off + 100_000]
+    try:
+        c.pread("big.bin", 10, 19 * {BLOCK})
+        ok = False
+    except fitcache.ForkedAfterLoad:
+        pass
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_pread_into_takes_writable_contiguous_buffers(large_file, small_tiers):
+    root, data = large_file
+    numpy = pytest.importorskip("numpy")
+    with fitcache.Client(root, **small_tiers) as client:
+        arr = numpy.zeros((4, 8), dtype=numpy.float64)
+        assert client.pread_into("big.bin", arr, 100) == 256
+        assert arr.tobytes() == data[100:356]
+        assert client.pread_into("big.bin", bytearray(0), 0) == 0
+        for bad in (b"read-only", memoryview(bytearray(8))[::2]):
+            with pytest.raises(TypeError):
+                client.pread_into("big.bin", bad, 0)
+        with pytest.raises(fitcache.FitCacheError):
+            client.pread_into("big.bin", bytearray(4), -1)
+        with pytest.raises(fitcache.NotFound):
+            client.pread_into("missing.bin", bytearray(4), 0)
