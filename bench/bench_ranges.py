@@ -16,6 +16,9 @@ the file's directory, from outside FitCache.
 
     python bench/bench_ranges.py --out bench/results/ranges-2026-11-26.json
 
+With --drop-caches the plain pass and FitCache's first pass read a cold file (on a parallel
+file system: --data /mnt/pfs/..., see bench/README.md).
+
 Reported per block size: each pass's time as a ratio of plain's (plain / FitCache: above 1
 is faster), medians over --repeats rounds; source opens in all; blocks cached.
 """
@@ -59,6 +62,13 @@ def plain_pass(path, offs, length, api):
         return time.perf_counter() - t, got
     finally:
         os.close(fd)
+
+
+def drop_caches():
+    """Empties the page cache (clean pages only; tmpfs keeps its pages): the next reads of the
+    file go to its file system."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
 def fitcache_pass(client, path, offs, length, api):
@@ -123,6 +133,9 @@ def main():
                     help="Client.pread_into into one buffer against os.preadv, or Client.pread "
                          "(new bytes per range) against os.pread")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="cold: drop the page cache (root) before the plain pass and before FitCache's "
+                         "first, instead of reading the file into it")
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
 
@@ -132,8 +145,13 @@ def main():
     results = {"args": vars(args), "rounds": []}
     for r in range(args.repeats):
         for bs in args.block_size.split(","):
-            warm(path)
+            if args.drop_caches:
+                drop_caches()
+            else:
+                warm(path)
             plain, _ = plain_pass(path, offs, args.range_bytes, args.api)
+            if args.drop_caches:
+                drop_caches()
             rows = fitcache_round(path, offs, args, bs)
             results["rounds"].append({"round": r, "block_size": bs, "plain_s": plain, "passes": rows})
             print(f"round {r} block {bs}: plain {plain:.3f} s; " + "; ".join(
