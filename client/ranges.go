@@ -173,7 +173,7 @@ func (c *Client) readBlockRange(conn *serverConn, dirs []tiers.Dir, path string,
 	}
 	c.counts.sourceRanges.Add(1)
 	c.counts.sourceRangeBytes.Add(int64(k))
-	c.bringBlock(conn, path, n)
+	c.bringBlock(conn, path, n, n*conn.blockBytes+within, int64(k))
 	return k, err
 }
 
@@ -206,22 +206,42 @@ func readFull(f *os.File, p []byte, off int64) (int, error) {
 	return n, err
 }
 
-// bringBlock asks the server, in the background, to cache block n of the file at path,
-// unless it was asked already (an ask is repeated after blockAskAgain: the server may have
-// declined it). Asks wait in a queue of at most blockQueueMax (past it, the next miss on the
-// block asks again), served by up to blockBringsMax goroutines.
-func (c *Client) bringBlock(conn *serverConn, path string, n int64) {
+// bringBlock notes that k bytes at off of the file at path, in its block n, were read from
+// the source, and asks the server, in the background, to cache that block once it is worth
+// it: when the reader reads the file in sequence (the range starts where its last one
+// ended), or once the ranges read of the block from the source add up to a quarter of it
+// (blockHeatShare). A random reader of sparse ranges so costs the source at most four times
+// the bytes it reads, and a first pass over a file does not wait behind copies of blocks
+// it barely reads (measured on the emulated parallel file system: with an eighth, the first
+// of three passes of random 64 KiB ranges, 8 per block, ran at 0.49x plain reads); a block
+// read often is cached after a few of its ranges. A block is asked
+// for once (again after blockAskAgain: the server may have declined it). Asks wait in a
+// queue of at most blockQueueMax (past it, the next miss on the block asks again), served
+// by up to blockBringsMax goroutines.
+func (c *Client) bringBlock(conn *serverConn, path string, n, off, k int64) {
 	name := tiers.BlockName(path, n)
 	b := &c.brings
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if at, asked := b.asked[name]; asked && time.Since(at) < blockAskAgain || len(b.queue) >= blockQueueMax {
+	if b.blocks == nil || len(b.blocks) >= blockAsksMax {
+		b.blocks = make(map[string]*blockHeat)
+	}
+	if b.ends == nil || len(b.ends) >= blockAsksMax {
+		b.ends = make(map[string]int64)
+	}
+	sequential := b.ends[path] == off && off > 0
+	b.ends[path] = off + k
+	h := b.blocks[name]
+	if h == nil {
+		h = &blockHeat{}
+		b.blocks[name] = h
+	}
+	h.read += k
+	if !sequential && h.read < conn.blockBytes/blockHeatShare || time.Since(h.asked) < blockAskAgain ||
+		len(b.queue) >= blockQueueMax {
 		return
 	}
-	if b.asked == nil || len(b.asked) >= blockAsksMax {
-		b.asked = make(map[string]time.Time)
-	}
-	b.asked[name] = time.Now()
+	h.asked = time.Now()
 	b.queue = append(b.queue, blockAsk{conn: conn, path: path, n: n})
 	if b.running < blockBringsMax {
 		b.running++
@@ -229,6 +249,16 @@ func (c *Client) bringBlock(conn *serverConn, path string, n int64) {
 		go c.bringBlocks()
 	}
 }
+
+// blockHeat is what a client read of a block from the source, and when it asked for it.
+type blockHeat struct {
+	read  int64
+	asked time.Time
+}
+
+// blockHeatShare: a block is asked for once the ranges read of it from the source add up
+// to 1/blockHeatShare of it (see bringBlock).
+const blockHeatShare = 4
 
 // bringBlocks asks the server for the queued blocks until the queue is empty or the client
 // closes.
@@ -271,17 +301,18 @@ const (
 	// blockAskAgain is how long a client waits before asking again for a block it asked for
 	// (the server declined it: no room; or a reader still misses on it).
 	blockAskAgain = 10 * time.Second
-	// blockAsksMax bounds the asks a client remembers (about 100 bytes each).
+	// blockAsksMax bounds the blocks (and files) a client remembers (about 100 bytes each).
 	blockAsksMax = 1 << 16
 )
 
 // blockBrings are a client's background asks for blocks (see bringBlock).
 type blockBrings struct {
-	mu      sync.Mutex           // protects asked, queue and running
-	asked   map[string]time.Time // block name -> when it was asked for
-	queue   []blockAsk           // asks waiting, oldest first
-	running int                  // goroutines serving the queue
-	wg      sync.WaitGroup       // those goroutines, awaited by Close
+	mu      sync.Mutex            // protects blocks, ends, queue and running
+	blocks  map[string]*blockHeat // block name -> what was read of it, when it was asked for
+	ends    map[string]int64      // path -> where the last range read from its source ended
+	queue   []blockAsk            // asks waiting, oldest first
+	running int                   // goroutines serving the queue
+	wg      sync.WaitGroup        // those goroutines, awaited by Close
 }
 
 // blockAsk is an ask for block n of the file at path, to the server of conn.
