@@ -91,6 +91,14 @@ class FitCacheDataset(_Base):
     over; an integer sets the server's option ``prefetch`` (source reads it runs at once) for
     a server the dataset starts.
 
+    Ranges: with ``ranges``, a sequence of ``(path, offset, length)`` (path relative to
+    ``root`` or absolute inside it), item i is that range of that file instead of a whole
+    file, as indexed and sharded formats store samples: ``ds[i]`` is a read-only memoryview of
+    its bytes (fewer at the end of the file). Large files are then cached in blocks as their
+    ranges are read (see the README, Ranges of large files), also files larger than the
+    cache. Prefetch is off by default for ranges: prefetch reads whole files, and large files
+    are cached by the blocks read.
+
     Consistency: the dataset is one job (option ``job``, a new id per dataset object unless
     given or set in FITCACHE_JOB), shared by every process that reads it, DataLoader workers
     included. The server checks each cached copy against its source file (size, times, inode)
@@ -99,7 +107,8 @@ class FitCacheDataset(_Base):
     """
 
     def __init__(self, root: PathLike, transform: Callable[[memoryview], Any] | None = None, *,
-                 filter: Filter = None, files: Iterable[str] | None = None, prefetch: bool = True,
+                 filter: Filter = None, files: Iterable[str] | None = None,
+                 ranges: Iterable[tuple[str, int, int]] | None = None, prefetch: bool | int | None = None,
                  **options: Any) -> None:
         root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
         root = os.path.abspath(root)
@@ -110,6 +119,9 @@ class FitCacheDataset(_Base):
         self.root = root
         self._real_root = os.path.realpath(root)  # the fork fallback checks reads against it
         self.transform = transform
+        self.ranges = _check_ranges(ranges, files, filter) if ranges is not None else None
+        if prefetch is None:
+            prefetch = self.ranges is None
         if not isinstance(prefetch, bool):
             reads = operator.index(prefetch)
             if reads < 0:
@@ -121,7 +133,10 @@ class FitCacheDataset(_Base):
             # the cache against the source for all of them, and a new one for the next dataset.
             options = {**options, "job": "dataset-" + secrets.token_hex(12)}
         self.options = options
-        self.files = list(files) if files is not None else list_files(root, filter)
+        if self.ranges is not None:
+            self.files = list(dict.fromkeys(path for path, _, _ in self.ranges))  # in order of first use
+        else:
+            self.files = list(files) if files is not None else list_files(root, filter)
         self._prefetch = prefetch
         # Indices in the order they will be read; None: list order.
         self._prefetch_order: list[int] | None = None
@@ -133,23 +148,39 @@ class FitCacheDataset(_Base):
         self._handover = None  # the thread handing the prefetch list over (see _get_client)
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.ranges) if self.ranges is not None else len(self.files)
 
     def path(self, index: int) -> str:
-        """The absolute path of item ``index``."""
+        """The absolute path of item ``index`` (of its file, for a range)."""
+        if self.ranges is not None:
+            return os.path.join(self.root, self.ranges[index][0])
         return os.path.join(self.root, self.files[index])
 
     def __getitem__(self, index: int) -> Any:
         if not isinstance(index, int) and hasattr(index, "__index__"):
             index = index.__index__()  # numpy and torch integers, as samplers yield them
-        path = self.path(index)
-        data = self._read(path)
+        if self.ranges is not None:
+            data = self._read_range(index)
+        else:
+            data = self._read(self.path(index))
         return self.transform(data) if self.transform is not None else data
+
+    def _read_range(self, index):
+        """Item index of a dataset of ranges: its bytes, read through the file's blocks."""
+        path, offset, length = self.ranges[index]
+        path = os.path.join(self.root, path)
+        try:
+            return memoryview(self._get_client().pread(path, length, offset)).toreadonly()
+        except _native.ForkedAfterLoad as err:
+            _warn_forked(err)
+            return _read_source(path, self.root, self._real_root, offset, length)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The items at indices, as ``[self[i] for i in indices]`` but read in one native call
         (misses fetched concurrently). PyTorch 2's DataLoader calls it for a whole batch."""
         indices = [i.__index__() if not isinstance(i, int) and hasattr(i, "__index__") else i for i in indices]
+        if self.ranges is not None:
+            return [self[i] for i in indices]
         paths = [self.path(i) for i in indices]
         try:
             views = self._get_client().read_each(paths)
@@ -212,12 +243,12 @@ class FitCacheDataset(_Base):
         Returns the job's state as a dict when it went through the command (always with
         ``wait=True``), else None. Progress is in ``ds.stats()["server"]["prefetch"]``."""
         if indices is not None:
-            n = len(self.files)
+            n = len(self)
             order = []
             for i in indices:
                 i = operator.index(i)
                 if not -n <= i < n:
-                    raise IndexError(f"prefetch: index {i} out of range for {n} files")
+                    raise IndexError(f"prefetch: index {i} out of range for {n} items")
                 order.append(i % n)
             self._prefetch_order = order
             self._prefetch_encoded = None
@@ -236,15 +267,15 @@ class FitCacheDataset(_Base):
         """The prefetch list, and how many of its paths are read in this epoch (0: all)."""
         if self._prefetch_order is None:
             return [os.path.join(self.root, f) for f in self.files], 0
-        paths = [self.path(i) for i in self._prefetch_order]
+        paths = list(dict.fromkeys(self.path(i) for i in self._prefetch_order))  # ranges share files
         if self.options.get("servers") or os.environ.get("FITCACHE_SERVERS"):
             # Cluster mode: the node's server keeps copies of what its readers read, where it
             # has room. With one rank's share given (a DistributedSampler), the other files come
             # after it, for later epochs: the rank reads another part every epoch, and a node
             # with room for the whole dataset then reads all of it locally. The server brings
             # them in once this epoch's files are in, a few at a time.
-            given = set(self._prefetch_order)
-            rest = [self.path(i) for i in range(len(self.files)) if i not in given]
+            given = set(paths)
+            rest = [p for p in (os.path.join(self.root, f) for f in self.files) if p not in given]
             if rest:
                 return paths + rest, len(paths)
         return paths, 0
@@ -361,12 +392,30 @@ def _warn_forked(err):
                     "from the source in this process", err.strerror)
 
 
-def _read_source(path, root, real_root):
-    """The fallback read: the source file's bytes, uncached, with the checks of the native
-    library's source read (core.OpenSource): path (absolute, or relative to root) must stay
-    under root once normalised, and its real path under real_root; it must be a regular file
-    (a FIFO is refused without waiting for a writer). Raises the exceptions the native path
-    raises: NotFound, PermissionDenied, IsADirectory, or FitCacheError with EINVAL."""
+def _check_ranges(ranges, files, filter):
+    """The dataset's ranges as a list of (path, offset, length), checked."""
+    if files is not None or filter is not None:
+        raise ValueError("give ranges, or files and filter, not both")
+    out = []
+    for i, item in enumerate(ranges):
+        try:
+            path, offset, length = item
+            offset, length = operator.index(offset), operator.index(length)
+        except (TypeError, ValueError):
+            raise ValueError(f"range {i}: want (path, offset, length), got {item!r}") from None
+        if offset < 0 or length < 0:
+            raise ValueError(f"range {i}: offset and length must be >= 0, got {item!r}")
+        out.append((os.fsdecode(_native._fs(path)), offset, length))
+    return out
+
+
+def _read_source(path, root, real_root, offset=None, length=None):
+    """The fallback read: the source file's bytes (or length bytes of it at offset), uncached,
+    with the checks of the native library's source read (core.OpenSource): path (absolute, or
+    relative to root) must stay under root once normalised, and its real path under
+    real_root; it must be a regular file (a FIFO is refused without waiting for a writer).
+    Raises the exceptions the native path raises: NotFound, PermissionDenied, IsADirectory,
+    or FitCacheError with EINVAL."""
     path = os.fsdecode(_native._fs(path))
     full = os.path.normpath(os.path.join(root, path))
     if not _within(full, root):
@@ -390,6 +439,8 @@ def _read_source(path, root, real_root):
         if real is not None and not _within(real, real_root):
             raise _native.PermissionDenied(errno.EACCES, f"path outside the dataset root: {full} "
                                            f"resolves to {real}, outside {real_root}", path)
+        if offset is not None:
+            return memoryview(os.pread(fd, length, offset)).toreadonly()
         if st.st_size > _DIRECT_READ_MAX:  # mapped, as the native library does: never copied whole
             return memoryview(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)).toreadonly()
         data = os.pread(fd, st.st_size, 0)
