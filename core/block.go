@@ -54,7 +54,11 @@ func (e *Engine) ReadBlock(ctx context.Context, root, path string, n int64, want
 		return Result{}, err
 	}
 	size := int64(len(res.Bytes()))
-	e.stats.bytesServed.Add(size)
+	if !wantMapping {
+		// Sent. A caller on this node maps the block and counts the ranges it reads of it
+		// (a client asking for a block to be cached reads none of it).
+		e.stats.bytesServed.Add(size)
+	}
 	e.lat.observe(opRead, res.Origin, time.Since(start), size)
 	return res, nil
 }

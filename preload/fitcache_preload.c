@@ -505,7 +505,9 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		goto out;
 	struct fc_hit hit;
 	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {
-		fc_count_hit(&tiers[hit.tier], hit.size);
+		// A hit with no bytes: the program reads what it wants of the descriptor, which the
+		// server cannot see ("served" counts bytes delivered, not the sizes of files opened).
+		fc_count_hit(&tiers[hit.tier], 0);
 		fd = hit.fd;
 		untrack_write(fd);
 		goto out;
