@@ -623,10 +623,24 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 	return (ssize_t)k;
 }
 
+// decimal writes v (>= 0) in decimal at out, without a terminator, and returns its length
+// (at most 19).
+static size_t decimal(int64_t v, char *out) {
+	char digits[20];
+	size_t nd = 0;
+	do {
+		digits[nd++] = (char)('0' + v % 10);
+		v /= 10;
+	} while (v > 0);
+	for (size_t i = 0; i < nd; i++)
+		out[i] = digits[nd - 1 - i];
+	return nd;
+}
+
 int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int64_t *got) {
 	int saved = errno;
 	struct hit_client *c = acquire(handle);
-	char name[FC_PATH_MAX + 24];
+	char name[FC_PATH_MAX + 48];
 	int n, nt, rc = FC_MISS;
 	if (!c || (nt = tier_count(c)) == 0 || (n = source_path(c, path, name, FC_PATH_MAX)) < 0)
 		goto out;
@@ -639,17 +653,14 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	while (bb > 0 && done < len) {
 		int64_t at = off + done, block = at / bb, within = at % bb;
 		int64_t want = len - done < bb - within ? len - done : bb - within;
-		// tiers.BlockName: the path, a NUL byte, the block's number in decimal.
-		char digits[24];
-		int nd = 0;
-		do {
-			digits[nd++] = (char)('0' + block % 10);
-			block /= 10;
-		} while (block > 0);
-		name[n] = 0;
-		for (int i = 0; i < nd; i++)
-			name[n + 1 + i] = digits[nd - 1 - i];
-		k = read_copy(c, nt, name, (size_t)n + 1 + (size_t)nd, (char *)buf + done, (size_t)want, (off_t)within);
+		// tiers.BlockName: the path, a NUL byte, the block size and the block's number in
+		// decimal, "path\0<bb>:<n>".
+		size_t len = (size_t)n;
+		name[len++] = 0;
+		len += decimal(bb, name + len);
+		name[len++] = ':';
+		len += decimal(block, name + len);
+		k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within);
 		if (k < 0)
 			break;
 		done += k;

@@ -36,6 +36,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -249,6 +250,9 @@ func (c *Client) RealRoot() string { return c.realRoot }
 // Resolve turns a path relative to the root, or absolute, into a clean absolute path inside
 // the root, or reports why it is not one.
 func (c *Client) Resolve(path string) (string, error) {
+	if strings.IndexByte(path, 0) >= 0 {
+		return "", fmt.Errorf("%w: %q has a NUL byte", core.ErrBadPath, path)
+	}
 	if !filepath.IsAbs(path) {
 		path = filepath.Join(c.root, path)
 	}

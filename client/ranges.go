@@ -160,7 +160,7 @@ const sourceKeep = 5 * time.Second
 // readBlockRange reads len(p) bytes at within of block n of the file at path: from the
 // block in a tier of this node, else from the source, asking the server to cache the block.
 func (c *Client) readBlockRange(conn *serverConn, dirs []tiers.Dir, path string, n int64, p []byte, within int64) (int, error) {
-	name := tiers.BlockName(path, n)
+	name := tiers.BlockName(path, conn.blockBytes, n)
 	if k, ok, err := c.readCopy(dirs, name, name, p, within); ok {
 		return k, err
 	}
@@ -219,7 +219,7 @@ func readFull(f *os.File, p []byte, off int64) (int, error) {
 // queue of at most blockQueueMax (past it, the next miss on the block asks again), served
 // by up to blockBringsMax goroutines.
 func (c *Client) bringBlock(conn *serverConn, path string, n, off, k int64) {
-	name := tiers.BlockName(path, n)
+	name := tiers.BlockName(path, conn.blockBytes, n)
 	b := &c.brings
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -4,7 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/fitcache/fitcache/tiers"
@@ -42,7 +46,7 @@ func (e *Engine) ReadBlock(ctx context.Context, root, path string, n int64, want
 	if e.closed.Load() {
 		return Result{}, ErrClosed
 	}
-	if n < 0 {
+	if n < 0 || n > math.MaxInt64/e.blockBytes-1 { // n*blockBytes must not overflow
 		return Result{}, fmt.Errorf("%w: block %d of %s", ErrBadPath, n, path)
 	}
 	start := time.Now()
@@ -67,7 +71,7 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 	if err := e.checkRoot(root, path); err != nil {
 		return Result{}, err
 	}
-	name := tiers.BlockName(path, n)
+	name := tiers.BlockName(path, e.blockBytes, n)
 	if err := e.validateEntry(root, path, name, n); err != nil {
 		return Result{}, err
 	}
@@ -109,7 +113,7 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 	if errors.Is(err, tiers.ErrNotCached) { // evicted at once by a burst of other fills
 		return Result{}, fmt.Errorf("%w: block %d of %s was evicted before it could be served", ErrTooLarge, n, path)
 	}
-	res.Origin, res.CTimeNanos, res.Ino = origin, f.ctime, f.ino
+	res.Origin = origin // the times and inode are the copy's, as recorded (see probe)
 	return res, err
 }
 
@@ -117,8 +121,13 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 // the same for whole files). The source is opened for the block alone: a block is read
 // once, so a file is opened at most once per block it has.
 func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
-	name := tiers.BlockName(path, n)
+	name := tiers.BlockName(path, e.blockBytes, n)
 	defer e.finish(name, f)
+	if slices.ContainsFunc(e.tiers, func(t *tiers.Tier) bool { return t.Listed(name) }) {
+		// Published by a flight that ended between the caller's probe and its join.
+		f.inTier = true
+		return
+	}
 	if e.fullFor(root) {
 		f.err = fmt.Errorf("%w: block %d of %s", ErrCacheFull, n, path)
 		e.stats.uncached.Add(1)
@@ -132,6 +141,15 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	}
 	defer src.Close()
 	f.mtime, f.ctime, f.ino, f.size = src.MTimeNanos(), src.CTimeNanos(), src.Ino(), src.Size()
+	if was, ok := e.blockFiles.note(session, path, src.Identity()); ok && was != src.Identity() {
+		// The file changed during the session: its blocks of the version before go, so that
+		// this block never joins them.
+		for _, t := range e.tiers {
+			t.ForgetBlocks(path)
+		}
+		e.stats.staleCopies.Add(1)
+		e.log.Info("dropped the cached blocks of a file that changed", "path", path)
+	}
 	entry := tiers.Entry{SourcePath: name, Size: e.blockLen(src.Size(), n), MTimeNanos: f.mtime,
 		SourceCTimeNanos: f.ctime, SourceIno: f.ino, Session: session, Group: root, Mode: src.Mode()}
 	if entry.Size == 0 {
@@ -155,11 +173,54 @@ func (e *Engine) forgetFlights(path string) {
 	if f := e.flights[path]; f != nil {
 		f.forgotten.Store(true)
 	}
-	prefix := tiers.BlockName(path, 0)
-	prefix = prefix[:len(prefix)-1] // the path and the NUL byte
+	prefix := filepath.Clean(path) + "\x00" // tiers.BlockName
 	for name, f := range e.flights {
 		if strings.HasPrefix(name, prefix) {
 			f.forgotten.Store(true)
 		}
 	}
+}
+
+// blockFiles remembers, for the current validation session, the identity of each file whose
+// blocks were checked or filled: its blocks are checked against one look at the file per
+// session (not one stat per block), and a fill that finds the file changed drops the blocks
+// of the version before (see fillBlock), so that a reader never gets blocks of two versions
+// from this server. It is safe for concurrent use.
+type blockFiles struct {
+	mu      sync.Mutex // protects session and files
+	session uint32
+	files   map[string]tiers.Identity
+}
+
+// blockFilesMax bounds the files remembered; past it, the memory starts over.
+const blockFilesMax = 1 << 16
+
+// identity returns the identity of the file at path in session, from look the first time.
+func (b *blockFiles) identity(session uint32, path string, look func() (tiers.Identity, error)) (tiers.Identity, error) {
+	b.mu.Lock()
+	if b.session == session {
+		if id, ok := b.files[path]; ok {
+			b.mu.Unlock()
+			return id, nil
+		}
+	}
+	b.mu.Unlock()
+	id, err := look()
+	if err == nil {
+		b.note(session, path, id)
+	}
+	return id, err
+}
+
+// note records id as the identity of the file at path in session, and returns the one it
+// replaces (ok false when there was none in this session).
+func (b *blockFiles) note(session uint32, path string, id tiers.Identity) (was tiers.Identity, ok bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.session != session || b.files == nil || len(b.files) >= blockFilesMax {
+		b.session, b.files = session, make(map[string]tiers.Identity)
+	}
+	was, ok = b.files[path]
+	b.files[path] = id
+	return was, ok
 }

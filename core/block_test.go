@@ -135,16 +135,46 @@ func TestBlocksOfAChangedFileAreReadAgain(t *testing.T) {
 		t.Fatalf("block 0 of the changed file: origin %q, new bytes %v; want the source's new bytes", origin, bytes.Equal(got, changed[:1<<20]))
 	}
 	if s := e.Stats(); s.StaleCopies != 1 {
-		t.Errorf("stale copies %d, want 1 (block 0; block 2 is checked when read)", s.StaleCopies)
+		t.Errorf("stale copies %d, want 1 (block 0, found stale)", s.StaleCopies)
+	}
+	for _, tier := range e.tiers {
+		if tier.Listed(tiers.BlockName(path, e.blockBytes, 2)) {
+			t.Error("block 2 of the version before is still listed: a stale block drops all of its file's")
+		}
 	}
 	if err := e.Forget(root, path); err != nil {
 		t.Fatal(err)
 	}
 	for _, tier := range e.tiers {
 		for _, n := range []int64{0, 2} {
-			if tier.Listed(tiers.BlockName(path, n)) {
+			if tier.Listed(tiers.BlockName(path, e.blockBytes, n)) {
 				t.Errorf("block %d still listed after Forget", n)
 			}
 		}
+	}
+}
+
+// A file rewritten during a session: the next block filled is of the new version, and the
+// blocks of the version before go, so that no reader gets blocks of both.
+func TestAFileChangedDuringASessionLosesItsOlderBlocks(t *testing.T) {
+	root, paths := dataset(t, 3<<20)
+	path := paths[0]
+	e := newBlockEngine(t, "64MiB")
+	readBlock(t, e, root, path, 0)
+	changed := bytes.Repeat([]byte("y"), 3<<20)
+	if err := os.WriteFile(path, changed, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	os.Chtimes(path, time.Now(), time.Now().Add(time.Hour))
+	if _, got := readBlock(t, e, root, path, 1); !bytes.Equal(got, changed[1<<20:2<<20]) {
+		t.Fatal("block 1 is not of the new version")
+	}
+	for _, tier := range e.tiers {
+		if tier.Listed(tiers.BlockName(path, e.blockBytes, 0)) {
+			t.Fatal("block 0 of the version before is still listed beside block 1 of the new one")
+		}
+	}
+	if origin, got := readBlock(t, e, root, path, 0); origin != "source" || !bytes.Equal(got, changed[:1<<20]) {
+		t.Fatalf("block 0 again: origin %q; want the new version, read from the source", origin)
 	}
 }

@@ -77,6 +77,7 @@ type Engine struct {
 	genFile    string
 	maxSend    int64 // see EngineConfig.MaxSendBytes
 	blockBytes int64 // see EngineConfig.BlockBytes
+	blockFiles blockFiles
 	// nodeFetch is EngineConfig.NodeFetch, or nil.
 	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	closed    atomic.Bool

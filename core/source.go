@@ -25,11 +25,15 @@ func Within(path, root string) bool {
 	return path == root || strings.HasPrefix(path, root+"/")
 }
 
-// CheckPath validates a request: root and path absolute and clean, path inside root.
+// CheckPath validates a request: root and path absolute and clean, without a NUL byte (no
+// file name has one, and a cached block's name does: see tiers.BlockName), path inside root.
 func CheckPath(root, path string) error {
 	for _, p := range []string{root, path} {
 		if !filepath.IsAbs(p) || filepath.Clean(p) != p {
 			return fmt.Errorf("%w: %q is not an absolute clean path", ErrBadPath, p)
+		}
+		if strings.IndexByte(p, 0) >= 0 {
+			return fmt.Errorf("%w: %q has a NUL byte", ErrBadPath, p)
 		}
 	}
 	if !Within(path, root) {

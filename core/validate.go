@@ -55,7 +55,7 @@ func (e *Engine) Session() uint32 { return e.sessions.current() }
 func (e *Engine) validate(root, path string) error { return e.validateEntry(root, path, path, -1) }
 
 // validateEntry is validate for the entry name: the whole file at path (block -1), or its
-// block (name is tiers.BlockName(path, block)), which is checked against the file's identity.
+// block (name is tiers.BlockName(path, BlockBytes, block)), checked against the file's identity.
 func (e *Engine) validateEntry(root, path, name string, block int64) error {
 	if !e.uncheckedCopy(name) {
 		return nil
@@ -84,16 +84,27 @@ func (e *Engine) uncheckedCopy(path string) bool {
 }
 
 // check compares the copies of entry name (path, or its block: see validateEntry) with
-// the source at path.
+// the source at path. The blocks of a file are checked against one look at the file per
+// session (see blockFiles); when one is stale, or the file is gone, every block of the file
+// goes, since they all copy the version that changed.
 func (e *Engine) check(root, path, name string, block int64) error {
 	session := e.sessions.current()
-	e.stats.sourceChecks.Add(1)
-	id, err := e.sourceIdentity(root, path, session)
+	var id tiers.Identity
+	var err error
+	if block >= 0 {
+		id, err = e.blockFiles.identity(session, path, func() (tiers.Identity, error) {
+			e.stats.sourceChecks.Add(1)
+			return e.sourceIdentity(root, path, session)
+		})
+	} else {
+		e.stats.sourceChecks.Add(1)
+		id, err = e.sourceIdentity(root, path, session)
+	}
 	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
 		// Gone from the source: the copies go too, and the read says so as for any file.
 		for _, t := range e.tiers {
 			if listed, _ := t.Checked(name, 0); listed {
-				t.Forget(name)
+				e.forgetCopies(t, path, name, block)
 				e.stats.staleCopies.Add(1)
 			}
 		}
@@ -108,10 +119,20 @@ func (e *Engine) check(root, path, name string, block int64) error {
 	for _, t := range e.tiers {
 		if listed, checked := t.Checked(name, session); listed && !checked && !t.Validate(name, id, session) {
 			e.stats.staleCopies.Add(1)
+			e.forgetCopies(t, path, name, block)
 			e.log.Info("dropped a cached copy whose source changed", "path", path, "block", block, "tier", t.Kind.String())
 		}
 	}
 	return nil
+}
+
+// forgetCopies removes the copy name from t (Validate removed a stale one already) and, for
+// a block, every block of the file at path.
+func (e *Engine) forgetCopies(t *tiers.Tier, path, name string, block int64) {
+	t.Forget(name)
+	if block >= 0 {
+		t.ForgetBlocks(path)
+	}
 }
 
 // sourceIdentity returns the identity of the source file at path, inside root, now, without

@@ -19,7 +19,7 @@ type record struct {
 
 // blockOf returns the file whose block an entry named sourcePath holds, or "".
 func blockOf(sourcePath string) string {
-	if path, _, ok := SplitBlockName(sourcePath); ok {
+	if path, _, _, ok := SplitBlockName(sourcePath); ok {
 		return path
 	}
 	return ""
@@ -32,10 +32,22 @@ type fifo struct {
 	groups     map[string]*list.List     // group -> its records, oldest first
 	byID       map[entryID]*list.Element // element of each entry in its group's list
 	guestBytes int64                     // bytes of the guests' records (see guest.go)
+	// blocks holds the cached blocks of each file (see BlockName), for ForgetBlocks.
+	blocks map[string]map[entryID]struct{}
 }
 
 func newFIFO() fifo {
-	return fifo{groups: make(map[string]*list.List), byID: make(map[entryID]*list.Element)}
+	return fifo{groups: make(map[string]*list.List), byID: make(map[entryID]*list.Element),
+		blocks: make(map[string]map[entryID]struct{})}
+}
+
+// blocksOf returns the entries holding blocks of the file at the cleaned path.
+func (f *fifo) blocksOf(path string) []entryID {
+	var ids []entryID
+	for id := range f.blocks[path] {
+		ids = append(ids, id)
+	}
+	return ids
 }
 
 func (f *fifo) len() int { return len(f.byID) }
@@ -50,6 +62,12 @@ func (f *fifo) push(r *record) {
 	f.byID[r.id] = l.PushBack(r)
 	if _, guest := groupRoot(r.group); guest {
 		f.guestBytes += r.size
+	}
+	if r.blockOf != "" {
+		if f.blocks[r.blockOf] == nil {
+			f.blocks[r.blockOf] = make(map[entryID]struct{})
+		}
+		f.blocks[r.blockOf][r.id] = struct{}{}
 	}
 }
 
@@ -68,6 +86,12 @@ func (f *fifo) remove(id entryID) (*record, bool) {
 	l.Remove(el)
 	if l.Len() == 0 {
 		delete(f.groups, r.group)
+	}
+	if r.blockOf != "" {
+		delete(f.blocks[r.blockOf], id)
+		if len(f.blocks[r.blockOf]) == 0 {
+			delete(f.blocks, r.blockOf)
+		}
 	}
 	return r, true
 }

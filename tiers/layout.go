@@ -20,24 +20,29 @@ func KeyOf(sourcePath string) Key {
 	return Key(h.Sum64())
 }
 
-// BlockName names block n of a large file cached by blocks (see core.Engine.ReadBlock): the
-// cleaned source path, a NUL byte and n in decimal. Every part of a tier treats it as the
-// source path of an entry of its own (key, index slot, record, FIFO order, eviction); no
-// real path has a NUL byte, so it never names a whole file. The data file's name shows it
-// as "<base name>#<n>" (see RelPath).
-func BlockName(sourcePath string, n int64) string {
-	return filepath.Clean(sourcePath) + "\x00" + strconv.FormatInt(n, 10)
+// BlockName names block n of a large file cached in blocks of blockBytes (see
+// core.Engine.ReadBlock): the cleaned source path, a NUL byte, the block size and n in
+// decimal, "path\x00<blockBytes>:<n>". Every part of a tier treats it as the source path of
+// an entry of its own (key, index slot, record, FIFO order, eviction); no real path has a NUL
+// byte (core.CheckPath refuses one), so it never names a whole file. The block size is part
+// of the name so that a server started with another block_size never takes a block of the
+// old layout for one of the new. The data file's name shows it as "<base name>#<bb>:<n>"
+// (see RelPath).
+func BlockName(sourcePath string, blockBytes, n int64) string {
+	return filepath.Clean(sourcePath) + "\x00" + strconv.FormatInt(blockBytes, 10) + ":" + strconv.FormatInt(n, 10)
 }
 
-// SplitBlockName returns the source path and block number of a name made by BlockName, and
-// ok false for a source path.
-func SplitBlockName(name string) (sourcePath string, n int64, ok bool) {
+// SplitBlockName returns the source path, block size and block number of a name made by
+// BlockName, and ok false for a source path.
+func SplitBlockName(name string) (sourcePath string, blockBytes, n int64, ok bool) {
 	i := strings.IndexByte(name, 0)
 	if i < 0 {
-		return name, 0, false
+		return name, 0, 0, false
 	}
-	n, err := strconv.ParseInt(name[i+1:], 10, 64)
-	return name[:i], n, err == nil && n >= 0
+	size, number, found := strings.Cut(name[i+1:], ":")
+	blockBytes, err1 := strconv.ParseInt(size, 10, 64)
+	n, err2 := strconv.ParseInt(number, 10, 64)
+	return name[:i], blockBytes, n, found && err1 == nil && err2 == nil && blockBytes > 0 && n >= 0
 }
 
 // maxNameBytes bounds the base-name part of a cached file name, well inside NAME_MAX (255).

@@ -337,17 +337,10 @@ func (t *Tier) Forget(sourcePath string) {
 }
 
 // ForgetBlocks removes the cached blocks of sourcePath (see BlockName), as Forget removes a
-// whole copy. It looks at every entry of the tier: it serves the rare write to a dataset
-// file through the preload shim, not reads.
+// whole copy.
 func (t *Tier) ForgetBlocks(sourcePath string) {
-	sourcePath = filepath.Clean(sourcePath)
-	var ids []entryID
 	t.mu.Lock()
-	for id, el := range t.fifo.byID {
-		if el.Value.(*record).blockOf == sourcePath {
-			ids = append(ids, id)
-		}
-	}
+	ids := t.fifo.blocksOf(filepath.Clean(sourcePath))
 	t.mu.Unlock()
 	for _, id := range ids {
 		t.remove(id)

@@ -549,14 +549,17 @@ func TestIndexBucketsSpreadSequentialNames(t *testing.T) {
 // A block's name is a source path of its own to every part of a tier, and its data file
 // shows the block's number after a '#'; no real path (which has no NUL byte) shares it.
 func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
-	name := BlockName("/data/./train/big.h5", 12)
-	if p, n, ok := SplitBlockName(name); !ok || p != "/data/train/big.h5" || n != 12 {
-		t.Fatalf("SplitBlockName(%q) = %q, %d, %v", name, p, n, ok)
+	name := BlockName("/data/./train/big.h5", 4096, 12)
+	if p, bb, n, ok := SplitBlockName(name); !ok || p != "/data/train/big.h5" || bb != 4096 || n != 12 {
+		t.Fatalf("SplitBlockName(%q) = %q, %d, %d, %v", name, p, bb, n, ok)
 	}
-	if _, _, ok := SplitBlockName("/data/train/big.h5"); ok {
+	if _, _, _, ok := SplitBlockName("/data/train/big.h5"); ok {
 		t.Fatal("a path taken for a block")
 	}
-	if rel := RelPath(name); !strings.HasSuffix(rel, "-big.h5#12") || KeyOf(name) == KeyOf("/data/train/big.h5") {
+	if BlockName("/a", 4096, 3) == BlockName("/a", 8192, 3) {
+		t.Fatal("blocks of two sizes share a name")
+	}
+	if rel := RelPath(name); !strings.HasSuffix(rel, "-big.h5#4096:12") || KeyOf(name) == KeyOf("/data/train/big.h5") {
 		t.Fatalf("RelPath(block) = %q", rel)
 	}
 	tier, err := New(Config{Dir: t.TempDir(), Kind: Memory, Budget: "16MiB"}, nil)
@@ -565,7 +568,7 @@ func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
 	}
 	defer tier.Close()
 	for n := int64(0); n < 2; n++ {
-		e := Entry{SourcePath: BlockName("/data/train/big.h5", n), Size: 5, MTimeNanos: 1, Group: "/data"}
+		e := Entry{SourcePath: BlockName("/data/train/big.h5", 4096, n), Size: 5, MTimeNanos: 1, Group: "/data"}
 		if err := tier.Publish(e, []byte("block")); err != nil {
 			t.Fatal(err)
 		}
@@ -574,7 +577,7 @@ func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
 		t.Fatal(err)
 	}
 	tier.ForgetBlocks("/data/train/big.h5")
-	if tier.Listed(BlockName("/data/train/big.h5", 0)) || tier.Listed(BlockName("/data/train/big.h5", 1)) {
+	if tier.Listed(BlockName("/data/train/big.h5", 4096, 0)) || tier.Listed(BlockName("/data/train/big.h5", 4096, 1)) {
 		t.Error("ForgetBlocks left a block")
 	}
 	if !tier.Listed("/data/train/big.h5") {
