@@ -395,6 +395,7 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 			hit->tier = i;
 			hit->size = (int64_t)s.size;
 			hit->mtime_ns = s.mtime;
+			hit->ino = s.ino;
 			errno = saved;
 			return 0;
 		}
@@ -402,6 +403,12 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 	}
 	errno = saved;
 	return -ENOENT;
+}
+
+int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
+	const struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
+	struct slot s;
+	return ix && index_find(ix, key, check, &s) && s.ino == ino;
 }
 
 void fc_count_hit(struct fc_tier *t, int64_t bytes) {

@@ -92,6 +92,7 @@ struct fc_hit {
 	int tier;         /* index of the tier in the array passed to fc_lookup */
 	int64_t size;     /* the file's size (the source's) */
 	int64_t mtime_ns; /* the source's modification time, Unix nanoseconds */
+	uint64_t ino;     /* the cached file's inode number (see fc_listed) */
 };
 
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
@@ -104,6 +105,12 @@ struct fc_hit {
  * opened without it). */
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit);
+
+/* Whether tier t's index still lists the copy with hashes (key, check) and data file inode
+ * ino (as fc_lookup found it), whatever its session: a reader that keeps a cached copy open
+ * or mapped lets go of one no longer listed (evicted, removed, found stale), whose pages the
+ * reader would otherwise keep in use. An index lookup, no system call. */
+int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
 
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);

@@ -33,9 +33,13 @@ struct range_map {
 	uint64_t key, check; // the hashes of its name; 0, 0: the entry is free
 	const char *data;
 	int64_t size;
+	uint64_t ino; // of the data file mapped, to tell whether the tier still lists it
 	int tier;
 	int refs; // readers copying from it: an entry is replaced only when it has none
 };
+
+// A copy the tiers no longer list is let go within this long (see range_sweep).
+#define RANGE_SWEEP_NS 1000000000LL
 
 struct hit_client {
 	int64_t handle;
@@ -66,6 +70,7 @@ struct hit_client {
 	pthread_mutex_t ranges_mu; // protects ranges and ranges_turn; never held across a copy
 	struct range_map ranges[RANGE_SETS * RANGE_WAYS];
 	unsigned ranges_turn; // picks the entry of a full set that a new mapping replaces
+	int64_t ranges_swept; // CLOCK_MONOTONIC ns of the last range_sweep (atomic)
 };
 
 // clients_lock is held shared to find a client and take a reference to it (acquire), and
@@ -561,7 +566,7 @@ static void range_give(struct hit_client *c, struct range_map *r) {
 // it returns the entry, or NULL when every entry of the set is in use (the caller then
 // unmaps data itself).
 static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t check, const char *data,
-                                    int64_t size, int tier) {
+                                    int64_t size, uint64_t ino, int tier) {
 	struct range_map *set = range_set(c, key), *r = NULL;
 	struct range_map old = {0};
 	pthread_mutex_lock(&c->ranges_mu);
@@ -575,7 +580,8 @@ static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t
 	}
 	if (r) {
 		old = *r;
-		*r = (struct range_map){.key = key, .check = check, .data = data, .size = size, .tier = tier, .refs = 1};
+		*r = (struct range_map){.key = key, .check = check, .data = data, .size = size, .ino = ino, .tier = tier,
+		                        .refs = 1};
 		c->ranges_turn++;
 	}
 	pthread_mutex_unlock(&c->ranges_mu);
@@ -584,11 +590,38 @@ static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t
 	return r;
 }
 
+// range_sweep lets go, at most once per RANGE_SWEEP_NS, of the mappings of copies the tiers
+// no longer list: the server evicted or removed them, and a mapping would keep their pages
+// in use (a tmpfs file's pages are freed only once nobody maps it).
+static void range_sweep(struct hit_client *c) {
+	int64_t now = fc_monotonic_ns(), last = __atomic_load_n(&c->ranges_swept, __ATOMIC_RELAXED);
+	if (now - last < RANGE_SWEEP_NS ||
+	    !__atomic_compare_exchange_n(&c->ranges_swept, &last, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		return;
+	for (int i = 0; i < RANGE_SETS * RANGE_WAYS; i++) {
+		struct range_map *r = &c->ranges[i], seen, old = {0};
+		pthread_mutex_lock(&c->ranges_mu);
+		seen = *r;
+		pthread_mutex_unlock(&c->ranges_mu);
+		if (!seen.data || fc_listed(&c->tiers[seen.tier], seen.key, seen.check, seen.ino))
+			continue;
+		pthread_mutex_lock(&c->ranges_mu); // the index was looked at without the lock: the
+		if (r->data == seen.data && r->refs == 0) { // entry may have changed meanwhile
+			old = *r;
+			*r = (struct range_map){0};
+		}
+		pthread_mutex_unlock(&c->ranges_mu);
+		if (old.data)
+			munmap((void *)old.data, (size_t)old.size);
+	}
+}
+
 // read_copy copies n bytes at off of the cached copy named name (len bytes) into p, from a
-// mapping kept (range_take) or made now; it returns the bytes copied (fewer than n at the
-// end of the copy), -FC_MISS when no tier holds the copy checked in the client's session, or
-// -EIO.
-static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t len, char *p, size_t n, off_t off) {
+// mapping kept (range_take) or made now, and adds them to served[its tier]; it returns the
+// bytes copied (fewer than n at the end of the copy), -FC_MISS when no tier holds the copy
+// checked in the client's session, or -EIO.
+static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t len, char *p, size_t n, off_t off,
+                         int64_t *served) {
 	uint64_t key, check;
 	fc_hashes(name, len, &key, &check);
 	struct range_map *r = range_take(c, key, check), made;
@@ -603,7 +636,7 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 			if (m == MAP_FAILED)
 				return -EIO;
 			made.data = m;
-			r = range_keep(c, key, check, m, h.size, h.tier);
+			r = range_keep(c, key, check, m, h.size, h.ino, h.tier);
 		} else {
 			close(h.fd);
 		}
@@ -617,9 +650,7 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 		range_give(c, r);
 	else if (made.data)
 		munmap((void *)made.data, (size_t)made.size);
-	fc_count_hit(&c->tiers[tier], (int64_t)k);
-	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&c->bytes, (int64_t)k, __ATOMIC_RELAXED);
+	served[tier] += (int64_t)k;
 	return (ssize_t)k;
 }
 
@@ -644,6 +675,8 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	int n, nt, rc = FC_MISS;
 	if (!c || (nt = tier_count(c)) == 0 || (n = source_path(c, path, name, FC_PATH_MAX)) < 0)
 		goto out;
+	range_sweep(c);
+	int64_t served[FC_MAX_TIERS] = {0}; // counted once the whole range is served here
 	// Blocks first, when the server has them: a large file is read by ranges through its
 	// blocks, and its whole copy is the exception. The range may span several blocks; a block
 	// shorter than the rest of the range is the file's last. A block not cached leaves the
@@ -660,7 +693,7 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 		len += decimal(bb, name + len);
 		name[len++] = ':';
 		len += decimal(block, name + len);
-		k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within);
+		k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within, served);
 		if (k < 0)
 			break;
 		done += k;
@@ -670,12 +703,17 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	if (k < 0) {
 		if (done > 0 || k != -FC_MISS)
 			goto out;
-		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off)) < 0) // a whole copy
+		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, served)) < 0) // a whole copy
 			goto out;
 		done = k;
 	}
 	*got = done;
 	rc = 0;
+	for (int i = 0; i < nt; i++)
+		if (served[i] > 0)
+			fc_count_hit(&c->tiers[i], served[i]);
+	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&c->bytes, done, __ATOMIC_RELAXED);
 out:
 	put(c);
 	errno = saved;

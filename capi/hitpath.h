@@ -78,8 +78,9 @@ int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t
 bool hit_node_opens(int64_t handle);
 
 /* Reads up to len bytes of path (as hit_read takes it) at off into buf from cached copies in
- * the client's tiers, through descriptors it keeps open: a whole copy of the file, else the
- * blocks the range covers (tiers.BlockName, of the size fcHitSetBlockBytes gave). Returns 0
+ * the client's tiers, through mappings of them it keeps (let go once the tiers no longer
+ * list them): the blocks the range covers (tiers.BlockName, of the size fcHitSetBlockBytes
+ * gave), else a whole copy of the file. Returns 0
  * with the bytes read in *got (fewer than len only at the end of the file), or FC_MISS when
  * a copy the range needs is not cached here (Go then serves the whole range). Like hit_read,
  * it works in a process forked after load. */

@@ -435,6 +435,12 @@ func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.i
 	}
 	dst := unsafe.Slice((*byte)(buf), int(length))
 	n, err := c.ReadAt(C.GoString(path), dst, int64(off))
+	// The C hit path reads cached blocks itself: tell it the block size of the server this
+	// client reached last (it may have restarted with another), and its tiers if it had none.
+	C.fcHitSetBlockBytes(handle, C.int64_t(c.BlockBytes()))
+	if C.fcHitTiers(handle) == 0 {
+		goRefreshTiers(handle)
+	}
 	if err != nil {
 		return C.int64_t(fail(err))
 	}

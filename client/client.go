@@ -524,7 +524,7 @@ func (c *Client) Close() error {
 	}
 	close(c.stop)
 	<-c.stopped
-	c.brings.wg.Wait() // each ends at once: c.stop cancels it
+
 	if server := c.reportTo(); server != nil {
 		c.flushHits(server)
 	}
@@ -538,6 +538,7 @@ func (c *Client) Close() error {
 	}
 	c.life.Lock() // no read is in progress from here on
 	defer c.life.Unlock()
+	c.brings.stop() // no read asks for a block any more; each ask under way ends at once
 	c.mu.Lock()
 	conn := c.conn
 	c.conn = nil

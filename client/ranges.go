@@ -45,6 +45,7 @@ func (c *Client) ReadAt(path string, p []byte, off int64) (int, error) {
 
 func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 	dirs := c.localDirs()
+	c.ranges.sweep(dirs)
 	if k, ok, err := c.readCopy(dirs, path+wholeSuffix, path, p, off); ok {
 		return k, err
 	}
@@ -52,19 +53,20 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 	if conn == nil {
 		return c.readAtWhole(path, p, off)
 	}
-	size, err := c.largeSize(path)
+	src, err := c.source(path)
 	if errors.Is(err, errNotLarge) {
 		return c.readAtWhole(path, p, off)
 	}
 	if err != nil {
 		return 0, err
 	}
+	defer c.ranges.give(src)
 	done := 0
-	for done < len(p) && off+int64(done) < size {
+	for done < len(p) && off+int64(done) < src.size {
 		at := off + int64(done)
 		n, within := at/blockBytes, at%blockBytes
-		want := p[done:min(len(p), done+int(min(blockBytes-within, size-at)))]
-		k, err := c.readBlockRange(conn, dirs, path, n, want, within)
+		want := p[done:min(len(p), done+int(min(blockBytes-within, src.size-at)))]
+		k, err := c.readBlockRange(conn, dirs, src, path, n, want, within)
 		if err != nil {
 			return done, err
 		}
@@ -120,68 +122,79 @@ func (c *Client) blockServer() (*serverConn, int64) {
 	return conn, conn.blockBytes
 }
 
-// errNotLarge reports a file read through whole copies (see largeSize).
+// errNotLarge reports a file read through whole copies (see source).
 var errNotLarge = errors.New("not a large file")
 
-// largeSize returns the size of the large file at path, whose source it keeps open for
-// ranges not cached (see rangeFiles); errNotLarge for a file under core.ReadNowBytes, which
-// is read whole. A source is kept open for sourceKeep at most, so that a file replaced on
-// the source is seen within that long.
-func (c *Client) largeSize(path string) (int64, error) {
-	if size, ok := c.ranges.size(path); ok {
-		return size, nil
+// source returns the source of the large file at path, kept open for the ranges of blocks
+// not cached (see rangeFiles), with a reference the caller gives back (rangeFiles.give);
+// errNotLarge for a file under core.ReadNowBytes, which is read whole. A source is kept for
+// sourceKeep at most, so that a file replaced on the source is seen within that long.
+func (c *Client) source(path string) (*rangeFile, error) {
+	if rf := c.ranges.take(path); rf != nil {
+		return rf, nil
 	}
 	if _, small := c.notLarge.Load(path); small {
-		return 0, errNotLarge
+		return nil, errNotLarge
 	}
 	src, err := core.OpenSource(c.root, c.realRoot, path)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	if src.Size() < core.ReadNowBytes {
 		src.Close()
 		if c.notLargeCount.Add(1) <= notLargeMax {
 			c.notLarge.Store(path, struct{}{})
 		}
-		return 0, errNotLarge
+		return nil, errNotLarge
 	}
 	f, err := src.ReaderFile()
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	c.counts.sourceOpens.Add(1)
-	c.ranges.add(path, rangeFile{f: f, size: src.Size(), until: time.Now().Add(sourceKeep)})
-	return src.Size(), nil
+	return c.ranges.add(path, &rangeFile{f: f, size: src.Size(), until: time.Now().Add(sourceKeep)}), nil
 }
 
 // sourceKeep is how long a client reads ranges of a large file through one open of its source.
 const sourceKeep = 5 * time.Second
 
 // readBlockRange reads len(p) bytes at within of block n of the file at path: from the
-// block in a tier of this node, else from the source, asking the server to cache the block.
-func (c *Client) readBlockRange(conn *serverConn, dirs []tiers.Dir, path string, n int64, p []byte, within int64) (int, error) {
+// block in a tier of this node, else from the source src, asking the server to cache the
+// block. A block the tiers list but not for this job's session yet (a new job over a warm
+// cache) is asked for at once: the server checks it against the source (one look per file)
+// and answers, and the range is served from it.
+func (c *Client) readBlockRange(conn *serverConn, dirs []tiers.Dir, src *rangeFile, path string, n int64, p []byte,
+	within int64) (int, error) {
 	name := tiers.BlockName(path, conn.blockBytes, n)
 	if k, ok, err := c.readCopy(dirs, name, name, p, within); ok {
 		return k, err
 	}
-	k, _, ok, err := c.ranges.readAt(path, p, n*conn.blockBytes+within)
-	if !ok { // its source was closed meanwhile
-		if _, err := c.largeSize(path); err != nil {
-			return 0, err
+	if tiers.Listed(anySession(dirs), name) && c.checkBlock(conn, path, n) {
+		if k, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {
+			return k, err
 		}
-		k, _, _, err = c.ranges.readAt(path, p, n*conn.blockBytes+within)
 	}
+	k, err := readFull(src.f, p, n*conn.blockBytes+within)
 	c.counts.sourceRanges.Add(1)
 	c.counts.sourceRangeBytes.Add(int64(k))
 	c.bringBlock(conn, path, n, n*conn.blockBytes+within, int64(k))
 	return k, err
 }
 
+// checkBlock asks the server for block n of the file at path, which a tier lists unchecked
+// for this job, and reports whether the server serves it from there.
+func (c *Client) checkBlock(conn *serverConn, path string, n int64) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
+	defer cancel()
+	reply, err := conn.rpc.ReadBlock(ctx, c.root, path, n, true)
+	return err == nil && reply.CachedPath != ""
+}
+
 // readCopy reads len(p) bytes at off from the cached copy of name (a whole file or a
 // block) in a tier of this node, kept mapped under key; ok is false when no tier has it.
 func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int64) (n int, ok bool, err error) {
-	n, kind, ok, err := c.ranges.readAt(key, p, off)
-	if !ok {
+	rf := c.ranges.take(key)
+	if rf == nil {
 		if !tiers.Listed(dirs, name) { // an index lookup: a probe of several tiers is not free
 			return 0, false, nil
 		}
@@ -189,12 +202,13 @@ func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int6
 		if perr != nil {
 			return 0, false, nil
 		}
-		n, kind = copyAt(m.Bytes(), p, off), m.Tier
-		c.ranges.add(key, rangeFile{m: m, kind: kind})
+		rf = c.ranges.add(key, &rangeFile{m: m, kind: m.Tier})
 	}
+	n = copyAt(rf.m.Bytes(), p, off)
+	c.ranges.give(rf)
 	c.counts.localHits.Add(1)
-	c.pending.add(kind.String(), int64(n))
-	return n, true, err
+	c.pending.add(rf.kind.String(), int64(n))
+	return n, true, nil
 }
 
 // readFull reads len(p) bytes of f at off, fewer only at the end of the file.
@@ -223,6 +237,9 @@ func (c *Client) bringBlock(conn *serverConn, path string, n, off, k int64) {
 	b := &c.brings
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.closed {
+		return
+	}
 	if b.blocks == nil || len(b.blocks) >= blockAsksMax {
 		b.blocks = make(map[string]*blockHeat)
 	}
@@ -307,12 +324,23 @@ const (
 
 // blockBrings are a client's background asks for blocks (see bringBlock).
 type blockBrings struct {
-	mu      sync.Mutex            // protects blocks, ends, queue and running
+	mu      sync.Mutex            // protects closed, blocks, ends, queue and running
+	closed  bool                  // set by Close: no ask starts any more
 	blocks  map[string]*blockHeat // block name -> what was read of it, when it was asked for
 	ends    map[string]int64      // path -> where the last range read from its source ended
 	queue   []blockAsk            // asks waiting, oldest first
 	running int                   // goroutines serving the queue
 	wg      sync.WaitGroup        // those goroutines, awaited by Close
+}
+
+// stop refuses new asks and waits for the goroutines serving the queue, which stop at once
+// (the client's stop channel cancels their calls).
+func (b *blockBrings) stop() {
+	b.mu.Lock()
+	b.closed = true
+	b.queue = nil
+	b.mu.Unlock()
+	b.wg.Wait()
 }
 
 // blockAsk is an ask for block n of the file at path, to the server of conn.
@@ -331,10 +359,12 @@ type rangeFile struct {
 	kind  tiers.Kind
 	size  int64
 	until time.Time
+	refs  int  // readers using it (rangeFiles.mu)
+	gone  bool // no longer kept: its last reader releases it
 }
 
 // release unmaps or closes the file.
-func (rf rangeFile) release() {
+func (rf *rangeFile) release() {
 	if rf.m != nil {
 		rf.m.Release()
 	} else {
@@ -345,57 +375,59 @@ func (rf rangeFile) release() {
 // rangeFiles are the cached copies a client keeps mapped for ranges, at most rangeMapsMax,
 // and the sources it keeps open, at most rangeSourcesMax: a range of a cached copy is then a
 // copy from memory, as a range of the source is a pread. A copy never changes once
-// published (a new copy is a new file), one evicted meanwhile still holds the right bytes,
-// and each was checked against its source for this client's job when it was mapped
-// (tiers.Probe), as a mapping a client keeps is. Mappings hold no descriptor. It is safe for
+// published (a new copy is a new file), and each was checked against its source for this
+// client's job when it was mapped (tiers.Probe), as a mapping a client keeps is. A copy
+// the tiers no longer list (evicted, removed, found stale) is dropped within sweepEvery, so
+// that its memory is freed. Mappings hold no descriptor. Readers hold a reference to what
+// they read, never the lock, so a slow source read holds nobody up. It is safe for
 // concurrent use.
 type rangeFiles struct {
-	mu      sync.RWMutex // held shared by reads of the files, exclusively to change files
-	files   map[string]rangeFile
-	sources int // entries that are sources
+	mu      sync.Mutex // protects files, sources, swept and the entries' refs and gone
+	files   map[string]*rangeFile
+	sources int       // entries that are sources
+	swept   time.Time // when sweep last looked at the mappings
 }
 
 const (
-	// rangeMapsMax bounds the copies kept mapped: 16 GiB of 4 MiB blocks (address space,
-	// not memory: the pages are the tier's).
+	// rangeMapsMax bounds the copies kept mapped: 16 GiB of 4 MiB blocks (address space;
+	// the pages are the tier's, and a copy no longer listed is let go, see sweep).
 	rangeMapsMax = 4096
 	// rangeSourcesMax bounds the sources kept open (descriptors of the program's).
-	rangeSourcesMax = 16
+	rangeSourcesMax = 64
+	// sweepEvery paces sweep.
+	sweepEvery = time.Second
 )
 
-// readAt reads len(p) bytes at off from the file kept for key, if there is one still valid.
-func (r *rangeFiles) readAt(key string, p []byte, off int64) (n int, kind tiers.Kind, ok bool, err error) {
-	r.mu.RLock()
-	defer r.mu.RUnlock()
-	rf, found := r.files[key]
-	if !found || !rf.until.IsZero() && time.Now().After(rf.until) {
-		return 0, 0, false, nil
+// take returns the file kept for key, if there is one still valid, with a reference taken.
+func (r *rangeFiles) take(key string) *rangeFile {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rf := r.files[key]
+	if rf == nil || !rf.until.IsZero() && time.Now().After(rf.until) {
+		return nil
 	}
-	if rf.m != nil {
-		return copyAt(rf.m.Bytes(), p, off), rf.kind, true, nil
-	}
-	n, err = readFull(rf.f, p, off)
-	return n, rf.kind, true, err
+	rf.refs++
+	return rf
 }
 
-// size returns the size of the source kept for path, if there is one still valid.
-func (r *rangeFiles) size(path string) (int64, bool) {
-	r.mu.RLock()
-	defer r.mu.RUnlock()
-	rf, found := r.files[path]
-	if !found || time.Now().After(rf.until) {
-		return 0, false
+// give gives back a reference from take or add.
+func (r *rangeFiles) give(rf *rangeFile) {
+	r.mu.Lock()
+	rf.refs--
+	last := rf.gone && rf.refs == 0
+	r.mu.Unlock()
+	if last {
+		rf.release()
 	}
-	return rf.size, true
 }
 
-// add keeps rf for key, releasing the one it replaces and, past the bounds, another of its
-// sort (an arbitrary one: map order).
-func (r *rangeFiles) add(key string, rf rangeFile) {
+// add keeps rf for key, in place of the one kept before and, past the bounds, of another of
+// its sort (an arbitrary one: map order), and returns it with a reference taken.
+func (r *rangeFiles) add(key string, rf *rangeFile) *rangeFile {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.files == nil {
-		r.files = make(map[string]rangeFile)
+		r.files = make(map[string]*rangeFile)
 	}
 	r.drop(key)
 	isSource := rf.m == nil
@@ -411,27 +443,49 @@ func (r *rangeFiles) add(key string, rf rangeFile) {
 	if isSource {
 		r.sources++
 	}
+	rf.refs++
+	return rf
 }
 
-// drop releases the entry of key, if any (r.mu held).
+// drop stops keeping the entry of key, if any: it is released now, or by its last reader
+// (r.mu held).
 func (r *rangeFiles) drop(key string) {
 	rf, ok := r.files[key]
 	if !ok {
 		return
 	}
-	rf.release()
 	delete(r.files, key)
 	if rf.m == nil {
 		r.sources--
 	}
+	rf.gone = true
+	if rf.refs == 0 {
+		rf.release()
+	}
 }
 
-// close releases every entry.
+// sweep drops, at most once per sweepEvery, the mappings of copies that dirs no longer
+// list: their pages would otherwise stay in use after the server evicted or removed them.
+func (r *rangeFiles) sweep(dirs []tiers.Dir) {
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if now.Sub(r.swept) < sweepEvery {
+		return
+	}
+	r.swept = now
+	for key, rf := range r.files {
+		if rf.m != nil && !tiers.StillListed(dirs, rf.m) {
+			r.drop(key)
+		}
+	}
+}
+
+// close releases every entry; no reader may use one any more.
 func (r *rangeFiles) close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, rf := range r.files {
-		rf.release()
+	for key := range r.files {
+		r.drop(key)
 	}
-	r.files, r.sources = nil, 0
 }

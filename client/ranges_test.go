@@ -2,6 +2,7 @@ package client
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"math/rand/v2"
 	"testing"
@@ -84,5 +85,71 @@ func TestRangesOfAFileLargerThanTheTierAreCachedByBlocks(t *testing.T) {
 	}
 	if s.Client.Errors != 0 || s.Server.Errors != 0 {
 		t.Errorf("errors: client %d, server %d; want none", s.Client.Errors, s.Server.Errors)
+	}
+}
+
+// A new job over blocks an earlier job cached reads them, not the source: a block its tiers
+// list unchecked for its session is asked for at once, and the server checks it (one look
+// at the file). A copy the server removes is let go by the client's kept mappings.
+func TestANewJobReadsTheBlocksAnEarlierOneCached(t *testing.T) {
+	cfg, _ := startServerWithBudget(t, "64MiB")
+	root := t.TempDir()
+	data := make([]byte, 12<<20)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	path := writeFile(t, root, "big.bin", data)
+	first, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	p := make([]byte, 4<<20)
+	for n := int64(0); n < 3; n++ { // in sequence: each block is asked for at once
+		if k, err := first.ReadAt("big.bin", p, n<<22); err != nil || k != len(p) {
+			t.Fatalf("block %d: %d, %v", n, k, err)
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); statsOf(t, first).Server.Published < 3; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the blocks were not cached")
+		}
+	}
+	cfg.Job = "another job"
+	second, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	q := make([]byte, 1000)
+	for _, off := range []int64{10, 5 << 20, 9<<20 + 7} {
+		if k, err := second.ReadAt("big.bin", q, off); err != nil || !bytes.Equal(q[:k], data[off:off+1000]) {
+			t.Fatalf("ReadAt %d: %d, %v", off, k, err)
+		}
+	}
+	if s := statsOf(t, second); s.Client.SourceRanges != 0 {
+		t.Errorf("the new job read %d ranges from the source; want none: the blocks are cached", s.Client.SourceRanges)
+	}
+	// The server drops the file's copies (a write through the preload shim does): the kept
+	// mappings are let go at the next sweep.
+	conn, _ := second.blockServer()
+	if err := conn.rpc.Forget(context.Background(), root, path); err != nil {
+		t.Fatal(err)
+	}
+	second.ranges.mu.Lock()
+	second.ranges.swept = time.Time{}
+	second.ranges.mu.Unlock()
+	second.ReadAt("big.bin", q, 0)
+	second.ranges.mu.Lock()
+	kept := 0
+	for _, rf := range second.ranges.files {
+		if rf.m != nil {
+			kept++
+		}
+	}
+	second.ranges.mu.Unlock()
+	if kept != 0 {
+		t.Errorf("%d mappings of removed copies still kept", kept)
 	}
 }

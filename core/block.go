@@ -28,6 +28,11 @@ import (
 // EngineConfig.BlockBytes says otherwise (docs/BENCHMARKS.md section 12 measures 1-16 MiB).
 const DefaultBlockBytes = 4 << 20
 
+// blockFillsMax bounds the blocks an engine reads from the source at once: every reader of
+// ranges asks for blocks (four at a time each), and many workers must not turn into as many
+// concurrent source reads.
+const blockFillsMax = 8
+
 // BlockBytes returns the size of this engine's blocks.
 func (e *Engine) BlockBytes() int64 { return e.blockBytes }
 
@@ -90,7 +95,14 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 		e.stats.misses.Add(1)
 		func() {
 			defer e.fills.Done()
-			e.fillBlock(f, root, path, n)
+			select {
+			case e.blockSlots <- struct{}{}:
+				defer func() { <-e.blockSlots }()
+				e.fillBlock(f, root, path, n)
+			case <-ctx.Done():
+				f.err = ctx.Err()
+				e.finish(name, f)
+			}
 		}()
 	case leader:
 		f.err = ErrClosed

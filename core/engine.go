@@ -78,6 +78,7 @@ type Engine struct {
 	maxSend    int64 // see EngineConfig.MaxSendBytes
 	blockBytes int64 // see EngineConfig.BlockBytes
 	blockFiles blockFiles
+	blockSlots chan struct{} // one per block being read from the source (see blockFillsMax)
 	// nodeFetch is EngineConfig.NodeFetch, or nil.
 	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	closed    atomic.Bool
@@ -127,6 +128,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if e.blockBytes <= 0 {
 		e.blockBytes = DefaultBlockBytes
 	}
+	e.blockSlots = make(chan struct{}, blockFillsMax)
 	for _, r := range cfg.Roots {
 		abs, err := filepath.Abs(r)
 		if err == nil {

@@ -99,3 +99,17 @@ func (d Dir) lookupSlot(id entryID) (slot, bool) {
 	})
 	return s, found
 }
+
+// StillListed reports whether one of dirs still lists the very copy m maps (same entry, same
+// data file), whatever its session: a reader that keeps mappings drops the others, whose
+// pages an eviction or a removal freed for everyone else but the mapping keeps in use. It is
+// an index lookup, no system call.
+func StillListed(dirs []Dir, m *Mapping) bool {
+	id := idOf(filepath.Clean(m.SourcePath))
+	for _, d := range dirs {
+		if s, ok := d.lookupSlot(id); ok && s.ino == m.ino {
+			return true
+		}
+	}
+	return false
+}
