@@ -219,7 +219,9 @@ int fc_release(int64_t buffer) {
 int64_t fc_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off) {
 	if (!path || (!buf && len > 0) || len < 0 || off < 0) { snprintf(errmsg, sizeof errmsg, "fc_pread: bad argument"); return -EINVAL; }
 	int64_t got;
-	if (len > 0 && hit_pread(handle, path, buf, len, off, &got) == 0) return got;
+	// In a process forked after load, a block not cached is asked of the server in C (Go
+	// cannot run there); elsewhere Go reads it from the source at once while it is cached.
+	if (len > 0 && hit_pread(handle, path, buf, len, off, forked(), &got) == 0) return got;
 	if (forked()) return -ECHILD;
 	return goPread(handle, (char *)path, buf, len, off);
 }

@@ -590,6 +590,8 @@ static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t
 	return r;
 }
 
+static int node_fetch(struct hit_client *c, uint32_t op, const char *name, size_t len, char *msg);
+
 // range_sweep lets go, at most once per RANGE_SWEEP_NS, of the mappings of copies the tiers
 // no longer list: the server evicted or removed them, and a mapping would keep their pages
 // in use (a tmpfs file's pages are freed only once nobody maps it).
@@ -668,7 +670,7 @@ static size_t decimal(int64_t v, char *out) {
 	return nd;
 }
 
-int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int64_t *got) {
+int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int ask, int64_t *got) {
 	int saved = errno;
 	struct hit_client *c = acquire(handle);
 	char name[FC_PATH_MAX + 48];
@@ -694,6 +696,11 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 		name[len++] = ':';
 		len += decimal(block, name + len);
 		k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within, served);
+		if (k == -FC_MISS && ask) { // have the server cache it, and read it from there
+			char msg[FC_FETCH_MESSAGE];
+			if (node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, len, msg) == 0)
+				k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within, served);
+		}
 		if (k < 0)
 			break;
 		done += k;
@@ -762,13 +769,14 @@ static void node_give(struct hit_client *c, int fd, int kept) {
 	}
 }
 
-// node_ask sends one fetch request on fd and reads the reply: 0 with the server's errno in
-// *err and its message in msg, or -1 with errno set when the connection failed (EAGAIN: the
-// server did not acknowledge within the probe time, or did not answer within timeout_ms).
-static int node_ask(int fd, const char *root, size_t rootlen, const char *path, size_t len, int64_t timeout_ms,
-                    int32_t *err, char *msg) {
+// node_ask sends one fetch request (op FC_NODE_OP_FETCH or FC_NODE_OP_FETCH_BLOCK) on fd and
+// reads the reply: 0 with the server's errno in *err and its message in msg, or -1 with errno
+// set when the connection failed (EAGAIN: the server did not acknowledge within the probe
+// time, or did not answer within timeout_ms).
+static int node_ask(int fd, uint32_t op, const char *root, size_t rootlen, const char *path, size_t len,
+                    int64_t timeout_ms, int32_t *err, char *msg) {
 	uint8_t reply[12];
-	if (fc_node_request(fd, FC_NODE_OP_FETCH, root, rootlen, path, len, timeout_ms) != 0 ||
+	if (fc_node_request(fd, op, root, rootlen, path, len, timeout_ms) != 0 ||
 	    fc_recv_all(fd, reply, sizeof reply) != 0)
 		return -1;
 	if (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 8) > FC_NODE_MAX_MESSAGE ||
@@ -789,8 +797,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	// A reference is held through the fetch, so that the client cannot go meanwhile
 	// (fcHitClose waits for it); no lock is held while the server is waited for.
 	struct hit_client *c = acquire(handle);
-	if (!c || !c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
-	    (n = source_path(c, path, clean, sizeof clean)) < 0) {
+	if (!c || !c->node_socket[0] || (n = source_path(c, path, clean, sizeof clean)) < 0) {
 		put(c);
 		errno = saved;
 		return FC_MISS;
@@ -804,11 +811,20 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 		errno = saved;
 		return FC_DIRECT;
 	}
-	if (fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED)) {
-		put(c);
-		errno = saved;
+	int rc = node_fetch(c, FC_NODE_OP_FETCH, clean, (size_t)n, msg);
+	put(c);
+	errno = saved;
+	return rc;
+}
+
+// node_fetch asks c's server, over its node socket, to bring the file or block named name
+// (len bytes) into its tiers (op FC_NODE_OP_FETCH or FC_NODE_OP_FETCH_BLOCK), and returns as
+// hit_fetch does. The caller holds a reference to c.
+static int node_fetch(struct hit_client *c, uint32_t op, const char *name, size_t len, char *msg) {
+	if (!c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED))
+		return FC_MISS;
+	if (fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED))
 		return FC_DIRECT; // the server said it has no room for this dataset: do not ask again yet
-	}
 	// One connection per client is kept for the misses of this process (node_take). A
 	// connection that failed is never used again (a late reply would be taken for the next
 	// request's); a broken kept one (the server restarted) is replaced once.
@@ -819,7 +835,7 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
 		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0)
 			break; // no server listening: Go starts one
-		asked = node_ask(fd, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms, &err, msg);
+		asked = node_ask(fd, op, c->root, c->rootlen, name, len, c->timeout_ms, &err, msg);
 		if (asked != 0) {
 			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
 			close(fd);
@@ -841,8 +857,6 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	} else if (asked == 0 && err != EBADF && err != ETIMEDOUT && err != EIO) {
 		rc = -err; // the file's own error; for the others, Go reads it
 	}
-	put(c);
-	errno = saved;
 	return rc;
 }
 

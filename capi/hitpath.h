@@ -80,11 +80,13 @@ bool hit_node_opens(int64_t handle);
 /* Reads up to len bytes of path (as hit_read takes it) at off into buf from cached copies in
  * the client's tiers, through mappings of them it keeps (let go once the tiers no longer
  * list them): the blocks the range covers (tiers.BlockName, of the size fcHitSetBlockBytes
- * gave), else a whole copy of the file. Returns 0
+ * gave), else a whole copy of the file. With ask (a process forked after load, which cannot
+ * enter Go), a block not cached is asked of the server over its node socket
+ * (FC_NODE_OP_FETCH_BLOCK) and read once it is cached. Returns 0
  * with the bytes read in *got (fewer than len only at the end of the file), or FC_MISS when
  * a copy the range needs is not cached here (Go then serves the whole range). Like hit_read,
  * it works in a process forked after load. */
-int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int64_t *got);
+int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int ask, int64_t *got);
 
 /* Tells the hit path the size of the blocks of a client's server (0: none). */
 void fcHitSetBlockBytes(int64_t handle, int64_t n);

@@ -4,7 +4,7 @@
 // Go), and the preload shim of the transparent mode (preload/), which must not run Go at
 // all.
 //
-// Three operations, one request and one reply at a time per connection:
+// Four operations, one request and one reply at a time per connection:
 //
 //   - OpFetch asks the server to bring one file into its tiers; the caller then finds it
 //     there itself, through the tiers' index (capi/fclookup.c), so the file's bytes never
@@ -15,6 +15,10 @@
 //     memory file holding the bytes of a file another node owns (see
 //     client.Client.OpenForReader). The preload shim returns it from open().
 //   - OpForget drops the cached copies of a file whose source is being written.
+//   - OpFetchBlock is OpFetch for one block of a large file (core.Engine.ReadBlock): the
+//     request's path is the block's name (tiers.BlockName: the file's path, a NUL byte, the
+//     block size and the block's number). A process forked after it loaded libfitcache
+//     asks it for the blocks its ranges miss (capi/hitpath.c, hit_pread).
 //
 // Wire format (integers little-endian):
 //
@@ -71,9 +75,10 @@ const ProbeTimeout = time.Second
 
 // Operations (see the package documentation).
 const (
-	OpFetch  = 1
-	OpOpen   = 2
-	OpForget = 3
+	OpFetch      = 1
+	OpOpen       = 2
+	OpForget     = 3
+	OpFetchBlock = 4
 )
 
 // maxPath bounds the root and the path of a request (PATH_MAX).
@@ -105,12 +110,14 @@ type Forgetter func(root, path string) error
 // Config configures a node socket server. Operations without a function are refused
 // (ENOSYS).
 type Config struct {
-	Fetch   Fetcher
-	Open    Opener
-	Forget  Forgetter
-	Errno   func(error) syscall.Errno // maps Fetch's errors to errno values
-	Timeout time.Duration             // bound on one fetch; 0 means 60 s
-	Log     *slog.Logger              // nil discards
+	Fetch  Fetcher
+	Open   Opener
+	Forget Forgetter
+	// FetchBlock serves OpFetchBlock: path is a block's name (tiers.BlockName).
+	FetchBlock Fetcher
+	Errno      func(error) syscall.Errno // maps Fetch's errors to errno values
+	Timeout    time.Duration             // bound on one fetch; 0 means 60 s
+	Log        *slog.Logger              // nil discards
 }
 
 // Server serves a node socket.
@@ -229,6 +236,8 @@ func (s *Server) answer(c *net.UnixConn, op uint32, root, path string) error {
 		file, origin, err = s.cfg.Open(ctx, root, path)
 	case op == OpForget && s.cfg.Forget != nil:
 		err = s.cfg.Forget(root, path)
+	case op == OpFetchBlock && s.cfg.FetchBlock != nil:
+		err = s.cfg.FetchBlock(ctx, root, path)
 	default:
 		err = fmt.Errorf("operation %d: %w", op, syscall.ENOSYS)
 	}
@@ -270,7 +279,7 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 	switch {
 	case string(hdr[:4]) != Magic:
 		return 0, "", "", errors.New("bad magic")
-	case op != OpFetch && op != OpOpen && op != OpForget:
+	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock:
 		return 0, "", "", fmt.Errorf("unknown operation %d", op)
 	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPath:
 		return 0, "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)

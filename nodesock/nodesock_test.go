@@ -240,3 +240,28 @@ func TestRequestIsAcknowledgedBeforeItsAnswer(t *testing.T) {
 		}
 	}
 }
+
+// OpFetchBlock goes to FetchBlock with the block's name as sent (a NUL byte inside), and a
+// server without it answers ENOSYS.
+func TestFetchBlockGoesToItsFetcher(t *testing.T) {
+	var asked []string
+	sock := startWith(t, Config{FetchBlock: func(ctx context.Context, root, name string) error {
+		asked = append(asked, name)
+		return nil
+	}})
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	name := "/d/big.bin\x004194304:7"
+	if got, msg := askOp(t, c, OpFetchBlock, "/d", name); got != 0 || msg != "" {
+		t.Fatalf("fetch block: errno %d %q", got, msg)
+	}
+	if got, _ := askOp(t, c, OpFetch, "/d", "/d/a"); got != syscall.ENOSYS {
+		t.Errorf("fetch without a fetcher: errno %d, want ENOSYS", got)
+	}
+	if len(asked) != 1 || asked[0] != name {
+		t.Errorf("FetchBlock got %q", asked)
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/tiers"
 )
 
 // The node socket of a server (package nodesock) answers the preload shim of the
@@ -55,6 +56,12 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			return engine.Forget(root, path)
 		}}
+	if cn == nil { // blocks are cached by a node's own engine, not yet on the ring of a cluster
+		cfg.FetchBlock = func(ctx context.Context, root, name string) error {
+			touch()
+			return fetchBlock(ctx, engine, root, name)
+		}
+	}
 	if cn != nil {
 		cfg.Fetch = func(ctx context.Context, root, path string) error {
 			touch()
@@ -445,4 +452,19 @@ func (n *clusterNode) Close() {
 	for _, c := range peers {
 		c.Close()
 	}
+}
+
+// fetchBlock brings the block named name (tiers.BlockName) into a tier of engine, for
+// OpFetchBlock. A name of another block size than the engine's is refused (EINVAL): its
+// sender numbers blocks otherwise.
+func fetchBlock(ctx context.Context, engine *core.Engine, root, name string) error {
+	path, blockBytes, n, ok := tiers.SplitBlockName(name)
+	if !ok || blockBytes != engine.BlockBytes() {
+		return fmt.Errorf("%w: %q is no block of %d bytes", core.ErrBadPath, name, engine.BlockBytes())
+	}
+	res, err := engine.ReadBlock(ctx, root, path, n, true)
+	if err == nil {
+		res.Release()
+	}
+	return err
 }

@@ -77,8 +77,9 @@ def test_ranges_of_a_file_larger_than_the_cache_are_cached_by_blocks(large_file,
 
 def test_cached_blocks_are_read_without_go_in_a_forked_process(large_file, small_tiers):
     """A DataLoader worker forked after its parent loaded the library cannot run Go: ranges
-    of cached blocks are still served (in C), and a range of a block not cached fails at once
-    with ForkedAfterLoad, never a hang."""
+    of cached blocks are still served (in C), a block not cached is asked of the server over
+    its node socket (in C) and read once cached, and what needs Go fails at once with
+    ForkedAfterLoad, never a hang."""
     root, data = large_file
     code = f"""
 import os, random, time, fitcache
@@ -99,17 +100,22 @@ if pid == 0:
     for _ in range(200):
         off = rng.randrange(0, 4 * {BLOCK} - 100_000)
         ok = ok and c.pread("big.bin", 100_000, off) == data[off:off + 100_000]
+    off = 19 * {BLOCK} + 5
+    ok = ok and c.pread("big.bin", 100_000, off) == data[off:off + 100_000]  # block 19, cached now
     try:
-        c.pread("big.bin", 10, 19 * {BLOCK})
+        fitcache.Client({root!r})
         ok = False
     except fitcache.ForkedAfterLoad:
         pass
     os._exit(0 if ok else 1)
 _, status = os.waitpid(pid, 0)
-raise SystemExit(os.waitstatus_to_exitcode(status))
+if os.waitstatus_to_exitcode(status) != 0:
+    raise SystemExit("the child failed")
+print(c.stats()["server"]["published"])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert int(out.stdout.split()[-1]) == 5, "blocks 0-3, and block 19 which the child had cached"
 
 
 def test_pread_into_takes_writable_contiguous_buffers(large_file, small_tiers):
