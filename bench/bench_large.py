@@ -21,6 +21,10 @@ round says whether the owner was the reader's node or another; "warm" is the nex
 the owner has cached the file (a file over 64 MiB of another node is then still read from
 the source: it is too large to send whole).
 
+--workload h5py reads slices of an HDF5 dataset with h5py instead (--ranges slices of
+--range-bytes: 184 of 1 MiB read 9% of 2 GiB, as in the issue); --workload shards reads 8
+tar shards of 256 MiB (100 KiB samples) in order with tarfile, as WebDataset does.
+
     python bench/bench_large.py --out bench/results/large-2026-11-26.json
     python bench/bench_large.py --servers 3 --size 50331648 --out bench/results/large-cluster-2026-11-26.json
 
@@ -62,6 +66,93 @@ os.close(fd)
 print(json.dumps({"open_s": opened, "ranges_s": took, "bytes": got}))
 '''
 
+# --workload h5py: the file is an HDF5 file of one 2-D dataset "x" (rows of 64 KiB of
+# float32); the program opens it with h5py and reads --ranges random slices of whole rows,
+# --range-bytes each, as a training loop over an HDF5 dataset does.
+READER_H5 = r'''
+import json, random, sys, time
+import h5py
+path, ranges, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+t = time.perf_counter()
+f = h5py.File(path, "r")
+x = f["x"]
+opened = time.perf_counter() - t
+rows = max(1, length // (x.shape[1] * x.dtype.itemsize))
+rng = random.Random(1)
+t = time.perf_counter()
+got = 0
+for _ in range(ranges):
+    start = rng.randrange(0, x.shape[0] - rows)
+    got += x[start:start + rows].nbytes
+took = time.perf_counter() - t
+f.close()
+print(json.dumps({"open_s": opened, "ranges_s": took, "bytes": got}))
+'''
+
+# --workload shards: the "file" is a directory of tar shards of 100 KiB samples, as
+# WebDataset stores a dataset; the program reads every sample of every shard in order with
+# tarfile, as WebDataset's reader does (--ranges and --range-bytes are unused).
+READER_SHARDS = r'''
+import json, os, sys, tarfile, time
+path = sys.argv[1]
+opened, got = None, 0
+t = time.perf_counter()
+for name in sorted(os.listdir(path)):
+    t0 = time.perf_counter()
+    with tarfile.open(os.path.join(path, name), "r|") as tar:
+        if opened is None:
+            opened = time.perf_counter() - t0
+        for member in tar:
+            if member.isfile():
+                got += len(tar.extractfile(member).read())
+took = time.perf_counter() - t
+print(json.dumps({"open_s": opened, "ranges_s": took, "bytes": got}))
+'''
+
+READERS = {"ranges": READER, "h5py": READER_H5, "shards": READER_SHARDS}
+
+
+def make_h5(path, size):
+    """Writes an HDF5 file of about size bytes (dataset "x", rows of 64 KiB of random float32)
+    unless one is there already."""
+    import h5py
+    import numpy as np
+    if path.exists() and path.stat().st_size >= size:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    cols = (64 << 10) // 4
+    rows = size // (64 << 10)
+    rng = np.random.default_rng(1)
+    with h5py.File(tmp, "w") as f:
+        x = f.create_dataset("x", shape=(rows, cols), dtype="float32")
+        for start in range(0, rows, 1024):
+            n = min(1024, rows - start)
+            x[start:start + n] = rng.random((n, cols), dtype=np.float32)
+    tmp.rename(path)
+
+
+def make_shards(path, size, shard_bytes=256 << 20, sample_bytes=100 << 10):
+    """Writes tar shards of random 100 KiB samples, about size bytes in all, under the
+    directory path unless they are there already; returns their paths."""
+    import io
+    import tarfile
+    shards = max(1, size // shard_bytes)
+    names = [path / f"shard-{i:05d}.tar" for i in range(shards)]
+    if all(n.exists() for n in names):
+        return names
+    path.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        tmp = name.with_suffix(".partial")
+        with tarfile.open(tmp, "w") as tar:
+            for j in range(shard_bytes // sample_bytes):
+                data = os.urandom(sample_bytes)
+                info = tarfile.TarInfo(f"{i:05d}-{j:06d}.bin")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        tmp.rename(name)
+    return names
+
 
 def make_file(path, size):
     """Writes size random bytes at path unless a file of that size is there already."""
@@ -79,22 +170,23 @@ def make_file(path, size):
 
 
 def warm(path):
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
+    for p in sorted(path.iterdir()) if path.is_dir() else [path]:
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
 
 
 def run_reader(cmd_prefix, path, args, env=None):
-    out = subprocess.run([*cmd_prefix, sys.executable, "-c", READER, str(path), str(args.ranges),
+    out = subprocess.run([*cmd_prefix, sys.executable, "-c", READERS[args.workload], str(path), str(args.ranges),
                           str(args.range_bytes)], env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         sys.exit(f"reader failed: {out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def published(fc, env):
+def published(fc, env, files=1):
     out = subprocess.run([fc, "stats", "--json"], env=env, capture_output=True, text=True, timeout=30)
-    return out.returncode == 0 and json.loads(out.stdout)["published"] >= 1
+    return out.returncode == 0 and json.loads(out.stdout)["published"] >= files
 
 
 def fitcache_round(path, args, work):
@@ -104,14 +196,16 @@ def fitcache_round(path, args, work):
     runtime = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     budget = (args.size >> 20) + 1024
     env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime), "FITCACHE_TIERS": f"memory:{tier}:{budget}MiB"}
-    prefix = [fc, "run", "--data", str(path.parent), "--prefetch", "0", "--"]
+    data = path if path.is_dir() else path.parent
+    files = len(list(path.iterdir())) if path.is_dir() else 1
+    prefix = [fc, "run", "--data", str(data), "--prefetch", "0", "--"]
     rows = {}
     try:
-        with OpenCounter(str(path.parent)) as opens:
+        with OpenCounter(str(data)) as opens:
             rows["fitcache-cold"] = run_reader(prefix, path, args, env)
             rows["fitcache-cold"]["source_opens"] = sum(opens.counts().values())
             deadline = time.monotonic() + 300
-            while not published(fc, env):
+            while not published(fc, env, files):
                 if time.monotonic() > deadline:
                     sys.exit("the copy was not published in 300 s")
                 time.sleep(0.1)
@@ -171,10 +265,20 @@ def main():
     ap.add_argument("--tier-parent", default="/dev/shm",
                     help="where the memory tier is made (a tmpfs; for example one mounted with huge=within_size)")
     ap.add_argument("--servers", type=int, default=0, help="cluster mode with this many servers (see above)")
+    ap.add_argument("--workload", choices=sorted(READERS), default="ranges",
+                    help="ranges: os.pread of one file; h5py: slices of an HDF5 dataset; shards: tar "
+                         "shards read in order, as WebDataset reads them")
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
-    path = Path(args.data) / f"large-{args.size}" / "large.bin"
-    make_file(path, args.size)
+    if args.workload == "h5py":
+        path = Path(args.data) / f"h5-{args.size}" / "large.h5"
+        make_h5(path, args.size)
+    elif args.workload == "shards":
+        path = Path(args.data) / f"shards-{args.size}" / "shards"
+        make_shards(path, args.size)
+    else:
+        path = Path(args.data) / f"large-{args.size}" / "large.bin"
+        make_file(path, args.size)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="fitcache-bench-large-") as work:
         for r in range(args.repeats):
