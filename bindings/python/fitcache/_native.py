@@ -303,11 +303,13 @@ class Client:
         if view.readonly or not view.c_contiguous:
             raise TypeError("pread_into needs a writable contiguous buffer")
         length = view.nbytes
-        # The first byte as a ctypes object holds an export of the buffer (as view does):
-        # the buffer cannot be resized or freed while the call writes into it.
-        anchor = ctypes.c_char.from_buffer(view) if length else None
-        target = ctypes.addressof(anchor) if length else None
-        n = self._lib.fc_pread(self._checked(), _fs(path), target, length, offset)
+        if length == 0:
+            n = self._lib.fc_pread(self._checked(), _fs(path), None, 0, offset)
+        else:
+            # The first byte as a ctypes object holds an export of the buffer (as view does):
+            # the buffer cannot be resized or freed while the call writes into it.
+            anchor = ctypes.c_char.from_buffer(view)
+            n = self._lib.fc_pread(self._checked(), _fs(path), ctypes.addressof(anchor), length, offset)
         if n < 0:
             _raise(self._lib, n, path)
         return n
