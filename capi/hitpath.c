@@ -608,7 +608,8 @@ static void range_sweep(struct hit_client *c) {
 		if (!seen.data || fc_listed(&c->tiers[seen.tier], seen.key, seen.check, seen.ino))
 			continue;
 		pthread_mutex_lock(&c->ranges_mu); // the index was looked at without the lock: the
-		if (r->data == seen.data && r->refs == 0) { // entry may have changed meanwhile
+		if (r->data == seen.data && r->key == seen.key && r->check == seen.check && r->ino == seen.ino &&
+		    r->refs == 0) { // entry may have changed meanwhile
 			old = *r;
 			*r = (struct range_map){0};
 		}
@@ -621,15 +622,16 @@ static void range_sweep(struct hit_client *c) {
 // read_copy copies n bytes at off of the cached copy named name (len bytes) into p, from a
 // mapping kept (range_take) or made now, and adds them to served[its tier]; it returns the
 // bytes copied (fewer than n at the end of the copy), -FC_MISS when no tier holds the copy
-// checked in the client's session, or -EIO.
+// (checked in the client's session, with require_session: without, a copy the server has
+// just said it holds, as for hit_read_fetched), or -EIO.
 static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t len, char *p, size_t n, off_t off,
-                         int64_t *served) {
+                         int require_session, int64_t *served) {
 	uint64_t key, check;
 	fc_hashes(name, len, &key, &check);
 	struct range_map *r = range_take(c, key, check), made;
 	if (!r) {
 		struct fc_hit h;
-		if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, 1, &h) != 0)
+		if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, require_session, &h) != 0)
 			return -FC_MISS;
 		made = (struct range_map){.size = h.size, .tier = h.tier};
 		if (h.size > 0) {
@@ -670,10 +672,19 @@ static size_t decimal(int64_t v, char *out) {
 	return nd;
 }
 
+// block_name writes tiers.BlockName of the clean path at name (n bytes) for block number
+// block of bb bytes, "path\0<bb>:<block>", after the path, and returns the name's length.
+static size_t block_name(char *name, size_t n, int64_t bb, int64_t block) {
+	name[n++] = 0;
+	n += decimal(bb, name + n);
+	name[n++] = ':';
+	return n + decimal(block, name + n);
+}
+
 int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int ask, int64_t *got) {
 	int saved = errno;
 	struct hit_client *c = acquire(handle);
-	char name[FC_PATH_MAX + 48];
+	char name[FC_PATH_MAX + 48], msg[FC_FETCH_MESSAGE];
 	int n, nt, rc = FC_MISS;
 	if (!c || (nt = tier_count(c)) == 0 || (n = source_path(c, path, name, FC_PATH_MAX)) < 0)
 		goto out;
@@ -681,25 +692,37 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	int64_t served[FC_MAX_TIERS] = {0}; // counted once the whole range is served here
 	// Blocks first, when the server has them: a large file is read by ranges through its
 	// blocks, and its whole copy is the exception. The range may span several blocks; a block
-	// shorter than the rest of the range is the file's last. A block not cached leaves the
-	// range to the whole copy, if there is one, else to Go.
+	// shorter than the rest of the range is the file's last. A first block not cached leaves
+	// the range to the whole copy, if there is one; then, with ask, the server is asked for
+	// the block (a file under 8 MiB, which the server refuses to cut in blocks, for the
+	// whole file); else Go serves the range.
 	int64_t bb = __atomic_load_n(&c->block_bytes, __ATOMIC_RELAXED), done = 0;
 	ssize_t k = -FC_MISS;
 	while (bb > 0 && done < len) {
 		int64_t at = off + done, block = at / bb, within = at % bb;
 		int64_t want = len - done < bb - within ? len - done : bb - within;
-		// tiers.BlockName: the path, a NUL byte, the block size and the block's number in
-		// decimal, "path\0<bb>:<n>".
-		size_t len = (size_t)n;
-		name[len++] = 0;
-		len += decimal(bb, name + len);
-		name[len++] = ':';
-		len += decimal(block, name + len);
-		k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within, served);
-		if (k == -FC_MISS && ask) { // have the server cache it, and read it from there
-			char msg[FC_FETCH_MESSAGE];
-			if (node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, len, msg) == 0)
-				k = read_copy(c, nt, name, len, (char *)buf + done, (size_t)want, (off_t)within, served);
+		size_t namelen = block_name(name, (size_t)n, bb, block);
+		k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 1, served);
+		if (k == -FC_MISS && ask && done == 0) {
+			k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served); // a whole copy
+			if (k >= 0) {
+				done = k;
+				break;
+			}
+			int asked = node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg);
+			if (asked == FC_DIRECT && node_fetch(c, FC_NODE_OP_FETCH, name, (size_t)n, msg) == 0) {
+				// A file read whole: its copy serves the range.
+				k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 0, served);
+				if (k >= 0)
+					done = k;
+				break;
+			}
+			if (asked != 0)
+				break;
+			k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, served);
+		} else if (k == -FC_MISS && ask) {
+			if (node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg) == 0)
+				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, served);
 		}
 		if (k < 0)
 			break;
@@ -708,9 +731,9 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 			break; // the end of the file
 	}
 	if (k < 0) {
-		if (done > 0 || k != -FC_MISS)
+		if (done > 0 || k != -FC_MISS || ask)
 			goto out;
-		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, served)) < 0) // a whole copy
+		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served)) < 0) // a whole copy
 			goto out;
 		done = k;
 	}
@@ -797,7 +820,8 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	// A reference is held through the fetch, so that the client cannot go meanwhile
 	// (fcHitClose waits for it); no lock is held while the server is waited for.
 	struct hit_client *c = acquire(handle);
-	if (!c || !c->node_socket[0] || (n = source_path(c, path, clean, sizeof clean)) < 0) {
+	if (!c || !c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
+	    (n = source_path(c, path, clean, sizeof clean)) < 0) {
 		put(c);
 		errno = saved;
 		return FC_MISS;

@@ -403,7 +403,11 @@ func (r *rangeFiles) take(key string) *rangeFile {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	rf := r.files[key]
-	if rf == nil || !rf.until.IsZero() && time.Now().After(rf.until) {
+	if rf != nil && !rf.until.IsZero() && time.Now().After(rf.until) {
+		r.drop(key) // expired: opened anew by the caller, if it still can be
+		return nil
+	}
+	if rf == nil {
 		return nil
 	}
 	rf.refs++

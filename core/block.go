@@ -95,14 +95,11 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 		e.stats.misses.Add(1)
 		func() {
 			defer e.fills.Done()
-			select {
-			case e.blockSlots <- struct{}{}:
-				defer func() { <-e.blockSlots }()
-				e.fillBlock(f, root, path, n)
-			case <-ctx.Done():
-				f.err = ctx.Err()
-				e.finish(name, f)
-			}
+			// Not tied to the caller's context: other readers may share the flight, and
+			// each fill ends (a block is a bounded read).
+			e.blockSlots <- struct{}{}
+			defer func() { <-e.blockSlots }()
+			e.fillBlock(f, root, path, n)
 		}()
 	case leader:
 		f.err = ErrClosed

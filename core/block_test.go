@@ -178,3 +178,28 @@ func TestAFileChangedDuringASessionLosesItsOlderBlocks(t *testing.T) {
 		t.Fatalf("block 0 again: origin %q; want the new version, read from the source", origin)
 	}
 }
+
+// A server started with another block size removes the blocks of the size before: nobody
+// asks for them any more, and a dataset's blocks never evict one another.
+func TestBlocksOfAnotherSizeAreRemovedAtStart(t *testing.T) {
+	root, paths := dataset(t, 3<<20)
+	cfg := EngineConfig{Tiers: testTiers(t, "64MiB"), BlockBytes: 1 << 20}
+	e, err := NewEngine(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readBlock(t, e, root, paths[0], 1)
+	e.Close()
+	cfg.BlockBytes = 2 << 20
+	e, err = NewEngine(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if e.tiers[0].Listed(tiers.BlockName(paths[0], 1<<20, 1)) {
+		t.Fatal("a block of 1 MiB is still cached under a server of 2 MiB blocks")
+	}
+	if _, got := readBlock(t, e, root, paths[0], 1); len(got) != 1<<20 {
+		t.Fatalf("block 1 of 2 MiB blocks: %d bytes, want the file's last 1 MiB", len(got))
+	}
+}

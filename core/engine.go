@@ -168,6 +168,9 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	var last uint32
 	for _, t := range e.tiers {
 		last = max(last, t.LastSession())
+		if n := t.DropBlocksNotOf(e.blockBytes); n > 0 {
+			log.Info("removed cached blocks of another block size", "tier", t.Path, "blocks", n)
+		}
 	}
 	e.sessions = newSessions(nil, last)
 	e.noteSession(e.sessions.current())

@@ -456,11 +456,20 @@ func (n *clusterNode) Close() {
 
 // fetchBlock brings the block named name (tiers.BlockName) into a tier of engine, for
 // OpFetchBlock. A name of another block size than the engine's is refused (EINVAL): its
-// sender numbers blocks otherwise.
+// sender numbers blocks otherwise. A file under core.ReadNowBytes is refused with EFBIG: it
+// is cached whole (the C caller then asks for the whole file), as a Go reader of its ranges
+// has it, so that it is not cached twice.
 func fetchBlock(ctx context.Context, engine *core.Engine, root, name string) error {
 	path, blockBytes, n, ok := tiers.SplitBlockName(name)
 	if !ok || blockBytes != engine.BlockBytes() {
 		return fmt.Errorf("%w: %q is no block of %d bytes", core.ErrBadPath, name, engine.BlockBytes())
+	}
+	if err := engine.CheckRoot(root, path); err != nil {
+		return err
+	}
+	if st, err := os.Stat(path); err == nil && st.Size() < core.ReadNowBytes { // its size only: read beneath the root
+		return core.NewErrnoError(int32(syscall.EFBIG), core.ReasonUnspecified,
+			fmt.Sprintf("%s has %d bytes: it is cached whole, not in blocks", path, st.Size()))
 	}
 	res, err := engine.ReadBlock(ctx, root, path, n, true)
 	if err == nil {

@@ -81,6 +81,8 @@ def test_cached_blocks_are_read_without_go_in_a_forked_process(large_file, small
     its node socket (in C) and read once cached, and what needs Go fails at once with
     ForkedAfterLoad, never a hang."""
     root, data = large_file
+    with open(os.path.join(root, "small.bin"), "wb") as f:
+        f.write(random.Random(6).randbytes(200_000))
     code = f"""
 import os, random, time, fitcache
 c = fitcache.Client({root!r}, **{small_tiers!r})
@@ -93,6 +95,7 @@ for _ in range(300):
 else:
     raise SystemExit("blocks 0-3 were not cached")
 data = open({root!r} + "/big.bin", "rb").read()
+small = open({root!r} + "/small.bin", "rb").read()
 pid = os.fork()
 if pid == 0:
     rng = random.Random(1)
@@ -102,6 +105,7 @@ if pid == 0:
         ok = ok and c.pread("big.bin", 100_000, off) == data[off:off + 100_000]
     off = 19 * {BLOCK} + 5
     ok = ok and c.pread("big.bin", 100_000, off) == data[off:off + 100_000]  # block 19, cached now
+    ok = ok and c.pread("small.bin", 1000, 500) == small[500:1500]  # cached whole, not in blocks
     try:
         fitcache.Client({root!r})
         ok = False
@@ -115,7 +119,7 @@ print(c.stats()["server"]["published"])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert int(out.stdout.split()[-1]) == 5, "blocks 0-3, and block 19 which the child had cached"
+    assert int(out.stdout.split()[-1]) == 6, "blocks 0-3, block 19 and small.bin whole, which the child had cached"
 
 
 def test_pread_into_takes_writable_contiguous_buffers(large_file, small_tiers):

@@ -13,8 +13,10 @@ type record struct {
 	// source is the identity of the source version the copy holds (see Tier.Validate).
 	source Identity
 	// blockOf is the cleaned source path of the file whose block this entry holds (see
-	// BlockName), "" for a whole file: ForgetBlocks finds a file's blocks by it.
-	blockOf string
+	// BlockName), "" for a whole file: ForgetBlocks finds a file's blocks by it; blockBytes
+	// is the size of the blocks it was cut in.
+	blockOf    string
+	blockBytes int64
 }
 
 // blockOf returns the file whose block an entry named sourcePath holds, or "".
@@ -23,6 +25,12 @@ func blockOf(sourcePath string) string {
 		return path
 	}
 	return ""
+}
+
+// blockBytesOf returns the block size in a block's name, or 0.
+func blockBytesOf(sourcePath string) int64 {
+	_, bb, _, _ := SplitBlockName(sourcePath)
+	return bb
 }
 
 // fifo holds a tier's entries in publication order, one list per group (dataset root), so

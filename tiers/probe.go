@@ -3,6 +3,7 @@ package tiers
 import (
 	"errors"
 	"path/filepath"
+	"strings"
 )
 
 // Opener opens cached files: a [Dir] for readers, a [*Tier] for the server owning it.
@@ -107,6 +108,9 @@ func (d Dir) lookupSlot(id entryID) (slot, bool) {
 func StillListed(dirs []Dir, m *Mapping) bool {
 	id := idOf(filepath.Clean(m.SourcePath))
 	for _, d := range dirs {
+		if !strings.HasPrefix(m.Path, d.Path+string(filepath.Separator)) {
+			continue // inode numbers are only compared within the tier that mapped it
+		}
 		if s, ok := d.lookupSlot(id); ok && s.ino == m.ino {
 			return true
 		}

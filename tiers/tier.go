@@ -347,6 +347,27 @@ func (t *Tier) ForgetBlocks(sourcePath string) {
 	}
 }
 
+// DropBlocksNotOf removes the cached blocks cut in another size than blockBytes (a server
+// started before with another block_size made them) and returns how many it removed: no
+// reader asks for them any more, and they would hold their dataset's share of the budget,
+// since a dataset's blocks never evict one another.
+func (t *Tier) DropBlocksNotOf(blockBytes int64) int {
+	var ids []entryID
+	t.mu.Lock()
+	for _, blocks := range t.fifo.blocks {
+		for id := range blocks {
+			if t.fifo.byID[id].Value.(*record).blockBytes != blockBytes {
+				ids = append(ids, id)
+			}
+		}
+	}
+	t.mu.Unlock()
+	for _, id := range ids {
+		t.remove(id)
+	}
+	return len(ids)
+}
+
 // LastSession returns the last validation session that the server before this one recorded
 // in the tier (see NoteSession), or 0: a restarted server numbers its sessions on from it,
 // so that a reader of an earlier session never waits for numbers to catch up.
@@ -645,7 +666,7 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 		t.used -= old.size
 	}
 	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino, source: e.Identity(),
-		blockOf: blockOf(e.SourcePath)})
+		blockOf: blockOf(e.SourcePath), blockBytes: blockBytesOf(e.SourcePath)})
 	t.index(s, id)
 	return nil
 }
@@ -789,7 +810,7 @@ func (t *Tier) rescan() error {
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
 		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
-			source: f.Identity(), blockOf: blockOf(f.SourcePath)})
+			source: f.Identity(), blockOf: blockOf(f.SourcePath), blockBytes: blockBytesOf(f.SourcePath)})
 		t.used += f.size
 		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)
