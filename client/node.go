@@ -26,6 +26,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/edsrzf/mmap-go"
@@ -61,6 +62,8 @@ type localServer struct {
 	session    uint32
 	nodeSocket string
 	answered   bool
+	// blockBytes is the size of its blocks, as its last hello said (0: none).
+	blockBytes atomic.Int64
 }
 
 // newNodeRouter says hello to the job's servers on this node (all at once, again until all
@@ -154,6 +157,7 @@ func (s *localServer) hello(cfg config.Config, log *slog.Logger) error {
 	}
 	session := sessionOf(reply)
 	dirs := tierDirs(reply.Tiers, session, log)
+	s.blockBytes.Store(reply.BlockBytes)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	closeDirs(s.dirs)

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -49,8 +50,8 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 	if k, ok, err := c.readCopy(dirs, path+wholeSuffix, path, p, off); ok {
 		return k, err
 	}
-	conn, blockBytes := c.blockServer()
-	if conn == nil {
+	plan := c.blockPlan()
+	if plan == nil {
 		return c.readAtWhole(path, p, off)
 	}
 	src, err := c.source(path)
@@ -64,9 +65,9 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 	done := 0
 	for done < len(p) && off+int64(done) < src.size {
 		at := off + int64(done)
-		n, within := at/blockBytes, at%blockBytes
-		want := p[done:min(len(p), done+int(min(blockBytes-within, src.size-at)))]
-		k, err := c.readBlockRange(conn, dirs, src, path, n, want, within)
+		n, within := at/plan.bytes, at%plan.bytes
+		want := p[done:min(len(p), done+int(min(plan.bytes-within, src.size-at)))]
+		k, err := c.readBlockRange(plan, dirs, src, path, n, want, within)
 		if err != nil {
 			return done, err
 		}
@@ -101,25 +102,129 @@ func copyAt(b, p []byte, off int64) int {
 }
 
 // BlockBytes returns the size of the blocks the server of this node caches ranges of large
-// files in, or 0 where ranges are read through whole files (cluster mode, no server yet):
-// the C hit path of libfitcache reads cached blocks itself.
+// files in, or 0 where ranges are read through whole files (no server yet): the C hit path
+// of libfitcache reads cached blocks itself.
 func (c *Client) BlockBytes() int64 {
-	_, n := c.blockServer()
-	return n
+	if plan := c.blockPlan(); plan != nil {
+		return plan.bytes
+	}
+	return 0
 }
 
-// blockServer returns the connection to the server on this node that caches blocks, and
-// their size; nil in cluster mode and while there is no such server (then ranges are read
-// through whole files, as before blocks).
-func (c *Client) blockServer() (*serverConn, int64) {
-	if c.cluster != nil || c.node != nil {
-		return nil, 0
+// blockPlan says where the blocks of ranges come from. Embedded server: blocks are cached
+// in its tiers, on this node. Cluster mode: each block belongs to the server that owns its
+// name on the ring (tiers.BlockName), so a large file spreads over the job's nodes; a reader
+// on a node with servers of the job asks its node's server, which forwards to the owner, a
+// reader elsewhere routes itself. A block in a tier of this node is read from there, any
+// other range of a cached block is asked of its owner.
+type blockPlan struct {
+	bytes int64
+	// ask has block n of the file at path cached, sending none of it.
+	ask func(ctx context.Context, path string, n int64) error
+	// fetch reads a range of a block cached off this node into p; nil where every cached
+	// block is in a tier of this node.
+	fetch func(ctx context.Context, path string, n, off int64, p []byte) (int, error)
+	// check asks the server of this node for a block its tiers list unchecked for this
+	// job (see readBlockRange); nil in cluster mode, where fetch serves it.
+	check func(ctx context.Context, path string, n int64) bool
+}
+
+// blockPlan returns the client's block plan, or nil while it has no server with blocks.
+func (c *Client) blockPlan() *blockPlan {
+	switch {
+	case c.cluster != nil:
+		return c.cluster.blockPlan(c)
+	case c.node != nil:
+		return c.node.blockPlan(c)
 	}
 	conn, down := c.current()
 	if conn == nil || down || conn.blockBytes <= 0 {
-		return nil, 0
+		return nil
 	}
-	return conn, conn.blockBytes
+	cached := func(ctx context.Context, path string, n int64) (*fitcachepb.ReadReply, error) {
+		return conn.rpc.ReadBlock(ctx, c.root, path, n, true)
+	}
+	return &blockPlan{bytes: conn.blockBytes,
+		ask: func(ctx context.Context, path string, n int64) error {
+			_, err := cached(ctx, path, n)
+			return err
+		},
+		check: func(ctx context.Context, path string, n int64) bool {
+			reply, err := cached(ctx, path, n)
+			return err == nil && reply.CachedPath != ""
+		}}
+}
+
+// blockPlan is the plan of a reader on a node with servers of the job: its node's server
+// caches blocks and forwards the ranges of blocks other servers own (rpc's ForwardBlock).
+func (r *nodeRouter) blockPlan(c *Client) *blockPlan {
+	home := r.home()
+	if home == nil || r.down() || home.blockBytes.Load() <= 0 {
+		return nil
+	}
+	return &blockPlan{bytes: home.blockBytes.Load(),
+		ask: func(ctx context.Context, path string, n int64) error {
+			_, err := home.rpc.ReadBlockRange(ctx, c.root, path, n, 0, 0, true)
+			return err
+		},
+		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, error) {
+			reply, err := home.rpc.ReadBlockRange(ctx, c.root, path, n, off, int64(len(p)), true)
+			if err != nil {
+				return 0, err
+			}
+			return copy(p, reply.Data), nil
+		}}
+}
+
+// blockPlan is the plan of a reader that routes over the ring itself.
+func (r *clusterRouter) blockPlan(c *Client) *blockPlan {
+	bb := r.blockBytes.Load()
+	if bb <= 0 {
+		return nil
+	}
+	return &blockPlan{bytes: bb,
+		ask: func(ctx context.Context, path string, n int64) error {
+			_, err := c.blockRangeOfOwner(ctx, bb, path, n, 0, nil)
+			return err
+		},
+		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, error) {
+			return c.blockRangeOfOwner(ctx, bb, path, n, off, p)
+		}}
+}
+
+// blockRangeOfOwner reads len(p) bytes at off of block n of the file at path from the server
+// that owns the block on the ring (the next live one if it is dead), caching the block there
+// (an empty p only caches it). A server asked this way never forwards the request again.
+func (c *Client) blockRangeOfOwner(ctx context.Context, bb int64, path string, n, off int64, p []byte) (int, error) {
+	k := 0
+	err := c.route(tiers.BlockName(path, bb, n), func(peer *peer, _ []*peer) error {
+		reply, err := peer.rpc.ReadBlockRange(ctx, c.root, path, n, off, int64(len(p)), false)
+		if err == nil {
+			k = copy(p, reply.Data)
+		}
+		return err
+	})
+	return k, err
+}
+
+// ForwardBlock serves, for a cluster server, a ranged request for a block from a reader of
+// its node (rpc.ServerConfig.ForwardBlock): the range as the block's owner on the ring sends
+// it, or ok false when self (this server's id) is the owner.
+func (c *Client) ForwardBlock(ctx context.Context, self, path string, n, off, length int64) ([]byte, bool, error) {
+	bb := c.BlockBytes()
+	if c.cluster == nil || bb <= 0 {
+		return nil, false, nil
+	}
+	targets := c.cluster.targets(tiers.BlockName(path, bb, n))
+	if len(targets) == 0 || targets[0].member.ID == self {
+		return nil, false, nil
+	}
+	p := make([]byte, length)
+	k, err := c.blockRangeOfOwner(ctx, bb, path, n, off, p)
+	if errors.Is(err, errReadSource) {
+		return nil, false, nil // no owner answers: serve it here
+	}
+	return p[:k], err == nil, err
 }
 
 // errNotLarge reports a file read through whole copies (see source).
@@ -159,35 +264,35 @@ func (c *Client) source(path string) (*rangeFile, error) {
 const sourceKeep = 5 * time.Second
 
 // readBlockRange reads len(p) bytes at within of block n of the file at path: from the
-// block in a tier of this node, else from the source src, asking the server to cache the
-// block. A block the tiers list but not for this job's session yet (a new job over a warm
-// cache) is asked for at once: the server checks it against the source (one look per file)
-// and answers, and the range is served from it.
-func (c *Client) readBlockRange(conn *serverConn, dirs []tiers.Dir, src *rangeFile, path string, n int64, p []byte,
+// block in a tier of this node; else, when the block was cached off this node, from its
+// holder (plan.fetch); else from the source src, asking for the block to be cached. A block
+// the tiers list but not for this job's session yet (a new job over a warm cache) is asked
+// for at once: the server checks it against the source (one look per file) and answers, and
+// the range is served from it.
+func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFile, path string, n int64, p []byte,
 	within int64) (int, error) {
-	name := tiers.BlockName(path, conn.blockBytes, n)
+	name := tiers.BlockName(path, plan.bytes, n)
 	if k, ok, err := c.readCopy(dirs, name, name, p, within); ok {
 		return k, err
 	}
-	if tiers.Listed(anySession(dirs), name) && c.checkBlock(conn, path, n) {
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
+	defer cancel()
+	if plan.check != nil && tiers.Listed(anySession(dirs), name) && plan.check(ctx, path, n) {
 		if k, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {
 			return k, err
 		}
 	}
-	k, err := readFull(src.f, p, n*conn.blockBytes+within)
+	if plan.fetch != nil && c.brings.cachedElsewhere(name) {
+		if k, err := plan.fetch(ctx, path, n, within, p); err == nil {
+			c.counts.serverReads.Add(1)
+			return k, nil
+		}
+	}
+	k, err := readFull(src.f, p, n*plan.bytes+within)
 	c.counts.sourceRanges.Add(1)
 	c.counts.sourceRangeBytes.Add(int64(k))
-	c.bringBlock(conn, path, n, n*conn.blockBytes+within, int64(k))
+	c.bringBlock(plan, path, n, n*plan.bytes+within, int64(k))
 	return k, err
-}
-
-// checkBlock asks the server for block n of the file at path, which a tier lists unchecked
-// for this job, and reports whether the server serves it from there.
-func (c *Client) checkBlock(conn *serverConn, path string, n int64) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
-	defer cancel()
-	reply, err := conn.rpc.ReadBlock(ctx, c.root, path, n, true)
-	return err == nil && reply.CachedPath != ""
 }
 
 // readCopy reads len(p) bytes at off from the cached copy of name (a whole file or a
@@ -232,8 +337,8 @@ func readFull(f *os.File, p []byte, off int64) (int, error) {
 // for once (again after blockAskAgain: the server may have declined it). Asks wait in a
 // queue of at most blockQueueMax (past it, the next miss on the block asks again), served
 // by up to blockBringsMax goroutines.
-func (c *Client) bringBlock(conn *serverConn, path string, n, off, k int64) {
-	name := tiers.BlockName(path, conn.blockBytes, n)
+func (c *Client) bringBlock(plan *blockPlan, path string, n, off, k int64) {
+	name := tiers.BlockName(path, plan.bytes, n)
 	b := &c.brings
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -254,12 +359,12 @@ func (c *Client) bringBlock(conn *serverConn, path string, n, off, k int64) {
 		b.blocks[name] = h
 	}
 	h.read += k
-	if !sequential && h.read < conn.blockBytes/blockHeatShare || time.Since(h.asked) < blockAskAgain ||
+	if !sequential && h.read < plan.bytes/blockHeatShare || time.Since(h.asked) < blockAskAgain ||
 		len(b.queue) >= blockQueueMax {
 		return
 	}
 	h.asked = time.Now()
-	b.queue = append(b.queue, blockAsk{conn: conn, path: path, n: n})
+	b.queue = append(b.queue, blockAsk{plan: plan, path: path, n: n, name: name})
 	if b.running < blockBringsMax {
 		b.running++
 		b.wg.Add(1)
@@ -267,10 +372,21 @@ func (c *Client) bringBlock(conn *serverConn, path string, n, off, k int64) {
 	}
 }
 
-// blockHeat is what a client read of a block from the source, and when it asked for it.
+// blockHeat is what a client read of a block from the source, when it asked for it, and
+// whether the ask cached it.
 type blockHeat struct {
-	read  int64
-	asked time.Time
+	read   int64
+	asked  time.Time
+	cached bool
+}
+
+// cachedElsewhere reports whether the block named name was cached at this client's ask
+// (by a server that may be on another node: see blockPlan.fetch).
+func (b *blockBrings) cachedElsewhere(name string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	h := b.blocks[name]
+	return h != nil && h.cached
 }
 
 // blockHeatShare: a block is asked for once the ranges read of it from the source add up
@@ -302,9 +418,17 @@ func (c *Client) bringBlocks() {
 		b.queue = b.queue[1:]
 		b.mu.Unlock()
 		actx, acancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
-		_, err := ask.conn.rpc.ReadBlock(actx, c.root, ask.path, ask.n, true)
+		err := ask.plan.ask(actx, ask.path, ask.n)
 		acancel()
-		if err != nil && !errors.Is(err, core.ErrTooLarge) && !errors.Is(err, core.ErrCacheFull) && ctx.Err() == nil {
+		if err == nil {
+			b.mu.Lock()
+			if h := b.blocks[ask.name]; h != nil {
+				h.cached = true
+			}
+			b.mu.Unlock()
+		}
+		if err != nil && !errors.Is(err, core.ErrTooLarge) && !errors.Is(err, core.ErrCacheFull) &&
+			!errors.Is(err, errReadSource) && ctx.Err() == nil {
 			c.log.Warn("caching a block", "path", ask.path, "block", ask.n, "err", err)
 		}
 	}
@@ -343,11 +467,12 @@ func (b *blockBrings) stop() {
 	b.wg.Wait()
 }
 
-// blockAsk is an ask for block n of the file at path, to the server of conn.
+// blockAsk is an ask for block n of the file at path (named name), through plan.
 type blockAsk struct {
-	conn *serverConn
+	plan *blockPlan
 	path string
 	n    int64
+	name string
 }
 
 // rangeFile is what a client keeps for ranges: a mapping of a whole copy or a block in a

@@ -5,8 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/fitcache/fitcache/config"
+	"github.com/fitcache/fitcache/core"
 )
 
 // stats returns a client's statistics, decoded.
@@ -133,7 +137,7 @@ func TestANewJobReadsTheBlocksAnEarlierOneCached(t *testing.T) {
 	}
 	// The server drops the file's copies (a write through the preload shim does): the kept
 	// mappings are let go at the next sweep.
-	conn, _ := second.blockServer()
+	conn, _ := second.current()
 	if err := conn.rpc.Forget(context.Background(), root, path); err != nil {
 		t.Fatal(err)
 	}
@@ -151,5 +155,75 @@ func TestANewJobReadsTheBlocksAnEarlierOneCached(t *testing.T) {
 	second.ranges.mu.Unlock()
 	if kept != 0 {
 		t.Errorf("%d mappings of removed copies still kept", kept)
+	}
+}
+
+// In cluster mode each block of a large file belongs to the server that owns its name on the
+// ring: a reader on a node without a server reads the ranges of a block from the source
+// until it is cached, then from the block's owner. The file spreads over the servers, and
+// each block is read from the source once.
+func TestBlocksOfALargeFileSpreadOverTheRing(t *testing.T) {
+	root := t.TempDir()
+	data := make([]byte, 24<<20+3)
+	rng := rand.New(rand.NewPCG(5, 6))
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	writeFile(t, root, "big.bin", data)
+	var servers []*testServer
+	var addrs []string
+	for _, host := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		s := startClusterServer(t, host, root)
+		servers = append(servers, s)
+		addrs = append(addrs, s.addr)
+	}
+	cfg, err := config.Load(map[string]string{"servers": strings.Join(addrs, ","), "token": "tok", "node": "127.0.0.1",
+		"wait_timeout": "5", "rpc_timeout": "2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Open(root, cfg, discardLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if c.cluster == nil || c.BlockBytes() != core.DefaultBlockBytes {
+		t.Fatalf("not a routing client with blocks (block size %d)", c.BlockBytes())
+	}
+	p := make([]byte, 1<<20)
+	for off := int64(0); off < int64(len(data)); off += int64(len(p)) { // in sequence: each block is asked for at once
+		k, err := c.ReadAt("big.bin", p, off)
+		if err != nil || !bytes.Equal(p[:k], data[off:min(int64(len(data)), off+int64(len(p)))]) {
+			t.Fatalf("ReadAt %d: %d, %v", off, k, err)
+		}
+	}
+	blocks := int64(len(data)+core.DefaultBlockBytes-1) / core.DefaultBlockBytes
+	for deadline := time.Now().Add(10 * time.Second); sourceReads(servers) < blocks; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d blocks cached", sourceReads(servers), blocks)
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // the asks' answers mark the blocks cached at the client
+	before := c.counts.sourceRanges.Load()
+	q := make([]byte, 100_000)
+	for i := 0; i < 100; i++ {
+		off := rng.Int64N(int64(len(data)))
+		k, err := c.ReadAt("big.bin", q, off)
+		if err != nil || !bytes.Equal(q[:k], data[off:min(int64(len(data)), off+int64(len(q)))]) {
+			t.Fatalf("ReadAt %d: %d, %v", off, k, err)
+		}
+	}
+	if n := c.counts.sourceRanges.Load() - before; n != 0 {
+		t.Errorf("%d ranges read from the source once every block was cached; want none", n)
+	}
+	holding := 0
+	for _, s := range servers {
+		if s.engine.Stats().SourceReads > 0 {
+			holding++
+		}
+	}
+	if sourceReads(servers) != blocks || holding < 2 {
+		t.Errorf("source reads %d (want %d, one per block), on %d servers (want the blocks spread)",
+			sourceReads(servers), blocks, holding)
 	}
 }

@@ -85,6 +85,8 @@ type clusterRouter struct {
 	stopped         chan struct{}
 	// onDead, if set, is told of the servers this client's calls found dead (OnServerDead).
 	onDead func(id string)
+	// blockBytes is the size of the servers' blocks, as the last hello said (0: none).
+	blockBytes atomic.Int64
 }
 
 // newClusterRouter discovers the servers, connects, and waits up to WaitTimeout for them to
@@ -200,6 +202,9 @@ func (r *clusterRouter) hello(p *peer) error {
 		return err
 	}
 	session := sessionOf(reply)
+	if reply.BlockBytes > 0 {
+		r.blockBytes.Store(reply.BlockBytes)
+	}
 	var dirs []tiers.Dir
 	if p.local {
 		dirs = tierDirs(reply.Tiers, session, r.log)

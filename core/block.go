@@ -169,6 +169,9 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	e.dropIfForgotten(f, name)
 }
 
+// CountSent counts n bytes of a block sent in a ranged reply (see rpc's Handler.Read).
+func (e *Engine) CountSent(n int64) { e.stats.bytesServed.Add(n) }
+
 // blockIdentity is the identity a copy of block n records for a source version of identity
 // id: the same times and inode, and the block's length for the size (see fillBlock).
 func (e *Engine) blockIdentity(id tiers.Identity, n int64) tiers.Identity {

@@ -205,6 +205,15 @@ func (c *Client) ReadBlock(ctx context.Context, root, path string, n int64, loca
 	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n})
 }
 
+// ReadBlockRange asks the server for length bytes at off of block n of a file (fewer at the
+// block's end); a length of 0 has the block cached and sends nothing (see
+// ReadRequest.range_length). local is set for a caller on the server's node: the server
+// then forwards the request to the block's owner on the ring when that is another server.
+func (c *Client) ReadBlockRange(ctx context.Context, root, path string, n, off, length int64, local bool) (*fitcachepb.ReadReply, error) {
+	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n, RangeOffset: &off,
+		RangeLength: &length})
+}
+
 // ReadGossip is Read with a request that may carry membership gossip (see the IDL).
 func (c *Client) ReadGossip(ctx context.Context, req *fitcachepb.ReadRequest) (*fitcachepb.ReadReply, error) {
 	return c.ReadInto(ctx, req, nil)

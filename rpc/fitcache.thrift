@@ -77,6 +77,11 @@ struct ReadRequest {
   // from block * HelloReply.block_bytes on, block_bytes of them or fewer at the end of the
   // file, none past it (see core.Engine.ReadBlock). A reply for a block carries no stamp.
   8: optional i64 block
+  // With block: only range_length bytes of the block from range_offset are sent (the block
+  // is cached whole), fewer at its end; 0 caches the block and sends nothing. A reader of
+  // ranges in cluster mode reads a range of a block another node holds this way.
+  9: optional i64 range_offset
+  10: optional i64 range_length
 }
 
 struct ReadReply {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"reflect"
@@ -53,7 +54,12 @@ type ServerConfig struct {
 	// requests report it (a client on a node without a server of the job has no node
 	// server to tell): the servers' membership spreads it to the job's other servers.
 	OnReportedDead func(id string)
-	Log            *slog.Logger
+	// ForwardBlock, if set (a cluster server), serves a ranged request for a block (see
+	// ReadRequest.range_length) from a reader of this node when another server owns the
+	// block on the ring: it returns the range's bytes as the owner sent them, and ok false
+	// when this server is the owner and serves it itself.
+	ForwardBlock func(ctx context.Context, root, path string, n, off, length int64) (data []byte, ok bool, err error)
+	Log          *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
 	// is read, and a file larger than this cannot be served as bytes (its Read fails with
 	// EFBIG). 0 means DefaultMaxFrameBytes (64 MiB) with a token, no limit without one (a
@@ -282,6 +288,9 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	h.heard(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
+	if req.IsSetBlock() && req.IsSetRangeLength() {
+		return h.readBlockRange(ctx, req, version, dead), nil
+	}
 	res, err := h.readWhat(ctx, req)
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
@@ -307,6 +316,40 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		h.cfg.OnRead(req.Local, res.Origin, time.Since(start), reply.Size)
 	}
 	return reply, nil
+}
+
+// readBlockRange serves a ranged request for a block: forwarded to the block's owner when it
+// is another server (ForwardBlock), else the range of the block, cached whole here, as bytes.
+func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadRequest, version int64, dead []string) *fitcachepb.ReadReply {
+	fail := func(err error) *fitcachepb.ReadReply {
+		errno, msg, reason := errnoOf(err)
+		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}
+	}
+	off, length := req.GetRangeOffset(), req.GetRangeLength()
+	if off < 0 || length < 0 || h.tooLarge(int(min(length, int64(math.MaxInt32)))) {
+		return fail(fmt.Errorf("%w: range of %d bytes at %d", core.ErrBadPath, length, off))
+	}
+	if h.cfg.ForwardBlock != nil && req.Local {
+		data, ok, err := h.cfg.ForwardBlock(ctx, req.Root, req.Path, req.GetBlock(), off, length)
+		if err != nil {
+			return fail(err)
+		}
+		if ok {
+			return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: "peer", MembershipVersion: version,
+				Dead: dead}
+		}
+	}
+	res, err := h.engine.ReadBlock(ctx, req.Root, req.Path, req.GetBlock(), true)
+	if err != nil {
+		return fail(err)
+	}
+	defer res.Release()
+	b := res.Bytes()
+	lo := min(off, int64(len(b)))
+	data := bytes.Clone(b[lo:min(int64(len(b)), lo+length)])
+	h.engine.CountSent(int64(len(data)))
+	return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: res.Origin, MembershipVersion: version,
+		Dead: dead}
 }
 
 // readWhat reads what req asks for: the whole file, or one of its blocks.

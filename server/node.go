@@ -355,6 +355,24 @@ func (n *clusterNode) forget(root, path string) error {
 	return c.Forget(ctx, path)
 }
 
+// forwardBlock serves a ranged request for a block from a reader of this node (see
+// rpc.ServerConfig.ForwardBlock): through this server's cluster client of the root, from the
+// block's owner on the ring. ok is false when this server owns it, or has no cluster (nil):
+// the engine serves it then.
+func (n *clusterNode) forwardBlock(ctx context.Context, root, path string, block, off, length int64) ([]byte, bool, error) {
+	if n == nil || n.self == "" {
+		return nil, false, nil
+	}
+	if err := n.engine.CheckRoot(root, path); err != nil {
+		return nil, false, err
+	}
+	c, err := n.client(ctx, root)
+	if err != nil {
+		return nil, false, nil
+	}
+	return c.ForwardBlock(ctx, n.self, path, block, off, length)
+}
+
 // fetch answers OpFetch, which promises the caller the file in a tier of this node (see
 // client.FetchForReader): this server's own, another server's of this node, or a node-local
 // copy of a file another node owns. When no tier of the node takes it, the error (ENOSPC or

@@ -169,3 +169,37 @@ def test_a_dataset_of_ranges_reads_them_through_blocks(large_file, small_tiers):
         fitcache.FitCacheDataset(root, ranges=items, files=["big.bin"], **small_tiers)
     with pytest.raises(PermissionError):
         fitcache.FitCacheDataset(root, ranges=[("../outside.bin", 0, 5)], **small_tiers)[0]
+
+
+def test_ranges_in_cluster_mode_are_served_by_the_blocks_owners(large_file, tmp_path):
+    """Four servers on loopback nodes with node sockets; the reader on the first node reads
+    ranges through its node's server, which forwards the ranges of blocks other servers own.
+    The file's blocks spread over the servers (each owns the blocks whose names the ring gives
+    it), each block is read from the source once, and once cached every range comes from the
+    blocks (in C for those of the reader's node)."""
+    from harness import Cluster, cached_names
+    root, data = large_file
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster", root, serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    try:
+        with fitcache.Client(root, **cluster.options()) as client:
+            for off in range(0, len(data), BLOCK):  # in sequence: each block is asked for at once
+                assert client.pread("big.bin", BLOCK, off) == data[off:off + BLOCK]
+            blocks = -(-len(data) // (4 << 20))
+
+            def holders():
+                return {a: sum(1 for n in cached_names(cluster, a) if n.startswith("big.bin#")) for a in cluster.addrs}
+            deadline = time.monotonic() + 30
+            while sum(holders().values()) < blocks:
+                assert time.monotonic() < deadline, holders()
+                time.sleep(0.1)
+            time.sleep(0.3)  # the answers to the asks mark the blocks cached at the reader
+            before = client.stats()["client"]
+            for off, n in ranges_of(data, n=100):
+                assert client.pread("big.bin", n, off) == data[off:off + n], (off, n)
+            after = client.stats()["client"]
+        assert sum(1 for n in holders().values() if n) >= 2, f"blocks not spread: {holders()}"
+        assert after["source_ranges"] == before["source_ranges"], "ranges read from the source once cached"
+        assert after["errors"] == 0
+    finally:
+        cluster.stop()

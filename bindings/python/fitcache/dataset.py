@@ -267,7 +267,9 @@ class FitCacheDataset(_Base):
         """The prefetch list, and how many of its paths are read in this epoch (0: all)."""
         if self._prefetch_order is None:
             return [os.path.join(self.root, f) for f in self.files], 0
-        paths = list(dict.fromkeys(self.path(i) for i in self._prefetch_order))  # ranges share files
+        paths = [self.path(i) for i in self._prefetch_order]
+        if self.ranges is not None:
+            paths = list(dict.fromkeys(paths))  # ranges share files
         if self.options.get("servers") or os.environ.get("FITCACHE_SERVERS"):
             # Cluster mode: the node's server keeps copies of what its readers read, where it
             # has room. With one rank's share given (a DistributedSampler), the other files come

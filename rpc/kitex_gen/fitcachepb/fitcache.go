@@ -275,6 +275,8 @@ type ReadRequest struct {
 	Dead              []string `thrift:"dead,6" frugal:"6,default,list<string>" json:"dead"`
 	Alive             []string `thrift:"alive,7" frugal:"7,default,list<string>" json:"alive"`
 	Block             *int64   `thrift:"block,8,optional" frugal:"8,optional,i64" json:"block,omitempty"`
+	RangeOffset       *int64   `thrift:"range_offset,9,optional" frugal:"9,optional,i64" json:"range_offset,omitempty"`
+	RangeLength       *int64   `thrift:"range_length,10,optional" frugal:"10,optional,i64" json:"range_length,omitempty"`
 }
 
 func NewReadRequest() *ReadRequest {
@@ -316,6 +318,24 @@ func (p *ReadRequest) GetBlock() (v int64) {
 	}
 	return *p.Block
 }
+
+var ReadRequest_RangeOffset_DEFAULT int64
+
+func (p *ReadRequest) GetRangeOffset() (v int64) {
+	if !p.IsSetRangeOffset() {
+		return ReadRequest_RangeOffset_DEFAULT
+	}
+	return *p.RangeOffset
+}
+
+var ReadRequest_RangeLength_DEFAULT int64
+
+func (p *ReadRequest) GetRangeLength() (v int64) {
+	if !p.IsSetRangeLength() {
+		return ReadRequest_RangeLength_DEFAULT
+	}
+	return *p.RangeLength
+}
 func (p *ReadRequest) SetRoot(val string) {
 	p.Root = val
 }
@@ -337,9 +357,23 @@ func (p *ReadRequest) SetAlive(val []string) {
 func (p *ReadRequest) SetBlock(val *int64) {
 	p.Block = val
 }
+func (p *ReadRequest) SetRangeOffset(val *int64) {
+	p.RangeOffset = val
+}
+func (p *ReadRequest) SetRangeLength(val *int64) {
+	p.RangeLength = val
+}
 
 func (p *ReadRequest) IsSetBlock() bool {
 	return p.Block != nil
+}
+
+func (p *ReadRequest) IsSetRangeOffset() bool {
+	return p.RangeOffset != nil
+}
+
+func (p *ReadRequest) IsSetRangeLength() bool {
+	return p.RangeLength != nil
 }
 
 func (p *ReadRequest) String() string {
@@ -350,13 +384,15 @@ func (p *ReadRequest) String() string {
 }
 
 var fieldIDToName_ReadRequest = map[int16]string{
-	2: "root",
-	3: "path",
-	4: "local",
-	5: "membership_version",
-	6: "dead",
-	7: "alive",
-	8: "block",
+	2:  "root",
+	3:  "path",
+	4:  "local",
+	5:  "membership_version",
+	6:  "dead",
+	7:  "alive",
+	8:  "block",
+	9:  "range_offset",
+	10: "range_length",
 }
 
 type ReadReply struct {
