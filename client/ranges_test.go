@@ -23,6 +23,16 @@ type rangeStats struct {
 	} `json:"server"`
 }
 
+// randomBytes returns n bytes of a random generator seeded with seed, and the generator.
+func randomBytes(n int, seed uint64) ([]byte, *rand.Rand) {
+	rng := rand.New(rand.NewPCG(seed, seed+1))
+	data := make([]byte, n)
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	return data, rng
+}
+
 func statsOf(t *testing.T, c *Client) rangeStats {
 	t.Helper()
 	js, err := c.Stats()
@@ -43,11 +53,7 @@ func statsOf(t *testing.T, c *Client) rangeStats {
 func TestRangesOfAFileLargerThanTheTierAreCachedByBlocks(t *testing.T) {
 	cfg, _ := startServerWithBudget(t, "12MiB")
 	root := t.TempDir()
-	data := make([]byte, 20<<20+5)
-	rng := rand.New(rand.NewPCG(1, 2))
-	for i := range data {
-		data[i] = byte(rng.Uint32())
-	}
+	data, rng := randomBytes(20<<20+5, 1)
 	writeFile(t, root, "big.bin", data)
 	c, err := Open(root, cfg, nil)
 	if err != nil {
@@ -98,11 +104,7 @@ func TestRangesOfAFileLargerThanTheTierAreCachedByBlocks(t *testing.T) {
 func TestANewJobReadsTheBlocksAnEarlierOneCached(t *testing.T) {
 	cfg, _ := startServerWithBudget(t, "64MiB")
 	root := t.TempDir()
-	data := make([]byte, 12<<20)
-	rng := rand.New(rand.NewPCG(3, 4))
-	for i := range data {
-		data[i] = byte(rng.Uint32())
-	}
+	data, _ := randomBytes(12<<20, 3)
 	path := writeFile(t, root, "big.bin", data)
 	first, err := Open(root, cfg, nil)
 	if err != nil {
@@ -164,11 +166,7 @@ func TestANewJobReadsTheBlocksAnEarlierOneCached(t *testing.T) {
 // each block is read from the source once.
 func TestBlocksOfALargeFileSpreadOverTheRing(t *testing.T) {
 	root := t.TempDir()
-	data := make([]byte, 24<<20+3)
-	rng := rand.New(rand.NewPCG(5, 6))
-	for i := range data {
-		data[i] = byte(rng.Uint32())
-	}
+	data, rng := randomBytes(24<<20+3, 5)
 	writeFile(t, root, "big.bin", data)
 	var servers []*testServer
 	var addrs []string
