@@ -82,15 +82,21 @@ def fitcache_pass(client, path, offs, length, api):
     return time.perf_counter() - t, got
 
 
+def servers_total(stats, key):
+    """A counter of the server, or summed over the servers of a cluster."""
+    if "servers" in stats:
+        return sum(s.get(key, 0) for s in stats["servers"].values() if isinstance(s, dict))
+    return (stats.get("server") or {}).get(key, 0)
+
+
 def settled(client):
-    """Waits until the server's block fills end (published stops growing); returns its stats."""
+    """Waits until the servers' block fills end (published stops growing); returns the stats."""
     last, deadline = -1, time.monotonic() + 300
     while time.monotonic() < deadline:
         s = client.stats()
-        server = s.get("server", {})
-        if server.get("published", 0) == last:
+        if servers_total(s, "published") == last:
             return s
-        last = server.get("published", 0)
+        last = servers_total(s, "published")
         time.sleep(0.5)
     sys.exit("block fills did not settle in 300 s")
 
@@ -109,13 +115,39 @@ def fitcache_round(path, offs, args, block_size):
                     sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
                 stats = settled(client)
                 rows.append({"pass": p, "seconds": took, "source_opens": sum(opens.counts().values()),
-                             "client": stats["client"], "published": stats["server"].get("published"),
-                             "source_reads": stats["server"].get("source_reads")})
+                             "client": stats["client"], "published": servers_total(stats, "published"),
+                             "source_reads": servers_total(stats, "source_reads")})
     finally:
         subprocess.run([fitcache._native.server_binary(), "stop"], capture_output=True, timeout=60,
                        env={**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime)})
         shutil.rmtree(tier, ignore_errors=True)
         shutil.rmtree(runtime, ignore_errors=True)
+    return rows
+
+
+def cluster_round(path, offs, args, block_size):
+    """fitcache_round with --servers servers on loopback nodes 127.0.0.1..N (memory tiers of
+    --tier-bytes each, node sockets on): the reader on the first node reads through its
+    node's server, which forwards the ranges of blocks other servers own."""
+    from harness import Cluster  # tests/harness.py
+    work = Path(tempfile.mkdtemp(prefix="fitcache-bench-ranges-cluster-"))
+    cluster = Cluster(work, str(path.parent), nodes=[f"127.0.0.{i + 1}" for i in range(args.servers)],
+                      budget=args.tier_bytes,
+                      serve_options={"rpc_timeout": "5", "wait_timeout": "5", "block_size": block_size, "prefetch": "0"})
+    rows = []
+    try:
+        with OpenCounter(str(path.parent)) as opens, fitcache.Client(path.parent, **cluster.options()) as client:
+            for p in range(1, args.passes + 1):
+                took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api)
+                if got != len(offs) * args.range_bytes:
+                    sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
+                stats = settled(client)
+                rows.append({"pass": p, "seconds": took, "source_opens": sum(opens.counts().values()),
+                             "client": stats["client"], "published": servers_total(stats, "published"),
+                             "source_reads": servers_total(stats, "source_reads")})
+    finally:
+        cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
@@ -129,6 +161,8 @@ def main():
     ap.add_argument("--tier-parent", default="/dev/shm")
     ap.add_argument("--block-size", default="4MiB", help="comma-separated block sizes to compare")
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--servers", type=int, default=0,
+                    help="cluster mode: this many servers on loopback nodes, each with a tier of --tier-bytes")
     ap.add_argument("--api", choices=("pread_into", "pread"), default="pread_into",
                     help="Client.pread_into into one buffer against os.preadv, or Client.pread "
                          "(new bytes per range) against os.pread")
@@ -152,7 +186,7 @@ def main():
             plain, _ = plain_pass(path, offs, args.range_bytes, args.api)
             if args.drop_caches:
                 drop_caches()
-            rows = fitcache_round(path, offs, args, bs)
+            rows = (cluster_round if args.servers else fitcache_round)(path, offs, args, bs)
             results["rounds"].append({"round": r, "block_size": bs, "plain_s": plain, "passes": rows})
             print(f"round {r} block {bs}: plain {plain:.3f} s; " + "; ".join(
                 f"pass {x['pass']} {x['seconds']:.3f} s ({plain / x['seconds']:.2f}x), "
