@@ -196,15 +196,22 @@ func (r *clusterRouter) blockPlan(c *Client) *blockPlan {
 // that owns the block on the ring (the next live one if it is dead), caching the block there
 // (an empty p only caches it). A server asked this way never forwards the request again.
 func (c *Client) blockRangeOfOwner(ctx context.Context, bb int64, path string, n, off int64, p []byte) (int, error) {
-	k := 0
+	reply, err := c.askOwner(ctx, bb, path, n, off, int64(len(p)))
+	if err != nil {
+		return 0, err
+	}
+	return copy(p, reply.Data), nil
+}
+
+// askOwner asks the owner of block n on the ring for length bytes of it at off.
+func (c *Client) askOwner(ctx context.Context, bb int64, path string, n, off, length int64) (*fitcachepb.ReadReply, error) {
+	var reply *fitcachepb.ReadReply
 	err := c.route(tiers.BlockName(path, bb, n), func(peer *peer, _ []*peer) error {
-		reply, err := peer.rpc.ReadBlockRange(ctx, c.root, path, n, off, int64(len(p)), false)
-		if err == nil {
-			k = copy(p, reply.Data)
-		}
+		var err error
+		reply, err = peer.rpc.ReadBlockRange(ctx, c.root, path, n, off, length, false)
 		return err
 	})
-	return k, err
+	return reply, err
 }
 
 // ForwardBlock serves, for a cluster server, a ranged request for a block from a reader of
@@ -216,15 +223,42 @@ func (c *Client) ForwardBlock(ctx context.Context, self, path string, n, off, le
 		return nil, false, nil
 	}
 	targets := c.cluster.targets(tiers.BlockName(path, bb, n))
-	if len(targets) == 0 || targets[0].member.ID == self {
-		return nil, false, nil
+	if len(targets) == 0 || targets[0].member.ID == self || c.own != nil && c.own.engine.HoldsBlock(path, n) {
+		return nil, false, nil // served here
 	}
-	p := make([]byte, length)
-	k, err := c.blockRangeOfOwner(ctx, bb, path, n, off, p)
+	// The whole block, kept on this node (a guest copy) where there is room, so that the
+	// readers of this node read it from a tier of their own node from then on; only the
+	// range when there is no room.
+	from, want := off, length
+	keep := c.own != nil && !c.guestsFull()
+	if keep {
+		from, want = 0, bb
+	}
+	var session uint32
+	if keep {
+		session = c.own.engine.Session() // before the request: see core.GuestCopy.Session
+	}
+	reply, err := c.askOwner(ctx, bb, path, n, from, want)
 	if errors.Is(err, errReadSource) {
 		return nil, false, nil // no owner answers: serve it here
 	}
-	return p[:k], err == nil, err
+	if err != nil {
+		return nil, false, err
+	}
+	data := reply.Data
+	if keep && len(data) > 0 {
+		err := c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, IsBlock: true, Block: n, Data: data,
+			Session: session, Source: tiers.Identity{Size: int64(len(data)), MTimeNanos: reply.MtimeNanos,
+				CTimeNanos: reply.CtimeNanos, Ino: uint64(reply.Inode)}})
+		if errors.Is(err, core.ErrCacheFull) {
+			c.guestsFullUntil.Store(time.Now().Add(guestsFullRecheck).UnixNano()) // as keepGuest does
+		}
+	}
+	if keep {
+		lo := min(off, int64(len(data)))
+		data = data[lo:min(int64(len(data)), lo+length)]
+	}
+	return data, true, nil
 }
 
 // errNotLarge reports a file read through whole copies (see source).

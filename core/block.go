@@ -169,6 +169,13 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	e.dropIfForgotten(f, name)
 }
 
+// HoldsBlock reports whether a tier of this engine holds block n of the file at path (its
+// own, or a node-local copy of another server's: see StoreGuest).
+func (e *Engine) HoldsBlock(path string, n int64) bool {
+	_, ok := e.cachedSize(tiers.BlockName(path, e.blockBytes, n))
+	return ok
+}
+
 // CountSent counts n bytes of a block sent in a ranged reply (see rpc's Handler.Read).
 func (e *Engine) CountSent(n int64) { e.stats.bytesServed.Add(n) }
 

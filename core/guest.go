@@ -11,8 +11,13 @@ import (
 // owner for a reader on its node (see StoreGuest).
 type GuestCopy struct {
 	Root, Path string
-	Data       []byte
-	// Source is the identity of the source version the owner's copy holds, from its reply.
+	// IsBlock says that Data holds block number Block of the file at Path (see ReadBlock),
+	// not the whole file.
+	IsBlock bool
+	Block   int64
+	Data    []byte
+	// Source is the identity of the source version the owner's copy holds, from its reply
+	// (for a block, the block's: its size is the block's length).
 	Source tiers.Identity
 	// Session is this engine's validation session when the owner was asked (Engine.Session,
 	// taken before the request): the owner checked its copy in the caller's job, which began
@@ -38,27 +43,34 @@ func (e *Engine) StoreGuest(ctx context.Context, g GuestCopy) error {
 	if int64(len(g.Data)) != g.Source.Size {
 		return fmt.Errorf("%w: %s: %d bytes sent for a file of %d", ErrBadCopy, g.Path, len(g.Data), g.Source.Size)
 	}
-	if _, ok := e.cachedSize(g.Path); ok {
+	name := g.Path
+	if g.IsBlock {
+		if len(g.Data) == 0 || int64(len(g.Data)) > e.blockBytes || g.Block < 0 {
+			return fmt.Errorf("%w: %s: %d bytes sent for block %d", ErrBadCopy, g.Path, len(g.Data), g.Block)
+		}
+		name = tiers.BlockName(g.Path, e.blockBytes, g.Block)
+	}
+	if _, ok := e.cachedSize(name); ok {
 		return nil
 	}
-	f, leader := e.join(g.Path)
+	f, leader := e.join(name)
 	if !leader { // a read or another guest copy of the file is under way: wait for it
 		select {
 		case <-f.published:
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-		if _, ok := e.cachedSize(g.Path); ok {
+		if _, ok := e.cachedSize(name); ok {
 			return nil
 		}
-		return fmt.Errorf("%w: %s is not in a tier", ErrCacheFull, g.Path)
+		return fmt.Errorf("%w: %s is not in a tier", ErrCacheFull, name)
 	}
-	defer e.land(g.Path, f)
+	defer e.land(name, f)
 	defer close(f.done)
-	entry := tiers.Entry{SourcePath: g.Path, Size: g.Source.Size, MTimeNanos: g.Source.MTimeNanos,
+	entry := tiers.Entry{SourcePath: name, Size: g.Source.Size, MTimeNanos: g.Source.MTimeNanos,
 		SourceCTimeNanos: g.Source.CTimeNanos, SourceIno: g.Source.Ino, Session: g.Session,
 		Group: tiers.GuestGroup(g.Root)}
-	need := tiers.EntrySize(g.Path, entry.Size)
+	need := tiers.EntrySize(name, entry.Size)
 	for _, t := range e.tiers {
 		if !t.HasRoom(need) && t.MakeRoomForGuest(need, g.Root) != nil {
 			continue
@@ -68,7 +80,7 @@ func (e *Engine) StoreGuest(ctx context.Context, g GuestCopy) error {
 		}
 		f.inTier = true // readers that joined the flight read it from the tier
 		e.stats.guests.Add(1)
-		e.dropIfForgotten(f, g.Path)
+		e.dropIfForgotten(f, name)
 		return nil
 	}
 	f.err = fmt.Errorf("%w: no room for a node-local copy of %s", ErrCacheFull, g.Path)

@@ -79,7 +79,8 @@ struct ReadRequest {
   8: optional i64 block
   // With block: only range_length bytes of the block from range_offset are sent (the block
   // is cached whole), fewer at its end; 0 caches the block and sends nothing. A reader of
-  // ranges in cluster mode reads a range of a block another node holds this way.
+  // ranges in cluster mode reads a range of a block another node holds this way. The reply's
+  // mtime_nanos, ctime_nanos and inode are those of the source version the block copies.
   9: optional i64 range_offset
   10: optional i64 range_length
 }

@@ -348,8 +348,10 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 	lo := min(off, int64(len(b)))
 	data := bytes.Clone(b[lo:min(int64(len(b)), lo+length)])
 	h.engine.CountSent(int64(len(data)))
+	// The identity of the source version the block copies, for a node-local copy of it (see
+	// client.Client.ForwardBlock).
 	return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: res.Origin, MembershipVersion: version,
-		Dead: dead}
+		Dead: dead, MtimeNanos: res.MTimeNanos, CtimeNanos: res.CTimeNanos, Inode: int64(res.Ino)}
 }
 
 // readWhat reads what req asks for: the whole file, or one of its blocks.

@@ -176,7 +176,8 @@ def test_ranges_in_cluster_mode_are_served_by_the_blocks_owners(large_file, tmp_
     ranges through its node's server, which forwards the ranges of blocks other servers own.
     The file's blocks spread over the servers (each owns the blocks whose names the ring gives
     it), each block is read from the source once, and once cached every range comes from the
-    blocks (in C for those of the reader's node)."""
+    blocks. The node's server keeps a copy of each block it forwarded, so that the next
+    ranges of it are read from the node's tiers (in C)."""
     from harness import Cluster, cached_names
     root, data = large_file
     (tmp_path / "cluster").mkdir()
@@ -198,8 +199,14 @@ def test_ranges_in_cluster_mode_are_served_by_the_blocks_owners(large_file, tmp_
             for off, n in ranges_of(data, n=100):
                 assert client.pread("big.bin", n, off) == data[off:off + n], (off, n)
             after = client.stats()["client"]
-        assert sum(1 for n in holders().values() if n) >= 2, f"blocks not spread: {holders()}"
-        assert after["source_ranges"] == before["source_ranges"], "ranges read from the source once cached"
-        assert after["errors"] == 0
+            assert after["source_ranges"] == before["source_ranges"], "ranges read from the source once cached"
+            for off, n in ranges_of(data, n=100, seed=10):  # the node keeps copies of what it forwarded
+                assert client.pread("big.bin", n, off) == data[off:off + n], (off, n)
+            last = client.stats()["client"]
+        spread = holders()
+        assert sum(1 for n in spread.values() if n) >= 2, f"blocks not spread: {spread}"
+        assert spread[cluster.addrs[0]] == blocks, f"the reader's node does not hold every block: {spread}"
+        assert last["server_reads"] - after["server_reads"] <= 1, "ranges still forwarded once the node had copies"
+        assert last["source_ranges"] == after["source_ranges"] and last["errors"] == 0, last
     finally:
         cluster.stop()
