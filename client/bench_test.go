@@ -212,7 +212,7 @@ func BenchmarkRangesOfCachedBlocks(b *testing.B) {
 		defer c.Close()
 		for n := int64(0); n < size>>22; n++ { // every block, cached
 			conn, _ := c.current()
-			if _, err := conn.rpc.ReadBlock(context.Background(), c.root, path, n, true); err != nil {
+			if _, err := conn.rpc.ReadBlock(context.Background(), c.root, path, conn.blockBytes, n, true); err != nil {
 				b.Fatal(err)
 			}
 		}

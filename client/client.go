@@ -38,6 +38,8 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+
+	"golang.org/x/sync/singleflight"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -130,6 +132,7 @@ type Client struct {
 	pending  hitReport                                            // local hits not yet reported to the server
 	pf       prefetchJobs                                         // prefetch jobs to renew (see Prefetch)
 	ranges   rangeFiles                                           // files kept open for ReadAt (see ranges.go)
+	forwards singleflight.Group                                   // blocks being forwarded (see ForwardBlock)
 	brings   blockBrings                                          // blocks being cached for ReadAt
 	closed   atomic.Bool
 	stop     chan struct{}

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -142,7 +143,7 @@ func (c *Client) blockPlan() *blockPlan {
 		return nil
 	}
 	cached := func(ctx context.Context, path string, n int64) (*fitcachepb.ReadReply, error) {
-		return conn.rpc.ReadBlock(ctx, c.root, path, n, true)
+		return conn.rpc.ReadBlock(ctx, c.root, path, conn.blockBytes, n, true)
 	}
 	return &blockPlan{bytes: conn.blockBytes,
 		ask: func(ctx context.Context, path string, n int64) error {
@@ -156,21 +157,33 @@ func (c *Client) blockPlan() *blockPlan {
 }
 
 // blockPlan is the plan of a reader on a node with servers of the job: its node's server
-// caches blocks and forwards the ranges of blocks other servers own (rpc's ForwardBlock).
+// caches blocks and forwards the ranges of blocks other servers own (rpc's ForwardBlock). A
+// node server that does not answer is marked down, as a read through the node socket would,
+// and its blocks are no longer taken for cached: the ranges are read from the source.
 func (r *nodeRouter) blockPlan(c *Client) *blockPlan {
 	home := r.home()
-	if home == nil || r.down() || home.blockBytes.Load() <= 0 {
+	bb := int64(0)
+	if home != nil {
+		bb = home.blockBytes.Load()
+	}
+	if home == nil || r.down() || bb <= 0 {
 		return nil
 	}
-	return &blockPlan{bytes: home.blockBytes.Load(),
+	failed := func(err error) error {
+		if errors.Is(err, rpc.ErrUnavailable) {
+			r.markDown(err)
+		}
+		return err
+	}
+	return &blockPlan{bytes: bb,
 		ask: func(ctx context.Context, path string, n int64) error {
-			_, err := home.rpc.ReadBlockRange(ctx, c.root, path, n, 0, 0, true)
-			return err
+			_, err := home.rpc.ReadBlockRange(ctx, c.root, path, bb, n, 0, 0, true)
+			return failed(err)
 		},
 		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, error) {
-			reply, err := home.rpc.ReadBlockRange(ctx, c.root, path, n, off, int64(len(p)), true)
+			reply, err := home.rpc.ReadBlockRange(ctx, c.root, path, bb, n, off, int64(len(p)), true)
 			if err != nil {
-				return 0, err
+				return 0, failed(err)
 			}
 			return copy(p, reply.Data), nil
 		}}
@@ -184,79 +197,98 @@ func (r *clusterRouter) blockPlan(c *Client) *blockPlan {
 	}
 	return &blockPlan{bytes: bb,
 		ask: func(ctx context.Context, path string, n int64) error {
-			_, err := c.blockRangeOfOwner(ctx, bb, path, n, 0, nil)
+			_, _, err := c.askOwner(ctx, bb, path, n, 0, 0, false)
 			return err
 		},
 		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, error) {
-			return c.blockRangeOfOwner(ctx, bb, path, n, off, p)
+			reply, _, err := c.askOwner(ctx, bb, path, n, off, int64(len(p)), false)
+			if err != nil {
+				return 0, err
+			}
+			return copy(p, reply.Data), nil
 		}}
 }
 
-// blockRangeOfOwner reads len(p) bytes at off of block n of the file at path from the server
-// that owns the block on the ring (the next live one if it is dead), caching the block there
-// (an empty p only caches it). A server asked this way never forwards the request again.
-func (c *Client) blockRangeOfOwner(ctx context.Context, bb int64, path string, n, off int64, p []byte) (int, error) {
-	reply, err := c.askOwner(ctx, bb, path, n, off, int64(len(p)))
-	if err != nil {
-		return 0, err
+// askOwner asks the server that owns block n (of bb bytes) of the file at path on the ring
+// (the next live one if it is dead) for length bytes of it at off, caching the block there
+// (a length of 0 only caches it); with whole, for the whole block. fromOtherNode says that
+// the server that answered is on another node. A server asked this way never forwards the
+// request again.
+func (c *Client) askOwner(ctx context.Context, bb int64, path string, n, off, length int64, whole bool) (
+	reply *fitcachepb.ReadReply, fromOtherNode bool, err error) {
+	if whole {
+		off, length = 0, bb
 	}
-	return copy(p, reply.Data), nil
-}
-
-// askOwner asks the owner of block n on the ring for length bytes of it at off.
-func (c *Client) askOwner(ctx context.Context, bb int64, path string, n, off, length int64) (*fitcachepb.ReadReply, error) {
-	var reply *fitcachepb.ReadReply
-	err := c.route(tiers.BlockName(path, bb, n), func(peer *peer, _ []*peer) error {
+	err = c.route(tiers.BlockName(path, bb, n), func(p *peer, _ []*peer) error {
+		fromOtherNode = !p.local
 		var err error
-		reply, err = peer.rpc.ReadBlockRange(ctx, c.root, path, n, off, length, false)
+		reply, err = p.rpc.ReadBlockRange(ctx, c.root, path, bb, n, off, length, false)
 		return err
 	})
-	return reply, err
+	return reply, fromOtherNode, err
 }
+
+// guestBlockMax bounds the blocks a server keeps copies of for its node (ForwardBlock): a
+// larger block travels by ranges only, and is never held whole in memory.
+const guestBlockMax = 16 << 20
 
 // ForwardBlock serves, for a cluster server, a ranged request for a block from a reader of
 // its node (rpc.ServerConfig.ForwardBlock): the range as the block's owner on the ring sends
-// it, or ok false when self (this server's id) is the owner.
+// it, or ok false when self (this server's id) owns the block or this server holds it, and
+// serves it itself. The block is numbered in this server's block size (an owner of another
+// refuses it). When the owner is on another node, the whole block comes, once however many
+// readers ask for it at once, and is kept on this node (a guest copy) where there is room,
+// so that the readers of this node read it from its tiers from then on. A block nobody can
+// serve (its owner declined it, or is dead under the pfs policy) fails with ErrTooLarge:
+// the reader reads the source, and this server never caches a block it does not own.
 func (c *Client) ForwardBlock(ctx context.Context, self, path string, n, off, length int64) ([]byte, bool, error) {
-	bb := c.BlockBytes()
-	if c.cluster == nil || bb <= 0 {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed.Load() {
+		return nil, false, core.ErrClosed
+	}
+	if c.cluster == nil || c.own == nil {
 		return nil, false, nil
 	}
-	targets := c.cluster.targets(tiers.BlockName(path, bb, n))
-	if len(targets) == 0 || targets[0].member.ID == self || c.own != nil && c.own.engine.HoldsBlock(path, n) {
+	bb := c.own.engine.BlockBytes()
+	name := tiers.BlockName(path, bb, n)
+	if targets := c.cluster.targets(name); len(targets) > 0 && targets[0].member.ID == self ||
+		c.own.engine.HoldsBlock(path, n) {
 		return nil, false, nil // served here
 	}
-	// The whole block, kept on this node (a guest copy) where there is room, so that the
-	// readers of this node read it from a tier of their own node from then on; only the
-	// range when there is no room.
-	from, want := off, length
-	keep := c.own != nil && !c.guestsFull()
-	if keep {
-		from, want = 0, bb
+	// keep: the whole block comes, once for all the readers asking at once (the key is the
+	// block's), and each takes its range of it; else each its range.
+	keep := bb <= guestBlockMax && !c.guestsFull()
+	key := name
+	if !keep {
+		key = fmt.Sprintf("%s|%d|%d", name, off, length)
 	}
-	var session uint32
-	if keep {
-		session = c.own.engine.Session() // before the request: see core.GuestCopy.Session
-	}
-	reply, err := c.askOwner(ctx, bb, path, n, from, want)
+	v, err, _ := c.forwards.Do(key, func() (any, error) {
+		session := c.own.engine.Session() // before the request: see core.GuestCopy.Session
+		reply, otherNode, err := c.askOwner(ctx, bb, path, n, off, length, keep)
+		if err != nil {
+			return nil, err
+		}
+		if keep && otherNode && len(reply.Data) > 0 {
+			err := c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, IsBlock: true, Block: n,
+				Data: reply.Data, Session: session, Source: tiers.Identity{Size: int64(len(reply.Data)),
+					MTimeNanos: reply.MtimeNanos, CTimeNanos: reply.CtimeNanos, Ino: uint64(reply.Inode)}})
+			if errors.Is(err, core.ErrCacheFull) {
+				c.guestsFullUntil.Store(time.Now().Add(guestsFullRecheck).UnixNano()) // as keepGuest does
+			}
+		}
+		return reply.Data, nil
+	})
 	if errors.Is(err, errReadSource) {
-		return nil, false, nil // no owner answers: serve it here
+		return nil, false, fmt.Errorf("%w: no server serves block %d of %s", core.ErrTooLarge, n, path)
 	}
 	if err != nil {
 		return nil, false, err
 	}
-	data := reply.Data
-	if keep && len(data) > 0 {
-		err := c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, IsBlock: true, Block: n, Data: data,
-			Session: session, Source: tiers.Identity{Size: int64(len(data)), MTimeNanos: reply.MtimeNanos,
-				CTimeNanos: reply.CtimeNanos, Ino: uint64(reply.Inode)}})
-		if errors.Is(err, core.ErrCacheFull) {
-			c.guestsFullUntil.Store(time.Now().Add(guestsFullRecheck).UnixNano()) // as keepGuest does
-		}
-	}
-	if keep {
+	data := v.([]byte)
+	if keep { // the whole block: this caller's range of it
 		lo := min(off, int64(len(data)))
-		data = data[lo:min(int64(len(data)), lo+length)]
+		data = data[lo : lo+min(length, int64(len(data))-lo)]
 	}
 	return data, true, nil
 }

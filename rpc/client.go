@@ -199,19 +199,28 @@ func (c *Client) Read(ctx context.Context, root, path string, local bool) (*fitc
 	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local})
 }
 
-// ReadBlock asks the server for block n of a file (see core.Engine.ReadBlock); local is as
-// for Read. The reply's Size is 0 for a block past the end of the file.
-func (c *Client) ReadBlock(ctx context.Context, root, path string, n int64, local bool) (*fitcachepb.ReadReply, error) {
-	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n})
+// ReadBlock asks the server for block n, of blockBytes, of a file (see
+// core.Engine.ReadBlock); local is as for Read. The reply's Size is 0 for a block past the
+// end of the file. A server of another block size refuses it.
+func (c *Client) ReadBlock(ctx context.Context, root, path string, blockBytes, n int64, local bool) (*fitcachepb.ReadReply, error) {
+	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n, BlockBytes: &blockBytes})
 }
 
 // ReadBlockRange asks the server for length bytes at off of block n of a file (fewer at the
 // block's end); a length of 0 has the block cached and sends nothing (see
 // ReadRequest.range_length). local is set for a caller on the server's node: the server
 // then forwards the request to the block's owner on the ring when that is another server.
-func (c *Client) ReadBlockRange(ctx context.Context, root, path string, n, off, length int64, local bool) (*fitcachepb.ReadReply, error) {
-	return c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n, RangeOffset: &off,
-		RangeLength: &length})
+//
+// The reply is checked: a server that knows no ranges (older than them) answers with the
+// whole block, which is refused (EPROTO) rather than taken for the range.
+func (c *Client) ReadBlockRange(ctx context.Context, root, path string, blockBytes, n, off, length int64, local bool) (*fitcachepb.ReadReply, error) {
+	reply, err := c.ReadGossip(ctx, &fitcachepb.ReadRequest{Root: root, Path: path, Local: local, Block: &n,
+		RangeOffset: &off, RangeLength: &length, BlockBytes: &blockBytes})
+	if err == nil && (int64(len(reply.Data)) > length || reply.CachedPath != "") {
+		return nil, fmt.Errorf("%w: the server answered a range of %d bytes with %d bytes (or a tier file): it knows no ranges",
+			syscall.EPROTO, length, len(reply.Data))
+	}
+	return reply, err
 }
 
 // ReadGossip is Read with a request that may carry membership gossip (see the IDL).

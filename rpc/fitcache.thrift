@@ -83,6 +83,10 @@ struct ReadRequest {
   // mtime_nanos, ctime_nanos and inode are those of the source version the block copies.
   9: optional i64 range_offset
   10: optional i64 range_length
+  // With block: the block size the caller numbers blocks in (HelloReply.block_bytes of the
+  // server it learned it from). A server of another block size refuses the request (EINVAL)
+  // rather than serve another block under that number.
+  11: optional i64 block_bytes
 }
 
 struct ReadReply {

@@ -265,18 +265,30 @@ func TestReadBlockRepliesWithTheBlock(t *testing.T) {
 	if err != nil || hello.BlockBytes != e.BlockBytes() {
 		t.Fatalf("hello: block bytes %d (%v), want %d", hello.GetBlockBytes(), err, e.BlockBytes())
 	}
-	r, err := c.ReadBlock(ctx, root, path, 1, false)
+	r, err := c.ReadBlock(ctx, root, path, e.BlockBytes(), 1, false)
 	if err != nil || !bytes.Equal(r.Data, want[core.DefaultBlockBytes:]) || len(r.Stamp) != 0 {
 		t.Fatalf("block 1: %d bytes (want %d), stamp %d bytes, err %v", len(r.GetData()), len(want)-core.DefaultBlockBytes, len(r.GetStamp()), err)
 	}
-	r, err = c.ReadBlock(ctx, root, path, 0, true)
+	r, err = c.ReadBlock(ctx, root, path, e.BlockBytes(), 0, true)
 	if err != nil || r.CachedPath == "" || r.Size != core.DefaultBlockBytes {
 		t.Fatalf("local block 0: cached path %q, size %d, err %v", r.GetCachedPath(), r.GetSize(), err)
 	}
 	if got, _ := os.ReadFile(r.CachedPath); !bytes.Equal(got, want[:core.DefaultBlockBytes]) {
 		t.Fatal("the tier file named for block 0 does not hold it")
 	}
-	if r, err = c.ReadBlock(ctx, root, path, 2, false); err != nil || r.Size != 0 || len(r.Data) != 0 {
+	if r, err = c.ReadBlock(ctx, root, path, e.BlockBytes(), 2, false); err != nil || r.Size != 0 || len(r.Data) != 0 {
 		t.Fatalf("block past the end: %d bytes, err %v", r.GetSize(), err)
+	}
+	// A range of a block: only its bytes travel, fewer at the block's end.
+	r, err = c.ReadBlockRange(ctx, root, path, e.BlockBytes(), 1, 90, 1000, false)
+	if err != nil || !bytes.Equal(r.Data, want[core.DefaultBlockBytes+90:]) {
+		t.Fatalf("range of block 1: %d bytes, err %v", len(r.GetData()), err)
+	}
+	// Another block size numbers blocks otherwise: refused, never served as another block.
+	if _, err := c.ReadBlockRange(ctx, root, path, e.BlockBytes()/2, 1, 0, 10, false); !errors.Is(err, core.ErrBadPath) {
+		t.Errorf("a block of another size: %v, want EINVAL", err)
+	}
+	if _, err := c.ReadBlock(ctx, root, path, e.BlockBytes()*2, 0, false); !errors.Is(err, core.ErrBadPath) {
+		t.Errorf("a block of another size: %v, want EINVAL", err)
 	}
 }

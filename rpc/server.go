@@ -57,7 +57,9 @@ type ServerConfig struct {
 	// ForwardBlock, if set (a cluster server), serves a ranged request for a block (see
 	// ReadRequest.range_length) from a reader of this node when another server owns the
 	// block on the ring: it returns the range's bytes as the owner sent them, and ok false
-	// when this server is the owner and serves it itself.
+	// when this server is the owner, or holds the block, and serves it itself. Local is the
+	// caller's word, as for Read: a member of the job that claims it only makes this server
+	// forward one hop (a forwarded request never claims it, so none is forwarded twice).
 	ForwardBlock func(ctx context.Context, root, path string, n, off, length int64) (data []byte, ok bool, err error)
 	Log          *slog.Logger
 	// MaxFrameBytes bounds a request or reply: a larger request is refused before its body
@@ -288,6 +290,11 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	h.heard(req.Dead, req.Alive)
 	version, dead := h.members.Since(req.MembershipVersion)
 	start := time.Now()
+	if req.IsSetBlock() && req.IsSetBlockBytes() && req.GetBlockBytes() != h.engine.BlockBytes() {
+		errno, msg, reason := errnoOf(fmt.Errorf("%w: blocks of %d bytes asked of a server of %d-byte blocks",
+			core.ErrBadPath, req.GetBlockBytes(), h.engine.BlockBytes()))
+		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
+	}
 	if req.IsSetBlock() && req.IsSetRangeLength() {
 		return h.readBlockRange(ctx, req, version, dead), nil
 	}
@@ -326,8 +333,11 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}
 	}
 	off, length := req.GetRangeOffset(), req.GetRangeLength()
-	if off < 0 || length < 0 || h.tooLarge(int(min(length, int64(math.MaxInt32)))) {
+	if off < 0 || length < 0 {
 		return fail(fmt.Errorf("%w: range of %d bytes at %d", core.ErrBadPath, length, off))
+	}
+	if h.tooLarge(int(min(length, int64(math.MaxInt32)))) { // the caller reads the source
+		return fail(fmt.Errorf("%w: a range of %d bytes does not fit in a reply", core.ErrTooLarge, length))
 	}
 	if h.cfg.ForwardBlock != nil && req.Local {
 		data, ok, err := h.cfg.ForwardBlock(ctx, req.Root, req.Path, req.GetBlock(), off, length)
@@ -346,7 +356,7 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 	defer res.Release()
 	b := res.Bytes()
 	lo := min(off, int64(len(b)))
-	data := bytes.Clone(b[lo:min(int64(len(b)), lo+length)])
+	data := bytes.Clone(b[lo : lo+min(length, int64(len(b))-lo)])
 	h.engine.CountSent(int64(len(data)))
 	// The identity of the source version the block copies, for a node-local copy of it (see
 	// client.Client.ForwardBlock).

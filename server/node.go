@@ -56,11 +56,9 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			return engine.Forget(root, path)
 		}}
-	if cn == nil { // blocks are cached by a node's own engine, not yet on the ring of a cluster
-		cfg.FetchBlock = func(ctx context.Context, root, name string) error {
-			touch()
-			return fetchBlock(ctx, engine, root, name)
-		}
+	cfg.FetchBlock = func(ctx context.Context, root, name string) error {
+		touch()
+		return fetchBlock(ctx, engine, cn, root, name)
 	}
 	if cn != nil {
 		cfg.Fetch = func(ctx context.Context, root, path string) error {
@@ -473,11 +471,13 @@ func (n *clusterNode) Close() {
 }
 
 // fetchBlock brings the block named name (tiers.BlockName) into a tier of engine, for
-// OpFetchBlock. A name of another block size than the engine's is refused (EINVAL): its
-// sender numbers blocks otherwise. A file under core.ReadNowBytes is refused with EFBIG: it
-// is cached whole (the C caller then asks for the whole file), as a Go reader of its ranges
-// has it, so that it is not cached twice.
-func fetchBlock(ctx context.Context, engine *core.Engine, root, name string) error {
+// OpFetchBlock: in a cluster (cn not nil), a block another server owns is fetched from it and
+// kept on this node where there is room (see clusterNode.forwardBlock). A name of another
+// block size than the engine's is refused (EINVAL): its sender numbers blocks otherwise. A
+// file under core.ReadNowBytes is refused with EFBIG: it is cached whole (the C caller then
+// asks for the whole file), as a Go reader of its ranges has it, so that it is not cached
+// twice.
+func fetchBlock(ctx context.Context, engine *core.Engine, cn *clusterNode, root, name string) error {
 	path, blockBytes, n, ok := tiers.SplitBlockName(name)
 	if !ok || blockBytes != engine.BlockBytes() {
 		return fmt.Errorf("%w: %q is no block of %d bytes", core.ErrBadPath, name, engine.BlockBytes())
@@ -488,6 +488,9 @@ func fetchBlock(ctx context.Context, engine *core.Engine, root, name string) err
 	if st, err := os.Stat(path); err == nil && st.Size() < core.ReadNowBytes { // its size only: read beneath the root
 		return core.NewErrnoError(int32(syscall.EFBIG), core.ReasonUnspecified,
 			fmt.Sprintf("%s has %d bytes: it is cached whole, not in blocks", path, st.Size()))
+	}
+	if _, forwarded, err := cn.forwardBlock(ctx, root, path, n, 0, 0); forwarded || err != nil {
+		return err
 	}
 	res, err := engine.ReadBlock(ctx, root, path, n, true)
 	if err == nil {

@@ -181,7 +181,9 @@ def test_a_reader_finds_the_files_of_many_servers_on_its_node_itself(request, da
         for name in names:
             assert digest(client.read(name)) == digests[name]
         after = client.stats()["client"]
-    assert len(holders) > 8, f"the files are on {len(holders)} servers only: the test needs more than 8"
+    # 32 files on 10 servers whose ring places depend on their random ports: one or two may
+    # hold none (more than 8 holders failed about 1 run in 10).
+    assert len(holders) >= 6, f"the files are on {len(holders)} servers only: the test needs 6 or more"
     assert after["local_hits"] - before["local_hits"] == len(names), (before, after)
     assert after["server_reads"] == before["server_reads"], (before, after)
 

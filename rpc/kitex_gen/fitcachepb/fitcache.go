@@ -277,6 +277,7 @@ type ReadRequest struct {
 	Block             *int64   `thrift:"block,8,optional" frugal:"8,optional,i64" json:"block,omitempty"`
 	RangeOffset       *int64   `thrift:"range_offset,9,optional" frugal:"9,optional,i64" json:"range_offset,omitempty"`
 	RangeLength       *int64   `thrift:"range_length,10,optional" frugal:"10,optional,i64" json:"range_length,omitempty"`
+	BlockBytes        *int64   `thrift:"block_bytes,11,optional" frugal:"11,optional,i64" json:"block_bytes,omitempty"`
 }
 
 func NewReadRequest() *ReadRequest {
@@ -336,6 +337,15 @@ func (p *ReadRequest) GetRangeLength() (v int64) {
 	}
 	return *p.RangeLength
 }
+
+var ReadRequest_BlockBytes_DEFAULT int64
+
+func (p *ReadRequest) GetBlockBytes() (v int64) {
+	if !p.IsSetBlockBytes() {
+		return ReadRequest_BlockBytes_DEFAULT
+	}
+	return *p.BlockBytes
+}
 func (p *ReadRequest) SetRoot(val string) {
 	p.Root = val
 }
@@ -363,6 +373,9 @@ func (p *ReadRequest) SetRangeOffset(val *int64) {
 func (p *ReadRequest) SetRangeLength(val *int64) {
 	p.RangeLength = val
 }
+func (p *ReadRequest) SetBlockBytes(val *int64) {
+	p.BlockBytes = val
+}
 
 func (p *ReadRequest) IsSetBlock() bool {
 	return p.Block != nil
@@ -374,6 +387,10 @@ func (p *ReadRequest) IsSetRangeOffset() bool {
 
 func (p *ReadRequest) IsSetRangeLength() bool {
 	return p.RangeLength != nil
+}
+
+func (p *ReadRequest) IsSetBlockBytes() bool {
+	return p.BlockBytes != nil
 }
 
 func (p *ReadRequest) String() string {
@@ -393,6 +410,7 @@ var fieldIDToName_ReadRequest = map[int16]string{
 	8:  "block",
 	9:  "range_offset",
 	10: "range_length",
+	11: "block_bytes",
 }
 
 type ReadReply struct {
