@@ -689,7 +689,10 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	if (!c || (nt = tier_count(c)) == 0 || (n = source_path(c, path, name, FC_PATH_MAX)) < 0)
 		goto out;
 	range_sweep(c);
-	int64_t served[FC_MAX_TIERS] = {0}; // counted once the whole range is served here
+	// Bytes served from copies that were cached, by tier, counted once the whole range is
+	// served here; those of copies the server has just fetched for this read go to fetched,
+	// which counts nothing: the server counted that miss (as hit_read_fetched does).
+	int64_t served[FC_MAX_TIERS] = {0}, fetched[FC_MAX_TIERS] = {0};
 	// Blocks first, when the server has them: a large file is read by ranges through its
 	// blocks, and its whole copy is the exception. The range may span several blocks; a block
 	// shorter than the rest of the range is the file's last. A first block not cached leaves
@@ -712,17 +715,17 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 			int asked = node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg);
 			if (asked == FC_DIRECT && node_fetch(c, FC_NODE_OP_FETCH, name, (size_t)n, msg) == 0) {
 				// A file read whole: its copy serves the range.
-				k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 0, served);
+				k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 0, fetched);
 				if (k >= 0)
 					done = k;
 				break;
 			}
 			if (asked != 0)
 				break;
-			k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, served);
+			k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
 		} else if (k == -FC_MISS && ask) {
 			if (node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg) == 0)
-				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, served);
+				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
 		}
 		if (k < 0)
 			break;
@@ -739,11 +742,16 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	}
 	*got = done;
 	rc = 0;
+	int64_t hit = 0;
 	for (int i = 0; i < nt; i++)
-		if (served[i] > 0)
+		if (served[i] > 0) {
 			fc_count_hit(&c->tiers[i], served[i]);
-	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&c->bytes, done, __ATOMIC_RELAXED);
+			hit += served[i];
+		}
+	if (hit > 0) {
+		__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
+		__atomic_fetch_add(&c->bytes, hit, __ATOMIC_RELAXED);
+	}
 out:
 	put(c);
 	errno = saved;

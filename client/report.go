@@ -148,6 +148,7 @@ func (c *Client) reportLoop() {
 				c.flushHits(server)
 			}
 			c.renewPrefetch()
+			c.ranges.sweep(c.localDirs()) // copies evicted while this process does not read
 		}
 	}
 }

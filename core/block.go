@@ -90,9 +90,9 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 	origin := "inflight"
 	switch {
 	case leader && e.startFill():
-		// Filled here: the caller waits for it anyway, and a block is a bounded read.
+		// Filled here: the caller waits for it anyway, and a block is a bounded read. The
+		// fill counts the miss (a block past the end of the file is none).
 		origin = "source"
-		e.stats.misses.Add(1)
 		func() {
 			defer e.fills.Done()
 			// Not tied to the caller's context: other readers may share the flight, and
@@ -139,6 +139,7 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	}
 	if e.fullFor(root) {
 		f.err = fmt.Errorf("%w: block %d of %s", ErrCacheFull, n, path)
+		e.stats.misses.Add(1)
 		e.stats.uncached.Add(1)
 		return
 	}
@@ -164,6 +165,7 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	if entry.Size == 0 {
 		return // past the end: no bytes, nothing cached
 	}
+	e.stats.misses.Add(1)
 	f.inTier = true
 	f.err = e.fillFromSource(src, entry, n*e.blockBytes)
 	e.dropIfForgotten(f, name)
@@ -229,6 +231,17 @@ func (b *blockFiles) identity(session uint32, path string, look func() (tiers.Id
 		b.note(session, path, id)
 	}
 	return id, err
+}
+
+// known returns the identity recorded for the file at path in session, if any.
+func (b *blockFiles) known(session uint32, path string) (tiers.Identity, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.session != session {
+		return tiers.Identity{}, false
+	}
+	id, ok := b.files[path]
+	return id, ok
 }
 
 // note records id as the identity of the file at path in session, and returns the one it

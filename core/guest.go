@@ -48,6 +48,11 @@ func (e *Engine) StoreGuest(ctx context.Context, g GuestCopy) error {
 		if len(g.Data) == 0 || int64(len(g.Data)) > e.blockBytes || g.Block < 0 {
 			return fmt.Errorf("%w: %s: %d bytes sent for block %d", ErrBadCopy, g.Path, len(g.Data), g.Block)
 		}
+		if id, ok := e.blockFiles.known(e.sessions.current(), g.Path); ok && (id.MTimeNanos != g.Source.MTimeNanos ||
+			id.CTimeNanos != g.Source.CTimeNanos || id.Ino != g.Source.Ino) {
+			// This node's blocks of the file copy another version: never mix the two here.
+			return fmt.Errorf("%w: %s: block %d of another version than this node's blocks", ErrChanged, g.Path, g.Block)
+		}
 		name = tiers.BlockName(g.Path, e.blockBytes, g.Block)
 	}
 	if _, ok := e.cachedSize(name); ok {
