@@ -38,6 +38,16 @@ struct range_map {
 	int refs; // readers copying from it: an entry is replaced only when it has none
 };
 
+// The source of a large file whose blocks the server has no room for: the ranges of its
+// blocks not cached are read from it here, without Go (see fcHitSetSource).
+#define RANGE_SOURCES 16
+struct range_source {
+	uint64_t key, check; // the hashes of the file's clean path; 0, 0: free
+	int fd;
+	int64_t until_ns; // CLOCK_MONOTONIC ns after which Go is asked again
+	int refs;         // readers using fd: replaced or closed only when it has none
+};
+
 // A copy the tiers no longer list is let go within this long (see range_sweep).
 #define RANGE_SWEEP_NS 1000000000LL
 
@@ -71,6 +81,8 @@ struct hit_client {
 	struct range_map ranges[RANGE_SETS * RANGE_WAYS];
 	unsigned ranges_turn; // picks the entry of a full set that a new mapping replaces
 	int64_t ranges_swept; // CLOCK_MONOTONIC ns of the last range_sweep (atomic)
+	struct range_source sources[RANGE_SOURCES]; // under ranges_mu
+	int64_t source_ranges;                      // ranges read from them (atomic)
 };
 
 // clients_lock is held shared to find a client and take a reference to it (acquire), and
@@ -141,6 +153,8 @@ static void reset_in_child(void) {
 			pthread_mutex_init(&clients[i]->ranges_mu, NULL); // held by the prepare handler
 			for (int r = 0; r < RANGE_SETS * RANGE_WAYS; r++)
 				clients[i]->ranges[r].refs = 0; // the parent's readers are not here
+			for (int r = 0; r < RANGE_SOURCES; r++)
+				clients[i]->sources[r].refs = 0;
 		}
 }
 
@@ -386,9 +400,47 @@ void fcHitClose(int64_t handle) {
 	for (int i = 0; i < RANGE_SETS * RANGE_WAYS; i++)
 		if (c->ranges[i].data)
 			munmap((void *)c->ranges[i].data, (size_t)c->ranges[i].size);
+	for (int i = 0; i < RANGE_SOURCES; i++)
+		if (c->sources[i].key || c->sources[i].check)
+			close(c->sources[i].fd);
 	pthread_mutex_destroy(&c->node_mu);
 	pthread_mutex_destroy(&c->ranges_mu);
 	free(c);
+}
+
+void fcHitSetSource(int64_t handle, const char *path, int fd, int64_t ms) {
+	struct hit_client *c = acquire(handle);
+	if (!c) {
+		close(fd);
+		return;
+	}
+	uint64_t key, check;
+	fc_hashes(path, strlen(path), &key, &check);
+	int old = -1, kept = 0;
+	pthread_mutex_lock(&c->ranges_mu);
+	// Its entry if it has one, else a free or unused one.
+	int at = -1;
+	for (int i = 0; i < RANGE_SOURCES && at < 0; i++)
+		if (c->sources[i].key == key && c->sources[i].check == check)
+			at = i;
+	for (int i = 0; i < RANGE_SOURCES && at < 0; i++)
+		if (c->sources[i].refs == 0)
+			at = i;
+	if (at >= 0 && c->sources[at].refs == 0) {
+		struct range_source *s = &c->sources[at];
+		old = s->key || s->check ? s->fd : -1;
+		*s = (struct range_source){.key = key, .check = check, .fd = fd,
+		                           .until_ns = fc_monotonic_ns() + ms * 1000000LL};
+		kept = 1;
+	} else if (at >= 0) { // in use: only its deadline moves
+		c->sources[at].until_ns = fc_monotonic_ns() + ms * 1000000LL;
+	}
+	pthread_mutex_unlock(&c->ranges_mu);
+	if (old >= 0)
+		close(old);
+	if (!kept)
+		close(fd);
+	put(c);
 }
 
 void fcHitSetBlockBytes(int64_t handle, int64_t n) {
@@ -398,11 +450,12 @@ void fcHitSetBlockBytes(int64_t handle, int64_t n) {
 	put(c);
 }
 
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct) {
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct, int64_t *source_ranges) {
 	struct hit_client *c = acquire(handle);
 	*hits = c ? __atomic_load_n(&c->hits, __ATOMIC_RELAXED) : 0;
 	*fetches = c ? __atomic_load_n(&c->fetches, __ATOMIC_RELAXED) : 0;
 	*direct = c ? __atomic_load_n(&c->direct, __ATOMIC_RELAXED) : 0;
+	*source_ranges = c ? __atomic_load_n(&c->source_ranges, __ATOMIC_RELAXED) : 0;
 	put(c);
 }
 
@@ -658,6 +711,40 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 	return (ssize_t)k;
 }
 
+// read_source_range reads n bytes at off of the file whose clean path is path (len bytes)
+// from the source descriptor Go left for it (fcHitSetSource), if there is one still valid;
+// it returns the bytes read, or -FC_MISS.
+static ssize_t read_source_range(struct hit_client *c, const char *path, size_t len, char *p, size_t n, off_t off) {
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	int64_t now = fc_monotonic_ns();
+	struct range_source *s = NULL;
+	pthread_mutex_lock(&c->ranges_mu);
+	for (int i = 0; i < RANGE_SOURCES; i++)
+		if (c->sources[i].key == key && c->sources[i].check == check && now < c->sources[i].until_ns) {
+			s = &c->sources[i];
+			s->refs++;
+			break;
+		}
+	pthread_mutex_unlock(&c->ranges_mu);
+	if (!s)
+		return -FC_MISS;
+	size_t done = 0;
+	while (done < n) {
+		ssize_t k = pread(s->fd, p + done, n - done, off + (off_t)done);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			break;
+		done += (size_t)k;
+	}
+	pthread_mutex_lock(&c->ranges_mu);
+	s->refs--;
+	pthread_mutex_unlock(&c->ranges_mu);
+	__atomic_fetch_add(&c->source_ranges, 1, __ATOMIC_RELAXED);
+	return (ssize_t)done;
+}
+
 // decimal writes v (>= 0) in decimal at out, without a terminator, and returns its length
 // (at most 19).
 static size_t decimal(int64_t v, char *out) {
@@ -698,7 +785,8 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	// shorter than the rest of the range is the file's last. A first block not cached leaves
 	// the range to the whole copy, if there is one; then, with ask, the server is asked for
 	// the block (a file under 8 MiB, which the server refuses to cut in blocks, for the
-	// whole file); else Go serves the range.
+	// whole file). A block still not cached is read from the file's source when Go left one
+	// here (the server has no room for its blocks: fcHitSetSource); else Go serves the range.
 	int64_t bb = __atomic_load_n(&c->block_bytes, __ATOMIC_RELAXED), done = 0;
 	ssize_t k = -FC_MISS;
 	while (bb > 0 && done < len) {
@@ -720,13 +808,14 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 					done = k;
 				break;
 			}
-			if (asked != 0)
-				break;
-			k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
+			if (asked == 0)
+				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
 		} else if (k == -FC_MISS && ask) {
 			if (node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg) == 0)
 				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
 		}
+		if (k == -FC_MISS) // a block the server has no room for: from the source Go left here
+			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at));
 		if (k < 0)
 			break;
 		done += k;

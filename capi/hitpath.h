@@ -88,6 +88,11 @@ bool hit_node_opens(int64_t handle);
  * it works in a process forked after load. */
 int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int ask, int64_t *got);
 
+/* Gives the hit path fd, the source of the large file at the clean absolute path path whose
+ * blocks the server has no room for, for ms milliseconds: hit_pread reads the ranges of its
+ * blocks not cached from it, without Go. The hit path owns fd from then on. */
+void fcHitSetSource(int64_t handle, const char *path, int fd, int64_t ms);
+
 /* Tells the hit path the size of the blocks of a client's server (0: none). */
 void fcHitSetBlockBytes(int64_t handle, int64_t n);
 
@@ -120,6 +125,6 @@ int fcHitTiers(int64_t handle);
 void fcHitClose(int64_t handle);
 /* Reads served by the hit path for a handle, the misses it had the server cache through the
  * node socket, and the files it read from the source. */
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct);
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct, int64_t *source_ranges);
 
 #endif /* FITCACHE_HITPATH_H */

@@ -160,9 +160,10 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		return fail(err)
 	}
 	c.SetExternalCounts(func() client.ExternalCounts {
-		var n, fetches, direct C.int64_t
-		C.fcHitCounts(C.int64_t(h), &n, &fetches, &direct)
-		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct)}
+		var n, fetches, direct, sourceRanges C.int64_t
+		C.fcHitCounts(C.int64_t(h), &n, &fetches, &direct, &sourceRanges)
+		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct),
+			SourceRanges: int64(sourceRanges)}
 	})
 	// The hit path asks the node socket to fetch a miss into a tier and then finds it there
 	// itself (OpFetch). In cluster mode that is the socket of this node's server, which
@@ -440,6 +441,15 @@ func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.i
 	C.fcHitSetBlockBytes(handle, C.int64_t(c.BlockBytes()))
 	if C.fcHitTiers(handle) == 0 {
 		goRefreshTiers(handle)
+	}
+	// A large file whose blocks the server has no room for: the hit path reads the ranges of
+	// its blocks not cached from its source itself, for a while (see Client.DeclinedSource).
+	if abs, err := c.Resolve(C.GoString(path)); err == nil {
+		if fd, until, ok := c.DeclinedSource(abs); ok {
+			cpath := C.CString(abs)
+			C.fcHitSetSource(handle, cpath, C.int(fd), C.int64_t(time.Until(until).Milliseconds())) // C owns fd
+			C.free(unsafe.Pointer(cpath))
+		}
 	}
 	if err != nil {
 		return C.int64_t(fail(err))

@@ -16,6 +16,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -382,6 +384,50 @@ func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int6
 	return n, true, nil
 }
 
+// DeclinedSource returns, for the C hit path of libfitcache, a new descriptor (the caller's
+// to close) of the source
+// of the large file at path (absolute and clean) that this client reads the ranges of blocks
+// not cached from, when the server had no room for a block of it lately: the
+// other blocks are then read from the source at once in C, without entering Go (the server
+// would decline them too), until the blocks are asked for again (blockAskAgain), sourceKeep
+// at most. ok is false otherwise.
+func (c *Client) DeclinedSource(path string) (fd int, until time.Time, ok bool) {
+	c.brings.mu.Lock()
+	at, full := c.brings.full[path]
+	c.brings.mu.Unlock()
+	// Blocks declined are asked for again after blockAskAgain: until then, the server's
+	// answer stands.
+	if !full || time.Since(at) > blockAskAgain {
+		return -1, time.Time{}, false
+	}
+	rf := c.ranges.take(path)
+	if rf == nil || rf.m != nil {
+		if rf != nil {
+			c.ranges.give(rf)
+		}
+		return -1, time.Time{}, false
+	}
+	defer c.ranges.give(rf)
+	var err error
+	if ctl := func(s uintptr) { fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) }; rf.f != nil {
+		raw, rerr := rf.f.SyscallConn()
+		if rerr != nil {
+			return -1, time.Time{}, false
+		}
+		if rerr = raw.Control(ctl); rerr != nil {
+			return -1, time.Time{}, false
+		}
+	}
+	if err != nil {
+		return -1, time.Time{}, false
+	}
+	until = at.Add(blockAskAgain)
+	if keep := time.Now().Add(sourceKeep); keep.Before(until) {
+		until = keep
+	}
+	return fd, until, true
+}
+
 // readFull reads len(p) bytes of f at off, fewer only at the end of the file.
 func readFull(f *os.File, p []byte, off int64) (int, error) {
 	n, err := f.ReadAt(p, off)
@@ -486,10 +532,16 @@ func (c *Client) bringBlocks() {
 		actx, acancel := context.WithTimeout(ctx, c.cfg.ReadTimeout)
 		err := ask.plan.ask(actx, ask.path, ask.n)
 		acancel()
-		if err == nil {
+		if err == nil || errors.Is(err, core.ErrCacheFull) {
 			b.mu.Lock()
-			if h := b.blocks[ask.name]; h != nil {
+			if h := b.blocks[ask.name]; h != nil && err == nil {
 				h.cached = true
+			}
+			if err != nil { // no room for the dataset's blocks: see Declined
+				if b.full == nil || len(b.full) >= blockAsksMax {
+					b.full = make(map[string]time.Time)
+				}
+				b.full[ask.path] = time.Now()
 			}
 			b.mu.Unlock()
 		}
@@ -514,7 +566,8 @@ const (
 
 // blockBrings are a client's background asks for blocks (see bringBlock).
 type blockBrings struct {
-	mu      sync.Mutex            // protects closed, blocks, ends, queue and running
+	mu      sync.Mutex            // protects closed, blocks, ends, full, queue and running
+	full    map[string]time.Time  // path -> when the server last had no room for a block of it
 	closed  bool                  // set by Close: no ask starts any more
 	blocks  map[string]*blockHeat // block name -> what was read of it, when it was asked for
 	ends    map[string]int64      // path -> where the last range read from its source ended

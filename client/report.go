@@ -59,6 +59,7 @@ func (c *Client) Stats() (string, error) {
 		out.Client.LocalHits += ext.Hits
 		out.Client.ServerReads += ext.Fetches
 		out.Client.DirectReads += ext.Direct
+		out.Client.SourceRanges += ext.SourceRanges
 	}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
@@ -176,6 +177,9 @@ type ExternalCounts struct {
 	Hits    int64 // from the server's tiers (the hit path)
 	Fetches int64 // misses the server cached for it (through its node socket)
 	Direct  int64 // files it read from the source (no room for them in the tiers)
+	// SourceRanges are the ranges it read from the source of a large file whose blocks the
+	// server has no room for (see Client.DeclinedSource).
+	SourceRanges int64
 }
 
 // SetExternalCounts gives the client a count of the reads served around it (see

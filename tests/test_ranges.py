@@ -210,3 +210,44 @@ def test_ranges_in_cluster_mode_are_served_by_the_blocks_owners(large_file, tmp_
         assert last["source_ranges"] == after["source_ranges"] and last["errors"] == 0, last
     finally:
         cluster.stop()
+
+
+def test_ranges_of_blocks_the_server_has_no_room_for_are_read_in_c(large_file, cache_options):
+    """A tier with room for one block: once the server declined a block, the process reads the
+    ranges of blocks not cached from the source itself, in C (a process forked after load
+    too, which cannot run Go), every byte right."""
+    root, data = large_file
+    shm = cache_options["tiers"].split(",")[0].split(":")[1]
+    options = {**cache_options, "tiers": f"memory:{shm}:2MiB", "block_size": "1MiB", "prefetch": "0"}
+    code = f"""
+import os, random, time, fitcache
+c = fitcache.Client({root!r}, **{options!r})
+data = open({root!r} + "/big.bin", "rb").read()
+for b in range(6):
+    c.pread("big.bin", {BLOCK}, b * {BLOCK})  # in sequence: each block is asked for at once
+time.sleep(1)  # the asks' answers: the tier has room for one block
+c.pread("big.bin", 10, 10 * {BLOCK})  # hands the source over to the C layer
+before = c.stats()["client"]["source_range_bytes"]
+pid = os.fork()
+if pid == 0:
+    rng = random.Random(2)
+    ok = True
+    for _ in range(300):
+        off = rng.randrange(0, len(data) - 100_000)
+        ok = ok and c.pread("big.bin", 100_000, off) == data[off:off + 100_000]
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+if os.waitstatus_to_exitcode(status) != 0:
+    raise SystemExit("the forked child failed")
+rng = random.Random(3)
+for _ in range(300):
+    off = rng.randrange(0, len(data) - 100_000)
+    assert c.pread("big.bin", 100_000, off) == data[off:off + 100_000]
+s = c.stats()["client"]
+print(s["source_ranges"], s["source_range_bytes"] - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranges, go_bytes = (int(x) for x in out.stdout.split()[-2:])
+    # The Go client counts the bytes it read from the source; the C layer only the ranges.
+    assert ranges > 200 and go_bytes < 10 * 100_000, (ranges, go_bytes)
