@@ -235,7 +235,13 @@ c = fitcache.Client({root!r}, **{options!r})
 data = open({root!r} + "/big.bin", "rb").read()
 for b in range(6):
     c.pread("big.bin", {BLOCK}, b * {BLOCK})  # in sequence: each block is asked for at once
-time.sleep(1)  # the asks' answers: the tier has room for one block
+for _ in range(300):  # the asks' answers: the tier has room for one block, the others are declined
+    if c.stats()["server"]["uncached"] >= 1:
+        break
+    time.sleep(0.1)
+else:
+    raise SystemExit("no block was declined")
+time.sleep(0.2)
 c.pread("big.bin", 10, 10 * {BLOCK})  # hands the source over to the C layer
 before = c.stats()["client"]["source_range_bytes"]
 pid = os.fork()
