@@ -101,22 +101,30 @@ def settled(client):
     sys.exit("block fills did not settle in 300 s")
 
 
+def passes(client, opens, path, offs, args):
+    """Reads the ranges --passes times through client, waiting for the block fills after
+    each pass; returns a row per pass."""
+    rows = []
+    for p in range(1, args.passes + 1):
+        took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api)
+        if got != len(offs) * args.range_bytes:
+            sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
+        stats = settled(client)
+        rows.append({"pass": p, "seconds": took, "source_opens": sum(opens.counts().values()),
+                     "client": stats["client"], "published": servers_total(stats, "published"),
+                     "source_reads": servers_total(stats, "source_reads")})
+    return rows
+
+
 def fitcache_round(path, offs, args, block_size):
     tier = Path(tempfile.mkdtemp(prefix="fitcache-bench-ranges-", dir=args.tier_parent))
     runtime = Path(tempfile.mkdtemp(prefix="fitcache-bench-run-"))
-    rows = []
+    rows = []  # when the round fails before its passes
     try:
         with OpenCounter(str(path.parent)) as opens, fitcache.Client(
                 path.parent, tiers=f"memory:{tier}:{args.tier_bytes}", runtime_dir=str(runtime),
                 block_size=block_size, prefetch="0") as client:
-            for p in range(1, args.passes + 1):
-                took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api)
-                if got != len(offs) * args.range_bytes:
-                    sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
-                stats = settled(client)
-                rows.append({"pass": p, "seconds": took, "source_opens": sum(opens.counts().values()),
-                             "client": stats["client"], "published": servers_total(stats, "published"),
-                             "source_reads": servers_total(stats, "source_reads")})
+            rows = passes(client, opens, path, offs, args)
     finally:
         subprocess.run([fitcache._native.server_binary(), "stop"], capture_output=True, timeout=60,
                        env={**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime)})
@@ -134,17 +142,10 @@ def cluster_round(path, offs, args, block_size):
     cluster = Cluster(work, str(path.parent), nodes=[f"127.0.0.{i + 1}" for i in range(args.servers)],
                       budget=args.tier_bytes,
                       serve_options={"rpc_timeout": "5", "wait_timeout": "5", "block_size": block_size, "prefetch": "0"})
-    rows = []
+    rows = []  # when the round fails before its passes
     try:
         with OpenCounter(str(path.parent)) as opens, fitcache.Client(path.parent, **cluster.options()) as client:
-            for p in range(1, args.passes + 1):
-                took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api)
-                if got != len(offs) * args.range_bytes:
-                    sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
-                stats = settled(client)
-                rows.append({"pass": p, "seconds": took, "source_opens": sum(opens.counts().values()),
-                             "client": stats["client"], "published": servers_total(stats, "published"),
-                             "source_reads": servers_total(stats, "source_reads")})
+            rows = passes(client, opens, path, offs, args)
     finally:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -77,14 +77,8 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 		return Result{}, err
 	}
 	name := tiers.BlockName(path, e.blockBytes, n)
-	if err := e.validateEntry(root, path, name, n); err != nil {
-		return Result{}, err
-	}
-	if res, err := e.probe(name, wantMapping); err == nil {
-		e.stats.hits[res.Mapping.Tier].Add(1)
-		return res, nil
-	} else if !errors.Is(err, tiers.ErrNotCached) {
-		return Result{}, err
+	if res, hit, err := e.checkedProbe(root, path, name, n, wantMapping); hit || err != nil {
+		return res, err
 	}
 	f, leader := e.join(name)
 	origin := "inflight"

@@ -359,14 +359,8 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if err := e.checkRoot(root, path); err != nil {
 		return Result{}, err
 	}
-	if err := e.validate(root, path); err != nil {
-		return Result{}, err
-	}
-	if res, err := e.probe(path, wantMapping); err == nil {
-		e.stats.hits[res.Mapping.Tier].Add(1)
-		return res, nil
-	} else if !errors.Is(err, tiers.ErrNotCached) {
-		return Result{}, err
+	if res, hit, err := e.checkedProbe(root, path, path, -1, wantMapping); hit || err != nil {
+		return res, err
 	}
 
 	f, leader := e.join(path)
@@ -587,6 +581,24 @@ func (e *Engine) probe(path string, wantMapping bool) (Result, error) {
 	}
 	return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos, CTimeNanos: m.SourceCTimeNanos,
 		Ino: m.SourceIno}, nil
+}
+
+// checkedProbe validates the entry name (the file at path, or its block: see validateEntry)
+// and looks it up in the tiers: hit reports a copy served (counted as a hit), err a failure;
+// neither is a miss.
+func (e *Engine) checkedProbe(root, path, name string, block int64, wantMapping bool) (res Result, hit bool, err error) {
+	if err := e.validateEntry(root, path, name, block); err != nil {
+		return Result{}, false, err
+	}
+	res, err = e.probe(name, wantMapping)
+	switch {
+	case err == nil:
+		e.stats.hits[res.Mapping.Tier].Add(1)
+		return res, true, nil
+	case errors.Is(err, tiers.ErrNotCached):
+		return Result{}, false, nil
+	}
+	return Result{}, false, err
 }
 
 // startFill counts a source read about to start, unless the engine is closing.
