@@ -435,7 +435,8 @@ func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.i
 		return C.int64_t(fail(err))
 	}
 	dst := unsafe.Slice((*byte)(buf), int(length))
-	n, err := c.ReadAt(C.GoString(path), dst, int64(off))
+	name := C.GoString(path)
+	n, err := c.ReadAt(name, dst, int64(off))
 	// The C hit path reads cached blocks itself: tell it the block size of the server this
 	// client reached last (it may have restarted with another), and its tiers if it had none.
 	C.fcHitSetBlockBytes(handle, C.int64_t(c.BlockBytes()))
@@ -444,7 +445,7 @@ func goPread(handle C.int64_t, path *C.char, buf unsafe.Pointer, length, off C.i
 	}
 	// A large file whose blocks the server has no room for: the hit path reads the ranges of
 	// its blocks not cached from its source itself, for a while (see Client.DeclinedSource).
-	if abs, err := c.Resolve(C.GoString(path)); err == nil {
+	if abs, err := c.Resolve(name); err == nil {
 		if fd, until, ok := c.DeclinedSource(abs); ok {
 			cpath := C.CString(abs)
 			C.fcHitSetSource(handle, cpath, C.int(fd), C.int64_t(time.Until(until).Milliseconds())) // C owns fd
