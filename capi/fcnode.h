@@ -172,12 +172,19 @@ static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeou
 	return fd;
 }
 
+/* What the descriptor of an open reply holds (core.Origin). */
+#define FC_ORIGIN_TIER 1
+#define FC_ORIGIN_SOURCE 2               /* the source; no tier takes the file whole */
+#define FC_ORIGIN_MEMORY 3               /* bytes another node sent */
+#define FC_ORIGIN_SOURCE_WHILE_CACHED 4 /* the source of a large file while it is cached whole */
+
 /* Reads the reply to an open request (FC_NODE_OP_OPEN) on sock: magic, errno, origin, message
  * length and message, with the descriptor riding on the first bytes. Returns 0 with the
- * server's errno in *err (0: success, and *fd holds the descriptor, close-on-exec), or -1 with
- * errno set when the connection failed or the reply was malformed. A descriptor that came with
- * an error, or with a reply that could not be read, is closed. */
-static inline int fc_node_recv_open(int sock, int *fd, int32_t *err) {
+ * server's errno in *err (0: success, and *fd holds the descriptor, close-on-exec, and *origin
+ * what it holds, an FC_ORIGIN_ value), or -1 with errno set when the connection failed or the
+ * reply was malformed. A descriptor that came with an error, or with a reply that could not
+ * be read, is closed. */
+static inline int fc_node_recv_open(int sock, int *fd, int32_t *err, uint32_t *origin) {
 	uint8_t reply[16];
 	union {
 		char buf[CMSG_SPACE(sizeof(int))];
@@ -207,6 +214,7 @@ static inline int fc_node_recv_open(int sock, int *fd, int32_t *err) {
 	if (ok && fc_recv_all(sock, message, fc_get32(reply + 12)) != 0) /* the connection may serve again */
 		ok = 0;
 	*err = ok ? (int32_t)fc_get32(reply + 4) : 0;
+	*origin = ok ? fc_get32(reply + 8) : 0;
 	if ((!ok || *err != 0) && *fd >= 0) {
 		close(*fd);
 		*fd = -1;

@@ -1004,12 +1004,13 @@ static int hit_read_open(int64_t handle, const char *path, const void **data, in
 	// reader a connect): one that failed is closed, a broken kept one replaced once.
 	int kept, asked = -1, timed_out = 0;
 	int32_t err = 0;
+	uint32_t origin; // whatever the descriptor holds, its bytes are the file's
 	sock = node_take(c, &kept);
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
 		if (sock < 0 && (sock = node_connect(c->node_socket, c->timeout_ms)) < 0)
 			break;
 		asked = fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms) == 0 &&
-		                fc_node_recv_open(sock, &fd, &err) == 0
+		                fc_node_recv_open(sock, &fd, &err, &origin) == 0
 		            ? 0
 		            : -1;
 		if (asked != 0) {

@@ -87,7 +87,7 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 			return f, core.OriginTier, nil
 		}
 		if f, ok := c.openLargeNow(path); ok {
-			return f, core.OriginSource, nil
+			return f, core.OriginSourceWhileCached, nil
 		}
 	}
 	var f *os.File

@@ -107,9 +107,11 @@ type flight struct {
 	forgotten atomic.Bool   // Forget was called for the file meanwhile: drop what this flight publishes
 	// large is closed once fill has the source open and the file is one a reader should
 	// not wait for (see ReadNowBytes); forReader, set by a reader that started the flight
-	// (OpenForReader), receives a descriptor of that open source.
+	// (OpenForReader), receives a descriptor of that open source. declined, set before large
+	// is closed, says that no tier takes the file whole (it is not being cached).
 	large     chan struct{}
 	forReader chan *os.File
+	declined  bool
 }
 
 // NewEngine opens the configured tiers and starts the data mover. A nil logger discards.
@@ -420,29 +422,47 @@ func (e *Engine) Fetch(ctx context.Context, root, path string) error {
 }
 
 // countedFetch is fetch with its time observed and its failure counted: a file declined
-// (ErrTooLarge, or errReadNow) is no failure, and a source handed over is not timed (its
-// copy is not done).
-func (e *Engine) countedFetch(ctx context.Context, root, path string, forReader bool) (handed *os.File, err error) {
+// (ErrTooLarge) or read now is no failure, and a source handed over is not timed (its copy
+// is not done).
+func (e *Engine) countedFetch(ctx context.Context, root, path string, forReader bool) (now *readNow, err error) {
 	if e.closed.Load() {
 		return nil, ErrClosed
 	}
 	start := time.Now()
-	origin, handed, err := e.fetch(ctx, root, path, forReader)
+	origin, now, err := e.fetch(ctx, root, path, forReader)
 	switch {
-	case handed != nil:
+	case now != nil:
 	case err == nil:
 		e.lat.observe(opFetch, origin, time.Since(start), 0)
-	case !errors.Is(err, ErrTooLarge) && !errors.Is(err, errReadNow):
+	case !errors.Is(err, ErrTooLarge):
 		e.stats.errors.Add(1)
 	}
-	return handed, err
+	return now, err
+}
+
+// readNow is fetch's answer to a reader of a large file, or of one no tier takes, that it
+// does not keep waiting (OpenForReader, see ReadNowBytes). file is the source the flight
+// opened, handed to the reader that started the flight (nil for one that joined it: it
+// opens the source itself). origin says whether the file is being cached whole
+// (OriginSourceWhileCached) or not at all (OriginSource).
+type readNow struct {
+	file   *os.File
+	origin Origin
+}
+
+// nowOf is the readNow of a flight whose source fill has handed over (large is closed).
+func nowOf(f *flight, file *os.File) *readNow {
+	if f.declined {
+		return &readNow{file: file, origin: OriginSource}
+	}
+	return &readNow{file: file, origin: OriginSourceWhileCached}
 }
 
 // fetch is Fetch; it also returns where the file came from (a tier kind, "inflight" or
 // "source"). With forReader (OpenForReader), a large file is not waited for (see
 // ReadNowBytes): the caller that starts its flight gets a descriptor of the source the
-// flight opened (handed), one that joins it gets errReadNow, and the copy goes on.
-func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (origin string, handed *os.File, err error) {
+// flight opened, one that joins it a readNow without one, and the copy goes on.
+func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (origin string, now *readNow, err error) {
 	if err := e.checkRoot(root, path); err != nil {
 		return "", nil, err
 	}
@@ -476,10 +496,10 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 		}()
 		select {
 		case file := <-f.forReader:
-			return origin, file, nil
+			return origin, nowOf(f, file), nil
 		case <-f.done:
 			if file := handedOver(f); file != nil { // handed over, then done at once
-				return origin, file, nil
+				return origin, nowOf(f, file), nil
 			}
 		case <-ctx.Done():
 			go func() { // a descriptor handed over later must not leak
@@ -503,7 +523,7 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 		select {
 		case <-f.done:
 		case <-large:
-			return "", nil, errReadNow
+			return "", nowOf(f, nil), nil
 		case <-ctx.Done():
 			return "", nil, ctx.Err()
 		}
@@ -530,10 +550,6 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 // copy; copying 8 MiB into a memory tier takes about 3 ms here. Smaller files are copied
 // first, and read from their copy: the reader does not read the source as well.
 const ReadNowBytes = 8 << 20
-
-// errReadNow: the file is being cached by another reader's flight and is large (see
-// ReadNowBytes): the caller reads the source meanwhile.
-var errReadNow = errors.New("fitcache: the file is being cached: read the source meanwhile")
 
 // handedOver returns the descriptor handOver left for the reader of a flight that is done,
 // if it did and nobody took it: handOver sends before the flight is done.
@@ -659,6 +675,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 		SourceIno: f.ino, Session: session, Group: root, Mode: src.Mode()}
 	f.size = entry.Size
 	if entry.Size >= ReadNowBytes || !e.canCache(entry) {
+		f.declined = full || !e.canCache(entry)
 		e.handOver(f, src)
 	}
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {

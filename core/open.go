@@ -19,6 +19,9 @@ const (
 	OriginSource Origin = 2
 	// OriginMemory: a memory file holding bytes read from another node (cluster mode).
 	OriginMemory Origin = 3
+	// OriginSourceWhileCached: the source of a large file (ReadNowBytes), handed to the
+	// reader while the file is cached whole; later opens get the copy.
+	OriginSourceWhileCached Origin = 4
 )
 
 func (o Origin) String() string {
@@ -29,6 +32,8 @@ func (o Origin) String() string {
 		return "source"
 	case OriginMemory:
 		return "memory"
+	case OriginSourceWhileCached:
+		return "source-while-cached"
 	}
 	return fmt.Sprintf("origin(%d)", uint32(o))
 }
@@ -45,12 +50,13 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 	// The copy may be evicted between its publication and the open here (a burst of other
 	// misses): fetch once more, then read the source.
 	for attempt := 0; attempt < 2; attempt++ {
-		handed, err := e.countedFetch(ctx, root, path, true)
-		if handed != nil { // a large file, or one no tier takes: its source, while it is cached
-			return handed, OriginSource, nil
+		now, err := e.countedFetch(ctx, root, path, true)
+		if now != nil && now.file != nil { // a large file, or one no tier takes: its source
+			return now.file, now.origin, nil
 		}
-		if errors.Is(err, errReadNow) {
-			return e.openSourceForReader(root, path)
+		if now != nil { // another reader's flight has it: the source, opened here
+			f, _, err := e.openSourceForReader(root, path)
+			return f, now.origin, err
 		}
 		if errors.Is(err, ErrTooLarge) || errors.Is(err, ErrCacheFull) {
 			break

@@ -72,6 +72,19 @@ func TestOpenForReaderGivesTheSourceWhenNoTierTakesIt(t *testing.T) {
 	if got := readFile(t, f); !bytes.Equal(got, data) {
 		t.Errorf("read %d bytes, want the source's %d", len(got), len(data))
 	}
+	// A large file no tier takes says so too (the preload shim then reads it by blocks),
+	// unlike one being cached whole (OriginSourceWhileCached).
+	large := sparseFile(t, root, "large.bin", 4*ReadNowBytes)
+	for range 2 {
+		f, origin, err := e.OpenForReader(context.Background(), root, large)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		if origin != OriginSource {
+			t.Errorf("a large file no tier takes: origin %v, want %v", origin, OriginSource)
+		}
+	}
 }
 
 // A reader that opens a large file is not kept waiting for its copy: it gets the source,
@@ -112,7 +125,7 @@ func TestALargeFileIsHandedToItsReaderWhileItIsCached(t *testing.T) {
 		if o.err != nil || !bytes.Equal(o.data, data) {
 			t.Fatalf("a reader got %d bytes, err %v; want the file's %d", len(o.data), o.err, len(data))
 		}
-		if o.origin != OriginSource && o.origin != OriginTier {
+		if o.origin != OriginSourceWhileCached && o.origin != OriginTier {
 			t.Errorf("origin %v", o.origin)
 		}
 	}
@@ -153,8 +166,8 @@ func TestTheFirstOpenOfALargeFileIsTheSource(t *testing.T) {
 	var st, src unix.Stat_t
 	unix.Fstat(int(f.Fd()), &st)
 	unix.Stat(path, &src)
-	if origin != OriginSource || st.Ino != src.Ino || st.Dev != src.Dev {
-		t.Errorf("origin %v, inode %d: want the source (inode %d)", origin, st.Ino, src.Ino)
+	if origin != OriginSourceWhileCached || st.Ino != src.Ino || st.Dev != src.Dev {
+		t.Errorf("origin %v, inode %d: want the source while it is cached (inode %d)", origin, st.Ino, src.Ino)
 	}
 	small := filepath.Join(root, "small.bin")
 	os.WriteFile(small, []byte("small"), 0o600)

@@ -23,6 +23,7 @@ import (
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
+	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/rpc"
 )
 
@@ -41,7 +42,8 @@ import (
 //
 // The shim's configuration is the environment (see preload/fitcache_preload.c):
 // FITCACHE_PRELOAD_ROOTS, FITCACHE_PRELOAD_TIERS, FITCACHE_PRELOAD_SESSIONS,
-// FITCACHE_PRELOAD_SOCKET and FITCACHE_PRELOAD_TIMEOUT_MS.
+// FITCACHE_PRELOAD_SOCKET, FITCACHE_PRELOAD_TIMEOUT_MS, FITCACHE_PRELOAD_BLOCK_BYTES and
+// FITCACHE_PRELOAD_HEAT.
 //
 // The run is one job (FITCACHE_JOB, made up unless set): the companion's clients begin its
 // validation session at each server, in which every cached copy is checked against its
@@ -188,7 +190,21 @@ func preloadEnviron(env []string, lib string, roots []datasetRoot, server compan
 		"FITCACHE_PRELOAD_TIERS="+strings.Join(server.TierDirs, ":"),
 		"FITCACHE_PRELOAD_SESSIONS="+strings.Join(sessions, ":"),
 		"FITCACHE_PRELOAD_SOCKET="+server.NodeSocket,
-		"FITCACHE_PRELOAD_TIMEOUT_MS="+strconv.FormatInt(timeout.Milliseconds(), 10))
+		"FITCACHE_PRELOAD_TIMEOUT_MS="+strconv.FormatInt(timeout.Milliseconds(), 10),
+		"FITCACHE_PRELOAD_BLOCK_BYTES="+strconv.FormatInt(server.BlockBytes, 10),
+		"FITCACHE_PRELOAD_HEAT="+server.HeatFile)
+}
+
+// heatFile returns where the processes of the user's runs share how much of each block of a
+// large file they read from the source (see preload/ranges.c): a file the shim makes in the
+// user's private runtime directory, or "" when that directory is not private (the shim then
+// shares it only with the processes it forks).
+func heatFile() string {
+	cfg, err := config.Load(nil)
+	if err != nil || privdir.Inspect(cfg.RuntimeDir) != nil {
+		return ""
+	}
+	return filepath.Join(cfg.RuntimeDir, "preload.heat")
 }
 
 // preloadLibrary returns the path of the preload shim: FITCACHE_PRELOAD_LIB, else beside the
@@ -242,6 +258,11 @@ type companionReport struct {
 	Sessions     []uint32 `json:"sessions"`
 	NodeSocket   string   `json:"node_socket"`
 	LocalServers []string `json:"local_servers"` // cluster mode: the job's servers on this node
+	// BlockBytes is the size of the blocks the server caches ranges of large files in (0:
+	// none), which the shim reads large files through.
+	BlockBytes int64 `json:"block_bytes"`
+	// HeatFile is where the shim shares what it read of blocks from the source (heatFile).
+	HeatFile string `json:"heat_file"`
 }
 
 // startCompanion starts the companion of the program run by `fitcache run` (see companion),
@@ -332,7 +353,8 @@ func companion(args []string) error {
 		}
 		clients = append(clients, c)
 	}
-	report := companionReport{NodeSocket: clients[0].NodeSocket(), LocalServers: clients[0].LocalServers()}
+	report := companionReport{NodeSocket: clients[0].NodeSocket(), LocalServers: clients[0].LocalServers(),
+		BlockBytes: clients[0].BlockBytes(), HeatFile: heatFile()}
 	if report.LocalServers == nil && !clients[0].ServerUp() {
 		// An embedded server that could not be reached (stopped, hung) would cost each
 		// process of the program a probe on its first miss: they are given no node socket,

@@ -51,7 +51,7 @@ func TestPreloadEnvironPutsTheShimFirstAndReplacesAnEarlierRun(t *testing.T) {
 	}
 	roots := []datasetRoot{{name: "/data/in", real: "/data/in"}, {name: "/link", real: "/lustre/set"}}
 	server := companionReport{TierDirs: []string{"/dev/shm/t1", "/var/t2"}, Sessions: []uint32{70000001, 70000002},
-		NodeSocket: "/run/s.sock.node"}
+		NodeSocket: "/run/s.sock.node", BlockBytes: 4 << 20, HeatFile: "/run/user/1000/fitcache/preload.heat"}
 	got := preloadEnviron(env, "/pkg/libfitcache_preload.so", roots, server, 30*time.Second)
 	want := []string{
 		"HOME=/home/u",
@@ -62,6 +62,8 @@ func TestPreloadEnvironPutsTheShimFirstAndReplacesAnEarlierRun(t *testing.T) {
 		"FITCACHE_PRELOAD_SESSIONS=70000001:70000002",
 		"FITCACHE_PRELOAD_SOCKET=/run/s.sock.node",
 		"FITCACHE_PRELOAD_TIMEOUT_MS=30000",
+		"FITCACHE_PRELOAD_BLOCK_BYTES=4194304",
+		"FITCACHE_PRELOAD_HEAT=/run/user/1000/fitcache/preload.heat",
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("environment (-want +got):\n%s", diff)
