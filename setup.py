@@ -57,7 +57,8 @@ def build_preload(dest):
         raise SystemExit("error: building fitcache needs a C compiler (cc or gcc on PATH, or CC)")
     out = os.path.join(dest, "libfitcache_preload.so")
     args = [cc, "-O2", "-g", "-std=gnu11", "-Wall", "-fPIC", "-shared", "-fvisibility=hidden", "-o", out,
-            os.path.join("preload", "fitcache_preload.c"), os.path.join("capi", "fclookup.c"), "-ldl"]
+            os.path.join("preload", "fitcache_preload.c"), os.path.join("preload", "ranges.c"),
+            os.path.join("capi", "fclookup.c"), "-ldl"]
     print("fitcache:", " ".join(args), flush=True)
     subprocess.run(args, cwd=HERE, check=True)
 

@@ -7,14 +7,16 @@
  * writing, and the calls that change which file a path names (renames, unlinks, truncates).
  * A read-only open of a file under a dataset root returns a descriptor of the file's cached
  * copy instead of the source; everything after the open (read, pread, mmap, fstat, stdio)
- * then runs natively on a real file, so no other call needs interposing and every way of
- * reading works. Specifically:
+ * then runs natively on a real file, so every way of reading works. The one exception is
+ * a large file no tier holds whole: the program gets the source, and ranges.c interposes the
+ * read functions to serve that descriptor's reads from cached blocks. Specifically:
  *
  *   - A hit is found here, without a round trip: the path is looked up in the tiers' mapped
  *     indexes and the cached file opened (capi/fclookup.c, shared with libfitcache).
  *   - A miss asks the local server over its node socket (package nodesock, OpOpen), which
  *     reads the source once, publishes the copy and answers with its descriptor (or, when no
- *     tier takes the file, with the source opened beneath the dataset root). In cluster mode
+ *     tier takes the file, with the source opened beneath the dataset root; the reads of a
+ *     large file's source are then served from its cached blocks, see ranges.c). In cluster mode
  *     the tiers are those of the job's servers on this node, and the server asked answers
  *     for every file of the job from its owner: a file of another node comes as a sealed
  *     memory file holding the bytes the owner sent (see client.Client.OpenForReader).
@@ -48,6 +50,9 @@
  *                             a copy not checked against its source in that session is
  *                             asked of the server, which checks it; a tier without one
  *                             serves nothing without asking
+ *   FITCACHE_PRELOAD_BLOCK_BYTES  the size of the server's blocks (see ranges.c); without it
+ *                             large files are read from their source
+ *   FITCACHE_PRELOAD_HEAT     the file the shim shares what it read of blocks in (ranges.c)
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -68,6 +73,7 @@
 
 #include "../capi/fclookup.h"
 #include "../capi/fcnode.h"
+#include "shim.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -76,18 +82,11 @@
 // NOT_OURS: the open is left to libc.
 #define NOT_OURS (-2)
 
-// The dataset roots. Paths are keyed by their resolved form (real): the cache shares one copy
-// whatever name a program uses, and paths made from the working directory or a directory
-// descriptor (which the kernel gives resolved) match too.
-struct root {
-	const char *name, *real; // name: as the user gave it; equal to real when it has no link
-	size_t namelen, reallen;
-};
-
+// The dataset roots (see struct root).
 static struct root roots[MAX_ROOTS];
 static int nroots;
-static struct fc_tier tiers[FC_MAX_TIERS];
-static int ntiers;
+struct fc_tier shim_tiers[FC_MAX_TIERS];
+int shim_ntiers;
 static struct sockaddr_un node_addr;
 static int64_t timeout_ms = 30000;
 static int enabled;
@@ -124,10 +123,7 @@ static int (*libc_remove)(const char *);
 static int (*libc_truncate)(const char *, off_t);
 static int (*libc_truncate64)(const char *, off64_t);
 
-// resolve returns the next definition of name after this library, found on first use and
-// kept in *slot. A program may call an open function before this library's constructor ran
-// (from another library's constructor), so each wrapper resolves what it calls.
-static void *resolve(void **slot, const char *name) {
+void *shim_resolve(void **slot, const char *name) {
 	void *p = __atomic_load_n(slot, __ATOMIC_RELAXED);
 	if (!p) {
 		p = dlsym(RTLD_NEXT, name);
@@ -135,7 +131,6 @@ static void *resolve(void **slot, const char *name) {
 	}
 	return p;
 }
-#define NEXT(fn) ((__typeof__(libc_##fn))resolve((void **)&libc_##fn, #fn))
 
 // The environment is parsed into this storage once, at load.
 static char config_roots[8192];
@@ -184,15 +179,15 @@ static uint32_t next_session(const char **s) {
 // sessions (FITCACHE_PRELOAD_SESSIONS, may be NULL).
 static void parse_tiers(const char *v, const char *sessions) {
 	char dir[FC_PATH_MAX];
-	while (*v && ntiers < FC_MAX_TIERS) {
+	while (*v && shim_ntiers < FC_MAX_TIERS) {
 		const char *end = strchr(v, ':');
 		size_t n = end ? (size_t)(end - v) : strlen(v);
 		uint32_t session = next_session(&sessions);
 		if (n > 0 && n < sizeof dir) {
 			memcpy(dir, v, n);
 			dir[n] = 0;
-			if (fc_tier_open(&tiers[ntiers], dir, ntiers, session) == 0)
-				ntiers++;
+			if (fc_tier_open(&shim_tiers[shim_ntiers], dir, shim_ntiers, session) == 0)
+				shim_ntiers++;
 		}
 		if (!end)
 			break;
@@ -233,6 +228,7 @@ __attribute__((constructor)) static void preload_init(void) {
 		return;
 	}
 	parse_roots(r);
+	ranged_configure(getenv("FITCACHE_PRELOAD_BLOCK_BYTES"), getenv("FITCACHE_PRELOAD_HEAT"));
 	parse_tiers(t, getenv("FITCACHE_PRELOAD_SESSIONS"));
 	// A path only: an empty name would be an abstract socket, which any user can bind.
 	if (s[0] == '/' && strlen(s) < sizeof node_addr.sun_path) {
@@ -246,7 +242,7 @@ __attribute__((constructor)) static void preload_init(void) {
 			timeout_ms = v;
 	}
 	// Without a node socket hits still work; without roots nothing is ours.
-	enabled = nroots > 0 && (ntiers > 0 || node_addr.sun_family == AF_UNIX);
+	enabled = nroots > 0 && (shim_ntiers > 0 || node_addr.sun_family == AF_UNIX);
 	errno = saved;
 }
 
@@ -351,12 +347,12 @@ static void timed_out(void) {
 		__atomic_store_n(&node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 }
 
-// node_request connects to the node socket, sends one request and waits for its ack: a
+// shim_node_request connects to the node socket, sends one request and waits for its ack: a
 // server that does not acknowledge within the probe time (about a second) is hung, and
 // skipped for a while, and one that did is waited for its reply up to the read timeout. Each
 // request has its own connection: a kept one could not be shared safely with a vfork child
 // or across fork, and a miss costs far more than a connect. Returns the connection, or -1.
-static int node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
+int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
 	if (node_addr.sun_family != AF_UNIX || fc_monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
 		return -1;
 	int fd = fc_node_connect(&node_addr, timeout_ms);
@@ -392,14 +388,14 @@ static int lowest_fd(int fd) {
 }
 
 // ask_open asks the server for a descriptor of the dataset file key; returns it (close-on-
-// exec), or -1.
-static int ask_open(const struct root *r, const char *key, size_t len) {
-	int sock = node_request(FC_NODE_OP_OPEN, r, key, len);
+// exec) with what it holds in *origin (an FC_ORIGIN_ value), or -1.
+static int ask_open(const struct root *r, const char *key, size_t len, uint32_t *origin) {
+	int sock = shim_node_request(FC_NODE_OP_OPEN, r, key, len);
 	if (sock < 0)
 		return -1;
 	int fd;
 	int32_t err;
-	if (fc_node_recv_open(sock, &fd, &err) != 0)
+	if (fc_node_recv_open(sock, &fd, &err, origin) != 0)
 		timed_out();
 	NEXT(close)(sock); // an error message, if any, is not needed: libc opens the file and says why
 	return lowest_fd(fd);
@@ -407,7 +403,7 @@ static int ask_open(const struct root *r, const char *key, size_t len) {
 
 // forget asks the server to drop the cached copy of a dataset file about to be written.
 static void forget(const struct root *r, const char *key, size_t len) {
-	int sock = node_request(FC_NODE_OP_FORGET, r, key, len);
+	int sock = shim_node_request(FC_NODE_OP_FORGET, r, key, len);
 	if (sock < 0)
 		return;
 	uint8_t reply[12];
@@ -504,19 +500,27 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 	if ((flags & ~SERVED_FLAGS) || ((flags & O_NOFOLLOW) && !follows_no_link(dirfd, path)))
 		goto out;
 	struct fc_hit hit;
-	if (fc_lookup(tiers, ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {
+	if (fc_lookup(shim_tiers, shim_ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {
 		// A hit with no bytes: the program reads what it wants of the descriptor, which the
 		// server cannot see ("served" counts bytes delivered, not the sizes of files opened).
-		fc_count_hit(&tiers[hit.tier], 0);
+		fc_count_hit(&shim_tiers[hit.tier], 0);
 		fd = hit.fd;
 		untrack_write(fd);
+		ranged_forget(fd);
 		goto out;
 	}
-	int got = ask_open(r, key, (size_t)n);
+	uint32_t origin;
+	int got = ask_open(r, key, (size_t)n, &origin);
 	if (got >= 0) {
 		set_flags(got, flags);
 		fd = got;
 		untrack_write(fd);
+		ranged_forget(fd);
+		// The source of a large file no tier holds whole yet: its reads go through the
+		// blocks the tiers hold (ranges.c).
+		struct stat st;
+		if ((origin == FC_ORIGIN_SOURCE || origin == FC_ORIGIN_SOURCE_WHILE_CACHED) && fstat(fd, &st) == 0)
+			ranged_open(fd, origin == FC_ORIGIN_SOURCE, r, key, (size_t)n, &st);
 	}
 out:
 	errno = saved;
@@ -526,6 +530,7 @@ out:
 // libc_result tracks the descriptor libc returned for a dataset file opened for writing (and
 // untracks any other).
 static int libc_result(int fd, int writes) {
+	ranged_forget(fd);
 	if (writes && fd >= 0)
 		track_write(fd);
 	else
@@ -609,6 +614,7 @@ EXPORT int creat64(const char *path, mode_t mode) {
 // close of a dataset file written through this process drops its cached copy once more,
 // after the close (the last write is in), by the name read before the descriptor goes.
 EXPORT int close(int fd) {
+	ranged_forget(fd);
 	if (!untrack_write(fd))
 		return NEXT(close)(fd);
 	char key[FC_PATH_MAX];
@@ -701,6 +707,7 @@ EXPORT FILE *fopen64(const char *path, const char *mode) {
 // file drops the cached copy here, after fclose has flushed its buffer and closed it.
 EXPORT int fclose(FILE *f) {
 	int fd = f ? fileno(f) : -1;
+	ranged_forget(fd);
 	if (!untrack_write(fd))
 		return NEXT(fclose)(f);
 	char key[FC_PATH_MAX];

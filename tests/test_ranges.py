@@ -267,3 +267,56 @@ print(s["source_ranges"], s["source_range_bytes"] - before)
     ranges, go_bytes = (int(x) for x in out.stdout.split()[-2:])
     # The Go client counts the bytes it read from the source; the C layer only the ranges.
     assert ranges > 200 and go_bytes < 10 * 100_000, (ranges, go_bytes)
+
+
+# --- the transparent mode -----------------------------------------------------------------
+
+
+def run_ranged_reads(exe, root, env=None):
+    """Runs tests/c/ranged_reads on big.bin of root, under `fitcache run` with env; returns its
+    lines (each read function, the FNV-1a hash of the file as it read it, and its bytes)."""
+    from test_preload import FITCACHE_BIN
+    cmd = [exe, os.path.join(root, "big.bin"), os.path.join(root, "small.bin")]
+    if env is not None:
+        cmd = [FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", *cmd]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.splitlines()
+
+
+def test_the_transparent_mode_reads_a_file_larger_than_the_cache_through_blocks(large_file, small_tiers, tmp_path):
+    """A program under `fitcache run` opens a file no tier takes whole: it gets the source
+    (one open of it, the server's), and its reads -- every read function, with and without
+    offsets, in pieces, fortified, after a fork, after dup2 put another file in the
+    descriptor's place -- read the file's bytes, served from the blocks the tiers hold once
+    the server cached them."""
+    from test_preload import command_env, compile_program
+    from inotify import OpenCounter
+    root, data = large_file
+    (tmp_path / "dataset" / "small.bin").write_bytes(b"another file " * 10)
+    exe = compile_program(tmp_path, "ranged_reads", open(os.path.join(os.path.dirname(__file__), "c",
+                                                                       "ranged_reads.c")).read(),
+                          ["read", "pread", "pread64", "readv", "preadv", "preadv64", "preadv2", "__read_chk",
+                           "__pread_chk", "__pread64_chk"], ["-D_FORTIFY_SOURCE=2"])
+    plain = run_ranged_reads(exe, root)
+    assert len(plain) == 13 and all(line.split("\t")[2] == str(len(data)) for line in plain[:11]), plain
+    env = command_env(small_tiers)
+    served = []
+    with OpenCounter(root) as opens:
+        for run in range(2):
+            assert run_ranged_reads(exe, root, env) == plain, f"run {run}"
+            stats = fitcache.server_stats(**small_tiers)
+            served.append(stats["bytes_served"])
+            if run == 0:  # the blocks asked for are cached meanwhile
+                deadline, last = time.monotonic() + 30, -1
+                while stats["published"] != last and time.monotonic() < deadline:
+                    last = stats["published"]
+                    time.sleep(0.3)
+                    stats = fitcache.server_stats(**small_tiers)
+                blocks = stats["published"] - 1  # small.bin is cached whole
+        counts = opens.counts()
+    assert 8 <= blocks <= 12, stats
+    # The second run read each of its 12 passes over the file through the cached blocks.
+    assert served[1] - served[0] >= 12 * 8 * BLOCK, (served, blocks)
+    # A source open per program open (13 a run: the server's, handed over), and one per block cached.
+    assert counts["big.bin"] <= 2 * 13 + blocks, counts

@@ -1,0 +1,700 @@
+/*
+ * ranges.c -- the preload shim's reads of large files, served from cached blocks.
+ *
+ * A large file that no tier holds whole reaches the program as a descriptor of its source
+ * (see shim_open): the server hands the source over at once rather than keep the program
+ * waiting for a copy (core.ReadNowBytes), and a file larger than every tier, or than the room
+ * its dataset has, is never copied whole (FC_ORIGIN_SOURCE). The server caches such a file by
+ * blocks instead (core.Engine.ReadBlock), each a tier entry of its own named by
+ * tiers.BlockName. The shim marks those descriptors (ranged_open) and serves the program's
+ * reads of them -- read, pread, readv, preadv, their 64-bit, v2 and fortified forms -- from
+ * the blocks the tiers hold, and from the whole copy once one is made; what no copy holds is
+ * read from the program's own descriptor of the source, so every read is whole as it would
+ * have been. Everything else on the descriptor stays the kernel's on the source: fstat,
+ * lseek, mmap, sendfile, and stdio's reads (inside libc, not through read). A read without
+ * an offset moves the file offset as the kernel would (lseek before and after).
+ *
+ * A block of a file no tier takes whole is asked of the server (FC_NODE_OP_FETCH_BLOCK)
+ * once a quarter of it was read from the source, or at once for a reader in sequence, as
+ * client/ranges.go does. The shim waits only for the server's acknowledgement, then closes
+ * the connection: the server caches the block meanwhile and later reads find it. A block
+ * the tiers list but have not checked in this run's session is asked too, and waited for:
+ * the server only compares it with its source.
+ *
+ * Safety. A marked descriptor number may come to name another file behind the shim's back
+ * (dup2, close_range, a raw close): each read checks that the descriptor is still the file
+ * marked (fstat: device and inode) and that a copy matches the source's size and
+ * modification time, so a mismatch reads the source. Like the rest of the shim, nothing
+ * here allocates, locks or waits for another thread: shared entries are taken by an atomic
+ * exchange or guarded by a sequence count, and a thread that finds one busy does without it.
+ * A process forked while another thread held an entry does without that entry; the shim's
+ * state is otherwise inherited as it is. Cached copies are kept mapped (at most KEPT of them,
+ * none holding a descriptor) and let go once the tier's index no longer lists them.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "../capi/fcnode.h"
+#include "shim.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+// Files of at least this many bytes are read through blocks: core.ReadNowBytes, below which
+// the server copies a file whole before the open returns (and never hands over its source).
+#define FC_RANGED_MIN ((int64_t)8 << 20)
+
+// The block sizes a server accepts (core.MinBlockBytes and core.MaxBlockBytes).
+#define BLOCK_MIN ((int64_t)64 << 10)
+#define BLOCK_MAX ((int64_t)256 << 20)
+
+// A read with more pieces than this (readv) is left to the kernel.
+#define MAX_PIECES 64
+
+// NOT_RANGED: the call is left to libc.
+#define NOT_RANGED (-2)
+
+// The size of the server's blocks; 0 leaves every descriptor to the kernel. Set at load.
+static int64_t block_bytes;
+
+// The file the heat of blocks is shared in (see heats); empty for none. Set at load.
+static char heat_path[FC_PATH_MAX];
+
+static int (*libc_close)(int);
+static ssize_t (*libc_read)(int, void *, size_t);
+static ssize_t (*libc_pread)(int, void *, size_t, off_t);
+static ssize_t (*libc_pread64)(int, void *, size_t, off64_t);
+static ssize_t (*libc_readv)(int, const struct iovec *, int);
+static ssize_t (*libc_preadv)(int, const struct iovec *, int, off_t);
+static ssize_t (*libc_preadv64)(int, const struct iovec *, int, off64_t);
+static ssize_t (*libc_preadv2)(int, const struct iovec *, int, off_t, int);
+static ssize_t (*libc_preadv64v2)(int, const struct iovec *, int, off64_t, int);
+static ssize_t (*libc___read_chk)(int, void *, size_t, size_t);
+static ssize_t (*libc___pread_chk)(int, void *, size_t, off_t, size_t);
+static ssize_t (*libc___pread64_chk)(int, void *, size_t, off64_t, size_t);
+
+void ranged_configure(const char *blocks, const char *heat) {
+	if (heat && heat[0] == '/' && strlen(heat) < sizeof heat_path)
+		strcpy(heat_path, heat);
+	if (!blocks || !*blocks)
+		return;
+	char *end;
+	long long n = strtoll(blocks, &end, 10);
+	if (*end == 0 && n >= BLOCK_MIN && n <= BLOCK_MAX)
+		block_bytes = n;
+}
+
+static struct heat *heats(void);
+
+// --- Marked descriptors --------------------------------------------------------------------
+
+// The large files open for reading through blocks, at most RANGED_FILES at once (more are
+// left to the kernel), and for each descriptor below RANGED_FDS the entry it reads through.
+#define RANGED_FILES 64
+#define RANGED_FDS 65536
+
+struct ranged_file {
+	int taken;     // 1 while the entry belongs to a descriptor (atomic: claimed by exchange)
+	uint32_t seq;  // sequence count: odd while the fields below change (atomic)
+	int fd;        // the program's descriptor
+	int ask;       // ask the server for the blocks read from the source (FC_ORIGIN_SOURCE)
+	dev_t dev;     // the source's identity: a read checks the descriptor still names it
+	ino_t ino;
+	const struct root *root;
+	int64_t next;  // the offset after the last read: a read there is in sequence (atomic)
+	size_t keylen; // the dataset path of the file, the key of its copies
+	char key[FC_PATH_MAX];
+};
+
+static struct ranged_file files[RANGED_FILES];
+static uint8_t file_of[RANGED_FDS]; // entry + 1, 0 for a descriptor of the kernel's (atomic)
+
+void ranged_open(int fd, int ask, const struct root *r, const char *key, size_t len, const struct stat *st) {
+	if (block_bytes == 0 || fd < 0 || fd >= RANGED_FDS || st->st_size < FC_RANGED_MIN || len >= FC_PATH_MAX)
+		return;
+	heats(); // mapped before the program forks its workers, which then share it
+	for (int i = 0; i < RANGED_FILES; i++) {
+		struct ranged_file *f = &files[i];
+		if (__atomic_exchange_n(&f->taken, 1, __ATOMIC_ACQUIRE))
+			continue;
+		__atomic_fetch_add(&f->seq, 1, __ATOMIC_RELAXED); // odd
+		__atomic_thread_fence(__ATOMIC_RELEASE);
+		f->fd = fd;
+		f->ask = ask;
+		f->dev = st->st_dev;
+		f->ino = st->st_ino;
+		f->root = r;
+		__atomic_store_n(&f->next, 0, __ATOMIC_RELAXED);
+		f->keylen = len;
+		memcpy(f->key, key, len);
+		__atomic_fetch_add(&f->seq, 1, __ATOMIC_RELEASE); // even: readable
+		__atomic_store_n(&file_of[fd], (uint8_t)(i + 1), __ATOMIC_RELEASE);
+		return;
+	}
+}
+
+void ranged_forget(int fd) {
+	if (fd < 0 || fd >= RANGED_FDS || !__atomic_load_n(&file_of[fd], __ATOMIC_RELAXED))
+		return;
+	uint8_t i = __atomic_exchange_n(&file_of[fd], 0, __ATOMIC_ACQ_REL);
+	if (i == 0 || i > RANGED_FILES)
+		return;
+	struct ranged_file *f = &files[i - 1];
+	__atomic_fetch_add(&f->seq, 1, __ATOMIC_RELAXED); // odd: a reader's snapshot fails
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	f->fd = -1;
+	__atomic_fetch_add(&f->seq, 1, __ATOMIC_RELEASE);
+	__atomic_store_n(&f->taken, 0, __ATOMIC_RELEASE);
+}
+
+// What a read needs of a marked descriptor's entry, copied out under its sequence count.
+struct marked {
+	struct ranged_file *f;
+	int ask;
+	dev_t dev;
+	ino_t ino;
+	const struct root *root;
+	size_t keylen;
+	char name[FC_PATH_MAX + 48]; // the key, then a block's suffix (see block_name)
+};
+
+// marked_file copies the entry of fd into m: 0, or -1 when fd is not marked (any more).
+static int marked_file(int fd, struct marked *m) {
+	uint8_t i = __atomic_load_n(&file_of[fd], __ATOMIC_ACQUIRE);
+	if (i == 0 || i > RANGED_FILES)
+		return -1;
+	struct ranged_file *f = &files[i - 1];
+	uint32_t seq = __atomic_load_n(&f->seq, __ATOMIC_ACQUIRE);
+	if ((seq & 1) || f->fd != fd)
+		return -1;
+	m->f = f;
+	m->ask = f->ask;
+	m->dev = f->dev;
+	m->ino = f->ino;
+	m->root = f->root;
+	m->keylen = f->keylen < FC_PATH_MAX ? f->keylen : 0;
+	memcpy(m->name, f->key, m->keylen);
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	return __atomic_load_n(&f->seq, __ATOMIC_RELAXED) == seq && m->keylen > 0 ? 0 : -1;
+}
+
+// block_name writes tiers.BlockName of the key in m for block number block after the key,
+// "key\0<block_bytes>:<block>", and returns the name's length.
+static size_t block_name(struct marked *m, int64_t block) {
+	char *p = m->name + m->keylen;
+	char digits[2][24];
+	int64_t v[2] = {block_bytes, block};
+	int n[2];
+	for (int k = 0; k < 2; k++) {
+		char *d = digits[k] + sizeof digits[k];
+		int64_t x = v[k];
+		do
+			*--d = (char)('0' + x % 10);
+		while ((x /= 10) > 0);
+		n[k] = (int)(digits[k] + sizeof digits[k] - d);
+		memmove(digits[k], d, (size_t)n[k]);
+	}
+	*p++ = 0;
+	memcpy(p, digits[0], (size_t)n[0]);
+	p += n[0];
+	*p++ = ':';
+	memcpy(p, digits[1], (size_t)n[1]);
+	p += n[1];
+	return (size_t)(p - m->name);
+}
+
+// --- The program's buffers -----------------------------------------------------------------
+
+// A position in the pieces of a read (one for read and pread, several for readv).
+struct cursor {
+	const struct iovec *iov;
+	int n, i;    // pieces, and the current one
+	size_t used; // bytes of the current piece filled
+};
+
+// put copies len bytes from src to the cursor and moves it on.
+static void put(struct cursor *c, const uint8_t *src, size_t len) {
+	while (len > 0 && c->i < c->n) {
+		size_t room = c->iov[c->i].iov_len - c->used, k = len < room ? len : room;
+		memcpy((uint8_t *)c->iov[c->i].iov_base + c->used, src, k);
+		src += k;
+		len -= k;
+		c->used += k;
+		if (c->used == c->iov[c->i].iov_len) {
+			c->i++;
+			c->used = 0;
+		}
+	}
+}
+
+// pieces writes into out the pieces of the next len bytes of the cursor, without moving
+// it, and returns how many.
+static int pieces(const struct cursor *c, size_t len, struct iovec *out) {
+	int n = 0;
+	size_t used = c->used;
+	for (int i = c->i; len > 0 && i < c->n; i++, used = 0) {
+		size_t room = c->iov[i].iov_len - used, k = len < room ? len : room;
+		if (k == 0)
+			continue;
+		out[n].iov_base = (uint8_t *)c->iov[i].iov_base + used;
+		out[n++].iov_len = k;
+		len -= k;
+	}
+	return n;
+}
+
+// skip moves the cursor on by len bytes.
+static void skip(struct cursor *c, size_t len) {
+	while (len > 0 && c->i < c->n) {
+		size_t room = c->iov[c->i].iov_len - c->used, k = len < room ? len : room;
+		len -= k;
+		c->used += k;
+		if (c->used == c->iov[c->i].iov_len) {
+			c->i++;
+			c->used = 0;
+		}
+	}
+}
+
+// --- Cached copies kept mapped ------------------------------------------------------------
+
+// Copies (blocks, or whole files) kept mapped for the reads that follow, at most KEPT (16 GiB
+// of address space for 4 MiB blocks, no memory but the page tables of what was read), each
+// in the place its name's key hashes to: a newer copy takes the place of an older one.
+// Measured (bench/bench_large.py): with 256 places, a 2 GiB file read at random in 383
+// cached blocks spent a third of its time in munmap and new mappings.
+#define KEPT 4096
+enum { KEPT_FREE, KEPT_BUSY, KEPT_FULL };
+
+struct kept {
+	int state;            // KEPT_FREE, KEPT_BUSY (a thread uses or changes it), KEPT_FULL (atomic)
+	uint64_t key, check;  // the hashes of the copy's name (fc_hashes)
+	uint64_t ino;         // its data file's inode number, for fc_listed
+	int tier;
+	int64_t mtime_ns;     // the source's modification time the copy was made of
+	const uint8_t *map;
+	size_t len;
+};
+
+static struct kept kept[KEPT];
+
+// Kept copies the tiers no longer list (evicted, removed, found stale) are let go within
+// SWEEP_NS of reading on (see sweep_kept): their pages would stay in use, out of the
+// tiers' budget, as long as they are mapped.
+#define SWEEP_NS (1000000000LL)
+static int64_t swept_ns; // CLOCK_MONOTONIC time of the last sweep (atomic)
+
+// sweep_kept lets go of the kept copies the tiers no longer list, once per SWEEP_NS: an
+// index lookup each, no system call but for the copies let go. A copy in use by another
+// thread is left for the next sweep.
+static void sweep_kept(void) {
+	int64_t now = fc_monotonic_ns(), last = __atomic_load_n(&swept_ns, __ATOMIC_RELAXED);
+	if (now - last < SWEEP_NS ||
+	    !__atomic_compare_exchange_n(&swept_ns, &last, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		return;
+	for (int i = 0; i < KEPT; i++) {
+		struct kept *k = &kept[i];
+		int expect = KEPT_FULL;
+		if (!__atomic_compare_exchange_n(&k->state, &expect, KEPT_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+			continue;
+		if (fc_listed(&shim_tiers[k->tier], k->key, k->check, k->ino)) {
+			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
+			continue;
+		}
+		munmap((void *)k->map, k->len);
+		__atomic_store_n(&k->state, KEPT_FREE, __ATOMIC_RELEASE);
+	}
+}
+
+// from_copy copies n bytes at offset at of the cached copy named name (len bytes: a block's
+// name, or the key of a whole file) to the cursor, if a tier holds that copy checked in this
+// run's session, copy_len bytes long and made of the source as modified at mtime_ns (the
+// version the program's descriptor reads). It returns n, or -1 (nothing copied) when there is
+// no such copy; with *unchecked set when the tiers list one not checked in the session.
+static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t mtime_ns, int64_t at,
+                         struct cursor *c, int64_t n, int64_t *served, int *unchecked) {
+	uint64_t key, check;
+	fc_hashes(name, len, &key, &check);
+	struct kept *k = &kept[(key * 0x9E3779B97F4A7C15ULL) >> 52];
+	int expect = KEPT_FULL;
+	if (__atomic_compare_exchange_n(&k->state, &expect, KEPT_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+		int same = k->key == key && k->check == check;
+		if (same && k->mtime_ns == mtime_ns && (int64_t)k->len == copy_len &&
+		    fc_listed(&shim_tiers[k->tier], key, check, k->ino)) {
+			put(c, k->map + at, (size_t)n);
+			served[k->tier] += n;
+			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
+			return n;
+		}
+		if (same) { // evicted, removed or stale: let go of it
+			munmap((void *)k->map, k->len);
+			__atomic_store_n(&k->state, KEPT_FREE, __ATOMIC_RELEASE);
+		} else {
+			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
+		}
+	}
+	struct fc_hit hit;
+	if (fc_lookup(shim_tiers, shim_ntiers, name, len, O_CLOEXEC, 1, &hit) != 0) {
+		if (fc_lookup(shim_tiers, shim_ntiers, name, len, O_CLOEXEC, 0, &hit) == 0) {
+			*unchecked = 1;
+			NEXT(close)(hit.fd);
+		}
+		return -1;
+	}
+	void *map = MAP_FAILED;
+	if (hit.size == copy_len && hit.mtime_ns == mtime_ns && copy_len > 0)
+		map = mmap(NULL, (size_t)copy_len, PROT_READ, MAP_SHARED, hit.fd, 0);
+	NEXT(close)(hit.fd);
+	if (map == MAP_FAILED)
+		return -1;
+	put(c, (const uint8_t *)map + at, (size_t)n);
+	served[hit.tier] += n;
+	// Kept in the place of whatever held it; dropped if another thread uses the place.
+	expect = __atomic_load_n(&k->state, __ATOMIC_RELAXED);
+	if (expect != KEPT_BUSY &&
+	    __atomic_compare_exchange_n(&k->state, &expect, KEPT_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+		if (expect == KEPT_FULL)
+			munmap((void *)k->map, k->len);
+		k->key = key;
+		k->check = check;
+		k->ino = hit.ino;
+		k->tier = hit.tier;
+		k->mtime_ns = mtime_ns;
+		k->map = map;
+		k->len = (size_t)copy_len;
+		__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
+	} else {
+		munmap(map, (size_t)copy_len);
+	}
+	return n;
+}
+
+// --- Asking the server for blocks -----------------------------------------------------------
+
+// How much of each block reads took from the source, and when it was last asked for, in a
+// table of HEAT places shared by all files: two blocks in one place only share a count. The
+// table is shared by the processes of the user that read through the shim, so that a block
+// read a little by each of many processes (DataLoader workers, new ones each epoch; a program
+// run again) is asked for as one reader's would be: it lives in a file of the user's private
+// runtime directory (FITCACHE_PRELOAD_HEAT, made by the first process that needs it), or,
+// without one, in memory shared with the processes forked after the first large open.
+// Anything in it only decides which blocks are asked for, never which bytes are read.
+#define HEAT 4096
+struct heat {
+	uint64_t tag;     // the block's name's check hash, odd (0: unused) (atomic)
+	int64_t bytes;    // read from the source since the tag was set (atomic)
+	int64_t asked_ns; // CLOCK_MONOTONIC time of the last ask, 0 for none (atomic)
+};
+#define HEAT_BYTES (HEAT * sizeof(struct heat))
+static struct heat *heat_table; // see heats (atomic)
+static struct heat heat_here[HEAT]; // when no shared mapping could be made
+
+// heat_file maps the heat file at heat_path, creating it if it is not there; NULL when there
+// is none, or it is not a regular file of this user of the table's size (or empty: made so).
+static struct heat *heat_file(void) {
+	if (!heat_path[0])
+		return NULL;
+	int fd = (int)syscall(SYS_openat, AT_FDCWD, heat_path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return NULL;
+	struct stat st;
+	void *map = MAP_FAILED;
+	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
+	    (st.st_size == (off_t)HEAT_BYTES || (st.st_size == 0 && ftruncate(fd, (off_t)HEAT_BYTES) == 0)))
+		map = mmap(NULL, HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	NEXT(close)(fd);
+	return map == MAP_FAILED ? NULL : map;
+}
+
+// heats returns the heat table, mapped on first use.
+static struct heat *heats(void) {
+	struct heat *h = __atomic_load_n(&heat_table, __ATOMIC_ACQUIRE);
+	if (h)
+		return h;
+	int saved = errno;
+	if (!(h = heat_file())) {
+		h = mmap(NULL, HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+		if (h == MAP_FAILED)
+			h = heat_here;
+	}
+	struct heat *was = NULL;
+	if (!__atomic_compare_exchange_n(&heat_table, &was, h, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		if (h != heat_here)
+			munmap(h, HEAT_BYTES); // another thread mapped it first
+		h = was;
+	}
+	errno = saved;
+	return h;
+}
+
+// A block asked for is not asked again for this long: the server caches it meanwhile, or has
+// no room for it.
+#define ASK_AGAIN_NS (10 * 1000000000LL)
+
+// When this process last had the server check a block the tiers list but have not checked in
+// its session, by heat place: again only after ASK_AGAIN_NS (a check that did not make the
+// block servable, the server refusing it, say). Per process, unlike the heat: a new run
+// has a session of its own, whose blocks all need a check however recently another had one.
+static int64_t checked_ns[HEAT];
+
+// check_turn reports whether this thread is to have the server check the block named name
+// (len bytes) now, and stamps it if so.
+static int check_turn(const char *name, size_t len) {
+	uint64_t key, check;
+	fc_hashes(name, len, &key, &check);
+	int64_t *stamp = &checked_ns[(key * 0x9E3779B97F4A7C15ULL) >> 52], now = fc_monotonic_ns();
+	int64_t was = __atomic_load_n(stamp, __ATOMIC_RELAXED);
+	if (was != 0 && now - was < ASK_AGAIN_NS)
+		return 0;
+	return __atomic_compare_exchange_n(stamp, &was, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
+
+// heat_of returns the place of the block named name (len bytes), reset if another block had it.
+static struct heat *heat_of(const char *name, size_t len) {
+	uint64_t key, check;
+	fc_hashes(name, len, &key, &check);
+	struct heat *h = &heats()[(key * 0x9E3779B97F4A7C15ULL) >> 52];
+	uint64_t tag = check | 1;
+	if (__atomic_load_n(&h->tag, __ATOMIC_RELAXED) != tag) {
+		__atomic_store_n(&h->tag, tag, __ATOMIC_RELAXED);
+		__atomic_store_n(&h->bytes, 0, __ATOMIC_RELAXED);
+		__atomic_store_n(&h->asked_ns, 0, __ATOMIC_RELAXED);
+	}
+	return h;
+}
+
+// ask_turn reports whether this thread is to ask for the block of place h now (no ask of it
+// in the last ASK_AGAIN_NS), and stamps the place if so. A time ahead of now is from before
+// the node restarted (the heat file outlives it).
+static int ask_turn(struct heat *h) {
+	int64_t now = fc_monotonic_ns(), asked = __atomic_load_n(&h->asked_ns, __ATOMIC_RELAXED);
+	if (asked != 0 && asked <= now && now - asked < ASK_AGAIN_NS)
+		return 0;
+	return __atomic_compare_exchange_n(&h->asked_ns, &asked, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
+
+// ask_block asks the server to cache the block named name (len bytes) of the file in m. With
+// wait, it waits for the answer (the block is listed, and the server only checks it): 0 when
+// the server has it now. Without, it returns once the server acknowledged the request, and
+// the server goes on caching the block after the connection is closed.
+static int ask_block(const struct marked *m, const char *name, size_t len, int wait) {
+	int sock = shim_node_request(FC_NODE_OP_FETCH_BLOCK, m->root, name, len);
+	if (sock < 0)
+		return -1;
+	int ok = !wait;
+	uint8_t reply[12];
+	if (wait && fc_recv_all(sock, reply, sizeof reply) == 0)
+		ok = memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0;
+	NEXT(close)(sock);
+	return ok ? 0 : -1;
+}
+
+// --- Reads ----------------------------------------------------------------------------------
+
+// from_source reads n bytes at offset at of the program's descriptor of the source to the
+// cursor, and moves the cursor on by what it read: the bytes read (fewer at the end of the
+// file), or -1 with errno set.
+static ssize_t from_source(int fd, struct cursor *c, int64_t n, int64_t at) {
+	struct iovec piece[MAX_PIECES];
+	int k = pieces(c, (size_t)n, piece);
+	ssize_t got = k == 1 ? NEXT(pread64)(fd, piece[0].iov_base, piece[0].iov_len, at)
+	                     : NEXT(preadv64)(fd, piece, k, at);
+	if (got > 0)
+		skip(c, (size_t)got);
+	return got;
+}
+
+// ranged_read serves a read of cnt pieces at iov on the marked descriptor fd, at offset off
+// (positioned), or at and moving the descriptor's offset: the bytes read, -1 with errno set,
+// or NOT_RANGED to leave the call to libc (fd is not marked or no longer names its file, or
+// the read is one the kernel answers as well: nothing to read, a bad offset).
+static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, int positioned) {
+	struct marked m;
+	struct stat st;
+	if (cnt < 1 || cnt > MAX_PIECES || marked_file(fd, &m) != 0)
+		return NOT_RANGED;
+	int saved = errno;
+	size_t total = 0;
+	for (int i = 0; i < cnt; i++) {
+		if (iov[i].iov_len > (size_t)SSIZE_MAX - total)
+			return NOT_RANGED;
+		total += iov[i].iov_len;
+	}
+	if (total == 0 || fstat(fd, &st) != 0) {
+		errno = saved;
+		return NOT_RANGED;
+	}
+	if (st.st_dev != m.dev || st.st_ino != m.ino) { // the number names another file now
+		ranged_forget(fd);
+		return NOT_RANGED;
+	}
+	if ((!positioned && (off = lseek(fd, 0, SEEK_CUR)) < 0) || off < 0 || off >= st.st_size) {
+		errno = saved;
+		return NOT_RANGED;
+	}
+	sweep_kept();
+	int64_t size = st.st_size, mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+	int64_t end = (int64_t)total < size - off ? off + (int64_t)total : size, at = off;
+	int sequential = off == __atomic_load_n(&m.f->next, __ATOMIC_RELAXED);
+	int64_t served[FC_MAX_TIERS] = {0};
+	struct cursor c = {.iov = iov, .n = cnt};
+	ssize_t k = 0;
+	while (at < end) {
+		int64_t block = at / block_bytes, within = at % block_bytes;
+		int64_t n = block_bytes - within < end - at ? block_bytes - within : end - at;
+		int64_t block_len = size - block * block_bytes < block_bytes ? size - block * block_bytes : block_bytes;
+		size_t namelen = block_name(&m, block);
+		int unchecked = 0;
+		k = from_copy(m.name, namelen, block_len, mtime, within, &c, n, served, &unchecked);
+		if (k < 0 && !m.ask) // a file being cached whole: its copy, once made
+			k = from_copy(m.name, m.keylen, size, mtime, at, &c, n, served, &unchecked);
+		if (k < 0 && unchecked && check_turn(m.name, namelen) && ask_block(&m, m.name, namelen, 1) == 0)
+			k = from_copy(m.name, namelen, block_len, mtime, within, &c, n, served, &unchecked);
+		if (k < 0) {
+			k = from_source(fd, &c, n, at);
+			if (k > 0 && m.ask) {
+				struct heat *h = heat_of(m.name, namelen);
+				int64_t hot = __atomic_add_fetch(&h->bytes, k, __ATOMIC_RELAXED);
+				if ((sequential || hot * 4 >= block_bytes) && ask_turn(h))
+					ask_block(&m, m.name, namelen, 0);
+			}
+		}
+		if (k <= 0)
+			break;
+		at += k;
+		if (k < n)
+			break; // the end of the file, which moved
+	}
+	for (int i = 0; i < shim_ntiers; i++)
+		if (served[i] > 0)
+			fc_count_hit(&shim_tiers[i], served[i]);
+	if (at == off && k < 0)
+		return -1; // the source's error, errno set
+	if (!positioned)
+		lseek(fd, at, SEEK_SET);
+	__atomic_store_n(&m.f->next, at, __ATOMIC_RELAXED);
+	errno = saved;
+	return at - off;
+}
+
+// marked reports whether fd may read through blocks: a byte test, the whole cost of the
+// wrappers below for every other descriptor.
+static inline int marked(int fd) {
+	return (unsigned)fd < RANGED_FDS && __atomic_load_n(&file_of[fd], __ATOMIC_RELAXED) != 0;
+}
+
+EXPORT ssize_t read(int fd, void *buf, size_t n) {
+	if (marked(fd)) {
+		struct iovec v = {buf, n};
+		ssize_t r = ranged_read(fd, &v, 1, 0, 0);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(read)(fd, buf, n);
+}
+
+EXPORT ssize_t pread(int fd, void *buf, size_t n, off_t off) {
+	if (marked(fd)) {
+		struct iovec v = {buf, n};
+		ssize_t r = ranged_read(fd, &v, 1, off, 1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(pread)(fd, buf, n, off);
+}
+
+EXPORT ssize_t pread64(int fd, void *buf, size_t n, off64_t off) {
+	if (marked(fd)) {
+		struct iovec v = {buf, n};
+		ssize_t r = ranged_read(fd, &v, 1, off, 1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(pread64)(fd, buf, n, off);
+}
+
+EXPORT ssize_t readv(int fd, const struct iovec *iov, int cnt) {
+	if (marked(fd)) {
+		ssize_t r = ranged_read(fd, iov, cnt, 0, 0);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(readv)(fd, iov, cnt);
+}
+
+EXPORT ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
+	if (marked(fd)) {
+		ssize_t r = ranged_read(fd, iov, cnt, off, 1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(preadv)(fd, iov, cnt, off);
+}
+
+EXPORT ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off64_t off) {
+	if (marked(fd)) {
+		ssize_t r = ranged_read(fd, iov, cnt, off, 1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(preadv64)(fd, iov, cnt, off);
+}
+
+// preadv2 with flags (RWF_NOWAIT, RWF_HIPRI...) is the kernel's; an offset of -1 reads at
+// the file offset, as readv.
+EXPORT ssize_t preadv2(int fd, const struct iovec *iov, int cnt, off_t off, int flags) {
+	if (marked(fd) && flags == 0 && off >= -1) {
+		ssize_t r = ranged_read(fd, iov, cnt, off, off != -1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(preadv2)(fd, iov, cnt, off, flags);
+}
+
+EXPORT ssize_t preadv64v2(int fd, const struct iovec *iov, int cnt, off64_t off, int flags) {
+	if (marked(fd) && flags == 0 && off >= -1) {
+		ssize_t r = ranged_read(fd, iov, cnt, off, off != -1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(preadv64v2)(fd, iov, cnt, off, flags);
+}
+
+// The fortified forms (-D_FORTIFY_SOURCE): a read larger than the buffer is libc's to stop.
+EXPORT ssize_t __read_chk(int fd, void *buf, size_t n, size_t buflen) {
+	if (marked(fd) && n <= buflen) {
+		struct iovec v = {buf, n};
+		ssize_t r = ranged_read(fd, &v, 1, 0, 0);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(__read_chk)(fd, buf, n, buflen);
+}
+
+EXPORT ssize_t __pread_chk(int fd, void *buf, size_t n, off_t off, size_t buflen) {
+	if (marked(fd) && n <= buflen) {
+		struct iovec v = {buf, n};
+		ssize_t r = ranged_read(fd, &v, 1, off, 1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(__pread_chk)(fd, buf, n, off, buflen);
+}
+
+EXPORT ssize_t __pread64_chk(int fd, void *buf, size_t n, off64_t off, size_t buflen) {
+	if (marked(fd) && n <= buflen) {
+		struct iovec v = {buf, n};
+		ssize_t r = ranged_read(fd, &v, 1, off, 1);
+		if (r != NOT_RANGED)
+			return r;
+	}
+	return NEXT(__pread64_chk)(fd, buf, n, off, buflen);
+}

@@ -1,0 +1,55 @@
+/*
+ * shim.h -- what the two parts of the preload shim share: fitcache_preload.c (opens, and the
+ * calls that change what a path names) and ranges.c (reads of large files through cached
+ * blocks). Nothing here is exported from the library (it is built -fvisibility=hidden).
+ */
+#ifndef FITCACHE_SHIM_H
+#define FITCACHE_SHIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+
+#include "../capi/fclookup.h"
+
+// A dataset root. Paths are keyed by their resolved form (real): the cache shares one copy
+// whatever name a program uses, and paths made from the working directory or a directory
+// descriptor (which the kernel gives resolved) match too.
+struct root {
+	const char *name, *real; // name: as the user gave it; equal to real when it has no link
+	size_t namelen, reallen;
+};
+
+// The tier directories of the local server (in cluster mode, of the job's servers on this
+// node), fastest first.
+extern struct fc_tier shim_tiers[FC_MAX_TIERS];
+extern int shim_ntiers;
+
+// shim_resolve returns the next definition of name after this library, found on first use
+// and kept in *slot. A program may call a wrapped function before this library's constructor
+// ran (from another library's constructor), so each wrapper resolves what it calls.
+void *shim_resolve(void **slot, const char *name);
+#define NEXT(fn) ((__typeof__(libc_##fn))shim_resolve((void **)&libc_##fn, #fn))
+
+// shim_node_request sends one request of operation op for the dataset path key (len bytes)
+// under root r to the local server's node socket and waits for its acknowledgement: the
+// connection, for the reply, or -1 (no server, or one that did not answer in time: it is then
+// skipped a while).
+int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len);
+
+// ranged_configure reads the size of the server's blocks (FITCACHE_PRELOAD_BLOCK_BYTES, may
+// be NULL: no descriptor is then read through blocks) and the path of the file the heat of
+// blocks is shared in (FITCACHE_PRELOAD_HEAT, may be NULL).
+void ranged_configure(const char *block_bytes, const char *heat);
+
+// ranged_open has the reads of fd, a descriptor of the source of the large dataset file key
+// (len bytes) under root r whose fstat is st, served from cached blocks (see ranges.c); with
+// ask, blocks the program reads from the source are asked of the server. A file under
+// FC_RANGED_MIN bytes, or one past the descriptors the shim tracks, is left to the kernel.
+void ranged_open(int fd, int ask, const struct root *r, const char *key, size_t len, const struct stat *st);
+
+// ranged_forget stops serving fd through blocks, if it was: it is being closed, or it is a
+// new descriptor whose number a closed one had.
+void ranged_forget(int fd);
+
+#endif /* FITCACHE_SHIM_H */
