@@ -120,6 +120,40 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 	return res, err
 }
 
+// prefetchBlock brings block n of the file at path (inside root) into a tier for prefetch:
+// a cached block is checked against its source in the current session (and filled anew if
+// it changed), a block not cached is read from the source as by ReadBlock, but published
+// only where there is room without eviction (unless a reader misses it meanwhile). It
+// returns the bytes it read from the source: 0 for a block cached already, or being filled
+// by another flight. A block no tier takes fails with ErrCacheFull or ErrTooLarge.
+func (e *Engine) prefetchBlock(root, path string, n int64) (int64, error) {
+	name := tiers.BlockName(path, e.blockBytes, n)
+	if err := e.validateEntry(root, path, name, n); err != nil {
+		return 0, err
+	}
+	if _, ok := e.cachedSize(name); ok {
+		return 0, nil
+	}
+	f, leader := e.join(name)
+	if !leader {
+		return 0, nil
+	}
+	f.noEvict.Store(true)
+	if !e.startFill() {
+		f.err = ErrClosed
+		e.finish(name, f)
+		return 0, ErrClosed
+	}
+	defer e.fills.Done()
+	e.blockSlots <- struct{}{}
+	defer func() { <-e.blockSlots }()
+	e.fillBlock(f, root, path, n)
+	if f.err != nil || !f.inTier {
+		return 0, f.err
+	}
+	return e.blockLen(f.size, n), nil
+}
+
 // fillBlock reads block n of the source into a tier for its flight (see fill, which does
 // the same for whole files). The source is opened for the block alone: a block is read
 // once, so a file is opened at most once per block it has.
@@ -131,13 +165,21 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 		f.inTier = true
 		return
 	}
-	if e.fullFor(root) {
+	// Room for the block, before the source is opened: a block the tiers have no room for
+	// costs no open (a reader asks for every block it reads in sequence). Its length is a
+	// whole block's unless the file's size is known from this session (the last block).
+	session := e.sessions.current() // before the open: see fill
+	length := e.blockBytes
+	if id, ok := e.blockFiles.known(session, path); ok {
+		length = e.blockLen(id.Size, n)
+	}
+	need := tiers.EntrySize(name, length)
+	if !slices.ContainsFunc(e.tiers, func(t *tiers.Tier) bool { return t.RoomFor(root, need) }) {
 		f.err = fmt.Errorf("%w: block %d of %s", ErrCacheFull, n, path)
 		e.stats.misses.Add(1)
 		e.stats.uncached.Add(1)
 		return
 	}
-	session := e.sessions.current() // before the open: see fill
 	src, err := e.openSource(root, path)
 	if err != nil {
 		f.err = err
@@ -174,13 +216,6 @@ func (e *Engine) HoldsBlock(path string, n int64) bool {
 
 // CountSent counts n bytes of a block sent in a ranged reply (see rpc's Handler.Read).
 func (e *Engine) CountSent(n int64) { e.stats.bytesServed.Add(n) }
-
-// blockIdentity is the identity a copy of block n records for a source version of identity
-// id: the same times and inode, and the block's length for the size (see fillBlock).
-func (e *Engine) blockIdentity(id tiers.Identity, n int64) tiers.Identity {
-	id.Size = e.blockLen(id.Size, n)
-	return id
-}
 
 // forgetFlights marks the flights of path and of its blocks forgotten (see Engine.Forget);
 // e.mu is held.

@@ -203,3 +203,53 @@ func TestBlocksOfAnotherSizeAreRemovedAtStart(t *testing.T) {
 		t.Fatalf("block 1 of 2 MiB blocks: %d bytes, want the file's last 1 MiB", len(got))
 	}
 }
+
+// Prefetch caches a large file that no tier takes whole by its blocks: all of them where
+// the tiers have room (here two tiers of 6 MiB for a file of 10 MiB), and up to the budget,
+// without evicting, where they have not; each block is read from the source once.
+func TestPrefetchCachesALargeFileNoTierTakesByBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		budgets []string
+		state   string
+	}{
+		{[]string{"6MiB", "6MiB"}, PrefetchDone},
+		{[]string{"6MiB"}, PrefetchBudget},
+	} {
+		root, paths := dataset(t, 10<<20+123)
+		path := paths[0]
+		e, err := NewEngine(EngineConfig{Tiers: testTiers(t, tc.budgets...), BlockBytes: 1 << 20,
+			Prefetch: PrefetchConfig{Reads: 4}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.Close() })
+		if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil {
+			t.Fatal(err)
+		}
+		info := waitPrefetch(t, e, root, "a")
+		cached := 0
+		for n := range int64(11) {
+			if e.HoldsBlock(path, n) {
+				cached++
+			}
+		}
+		s := e.Stats()
+		if info.State != tc.state || info.Failed != 0 || s.Evictions != 0 || s.SourceReads != int64(cached) {
+			t.Errorf("tiers %v: job %+v, %d evictions, %d source reads; want %s, none failed or evicted, "+
+				"a read per cached block (%d)", tc.budgets, info, s.Evictions, s.SourceReads, tc.state, cached)
+		}
+		if want := map[string]int{PrefetchDone: 11, PrefetchBudget: 4}[tc.state]; cached < want {
+			t.Errorf("tiers %v: %d blocks cached, want at least %d", tc.budgets, cached, want)
+		}
+		for n := range int64(11) {
+			if !e.HoldsBlock(path, n) {
+				continue
+			}
+			origin, got := readBlock(t, e, root, path, n)
+			wantBlock(t, path, n, got)
+			if origin != "memory" && origin != "disk" {
+				t.Errorf("block %d after prefetch: origin %q, want a tier", n, origin)
+			}
+		}
+	}
+}

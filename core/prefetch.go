@@ -1,6 +1,7 @@
 package core
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -745,6 +747,10 @@ func (p *prefetcher) fetch(root, path string) outcome {
 		out.kind, out.err = fetchFailed, f.err
 		if errors.Is(f.err, ErrTooLarge) && p.fitsSomeTier(path) {
 			out.kind = noRoom // no room without eviction (ErrCacheFull wraps ErrTooLarge)
+		} else if errors.Is(f.err, ErrTooLarge) && f.size >= ReadNowBytes && e.nodeFetch == nil {
+			// Not in cluster mode, where each block belongs to the server that owns its
+			// name on the ring: blocks of large files are cached there as they are read.
+			return p.fetchBlocks(root, path, f.size, out)
 		}
 		return out
 	}
@@ -756,6 +762,59 @@ func (p *prefetcher) fetch(root, path string) outcome {
 	}
 	return out
 }
+
+// fetchBlocks brings the blocks of a large file that no tier takes whole into the tiers
+// (Engine.prefetchBlock), from its first block on and blockPrefetchWidth at a time: the
+// readers of its ranges, and programs under `fitcache run`, then find them cached. As for
+// whole files, nothing is evicted for them, and the job stops at the budget: at the first
+// block no tier has room for. out is the file's outcome so far (its reserved room).
+func (p *prefetcher) fetchBlocks(root, path string, size int64, out outcome) outcome {
+	e := p.e
+	blocks := (size + e.blockBytes - 1) / e.blockBytes
+	var (
+		next, fetched atomic.Int64
+		stop          atomic.Bool
+		mu            sync.Mutex
+		firstErr      error
+		wg            sync.WaitGroup
+	)
+	for range min(blockPrefetchWidth, blocks) {
+		wg.Go(func() {
+			for !stop.Load() {
+				n := next.Add(1) - 1
+				if n >= blocks {
+					return
+				}
+				got, err := e.prefetchBlock(root, path, n)
+				fetched.Add(got)
+				if err != nil {
+					stop.Store(true)
+					mu.Lock()
+					firstErr = cmp.Or(firstErr, err)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	out.bytes, out.err = fetched.Load(), firstErr
+	switch {
+	case firstErr == nil:
+		out.kind = fetchedFile
+	case errors.Is(firstErr, ErrClosed):
+		out.kind = stopped
+	case errors.Is(firstErr, ErrTooLarge): // ErrCacheFull too: no room without eviction
+		out.kind, out.err = noRoom, nil
+	default:
+		out.kind = fetchFailed
+	}
+	return out
+}
+
+// blockPrefetchWidth is how many blocks of one large file prefetch reads at once: a single
+// read of a parallel file system is slow, several in parallel are not (the engine bounds
+// block fills to blockFillsMax in all).
+const blockPrefetchWidth = 4
 
 // fetchForNode brings one file of a node's readers' list into a tier of this node through the
 // engine's NodeFetch (see PrefetchRequest.ForNode). A file no tier of the node takes is

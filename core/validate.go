@@ -114,7 +114,16 @@ func (e *Engine) check(root, path, name string, block int64) error {
 		return err
 	}
 	if block >= 0 {
-		id = e.blockIdentity(id, block)
+		// The file's other blocks are checked against the same look (a reader then asks
+		// once per file): any of them found stale drops them all, as the one asked for would.
+		for _, t := range e.tiers {
+			if t.ValidateBlocks(path, id, session) {
+				e.stats.staleCopies.Add(1)
+				e.forgetCopies(t, path, name, block)
+				e.log.Info("dropped the cached blocks of a file whose source changed", "path", path, "tier", t.Kind.String())
+			}
+		}
+		return nil
 	}
 	for _, t := range e.tiers {
 		if listed, checked := t.Checked(name, session); listed && !checked && !t.Validate(name, id, session) {

@@ -14,23 +14,25 @@ type record struct {
 	source Identity
 	// blockOf is the cleaned source path of the file whose block this entry holds (see
 	// BlockName), "" for a whole file: ForgetBlocks finds a file's blocks by it; blockBytes
-	// is the size of the blocks it was cut in.
+	// is the size of the blocks it was cut in, block its number.
 	blockOf    string
 	blockBytes int64
+	block      int64
 }
 
-// blockOf returns the file whose block an entry named sourcePath holds, or "".
-func blockOf(sourcePath string) string {
-	if path, _, _, ok := SplitBlockName(sourcePath); ok {
-		return path
+// isBlockName reports whether name is a block's (see BlockName).
+func isBlockName(name string) bool {
+	_, _, _, ok := SplitBlockName(name)
+	return ok
+}
+
+// setBlock fills in the block fields of r for an entry named sourcePath (none for a whole
+// file's) and returns r.
+func (r *record) setBlock(sourcePath string) *record {
+	if path, bb, n, ok := SplitBlockName(sourcePath); ok {
+		r.blockOf, r.blockBytes, r.block = path, bb, n
 	}
-	return ""
-}
-
-// blockBytesOf returns the block size in a block's name, or 0.
-func blockBytesOf(sourcePath string) int64 {
-	_, bb, _, _ := SplitBlockName(sourcePath)
-	return bb
+	return r
 }
 
 // fifo holds a tier's entries in publication order, one list per group (dataset root), so

@@ -171,7 +171,7 @@ func checkEntry(binfd int, rel, name string, st *unix.Stat_t, verify bool) (stor
 	switch {
 	case RelPath(rec.SourcePath) != rel:
 		return stored{}, fmt.Errorf("%w: holds %s, which belongs elsewhere", errDamaged, rec.SourcePath)
-	case strings.IndexByte(rec.SourcePath, 0) >= 0 && blockOf(rec.SourcePath) == "":
+	case strings.IndexByte(rec.SourcePath, 0) >= 0 && !isBlockName(rec.SourcePath):
 		return stored{}, fmt.Errorf("%w: %q is neither a path nor a block's name", errDamaged, rec.SourcePath)
 	case rec.ino != st.Ino:
 		return stored{}, fmt.Errorf("%w: the record describes another file (an older copy?)", errDamaged)

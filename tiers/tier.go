@@ -422,6 +422,37 @@ func (t *Tier) Validate(sourcePath string, current Identity, session uint32) boo
 	return true
 }
 
+// ValidateBlocks is Validate for every block of the file at sourcePath the tier holds, with
+// current the identity of the whole file now: a block that copies that version is marked
+// checked in session, one that does not is removed. It returns whether one was removed.
+// The blocks of a file are so checked at once, against one look at the file, and a reader
+// asks for the check of one block per file and session, not of each.
+func (t *Tier) ValidateBlocks(sourcePath string, current Identity, session uint32) (removed bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.shut {
+		return false
+	}
+	for _, id := range t.fifo.blocksOf(filepath.Clean(sourcePath)) {
+		rec := t.fifo.byID[id].Value.(*record)
+		want := current
+		want.Size = max(0, min(rec.blockBytes, current.Size-rec.block*rec.blockBytes))
+		if rec.source.matches(want) {
+			t.ix.mark(id, session)
+			continue
+		}
+		t.fifo.remove(id)
+		t.ix.remove(id)
+		t.used -= rec.size
+		t.unlink(rec.rel, rec.ino)
+		removed = true
+	}
+	if removed {
+		t.removed()
+	}
+	return removed
+}
+
 // FullFor reports whether the tier has no room for another file of group: less than two
 // blocks are free and every file it holds is of group, which MakeRoom never evicts for it. A
 // tier whose room is all taken by files being written is not full: they may fail.
@@ -433,6 +464,19 @@ func (t *Tier) FullFor(group string) bool {
 	}
 	_, ours := t.fifo.groups[group]
 	return ours && len(t.fifo.groups) == 1 // nothing of another group to evict
+}
+
+// RoomFor reports whether the tier could take n more bytes of a file of group: they fit in
+// its budget, or it holds files of another group, which MakeRoom may evict for them.
+// FullFor is the same for a file of a page or two.
+func (t *Tier) RoomFor(group string, n int64) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.used+n <= t.budget {
+		return true
+	}
+	_, ours := t.fifo.groups[group]
+	return len(t.fifo.groups) > 1 || (len(t.fifo.groups) == 1 && !ours)
 }
 
 // Listed reports whether the tier's index lists sourcePath (a reader opening it will find
@@ -665,8 +709,8 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 	if old, ok := t.fifo.remove(id); ok { // replaced an older copy of the same file
 		t.used -= old.size
 	}
-	t.fifo.push(&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino, source: e.Identity(),
-		blockOf: blockOf(e.SourcePath), blockBytes: blockBytesOf(e.SourcePath)})
+	t.fifo.push((&record{rel: rel, id: id, size: n, seq: s.seq, group: e.Group, ino: s.ino,
+		source: e.Identity()}).setBlock(e.SourcePath))
 	t.index(s, id)
 	return nil
 }
@@ -809,8 +853,8 @@ func (t *Tier) rescan() error {
 	t.mu.Lock()
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
-		t.fifo.push(&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
-			source: f.Identity(), blockOf: blockOf(f.SourcePath), blockBytes: blockBytesOf(f.SourcePath)})
+		t.fifo.push((&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
+			source: f.Identity()}).setBlock(f.SourcePath))
 		t.used += f.size
 		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)

@@ -133,3 +133,47 @@ func TestRescanKeepsIdentityAndForgetsChecks(t *testing.T) {
 		t.Error("the identity recorded at publication does not match itself")
 	}
 }
+
+// The blocks of a file are checked at once against the file's identity: each block that
+// copies that version (its own length, the file's times and inode) is marked, and once the
+// file changed they are all removed, the whole file's copy left to its own check.
+func TestValidateBlocksChecksAFilesBlocksAtOnce(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	file := Identity{Size: 10, MTimeNanos: 10, CTimeNanos: 11, Ino: 12}
+	for n, data := range []string{"abcd", "efgh", "ij"} { // blocks of 4 bytes
+		e := Entry{SourcePath: BlockName("/data/f", 4, int64(n)), Size: int64(len(data)), MTimeNanos: 10,
+			SourceCTimeNanos: 11, SourceIno: 12, Session: 1, Group: "/data"}
+		if err := tier.Publish(e, []byte(data)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	whole := Entry{SourcePath: "/data/f", Size: 10, MTimeNanos: 10, SourceCTimeNanos: 11, SourceIno: 12, Session: 1,
+		Group: "/data"}
+	if err := tier.Publish(whole, []byte("abcdefghij")); err != nil {
+		t.Fatal(err)
+	}
+	if tier.ValidateBlocks("/data/f", file, 2) {
+		t.Fatal("blocks of the version the file is removed")
+	}
+	for n := range int64(3) {
+		if listed, checked := tier.Checked(BlockName("/data/f", 4, n), 2); !listed || !checked {
+			t.Errorf("block %d: listed %v, checked %v; want both", n, listed, checked)
+		}
+	}
+	if _, checked := tier.Checked("/data/f", 2); checked {
+		t.Error("the whole file's copy was marked with its blocks")
+	}
+	changed := file
+	changed.MTimeNanos++
+	if !tier.ValidateBlocks("/data/f", changed, 3) {
+		t.Fatal("blocks of a changed file kept")
+	}
+	for n := range int64(3) {
+		if tier.Listed(BlockName("/data/f", 4, n)) {
+			t.Errorf("block %d of the changed file kept", n)
+		}
+	}
+	if !tier.Listed("/data/f") {
+		t.Error("the whole file's copy removed with its blocks")
+	}
+}
