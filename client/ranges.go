@@ -54,9 +54,6 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 		return k, err
 	}
 	plan := c.blockPlan()
-	if plan == nil {
-		return c.readAtWhole(path, p, off)
-	}
 	src, err := c.source(path)
 	if errors.Is(err, errNotLarge) {
 		return c.readAtWhole(path, p, off)
@@ -65,6 +62,22 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 		return 0, err
 	}
 	defer c.ranges.give(src)
+	if plan == nil {
+		// No server with blocks (it does not answer, or has none): the range of a large
+		// file is read from the source alone, never through a whole copy of the file. A
+		// lost embedded server is reached again once its back-off ends, as a whole-file
+		// read would (a reader of ranges alone makes no other request).
+		if conn, down := c.current(); conn == nil && !down && c.cluster == nil && c.node == nil {
+			go c.ensureConn(nil, 0) // starts an attempt, or joins the one under way
+		}
+		if off >= src.size {
+			return 0, nil
+		}
+		k, err := readFull(src.f, p[:min(int64(len(p)), src.size-off)], off)
+		c.counts.sourceRanges.Add(1)
+		c.counts.sourceRangeBytes.Add(int64(k))
+		return k, err
+	}
 	done := 0
 	for done < len(p) && off+int64(done) < src.size {
 		at := off + int64(done)
@@ -86,7 +99,7 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 // NUL byte and digits, a source's none).
 const wholeSuffix = "\x00whole"
 
-// readAtWhole is ReadAt through the whole file (a small file, or no server with blocks).
+// readAtWhole is ReadAt through the whole file (a small file: see core.ReadNowBytes).
 func (c *Client) readAtWhole(path string, p []byte, off int64) (int, error) {
 	buf, err := c.read(path)
 	if err != nil {

@@ -100,6 +100,35 @@ func TestRangesOfAFileLargerThanTheTierAreCachedByBlocks(t *testing.T) {
 	}
 }
 
+// While the server is unavailable, a range of a large file is read from the source alone:
+// the bytes asked for, through one open of the source, never the whole file.
+func TestRangesWhileTheServerIsDownReadTheSourceAlone(t *testing.T) {
+	cfg, _ := startServerWithBudget(t, "64MiB")
+	root := t.TempDir()
+	data, rng := randomBytes(20<<20+5, 2)
+	writeFile(t, root, "big.bin", data)
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.MarkUnavailable()
+	var want int64
+	for range 10 {
+		off := rng.Int64N(int64(len(data)) - 1000)
+		p := make([]byte, 1000)
+		if n, err := c.ReadAt("big.bin", p, off); err != nil || n != 1000 || !bytes.Equal(p, data[off:off+1000]) {
+			t.Fatalf("ReadAt(1000 bytes at %d) = %d, %v; want the file's bytes", off, n, err)
+		}
+		want += 1000
+	}
+	s := statsOf(t, c)
+	if s.Client.SourceOpens != 1 || s.Client.SourceRanges != 10 || s.Client.SourceRangeBytes != want ||
+		s.Client.DirectReads != 0 {
+		t.Errorf("client %+v: want one source open, 10 ranges of %d bytes in all, no whole file read", s.Client, want)
+	}
+}
+
 // A new job over blocks an earlier job cached reads them, not the source: a block its tiers
 // list unchecked for its session is asked for at once, and the server checks it (one look
 // at the file). A copy the server removes is let go by the client's kept mappings.
