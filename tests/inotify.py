@@ -1,7 +1,12 @@
 """Counts opens of the files under a directory with Linux inotify, from outside FitCache.
 
 The tests use it to check that the source (the slow file system) is read exactly as often as
-FitCache promises, without trusting FitCache's own counters."""
+FitCache promises, without trusting FitCache's own counters.
+
+The kernel merges an event with the last one queued when they are the same and that one is
+not read yet, so that opens of one file in a row would count as one. Close events are watched
+too (and not counted) to come between them: two opens of one file count as one only when the
+second comes while the first is open and nothing else happened to the directory between."""
 
 import collections
 import ctypes
@@ -11,6 +16,9 @@ import select
 import struct
 
 IN_OPEN = 0x00000020
+IN_CLOSE_WRITE = 0x00000008
+IN_CLOSE_NOWRITE = 0x00000010
+IN_Q_OVERFLOW = 0x00004000
 IN_ISDIR = 0x40000000
 IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
@@ -32,7 +40,8 @@ class OpenCounter:
             raise OSError(ctypes.get_errno(), "inotify_init1")
         self._dirs = {}
         for dirpath, _, _ in os.walk(root):
-            wd = _libc.inotify_add_watch(self._fd, os.fsencode(dirpath), IN_OPEN)
+            wd = _libc.inotify_add_watch(self._fd, os.fsencode(dirpath),
+                                             IN_OPEN | IN_CLOSE_WRITE | IN_CLOSE_NOWRITE)
             if wd < 0:
                 raise OSError(ctypes.get_errno(), "inotify_add_watch", dirpath)
             self._dirs[wd] = dirpath
@@ -49,6 +58,9 @@ class OpenCounter:
                 wd, mask, _, length = _EVENT.unpack_from(buf, off)
                 name = buf[off + _EVENT.size: off + _EVENT.size + length].rstrip(b"\0")
                 off += _EVENT.size + length
+                if mask & IN_Q_OVERFLOW:  # a count that misses opens would pass for a good one
+                    raise RuntimeError("inotify dropped events: call counts() more often (the queue holds "
+                                       "/proc/sys/fs/inotify/max_queued_events)")
                 if mask & IN_OPEN and not mask & IN_ISDIR and name:
                     rel = os.path.relpath(os.path.join(self._dirs[wd], os.fsdecode(name)), self.root)
                     self._counts[rel] += 1
