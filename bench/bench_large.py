@@ -13,6 +13,11 @@ Configurations, in each of --repeats rounds (medians reported):
                   the first open
   fitcache-warm   the same cache once the file's copy is published: the next open
 
+With --tier-bytes smaller than the file, no tier takes it whole: the program gets its source,
+and the shim serves its reads from the blocks the server caches (preload/ranges.c). Each run
+of the program is then a pass over the same ranges, --passes of them (fitcache-cold, then
+fitcache-warm, fitcache-pass3...), each once the server's block fills settled.
+
 With --servers N (N >= 2), the same in cluster mode instead: N servers on loopback addresses
 127.0.0.1..N (`fitcache serve --servers ...`, memory tiers of --size + 1 GiB), the program on
 the first one's node under `fitcache run` with the job's servers (FITCACHE_SERVERS), a new
@@ -184,9 +189,31 @@ def run_reader(cmd_prefix, path, args, env=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def published(fc, env, files=1):
+def server_stats(fc, env):
     out = subprocess.run([fc, "stats", "--json"], env=env, capture_output=True, text=True, timeout=30)
-    return out.returncode == 0 and json.loads(out.stdout)["published"] >= files
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def published(fc, env, files=1):
+    stats = server_stats(fc, env)
+    return stats is not None and stats["published"] >= files
+
+
+def settle(fc, env, timeout=300):
+    """Waits until the server published nothing new for a second (its block fills ended)."""
+    last, deadline = -1, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = server_stats(fc, env)
+        now = stats["published"] if stats else -1
+        if now == last:
+            return stats
+        last = now
+        time.sleep(1)
+    sys.exit(f"block fills did not settle in {timeout} s")
+
+
+def pass_name(i):
+    return ["fitcache-cold", "fitcache-warm"][i] if i < 2 else f"fitcache-pass{i + 1}"
 
 
 def fitcache_round(path, args, work):
@@ -194,24 +221,31 @@ def fitcache_round(path, args, work):
     fc = fitcache._native.server_binary()
     tier = Path(tempfile.mkdtemp(prefix="fitcache-bench-large-", dir=args.tier_parent))
     runtime = Path(tempfile.mkdtemp(prefix="run-", dir=work))
-    budget = (args.size >> 20) + 1024
-    env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime), "FITCACHE_TIERS": f"memory:{tier}:{budget}MiB"}
+    budget = args.tier_bytes or f"{(args.size >> 20) + 1024}MiB"
+    env = {**os.environ, "FITCACHE_RUNTIME_DIR": str(runtime), "FITCACHE_TIERS": f"memory:{tier}:{budget}"}
+    if args.block_size:
+        env["FITCACHE_BLOCK_SIZE"] = args.block_size
     data = path if path.is_dir() else path.parent
     files = len(list(path.iterdir())) if path.is_dir() else 1
     prefix = [fc, "run", "--data", str(data), "--prefetch", "0", "--"]
     rows = {}
     try:
         with OpenCounter(str(data)) as opens:
-            rows["fitcache-cold"] = run_reader(prefix, path, args, env)
-            rows["fitcache-cold"]["source_opens"] = sum(opens.counts().values())
-            deadline = time.monotonic() + 300
-            while not published(fc, env, files):
-                if time.monotonic() > deadline:
-                    sys.exit("the copy was not published in 300 s")
-                time.sleep(0.1)
-            seen = sum(opens.counts().values())
-            rows["fitcache-warm"] = run_reader(prefix, path, args, env)
-            rows["fitcache-warm"]["source_opens"] = sum(opens.counts().values()) - seen
+            seen = 0
+            for i in range(args.passes):
+                if i > 0 and args.tier_bytes:
+                    settle(fc, env)
+                elif i > 0:
+                    deadline = time.monotonic() + 300
+                    while not published(fc, env, files):
+                        if time.monotonic() > deadline:
+                            sys.exit("the copy was not published in 300 s")
+                        time.sleep(0.1)
+                row = rows[pass_name(i)] = run_reader(prefix, path, args, env)
+                row["source_opens"] = sum(opens.counts().values()) - seen
+                seen += row["source_opens"]
+                stats = server_stats(fc, env) or {}
+                row["server"] = {k: stats.get(k) for k in ("published", "bytes_served", "source_reads", "uncached")}
     finally:
         subprocess.run([fc, "stop"], env=env, capture_output=True, timeout=60)
         shutil.rmtree(tier, ignore_errors=True)
@@ -265,6 +299,9 @@ def main():
     ap.add_argument("--tier-parent", default="/dev/shm",
                     help="where the memory tier is made (a tmpfs; for example one mounted with huge=within_size)")
     ap.add_argument("--servers", type=int, default=0, help="cluster mode with this many servers (see above)")
+    ap.add_argument("--tier-bytes", help="the memory tier's size (default: the file's and 1 GiB)")
+    ap.add_argument("--block-size", help="the server's block_size (default: its own)")
+    ap.add_argument("--passes", type=int, default=2, help="runs of the program on one cache (see above)")
     ap.add_argument("--workload", choices=sorted(READERS), default="ranges",
                     help="ranges: os.pread of one file; h5py: slices of an HDF5 dataset; shards: tar "
                          "shards read in order, as WebDataset reads them")
@@ -287,7 +324,7 @@ def main():
             row.update(cluster_round(path, args, work) if args.servers >= 2 else fitcache_round(path, args, work))
             rounds.append(row)
             print(json.dumps(row), flush=True)
-    configs = ["plain", "fitcache-cold", "fitcache-warm"]
+    configs = ["plain"] + [pass_name(i) for i in range(args.passes if args.servers < 2 else 2)]
     med = {c: {k: statistics.median(r[c][k] for r in rounds) for k in ("open_s", "ranges_s")} for c in configs}
     for c in configs[1:]:
         med[c]["source_opens"] = [r[c]["source_opens"] for r in rounds]
