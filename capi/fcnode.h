@@ -23,6 +23,7 @@
 #define FC_NODE_OP_OPEN 2
 #define FC_NODE_OP_FORGET 3
 #define FC_NODE_OP_FETCH_BLOCK 4 /* the path is a block's name (tiers.BlockName) */
+#define FC_NODE_OP_CACHE_BLOCK 5 /* as FETCH_BLOCK, answered with neither ack nor reply */
 #define FC_NODE_MAX_MESSAGE 1000
 
 /* How long a client waits to connect, to send a request and for its ack (nodesock.ProbeTimeout):

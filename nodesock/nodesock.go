@@ -4,7 +4,7 @@
 // Go), and the preload shim of the transparent mode (preload/), which must not run Go at
 // all.
 //
-// Four operations, one request and one reply at a time per connection:
+// Five operations, one request and one reply at a time per connection (none for the last):
 //
 //   - OpFetch asks the server to bring one file into its tiers; the caller then finds it
 //     there itself, through the tiers' index (capi/fclookup.c), so the file's bytes never
@@ -19,6 +19,11 @@
 //     request's path is the block's name (tiers.BlockName: the file's path, a NUL byte, the
 //     block size and the block's number). A process forked after it loaded libfitcache
 //     asks it for the blocks its ranges miss (capi/hitpath.c, hit_pread).
+//   - OpCacheBlock asks for a block to be cached, and nothing more: the server sends neither
+//     ack nor reply, and caches the block in the background (askWorkers at a time, up to
+//     askQueue waiting; more are dropped: the asker asks again later). The preload shim
+//     sends it for the blocks a program reads from the source (preload/ranges.c): it must
+//     not wait for them, nor hold a connection of the server while they are cached.
 //
 // Wire format (integers little-endian):
 //
@@ -79,6 +84,14 @@ const (
 	OpOpen       = 2
 	OpForget     = 3
 	OpFetchBlock = 4
+	OpCacheBlock = 5
+)
+
+// The background caching of OpCacheBlock: askWorkers blocks at a time (the engine bounds its
+// block fills in all), up to askQueue asks waiting.
+const (
+	askWorkers = 4
+	askQueue   = 1024
 )
 
 // maxPath bounds the root and the path of a request (PATH_MAX).
@@ -113,7 +126,7 @@ type Config struct {
 	Fetch  Fetcher
 	Open   Opener
 	Forget Forgetter
-	// FetchBlock serves OpFetchBlock: path is a block's name (tiers.BlockName).
+	// FetchBlock serves OpFetchBlock and OpCacheBlock: path is a block's name (tiers.BlockName).
 	FetchBlock Fetcher
 	Errno      func(error) syscall.Errno // maps Fetch's errors to errno values
 	Timeout    time.Duration             // bound on one fetch; 0 means 60 s
@@ -125,10 +138,14 @@ type Server struct {
 	ln    *net.UnixListener
 	cfg   Config
 	slots chan struct{} // one token per connection being served
+	asks  chan blockAsk // OpCacheBlock requests waiting for a worker
 	wg    sync.WaitGroup
 	ctx   context.Context
 	stop  context.CancelFunc
 }
+
+// blockAsk is an OpCacheBlock request.
+type blockAsk struct{ root, name string }
 
 // Listen creates the socket at path (replacing a stale one), readable and writable by this
 // user only, and serves it until Close.
@@ -148,11 +165,33 @@ func Listen(path string, cfg Config) (*Server, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{ln: ln, cfg: cfg, slots: make(chan struct{}, maxConns)}
+	s := &Server{ln: ln, cfg: cfg, slots: make(chan struct{}, maxConns), asks: make(chan blockAsk, askQueue)}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.accept()
+	if cfg.FetchBlock != nil {
+		for range askWorkers {
+			s.wg.Go(s.cacheBlocks)
+		}
+	}
 	return s, nil
+}
+
+// cacheBlocks caches the blocks of OpCacheBlock requests until the server closes. Their
+// failures reach nobody: a block no tier takes is read from the source by its reader.
+func (s *Server) cacheBlocks() {
+	for {
+		select {
+		case <-s.ctx.Done():
+			return
+		case a := <-s.asks:
+			ctx, cancel := context.WithTimeout(s.ctx, s.cfg.Timeout)
+			if err := s.cfg.FetchBlock(ctx, a.root, a.name); err != nil {
+				s.cfg.Log.Debug("node socket: a block asked for was not cached", "err", err)
+			}
+			cancel()
+		}
+	}
 }
 
 // Close stops accepting, cancels fetches in progress, waits for the connections to end and
@@ -212,6 +251,15 @@ func (s *Server) serve(c *net.UnixConn) {
 				s.cfg.Log.Warn("node socket: bad request", "err", err)
 			}
 			return
+		}
+		if op == OpCacheBlock { // no ack, no reply: see the package documentation
+			if s.cfg.FetchBlock != nil {
+				select {
+				case s.asks <- blockAsk{root, path}:
+				default: // asked again later, if it still matters
+				}
+			}
+			continue
 		}
 		if _, err := c.Write([]byte(Ack)); err != nil {
 			return
@@ -279,7 +327,7 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 	switch {
 	case string(hdr[:4]) != Magic:
 		return 0, "", "", errors.New("bad magic")
-	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock:
+	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock:
 		return 0, "", "", fmt.Errorf("unknown operation %d", op)
 	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPath:
 		return 0, "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)

@@ -265,3 +265,52 @@ func TestFetchBlockGoesToItsFetcher(t *testing.T) {
 		t.Errorf("FetchBlock got %q", asked)
 	}
 }
+
+// OpCacheBlock is answered with nothing: the client sends it and closes, and the block goes
+// to FetchBlock in the background, also once the connection is gone; while the workers are
+// busy the asks wait (up to the queue), and the connection is free at once for the next
+// request.
+func TestCacheBlockNeedsNoAnswer(t *testing.T) {
+	release := make(chan struct{})
+	asked := make(chan string, 16)
+	sock := startWith(t, Config{FetchBlock: func(ctx context.Context, root, name string) error {
+		asked <- name
+		<-release
+		return nil
+	}})
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := []string{"/d/big.bin\x001048576:0", "/d/big.bin\x001048576:1", "/d/big.bin\x001048576:2",
+		"/d/big.bin\x001048576:3", "/d/big.bin\x001048576:4", "/d/big.bin\x001048576:5"}
+	for _, name := range names {
+		if _, err := c.Write(AppendRequest(nil, OpCacheBlock, "/d", name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The same connection serves a request with an answer at once, although every worker
+	// is busy with a block.
+	if got, _ := askOp(t, c, OpFetch, "/d", "/d/a"); got != syscall.ENOSYS {
+		t.Errorf("a fetch after the asks: errno %d, want ENOSYS (no fetcher)", got)
+	}
+	c.Close()
+	got := map[string]bool{}
+	for range askWorkers {
+		select {
+		case name := <-asked:
+			got[name] = true
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d blocks asked of FetchBlock, want %d at once", len(got), askWorkers)
+		}
+	}
+	close(release)
+	for len(got) < len(names) {
+		select {
+		case name := <-asked:
+			got[name] = true
+		case <-time.After(10 * time.Second):
+			t.Fatalf("blocks asked of FetchBlock: %d of %d", len(got), len(names))
+		}
+	}
+}

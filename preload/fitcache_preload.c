@@ -368,6 +368,16 @@ int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t
 	return fd;
 }
 
+void shim_node_tell(uint32_t op, const struct root *r, const char *key, size_t len) {
+	if (node_addr.sun_family != AF_UNIX || fc_monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
+		return;
+	int fd = fc_node_connect(&node_addr, timeout_ms);
+	if (fd < 0 || fc_node_send_request(fd, op, r->real, r->reallen, key, len) != 0)
+		timed_out();
+	if (fd >= 0)
+		NEXT(close)(fd);
+}
+
 // lowest_fd moves fd to the lowest free descriptor, as open() would have returned (POSIX:
 // programs rely on it, `close(0); open(f)` makes f their standard input). A descriptor
 // received over the node socket is not there: the socket held a lower one when it came.

@@ -37,6 +37,11 @@ void *shim_resolve(void **slot, const char *name);
 // skipped a while).
 int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len);
 
+// shim_node_tell sends one request of an operation the server does not answer
+// (FC_NODE_OP_CACHE_BLOCK) and closes the connection: it waits for the connect and the send
+// only, each bounded by the probe time.
+void shim_node_tell(uint32_t op, const struct root *r, const char *key, size_t len);
+
 // ranged_configure reads the size of the server's blocks (FITCACHE_PRELOAD_BLOCK_BYTES, may
 // be NULL: no descriptor is then read through blocks) and the path of the file the heat of
 // blocks is shared in (FITCACHE_PRELOAD_HEAT, may be NULL).
