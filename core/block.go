@@ -100,6 +100,7 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 		e.finish(name, f)
 	default:
 		e.stats.inflightHits.Add(1)
+		f.noEvict.Store(false) // a reader wants it: it may evict like any miss (see prefetchBlock)
 	}
 	select {
 	case <-f.done:
@@ -134,6 +135,12 @@ func (e *Engine) prefetchBlock(root, path string, n int64) (int64, error) {
 	if _, ok := e.cachedSize(name); ok {
 		return 0, nil
 	}
+	// The fill slots before the flight: a reader that misses the block joins a flight that
+	// is being filled, never one queued behind other prefetch fills.
+	e.prefetchBlockSlots <- struct{}{}
+	defer func() { <-e.prefetchBlockSlots }()
+	e.blockSlots <- struct{}{}
+	defer func() { <-e.blockSlots }()
 	f, leader := e.join(name)
 	if !leader {
 		return 0, nil
@@ -145,8 +152,6 @@ func (e *Engine) prefetchBlock(root, path string, n int64) (int64, error) {
 		return 0, ErrClosed
 	}
 	defer e.fills.Done()
-	e.blockSlots <- struct{}{}
-	defer func() { <-e.blockSlots }()
 	e.fillBlock(f, root, path, n)
 	if f.err != nil || !f.inTier {
 		return 0, f.err
@@ -173,8 +178,7 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	if id, ok := e.blockFiles.known(session, path); ok {
 		length = e.blockLen(id.Size, n)
 	}
-	need := tiers.EntrySize(name, length)
-	if !slices.ContainsFunc(e.tiers, func(t *tiers.Tier) bool { return t.RoomFor(root, need) }) {
+	if !e.roomFor(root, tiers.EntrySize(name, length)) {
 		f.err = fmt.Errorf("%w: block %d of %s", ErrCacheFull, n, path)
 		e.stats.misses.Add(1)
 		e.stats.uncached.Add(1)

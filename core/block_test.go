@@ -253,3 +253,29 @@ func TestPrefetchCachesALargeFileNoTierTakesByBlocks(t *testing.T) {
 		}
 	}
 }
+
+// Closing the engine stops a prefetch of a large file's blocks between two blocks: a file
+// may have thousands of them, and Close must not wait for all.
+func TestClosingStopsAPrefetchOfBlocks(t *testing.T) {
+	root, paths := dataset(t, 20<<20)
+	e, err := NewEngine(EngineConfig{Tiers: testTiers(t, "16MiB", "16MiB"), BlockBytes: 64 << 10,
+		Prefetch: PrefetchConfig{Reads: 4}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{})
+	var once sync.Once
+	testHookPrefetch = func(string) { once.Do(func() { close(started) }) }
+	t.Cleanup(func() { testHookPrefetch = nil })
+	if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil {
+		t.Fatal(err)
+	}
+	<-started
+	for deadline := time.Now().Add(10 * time.Second); e.Stats().SourceReads < 3 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	e.Close()
+	if n := e.Stats().SourceReads; n > 100 {
+		t.Errorf("%d of the file's 320 blocks read after Close was called with 3 read: want it to stop", n)
+	}
+}

@@ -79,6 +79,8 @@ type Engine struct {
 	blockBytes int64 // see EngineConfig.BlockBytes
 	blockFiles blockFiles
 	blockSlots chan struct{} // one per block being read from the source (see blockFillsMax)
+	// prefetchBlockSlots: one per block prefetch reads (see prefetchBlockFillsMax).
+	prefetchBlockSlots chan struct{}
 	// nodeFetch is EngineConfig.NodeFetch, or nil.
 	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	closed    atomic.Bool
@@ -131,6 +133,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		e.blockBytes = DefaultBlockBytes
 	}
 	e.blockSlots = make(chan struct{}, blockFillsMax)
+	e.prefetchBlockSlots = make(chan struct{}, prefetchBlockFillsMax)
 	for _, r := range cfg.Roots {
 		abs, err := filepath.Abs(r)
 		if err == nil {
@@ -674,8 +677,11 @@ func (e *Engine) fill(f *flight, root, path string) {
 	entry := tiers.Entry{SourcePath: path, Size: src.Size(), MTimeNanos: f.mtime, SourceCTimeNanos: f.ctime,
 		SourceIno: f.ino, Session: session, Group: root, Mode: src.Mode()}
 	f.size = entry.Size
+	// A file some tier could hold but none has room for, without evicting files of its own
+	// dataset (which a dataset never does), is not cached either: as if the tiers were full.
+	full = full || (e.canCache(entry) && !e.roomFor(root, tiers.EntrySize(path, entry.Size)))
 	if entry.Size >= ReadNowBytes || !e.canCache(entry) {
-		f.declined = full || !e.canCache(entry)
+		f.declined = full || !e.canCache(entry) // the reader reads it by blocks
 		e.handOver(f, src)
 	}
 	if !e.canCache(entry) && (entry.Size > uncachedReadMax || !bytesWanted) {
@@ -686,6 +692,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	if full && (entry.Size > uncachedReadMax || !bytesWanted) {
 		f.err = fmt.Errorf("%w: %s", ErrCacheFull, path)
+		e.stats.uncached.Add(1)
 		e.finish(path, f)
 		return
 	}
@@ -723,6 +730,12 @@ const uncachedReadMax = 1 << 20
 // is not full: it never caches.
 func (e *Engine) fullFor(group string) bool {
 	return len(e.tiers) > 0 && !slices.ContainsFunc(e.tiers, func(t *tiers.Tier) bool { return !t.FullFor(group) })
+}
+
+// roomFor reports whether some tier could take n bytes of a file of group, evicting files of
+// other groups if need be (see tiers.Tier.RoomFor).
+func (e *Engine) roomFor(group string, n int64) bool {
+	return slices.ContainsFunc(e.tiers, func(t *tiers.Tier) bool { return t.RoomFor(group, n) })
 }
 
 // canCache reports whether some tier can hold the entry at all.

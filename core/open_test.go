@@ -87,6 +87,32 @@ func TestOpenForReaderGivesTheSourceWhenNoTierTakesIt(t *testing.T) {
 	}
 }
 
+// A large file a tier could hold, but not in the room its dataset left (a dataset never
+// evicts its own files), is not being cached either: OriginSource, and no copy is tried.
+func TestALargeFileWithoutRoomLeftIsDeclined(t *testing.T) {
+	e := newEngine(t, "48MiB")
+	root := t.TempDir()
+	first := sparseFile(t, root, "first.bin", 4*ReadNowBytes)
+	second := sparseFile(t, root, "second.bin", 4*ReadNowBytes)
+	if err := e.Fetch(context.Background(), root, first); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		f, origin, err := e.OpenForReader(context.Background(), root, second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		if origin != OriginSource {
+			t.Errorf("no room left for the dataset: origin %v, want %v", origin, OriginSource)
+		}
+	}
+	settle(e)
+	if s := e.Stats(); s.SourceReads != 1 || s.Published != 1 {
+		t.Errorf("%d source reads, %d published; want the first file's only", s.SourceReads, s.Published)
+	}
+}
+
 // A reader that opens a large file is not kept waiting for its copy: it gets the source,
 // opened once for it and for the copy, which is made meanwhile; readers that open it during
 // the copy get the source too; once the copy is published, the next open gets it.

@@ -588,7 +588,7 @@ func (p *prefetcher) work() {
 		if j.forNode {
 			out = p.fetchForNode(j.root, path)
 		} else {
-			out = p.fetch(j.root, path)
+			out = p.fetch(j, path)
 		}
 		p.mu.Lock()
 		p.record(j, path, out)
@@ -698,8 +698,8 @@ var testHookPrefetch func(path string)
 // cached copy not yet checked against its source in the current session is checked first
 // (and dropped, then read anew, if the source changed): that is how a job's copies are
 // checked ahead of its readers.
-func (p *prefetcher) fetch(root, path string) outcome {
-	e := p.e
+func (p *prefetcher) fetch(j *prefetchJob, path string) outcome {
+	e, root := p.e, j.root
 	if testHookPrefetch != nil {
 		testHookPrefetch(path)
 	}
@@ -750,7 +750,7 @@ func (p *prefetcher) fetch(root, path string) outcome {
 		} else if errors.Is(f.err, ErrTooLarge) && f.size >= ReadNowBytes && e.nodeFetch == nil {
 			// Not in cluster mode, where each block belongs to the server that owns its
 			// name on the ring: blocks of large files are cached there as they are read.
-			return p.fetchBlocks(root, path, f.size, out)
+			return p.fetchBlocks(j, path, f.size, out)
 		}
 		return out
 	}
@@ -767,9 +767,16 @@ func (p *prefetcher) fetch(root, path string) outcome {
 // (Engine.prefetchBlock), from its first block on and blockPrefetchWidth at a time: the
 // readers of its ranges, and programs under `fitcache run`, then find them cached. As for
 // whole files, nothing is evicted for them, and the job stops at the budget: at the first
-// block no tier has room for. out is the file's outcome so far (its reserved room).
-func (p *prefetcher) fetchBlocks(root, path string, size int64, out outcome) outcome {
-	e := p.e
+// block no tier has room for. It stops between blocks once the prefetcher stops (the engine
+// closes) or the job ends (its owners left): a file may have thousands of blocks. out is the
+// file's outcome so far (its reserved room).
+func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out outcome) outcome {
+	e, root := p.e, j.root
+	gone := func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.stopped || j.state != PrefetchRunning
+	}
 	blocks := (size + e.blockBytes - 1) / e.blockBytes
 	var (
 		next, fetched atomic.Int64
@@ -783,6 +790,13 @@ func (p *prefetcher) fetchBlocks(root, path string, size int64, out outcome) out
 			for !stop.Load() {
 				n := next.Add(1) - 1
 				if n >= blocks {
+					return
+				}
+				if gone() {
+					stop.Store(true)
+					mu.Lock()
+					firstErr = cmp.Or(firstErr, ErrClosed)
+					mu.Unlock()
 					return
 				}
 				got, err := e.prefetchBlock(root, path, n)
@@ -812,9 +826,13 @@ func (p *prefetcher) fetchBlocks(root, path string, size int64, out outcome) out
 }
 
 // blockPrefetchWidth is how many blocks of one large file prefetch reads at once: a single
-// read of a parallel file system is slow, several in parallel are not (the engine bounds
-// block fills to blockFillsMax in all).
-const blockPrefetchWidth = 4
+// read of a parallel file system is slow, several in parallel are not. Prefetch holds at most
+// prefetchBlockFillsMax of the engine's blockFillsMax block fills, so that readers' misses of
+// blocks never wait behind it.
+const (
+	blockPrefetchWidth    = 4
+	prefetchBlockFillsMax = blockFillsMax / 2
+)
 
 // fetchForNode brings one file of a node's readers' list into a tier of this node through the
 // engine's NodeFetch (see PrefetchRequest.ForNode). A file no tier of the node takes is

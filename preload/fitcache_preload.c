@@ -347,6 +347,10 @@ static void timed_out(void) {
 		__atomic_store_n(&node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 }
 
+void shim_node_timed_out(void) { timed_out(); }
+
+int64_t shim_node_timeout_ms(void) { return timeout_ms; }
+
 // shim_node_request connects to the node socket, sends one request and waits for its ack: a
 // server that does not acknowledge within the probe time (about a second) is hung, and
 // skipped for a while, and one that did is waited for its reply up to the read timeout. Each
@@ -509,6 +513,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 	}
 	if ((flags & ~SERVED_FLAGS) || ((flags & O_NOFOLLOW) && !follows_no_link(dirfd, path)))
 		goto out;
+	ranged_sweep(); // kept copies of blocks evicted since, at most once a second
 	struct fc_hit hit;
 	if (fc_lookup(shim_tiers, shim_ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {
 		// A hit with no bytes: the program reads what it wants of the descriptor, which the

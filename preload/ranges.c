@@ -116,6 +116,9 @@ struct ranged_file {
 
 static struct ranged_file files[RANGED_FILES];
 static uint8_t file_of[RANGED_FDS]; // entry + 1, 0 for a descriptor of the kernel's (atomic)
+static int marked_files;            // entries taken (atomic)
+
+static void sweep_kept(void);
 
 void ranged_open(int fd, int ask, const struct root *r, const char *key, size_t len, const struct stat *st) {
 	if (block_bytes == 0 || fd < 0 || fd >= RANGED_FDS || st->st_size < FC_RANGED_MIN || len >= FC_PATH_MAX)
@@ -136,6 +139,7 @@ void ranged_open(int fd, int ask, const struct root *r, const char *key, size_t 
 		f->keylen = len;
 		memcpy(f->key, key, len);
 		__atomic_fetch_add(&f->seq, 1, __ATOMIC_RELEASE); // even: readable
+		__atomic_fetch_add(&marked_files, 1, __ATOMIC_RELAXED);
 		__atomic_store_n(&file_of[fd], (uint8_t)(i + 1), __ATOMIC_RELEASE);
 		return;
 	}
@@ -153,6 +157,8 @@ void ranged_forget(int fd) {
 	f->fd = -1;
 	__atomic_fetch_add(&f->seq, 1, __ATOMIC_RELEASE);
 	__atomic_store_n(&f->taken, 0, __ATOMIC_RELEASE);
+	if (__atomic_sub_fetch(&marked_files, 1, __ATOMIC_RELAXED) == 0)
+		sweep_kept(); // the last large file closed: what it kept is let go once evicted
 }
 
 // What a read needs of a marked descriptor's entry, copied out under its sequence count.
@@ -290,12 +296,15 @@ static struct kept kept[KEPT];
 // SWEEP_NS of reading on (see sweep_kept): their pages would stay in use, out of the
 // tiers' budget, as long as they are mapped.
 #define SWEEP_NS (1000000000LL)
-static int64_t swept_ns; // CLOCK_MONOTONIC time of the last sweep (atomic)
+static int64_t swept_ns;   // CLOCK_MONOTONIC time of the last sweep (atomic)
+static int kept_count;     // entries KEPT_FULL or being let go (atomic): 0 needs no sweep
 
 // sweep_kept lets go of the kept copies the tiers no longer list, once per SWEEP_NS: an
 // index lookup each, no system call but for the copies let go. A copy in use by another
 // thread is left for the next sweep.
 static void sweep_kept(void) {
+	if (__atomic_load_n(&kept_count, __ATOMIC_RELAXED) == 0)
+		return;
 	int64_t now = fc_monotonic_ns(), last = __atomic_load_n(&swept_ns, __ATOMIC_RELAXED);
 	if (now - last < SWEEP_NS ||
 	    !__atomic_compare_exchange_n(&swept_ns, &last, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
@@ -310,9 +319,12 @@ static void sweep_kept(void) {
 			continue;
 		}
 		munmap((void *)k->map, k->len);
+		__atomic_fetch_sub(&kept_count, 1, __ATOMIC_RELAXED);
 		__atomic_store_n(&k->state, KEPT_FREE, __ATOMIC_RELEASE);
 	}
 }
+
+void ranged_sweep(void) { sweep_kept(); }
 
 // from_copy copies n bytes at offset at of the cached copy named name (len bytes: a block's
 // name, or the key of a whole file) to the cursor, if a tier holds that copy checked in this
@@ -336,6 +348,7 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 		}
 		if (same) { // evicted, removed or stale: let go of it
 			munmap((void *)k->map, k->len);
+			__atomic_fetch_sub(&kept_count, 1, __ATOMIC_RELAXED);
 			__atomic_store_n(&k->state, KEPT_FREE, __ATOMIC_RELEASE);
 		} else {
 			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
@@ -363,6 +376,8 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 	    __atomic_compare_exchange_n(&k->state, &expect, KEPT_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
 		if (expect == KEPT_FULL)
 			munmap((void *)k->map, k->len);
+		else
+			__atomic_fetch_add(&kept_count, 1, __ATOMIC_RELAXED);
 		k->key = key;
 		k->check = check;
 		k->ino = hit.ino;
@@ -407,8 +422,11 @@ static struct heat *heat_file(void) {
 		return NULL;
 	struct stat st;
 	void *map = MAP_FAILED;
+	// Its pages allocated (fallocate), also those of a file made by another process: a write
+	// to a page that cannot be allocated (a full file system, a quota) would kill the program
+	// with SIGBUS.
 	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
-	    (st.st_size == (off_t)HEAT_BYTES || (st.st_size == 0 && ftruncate(fd, (off_t)HEAT_BYTES) == 0)))
+	    (st.st_size == (off_t)HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)HEAT_BYTES) == 0)
 		map = mmap(NULL, HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	NEXT(close)(fd);
 	return map == MAP_FAILED ? NULL : map;
@@ -488,9 +506,15 @@ static int check_block(const struct marked *m, const char *name, size_t len) {
 	int sock = shim_node_request(FC_NODE_OP_FETCH_BLOCK, m->root, name, len);
 	if (sock < 0)
 		return -1;
+	// The probe time, not the read timeout: a check is a look at the file, and a server that
+	// takes longer (it found the file changed and fills the block anew, or it is stuck) is
+	// left to it while the program reads the source, and skipped a while if it timed out.
+	fc_set_rcvtimeo(sock, fc_node_probe_ms(shim_node_timeout_ms()));
 	uint8_t reply[12];
-	int ok = fc_recv_all(sock, reply, sizeof reply) == 0 && memcmp(reply, FC_NODE_MAGIC, 4) == 0 &&
-	         fc_get32(reply + 4) == 0;
+	int got = fc_recv_all(sock, reply, sizeof reply);
+	if (got != 0)
+		shim_node_timed_out();
+	int ok = got == 0 && memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0;
 	NEXT(close)(sock);
 	return ok ? 0 : -1;
 }
@@ -542,9 +566,25 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 		ranged_forget(fd);
 		return NOT_RANGED;
 	}
-	if ((!positioned && (off = lseek(fd, 0, SEEK_CUR)) < 0) || off < 0 || off >= st.st_size) {
+	if (positioned && (off < 0 || off >= st.st_size)) {
 		errno = saved;
 		return NOT_RANGED;
+	}
+	if (!positioned) {
+		// The range is claimed at once, moving the offset past it, as the kernel's read
+		// does: a thread or process sharing the open file reads after it, not the same
+		// bytes. A short read gives back what it did not read (below).
+		off_t end = lseek(fd, (off_t)total, SEEK_CUR);
+		if (end < 0) {
+			errno = saved;
+			return NOT_RANGED; // past the largest offset: the kernel says so
+		}
+		off = end - (off_t)total;
+		if (off >= st.st_size) {
+			lseek(fd, off, SEEK_SET);
+			errno = saved;
+			return 0;
+		}
 	}
 	sweep_kept();
 	int64_t size = st.st_size, mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
@@ -582,10 +622,13 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 	for (int i = 0; i < shim_ntiers; i++)
 		if (served[i] > 0)
 			fc_count_hit(&shim_tiers[i], served[i]);
+	if (!positioned && at - off < (int64_t)total) {
+		int err = errno;
+		lseek(fd, at, SEEK_SET);
+		errno = err;
+	}
 	if (at == off && k < 0)
 		return -1; // the source's error, errno set
-	if (!positioned)
-		lseek(fd, at, SEEK_SET);
 	__atomic_store_n(&m.f->next, at, __ATOMIC_RELAXED);
 	errno = saved;
 	return at - off;

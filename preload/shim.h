@@ -37,6 +37,11 @@ void *shim_resolve(void **slot, const char *name);
 // skipped a while).
 int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len);
 
+// shim_node_timed_out notes a server that did not answer in time (errno EAGAIN from the
+// failed call): the node socket is skipped a while. shim_node_timeout_ms is the read timeout.
+void shim_node_timed_out(void);
+int64_t shim_node_timeout_ms(void);
+
 // shim_node_tell sends one request of an operation the server does not answer
 // (FC_NODE_OP_CACHE_BLOCK) and closes the connection: it waits for the connect and the send
 // only, each bounded by the probe time.
@@ -56,5 +61,9 @@ void ranged_open(int fd, int ask, const struct root *r, const char *key, size_t 
 // ranged_forget stops serving fd through blocks, if it was: it is being closed, or it is a
 // new descriptor whose number a closed one had.
 void ranged_forget(int fd);
+
+// ranged_sweep lets go of the kept mappings of copies the tiers no longer list, at most once
+// a second (see ranges.c): called at reads through blocks and at opens of dataset files.
+void ranged_sweep(void);
 
 #endif /* FITCACHE_SHIM_H */

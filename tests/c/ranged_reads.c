@@ -1,9 +1,12 @@
 /* ranged_reads PATH SMALL: reads the large file PATH through every read function the preload
  * shim serves from cached blocks (test_ranges.py runs it with and without the shim), and prints,
  * for each, the FNV-1a hash of what it read and how many bytes; then what a descriptor number
- * reads once dup2 put another file (SMALL) in its place, and what a forked child reads. */
+ * reads once dup2 put another file (SMALL) in its place, how many bytes two threads read with
+ * read() from one descriptor (the file's size: each byte once), and what a forked child
+ * reads. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +33,20 @@ static unsigned char *__attribute__((noinline)) opaque(unsigned char *p) {
 static size_t __attribute__((noinline)) opaque_n(size_t n) {
 	__asm__ volatile("" : "+r"(n));
 	return n;
+}
+
+/* Two threads reading one descriptor with read() (no offset) until its end. */
+static int shared_fd;
+static long long shared_bytes[2];
+
+static void *read_shared(void *arg) {
+	long long *total = arg;
+	unsigned char *buf = malloc(1 << 20);
+	ssize_t got;
+	while ((got = read(shared_fd, buf, 1 << 20)) > 0)
+		*total += got;
+	free(buf);
+	return NULL;
 }
 
 static void report(const char *how, uint64_t h, long long n) { printf("%s\t%016llx\t%lld\n", how, (unsigned long long)h, n); }
@@ -86,6 +103,15 @@ int main(int argc, char **argv) {
 	got = pread(fd, buf, CHUNK, 0);
 	report("dup2", fnv(14695981039346656037ULL, buf, got > 0 ? (size_t)got : 0), got);
 	close(fd);
+	/* Two threads sharing a descriptor's offset read each byte once between them. */
+	shared_fd = open(path, O_RDONLY);
+	pthread_t threads[2];
+	for (int i = 0; i < 2; i++)
+		pthread_create(&threads[i], NULL, read_shared, &shared_bytes[i]);
+	for (int i = 0; i < 2; i++)
+		pthread_join(threads[i], NULL);
+	close(shared_fd);
+	report("threads", 0, shared_bytes[0] + shared_bytes[1]);
 	/* A child forked with the descriptor open reads it too. */
 	fd = open(path, O_RDONLY);
 	got = pread(fd, buf, 10, 0);
