@@ -13,6 +13,9 @@ Configurations, in each of --repeats rounds (medians reported):
                   the first open
   fitcache-warm   the same cache once the file's copy is published: the next open
 
+With --drop-caches, the plain run and FitCache's first read a cold file instead (the page
+cache dropped before each): for a file on a parallel file system (--data /mnt/pfs/...).
+
 With --tier-bytes smaller than the file, no tier takes it whole: the program gets its source,
 and the shim serves its reads from the blocks the server caches (preload/ranges.c). Each run
 of the program is then a pass over the same ranges, --passes of them (fitcache-cold, then
@@ -174,6 +177,13 @@ def make_file(path, size):
     tmp.rename(path)
 
 
+def drop_caches():
+    """Empties the page cache (clean pages only; tmpfs keeps its pages): the next reads of the
+    file go to its file system."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
 def warm(path):
     for p in sorted(path.iterdir()) if path.is_dir() else [path]:
         with open(p, "rb") as f:
@@ -232,6 +242,8 @@ def fitcache_round(path, args, work):
     try:
         with OpenCounter(str(data)) as opens:
             seen = 0
+            if args.drop_caches:
+                drop_caches()
             for i in range(args.passes):
                 if i > 0 and args.tier_bytes:
                     settle(fc, env)
@@ -302,6 +314,9 @@ def main():
     ap.add_argument("--tier-bytes", help="the memory tier's size (default: the file's and 1 GiB)")
     ap.add_argument("--block-size", help="the server's block_size (default: its own)")
     ap.add_argument("--passes", type=int, default=2, help="runs of the program on one cache (see above)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="cold: drop the page cache (root) before the plain run and before FitCache's first "
+                         "(instead of reading the file into it), for a file on a parallel file system")
     ap.add_argument("--workload", choices=sorted(READERS), default="ranges",
                     help="ranges: os.pread of one file; h5py: slices of an HDF5 dataset; shards: tar "
                          "shards read in order, as WebDataset reads them")
@@ -319,7 +334,10 @@ def main():
     rounds = []
     with tempfile.TemporaryDirectory(prefix="fitcache-bench-large-") as work:
         for r in range(args.repeats):
-            warm(path)
+            if args.drop_caches:
+                drop_caches()
+            else:
+                warm(path)
             row = {"plain": run_reader([], path, args)}
             row.update(cluster_round(path, args, work) if args.servers >= 2 else fitcache_round(path, args, work))
             rounds.append(row)
