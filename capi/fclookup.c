@@ -411,6 +411,14 @@ int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
 	return ix && index_find(ix, key, check, &s) && s.ino == ino;
 }
 
+void fc_count_source(struct fc_tier *t, int64_t bytes) {
+	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	if (ix) {
+		__atomic_fetch_add(&ix->counters[2], 1, __ATOMIC_RELAXED);
+		__atomic_fetch_add(&ix->counters[3], (uint64_t)bytes, __ATOMIC_RELAXED);
+	}
+}
+
 void fc_count_hit(struct fc_tier *t, int64_t bytes) {
 	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
 	if (ix) {

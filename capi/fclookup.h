@@ -115,6 +115,10 @@ int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);
 
+/* Adds a range of bytes read from the source of a large file (no block held it) to the
+ * counters the tier's server reports. */
+void fc_count_source(struct fc_tier *t, int64_t bytes);
+
 /* Writes the lexically cleaned form of the absolute path in (as Go's filepath.Clean: no
  * repeated slashes, no "." or ".." elements, no trailing slash) into out, of cap bytes.
  * Returns its length, or -1 if in is not absolute or out is too small. */

@@ -220,6 +220,9 @@ func (e *Engine) Stats() StatsSnapshot {
 		s.Hits[t.Kind.String()] += n
 		s.ClientHits += n
 		s.BytesServed += bytes
+		n, bytes = t.SourceReads()
+		s.ReaderSourceRanges += n
+		s.ReaderSourceBytes += bytes
 	}
 	return s
 }

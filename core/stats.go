@@ -57,9 +57,15 @@ type StatsSnapshot struct {
 	// SourceChecks counts cached copies compared with their source's identity (once per
 	// file per job, see Engine.BeginSession), StaleCopies those dropped because the source
 	// had changed or was gone.
-	SourceChecks int64        `json:"source_checks"`
-	StaleCopies  int64        `json:"stale_copies"`
-	Tiers        []tiers.Info `json:"tiers"`
+	SourceChecks int64 `json:"source_checks"`
+	StaleCopies  int64 `json:"stale_copies"`
+	// ReaderSourceRanges counts the ranges of large files that programs under `fitcache
+	// run` read from the source because no block held them (the preload shim counts them in
+	// the tiers' indexes), ReaderSourceBytes their bytes. The source reads of the API's
+	// clients are in their own statistics (client.ClientStats.SourceRanges).
+	ReaderSourceRanges int64        `json:"reader_source_ranges"`
+	ReaderSourceBytes  int64        `json:"reader_source_bytes"`
+	Tiers              []tiers.Info `json:"tiers"`
 	// Prefetch counts what prefetch jobs did (see Engine.Prefetch).
 	Prefetch PrefetchStats `json:"prefetch"`
 	// Warnings are problems the user should see: a tier skipped (another user's directory,
@@ -133,6 +139,8 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.Refusals += o.Refusals
 	s.SourceChecks += o.SourceChecks
 	s.StaleCopies += o.StaleCopies
+	s.ReaderSourceRanges += o.ReaderSourceRanges
+	s.ReaderSourceBytes += o.ReaderSourceBytes
 	s.Prefetch.Add(o.Prefetch)
 	s.Tiers = append(s.Tiers, o.Tiers...)
 	s.Warnings = append(s.Warnings, o.Warnings...)

@@ -606,6 +606,8 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 			k = from_copy(m.name, namelen, block_len, mtime, within, &c, n, served, &unchecked);
 		if (k < 0) {
 			k = from_source(fd, &c, n, at);
+			if (k > 0 && shim_ntiers > 0)
+				fc_count_source(&shim_tiers[0], k);
 			if (k > 0 && m.ask) {
 				struct heat *h = heat_of(m.name, namelen);
 				int64_t hot = __atomic_add_fetch(&h->bytes, k, __ATOMIC_RELAXED);

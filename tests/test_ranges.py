@@ -319,5 +319,10 @@ def test_the_transparent_mode_reads_a_file_larger_than_the_cache_through_blocks(
     assert 8 <= blocks <= 12, stats
     # The second run read each of its 12 passes over the file through the cached blocks.
     assert served[1] - served[0] >= 12 * 8 * BLOCK, (served, blocks)
+    # The shim counted what it read from the source: at least the blocks never cached, in
+    # each pass of both runs.
+    stats = fitcache.server_stats(**small_tiers)
+    assert stats["reader_source_bytes"] >= 2 * 12 * (20 - blocks) * BLOCK, stats
+    assert stats["reader_source_ranges"] > 0 and stats["errors"] == 0, stats
     # A source open per program open (14 a run: the server's, handed over), and one per block cached.
     assert counts["big.bin"] <= 2 * 14 + blocks, counts

@@ -37,6 +37,9 @@ import (
 //	counters, page 1 (4096 bytes), the only part readers map writable
 //	  4096 hits     uint64 reads that readers outside the server served from the tier
 //	  4104 hitBytes uint64 their bytes (readers add to both atomically)
+//	  4112 sourceRanges uint64 ranges such readers read from the source of a large file whose
+//	                       blocks were not cached (the preload shim), counted in the first tier
+//	  4120 sourceBytes  uint64 their bytes
 //	slots, 64 bytes each, from offset 8192; bucket b holds slots b*ways .. b*ways+ways-1:
 //	  0  seq      uint32   seqlock: odd while the server changes the slot
 //	  4  used     uint32   1 if the slot holds an entry
@@ -75,14 +78,16 @@ const (
 	indexSlotSize = 64
 	indexSlots    = 8192 // offset of the first slot, after the header and counter pages
 
-	hdrVersion  = 8
-	hdrWays     = 12
-	hdrBuckets  = 16
-	hdrSlotSize = 20
-	hdrRetired  = 24
-	hdrSessions = 28
-	hdrHits     = 4096
-	hdrHitBytes = 4104
+	hdrVersion      = 8
+	hdrWays         = 12
+	hdrBuckets      = 16
+	hdrSlotSize     = 20
+	hdrRetired      = 24
+	hdrSessions     = 28
+	hdrHits         = 4096
+	hdrHitBytes     = 4104
+	hdrSourceRanges = 4112
+	hdrSourceBytes  = 4120
 )
 
 // Index geometry: about one slot per indexBytesPerSlot of budget (the number of buckets is
@@ -287,6 +292,12 @@ func (ix *index) hits() (n, bytes int64) {
 	return int64(atomic.LoadUint64(ix.word64(hdrHits))), int64(atomic.LoadUint64(ix.word64(hdrHitBytes)))
 }
 
+// sourceReads returns the ranges and bytes that readers outside the server read from the
+// source (see the layout).
+func (ix *index) sourceReads() (n, bytes int64) {
+	return int64(atomic.LoadUint64(ix.word64(hdrSourceRanges))), int64(atomic.LoadUint64(ix.word64(hdrSourceBytes)))
+}
+
 func (ix *index) unmap() error { return ix.m.Unmap() }
 
 // createIndex builds a new, empty index for budget in the tier directory dirfd: written in
@@ -451,6 +462,16 @@ func (v *indexView) hits() (n, bytes int64) {
 		return 0, 0
 	}
 	return v.cur.hits()
+}
+
+// sourceReads returns the source read counters of the current index (0 once closed).
+func (v *indexView) sourceReads() (n, bytes int64) {
+	v.mu.RLock()
+	defer v.mu.RUnlock()
+	if v.closed || v.cur == nil {
+		return 0, 0
+	}
+	return v.cur.sourceReads()
 }
 
 // close unmaps every index the view mapped; later lookups miss. It is idempotent.

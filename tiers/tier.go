@@ -267,6 +267,16 @@ func (t *Tier) Hits() (n, bytes int64) {
 	return t.view.hits()
 }
 
+// SourceReads returns the ranges, and their bytes, that readers outside the server read from
+// the source of large files because no block held them (counted in the tier's index by the
+// preload shim, in the first tier of its server).
+func (t *Tier) SourceReads() (n, bytes int64) {
+	if t.view == nil {
+		return 0, 0
+	}
+	return t.view.sourceReads()
+}
+
 // CanHold reports whether an entry of n bytes fits in the budget at all.
 func (t *Tier) CanHold(n int64) bool {
 	t.mu.Lock()

@@ -81,6 +81,10 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 		}
 	}
 	fmt.Fprintf(w, "source reads %d (%s)\n", s.SourceReads, tiers.FormatBytes(s.SourceBytes))
+	if s.ReaderSourceRanges > 0 {
+		fmt.Fprintf(w, "  by readers %d ranges of large files (%s), under fitcache run\n", s.ReaderSourceRanges,
+			tiers.FormatBytes(s.ReaderSourceBytes))
+	}
 	fmt.Fprintf(w, "checked      %d copies against their source, %d stale\n", s.SourceChecks, s.StaleCopies)
 	fmt.Fprintf(w, "served       %s\n", tiers.FormatBytes(s.BytesServed))
 	fmt.Fprintf(w, "published    %d, spilled %d, evicted %d, uncached %d\n", s.Published, s.Spilled, s.Evictions, s.Uncached)
