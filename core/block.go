@@ -209,6 +209,16 @@ func (e *Engine) fillBlock(f *flight, root, path string, n int64) {
 	f.inTier = true
 	f.err = e.fillFromSource(src, entry, n*e.blockBytes)
 	e.dropIfForgotten(f, name)
+	// A fill of a newer version of the file may have noted it while this one copied (and
+	// dropped the blocks it found, which this one was not yet among): this block copies the
+	// version before, and goes. Either that fill's note comes first and this look sees it,
+	// or its drop comes after this block was published and removes it.
+	if id, ok := e.blockFiles.known(session, path); f.err == nil && ok && id != src.Identity() {
+		for _, t := range e.tiers {
+			t.Forget(name)
+		}
+		f.err = fmt.Errorf("%w: %s changed while its block %d was cached: read the source", ErrTooLarge, path, n)
+	}
 }
 
 // HoldsBlock reports whether a tier of this engine holds block n of the file at path (its

@@ -160,10 +160,23 @@ func TestMetrics(t *testing.T) {
 			t.Errorf("%s%v: got %v, want %v", tc.name, tc.labels, got, tc.want)
 		}
 	}
+	// A range of a block is a read too: its bytes and time are the RPC's.
+	big := filepath.Join(root, "big.bin")
+	os.WriteFile(big, make([]byte, 9<<20), 0o644)
+	if reply, err := c.ReadBlockRange(ctx, root, big, e.BlockBytes(), 1, 10, 100, false); err != nil || len(reply.Data) != 100 {
+		t.Fatalf("a range of block 1: %v, %v", reply, err)
+	}
+	ranged := scrape(t, m)
+	if got := sample(t, ranged, "fitcache_rpc_read_bytes_total", "caller", "remote"); got != 6+100 {
+		t.Errorf("remote bytes after a range of 100: got %v, want %v", got, 6+100)
+	}
+	if got := sample(t, ranged, "fitcache_rpc_read_duration_seconds", "caller", "remote", "origin", "source"); got != 2 {
+		t.Errorf("remote reads from the source after a range: got %v, want 2", got)
+	}
 	// Each server has a registry of its own: a second one over the same engine registers
 	// the same metrics without a conflict, and reports the engine's counters.
-	if got := sample(t, scrape(t, New(e)), "fitcache_misses_total"); got != 1 {
-		t.Errorf("misses through a second registry: got %v, want 1", got)
+	if got := sample(t, scrape(t, New(e)), "fitcache_misses_total"); got != 2 { // the file, the block
+		t.Errorf("misses through a second registry: got %v, want 2", got)
 	}
 }
 

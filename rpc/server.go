@@ -296,7 +296,11 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
 	if req.IsSetBlock() && req.IsSetRangeLength() {
-		return h.readBlockRange(ctx, req, version, dead), nil
+		reply := h.readBlockRange(ctx, req, version, dead)
+		if h.cfg.OnRead != nil && reply.Errno == 0 { // ranges are reads as files are
+			h.cfg.OnRead(req.Local, reply.Origin, time.Since(start), reply.Size)
+		}
+		return reply, nil
 	}
 	res, err := h.readWhat(ctx, req)
 	if err != nil {
