@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fcheat.h"
 #include "fclookup.h"
 #include "fcnode.h"
 
@@ -46,7 +47,19 @@ struct range_source {
 	int fd;
 	int64_t until_ns; // CLOCK_MONOTONIC ns after which Go is asked again
 	int refs;         // readers using fd: replaced or closed only when it has none
+	int64_t next;     // the offset after the last range read from it: a read there is in sequence
 };
+
+// The heat of blocks (capi/fcheat.h) of the processes forked after load, which decides when
+// they ask for a block (see hit_pread): mapped shared by the first fcHitOpen, in the process
+// that forks its DataLoader workers, so that they all, epoch after epoch, count as one reader.
+static struct fc_heat *heat; // NULL until mapped (then never unmapped)
+static pthread_once_t heat_once = PTHREAD_ONCE_INIT;
+
+static void map_heat(void) {
+	void *m = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	heat = m == MAP_FAILED ? NULL : m;
+}
 
 // A copy the tiers no longer list is let go within this long (see range_sweep).
 #define RANGE_SWEEP_NS 1000000000LL
@@ -318,6 +331,7 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	if (!c)
 		return -1;
 	c->handle = handle;
+	pthread_once(&heat_once, map_heat);
 	struct open_how how_root = {.flags = O_PATH | O_DIRECTORY | O_CLOEXEC, .resolve = RESOLVE_NO_SYMLINKS};
 	c->real_root_fd = (int)syscall(SYS_openat2, AT_FDCWD, real_root, &how_root, sizeof how_root); // -1: Go reads
 	if (strlen(node_socket) < sizeof c->node_socket)
@@ -408,14 +422,23 @@ void fcHitClose(int64_t handle) {
 	free(c);
 }
 
+static void keep_source(struct hit_client *c, const char *path, size_t len, int fd, int64_t ms);
+
 void fcHitSetSource(int64_t handle, const char *path, int fd, int64_t ms) {
 	struct hit_client *c = acquire(handle);
 	if (!c) {
 		close(fd);
 		return;
 	}
+	keep_source(c, path, strlen(path), fd, ms);
+	put(c);
+}
+
+// keep_source keeps fd, the source of the large file at the clean absolute path path (len
+// bytes), in c's sources for ms milliseconds (see fcHitSetSource); c owns fd from then on.
+static void keep_source(struct hit_client *c, const char *path, size_t len, int fd, int64_t ms) {
 	uint64_t key, check;
-	fc_hashes(path, strlen(path), &key, &check);
+	fc_hashes(path, len, &key, &check);
 	int old = -1, kept = 0;
 	pthread_mutex_lock(&c->ranges_mu);
 	// Its entry if it has one, else a free or unused one.
@@ -440,7 +463,6 @@ void fcHitSetSource(int64_t handle, const char *path, int fd, int64_t ms) {
 		close(old);
 	if (!kept)
 		close(fd);
-	put(c);
 }
 
 void fcHitSetBlockBytes(int64_t handle, int64_t n) {
@@ -712,9 +734,11 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 }
 
 // read_source_range reads n bytes at off of the file whose clean path is path (len bytes)
-// from the source descriptor Go left for it (fcHitSetSource), if there is one still valid;
-// it returns the bytes read, or -FC_MISS.
-static ssize_t read_source_range(struct hit_client *c, const char *path, size_t len, char *p, size_t n, off_t off) {
+// from the source descriptor Go left for it (fcHitSetSource), or that open_source opened, if
+// there is one still valid; it returns the bytes read, or -FC_MISS. *sequential (may be NULL)
+// says whether the range began where the last one read from it ended.
+static ssize_t read_source_range(struct hit_client *c, const char *path, size_t len, char *p, size_t n, off_t off,
+                                 int *sequential) {
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
 	int64_t now = fc_monotonic_ns();
@@ -740,9 +764,65 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 	}
 	pthread_mutex_lock(&c->ranges_mu);
 	s->refs--;
+	if (sequential)
+		*sequential = s->next == off;
+	s->next = off + (off_t)done;
 	pthread_mutex_unlock(&c->ranges_mu);
 	__atomic_fetch_add(&c->source_ranges, 1, __ATOMIC_RELAXED);
 	return (ssize_t)done;
+}
+
+// READ_NOW_BYTES is core.ReadNowBytes: the server cuts files of at least this size in
+// blocks, and caches smaller ones whole.
+#define READ_NOW_BYTES ((int64_t)8 << 20)
+
+// How long open_source keeps a source it opened (as the Go client keeps one: sourceKeep).
+#define SOURCE_KEEP_MS 5000
+
+// open_source makes sure c has a source descriptor of the file at the clean path path (len
+// bytes, under c's root) for read_source_range: one Go left, or one opened here, beneath the
+// root as hit_read_source opens (no link out of it, a regular file). It returns 1 when there
+// is one (of a file of READ_NOW_BYTES or more), 0 for a smaller file (not kept), -1 when the
+// file cannot be opened here (Go's rules apply, or the server's).
+static int open_source(struct hit_client *c, const char *path, size_t len) {
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	int64_t now = fc_monotonic_ns();
+	int have = 0;
+	pthread_mutex_lock(&c->ranges_mu);
+	for (int i = 0; i < RANGE_SOURCES && !have; i++)
+		have = c->sources[i].key == key && c->sources[i].check == check && now < c->sources[i].until_ns;
+	pthread_mutex_unlock(&c->ranges_mu);
+	if (have)
+		return 1;
+	if (c->real_root_fd < 0 || len <= c->rootlen)
+		return -1;
+	const char *rel = path + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	struct open_how how = {.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
+	int fd = (int)syscall(SYS_openat2, c->real_root_fd, rel, &how, sizeof how);
+	struct stat st;
+	if (fd < 0)
+		return -1;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < READ_NOW_BYTES) {
+		int small = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+		close(fd);
+		return small ? 0 : -1;
+	}
+	keep_source(c, path, len, fd, SOURCE_KEEP_MS);
+	return 1;
+}
+
+static void node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len);
+
+// listed_here reports whether a tier of c lists the copy named name (len bytes), checked in
+// c's session or not: a block a new job finds cached by an earlier one, which the server
+// checks (once for the file) when asked for it.
+static int listed_here(struct hit_client *c, int nt, const char *name, size_t len) {
+	struct fc_hit hit;
+	if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, 0, &hit) != 0)
+		return 0;
+	close(hit.fd);
+	return 1;
 }
 
 // decimal writes v (>= 0) in decimal at out, without a terminator, and returns its length
@@ -800,6 +880,19 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 				done = k;
 				break;
 			}
+		}
+		if (k == -FC_MISS && ask && !listed_here(c, nt, name, namelen) && open_source(c, name, (size_t)n) == 1) {
+			// A block not cached, in a process forked after load (it cannot run Go): the range
+			// of a large file is read from its source at once, and the block asked for in the
+			// background once it is worth it (capi/fcheat.h): the reader never waits for a
+			// block. A block the tiers list (unchecked for this job) and a smaller file (which
+			// the server caches whole) are asked for below, and waited for.
+			int sequential = 0;
+			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)at, &sequential);
+			if (k > 0 && heat && fc_heat_read(fc_heat_of(heat, name, namelen), k, bb, sequential))
+				node_tell(c, FC_NODE_OP_CACHE_BLOCK, name, namelen);
+		}
+		if (k == -FC_MISS && ask && done == 0) {
 			int asked = node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg);
 			if (asked == FC_DIRECT && node_fetch(c, FC_NODE_OP_FETCH, name, (size_t)n, msg) == 0) {
 				// A file read whole: its copy serves the range.
@@ -815,7 +908,7 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
 		}
 		if (k == -FC_MISS) // a block the server has no room for: from the source Go left here
-			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at));
+			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at), NULL);
 		if (k < 0)
 			break;
 		done += k;
@@ -936,6 +1029,22 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	put(c);
 	errno = saved;
 	return rc;
+}
+
+// node_tell sends c's server a request it does not answer (FC_NODE_OP_CACHE_BLOCK), on the
+// connection kept for this process's misses, or on one of its own when another thread has
+// that one: a request without a reply leaves the kept connection ready for the next.
+static void node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len) {
+	if (!c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED))
+		return;
+	int kept, fd = node_take(c, &kept);
+	if (fd < 0)
+		fd = node_connect(c->node_socket, c->timeout_ms);
+	if (fd >= 0 && fc_node_send_request(fd, op, c->root, c->rootlen, name, len) != 0) {
+		close(fd);
+		fd = -1;
+	}
+	node_give(c, fd, kept);
 }
 
 // node_fetch asks c's server, over its node socket, to bring the file or block named name

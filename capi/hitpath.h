@@ -81,8 +81,11 @@ bool hit_node_opens(int64_t handle);
  * the client's tiers, through mappings of them it keeps (let go once the tiers no longer
  * list them): the blocks the range covers (tiers.BlockName, of the size fcHitSetBlockBytes
  * gave), else a whole copy of the file. With ask (a process forked after load, which cannot
- * enter Go), a block not cached is asked of the server over its node socket
- * (FC_NODE_OP_FETCH_BLOCK) and read once it is cached. Returns 0
+ * enter Go), the range of a block not cached is read from the file's source, opened here
+ * beneath the root, and the block asked of the server over its node socket in the background
+ * (FC_NODE_OP_CACHE_BLOCK) once worth it (capi/fcheat.h); a block the tiers list unchecked
+ * for this job, and a file under 8 MiB (cached whole), are asked for and waited for
+ * (FC_NODE_OP_FETCH_BLOCK). Returns 0
  * with the bytes read in *got (fewer than len only at the end of the file), or FC_MISS when
  * a copy the range needs is not cached here (Go then serves the whole range). Like hit_read,
  * it works in a process forked after load. */

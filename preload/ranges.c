@@ -15,8 +15,8 @@
  * an offset moves the file offset as the kernel would (lseek before and after).
  *
  * A block of a file no tier takes whole is asked of the server (FC_NODE_OP_CACHE_BLOCK)
- * once a quarter of it was read from the source, or at once for a reader in sequence, as
- * client/ranges.go does. The shim waits for no answer: the server caches the block in the
+ * once a quarter of it was read from the source, or at once for a reader in sequence (see
+ * capi/fcheat.h). The shim waits for no answer: the server caches the block in the
  * background and later reads find it. A block the tiers list but have not checked in this
  * run's session is asked for too (FC_NODE_OP_FETCH_BLOCK), and waited for: the server only
  * compares the file with its source, once for all its blocks.
@@ -43,6 +43,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "../capi/fcheat.h"
 #include "../capi/fcnode.h"
 #include "shim.h"
 
@@ -92,7 +93,7 @@ void ranged_configure(const char *blocks, const char *heat) {
 		block_bytes = n;
 }
 
-static struct heat *heats(void);
+static struct fc_heat *heats(void);
 
 // --- Marked descriptors --------------------------------------------------------------------
 
@@ -394,27 +395,18 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 
 // --- Asking the server for blocks -----------------------------------------------------------
 
-// How much of each block reads took from the source, and when it was last asked for, in a
-// table of HEAT places shared by all files: two blocks in one place only share a count. The
-// table is shared by the processes of the user that read through the shim, so that a block
-// read a little by each of many processes (DataLoader workers, new ones each epoch; a program
-// run again) is asked for as one reader's would be: it lives in a file of the user's private
-// runtime directory (FITCACHE_PRELOAD_HEAT, made by the first process that needs it), or,
-// without one, in memory shared with the processes forked after the first large open.
-// Anything in it only decides which blocks are asked for, never which bytes are read.
-#define HEAT 4096
-struct heat {
-	uint64_t tag;     // the block's name's check hash, odd (0: unused) (atomic)
-	int64_t bytes;    // read from the source since the tag was set (atomic)
-	int64_t asked_ns; // CLOCK_MONOTONIC time of the last ask, 0 for none (atomic)
-};
-#define HEAT_BYTES (HEAT * sizeof(struct heat))
-static struct heat *heat_table; // see heats (atomic)
-static struct heat heat_here[HEAT]; // when no shared mapping could be made
+// The heat of blocks (capi/fcheat.h) is shared by the processes of the user that read through
+// the shim, so that a block read a little by each of many processes (DataLoader workers, new
+// ones each epoch; a program run again) is asked for as one reader's would be: the table lives
+// in a file of the user's private runtime directory (FITCACHE_PRELOAD_HEAT, made by the first
+// process that needs it), or, without one, in memory shared with the processes forked after
+// the first large open.
+static struct fc_heat *heat_table;              // see heats (atomic)
+static struct fc_heat heat_here[FC_HEAT_PLACES]; // when no shared mapping could be made
 
 // heat_file maps the heat file at heat_path, creating it if it is not there; NULL when there
 // is none, or it is not a regular file of this user of the table's size (or empty: made so).
-static struct heat *heat_file(void) {
+static struct fc_heat *heat_file(void) {
 	if (!heat_path[0])
 		return NULL;
 	int fd = (int)syscall(SYS_openat, AT_FDCWD, heat_path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -426,42 +418,38 @@ static struct heat *heat_file(void) {
 	// to a page that cannot be allocated (a full file system, a quota) would kill the program
 	// with SIGBUS.
 	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
-	    (st.st_size == (off_t)HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)HEAT_BYTES) == 0)
-		map = mmap(NULL, HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	    (st.st_size == (off_t)FC_HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)FC_HEAT_BYTES) == 0)
+		map = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	NEXT(close)(fd);
 	return map == MAP_FAILED ? NULL : map;
 }
 
 // heats returns the heat table, mapped on first use.
-static struct heat *heats(void) {
-	struct heat *h = __atomic_load_n(&heat_table, __ATOMIC_ACQUIRE);
+static struct fc_heat *heats(void) {
+	struct fc_heat *h = __atomic_load_n(&heat_table, __ATOMIC_ACQUIRE);
 	if (h)
 		return h;
 	int saved = errno;
 	if (!(h = heat_file())) {
-		h = mmap(NULL, HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+		h = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 		if (h == MAP_FAILED)
 			h = heat_here;
 	}
-	struct heat *was = NULL;
+	struct fc_heat *was = NULL;
 	if (!__atomic_compare_exchange_n(&heat_table, &was, h, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
 		if (h != heat_here)
-			munmap(h, HEAT_BYTES); // another thread mapped it first
+			munmap(h, FC_HEAT_BYTES); // another thread mapped it first
 		h = was;
 	}
 	errno = saved;
 	return h;
 }
 
-// A block asked for is not asked again for this long: the server caches it meanwhile, or has
-// no room for it.
-#define ASK_AGAIN_NS (10 * 1000000000LL)
-
 // When this process last had the server check a block the tiers list but have not checked in
-// its session, by heat place: again only after ASK_AGAIN_NS (a check that did not make the
+// its session, by place: again only after FC_HEAT_ASK_AGAIN_NS (a check that did not make the
 // block servable, the server refusing it, say). Per process, unlike the heat: a new run
 // has a session of its own, whose blocks all need a check however recently another had one.
-static int64_t checked_ns[HEAT];
+static int64_t checked_ns[FC_HEAT_PLACES];
 
 // check_turn reports whether this thread is to have the server check the block named name
 // (len bytes) now, and stamps it if so.
@@ -470,33 +458,9 @@ static int check_turn(const char *name, size_t len) {
 	fc_hashes(name, len, &key, &check);
 	int64_t *stamp = &checked_ns[(key * 0x9E3779B97F4A7C15ULL) >> 52], now = fc_monotonic_ns();
 	int64_t was = __atomic_load_n(stamp, __ATOMIC_RELAXED);
-	if (was != 0 && now - was < ASK_AGAIN_NS)
+	if (was != 0 && now - was < FC_HEAT_ASK_AGAIN_NS)
 		return 0;
 	return __atomic_compare_exchange_n(stamp, &was, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-}
-
-// heat_of returns the place of the block named name (len bytes), reset if another block had it.
-static struct heat *heat_of(const char *name, size_t len) {
-	uint64_t key, check;
-	fc_hashes(name, len, &key, &check);
-	struct heat *h = &heats()[(key * 0x9E3779B97F4A7C15ULL) >> 52];
-	uint64_t tag = check | 1;
-	if (__atomic_load_n(&h->tag, __ATOMIC_RELAXED) != tag) {
-		__atomic_store_n(&h->tag, tag, __ATOMIC_RELAXED);
-		__atomic_store_n(&h->bytes, 0, __ATOMIC_RELAXED);
-		__atomic_store_n(&h->asked_ns, 0, __ATOMIC_RELAXED);
-	}
-	return h;
-}
-
-// ask_turn reports whether this thread is to ask for the block of place h now (no ask of it
-// in the last ASK_AGAIN_NS), and stamps the place if so. A time ahead of now is from before
-// the node restarted (the heat file outlives it).
-static int ask_turn(struct heat *h) {
-	int64_t now = fc_monotonic_ns(), asked = __atomic_load_n(&h->asked_ns, __ATOMIC_RELAXED);
-	if (asked != 0 && asked <= now && now - asked < ASK_AGAIN_NS)
-		return 0;
-	return __atomic_compare_exchange_n(&h->asked_ns, &asked, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
 }
 
 // check_block has the server check the block named name (len bytes) of the file in m, which
@@ -608,12 +572,8 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 			k = from_source(fd, &c, n, at);
 			if (k > 0 && shim_ntiers > 0)
 				fc_count_source(&shim_tiers[0], k);
-			if (k > 0 && m.ask) {
-				struct heat *h = heat_of(m.name, namelen);
-				int64_t hot = __atomic_add_fetch(&h->bytes, k, __ATOMIC_RELAXED);
-				if ((sequential || hot * 4 >= block_bytes) && ask_turn(h))
-					ask_block(&m, m.name, namelen);
-			}
+			if (k > 0 && m.ask && fc_heat_read(fc_heat_of(heats(), m.name, namelen), k, block_bytes, sequential))
+				ask_block(&m, m.name, namelen);
 		}
 		if (k <= 0)
 			break;
