@@ -17,7 +17,9 @@ the file's directory, from outside FitCache.
     python bench/bench_ranges.py --out bench/results/ranges-2026-11-26.json
 
 With --drop-caches the plain pass and FitCache's first pass read a cold file (on a parallel
-file system: --data /mnt/pfs/..., see bench/README.md).
+file system: --data /mnt/pfs/..., see bench/README.md). With --workers N each pass is read by
+N processes forked after the client was opened, as DataLoader workers are (they cannot run
+Go: the library's C hit path serves them), against N forked processes reading plainly.
 
 Reported per block size: each pass's time as a ratio of plain's (plain / FitCache: above 1
 is faster), medians over --repeats rounds; source opens in all; blocks cached.
@@ -49,7 +51,41 @@ def offsets(args):
     return [rng.randrange(0, args.size - args.range_bytes) for _ in range(args.ranges)]
 
 
-def plain_pass(path, offs, length, api):
+def in_workers(workers, read_share):
+    """Runs read_share(i, workers) in workers processes forked from this one, as a DataLoader
+    forks its workers (after the parent loaded the library: they cannot run Go), and returns
+    the seconds until the last ended and the bytes they read in all."""
+    t = time.perf_counter()
+    pipes = []
+    for i in range(workers):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                os.write(w, str(read_share(i, workers)).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        pipes.append((pid, r))
+    got = 0
+    for pid, r in pipes:
+        out = os.read(r, 64)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not out:
+            sys.exit(f"a worker failed (status {status})")
+        got += int(out)
+    return time.perf_counter() - t, got
+
+
+def plain_pass(path, offs, length, api, workers=0):
+    if workers:
+        def share(i, n):
+            fd = os.open(path, os.O_RDONLY)
+            buf = [bytearray(length)]
+            return sum(os.preadv(fd, buf, o) for o in offs[i::n])
+        return in_workers(workers, share)
     fd = os.open(path, os.O_RDONLY)
     try:
         if api == "pread":
@@ -71,7 +107,12 @@ def drop_caches():
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def fitcache_pass(client, path, offs, length, api):
+def fitcache_pass(client, path, offs, length, api, workers=0):
+    if workers:
+        def share(i, n):
+            buf = bytearray(length)
+            return sum(client.pread_into(path, buf, o) for o in offs[i::n])
+        return in_workers(workers, share)
     if api == "pread":
         t = time.perf_counter()
         got = sum(len(client.pread(path, length, o)) for o in offs)
@@ -106,7 +147,7 @@ def passes(client, opens, path, offs, args):
     each pass; returns a row per pass."""
     rows = []
     for p in range(1, args.passes + 1):
-        took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api)
+        took, got = fitcache_pass(client, path, offs, args.range_bytes, args.api, args.workers)
         if got != len(offs) * args.range_bytes:
             sys.exit(f"pass {p}: {got} bytes read, want {len(offs) * args.range_bytes}")
         stats = settled(client)
@@ -114,6 +155,15 @@ def passes(client, opens, path, offs, args):
                      "client": stats["client"], "published": servers_total(stats, "published"),
                      "source_reads": servers_total(stats, "source_reads")})
     return rows
+
+
+def fresh_process(fn, *fn_args):
+    """Runs fn(*fn_args) in a new interpreter (multiprocessing's spawn) and returns its result:
+    each round starts with what a new program has, the library included (the heat of blocks
+    it keeps for its processes would otherwise carry over from the rounds before)."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, fn_args)
 
 
 def fitcache_round(path, offs, args, block_size):
@@ -167,6 +217,10 @@ def main():
     ap.add_argument("--api", choices=("pread_into", "pread"), default="pread_into",
                     help="Client.pread_into into one buffer against os.preadv, or Client.pread "
                          "(new bytes per range) against os.pread")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="read each pass in this many processes forked from the reader after it opened "
+                         "the client (DataLoader workers: C only, no Go), each a share of the ranges; "
+                         "plain reads the same way")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drop-caches", action="store_true",
                     help="cold: drop the page cache (root) before the plain pass and before FitCache's "
@@ -184,10 +238,10 @@ def main():
                 drop_caches()
             else:
                 warm(path)
-            plain, _ = plain_pass(path, offs, args.range_bytes, args.api)
+            plain, _ = plain_pass(path, offs, args.range_bytes, args.api, args.workers)
             if args.drop_caches:
                 drop_caches()
-            rows = (cluster_round if args.servers else fitcache_round)(path, offs, args, bs)
+            rows = fresh_process(cluster_round if args.servers else fitcache_round, path, offs, args, bs)
             results["rounds"].append({"round": r, "block_size": bs, "plain_s": plain, "passes": rows})
             print(f"round {r} block {bs}: plain {plain:.3f} s; " + "; ".join(
                 f"pass {x['pass']} {x['seconds']:.3f} s ({plain / x['seconds']:.2f}x), "

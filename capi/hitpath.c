@@ -736,9 +736,11 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 // read_source_range reads n bytes at off of the file whose clean path is path (len bytes)
 // from the source descriptor Go left for it (fcHitSetSource), or that open_source opened, if
 // there is one still valid; it returns the bytes read, or -FC_MISS. *sequential (may be NULL)
-// says whether the range began where the last one read from it ended.
+// says whether the read this range is part of, which began at call_off, began where the last
+// range read from the source ended: a range that spans two blocks is two ranges here, and the
+// second is no sign of a reader in sequence.
 static ssize_t read_source_range(struct hit_client *c, const char *path, size_t len, char *p, size_t n, off_t off,
-                                 int *sequential) {
+                                 off_t call_off, int *sequential) {
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
 	int64_t now = fc_monotonic_ns();
@@ -765,7 +767,7 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 	pthread_mutex_lock(&c->ranges_mu);
 	s->refs--;
 	if (sequential)
-		*sequential = s->next == off;
+		*sequential = call_off > 0 && s->next == call_off;
 	s->next = off + (off_t)done;
 	pthread_mutex_unlock(&c->ranges_mu);
 	__atomic_fetch_add(&c->source_ranges, 1, __ATOMIC_RELAXED);
@@ -888,7 +890,8 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 			// block. A block the tiers list (unchecked for this job) and a smaller file (which
 			// the server caches whole) are asked for below, and waited for.
 			int sequential = 0;
-			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)at, &sequential);
+			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)at, (off_t)off,
+			                      &sequential);
 			if (k > 0 && heat && fc_heat_read(fc_heat_of(heat, name, namelen), k, bb, sequential))
 				node_tell(c, FC_NODE_OP_CACHE_BLOCK, name, namelen);
 		}
@@ -908,7 +911,7 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
 		}
 		if (k == -FC_MISS) // a block the server has no room for: from the source Go left here
-			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at), NULL);
+			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at), (off_t)off, NULL);
 		if (k < 0)
 			break;
 		done += k;

@@ -83,7 +83,7 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 		at := off + int64(done)
 		n, within := at/plan.bytes, at%plan.bytes
 		want := p[done:min(len(p), done+int(min(plan.bytes-within, src.size-at)))]
-		k, err := c.readBlockRange(plan, dirs, src, path, n, want, within)
+		k, err := c.readBlockRange(plan, dirs, src, path, n, want, within, off)
 		if err != nil {
 			return done, err
 		}
@@ -349,9 +349,9 @@ const sourceKeep = 5 * time.Second
 // holder (plan.fetch); else from the source src, asking for the block to be cached. A block
 // the tiers list but not for this job's session yet (a new job over a warm cache) is asked
 // for at once: the server checks it against the source (one look per file) and answers, and
-// the range is served from it.
+// the range is served from it. callOff is where the ReadAt this range is part of began.
 func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFile, path string, n int64, p []byte,
-	within int64) (int, error) {
+	within, callOff int64) (int, error) {
 	name := tiers.BlockName(path, plan.bytes, n)
 	if k, ok, err := c.readCopy(dirs, name, name, p, within); ok {
 		return k, err
@@ -372,7 +372,7 @@ func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFil
 	k, err := readFull(src.f, p, n*plan.bytes+within)
 	c.counts.sourceRanges.Add(1)
 	c.counts.sourceRangeBytes.Add(int64(k))
-	c.bringBlock(plan, path, n, n*plan.bytes+within, int64(k))
+	c.bringBlock(plan, path, n, n*plan.bytes+within, int64(k), callOff)
 	return k, err
 }
 
@@ -452,8 +452,9 @@ func readFull(f *os.File, p []byte, off int64) (int, error) {
 
 // bringBlock notes that k bytes at off of the file at path, in its block n, were read from
 // the source, and asks the server, in the background, to cache that block once it is worth
-// it: when the reader reads the file in sequence (the range starts where its last one
-// ended), or once the ranges read of the block from the source add up to a quarter of it
+// it: when the reader reads the file in sequence (the ReadAt that read it, which began at
+// callOff, starts where the last range read from the source ended: a ReadAt that spans two
+// blocks reads two ranges, and the second is no sign of a reader in sequence), or once the ranges read of the block from the source add up to a quarter of it
 // (blockHeatShare). A random reader of sparse ranges so costs the source at most four times
 // the bytes it reads, and a first pass over a file does not wait behind copies of blocks
 // it barely reads (measured on the emulated parallel file system: with an eighth, the first
@@ -462,7 +463,7 @@ func readFull(f *os.File, p []byte, off int64) (int, error) {
 // for once (again after blockAskAgain: the server may have declined it). Asks wait in a
 // queue of at most blockQueueMax (past it, the next miss on the block asks again), served
 // by up to blockBringsMax goroutines.
-func (c *Client) bringBlock(plan *blockPlan, path string, n, off, k int64) {
+func (c *Client) bringBlock(plan *blockPlan, path string, n, off, k, callOff int64) {
 	name := tiers.BlockName(path, plan.bytes, n)
 	b := &c.brings
 	b.mu.Lock()
@@ -476,7 +477,7 @@ func (c *Client) bringBlock(plan *blockPlan, path string, n, off, k int64) {
 	if b.ends == nil || len(b.ends) >= blockAsksMax {
 		b.ends = make(map[string]int64)
 	}
-	sequential := b.ends[path] == off && off > 0
+	sequential := b.ends[path] == callOff && callOff > 0
 	b.ends[path] = off + k
 	h := b.blocks[name]
 	if h == nil {

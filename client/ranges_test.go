@@ -129,6 +129,34 @@ func TestRangesWhileTheServerIsDownReadTheSourceAlone(t *testing.T) {
 	}
 }
 
+// A range that spans two blocks is read as two pieces, the second where the first ended: no
+// sign of a reader in sequence, so neither block is asked for (a sparse reader would
+// otherwise have a block read from the source for each range that crosses a boundary).
+func TestARangeAcrossTwoBlocksIsNoReaderInSequence(t *testing.T) {
+	cfg, _ := startServerWithBudget(t, "64MiB")
+	root := t.TempDir()
+	data, _ := randomBytes(20<<20+5, 3)
+	writeFile(t, root, "big.bin", data)
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	bb := c.BlockBytes()
+	for _, k := range []int64{3, 1, 4} { // out of order: no range starts where another ended
+		off := k*bb - 100
+		p := make([]byte, 200)
+		if n, err := c.ReadAt("big.bin", p, off); err != nil || n != 200 || !bytes.Equal(p, data[off:off+200]) {
+			t.Fatalf("ReadAt(200 bytes at %d) = %d, %v", off, n, err)
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // asks, if any, go out in the background
+	if s := statsOf(t, c); s.Server.Published != 0 || s.Client.SourceRanges != 6 {
+		t.Errorf("%d blocks cached, %d ranges read from the source; want none cached, 6 ranges", s.Server.Published,
+			s.Client.SourceRanges)
+	}
+}
+
 // A new job over blocks an earlier job cached reads them, not the source: a block its tiers
 // list unchecked for its session is asked for at once, and the server checks it (one look
 // at the file). A copy the server removes is let go by the client's kept mappings.

@@ -553,7 +553,7 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 	sweep_kept();
 	int64_t size = st.st_size, mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
 	int64_t end = (int64_t)total < size - off ? off + (int64_t)total : size, at = off;
-	int sequential = off == __atomic_load_n(&m.f->next, __ATOMIC_RELAXED);
+	int sequential = off > 0 && off == __atomic_load_n(&m.f->next, __ATOMIC_RELAXED);
 	int64_t served[FC_MAX_TIERS] = {0};
 	struct cursor c = {.iov = iov, .n = cnt};
 	ssize_t k = 0;
