@@ -3,6 +3,7 @@ larger than the cache is cached by the blocks that are read, every range has the
 bytes, the source is opened once per block at most, and a block hit needs no Go (it is
 served in a process forked after the library was loaded)."""
 
+import hashlib
 import os
 import random
 import subprocess
@@ -336,3 +337,26 @@ def test_the_transparent_mode_reads_a_file_larger_than_the_cache_through_blocks(
     assert stats["reader_source_ranges"] > 0 and stats["errors"] == 0, stats
     # A source open per program open (14 a run: the server's, handed over), and one per block cached.
     assert counts["big.bin"] <= 2 * 14 + blocks, counts
+
+
+def test_a_heat_file_planted_in_its_place_is_left_alone(large_file, small_tiers, tmp_path):
+    """The shim shares the heat of blocks in a file of the user's runtime directory, which it
+    makes itself: a link found in its place (or a file of another size) is not followed nor
+    written, and the program reads the same bytes, sharing the heat in memory instead."""
+    from test_preload import FITCACHE_BIN, command_env
+    root, data = large_file
+    run = small_tiers["runtime_dir"]
+    os.makedirs(run, mode=0o700, exist_ok=True)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    os.symlink(target, os.path.join(run, "preload.heat"))
+    code = ("import hashlib, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "print(hashlib.sha256(b''.join(os.pread(fd, 300_000, o) for o in range(0, 20 * 2**20, 1_000_000))).hexdigest())\n")
+    want = hashlib.sha256(b"".join(data[o:o + 300_000] for o in range(0, 20 * 2**20, 1_000_000))).hexdigest()
+    for _ in range(2):
+        out = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                              os.path.join(root, "big.bin")], env=command_env(small_tiers), capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == [want], out.stdout + out.stderr
+    assert target.stat().st_size == 0 and os.path.islink(os.path.join(run, "preload.heat"))
