@@ -243,6 +243,30 @@ func (c *Client) askOwner(ctx context.Context, bb int64, path string, n, off, le
 	return reply, fromOtherNode, err
 }
 
+// CacheBlockAtOwner has block n of the file at path cached by the server that owns it on the
+// ring (the next live one if it is dead), for a cluster server's prefetch of a large file
+// (core.EngineConfig.BlockOwner): mine reports that self, this server's id, owns it, and is
+// to cache it itself; else the owner is asked to cache it, and sends none of it.
+func (c *Client) CacheBlockAtOwner(ctx context.Context, self, path string, n int64) (mine bool, err error) {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed.Load() {
+		return false, core.ErrClosed
+	}
+	if c.cluster == nil {
+		return false, fmt.Errorf("client CacheBlockAtOwner outside cluster mode: %w", errors.ErrUnsupported)
+	}
+	bb := c.cluster.blockBytes.Load()
+	if bb <= 0 {
+		return false, fmt.Errorf("%w: the servers' block size is not known yet", rpc.ErrUnavailable)
+	}
+	if targets := c.cluster.targets(tiers.BlockName(path, bb, n)); len(targets) > 0 && targets[0].member.ID == self {
+		return true, nil
+	}
+	_, _, err = c.askOwner(ctx, bb, path, n, 0, 0, false)
+	return false, err
+}
+
 // guestBlockMax bounds the blocks a server keeps copies of for its node (ForwardBlock): a
 // larger block travels by ranges only, and is never held whole in memory.
 const guestBlockMax = 16 << 20

@@ -57,6 +57,10 @@ type EngineConfig struct {
 	// whichever server of the job owns it (see client.Client.FetchForReader), and reports
 	// whether it was there already: prefetch uses it for the lists of PrefetchRequest.ForNode.
 	NodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
+	// BlockOwner, in a cluster server, has block n of the file at path cached by the server
+	// that owns it on the ring (see client.Client.CacheBlockAtOwner), unless that is this
+	// server (mine): prefetch of a large file no tier takes whole (see fetchBlocks).
+	BlockOwner func(ctx context.Context, root, path string, n int64) (mine bool, err error)
 }
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
@@ -83,8 +87,10 @@ type Engine struct {
 	prefetchBlockSlots chan struct{}
 	// nodeFetch is EngineConfig.NodeFetch, or nil.
 	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
-	closed    atomic.Bool
-	fills     sync.WaitGroup // source reads in progress (see fill), awaited by Close
+	// blockOwner is EngineConfig.BlockOwner, or nil.
+	blockOwner func(ctx context.Context, root, path string, n int64) (mine bool, err error)
+	closed     atomic.Bool
+	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
 	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
 	flights   map[string]*flight
@@ -125,7 +131,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}
-	e.maxSend, e.nodeFetch, e.blockBytes = cfg.MaxSendBytes, cfg.NodeFetch, cfg.BlockBytes
+	e.maxSend, e.nodeFetch, e.blockOwner, e.blockBytes = cfg.MaxSendBytes, cfg.NodeFetch, cfg.BlockOwner, cfg.BlockBytes
 	if e.maxSend <= 0 {
 		e.maxSend = 64 << 20
 	}

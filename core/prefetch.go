@@ -747,9 +747,7 @@ func (p *prefetcher) fetch(j *prefetchJob, path string) outcome {
 		out.kind, out.err = fetchFailed, f.err
 		if errors.Is(f.err, ErrTooLarge) && p.fitsSomeTier(path) {
 			out.kind = noRoom // no room without eviction (ErrCacheFull wraps ErrTooLarge)
-		} else if errors.Is(f.err, ErrTooLarge) && f.size >= ReadNowBytes && e.nodeFetch == nil {
-			// Not in cluster mode, where each block belongs to the server that owns its
-			// name on the ring: blocks of large files are cached there as they are read.
+		} else if errors.Is(f.err, ErrTooLarge) && f.size >= ReadNowBytes {
 			return p.fetchBlocks(j, path, f.size, out)
 		}
 		return out
@@ -768,8 +766,10 @@ func (p *prefetcher) fetch(j *prefetchJob, path string) outcome {
 // readers of its ranges, and programs under `fitcache run`, then find them cached. As for
 // whole files, nothing is evicted for them, and the job stops at the budget: at the first
 // block no tier has room for. It stops between blocks once the prefetcher stops (the engine
-// closes) or the job ends (its owners left): a file may have thousands of blocks. out is the
-// file's outcome so far (its reserved room).
+// closes) or the job ends (its owners left): a file may have thousands of blocks. In a
+// cluster, each block belongs to the server that owns its name on the ring: the others are
+// asked to cache theirs (EngineConfig.BlockOwner), and one that declines or does not answer
+// is passed over. out is the file's outcome so far (its reserved room).
 func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out outcome) outcome {
 	e, root := p.e, j.root
 	gone := func() bool {
@@ -798,6 +798,17 @@ func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out ou
 					firstErr = cmp.Or(firstErr, ErrClosed)
 					mu.Unlock()
 					return
+				}
+				if e.blockOwner != nil {
+					ctx, cancel := context.WithTimeout(context.Background(), nodeFetchTimeout)
+					mine, err := e.blockOwner(ctx, root, path, n)
+					cancel()
+					if !mine {
+						if err != nil {
+							e.log.Debug("prefetch: a block's owner did not cache it", "path", path, "block", n, "err", err)
+						}
+						continue
+					}
 				}
 				got, err := e.prefetchBlock(root, path, n)
 				fetched.Add(got)

@@ -371,6 +371,23 @@ func (n *clusterNode) forwardBlock(ctx context.Context, root, path string, block
 	return c.ForwardBlock(ctx, n.self, path, block, off, length)
 }
 
+// cacheBlockAtOwner has block n of the file at path cached by the server that owns it on the
+// ring, for this server's prefetch (core.EngineConfig.BlockOwner): mine when that is this
+// server, which caches it itself.
+func (n *clusterNode) cacheBlockAtOwner(ctx context.Context, root, path string, block int64) (mine bool, err error) {
+	if n == nil || n.self == "" {
+		return true, nil
+	}
+	if err := n.engine.CheckRoot(root, path); err != nil {
+		return false, err
+	}
+	c, err := n.client(ctx, root)
+	if err != nil {
+		return false, err
+	}
+	return c.CacheBlockAtOwner(ctx, n.self, path, block)
+}
+
 // fetch answers OpFetch, which promises the caller the file in a tier of this node (see
 // client.FetchForReader): this server's own, another server's of this node, or a node-local
 // copy of a file another node owns. When no tier of the node takes it, the error (ENOSPC or

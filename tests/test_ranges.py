@@ -360,3 +360,32 @@ def test_a_heat_file_planted_in_its_place_is_left_alone(large_file, small_tiers,
                              text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.split() == [want], out.stdout + out.stderr
     assert target.stat().st_size == 0 and os.path.islink(os.path.join(run, "preload.heat"))
+
+
+def test_prefetch_in_cluster_mode_caches_a_large_files_blocks_at_their_owners(large_file, tmp_path):
+    """Four servers whose tiers (16 MiB) cannot hold the 20 MiB file whole: the prefetch of a
+    reader on a node without a server goes to the file's owner, which caches the blocks it
+    owns and asks the other servers for theirs (each block's owner on the ring). The blocks
+    spread over the servers, each read from the source once."""
+    from harness import Cluster, cached_names
+    root, data = large_file
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster", root, serve_options={"rpc_timeout": "2", "wait_timeout": "5"},
+                      budget="16MiB")
+    try:
+        with fitcache.Client(root, **cluster.options(node="127.0.0.9")) as client:
+            client.prefetch(["big.bin"])
+            blocks = -(-len(data) // (4 << 20))
+
+            def holders():
+                return {a: sum(1 for n in cached_names(cluster, a) if n.startswith("big.bin#")) for a in cluster.addrs}
+            deadline = time.monotonic() + 60
+            while sum(holders().values()) < blocks:
+                assert time.monotonic() < deadline, holders()
+                time.sleep(0.2)
+            spread = holders()
+            stats = client.stats()["servers"]
+        assert sum(1 for n in spread.values() if n) >= 2, f"blocks not spread: {spread}"
+        assert sum(s["source_reads"] for s in stats.values() if isinstance(s, dict)) == blocks, stats
+    finally:
+        cluster.stop()
