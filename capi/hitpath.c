@@ -55,10 +55,11 @@ struct range_source {
 // that forks its DataLoader workers, so that they all, epoch after epoch, count as one reader.
 static struct fc_heat *heat; // NULL until mapped (then never unmapped)
 static pthread_once_t heat_once = PTHREAD_ONCE_INIT;
+static struct fc_heat heat_here[FC_HEAT_PLACES]; // when no shared mapping could be made
 
 static void map_heat(void) {
 	void *m = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	heat = m == MAP_FAILED ? NULL : m;
+	heat = m == MAP_FAILED ? heat_here : m;
 }
 
 // A copy the tiers no longer list is let go within this long (see range_sweep).
@@ -415,7 +416,7 @@ void fcHitClose(int64_t handle) {
 		if (c->ranges[i].data)
 			munmap((void *)c->ranges[i].data, (size_t)c->ranges[i].size);
 	for (int i = 0; i < RANGE_SOURCES; i++)
-		if (c->sources[i].key || c->sources[i].check)
+		if ((c->sources[i].key || c->sources[i].check) && c->sources[i].fd >= 0)
 			close(c->sources[i].fd);
 	pthread_mutex_destroy(&c->node_mu);
 	pthread_mutex_destroy(&c->ranges_mu);
@@ -435,20 +436,30 @@ void fcHitSetSource(int64_t handle, const char *path, int fd, int64_t ms) {
 }
 
 // keep_source keeps fd, the source of the large file at the clean absolute path path (len
-// bytes), in c's sources for ms milliseconds (see fcHitSetSource); c owns fd from then on.
+// bytes), in c's sources for ms milliseconds (see fcHitSetSource); c owns fd from then on. An
+// fd of -1 notes a file too small to be read by blocks (see open_source).
 static void keep_source(struct hit_client *c, const char *path, size_t len, int fd, int64_t ms) {
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
 	int old = -1, kept = 0;
+	int64_t now = fc_monotonic_ns();
 	pthread_mutex_lock(&c->ranges_mu);
-	// Its entry if it has one, else a free or unused one.
+	// Its entry if it has one, else a free one, else an expired one, else the unused one that
+	// expires first: the sources of files read in turn are all kept.
 	int at = -1;
 	for (int i = 0; i < RANGE_SOURCES && at < 0; i++)
 		if (c->sources[i].key == key && c->sources[i].check == check)
 			at = i;
 	for (int i = 0; i < RANGE_SOURCES && at < 0; i++)
-		if (c->sources[i].refs == 0)
+		if (c->sources[i].key == 0 && c->sources[i].check == 0)
 			at = i;
+	for (int i = 0; i < RANGE_SOURCES && at < 0; i++)
+		if (c->sources[i].refs == 0 && c->sources[i].until_ns <= now)
+			at = i;
+	if (at < 0)
+		for (int i = 0; i < RANGE_SOURCES; i++)
+			if (c->sources[i].refs == 0 && (at < 0 || c->sources[i].until_ns < c->sources[at].until_ns))
+				at = i;
 	if (at >= 0 && c->sources[at].refs == 0) {
 		struct range_source *s = &c->sources[at];
 		old = s->key || s->check ? s->fd : -1;
@@ -461,7 +472,7 @@ static void keep_source(struct hit_client *c, const char *path, size_t len, int 
 	pthread_mutex_unlock(&c->ranges_mu);
 	if (old >= 0)
 		close(old);
-	if (!kept)
+	if (!kept && fd >= 0)
 		close(fd);
 }
 
@@ -747,7 +758,8 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 	struct range_source *s = NULL;
 	pthread_mutex_lock(&c->ranges_mu);
 	for (int i = 0; i < RANGE_SOURCES; i++)
-		if (c->sources[i].key == key && c->sources[i].check == check && now < c->sources[i].until_ns) {
+		if (c->sources[i].key == key && c->sources[i].check == check && now < c->sources[i].until_ns &&
+		    c->sources[i].fd >= 0) {
 			s = &c->sources[i];
 			s->refs++;
 			break;
@@ -756,10 +768,12 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 	if (!s)
 		return -FC_MISS;
 	size_t done = 0;
+	int failed = 0; // an error is no end of file: the range is left to the caller's fallback
 	while (done < n) {
 		ssize_t k = pread(s->fd, p + done, n - done, off + (off_t)done);
 		if (k < 0 && errno == EINTR)
 			continue;
+		failed = k < 0;
 		if (k <= 0)
 			break;
 		done += (size_t)k;
@@ -770,7 +784,11 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 		*sequential = call_off > 0 && s->next == call_off;
 	s->next = off + (off_t)done;
 	pthread_mutex_unlock(&c->ranges_mu);
+	if (failed)
+		return -FC_MISS;
 	__atomic_fetch_add(&c->source_ranges, 1, __ATOMIC_RELAXED);
+	if (c->ntiers > 0) // in the server's statistics too: a forked reader has no Go to report it
+		fc_count_source(&c->tiers[0], (int64_t)done);
 	return (ssize_t)done;
 }
 
@@ -790,13 +808,14 @@ static int open_source(struct hit_client *c, const char *path, size_t len) {
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
 	int64_t now = fc_monotonic_ns();
-	int have = 0;
+	int have = -1; // 1: a source kept, 0: a file noted small
 	pthread_mutex_lock(&c->ranges_mu);
-	for (int i = 0; i < RANGE_SOURCES && !have; i++)
-		have = c->sources[i].key == key && c->sources[i].check == check && now < c->sources[i].until_ns;
+	for (int i = 0; i < RANGE_SOURCES && have < 0; i++)
+		if (c->sources[i].key == key && c->sources[i].check == check && now < c->sources[i].until_ns)
+			have = c->sources[i].fd >= 0;
 	pthread_mutex_unlock(&c->ranges_mu);
-	if (have)
-		return 1;
+	if (have >= 0)
+		return have;
 	if (c->real_root_fd < 0 || len <= c->rootlen)
 		return -1;
 	const char *rel = path + c->rootlen + (c->rootlen > 1 ? 1 : 0);
@@ -805,10 +824,14 @@ static int open_source(struct hit_client *c, const char *path, size_t len) {
 	struct stat st;
 	if (fd < 0)
 		return -1;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < READ_NOW_BYTES) {
-		int small = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
 		close(fd);
-		return small ? 0 : -1;
+		return -1;
+	}
+	if (st.st_size < READ_NOW_BYTES) { // noted, so that its next ranges do not open it again
+		close(fd);
+		keep_source(c, path, len, -1, SOURCE_KEEP_MS);
+		return 0;
 	}
 	keep_source(c, path, len, fd, SOURCE_KEEP_MS);
 	return 1;
@@ -1040,14 +1063,23 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 static void node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len) {
 	if (!c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED))
 		return;
-	int kept, fd = node_take(c, &kept);
-	if (fd < 0)
-		fd = node_connect(c->node_socket, c->timeout_ms);
-	if (fd >= 0 && fc_node_send_request(fd, op, c->root, c->rootlen, name, len) != 0) {
-		close(fd);
-		fd = -1;
+	int kept, fd = node_take(c, &kept), sent = 0, timed_out = 0;
+	// A kept connection the server closed (idle) fails: once more on a new one.
+	for (int attempt = 0; attempt < 2 && !sent && !timed_out; attempt++) {
+		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0) {
+			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+			break;
+		}
+		sent = fc_node_send_request(fd, op, c->root, c->rootlen, name, len) == 0;
+		if (!sent) {
+			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+			close(fd);
+			fd = -1;
+		}
 	}
 	node_give(c, fd, kept);
+	if (timed_out) // a hung server: skip it for a while
+		__atomic_store_n(&c->node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
 }
 
 // node_fetch asks c's server, over its node socket, to bring the file or block named name

@@ -246,8 +246,8 @@ func (c *Client) askOwner(ctx context.Context, bb int64, path string, n, off, le
 // CacheBlockAtOwner has block n of the file at path cached by the server that owns it on the
 // ring (the next live one if it is dead), for a cluster server's prefetch of a large file
 // (core.EngineConfig.BlockOwner): mine reports that self, this server's id, owns it, and is
-// to cache it itself; else the owner is asked to cache it, and sends none of it.
-func (c *Client) CacheBlockAtOwner(ctx context.Context, self, path string, n int64) (mine bool, err error) {
+// to cache it itself; else, with ask, the owner is asked to cache it, and sends none of it.
+func (c *Client) CacheBlockAtOwner(ctx context.Context, self, path string, n int64, ask bool) (mine bool, err error) {
 	c.life.RLock()
 	defer c.life.RUnlock()
 	if c.closed.Load() {
@@ -262,6 +262,9 @@ func (c *Client) CacheBlockAtOwner(ctx context.Context, self, path string, n int
 	}
 	if targets := c.cluster.targets(tiers.BlockName(path, bb, n)); len(targets) > 0 && targets[0].member.ID == self {
 		return true, nil
+	}
+	if !ask {
+		return false, nil
 	}
 	_, _, err = c.askOwner(ctx, bb, path, n, 0, 0, false)
 	return false, err

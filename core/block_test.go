@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -204,6 +206,20 @@ func TestBlocksOfAnotherSizeAreRemovedAtStart(t *testing.T) {
 	}
 }
 
+// prefetchAll fails the test on err (NewEngine's for e), closes e at its end, and prefetches
+// paths in one job that it waits for.
+func prefetchAll(t *testing.T, e *Engine, err error, root string, paths []string) PrefetchInfo {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil {
+		t.Fatal(err)
+	}
+	return waitPrefetch(t, e, root, "a")
+}
+
 // Prefetch caches a large file that no tier takes whole by its blocks: all of them where
 // the tiers have room (here two tiers of 6 MiB for a file of 10 MiB), and up to the budget,
 // without evicting, where they have not; each block is read from the source once.
@@ -219,14 +235,7 @@ func TestPrefetchCachesALargeFileNoTierTakesByBlocks(t *testing.T) {
 		path := paths[0]
 		e, err := NewEngine(EngineConfig{Tiers: testTiers(t, tc.budgets...), BlockBytes: 1 << 20,
 			Prefetch: PrefetchConfig{Reads: 4}}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { e.Close() })
-		if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil {
-			t.Fatal(err)
-		}
-		info := waitPrefetch(t, e, root, "a")
+		info := prefetchAll(t, e, err, root, paths)
 		cached := 0
 		for n := range int64(11) {
 			if e.HoldsBlock(path, n) {
@@ -277,5 +286,45 @@ func TestClosingStopsAPrefetchOfBlocks(t *testing.T) {
 	e.Close()
 	if n := e.Stats().SourceReads; n > 100 {
 		t.Errorf("%d of the file's 320 blocks read after Close was called with 3 read: want it to stop", n)
+	}
+}
+
+// In a cluster, prefetch caches the blocks this server owns and asks the owners of the
+// others (EngineConfig.BlockOwner); once owners declined blockOwnerFailuresMax blocks, it
+// asks no more of them, and goes on with its own.
+func TestPrefetchOfBlocksAsksTheirOwners(t *testing.T) {
+	root, paths := dataset(t, 40<<20)
+	path := paths[0]
+	var asked, declined atomic.Int64
+	e, err := NewEngine(EngineConfig{Tiers: testTiers(t, "32MiB", "32MiB"), BlockBytes: 1 << 20,
+		Prefetch: PrefetchConfig{Reads: 4},
+		BlockOwner: func(ctx context.Context, root, p string, n int64, ask bool) (bool, error) {
+			if n%2 == 0 {
+				return true, nil
+			}
+			if !ask {
+				return false, nil
+			}
+			asked.Add(1)
+			if n >= 21 { // the owners of the blocks from 21 on are full
+				declined.Add(1)
+				return false, fmt.Errorf("%w: block %d", ErrCacheFull, n)
+			}
+			return false, nil
+		}}, nil)
+	info := prefetchAll(t, e, err, root, paths)
+	for n := range int64(40) {
+		if held := e.HoldsBlock(path, n); held != (n%2 == 0) {
+			t.Errorf("block %d held %v, want %v (this server owns the even blocks)", n, held, n%2 == 0)
+		}
+	}
+	if info.State != PrefetchDone || info.Failed != 0 {
+		t.Errorf("job %+v, want done without failure", info)
+	}
+	if d := declined.Load(); d < blockOwnerFailuresMax || d > blockOwnerFailuresMax+blockPrefetchWidth {
+		t.Errorf("%d blocks asked of owners that declined, want about %d: asks stop after that", d, blockOwnerFailuresMax)
+	}
+	if a := asked.Load(); a < 10 {
+		t.Errorf("%d blocks asked of their owners, want the odd ones below 21 (10) at least", a)
 	}
 }

@@ -57,10 +57,11 @@ type EngineConfig struct {
 	// whichever server of the job owns it (see client.Client.FetchForReader), and reports
 	// whether it was there already: prefetch uses it for the lists of PrefetchRequest.ForNode.
 	NodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
-	// BlockOwner, in a cluster server, has block n of the file at path cached by the server
-	// that owns it on the ring (see client.Client.CacheBlockAtOwner), unless that is this
-	// server (mine): prefetch of a large file no tier takes whole (see fetchBlocks).
-	BlockOwner func(ctx context.Context, root, path string, n int64) (mine bool, err error)
+	// BlockOwner, in a cluster server, reports whether this server owns block n of the file
+	// at path on the ring (mine), and else, with ask, has its owner cache it (see
+	// client.Client.CacheBlockAtOwner): prefetch of a large file no tier takes whole (see
+	// fetchBlocks).
+	BlockOwner func(ctx context.Context, root, path string, n int64, ask bool) (mine bool, err error)
 }
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
@@ -88,7 +89,7 @@ type Engine struct {
 	// nodeFetch is EngineConfig.NodeFetch, or nil.
 	nodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	// blockOwner is EngineConfig.BlockOwner, or nil.
-	blockOwner func(ctx context.Context, root, path string, n int64) (mine bool, err error)
+	blockOwner func(ctx context.Context, root, path string, n int64, ask bool) (mine bool, err error)
 	closed     atomic.Bool
 	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
 

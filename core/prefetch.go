@@ -779,11 +779,12 @@ func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out ou
 	}
 	blocks := (size + e.blockBytes - 1) / e.blockBytes
 	var (
-		next, fetched atomic.Int64
-		stop          atomic.Bool
-		mu            sync.Mutex
-		firstErr      error
-		wg            sync.WaitGroup
+		next, fetched  atomic.Int64
+		remoteFailures atomic.Int64 // blocks other servers did not cache
+		stop           atomic.Bool
+		mu             sync.Mutex
+		firstErr       error
+		wg             sync.WaitGroup
 	)
 	for range min(blockPrefetchWidth, blocks) {
 		wg.Go(func() {
@@ -800,11 +801,13 @@ func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out ou
 					return
 				}
 				if e.blockOwner != nil {
-					ctx, cancel := context.WithTimeout(context.Background(), nodeFetchTimeout)
-					mine, err := e.blockOwner(ctx, root, path, n)
+					ask := remoteFailures.Load() < blockOwnerFailuresMax // else owners are full, or away
+					ctx, cancel := context.WithTimeout(context.Background(), blockOwnerTimeout)
+					mine, err := e.blockOwner(ctx, root, path, n, ask)
 					cancel()
 					if !mine {
 						if err != nil {
+							remoteFailures.Add(1)
 							e.log.Debug("prefetch: a block's owner did not cache it", "path", path, "block", n, "err", err)
 						}
 						continue
@@ -843,6 +846,15 @@ func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out ou
 const (
 	blockPrefetchWidth    = 4
 	prefetchBlockFillsMax = blockFillsMax / 2
+)
+
+// In a cluster, the asks of prefetch to other servers to cache their blocks of a file stop
+// once blockOwnerFailuresMax were not answered or declined (their tiers are full of the
+// dataset, or they are away): a file may have thousands of blocks. Each ask waits
+// blockOwnerTimeout at most, which bounds how long Close waits for a worker too.
+const (
+	blockOwnerFailuresMax = 8
+	blockOwnerTimeout     = 10 * time.Second
 )
 
 // fetchForNode brings one file of a node's readers' list into a tier of this node through the

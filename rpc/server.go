@@ -297,7 +297,9 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	}
 	if req.IsSetBlock() && req.IsSetRangeLength() {
 		reply := h.readBlockRange(ctx, req, version, dead)
-		if h.cfg.OnRead != nil && reply.Errno == 0 { // ranges are reads as files are
+		// Ranges are reads as files are; a request that only caches the block (a length of 0)
+		// is none.
+		if h.cfg.OnRead != nil && reply.Errno == 0 && req.GetRangeLength() > 0 {
 			h.cfg.OnRead(req.Local, reply.Origin, time.Since(start), reply.Size)
 		}
 		return reply, nil

@@ -372,9 +372,9 @@ func (n *clusterNode) forwardBlock(ctx context.Context, root, path string, block
 }
 
 // cacheBlockAtOwner has block n of the file at path cached by the server that owns it on the
-// ring, for this server's prefetch (core.EngineConfig.BlockOwner): mine when that is this
-// server, which caches it itself.
-func (n *clusterNode) cacheBlockAtOwner(ctx context.Context, root, path string, block int64) (mine bool, err error) {
+// ring (with ask), for this server's prefetch (core.EngineConfig.BlockOwner): mine when that
+// is this server, which caches it itself.
+func (n *clusterNode) cacheBlockAtOwner(ctx context.Context, root, path string, block int64, ask bool) (mine bool, err error) {
 	if n == nil || n.self == "" {
 		return true, nil
 	}
@@ -385,7 +385,7 @@ func (n *clusterNode) cacheBlockAtOwner(ctx context.Context, root, path string, 
 	if err != nil {
 		return false, err
 	}
-	return c.CacheBlockAtOwner(ctx, n.self, path, block)
+	return c.CacheBlockAtOwner(ctx, n.self, path, block, ask)
 }
 
 // fetch answers OpFetch, which promises the caller the file in a tier of this node (see

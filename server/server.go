@@ -267,11 +267,11 @@ func (s *Server) openEngine() (err error) {
 			}
 			return s.cluster.fetchForPrefetch(ctx, root, path)
 		}
-		ecfg.BlockOwner = func(ctx context.Context, root, path string, n int64) (bool, error) {
+		ecfg.BlockOwner = func(ctx context.Context, root, path string, n int64, ask bool) (bool, error) {
 			if s.cluster == nil {
 				return false, fmt.Errorf("%w: no cluster node", core.ErrTooLarge)
 			}
-			return s.cluster.cacheBlockAtOwner(ctx, root, path, n)
+			return s.cluster.cacheBlockAtOwner(ctx, root, path, n, ask)
 		}
 	}
 	s.engine, err = core.NewEngine(ecfg, s.log)

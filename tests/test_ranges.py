@@ -335,8 +335,10 @@ def test_the_transparent_mode_reads_a_file_larger_than_the_cache_through_blocks(
     stats = fitcache.server_stats(**small_tiers)
     assert stats["reader_source_bytes"] >= 2 * 12 * (20 - blocks) * BLOCK, stats
     assert stats["reader_source_ranges"] > 0 and stats["errors"] == 0, stats
-    # A source open per program open (14 a run: the server's, handed over), and one per block cached.
-    assert counts["big.bin"] <= 2 * 14 + blocks, counts
+    # A source open per program open (14 a run: the server's, handed over), and one per block
+    # cached; fills that raced for the last room of the tier may each have opened it too
+    # (the server runs 8 block fills at once, and checks for room before it opens the source).
+    assert counts["big.bin"] <= 2 * 14 + blocks + 8, counts
 
 
 def test_a_heat_file_planted_in_its_place_is_left_alone(large_file, small_tiers, tmp_path):
