@@ -44,8 +44,8 @@ static int sys_openat(int dirfd, const char *path, int flags) {
 	return (int)syscall(SYS_openat, dirfd, path, flags, 0);
 }
 
-// fc_hashes computes fc_key and fc_check of p in one pass: two independent multiply
-// chains, which the CPU overlaps (each alone is one multiply's latency per byte).
+// fc_hashes computes both hashes of p in one pass: two independent multiply chains, which
+// the CPU overlaps (each alone is one multiply's latency per byte).
 void fc_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
 	uint64_t h = 0xcbf29ce484222325ULL, c = 0xcbf29ce484222325ULL;
 	for (size_t i = 0; i < n; i++) {
@@ -54,24 +54,6 @@ void fc_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
 	}
 	*key = h;
 	*check = c;
-}
-
-uint64_t fc_key(const char *p, size_t n) {
-	uint64_t h = 0xcbf29ce484222325ULL;
-	for (size_t i = 0; i < n; i++) {
-		h ^= (unsigned char)p[i];
-		h *= 0x100000001b3ULL;
-	}
-	return h;
-}
-
-uint64_t fc_check(const char *p, size_t n) {
-	uint64_t h = 0xcbf29ce484222325ULL;
-	for (size_t i = n; i > 0; i--) {
-		h ^= (unsigned char)p[i - 1];
-		h *= 0x100000001b3ULL;
-	}
-	return h;
 }
 
 int fc_clean_path(const char *in, char *out, size_t cap) {

@@ -124,12 +124,9 @@ void fc_count_source(struct fc_tier *t, int64_t bytes);
  * Returns its length, or -1 if in is not absolute or out is too small. */
 int fc_clean_path(const char *in, char *out, size_t cap);
 
-/* The two hashes of a clean source path that name its cached copy (FNV-1a 64 of the path)
- * and guard against collisions (FNV-1a 64 of the path's bytes in reverse order). */
-uint64_t fc_key(const char *path, size_t len);
-uint64_t fc_check(const char *path, size_t len);
-
-/* fc_key and fc_check of path in one pass. */
+/* The two hashes of a clean source path: key names its cached copy (FNV-1a 64 of the path,
+ * tiers.KeyOf), check guards against collisions (FNV-1a 64 of the path's bytes in reverse
+ * order, tiers.CheckOf). */
 void fc_hashes(const char *path, size_t len, uint64_t *key, uint64_t *check);
 
 #ifdef __cplusplus

@@ -108,8 +108,8 @@ type Client struct {
 	attempt   *connectAttempt
 
 	// view is the last connection that succeeded, kept when it fails: its tier directories
-	// and removal counter stay usable while the server does not answer, so files cached
-	// before keep being served from the tiers without waiting for it.
+	// stay usable while the server does not answer, so files cached before keep being
+	// served from the tiers without waiting for it.
 	view atomic.Pointer[serverConn]
 
 	cluster *clusterRouter // set in cluster mode (Config.Servers) on a node without a server of the job
@@ -124,7 +124,6 @@ type Client struct {
 	// (notLargeCount counts the attempts to add one).
 	notLarge      sync.Map
 	notLargeCount atomic.Int64
-	spawned       atomic.Bool // set once this client started (or waited for) a server
 
 	counts   counters
 	external atomic.Pointer[func() ExternalCounts]                // see SetExternalCounts
@@ -314,7 +313,7 @@ func (c *Client) readInto(path string, mapTiers bool) (Buffer, error) {
 	if c.cluster != nil {
 		return c.readCluster(path)
 	}
-	dirs, _ := c.tierView()
+	dirs := c.tierView()
 	if !mapTiers && tiers.Listed(dirs, path) {
 		return nil, nil
 	}
@@ -505,17 +504,7 @@ func (c *Client) localDirs() []tiers.Dir {
 	if c.cluster != nil {
 		return c.cluster.localDirs()
 	}
-	dirs, _ := c.tierView()
-	return dirs
-}
-
-// generation returns the removal generation of the servers whose files this client maps.
-func (c *Client) generation() uint64 {
-	if c.cluster != nil {
-		return c.cluster.generation()
-	}
-	_, gen := c.tierView()
-	return gen.Load()
+	return c.tierView()
 }
 
 // Close reports pending hits and stops the client, after reads in progress have ended. It
@@ -546,12 +535,14 @@ func (c *Client) Close() error {
 	conn := c.conn
 	c.conn = nil
 	c.mu.Unlock()
+	var errs []error // what Close could not release cleanly (as bbolt's DB.Close joins them)
 	if conn != nil {
-		conn.rpc.Close()
+		if err := conn.rpc.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("connection to the server: %w", err))
+		}
 	}
 	if v := c.view.Swap(nil); v != nil {
-		v.gen.Close()
-		closeDirs(v.dirs)
+		errs = append(errs, closeDirs(v.dirs))
 	}
 	if c.cluster != nil {
 		c.cluster.close()
@@ -560,7 +551,7 @@ func (c *Client) Close() error {
 		c.node.close()
 	}
 	c.ranges.close()
-	return nil
+	return errors.Join(errs...)
 }
 
 // IsMapped reports whether a buffer's bytes are a file mapping rather than memory of the Go

@@ -38,8 +38,7 @@ func startServerWithTier(t testing.TB, dir, budget string) (config.Config, func(
 		t.Fatal(err)
 	}
 	tierCfgs, _ := cfg.TierConfigs()
-	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs,
-		GenerationFile: embedded.SocketPath(cfg.RuntimeDir) + ".gen"}, nil)
+	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

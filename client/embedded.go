@@ -5,6 +5,7 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -28,21 +29,20 @@ const (
 // serverConn is a connection to the embedded server and what it told about itself.
 type serverConn struct {
 	rpc     *rpc.Client
-	dirs    []tiers.Dir       // the server's tier directories, fastest first, for our session
-	gen     *tiers.Generation // the server's removal counter, or nil
-	session uint32            // our job's validation session at the server (see tiers.Dir.WithSession)
+	dirs    []tiers.Dir // the server's tier directories, fastest first, for our session
+	session uint32      // our job's validation session at the server (see tiers.Dir.WithSession)
 	// blockBytes is the size of the server's blocks (see ranges.go); 0 for a server
 	// without them.
 	blockBytes int64
 }
 
-// tierView returns the tier directories and removal counter of the last server that
-// answered (none before the first).
-func (c *Client) tierView() ([]tiers.Dir, *tiers.Generation) {
+// tierView returns the tier directories of the last server that answered (none before the
+// first).
+func (c *Client) tierView() []tiers.Dir {
 	if v := c.view.Load(); v != nil {
-		return v.dirs, v.gen
+		return v.dirs
 	}
-	return nil, nil
+	return nil
 }
 
 // connectAttempt is one try at reaching (or starting) the embedded server; readers that need
@@ -114,7 +114,6 @@ func (c *Client) connect(a *connectAttempt) {
 	c.mu.Lock()
 	if err == nil && c.closed.Load() {
 		conn.rpc.Close()
-		conn.gen.Close()
 		closeDirs(conn.dirs)
 		err = core.ErrClosed
 	}
@@ -122,10 +121,7 @@ func (c *Client) connect(a *connectAttempt) {
 		c.conn, c.downUntil, c.backoff = conn, time.Time{}, 0
 		c.tellState(true, 0)
 		if old := c.view.Swap(conn); old != nil {
-			// Safe while readers use them: a closed counter reads 0, a closed directory
-			// gives misses.
-			old.gen.Close()
-			closeDirs(old.dirs)
+			closeDirs(old.dirs) // safe while readers use them: a closed directory gives misses
 		}
 	} else {
 		c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
@@ -160,14 +156,8 @@ func (c *Client) dial() (*serverConn, error) {
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
 	session := sessionOf(hello)
-	conn := &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session,
-		blockBytes: hello.BlockBytes}
-	if hello.GenerationFile != "" {
-		if conn.gen, err = tiers.OpenGeneration(hello.GenerationFile); err != nil {
-			c.log.Warn("cannot watch the server's removals; not keeping mappings", "err", err)
-		}
-	}
-	return conn, nil
+	return &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session,
+		blockBytes: hello.BlockBytes}, nil
 }
 
 // sessionOf returns the validation session a Hello reply gives the caller's job.
@@ -209,11 +199,16 @@ func anySession(dirs []tiers.Dir) []tiers.Dir {
 	return out
 }
 
-// closeDirs closes directories from tierDirs; readers still using them get misses.
-func closeDirs(dirs []tiers.Dir) {
+// closeDirs closes directories from tierDirs; readers still using them get misses. It
+// returns what the closes failed with.
+func closeDirs(dirs []tiers.Dir) error {
+	var errs []error
 	for _, d := range dirs {
-		d.Close()
+		if err := d.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("tier %s: %w", d.Path, err))
+		}
 	}
+	return errors.Join(errs...)
 }
 
 // MarkUnavailable tells the client that its server did not answer a caller that went around

@@ -157,7 +157,7 @@ const bringTimeout = time.Minute
 // openFromPeer opens the file at path as one server holds it (see OpenForReader); rest are
 // the servers that hold replicas.
 func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path string) (*os.File, core.Origin, error) {
-	dirs, _, _ := p.state()
+	dirs, _ := p.state()
 	if own := c.own; own != nil && p.member.ID == own.id {
 		if len(rest) == 0 {
 			return own.engine.OpenForReader(ctx, c.root, path)
@@ -336,7 +336,7 @@ func (c *Client) fetchFromPeer(ctx context.Context, p *peer, rest []*peer, path 
 	}
 	if reply.Origin == "source" && len(rest) > 0 {
 		if reply.CachedPath != "" {
-			dirs, _, _ := p.state()
+			dirs, _ := p.state()
 			if m, err := tiers.Probe(anySession(dirs), path); err == nil {
 				c.replicate(rest, path, m.Bytes(), rpc.StampOf(reply))
 				m.Release()
@@ -511,7 +511,7 @@ func (c *Client) Forget(ctx context.Context, path string) error {
 	var errs []error
 	var wg sync.WaitGroup
 	for _, p := range c.cluster.peers {
-		if _, _, dead := p.state(); dead {
+		if _, dead := p.state(); dead {
 			continue
 		}
 		wg.Add(1)

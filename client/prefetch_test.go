@@ -23,8 +23,7 @@ func startPrefetchServer(t *testing.T) (config.Config, *core.Engine) {
 		t.Fatal(err)
 	}
 	tierCfgs, _ := cfg.TierConfigs()
-	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, GenerationFile: embedded.SocketPath(cfg.RuntimeDir) + ".gen",
-		Prefetch: core.PrefetchConfig{Reads: cfg.Prefetch}}, nil)
+	e, err := core.NewEngine(core.EngineConfig{Tiers: tierCfgs, Prefetch: core.PrefetchConfig{Reads: cfg.Prefetch}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

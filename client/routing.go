@@ -35,9 +35,8 @@ type peer struct {
 	// news is the membership gossip with this server (see package gossip); it locks itself.
 	news gossip.Outbox
 
-	mu          sync.Mutex // protects dirs, gen, session, nodeSocket, failedCalls and dead
+	mu          sync.Mutex // protects dirs, session, nodeSocket, failedCalls and dead
 	dirs        []tiers.Dir
-	gen         *tiers.Generation
 	session     uint32 // our job's validation session there, as its last hello said
 	nodeSocket  string // its node socket, as its last hello said (local servers only)
 	failedCalls int    // consecutive calls that got no answer (timeouts and refusals alike)
@@ -47,10 +46,10 @@ type peer struct {
 	knownDead bool
 }
 
-func (p *peer) state() (dirs []tiers.Dir, gen *tiers.Generation, dead bool) {
+func (p *peer) state() (dirs []tiers.Dir, dead bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.dirs, p.gen, p.dead
+	return p.dirs, p.dead
 }
 
 // clusterRouter routes reads over the servers of a job with a consistent hash ring, detects
@@ -96,16 +95,27 @@ func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member
 	r := &clusterRouter{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*peer{},
 		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}), onDead: o.onDead}
 	r.ring.Add(members...)
+	// On failure, what was opened is closed: the connections dialled, the tiers of the
+	// servers that answered.
+	abandon := func(err error) (*clusterRouter, error) {
+		for _, p := range r.peers {
+			p.rpc.Close()
+			p.mu.Lock()
+			closeDirs(p.dirs)
+			p.mu.Unlock()
+		}
+		return nil, err
+	}
 	for _, m := range members {
 		c, err := rpc.Dial(m.ID, rpc.ClientConfig{Token: token, Job: cfg.Job, ConnectTimeout: cfg.RPCTimeout,
 			CallTimeout: cfg.RPCTimeout, ReadTimeout: cfg.RPCTimeout})
 		if err != nil {
-			return nil, err
+			return abandon(err)
 		}
 		r.peers[m.ID] = &peer{member: m, rpc: c, local: m.Node == cfg.Node, dead: true, knownDead: o.dead[m.ID]}
 	}
 	if err := r.waitForServers(); err != nil {
-		return nil, err
+		return abandon(err)
 	}
 	go r.probeLoop()
 	return r, nil
@@ -125,7 +135,7 @@ func (r *clusterRouter) waitForServers() error {
 	for {
 		var asked []*peer
 		for _, p := range r.peers {
-			if _, _, dead := p.state(); dead && !p.knownDead {
+			if _, dead := p.state(); dead && !p.knownDead {
 				asked = append(asked, p)
 			}
 		}
@@ -162,7 +172,7 @@ func (r *clusterRouter) waitForServers() error {
 		if time.Now().After(deadline) {
 			var down []string
 			for id, p := range r.peers {
-				if _, _, dead := p.state(); dead {
+				if _, dead := p.state(); dead {
 					down = append(down, id)
 				}
 			}
@@ -215,9 +225,6 @@ func (r *clusterRouter) hello(p *peer) error {
 	if p.local {
 		closeDirs(p.dirs) // of an earlier hello; readers still using them get misses
 		p.dirs = dirs
-		if p.gen == nil && reply.GenerationFile != "" {
-			p.gen, _ = tiers.OpenGeneration(reply.GenerationFile)
-		}
 		p.nodeSocket = reply.NodeSocket
 	}
 	p.failedCalls, p.dead = 0, false
@@ -230,7 +237,7 @@ func (r *clusterRouter) hello(p *peer) error {
 func (r *clusterRouter) targets(key string) []*peer {
 	return ring.Choose(r.ring, key, r.cfg.Replicas, true, func(m ring.Member) (*peer, ring.Choice) {
 		p := r.peers[m.ID]
-		if _, _, dead := p.state(); !dead {
+		if _, dead := p.state(); !dead {
 			return p, ring.Take
 		}
 		if r.cfg.Policy == config.PolicyPFS {
@@ -309,7 +316,7 @@ func (r *clusterRouter) told(id string, alive bool) {
 		return
 	}
 	if alive {
-		if _, _, dead := p.state(); dead && r.hello(p) == nil {
+		if _, dead := p.state(); dead && r.hello(p) == nil {
 			r.rejoins.Add(1)
 			r.log.Info("fitcache server rejoined, by the servers' membership", "server", id)
 		}
@@ -335,7 +342,7 @@ func (r *clusterRouter) probeLoop() {
 			return
 		case <-tick.C:
 			for _, p := range r.peers {
-				if _, _, dead := p.state(); dead && r.hello(p) == nil {
+				if _, dead := p.state(); dead && r.hello(p) == nil {
 					r.rejoins.Add(1)
 					r.log.Info("fitcache server answers again: rejoined", "server", p.member.ID)
 					r.spread(p.member.ID, false)
@@ -345,7 +352,7 @@ func (r *clusterRouter) probeLoop() {
 	}
 }
 
-// close stops probing and frees the connections and the mapped removal counters.
+// close stops probing and frees the connections and the mapped tier indexes.
 func (r *clusterRouter) close() {
 	close(r.stop)
 	<-r.stopped
@@ -353,9 +360,8 @@ func (r *clusterRouter) close() {
 	for _, p := range r.peers {
 		p.rpc.Close()
 		p.mu.Lock()
-		p.gen.Close()
 		closeDirs(p.dirs)
-		p.gen, p.dirs = nil, nil
+		p.dirs = nil
 		p.mu.Unlock()
 	}
 }
@@ -379,24 +385,11 @@ func (r *clusterRouter) localServer() *rpc.Client {
 func (r *clusterRouter) localDirs() []tiers.Dir {
 	var dirs []tiers.Dir
 	for _, p := range r.peers {
-		if d, _, dead := p.state(); p.local && !dead {
+		if d, dead := p.state(); p.local && !dead {
 			dirs = append(dirs, d...)
 		}
 	}
 	return dirs
-}
-
-// generation sums the removal counters of the servers on this node: it changes whenever one
-// of them removes a cached file.
-func (r *clusterRouter) generation() uint64 {
-	var sum uint64
-	for _, p := range r.peers {
-		if p.local {
-			_, gen, _ := p.state()
-			sum += gen.Load()
-		}
-	}
-	return sum
 }
 
 // errReadSource is what route returns when the file is to be read from the source: no
@@ -459,7 +452,7 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 // readFromPeer reads from one server: from its tier files directly when it is on this node
 // and has the file, else over RPC. reply is nil for a local hit.
 func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) {
-	dirs, _, _ := p.state()
+	dirs, _ := p.state()
 	if p.local {
 		if m, err := tiers.Probe(dirs, path); err == nil {
 			c.hit(m)
@@ -551,7 +544,7 @@ func (c *Client) replicate(to []*peer, path string, data []byte, stamp rpc.Stamp
 func (r *clusterRouter) stats() map[string]json.RawMessage {
 	out := map[string]json.RawMessage{}
 	for id, p := range r.peers {
-		if _, _, dead := p.state(); dead {
+		if _, dead := p.state(); dead {
 			out[id] = json.RawMessage(`{"dead":true}`)
 			continue
 		}

@@ -197,12 +197,12 @@ func TestFailureThreshold(t *testing.T) {
 func TestDeathsLearnedFromAServer(t *testing.T) {
 	r := testRouter(t, config.PolicyRecache, 1, fourNodes)
 	r.learn(r.peers["a:1"], 1, []string{"c:1"})
-	if _, _, dead := r.peers["c:1"].state(); !dead {
+	if _, dead := r.peers["c:1"].state(); !dead {
 		t.Error("c:1 alive after a:1 said its clients found it dead")
 	}
 	r.peers["c:1"].dead = false
 	r.learn(r.peers["a:1"], 1, []string{"c:1"}) // the same version again: old news
-	if _, _, dead := r.peers["c:1"].state(); dead {
+	if _, dead := r.peers["c:1"].state(); dead {
 		t.Error("old news declared c:1 dead again")
 	}
 }

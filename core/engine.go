@@ -34,9 +34,6 @@ type EngineConfig struct {
 	// per-user server reachable only by its user. Each must exist: its symbolic links are
 	// resolved once, at start, and a caller's root is served only if it resolves inside one.
 	Roots []string
-	// GenerationFile, if set, is where the engine keeps the counter of removed cached files
-	// that local clients watch to drop mappings they keep (see tiers.Generation).
-	GenerationFile string
 	// MaxSendBytes bounds the files served as bytes (to callers that cannot map tier files,
 	// such as clients on other nodes): larger ones fail with ErrTooLarge and the caller reads
 	// the source. It must stay below the RPC frame limit. 0 means 64 MiB.
@@ -78,10 +75,8 @@ type Engine struct {
 	sessions   *sessions
 	checkRoots rootDirs           // the dataset roots opened for the current session's checks
 	checking   singleflight.Group // one check of a path at a time; its concurrent readers share it
-	gen        *tiers.Generation  // nil without EngineConfig.GenerationFile
-	genFile    string
-	maxSend    int64 // see EngineConfig.MaxSendBytes
-	blockBytes int64 // see EngineConfig.BlockBytes
+	maxSend    int64              // see EngineConfig.MaxSendBytes
+	blockBytes int64              // see EngineConfig.BlockBytes
 	blockFiles blockFiles
 	blockSlots chan struct{} // one per block being read from the source (see blockFillsMax)
 	// prefetchBlockSlots: one per block prefetch reads (see prefetchBlockFillsMax).
@@ -151,15 +146,8 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		}
 		e.roots = append(e.roots, abs)
 	}
-	if cfg.GenerationFile != "" {
-		gen, err := tiers.CreateGeneration(cfg.GenerationFile)
-		if err != nil {
-			return nil, fmt.Errorf("generation file: %w", err)
-		}
-		e.gen, e.genFile = gen, cfg.GenerationFile
-	}
 	for _, tc := range cfg.Tiers {
-		tc.OnRemove, tc.Verify, tc.Holder = e.gen.Bump, cfg.Verify, cfg.Holder
+		tc.Verify, tc.Holder = cfg.Verify, cfg.Holder
 		t, err := tiers.New(tc, log)
 		if err != nil {
 			log.Warn("skipping tier", "kind", tc.Kind.String(), "dir", tc.Dir, "err", err)
@@ -205,15 +193,15 @@ func (e *Engine) Close() error {
 	e.mu.Unlock()
 	e.fills.Wait()
 	e.mover.stop()
+	var errs []error
 	for _, t := range e.tiers {
-		t.Close()
+		if err := t.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("%s tier %s: %w", t.Kind, t.Path, err))
+		}
 	}
 	e.checkRoots.close()
-	return e.gen.Close()
+	return errors.Join(errs...)
 }
-
-// GenerationFile returns the path of the removal counter clients watch, or "".
-func (e *Engine) GenerationFile() string { return e.genFile }
 
 // Stats returns the engine's counters and the state of its tiers.
 func (e *Engine) Stats() StatsSnapshot {

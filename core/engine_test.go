@@ -172,10 +172,10 @@ func TestSpillToNextTierAndOversize(t *testing.T) {
 		t.Errorf("spills before the tiers were full: %+v", s)
 	}
 	// The 20000-byte file is larger than memory but fits on disk.
-	origin, got := readAll(t, e, rootBig, paths[3])
+	_, got := readAll(t, e, rootBig, paths[3])
 	wantBytes(t, paths[3], got)
 	settle(e)
-	if origin, _ = readAll(t, e, rootBig, paths[3]); origin != "disk" {
+	if origin, _ := readAll(t, e, rootBig, paths[3]); origin != "disk" {
 		t.Errorf("large file served from %q after caching, want disk", origin)
 	}
 	// Every tier is full now: a file of another dataset evicts the oldest memory file, which

@@ -175,12 +175,10 @@ func TestSourceReplacedDuringReadIsNotCached(t *testing.T) {
 	}
 }
 
-// Reads after Close fail cleanly. On the main branch before this change they panicked on
-// the unmapped removal counter.
+// Reads after Close fail cleanly (they once panicked on an unmapped file of the engine).
 func TestReadAfterCloseIsErrClosed(t *testing.T) {
 	root, paths := dataset(t, 100)
-	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "1MiB"}},
-		GenerationFile: filepath.Join(t.TempDir(), "gen")}, nil)
+	e, err := NewEngine(EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "1MiB"}}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

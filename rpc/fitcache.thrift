@@ -43,9 +43,7 @@ struct HelloReply {
   3: string server_id
   4: i32 pid
   5: list<TierInfo> tiers
-  // A file holding a counter the server bumps whenever it removes a cached file: clients on
-  // the node that keep mappings between reads watch it (see tiers.Generation). May be empty.
-  6: string generation_file
+  // 6 was generation_file, a removal counter no client read: not to be reused.
   // The server's node socket (package nodesock), where C code on the node without Go (the
   // preload shim of the transparent mode) opens files through it. May be empty.
   7: string node_socket

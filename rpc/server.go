@@ -277,7 +277,7 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 	if began && !req.Relayed && h.cfg.OnNewJob != nil {
 		h.cfg.OnNewJob(ctx, req.Job) // before the reply: the job's reads may go to the others
 	}
-	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()), GenerationFile: h.engine.GenerationFile(),
+	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()),
 		NodeSocket: h.cfg.NodeSocket, Session: int64(session), BlockBytes: h.engine.BlockBytes()}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})

@@ -58,8 +58,8 @@ type Config struct {
 	// default, see core.EngineConfig.BlockBytes).
 	BlockBytes int64
 	// RuntimeDir is the private directory (see embedded.PrepareDir, which makes it when it
-	// is missing) of the embedded server's lock and socket, and of a TCP server's removal
-	// counter and node socket (server-HOST_PORT.gen, server-HOST_PORT.node). Required with
+	// is missing) of the embedded server's lock and socket, and of a TCP server's node socket
+	// (server-HOST_PORT.node). Required with
 	// Embedded or Listen.
 	RuntimeDir string
 	// Warnings are problems found before the server started (a default directory replaced,
@@ -250,11 +250,7 @@ func (s *Server) listenMetrics() (err error) {
 }
 
 func (s *Server) openEngine() (err error) {
-	genFile := s.cfg.Socket + ".gen"
-	if s.cfg.Listen != "" {
-		genFile = listenFile(s.cfg.RuntimeDir, s.cfg.Listen, ".gen")
-	}
-	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots, GenerationFile: genFile,
+	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots,
 		Verify: s.cfg.Verify, Warnings: s.cfg.Warnings, Prefetch: core.PrefetchConfig{Reads: s.cfg.Prefetch},
 		BlockBytes: s.cfg.BlockBytes,
 		Holder:     "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
@@ -404,7 +400,9 @@ func (s *Server) serveMetrics() error {
 	s.serving.Add(1)
 	go func() {
 		defer s.serving.Done()
-		s.metricsSrv.Serve(s.metricsLn) // returns http.ErrServerClosed once closed
+		if err := s.metricsSrv.Serve(s.metricsLn); !errors.Is(err, http.ErrServerClosed) {
+			s.log.Error("metrics server stopped", "err", err) // scrapes fail; the cache serves on
+		}
 	}()
 	s.log.Info("metrics at /metrics", "address", s.metricsLn.Addr().String())
 	return nil

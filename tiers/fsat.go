@@ -90,16 +90,6 @@ func openEntry(dirfd int, rel string) (*os.File, error) {
 	return os.NewFile(uintptr(fd), rel), nil
 }
 
-// unlinkEntry removes rel below dirfd; a link planted as a bin is not followed.
-func unlinkEntry(dirfd int, rel string) error {
-	binfd, name, err := openBin(dirfd, rel, false)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(binfd)
-	return unix.Unlinkat(binfd, name, 0)
-}
-
 // createTemp creates a new temporary file (0600, O_EXCL, not through a link) in the
 // directory binfd and returns it and its name there.
 func createTemp(binfd int, prefix string) (*os.File, string, error) {

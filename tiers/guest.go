@@ -79,7 +79,6 @@ func (t *Tier) evictGuestsBut(n int64, keep string) error {
 		t.ix.remove(rec.id) // readers stop finding it before it goes
 		t.mu.Unlock()
 		t.unlink(rec.rel, rec.ino)
-		t.removed()
 		t.mu.Lock()
 		t.used -= rec.size
 		t.mu.Unlock()

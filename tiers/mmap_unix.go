@@ -24,12 +24,3 @@ func statFile(path string) (ino uint64, size int64, err error) {
 	}
 	return st.Ino, st.Size, nil
 }
-
-// inodeOf returns the inode number of an open file (0 if unknown).
-func inodeOf(f *os.File) uint64 {
-	var st syscall.Stat_t
-	if syscall.Fstat(int(f.Fd()), &st) != nil {
-		return 0
-	}
-	return st.Ino
-}

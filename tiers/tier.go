@@ -30,9 +30,6 @@ type Config struct {
 	// exist, so that a tier configured on a device that is not mounted on this node is
 	// skipped instead of silently landing on the root file system.
 	CreateParents bool
-	// OnRemove, if set, is called after a published file was unlinked (evicted or damaged),
-	// so that readers keeping mappings can learn of it (see Generation).
-	OnRemove func()
 	// Verify checks the data checksum of every entry at start (rescan) and removes the
 	// entries that fail it, so that bytes changed in a tier file are never served.
 	Verify bool
@@ -79,7 +76,6 @@ type Tier struct {
 	fsType   string
 	capacity int64
 	log      *slog.Logger
-	onRemove func()
 	verify   bool
 	warning  string   // why the tier is not at Config.Dir, or ""
 	damaged  []Damage // what the rescan removed
@@ -130,13 +126,12 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 		dir = d.Name()
 	}
 	t := &Tier{
-		Dir:      Dir{Path: dir, Kind: cfg.Kind},
-		log:      log.With("tier", cfg.Kind.String(), "dir", dir),
-		onRemove: cfg.OnRemove,
-		verify:   cfg.Verify,
-		warning:  warning,
-		dir:      d,
-		fifo:     newFIFO(),
+		Dir:     Dir{Path: dir, Kind: cfg.Kind},
+		log:     log.With("tier", cfg.Kind.String(), "dir", dir),
+		verify:  cfg.Verify,
+		warning: warning,
+		dir:     d,
+		fifo:    newFIFO(),
 	}
 	if err := t.init(size, cfg.Holder); err != nil {
 		t.Close()
@@ -425,7 +420,6 @@ func (t *Tier) Validate(sourcePath string, current Identity, session uint32) boo
 		t.ix.remove(id)
 		t.used -= rec.size
 		t.unlink(rec.rel, rec.ino)
-		t.removed()
 		return false
 	}
 	t.ix.mark(id, session)
@@ -458,7 +452,6 @@ func (t *Tier) ValidateBlocks(sourcePath string, current Identity, session uint3
 		removed = true
 	}
 	if removed {
-		t.removed()
 	}
 	return removed
 }
@@ -551,7 +544,6 @@ func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 			}
 		}
 		t.unlink(rec.rel, rec.ino)
-		t.removed()
 		t.mu.Lock()
 		t.used -= rec.size
 		t.mu.Unlock()
@@ -740,7 +732,6 @@ func (t *Tier) index(s stored, id entryID) {
 	t.used -= rec.size
 	t.indexEvictions++
 	t.unlink(rec.rel, rec.ino)
-	t.removed()
 }
 
 // write creates the entry rel below dirfd: the data into a new temporary file (0600,
@@ -832,13 +823,6 @@ func (t *Tier) remove(id entryID) {
 	t.ix.remove(id)
 	t.used -= rec.size
 	t.unlink(rec.rel, 0) // what is there is damaged, whatever its inode
-	t.removed()
-}
-
-func (t *Tier) removed() {
-	if t.onRemove != nil {
-		t.onRemove()
-	}
 }
 
 // rescan rebuilds usage and FIFO order (by publication sequence number) from the records in

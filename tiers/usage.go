@@ -76,7 +76,6 @@ func (t *Tier) Clear(match func(group string) bool, dryRun bool) []Usage {
 		t.mu.Lock()
 		t.used -= freed
 		t.mu.Unlock()
-		t.removed()
 	}
 	return tally.sorted()
 }

@@ -324,7 +324,7 @@ func companion(args []string) error {
 	prefetch := fset.Bool("prefetch", true, "prefetch the data directories")
 	fset.Parse(args)
 	if *pid <= 0 || fset.NArg() == 0 {
-		return errors.New("usage: fitcache run-companion --pid PID [--prefetch=false] DIR...")
+		return errors.New("usage: fitcache run-companion --pid PID [--prefetch=false] DIRS")
 	}
 	if os.Getenv("FITCACHE_COMPANION_DETACH") == "1" { // the intermediate: start the companion, leave
 		cmd := exec.Command(os.Args[0], os.Args[1:]...)

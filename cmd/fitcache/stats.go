@@ -56,7 +56,9 @@ func stats(args []string) error {
 	}
 	if *asJSON {
 		var out bytes.Buffer
-		json.Indent(&out, []byte(js), "", "  ")
+		if err := json.Indent(&out, []byte(js), "", "  "); err != nil {
+			return fmt.Errorf("the server's statistics are no JSON: %w", err)
+		}
 		fmt.Println(out.String())
 		return nil
 	}

@@ -44,7 +44,8 @@ static void source_path(int i, char *out, size_t cap) { snprintf(out, cap, "/dat
 static uint64_t data_file(int i) {
 	char src[64], rel[640], dir[512];
 	source_path(i, src, sizeof src);
-	uint64_t key = fc_key(src, strlen(src));
+	uint64_t key, check;
+	fc_hashes(src, strlen(src), &key, &check);
 	snprintf(dir, sizeof dir, "%s/%02x", tier, (unsigned)(key & 0xff));
 	mkdir(dir, 0700);
 	snprintf(dir, sizeof dir, "%s/%02x/%02x", tier, (unsigned)(key & 0xff), (unsigned)((key >> 8) & 0xff));
@@ -63,7 +64,8 @@ static uint64_t data_file(int i) {
 static void put(uint8_t *m, int i, uint64_t ino) {
 	char src[64];
 	source_path(i, src, sizeof src);
-	uint64_t key = fc_key(src, strlen(src)), check = fc_check(src, strlen(src)), size = 3;
+	uint64_t key, check, size = 3;
+	fc_hashes(src, strlen(src), &key, &check);
 	size_t bucket = (size_t)((key * 0x9E3779B97F4A7C15ULL) >> (64 - 10));
 	for (size_t s = bucket * 8; s < bucket * 8 + 8; s++) {
 		uint8_t *slot = m + SLOTS + s * 64;

@@ -158,16 +158,15 @@ var fieldIDToName_HelloRequest = map[int16]string{
 }
 
 type HelloReply struct {
-	Errno          int32       `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
-	Message        string      `thrift:"message,2" frugal:"2,default,string" json:"message"`
-	ServerId       string      `thrift:"server_id,3" frugal:"3,default,string" json:"server_id"`
-	Pid            int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
-	Tiers          []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
-	GenerationFile string      `thrift:"generation_file,6" frugal:"6,default,string" json:"generation_file"`
-	NodeSocket     string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
-	Reason         Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
-	Session        int64       `thrift:"session,9" frugal:"9,default,i64" json:"session"`
-	BlockBytes     int64       `thrift:"block_bytes,10" frugal:"10,default,i64" json:"block_bytes"`
+	Errno      int32       `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message    string      `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	ServerId   string      `thrift:"server_id,3" frugal:"3,default,string" json:"server_id"`
+	Pid        int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
+	Tiers      []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
+	NodeSocket string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
+	Reason     Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
+	Session    int64       `thrift:"session,9" frugal:"9,default,i64" json:"session"`
+	BlockBytes int64       `thrift:"block_bytes,10" frugal:"10,default,i64" json:"block_bytes"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -195,10 +194,6 @@ func (p *HelloReply) GetPid() (v int32) {
 
 func (p *HelloReply) GetTiers() (v []*TierInfo) {
 	return p.Tiers
-}
-
-func (p *HelloReply) GetGenerationFile() (v string) {
-	return p.GenerationFile
 }
 
 func (p *HelloReply) GetNodeSocket() (v string) {
@@ -231,9 +226,6 @@ func (p *HelloReply) SetPid(val int32) {
 func (p *HelloReply) SetTiers(val []*TierInfo) {
 	p.Tiers = val
 }
-func (p *HelloReply) SetGenerationFile(val string) {
-	p.GenerationFile = val
-}
 func (p *HelloReply) SetNodeSocket(val string) {
 	p.NodeSocket = val
 }
@@ -260,7 +252,6 @@ var fieldIDToName_HelloReply = map[int16]string{
 	3:  "server_id",
 	4:  "pid",
 	5:  "tiers",
-	6:  "generation_file",
 	7:  "node_socket",
 	8:  "reason",
 	9:  "session",

@@ -393,20 +393,6 @@ func (p *HelloReply) FastRead(buf []byte) (int, error) {
 					goto SkipFieldError
 				}
 			}
-		case 6:
-			if fieldTypeId == thrift.STRING {
-				l, err = p.FastReadField6(buf[offset:])
-				offset += l
-				if err != nil {
-					goto ReadFieldError
-				}
-			} else {
-				l, err = thrift.Binary.Skip(buf[offset:], fieldTypeId)
-				offset += l
-				if err != nil {
-					goto SkipFieldError
-				}
-			}
 		case 7:
 			if fieldTypeId == thrift.STRING {
 				l, err = p.FastReadField7(buf[offset:])
@@ -562,20 +548,6 @@ func (p *HelloReply) FastReadField5(buf []byte) (int, error) {
 	return offset, nil
 }
 
-func (p *HelloReply) FastReadField6(buf []byte) (int, error) {
-	offset := 0
-
-	var _field string
-	if v, l, err := thrift.Binary.ReadString(buf[offset:]); err != nil {
-		return offset, err
-	} else {
-		offset += l
-		_field = v
-	}
-	p.GenerationFile = _field
-	return offset, nil
-}
-
 func (p *HelloReply) FastReadField7(buf []byte) (int, error) {
 	offset := 0
 
@@ -647,7 +619,6 @@ func (p *HelloReply) FastWriteNocopy(buf []byte, w thrift.NocopyWriter) int {
 		offset += p.fastWriteField2(buf[offset:], w)
 		offset += p.fastWriteField3(buf[offset:], w)
 		offset += p.fastWriteField5(buf[offset:], w)
-		offset += p.fastWriteField6(buf[offset:], w)
 		offset += p.fastWriteField7(buf[offset:], w)
 		offset += p.fastWriteField8(buf[offset:], w)
 	}
@@ -663,7 +634,6 @@ func (p *HelloReply) BLength() int {
 		l += p.field3Length()
 		l += p.field4Length()
 		l += p.field5Length()
-		l += p.field6Length()
 		l += p.field7Length()
 		l += p.field8Length()
 		l += p.field9Length()
@@ -712,13 +682,6 @@ func (p *HelloReply) fastWriteField5(buf []byte, w thrift.NocopyWriter) int {
 		offset += v.FastWriteNocopy(buf[offset:], w)
 	}
 	thrift.Binary.WriteListBegin(buf[listBeginOffset:], thrift.STRUCT, length)
-	return offset
-}
-
-func (p *HelloReply) fastWriteField6(buf []byte, w thrift.NocopyWriter) int {
-	offset := 0
-	offset += thrift.Binary.WriteFieldBegin(buf[offset:], thrift.STRING, 6)
-	offset += thrift.Binary.WriteStringNocopy(buf[offset:], w, p.GenerationFile)
 	return offset
 }
 
@@ -786,13 +749,6 @@ func (p *HelloReply) field5Length() int {
 		_ = v
 		l += v.BLength()
 	}
-	return l
-}
-
-func (p *HelloReply) field6Length() int {
-	l := 0
-	l += thrift.Binary.FieldBeginLength()
-	l += thrift.Binary.StringLengthNocopy(p.GenerationFile)
 	return l
 }
 
