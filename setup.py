@@ -56,7 +56,9 @@ def build_preload(dest):
     if not cc:
         raise SystemExit("error: building fitcache needs a C compiler (cc or gcc on PATH, or CC)")
     out = os.path.join(dest, "libfitcache_preload.so")
-    args = [cc, "-O2", "-g", "-std=gnu11", "-Wall", "-fPIC", "-shared", "-fvisibility=hidden", "-o", out,
+    # The flags of preload/Makefile, which C-only users build with.
+    args = [cc, "-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-shared",
+            "-fvisibility=hidden", "-o", out,
             os.path.join("preload", "fitcache_preload.c"), os.path.join("preload", "ranges.c"),
             os.path.join("capi", "fclookup.c"), "-ldl"]
     print("fitcache:", " ".join(args), flush=True)

@@ -9,6 +9,7 @@
 package main
 
 /*
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,6 +1,7 @@
 package nodesock
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -313,4 +314,25 @@ func TestCacheBlockNeedsNoAnswer(t *testing.T) {
 			t.Fatalf("blocks asked of FetchBlock: %d of %d", len(got), len(names))
 		}
 	}
+}
+
+// readRequest is what other processes of the node reach: whatever bytes come, it returns a
+// request or an error, never panics nor reads past the lengths it checked, and a request it
+// accepts is the one AppendRequest writes for it. `go test -fuzz FuzzReadRequest` explores
+// further; the seeds run with the tests.
+func FuzzReadRequest(f *testing.F) {
+	f.Add(AppendRequest(nil, OpOpen, "/data", "/data/a.bin"))
+	f.Add(AppendRequest(nil, OpCacheBlock, "/d", "/d/big.bin\x004194304:7"))
+	f.Add([]byte("FCN2\x09\x00\x00\x00\x01\x00\x00\x00\x01\x00\x00\x00ab"))
+	f.Add([]byte("FCN1"))
+	f.Add([]byte{})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		op, root, path, err := readRequest(bytes.NewReader(b))
+		if err != nil {
+			return
+		}
+		if want := AppendRequest(nil, op, root, path); !bytes.HasPrefix(b, want) {
+			t.Fatalf("accepted %q as op %d, root %q, path %q, which is written %q", b, op, root, path, want)
+		}
+	})
 }
