@@ -1,0 +1,114 @@
+// Package clayout gives Go tests the C side of the tier layout: capi/fclookup.c, the code
+// with which libfitcache's hit path and the preload shim find cached files without Go,
+// compiled here as they compile it. The tier layout and index are written by Go (package
+// tiers) and read by that C code; this package's tests hold the two to one layout: path
+// cleaning, the data files' names, the hashes, and lookups in indexes Go wrote.
+//
+// Nothing else imports it.
+package clayout
+
+/*
+#cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include "../fclookup.c"
+
+// rel_path is static in fclookup.c: this file includes it to reach it.
+static int clayout_rel_path(const char *path, size_t len, char *rel, size_t cap) {
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	return rel_path(path, len, key, rel, cap);
+}
+*/
+import "C"
+
+import (
+	"syscall"
+	"unsafe"
+)
+
+// CleanPath is fc_clean_path: the lexically cleaned form of the absolute path in, and false
+// when C refuses it (a relative path, or one longer than FC_PATH_MAX).
+func CleanPath(in string) (string, bool) {
+	cin := C.CString(in)
+	defer C.free(unsafe.Pointer(cin))
+	out := make([]byte, C.FC_PATH_MAX)
+	n := C.fc_clean_path(cin, (*C.char)(unsafe.Pointer(&out[0])), C.size_t(len(out)))
+	if n < 0 {
+		return "", false
+	}
+	return string(out[:n]), true
+}
+
+// Hashes is fc_hashes: the key and check of a clean path (tiers.KeyOf and tiers.CheckOf).
+func Hashes(path string) (key, check uint64) {
+	var k, c C.uint64_t
+	p := []byte(path)
+	C.fc_hashes(cbytes(p), C.size_t(len(p)), &k, &c)
+	return uint64(k), uint64(c)
+}
+
+// RelPath is the name C gives the data file of path's cached copy, relative to a tier
+// directory (tiers.RelPath), and false when it does not fit FC_PATH_MAX.
+func RelPath(path string) (string, bool) {
+	p := []byte(path)
+	out := make([]byte, C.FC_PATH_MAX)
+	n := C.clayout_rel_path(cbytes(p), C.size_t(len(p)), (*C.char)(unsafe.Pointer(&out[0])), C.size_t(len(out)))
+	if n < 0 {
+		return "", false
+	}
+	return string(out[:n]), true
+}
+
+// Hit is what Lookup found.
+type Hit struct {
+	Tier      int   // index of the tier in the directories given
+	Size      int64 // the copy's size, as the index records it
+	MTimeNano int64 // the source's modification time, as the index records it
+	Ino       uint64
+}
+
+// Lookup is fc_lookup of the clean path in the tier directories dirs (fastest first), each
+// opened for session (see fc_tier_open), with or without requiring a copy checked in it:
+// the hit, or an error wrapping syscall.ENOENT for a miss.
+func Lookup(dirs []string, session uint32, requireSession bool, path string) (Hit, error) {
+	tiers := (*C.struct_fc_tier)(C.calloc(C.size_t(len(dirs)), C.sizeof_struct_fc_tier))
+	defer C.free(unsafe.Pointer(tiers))
+	all := unsafe.Slice(tiers, len(dirs))
+	opened := 0
+	defer func() {
+		for i := range opened {
+			C.fc_tier_close(&all[i])
+		}
+	}()
+	for i, d := range dirs {
+		cd := C.CString(d)
+		rc := C.fc_tier_open(&all[i], cd, C.int(i), C.uint32_t(session))
+		C.free(unsafe.Pointer(cd))
+		if rc != 0 {
+			return Hit{}, syscall.Errno(-rc)
+		}
+		opened++
+	}
+	p := []byte(path)
+	var hit C.struct_fc_hit
+	req := C.int(0)
+	if requireSession {
+		req = 1
+	}
+	if rc := C.fc_lookup(tiers, C.int(len(dirs)), cbytes(p), C.size_t(len(p)), C.O_CLOEXEC, req, &hit); rc != 0 {
+		return Hit{}, syscall.Errno(-rc)
+	}
+	syscall.Close(int(hit.fd))
+	return Hit{Tier: int(hit.tier), Size: int64(hit.size), MTimeNano: int64(hit.mtime_ns), Ino: uint64(hit.ino)}, nil
+}
+
+// cbytes points C at b's bytes (no terminator: every function here takes a length), or at a
+// byte of its own for an empty b.
+func cbytes(b []byte) *C.char {
+	if len(b) == 0 {
+		var zero byte
+		return (*C.char)(unsafe.Pointer(&zero))
+	}
+	return (*C.char)(unsafe.Pointer(&b[0]))
+}

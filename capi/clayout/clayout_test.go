@@ -1,0 +1,125 @@
+package clayout
+
+import (
+	"errors"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// paths the layout must agree on: plain, unclean, leading dots, non-ASCII, a base name past
+// the length kept in a data file's name, a block's name, the root.
+var layoutPaths = []string{
+	"/data/train/n01440764/img_0001.JPEG",
+	"/data//train/./a/../b.bin",
+	"/data/.hidden/..dots.txt",
+	"/données/été/ß.bin",
+	"/data/" + strings.Repeat("long", 60) + ".bin",
+	tiers.BlockName("/data/big.h5", 4<<20, 12),
+	"/",
+}
+
+// C cleans absolute paths as Go's filepath.Clean does.
+func FuzzCleanPath(f *testing.F) {
+	for _, p := range append(layoutPaths, "/..", "/a/b/..", "//x///y/", "/a/./", "/a/b/../../..") {
+		f.Add(p)
+	}
+	f.Fuzz(func(t *testing.T, p string) {
+		if !strings.HasPrefix(p, "/") || strings.IndexByte(p, 0) >= 0 {
+			return
+		}
+		got, ok := CleanPath(p)
+		if !ok {
+			if len(p) < 4096 && len(filepath.Clean(p)) < 4096 {
+				t.Fatalf("C refused %q", p)
+			}
+			return
+		}
+		if want := filepath.Clean(p); got != want {
+			t.Fatalf("C cleans %q to %q, Go to %q", p, got, want)
+		}
+	})
+}
+
+// C hashes a clean path and names its data file as package tiers does.
+func FuzzNamesMatchGo(f *testing.F) {
+	for _, p := range layoutPaths {
+		f.Add(p)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		p := filepath.Clean("/" + s) // Go's functions clean the path; C's take it clean
+		if len(p) >= 4000 {
+			return
+		}
+		key, check := Hashes(p)
+		if want := uint64(tiers.KeyOf(p)); key != want {
+			t.Fatalf("key of %q: C %#x, Go %#x", p, key, want)
+		}
+		if want := tiers.CheckOf(p); check != want {
+			t.Fatalf("check of %q: C %#x, Go %#x", p, check, want)
+		}
+		rel, ok := RelPath(p)
+		if want := tiers.RelPath(p); !ok || rel != want {
+			t.Fatalf("data file of %q: C %q (%v), Go %q", p, rel, ok, want)
+		}
+	})
+}
+
+// C finds, in indexes Go wrote, every copy Go published (whole files and blocks, in either
+// of two tiers), with the size, modification time and inode Go recorded; it misses what
+// was never published or was removed, and, asked for a later session, what was not checked
+// in it.
+func TestLookupsFindWhatGoPublished(t *testing.T) {
+	var dirs []string
+	var tierList []*tiers.Tier
+	for _, kind := range []tiers.Kind{tiers.Memory, tiers.Disk} {
+		dir := filepath.Join(t.TempDir(), kind.String())
+		tier, err := tiers.New(tiers.Config{Dir: dir, Kind: kind, Budget: "16MiB", CreateParents: true}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tier.Close() })
+		dirs, tierList = append(dirs, dir), append(tierList, tier)
+	}
+	published := map[string]int{}
+	for i, p := range layoutPaths[:6] {
+		p = filepath.Clean(p)
+		data := []byte(strings.Repeat(string(rune('a'+i)), 100*(i+1)))
+		e := tiers.Entry{SourcePath: p, Size: int64(len(data)), MTimeNanos: int64(1000 + i), Session: 5, Group: "/data"}
+		if err := tierList[i%2].Publish(e, data); err != nil {
+			t.Fatal(err)
+		}
+		published[p] = i % 2
+	}
+	for p, tier := range published {
+		hit, err := Lookup(dirs, 5, true, p)
+		if err != nil {
+			t.Fatalf("%q: C missed a copy Go published in tier %d: %v", p, tier, err)
+		}
+		var st syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(dirs[tier], tiers.RelPath(p)), &st); err != nil {
+			t.Fatal(err)
+		}
+		size, _ := tierList[tier].CachedSize(p)
+		if hit.Tier != tier || hit.Size != size || hit.Ino != st.Ino {
+			t.Errorf("%q: C found %+v, Go has tier %d, size %d, inode %d", p, hit, tier, size, st.Ino)
+		}
+		if _, err := Lookup(dirs, 6, true, p); !errors.Is(err, syscall.ENOENT) {
+			t.Errorf("%q: a copy not checked in session 6 served to it (%v)", p, err)
+		}
+		if _, err := Lookup(dirs, 6, false, p); err != nil {
+			t.Errorf("%q: without the session required: %v", p, err)
+		}
+	}
+	if _, err := Lookup(dirs, 0, false, "/data/never.bin"); !errors.Is(err, syscall.ENOENT) {
+		t.Errorf("a file never published: %v", err)
+	}
+	gone := filepath.Clean(layoutPaths[0])
+	tierList[published[gone]].Forget(gone)
+	if _, err := Lookup(dirs, 0, false, gone); !errors.Is(err, syscall.ENOENT) {
+		t.Errorf("a copy Go removed: %v", err)
+	}
+}
