@@ -17,10 +17,10 @@ var latencyBuckets = [...]float64{25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.
 func LatencyBuckets() []float64 { return latencyBuckets[:] }
 
 // Where a request was served from, as the index of its latency histogram: a tier kind
-// (tiers.Memory, tiers.Disk), then these.
+// (below tiers.NumKinds), then these.
 const (
-	originInflight = int(tiers.Disk) + 1 + iota // a file being read or published by another request
-	originSource                                // read from the source by this request
+	originInflight = tiers.NumKinds + iota // a file being read or published by another request
+	originSource                           // read from the source by this request
 	numOrigins
 )
 

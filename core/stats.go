@@ -9,7 +9,7 @@ import (
 
 // Stats counts what an engine did. The zero value is ready; it is safe for concurrent use.
 type Stats struct {
-	hits          [tiers.Disk + 1]atomic.Int64 // reads served from each tier kind
+	hits          [tiers.NumKinds]atomic.Int64 // reads served from each tier kind
 	inflightHits  atomic.Int64                 // reads served from a file being read or published
 	misses        atomic.Int64                 // reads that found the file in no tier
 	sourceReads   atomic.Int64                 // files read from the source

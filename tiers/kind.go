@@ -11,9 +11,20 @@ const (
 	PMem               // persistent memory through a DAX file system
 	NVMe               // node-local NVMe SSD
 	Disk               // any other local file system
+	// NumKinds is the number of kinds: arrays indexed by Kind have that many entries.
+	NumKinds = iota
 )
 
-var kindNames = [...]string{Memory: "memory", PMem: "pmem", NVMe: "nvme", Disk: "disk"}
+var kindNames = [NumKinds]string{Memory: "memory", PMem: "pmem", NVMe: "nvme", Disk: "disk"}
+
+// Kinds returns every kind, fastest first.
+func Kinds() []Kind {
+	kinds := make([]Kind, NumKinds)
+	for i := range kinds {
+		kinds[i] = Kind(i)
+	}
+	return kinds
+}
 
 // String returns the kind's name as used in configuration and statistics.
 func (k Kind) String() string {

@@ -77,7 +77,7 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 	}
 	total := hits + s.InflightHits + s.Misses
 	fmt.Fprintf(w, "reads        %d (hits %d, in-flight %d, misses %d)\n", total, hits, s.InflightHits, s.Misses)
-	for _, k := range []tiers.Kind{tiers.Memory, tiers.PMem, tiers.NVMe, tiers.Disk} {
+	for _, k := range tiers.Kinds() {
 		if n := s.Hits[k.String()]; n > 0 {
 			fmt.Fprintf(w, "  %-10s %d hits (%.1f%%)\n", k, n, 100*float64(n)/float64(max(total, 1)))
 		}
