@@ -79,7 +79,7 @@ type Tier struct {
 	verify   bool
 	warning  string   // why the tier is not at Config.Dir, or ""
 	damaged  []Damage // what the rescan removed
-	dir      *os.File // the tier directory: every file operation is relative to it
+	dirFile  *os.File // the tier directory: every file operation is relative to it (also Dir.dir)
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
@@ -130,7 +130,7 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 		log:     log.With("tier", cfg.Kind.String(), "dir", dir),
 		verify:  cfg.Verify,
 		warning: warning,
-		dir:     d,
+		dirFile: d,
 		fifo:    newFIFO(),
 	}
 	if err := t.init(size, cfg.Holder); err != nil {
@@ -160,7 +160,7 @@ func openDir(dir string, cfg Config) (d *os.File, warning string, err error) {
 
 // init locks the tier, checks it and rescans it.
 func (t *Tier) init(size SizeOrPercent, holder string) error {
-	err := withFd(t.dir, func(dirfd int) error {
+	err := withFd(t.dirFile, func(dirfd int) error {
 		var err error
 		if t.lock, err = lockDir(dirfd, t.Path, holder); err != nil {
 			return err
@@ -213,7 +213,7 @@ func (t *Tier) Close() error {
 		if t.lock != nil {
 			err = t.lock.Close()
 		}
-		if cerr := t.dir.Close(); err == nil {
+		if cerr := t.dirFile.Close(); err == nil {
 			err = cerr
 		}
 	})
@@ -554,7 +554,7 @@ func (t *Tier) MakeRoom(n int64, keep string, spill func(*Mapping)) error {
 // what its record says, whatever source it holds.
 func (t *Tier) openRecord(rel string) (*Mapping, error) {
 	var m *Mapping
-	err := withFd(t.dir, func(dirfd int) error {
+	err := withFd(t.dirFile, func(dirfd int) error {
 		binfd, name, err := openBin(dirfd, rel, false)
 		if err != nil {
 			return err
@@ -587,7 +587,7 @@ func (t *Tier) openRecord(rel string) (*Mapping, error) {
 // source published meanwhile; ino 0 removes whatever is there); files already gone are no
 // error.
 func (t *Tier) unlink(rel string, ino uint64) {
-	err := withFd(t.dir, func(dirfd int) error {
+	err := withFd(t.dirFile, func(dirfd int) error {
 		binfd, name, err := openBin(dirfd, rel, false)
 		if err != nil {
 			return err
@@ -688,7 +688,7 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 	t.mu.Unlock()
 
 	var s stored
-	err := withFd(t.dir, func(dirfd int) (err error) {
+	err := withFd(t.dirFile, func(dirfd int) (err error) {
 		s, err = write(dirfd, rel, stored{Entry: e, seq: seq}, fill)
 		return err
 	})
@@ -832,7 +832,7 @@ func (t *Tier) remove(id entryID) {
 // lowered, say).
 func (t *Tier) rescan() error {
 	s := scan{root: t.Path, verify: t.verify, fix: true}
-	err := withFd(t.dir, func(dirfd int) error {
+	err := withFd(t.dirFile, func(dirfd int) error {
 		if err := s.run(dirfd); err != nil {
 			return err
 		}
@@ -843,7 +843,7 @@ func (t *Tier) rescan() error {
 	if err != nil {
 		return err
 	}
-	t.Dir.dir, t.Dir.view = t.dir, &indexView{cur: t.ix}
+	t.Dir.dir, t.Dir.view = t.dirFile, &indexView{cur: t.ix}
 	t.mu.Lock()
 	for _, f := range s.sorted() {
 		id := idOf(f.SourcePath)
