@@ -10,6 +10,7 @@ import subprocess
 
 from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,6 +85,38 @@ except ImportError:  # setuptools < 70.1
     from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
 
 
+# What the sdist builds from it at install time: the library and the command.
+GO_MAINS = ["./capi", "./cmd/fitcache"]
+
+
+def go_packages():
+    """The directories of this module's Go packages that GO_MAINS import, as `go list` gives
+    them, relative to this directory: the sdist carries them (see GoSdist)."""
+    out = subprocess.run([go_binary(), "list", "-deps", "-f", "{{if not .Standard}}{{.Dir}}{{end}}", *GO_MAINS],
+                         cwd=HERE, check=True, capture_output=True, text=True).stdout
+    dirs = []
+    for d in out.split():
+        rel = os.path.relpath(d, HERE)
+        if not rel.startswith(".."):  # this module's, not a dependency's (go.sum fetches those)
+            dirs.append(rel)
+    return dirs
+
+
+class GoSdist(sdist):
+    """The sdist carries every Go package of this module that the library and the command
+    import, found by `go list` (so that no list kept by hand misses one), besides MANIFEST.in's
+    files; tests/test_packaging.py builds both from the sdist."""
+
+    def make_release_tree(self, base_dir, files):
+        files = list(files)
+        for d in go_packages():
+            for name in sorted(os.listdir(os.path.join(HERE, d))):
+                path = os.path.join(d, name)
+                if os.path.isfile(os.path.join(HERE, path)) and not name.endswith((".so", ".pyc")) and path not in files:
+                    files.append(path)
+        super().make_release_tree(base_dir, files)
+
+
 class PlatformWheel(_bdist_wheel):
     """One wheel per platform for every Python 3: the native parts are a shared library loaded
     with ctypes and a program, no CPython extension, so the wheel is tagged py3-none-PLATFORM
@@ -105,7 +138,7 @@ setup(
     package_dir={"": "bindings/python"},
     packages=["fitcache"],
     package_data={"fitcache": ["py.typed"]},
-    cmdclass={"build_py": BuildPyWithGo, "bdist_wheel": PlatformWheel},
+    cmdclass={"build_py": BuildPyWithGo, "bdist_wheel": PlatformWheel, "sdist": GoSdist},
     distclass=BinaryDistribution,
     entry_points={"console_scripts": ["fitcache = fitcache.__main__:main"]},
     extras_require={"torch": ["torch"], "test": ["pytest", "numpy"]},
