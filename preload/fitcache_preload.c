@@ -53,6 +53,8 @@
  *   FITCACHE_PRELOAD_BLOCK_BYTES  the size of the server's blocks (see ranges.c); without it
  *                             large files are read from their source
  *   FITCACHE_PRELOAD_HEAT     the file the shim shares what it read of blocks in (ranges.c)
+ *   FITCACHE_PRELOAD_DEBUG    set (not "0"): a line on standard error for each open of a
+ *                             dataset file, saying what the shim did with it and why
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -123,10 +125,33 @@ static int (*libc_remove)(const char *);
 static int (*libc_truncate)(const char *, off_t);
 static int (*libc_truncate64)(const char *, off64_t);
 
+// FITCACHE_PRELOAD_DEBUG set (and not "0"): shim_debug writes what the shim decides to
+// standard error, a line each.
+static int debug;
+
+void shim_debug(const char *fmt, ...) {
+	if (!debug)
+		return;
+	int saved = errno;
+	char line[FC_PATH_MAX + 256];
+	int n = snprintf(line, sizeof line, "fitcache preload[%d]: ", (int)getpid());
+	va_list ap;
+	va_start(ap, fmt);
+	int k = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+	va_end(ap);
+	n += k < 0 ? 0 : (k < (int)(sizeof line - (size_t)n - 1) ? k : (int)(sizeof line - (size_t)n - 2));
+	line[n++] = '\n';
+	ssize_t w = syscall(SYS_write, 2, line, (size_t)n); // not stdio: no lock, no buffer
+	(void)w;
+	errno = saved;
+}
+
 void *shim_resolve(void **slot, const char *name) {
 	void *p = __atomic_load_n(slot, __ATOMIC_RELAXED);
 	if (!p) {
 		p = dlsym(RTLD_NEXT, name);
+		if (!p) // the C library has no such function: the program cannot have called it
+			shim_debug("dlsym found no %s after this library", name);
 		__atomic_store_n(slot, p, __ATOMIC_RELAXED);
 	}
 	return p;
@@ -197,6 +222,8 @@ static void parse_tiers(const char *v, const char *sessions) {
 
 __attribute__((constructor)) static void preload_init(void) {
 	int saved = errno;
+	const char *dbg = getenv("FITCACHE_PRELOAD_DEBUG");
+	debug = dbg && *dbg && strcmp(dbg, "0") != 0;
 	NEXT(open);
 	NEXT(open64);
 	NEXT(openat);
@@ -507,12 +534,15 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 	if (n < 0)
 		goto out;
 	if (flags & WRITE_FLAGS) {
+		shim_debug("%s: open for writing: the cached copy is dropped, libc opens the source", key);
 		forget(r, key, (size_t)n);
 		*writes = 1;
 		goto out;
 	}
-	if ((flags & ~SERVED_FLAGS) || ((flags & O_NOFOLLOW) && !follows_no_link(dirfd, path)))
+	if ((flags & ~SERVED_FLAGS) || ((flags & O_NOFOLLOW) && !follows_no_link(dirfd, path))) {
+		shim_debug("%s: flags %#o (or a link with O_NOFOLLOW): left to libc", key, flags);
 		goto out;
+	}
 	ranged_sweep(); // kept copies of blocks evicted since, at most once a second
 	struct fc_hit hit;
 	if (fc_lookup(shim_tiers, shim_ntiers, key, (size_t)n, flags & (O_CLOEXEC | O_NONBLOCK | O_NOATIME | O_DIRECT), 1, &hit) == 0) {
@@ -522,6 +552,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		fd = hit.fd;
 		untrack_write(fd);
 		ranged_forget(fd);
+		shim_debug("%s: cached in tier %d: fd %d", key, hit.tier, fd);
 		goto out;
 	}
 	uint32_t origin;
@@ -536,6 +567,9 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		struct stat st;
 		if ((origin == FC_ORIGIN_SOURCE || origin == FC_ORIGIN_SOURCE_WHILE_CACHED) && fstat(fd, &st) == 0)
 			ranged_open(fd, origin == FC_ORIGIN_SOURCE, r, key, (size_t)n, &st);
+		shim_debug("%s: the server answered: fd %d, origin %u", key, fd, origin);
+	} else {
+		shim_debug("%s: no answer from the server: left to libc", key);
 	}
 out:
 	errno = saved;

@@ -25,6 +25,10 @@ struct root {
 extern struct fc_tier shim_tiers[FC_MAX_TIERS];
 extern int shim_ntiers;
 
+// shim_debug writes a line, printf-style, to standard error when FITCACHE_PRELOAD_DEBUG is
+// set; it allocates nothing and takes no lock.
+void shim_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 // shim_resolve returns the next definition of name after this library, found on first use
 // and kept in *slot. A program may call a wrapped function before this library's constructor
 // ran (from another library's constructor), so each wrapper resolves what it calls.

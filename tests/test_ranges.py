@@ -391,3 +391,26 @@ def test_prefetch_in_cluster_mode_caches_a_large_files_blocks_at_their_owners(la
         assert sum(s["source_reads"] for s in stats.values() if isinstance(s, dict)) == blocks, stats
     finally:
         cluster.stop()
+
+
+def test_the_shims_diagnostics_say_what_it_did(large_file, small_tiers):
+    """FITCACHE_PRELOAD_DEBUG=1 (passed on by `fitcache run`) makes the shim say, on standard
+    error, what it did with each open of a dataset file: here the server's answer for a file
+    no tier takes whole, and a file left to libc (opened for writing)."""
+    from test_preload import FITCACHE_BIN, command_env
+    root, data = large_file
+    code = ("import os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY); os.pread(fd, 10, 0); os.close(fd)\n"
+            "open(sys.argv[2], 'wb').close()\n")
+    out = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                          os.path.join(root, "big.bin"), os.path.join(root, "written.bin")],
+                         env=command_env(small_tiers, FITCACHE_PRELOAD_DEBUG="1"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("fitcache preload[")]
+    assert any("big.bin: the server answered" in line and "origin 2" in line for line in lines), out.stderr
+    assert any("written.bin: open for writing" in line for line in lines), out.stderr
+    quiet = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                            os.path.join(root, "big.bin"), os.path.join(root, "written.bin")],
+                           env=command_env(small_tiers), capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and "fitcache preload[" not in quiet.stderr, quiet.stderr

@@ -43,7 +43,7 @@ import (
 // The shim's configuration is the environment (see preload/fitcache_preload.c):
 // FITCACHE_PRELOAD_ROOTS, FITCACHE_PRELOAD_TIERS, FITCACHE_PRELOAD_SESSIONS,
 // FITCACHE_PRELOAD_SOCKET, FITCACHE_PRELOAD_TIMEOUT_MS, FITCACHE_PRELOAD_BLOCK_BYTES and
-// FITCACHE_PRELOAD_HEAT.
+// FITCACHE_PRELOAD_HEAT; FITCACHE_PRELOAD_DEBUG, the user's, is passed on.
 //
 // The run is one job (FITCACHE_JOB, made up unless set): the companion's clients begin its
 // validation session at each server, in which every cached copy is checked against its
@@ -184,6 +184,11 @@ func preloadEnviron(env []string, lib string, roots []datasetRoot, server compan
 		}
 	}
 	out = slices.DeleteFunc(out, func(kv string) bool { return strings.HasPrefix(kv, "LD_PRELOAD=") })
+	for _, kv := range env { // the user's switch for the shim's diagnostics, passed on
+		if strings.HasPrefix(kv, "FITCACHE_PRELOAD_DEBUG=") {
+			out = append(out, kv)
+		}
+	}
 	return append(out,
 		"LD_PRELOAD="+preload,
 		"FITCACHE_PRELOAD_ROOTS="+strings.Join(rootList, ":"),
