@@ -272,20 +272,37 @@ func TestClosingStopsAPrefetchOfBlocks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	started := make(chan struct{})
-	var once sync.Once
-	testHookPrefetch = func(string) { once.Do(func() { close(started) }) }
-	t.Cleanup(func() { testHookPrefetch = nil })
+	// Blocks 0-2 go through; the workers wait before the next ones until Close began.
+	closing := make(chan struct{})
+	testHookPrefetchBlock = func(n int64) {
+		if n >= 3 {
+			<-closing
+		}
+	}
+	t.Cleanup(func() { testHookPrefetchBlock = nil })
 	if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil {
 		t.Fatal(err)
 	}
-	<-started
-	for deadline := time.Now().Add(10 * time.Second); e.Stats().SourceReads < 3 && time.Now().Before(deadline); {
-		time.Sleep(time.Millisecond)
+	for deadline := time.Now().Add(10 * time.Second); e.Stats().SourceReads < 3; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the first 3 blocks were not read in 10 s")
+		}
 	}
-	e.Close()
-	if n := e.Stats().SourceReads; n > 100 {
-		t.Errorf("%d of the file's 320 blocks read after Close was called with 3 read: want it to stop", n)
+	closed := make(chan struct{})
+	go func() { e.Close(); close(closed) }()
+	for stopping := false; !stopping; time.Sleep(time.Millisecond) { // Close has stopped prefetch
+		e.pf.mu.Lock()
+		stopping = e.pf.stopped
+		e.pf.mu.Unlock()
+	}
+	close(closing)
+	select {
+	case <-closed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close did not return in 30 s")
+	}
+	if n := e.Stats().SourceReads; n != 3 {
+		t.Errorf("%d of the file's 320 blocks read once Close began with 3 read: want no more", n)
 	}
 }
 

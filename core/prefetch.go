@@ -435,8 +435,12 @@ func (p *prefetcher) record(j *prefetchJob, path string, out outcome) {
 	p.cond.Broadcast()
 }
 
-// testHookPrefetch, when set by a test, runs in a worker before it handles a file.
-var testHookPrefetch func(path string)
+// testHookPrefetch, when set by a test, runs in a worker before it handles a file;
+// testHookPrefetchBlock before it handles block n of a large file (see fetchBlocks).
+var (
+	testHookPrefetch      func(path string)
+	testHookPrefetchBlock func(n int64)
+)
 
 // fetch reads one file from the source into a tier, unless it is cached already or a reader
 // is reading it, through the engine's miss path (fill): a reader that misses the file
@@ -538,6 +542,9 @@ func (p *prefetcher) fetchBlocks(j *prefetchJob, path string, size int64, out ou
 				n := next.Add(1) - 1
 				if n >= blocks {
 					return
+				}
+				if testHookPrefetchBlock != nil {
+					testHookPrefetchBlock(n)
 				}
 				if gone() {
 					stop.Store(true)
