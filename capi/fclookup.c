@@ -56,6 +56,27 @@ void fc_hashes(const char *p, size_t n, uint64_t *key, uint64_t *check) {
 	*check = c;
 }
 
+// decimal writes v (>= 0) in decimal at out, without a terminator, and returns its length
+// (at most 19).
+static size_t decimal(int64_t v, char *out) {
+	char digits[20];
+	size_t nd = 0;
+	do {
+		digits[nd++] = (char)('0' + v % 10);
+		v /= 10;
+	} while (v > 0);
+	for (size_t i = 0; i < nd; i++)
+		out[i] = digits[nd - 1 - i];
+	return nd;
+}
+
+size_t fc_block_name(char *name, size_t n, int64_t bb, int64_t block) {
+	name[n++] = 0;
+	n += decimal(bb, name + n);
+	name[n++] = ':';
+	return n + decimal(block, name + n);
+}
+
 int fc_clean_path(const char *in, char *out, size_t cap) {
 	size_t n = strlen(in);
 	if (n == 0 || in[0] != '/' || cap < 2)

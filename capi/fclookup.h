@@ -124,6 +124,11 @@ void fc_count_source(struct fc_tier *t, int64_t bytes);
  * Returns its length, or -1 if in is not absolute or out is too small. */
 int fc_clean_path(const char *in, char *out, size_t cap);
 
+/* Writes the name of block number block (of bb bytes) of the file at the clean path held in
+ * name's first n bytes, after it: tiers.BlockName's "path\0<bb>:<block>" (no terminator).
+ * name has room for n + 42 bytes. Returns the name's length. */
+size_t fc_block_name(char *name, size_t n, int64_t bb, int64_t block);
+
 /* The two hashes of a clean source path: key names its cached copy (FNV-1a 64 of the path,
  * tiers.KeyOf), check guards against collisions (FNV-1a 64 of the path's bytes in reverse
  * order, tiers.CheckOf). */

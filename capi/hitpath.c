@@ -792,6 +792,18 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 	return (ssize_t)done;
 }
 
+// source_open opens the source file at the clean path path (len bytes, under c's root) for
+// reading, beneath the real root held open since the client opened (openat2 RESOLVE_BENEATH:
+// no link leads out of it; O_NONBLOCK: a FIFO never blocks), as core.OpenSource does: the
+// descriptor, or -1 (Go then reads the file, and says why).
+static int source_open(struct hit_client *c, const char *path, size_t len) {
+	if (c->real_root_fd < 0 || len <= c->rootlen)
+		return -1;
+	const char *rel = path + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	struct open_how how = {.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
+	return (int)syscall(SYS_openat2, c->real_root_fd, rel, &how, sizeof how);
+}
+
 // READ_NOW_BYTES is core.ReadNowBytes: the server cuts files of at least this size in
 // blocks, and caches smaller ones whole.
 #define READ_NOW_BYTES ((int64_t)8 << 20)
@@ -816,11 +828,7 @@ static int open_source(struct hit_client *c, const char *path, size_t len) {
 	pthread_mutex_unlock(&c->ranges_mu);
 	if (have >= 0)
 		return have;
-	if (c->real_root_fd < 0 || len <= c->rootlen)
-		return -1;
-	const char *rel = path + c->rootlen + (c->rootlen > 1 ? 1 : 0);
-	struct open_how how = {.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
-	int fd = (int)syscall(SYS_openat2, c->real_root_fd, rel, &how, sizeof how);
+	int fd = source_open(c, path, len);
 	struct stat st;
 	if (fd < 0)
 		return -1;
@@ -850,29 +858,6 @@ static int listed_here(struct hit_client *c, int nt, const char *name, size_t le
 	return 1;
 }
 
-// decimal writes v (>= 0) in decimal at out, without a terminator, and returns its length
-// (at most 19).
-static size_t decimal(int64_t v, char *out) {
-	char digits[20];
-	size_t nd = 0;
-	do {
-		digits[nd++] = (char)('0' + v % 10);
-		v /= 10;
-	} while (v > 0);
-	for (size_t i = 0; i < nd; i++)
-		out[i] = digits[nd - 1 - i];
-	return nd;
-}
-
-// block_name writes tiers.BlockName of the clean path at name (n bytes) for block number
-// block of bb bytes, "path\0<bb>:<block>", after the path, and returns the name's length.
-static size_t block_name(char *name, size_t n, int64_t bb, int64_t block) {
-	name[n++] = 0;
-	n += decimal(bb, name + n);
-	name[n++] = ':';
-	return n + decimal(block, name + n);
-}
-
 int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int ask, int64_t *got) {
 	int saved = errno;
 	struct hit_client *c = acquire(handle);
@@ -897,7 +882,7 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	while (bb > 0 && done < len) {
 		int64_t at = off + done, block = at / bb, within = at % bb;
 		int64_t want = len - done < bb - within ? len - done : bb - within;
-		size_t namelen = block_name(name, (size_t)n, bb, block);
+		size_t namelen = fc_block_name(name, (size_t)n, bb, block);
 		k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 1, served);
 		if (k == -FC_MISS && ask && done == 0) {
 			k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served); // a whole copy
@@ -1219,11 +1204,9 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
 	char clean[FC_PATH_MAX];
 	int n, rc = FC_MISS, fd = -1;
 	struct hit_client *c = acquire(handle);
-	if (!c || c->real_root_fd < 0 || (n = source_path(c, path, clean, sizeof clean)) < 0 || (size_t)n <= c->rootlen)
+	if (!c || (n = source_path(c, path, clean, sizeof clean)) < 0)
 		goto out;
-	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
-	struct open_how how = {.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
-	fd = (int)syscall(SYS_openat2, c->real_root_fd, rel, &how, sizeof how);
+	fd = source_open(c, clean, (size_t)n);
 	struct stat before, after;
 	if (fd < 0 || fstat(fd, &before) != 0 || !S_ISREG(before.st_mode))
 		goto out;

@@ -170,7 +170,7 @@ struct marked {
 	ino_t ino;
 	const struct root *root;
 	size_t keylen;
-	char name[FC_PATH_MAX + 48]; // the key, then a block's suffix (see block_name)
+	char name[FC_PATH_MAX + 48]; // the key, then a block's suffix (see fc_block_name)
 };
 
 // marked_file copies the entry of fd into m: 0, or -1 when fd is not marked (any more).
@@ -191,31 +191,6 @@ static int marked_file(int fd, struct marked *m) {
 	memcpy(m->name, f->key, m->keylen);
 	__atomic_thread_fence(__ATOMIC_ACQUIRE);
 	return __atomic_load_n(&f->seq, __ATOMIC_RELAXED) == seq && m->keylen > 0 ? 0 : -1;
-}
-
-// block_name writes tiers.BlockName of the key in m for block number block after the key,
-// "key\0<block_bytes>:<block>", and returns the name's length.
-static size_t block_name(struct marked *m, int64_t block) {
-	char *p = m->name + m->keylen;
-	char digits[2][24];
-	int64_t v[2] = {block_bytes, block};
-	int n[2];
-	for (int k = 0; k < 2; k++) {
-		char *d = digits[k] + sizeof digits[k];
-		int64_t x = v[k];
-		do
-			*--d = (char)('0' + x % 10);
-		while ((x /= 10) > 0);
-		n[k] = (int)(digits[k] + sizeof digits[k] - d);
-		memmove(digits[k], d, (size_t)n[k]);
-	}
-	*p++ = 0;
-	memcpy(p, digits[0], (size_t)n[0]);
-	p += n[0];
-	*p++ = ':';
-	memcpy(p, digits[1], (size_t)n[1]);
-	p += n[1];
-	return (size_t)(p - m->name);
 }
 
 // --- The program's buffers -----------------------------------------------------------------
@@ -561,7 +536,7 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 		int64_t block = at / block_bytes, within = at % block_bytes;
 		int64_t n = block_bytes - within < end - at ? block_bytes - within : end - at;
 		int64_t block_len = size - block * block_bytes < block_bytes ? size - block * block_bytes : block_bytes;
-		size_t namelen = block_name(&m, block);
+		size_t namelen = fc_block_name(m.name, m.keylen, block_bytes, block);
 		int unchecked = 0;
 		k = from_copy(m.name, namelen, block_len, mtime, within, &c, n, served, &unchecked);
 		if (k < 0 && !m.ask) // a file being cached whole: its copy, once made

@@ -60,6 +60,15 @@ func RelPath(path string) (string, bool) {
 	return string(out[:n]), true
 }
 
+// BlockName is fc_block_name: the name C gives block n (of bb bytes) of the clean path
+// (tiers.BlockName).
+func BlockName(path string, bb, n int64) string {
+	buf := make([]byte, len(path)+48)
+	copy(buf, path)
+	k := C.fc_block_name((*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(path)), C.int64_t(bb), C.int64_t(n))
+	return string(buf[:k])
+}
+
 // Hit is what Lookup found.
 type Hit struct {
 	Tier      int   // index of the tier in the directories given

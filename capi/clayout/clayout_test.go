@@ -65,6 +65,12 @@ func FuzzNamesMatchGo(f *testing.F) {
 		if want := tiers.RelPath(p); !ok || rel != want {
 			t.Fatalf("data file of %q: C %q (%v), Go %q", p, rel, ok, want)
 		}
+		n := int64(len(s)) * 7919 // any block number, and the sizes a server takes
+		for _, bb := range []int64{64 << 10, 4 << 20, 256 << 20} {
+			if got, want := BlockName(p, bb, n), tiers.BlockName(p, bb, n); got != want {
+				t.Fatalf("block %d of %d bytes of %q: C %q, Go %q", n, bb, p, got, want)
+			}
+		}
 	})
 }
 
