@@ -173,11 +173,12 @@ static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeou
 	return fd;
 }
 
-/* What the descriptor of an open reply holds (core.Origin). */
-#define FC_ORIGIN_TIER 1
-#define FC_ORIGIN_SOURCE 2               /* the source; no tier takes the file whole */
-#define FC_ORIGIN_MEMORY 3               /* bytes another node sent */
+/* What the descriptor of an open reply holds: core.Origin's values (nodesock's tests hold them
+ * together). The shim acts on the two sources; every other origin is a whole copy. */
+#define FC_ORIGIN_SOURCE 2              /* the source; no tier takes the file whole */
+#define FC_ORIGIN_PEER 3                /* a memory file of the bytes another node's server sent */
 #define FC_ORIGIN_SOURCE_WHILE_CACHED 4 /* the source of a large file while it is cached whole */
+#define FC_ORIGIN_TIER_FIRST 8          /* a tier of this node: FC_ORIGIN_TIER_FIRST + its kind */
 
 /* Reads the reply to an open request (FC_NODE_OP_OPEN) on sock: magic, errno, origin, message
  * length and message, with the descriptor riding on the first bytes. Returns 0 with the

@@ -58,9 +58,9 @@ func (c *Client) SetServerState(id string, alive bool) {
 //   - a file of the server this client runs in (SetOwnServer): that engine's answer (see
 //     core.Engine.OpenForReader), its cached copy, read from the source first on a miss;
 //   - a file of another server on this node: the cached copy in that server's tier, which
-//     that server fills on a miss (core.OriginTier);
+//     that server fills on a miss (the tier's origin, core.TierOrigin);
 //   - a file of a server on another node: a sealed memory file (memfd) holding the bytes it
-//     sent (core.OriginMemory), so that the file stays cached at its owner only;
+//     sent (core.OriginPeer), so that the file stays cached at its owner only;
 //   - a file read from the source (its owner is dead under the pfs policy, no server
 //     answers, or it is too large to send): the source itself, opened beneath the dataset
 //     root (core.OriginSource), as a direct read of Read would.
@@ -83,8 +83,8 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 	// A copy the server this client runs in holds (its own, or a node-local copy of a file
 	// another server owns, also one whose owner died since) serves first, checked.
 	if c.own != nil {
-		if f, ok := c.own.engine.OpenCached(c.root, path); ok {
-			return f, core.OriginTier, nil
+		if f, origin, ok := c.own.engine.OpenCached(c.root, path); ok {
+			return f, origin, nil
 		}
 		if f, ok := c.openLargeNow(path); ok {
 			return f, core.OriginSourceWhileCached, nil
@@ -168,12 +168,12 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 		if err != nil {
 			return nil, 0, err // too large to cache: read the source
 		}
-		if res.Origin == "source" {
+		if res.Origin == core.OriginSource {
 			c.replicate(rest, path, res.Bytes(), c.cluster.stamper.Stamp(path, res))
 		}
 		res.Release()
-		if f, _, err := openTier(anySession(dirs), path); err == nil { // the engine checked it
-			return f, core.OriginTier, nil
+		if f, d, err := openTier(anySession(dirs), path); err == nil { // the engine checked it
+			return f, core.TierOrigin(d.Kind), nil
 		}
 		return own.engine.OpenForReader(ctx, c.root, path) // evicted meanwhile, or not in a tier
 	}
@@ -194,14 +194,14 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 	data := reply.Data
 	if reply.CachedPath != "" { // a server on this node cached it: hand out its tier file
 		checked := anySession(dirs) // the server checked the copy before it answered
-		if reply.Origin == "source" && len(rest) > 0 {
+		if rpc.OriginOf(reply) == core.OriginSource && len(rest) > 0 {
 			if m, err := tiers.Probe(checked, path); err == nil {
 				c.replicate(rest, path, m.Bytes(), rpc.StampOf(reply))
 				m.Release()
 			}
 		}
-		if f, _, err := openTier(checked, path); err == nil {
-			return f, core.OriginTier, nil
+		if f, d, err := openTier(checked, path); err == nil {
+			return f, core.TierOrigin(d.Kind), nil
 		}
 		// Evicted between the reply and the open: ask for the bytes.
 		if reply, err = p.rpc.Read(ctx, c.root, path, false); err != nil {
@@ -209,14 +209,14 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 		}
 		data = reply.Data
 	} else {
-		if reply.Origin == "source" && len(rest) > 0 {
+		if rpc.OriginOf(reply) == core.OriginSource && len(rest) > 0 {
 			c.replicate(rest, path, data, rpc.StampOf(reply))
 		}
 		// A server on another node sent the bytes: a node-local copy, where there is room,
 		// serves this node's next reads of the file from its own tiers.
 		if c.keepGuest(ctx, path, reply, session) == nil {
-			if f, _, err := openTier(anySession(c.own.engine.TierDirs()), path); err == nil {
-				return f, core.OriginTier, nil
+			if f, d, err := openTier(anySession(c.own.engine.TierDirs()), path); err == nil {
+				return f, core.TierOrigin(d.Kind), nil
 			}
 		}
 	}
@@ -224,7 +224,7 @@ func (c *Client) openFromPeer(ctx context.Context, p *peer, rest []*peer, path s
 	if err != nil {
 		return nil, 0, err
 	}
-	return f, core.OriginMemory, nil
+	return f, core.OriginPeer, nil
 }
 
 // transferBuffers hold the bytes of a file another node's server sends, while a server of
@@ -290,7 +290,7 @@ func (c *Client) FetchForReader(ctx context.Context, path string) error {
 	if err != nil {
 		return err
 	}
-	if f, ok := c.own.engine.OpenCached(c.root, path); ok { // this server's copy, or a node-local one
+	if f, _, ok := c.own.engine.OpenCached(c.root, path); ok { // this server's copy, or a node-local one
 		f.Close()
 		return nil
 	}
@@ -316,7 +316,7 @@ func (c *Client) fetchFromPeer(ctx context.Context, p *peer, rest []*peer, path 
 		if err != nil {
 			return err
 		}
-		if res.Origin == "source" {
+		if res.Origin == core.OriginSource {
 			c.replicate(rest, path, res.Bytes(), c.cluster.stamper.Stamp(path, res))
 		}
 		res.Release()
@@ -334,7 +334,7 @@ func (c *Client) fetchFromPeer(ctx context.Context, p *peer, rest []*peer, path 
 	if err != nil {
 		return err
 	}
-	if reply.Origin == "source" && len(rest) > 0 {
+	if rpc.OriginOf(reply) == core.OriginSource && len(rest) > 0 {
 		if reply.CachedPath != "" {
 			dirs, _ := p.state()
 			if m, err := tiers.Probe(anySession(dirs), path); err == nil {

@@ -162,7 +162,7 @@ func testOpenForReader(t *testing.T, policy string) {
 		if origin != wantOrigin {
 			t.Errorf("%s: origin %v, want %v", name, origin, wantOrigin)
 		}
-		if origin == core.OriginMemory {
+		if origin == core.OriginPeer {
 			link, _ := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", f.Fd()))
 			if !strings.HasPrefix(link, "/memfd:fitcache:"+filepath.Base(name)) {
 				t.Errorf("%s: memory file named %q", name, link)
@@ -177,7 +177,7 @@ func testOpenForReader(t *testing.T, policy string) {
 	}
 	// A file of the remote server is kept as a node-local copy by the server this client runs
 	// in (it has room): opened from its tier.
-	originOf := map[string]core.Origin{self.addr: core.OriginTier, peer.addr: core.OriginTier, remote.addr: core.OriginTier}
+	originOf := map[string]core.Origin{self.addr: core.OriginMemory, peer.addr: core.OriginMemory, remote.addr: core.OriginMemory}
 	owned := map[string]int{}
 	for epoch := range 2 {
 		for _, name := range names {
@@ -219,11 +219,11 @@ func testOpenForReader(t *testing.T, policy string) {
 			case !isLost:
 				open(name, originOf[c.Owner(name)])
 			case !noCopy:
-				open(name, core.OriginTier) // the node-local copy
+				open(name, core.OriginMemory) // the node-local copy
 			case policy == config.PolicyPFS:
 				open(name, core.OriginSource)
 			default:
-				open(name, core.OriginTier)
+				open(name, core.OriginMemory)
 			}
 		}
 	}

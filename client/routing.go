@@ -437,7 +437,7 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 		if err != nil {
 			return err
 		}
-		if reply != nil && reply.Origin == "source" && len(rest) > 0 {
+		if reply != nil && reply.Origin == core.OriginSource && len(rest) > 0 {
 			c.replicate(rest, path, b.Bytes(), reply.Stamp)
 		}
 		buf = b
@@ -467,7 +467,7 @@ func (c *Client) readFromPeer(p *peer, path string) (Buffer, *readReply, error) 
 	if err != nil {
 		return nil, nil, err
 	}
-	return buf, &readReply{Origin: reply.Origin, Stamp: rpc.StampOf(reply)}, nil
+	return buf, &readReply{Origin: rpc.OriginOf(reply), Stamp: rpc.StampOf(reply)}, nil
 }
 
 // askPeer asks one server for a file over RPC (naming the tier file when the server is on
@@ -502,7 +502,7 @@ func (c *Client) askPeerInto(ctx context.Context, p *peer, path string, buf []by
 }
 
 type readReply struct {
-	Origin string
+	Origin core.Origin
 	Stamp  rpc.Stamp // what the owner vouched for, for replica copies
 }
 

@@ -81,12 +81,12 @@ func (e *Engine) readBlock(ctx context.Context, root, path string, n int64, want
 		return res, err
 	}
 	f, leader := e.join(name)
-	origin := "inflight"
+	origin := OriginInflight
 	switch {
 	case leader && e.startFill():
 		// Filled here: the caller waits for it anyway, and a block is a bounded read. The
 		// fill counts the miss (a block past the end of the file is none).
-		origin = "source"
+		origin = OriginSource
 		func() {
 			defer e.fills.Done()
 			// Not tied to the caller's context: other readers may share the flight, and

@@ -26,7 +26,7 @@ func newBlockEngine(t *testing.T, budget string) *Engine {
 }
 
 // readBlock reads block n and returns its origin and bytes.
-func readBlock(t *testing.T, e *Engine, root, path string, n int64) (string, []byte) {
+func readBlock(t *testing.T, e *Engine, root, path string, n int64) (Origin, []byte) {
 	t.Helper()
 	res, err := e.ReadBlock(context.Background(), root, path, n, true)
 	if err != nil {
@@ -75,7 +75,7 @@ func TestBlocksOfAFileLargerThanTheTierAreCachedAsTheyAreRead(t *testing.T) {
 			s.SourceReads, s.SourceBytes, s.Errors, 2<<20+123)
 	}
 	for _, n := range []int64{0, 3, 10} {
-		if origin, got := readBlock(t, e, root, path, n); origin != "memory" {
+		if origin, got := readBlock(t, e, root, path, n); origin != OriginMemory {
 			t.Errorf("block %d again: origin %q, want memory", n, origin)
 		} else {
 			wantBlock(t, path, n, got)
@@ -113,7 +113,7 @@ func TestBlocksBeyondTheTierAreDeclinedNotFailed(t *testing.T) {
 	if s := e.Stats(); declined < 5 || s.Errors != 0 || s.Uncached < int64(declined) {
 		t.Fatalf("declined %d, errors %d, uncached %d; want most declined, none an error", declined, s.Errors, s.Uncached)
 	}
-	if origin, _ := readBlock(t, e, root, paths[0], 0); origin != "memory" {
+	if origin, _ := readBlock(t, e, root, paths[0], 0); origin != OriginMemory {
 		t.Errorf("block 0 again: origin %q; a declined block must not evict the cached ones", origin)
 	}
 }
@@ -133,7 +133,7 @@ func TestBlocksOfAChangedFileAreReadAgain(t *testing.T) {
 	os.Chtimes(path, time.Now(), time.Now().Add(time.Hour))
 	e.BeginSession("next job")
 	origin, got := readBlock(t, e, root, path, 0)
-	if origin != "source" || !bytes.Equal(got, changed[:1<<20]) {
+	if origin != OriginSource || !bytes.Equal(got, changed[:1<<20]) {
 		t.Fatalf("block 0 of the changed file: origin %q, new bytes %v; want the source's new bytes", origin, bytes.Equal(got, changed[:1<<20]))
 	}
 	if s := e.Stats(); s.StaleCopies != 1 {
@@ -176,7 +176,7 @@ func TestAFileChangedDuringASessionLosesItsOlderBlocks(t *testing.T) {
 			t.Fatal("block 0 of the version before is still listed beside block 1 of the new one")
 		}
 	}
-	if origin, got := readBlock(t, e, root, path, 0); origin != "source" || !bytes.Equal(got, changed[:1<<20]) {
+	if origin, got := readBlock(t, e, root, path, 0); origin != OriginSource || !bytes.Equal(got, changed[:1<<20]) {
 		t.Fatalf("block 0 again: origin %q; want the new version, read from the source", origin)
 	}
 }
@@ -256,7 +256,7 @@ func TestPrefetchCachesALargeFileNoTierTakesByBlocks(t *testing.T) {
 			}
 			origin, got := readBlock(t, e, root, path, n)
 			wantBlock(t, path, n, got)
-			if origin != "memory" && origin != "disk" {
+			if origin != OriginMemory && origin != OriginDisk {
 				t.Errorf("block %d after prefetch: origin %q, want a tier", n, origin)
 			}
 		}

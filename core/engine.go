@@ -244,7 +244,7 @@ func (e *Engine) TierDirs() []tiers.Dir {
 type Result struct {
 	Mapping *tiers.Mapping // set when the file was served from (or just published to) a tier
 	Data    []byte         // set otherwise
-	Origin  string         // a tier kind, "inflight" or "source"
+	Origin  Origin         // where the bytes came from: a tier, inflight or the source
 	// MTimeNanos is the source file's modification time, for a replica's copy.
 	MTimeNanos int64
 	// CTimeNanos and Ino are the source file's change time and inode number when this read
@@ -348,7 +348,7 @@ func (e *Engine) probeToSend(root, path string) (Result, bool) {
 			f.Close()
 			return Result{}, false
 		}
-		res := Result{Mapping: m, File: f, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos,
+		res := Result{Mapping: m, File: f, Origin: TierOrigin(m.Tier), MTimeNanos: m.MTimeNanos,
 			CTimeNanos: m.SourceCTimeNanos, Ino: m.SourceIno}
 		e.stats.hits[m.Tier].Add(1)
 		e.stats.bytesServed.Add(m.Size)
@@ -390,9 +390,9 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 	if f.err != nil {
 		return Result{}, f.err
 	}
-	origin := "inflight"
+	origin := OriginInflight
 	if leader {
-		origin = "source"
+		origin = OriginSource
 	}
 	if !f.inTier {
 		return Result{Data: f.data, Origin: origin, MTimeNanos: f.mtime, CTimeNanos: f.ctime, Ino: f.ino}, nil
@@ -459,28 +459,28 @@ func nowOf(f *flight, file *os.File) *readNow {
 	return &readNow{file: file, origin: OriginSourceWhileCached}
 }
 
-// fetch is Fetch; it also returns where the file came from (a tier kind, "inflight" or
-// "source"). With forReader (OpenForReader), a large file is not waited for (see
+// fetch is Fetch; it also returns where the file came from (a tier, inflight or the
+// source). With forReader (OpenForReader), a large file is not waited for (see
 // ReadNowBytes): the caller that starts its flight gets a descriptor of the source the
 // flight opened, one that joins it a readNow without one, and the copy goes on.
-func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (origin string, now *readNow, err error) {
+func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (origin Origin, now *readNow, err error) {
 	if err := e.checkRoot(root, path); err != nil {
-		return "", nil, err
+		return OriginNone, nil, err
 	}
 	if err := e.validate(root, path); err != nil {
-		return "", nil, err
+		return OriginNone, nil, err
 	}
 	for _, t := range e.tiers {
 		if t.Listed(path) {
 			e.stats.hits[t.Kind].Add(1)
-			return t.Kind.String(), nil, nil
+			return TierOrigin(t.Kind), nil, nil
 		}
 	}
 	f, leader := e.join(path)
-	origin = "inflight"
+	origin = OriginInflight
 	switch {
 	case leader && e.startFill():
-		origin = "source"
+		origin = OriginSource
 		e.stats.misses.Add(1)
 		f.fetchOnly = true
 		if !forReader {
@@ -509,7 +509,7 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 					file.Close()
 				}
 			}()
-			return "", nil, ctx.Err()
+			return OriginNone, nil, ctx.Err()
 		}
 	case leader:
 		f.err = ErrClosed
@@ -524,23 +524,23 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 		select {
 		case <-f.done:
 		case <-large:
-			return "", nowOf(f, nil), nil
+			return OriginNone, nowOf(f, nil), nil
 		case <-ctx.Done():
-			return "", nil, ctx.Err()
+			return OriginNone, nil, ctx.Err()
 		}
 	}
 	if f.err != nil {
-		return "", nil, f.err
+		return OriginNone, nil, f.err
 	}
 	if !f.inTier { // read into memory by a Read that no tier took, joined here
-		return "", nil, fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
+		return OriginNone, nil, fmt.Errorf("%w: no tier takes %s", ErrTooLarge, path)
 	}
 	// As in read: a session that began meanwhile has the copy checked (a no-op otherwise).
 	if err := e.validate(root, path); err != nil {
-		return "", nil, err
+		return OriginNone, nil, err
 	}
 	if _, ok := e.cachedSize(path); !ok {
-		return "", nil, fmt.Errorf("%w: %s changed while it was cached: read the source", ErrTooLarge, path)
+		return OriginNone, nil, fmt.Errorf("%w: %s changed while it was cached: read the source", ErrTooLarge, path)
 	}
 	return origin, nil, nil
 }
@@ -596,7 +596,7 @@ func (e *Engine) probe(path string, wantMapping bool) (Result, error) {
 		m.Release()
 		return Result{}, fmt.Errorf("%w: %s has %d bytes, more than the %d a reply carries", ErrTooLarge, path, m.Size, e.maxSend)
 	}
-	return Result{Mapping: m, Origin: m.Tier.String(), MTimeNanos: m.MTimeNanos, CTimeNanos: m.SourceCTimeNanos,
+	return Result{Mapping: m, Origin: TierOrigin(m.Tier), MTimeNanos: m.MTimeNanos, CTimeNanos: m.SourceCTimeNanos,
 		Ino: m.SourceIno}, nil
 }
 

@@ -62,7 +62,7 @@ func newEngine(t *testing.T, budgets ...string) *Engine {
 	return e
 }
 
-func readAll(t *testing.T, e *Engine, root, path string) (string, []byte) {
+func readAll(t *testing.T, e *Engine, root, path string) (Origin, []byte) {
 	t.Helper()
 	res, err := e.Read(context.Background(), root, path, false)
 	if err != nil {
@@ -120,7 +120,7 @@ func TestConcurrentMissesReadSourceOnce(t *testing.T) {
 	if got := s.Misses + s.InflightHits + s.Hits["memory"]; got != 16 {
 		t.Errorf("misses+inflight+hits = %d, want 16", got)
 	}
-	if origin, got := readAll(t, e, root, paths[0]); origin != "memory" {
+	if origin, got := readAll(t, e, root, paths[0]); origin != OriginMemory {
 		t.Errorf("read after publication came from %q, want memory", origin)
 	} else {
 		wantBytes(t, paths[0], got)
@@ -160,7 +160,7 @@ func TestSpillToNextTierAndOversize(t *testing.T) {
 		settle(e)
 	}
 	// The first two filled memory; the third went to disk without eviction.
-	wantOrigins := []string{"memory", "memory", "disk"}
+	wantOrigins := []Origin{OriginMemory, OriginMemory, OriginDisk}
 	for i, p := range paths[:3] {
 		if origin, _ := readAll(t, e, root, p); origin != wantOrigins[i] {
 			t.Errorf("%s served from %q, want %q", p, origin, wantOrigins[i])
@@ -175,7 +175,7 @@ func TestSpillToNextTierAndOversize(t *testing.T) {
 	_, got := readAll(t, e, rootBig, paths[3])
 	wantBytes(t, paths[3], got)
 	settle(e)
-	if origin, _ := readAll(t, e, rootBig, paths[3]); origin != "disk" {
+	if origin, _ := readAll(t, e, rootBig, paths[3]); origin != OriginDisk {
 		t.Errorf("large file served from %q after caching, want disk", origin)
 	}
 	// Every tier is full now: a file of another dataset evicts the oldest memory file, which
@@ -183,10 +183,10 @@ func TestSpillToNextTierAndOversize(t *testing.T) {
 	root2, more := dataset(t, 3000)
 	readAll(t, e, root2, more[0])
 	settle(e)
-	if origin, _ := readAll(t, e, root2, more[0]); origin != "memory" {
+	if origin, _ := readAll(t, e, root2, more[0]); origin != OriginMemory {
 		t.Errorf("new file served from %q, want memory", origin)
 	}
-	if origin, _ := readAll(t, e, root, paths[0]); origin != "disk" {
+	if origin, _ := readAll(t, e, root, paths[0]); origin != OriginDisk {
 		t.Errorf("oldest memory file served from %q after eviction, want disk (spilled)", origin)
 	}
 	s = e.Stats()
@@ -207,7 +207,7 @@ func TestOversizeFileServedUncached(t *testing.T) {
 		origin, got := readAll(t, e, root, paths[0])
 		wantBytes(t, paths[0], got)
 		settle(e)
-		if origin != "source" {
+		if origin != OriginSource {
 			t.Errorf("oversize file served from %q, want source", origin)
 		}
 	}
@@ -229,7 +229,7 @@ func TestDamagedEntryIsRefetched(t *testing.T) {
 	os.WriteFile(cachedPath, b[:100], 0o600) // damage it
 	origin, got := readAll(t, e, root, paths[0])
 	wantBytes(t, paths[0], got)
-	if origin != "source" {
+	if origin != OriginSource {
 		t.Errorf("damaged entry served from %q, want source", origin)
 	}
 }
@@ -346,7 +346,7 @@ func TestDatasetLargerThanTheCacheDoesNotThrash(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if res.Origin == "memory" {
+			if res.Origin == OriginMemory {
 				hits++
 			}
 			wantBytes(t, paths[i], res.Bytes())

@@ -47,7 +47,7 @@ func TestStoreGuestKeepsNodeLocalCopiesInSpareRoom(t *testing.T) {
 		}
 		guests = append(guests, p)
 	}
-	if origin, got := readAll(t, e, root, guests[0]); origin != "memory" || len(got) != 4096 {
+	if origin, got := readAll(t, e, root, guests[0]); origin != OriginMemory || len(got) != 4096 {
 		t.Errorf("a guest is served from %q with %d bytes, want the memory tier", origin, len(got))
 	}
 	if s := e.Stats(); s.Guests != 4 || s.SourceReads != 0 {

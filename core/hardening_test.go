@@ -104,7 +104,7 @@ func TestLargeFileIsStreamedIntoATier(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer res.Release()
-	if res.Mapping == nil || res.Origin != "source" || len(res.Bytes()) != 256<<20 || string(res.Bytes()[256<<20-3:]) != "end" {
+	if res.Mapping == nil || res.Origin != OriginSource || len(res.Bytes()) != 256<<20 || string(res.Bytes()[256<<20-3:]) != "end" {
 		t.Fatalf("got mapping %v, origin %q, %d bytes; want the whole file mapped from a tier", res.Mapping != nil, res.Origin, len(res.Bytes()))
 	}
 	if grew > 64<<20 {

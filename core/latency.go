@@ -16,13 +16,26 @@ var latencyBuckets = [...]float64{25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.
 // LatencyBuckets returns the upper bounds, in seconds, of the buckets of Latency.Buckets.
 func LatencyBuckets() []float64 { return latencyBuckets[:] }
 
-// Where a request was served from, as the index of its latency histogram: a tier kind
-// (below tiers.NumKinds), then these.
-const (
-	originInflight = tiers.NumKinds + iota // a file being read or published by another request
-	originSource                           // read from the source by this request
-	numOrigins
-)
+// timedOrigins are the origins of the engine's requests, in the order of their histograms:
+// the tiers, a file another request was reading, the source.
+var timedOrigins = [...]Origin{OriginMemory, OriginPMem, OriginNVMe, OriginDisk, OriginInflight, OriginSource}
+
+const numOrigins = len(timedOrigins)
+
+// timedIndex returns the index of origin's histograms, or -1 for an origin no request of the
+// engine has.
+func timedIndex(origin Origin) int {
+	if k, ok := origin.Tier(); ok {
+		return int(k)
+	}
+	switch origin {
+	case OriginInflight:
+		return int(tiers.NumKinds)
+	case OriginSource:
+		return int(tiers.NumKinds) + 1
+	}
+	return -1
+}
 
 // Kinds of request an engine times, as the first index of its histograms: Read (the bytes or a mapping) and Fetch (into a tier,
 // for a caller on this node that reads it there).
@@ -33,17 +46,6 @@ const (
 )
 
 var opNames = [numOps]string{"read", "fetch"}
-
-// originName names an origin index as Result.Origin does.
-func originName(o int) string {
-	switch o {
-	case originInflight:
-		return "inflight"
-	case originSource:
-		return "source"
-	}
-	return tiers.Kind(o).String()
-}
 
 // histogram counts durations in LatencyBuckets. The zero value is ready; it is safe for
 // concurrent use (an observation is a few atomic adds, no lock).
@@ -69,7 +71,7 @@ func (h *histogram) observe(d time.Duration, bytes int64) {
 // Latency is a copy of the latency histogram of one kind of request from one origin.
 type Latency struct {
 	Op     string // "read" or "fetch"
-	Origin string // a tier kind, "inflight" or "source"
+	Origin Origin // a tier, inflight or the source
 	// Count is the number of requests; Buckets the cumulative counts, one per bound of
 	// LatencyBuckets() (requests that took at most that long).
 	Count   uint64
@@ -81,19 +83,8 @@ type Latency struct {
 // latencies holds an engine's histograms. The zero value is ready; it is safe for concurrent use.
 type latencies [numOps][numOrigins]histogram
 
-func (l *latencies) observe(op int, origin string, d time.Duration, bytes int64) {
-	o := -1
-	switch origin {
-	case "inflight":
-		o = originInflight
-	case "source":
-		o = originSource
-	default:
-		if k, err := tiers.ParseKind(origin); err == nil {
-			o = int(k)
-		}
-	}
-	if o >= 0 && o < numOrigins {
+func (l *latencies) observe(op int, origin Origin, d time.Duration, bytes int64) {
+	if o := timedIndex(origin); o >= 0 {
 		l[op][o].observe(d, bytes)
 	}
 }
@@ -104,7 +95,7 @@ func (l *latencies) snapshot() []Latency {
 	for op := range l {
 		for o := range l[op] {
 			h := &l[op][o]
-			lat := Latency{Op: opNames[op], Origin: originName(o), Buckets: make([]uint64, len(latencyBuckets)),
+			lat := Latency{Op: opNames[op], Origin: timedOrigins[o], Buckets: make([]uint64, len(latencyBuckets)),
 				Seconds: time.Duration(h.sum.Load()).Seconds(), Bytes: h.bytes.Load()}
 			for i := range h.counts {
 				lat.Count += uint64(h.counts[i].Load())

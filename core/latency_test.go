@@ -24,7 +24,10 @@ func TestLatencies(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	type key struct{ op, origin string }
+	type key struct {
+		op     string
+		origin Origin
+	}
 	got := map[key][2]int64{}
 	for _, l := range e.Latencies() {
 		if len(l.Buckets) != len(LatencyBuckets()) || (len(l.Buckets) > 0 && l.Buckets[len(l.Buckets)-1] > l.Count) {
@@ -38,8 +41,8 @@ func TestLatencies(t *testing.T) {
 		}
 	}
 	want := map[key][2]int64{
-		{"read", "source"}: {1, 100}, {"read", "memory"}: {2, 200},
-		{"fetch", "source"}: {1, 0}, {"fetch", "memory"}: {1, 0},
+		{"read", OriginSource}: {1, 100}, {"read", OriginMemory}: {2, 200},
+		{"fetch", OriginSource}: {1, 0}, {"fetch", OriginMemory}: {1, 0},
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("requests and bytes by op and origin (-want +got):\n%s", diff)
@@ -49,11 +52,11 @@ func TestLatencies(t *testing.T) {
 func TestHistogramBuckets(t *testing.T) {
 	var l latencies
 	for _, d := range []time.Duration{10 * time.Microsecond, 25 * time.Microsecond, 3 * time.Millisecond, time.Minute} {
-		l.observe(opRead, "source", d, 1)
+		l.observe(opRead, OriginSource, d, 1)
 	}
-	l.observe(opRead, "nowhere", time.Second, 1) // not an origin: dropped
+	l.observe(opRead, OriginPeer, time.Second, 1) // no request of the engine has it: dropped
 	for _, lat := range l.snapshot() {
-		if lat.Op != "read" || lat.Origin != "source" {
+		if lat.Op != "read" || lat.Origin != OriginSource {
 			if lat.Count != 0 {
 				t.Errorf("%s %s: got %d requests, want 0", lat.Op, lat.Origin, lat.Count)
 			}
@@ -71,8 +74,8 @@ func TestHistogramBuckets(t *testing.T) {
 // observation.
 func BenchmarkLatencyObserve(b *testing.B) {
 	var l latencies
-	for _, origin := range []string{"memory", "disk", "source"} {
-		b.Run(origin, func(b *testing.B) {
+	for _, origin := range []Origin{OriginMemory, OriginDisk, OriginSource} {
+		b.Run(origin.String(), func(b *testing.B) {
 			b.ReportAllocs()
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
@@ -81,5 +84,20 @@ func BenchmarkLatencyObserve(b *testing.B) {
 				}
 			})
 		})
+	}
+}
+
+// TestTimedOriginsIndexTheirHistograms: each origin the engine times finds its own
+// histogram, and the snapshot names it.
+func TestTimedOriginsIndexTheirHistograms(t *testing.T) {
+	for i, o := range timedOrigins {
+		if got := timedIndex(o); got != i {
+			t.Errorf("%v: histogram %d, want %d", o, got, i)
+		}
+	}
+	for _, o := range []Origin{OriginNone, OriginPeer, OriginSourceWhileCached, Origin(99)} {
+		if got := timedIndex(o); got != -1 {
+			t.Errorf("%v: histogram %d, want none", o, got)
+		}
 	}
 }

@@ -3,40 +3,10 @@ package core
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
 
 	"golang.org/x/sys/unix"
 )
-
-// Origin says what a descriptor handed out by OpenForReader holds.
-type Origin uint32
-
-const (
-	// OriginTier: the cached copy in a tier of this node.
-	OriginTier Origin = 1
-	// OriginSource: the source file itself, opened beneath its dataset root (no tier takes it).
-	OriginSource Origin = 2
-	// OriginMemory: a memory file holding bytes read from another node (cluster mode).
-	OriginMemory Origin = 3
-	// OriginSourceWhileCached: the source of a large file (ReadNowBytes), handed to the
-	// reader while the file is cached whole; later opens get the copy.
-	OriginSourceWhileCached Origin = 4
-)
-
-func (o Origin) String() string {
-	switch o {
-	case OriginTier:
-		return "tier"
-	case OriginSource:
-		return "source"
-	case OriginMemory:
-		return "memory"
-	case OriginSourceWhileCached:
-		return "source-while-cached"
-	}
-	return fmt.Sprintf("origin(%d)", uint32(o))
-}
 
 // OpenForReader returns a read-only descriptor that a reader on this node reads in place of
 // the source file at path (inside root): the preload shim's answer to an open it could not
@@ -66,7 +36,7 @@ func (e *Engine) OpenForReader(ctx context.Context, root, path string) (*os.File
 		}
 		for _, t := range e.tiers {
 			if f, err := t.OpenFile(path); err == nil {
-				return f, OriginTier, nil
+				return f, TierOrigin(t.Kind), nil
 			}
 		}
 	}
@@ -107,17 +77,18 @@ func (s *Source) ReaderDup() (*os.File, error) {
 
 // OpenCached opens the copy of the file at path (inside root) that a tier holds, checked
 // against its source in the current session first (see validate), for a reader on this node;
-// false when no tier holds one (nothing is read from the source). The caller closes the file.
-func (e *Engine) OpenCached(root, path string) (*os.File, bool) {
+// origin says which tier. False when no tier holds one (nothing is read from the source). The
+// caller closes the file.
+func (e *Engine) OpenCached(root, path string) (f *os.File, origin Origin, ok bool) {
 	if e.closed.Load() || e.checkRoot(root, path) != nil || e.validate(root, path) != nil {
-		return nil, false
+		return nil, OriginNone, false
 	}
 	for _, t := range e.tiers {
 		if f, err := t.OpenFile(path); err == nil {
-			return f, true
+			return f, TierOrigin(t.Kind), true
 		}
 	}
-	return nil, false
+	return nil, OriginNone, false
 }
 
 // ReaderFile hands the open source over as a descriptor for a reader on this node (see

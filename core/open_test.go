@@ -39,7 +39,7 @@ func TestOpenForReaderHandsOutTheCachedCopyAndReadsTheSourceOnce(t *testing.T) {
 		var st unix.Stat_t
 		unix.Fstat(int(f.Fd()), &st)
 		f.Close()
-		if origin != OriginTier || !bytes.Equal(got, data) {
+		if origin != OriginMemory || !bytes.Equal(got, data) {
 			t.Fatalf("open %d: origin %v, %d bytes, want the tier's copy of %d bytes", i, origin, len(got), len(data))
 		}
 		if src, _ := os.Stat(path); st.Mode&0o777 != uint32(src.Mode().Perm()) || st.Mtim.Nano() != src.ModTime().UnixNano() {
@@ -151,7 +151,7 @@ func TestALargeFileIsHandedToItsReaderWhileItIsCached(t *testing.T) {
 		if o.err != nil || !bytes.Equal(o.data, data) {
 			t.Fatalf("a reader got %d bytes, err %v; want the file's %d", len(o.data), o.err, len(data))
 		}
-		if o.origin != OriginSourceWhileCached && o.origin != OriginTier {
+		if o.origin != OriginSourceWhileCached && o.origin != OriginMemory {
 			t.Errorf("origin %v", o.origin)
 		}
 	}
@@ -170,7 +170,7 @@ func TestALargeFileIsHandedToItsReaderWhileItIsCached(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if b := readFile(t, f); origin != OriginTier || !bytes.Equal(b, data) {
+	if b := readFile(t, f); origin != OriginMemory || !bytes.Equal(b, data) {
 		t.Errorf("after the copy: origin %v, %d bytes; want the tier's copy", origin, len(b))
 	}
 	if s := e.Stats(); s.SourceReads != 1 || s.Errors != 0 {
@@ -202,7 +202,7 @@ func TestTheFirstOpenOfALargeFileIsTheSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	g.Close()
-	if origin != OriginTier {
+	if origin != OriginMemory {
 		t.Errorf("a small file: origin %v, want its copy", origin)
 	}
 }

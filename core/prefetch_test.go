@@ -180,7 +180,7 @@ func TestPrefetchFetchesThenSkipsCached(t *testing.T) {
 	for _, p := range paths {
 		origin, got := readAll(t, e, root, p)
 		wantBytes(t, p, got)
-		if origin != "memory" {
+		if origin != OriginMemory {
 			t.Errorf("%s served from %q after prefetch, want memory", filepath.Base(p), origin)
 		}
 	}

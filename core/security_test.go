@@ -125,7 +125,7 @@ func TestVerifyingEngineDropsOverwrittenFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer res.Release()
-	if res.Origin != "source" || string(res.Bytes()) != string(want) {
+	if res.Origin != OriginSource || string(res.Bytes()) != string(want) {
 		t.Errorf("after verify: origin %s, right bytes %v; want the source's bytes", res.Origin, string(res.Bytes()) == string(want))
 	}
 	if !hasWarning(t, e, "removed 1 damaged") {

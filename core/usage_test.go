@@ -50,7 +50,7 @@ func TestClearByRootAndDryRun(t *testing.T) {
 	if diff := cmp.Diff(wantA, got); diff != "" {
 		t.Errorf("Clear dry run (-want +got):\n%s", diff)
 	}
-	if origin, _ := readAll(t, e, rootA, pathsA[0]); origin != "memory" {
+	if origin, _ := readAll(t, e, rootA, pathsA[0]); origin != OriginMemory {
 		t.Errorf("after a dry run a read came from %q, want memory", origin)
 	}
 
@@ -66,12 +66,12 @@ func TestClearByRootAndDryRun(t *testing.T) {
 	if used := e.Stats().Tiers[0].Used; used != tiers.EntrySize(pathsB[0], 500) {
 		t.Errorf("tier use after Clear %d, want %d (the other dataset's file)", used, tiers.EntrySize(pathsB[0], 500))
 	}
-	if origin, data := readAll(t, e, rootA, pathsA[1]); origin != "source" {
+	if origin, data := readAll(t, e, rootA, pathsA[1]); origin != OriginSource {
 		t.Errorf("after Clear a read came from %q, want source", origin)
 	} else {
 		wantBytes(t, pathsA[1], data)
 	}
-	if origin, _ := readAll(t, e, rootB, pathsB[0]); origin != "memory" {
+	if origin, _ := readAll(t, e, rootB, pathsB[0]); origin != OriginMemory {
 		t.Errorf("Clear of %s also cleared %s: a read came from %q", rootA, rootB, origin)
 	}
 

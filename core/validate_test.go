@@ -115,7 +115,7 @@ func TestUnchangedCopyIsCheckedOncePerSession(t *testing.T) {
 		for _, p := range paths {
 			origin, got := readAll(t, e, root, p)
 			wantBytes(t, p, got)
-			if origin != "memory" {
+			if origin != OriginMemory {
 				t.Errorf("%s served from %q, want the memory tier", p, origin)
 			}
 		}

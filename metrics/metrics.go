@@ -176,9 +176,9 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 		for i, b := range bounds {
 			buckets[b] = l.Buckets[i]
 		}
-		ch <- prometheus.MustNewConstHistogram(requestDurationDesc, l.Count, l.Seconds, buckets, l.Op, l.Origin)
+		ch <- prometheus.MustNewConstHistogram(requestDurationDesc, l.Count, l.Seconds, buckets, l.Op, l.Origin.String())
 		if l.Op == "read" {
-			ch <- prometheus.MustNewConstMetric(requestBytesDesc, prometheus.CounterValue, float64(l.Bytes), l.Origin)
+			ch <- prometheus.MustNewConstMetric(requestBytesDesc, prometheus.CounterValue, float64(l.Bytes), l.Origin.String())
 		}
 	}
 }
@@ -244,20 +244,24 @@ func (s *Server) WatchMembership(m Membership) {
 
 // ObserveRead records a Read RPC answered in d with a file of n bytes from origin, for a
 // caller on this node (local) or another one (see rpc.ServerConfig.OnRead).
-func (s *Server) ObserveRead(local bool, origin string, d time.Duration, n int64) {
+func (s *Server) ObserveRead(local bool, origin core.Origin, d time.Duration, n int64) {
 	caller := "remote"
 	if local {
 		caller = "local"
 	}
-	s.rpcReadDuration.WithLabelValues(caller, origin).Observe(d.Seconds())
+	s.rpcReadDuration.WithLabelValues(caller, origin.String()).Observe(d.Seconds())
 	s.rpcReadBytes.WithLabelValues(caller).Add(float64(n))
 }
 
-// ObserveNodeOpen records an open the node socket answered in d with a descriptor of origin
-// (a memory file holds the bytes a remote server sent).
+// ObserveNodeOpen records an open the node socket answered in d with a descriptor of origin.
+// Its labels are those the README gives, older than core.Origin's names: "tier" for a tier of
+// any kind, "remote" for a memory file holding the bytes another node's server sent, else the
+// origin's name ("source", "source-while-cached").
 func (s *Server) ObserveNodeOpen(origin core.Origin, d time.Duration) {
 	label := origin.String()
-	if origin == core.OriginMemory {
+	if _, ok := origin.Tier(); ok {
+		label = "tier"
+	} else if origin == core.OriginPeer {
 		label = "remote"
 	}
 	s.nodeOpenDuration.WithLabelValues(label).Observe(d.Seconds())

@@ -201,6 +201,8 @@ func TestMetricsFollowTheStatistics(t *testing.T) {
 		Tiers: []tiers.Info{{Dir: "/dev/shm/fc", Kind: "memory", Used: 1000, Budget: 4096, Files: 3}},
 	}})
 	m.WatchMembership(fakeMembers{version: 3, dead: []string{"n2:7070"}})
+	m.ObserveNodeOpen(core.OriginPeer, time.Millisecond)
+	m.ObserveNodeOpen(core.OriginNVMe, time.Millisecond)
 	m.ObserveNodeOpen(core.OriginMemory, time.Millisecond)
 	fams := scrape(t, m)
 	for _, tc := range []struct {
@@ -231,6 +233,7 @@ func TestMetricsFollowTheStatistics(t *testing.T) {
 		{"fitcache_ring_changes_total", nil, 3},
 		{"fitcache_dead_servers", nil, 1},
 		{"fitcache_node_open_duration_seconds", []string{"origin", "remote"}, 1},
+		{"fitcache_node_open_duration_seconds", []string{"origin", "tier"}, 2},
 	} {
 		if got := sample(t, fams, tc.name, tc.labels...); got != tc.want {
 			t.Errorf("%s%v: got %v, want %v", tc.name, tc.labels, got, tc.want)

@@ -18,6 +18,20 @@ enum Reason {
   BAD_COPY = 7,     // EBADMSG: bytes sent for a replica copy do not match their owner's stamp
 }
 
+// Where the bytes of a reply came from: core.Origin, value for value (rpc tests hold the two
+// together; the node socket's FC_ORIGIN_ values in capi/fcnode.h are the same numbers).
+enum Origin {
+  NONE = 0,                // no bytes (a failed request), or a server that did not say
+  INFLIGHT = 1,            // a file another request on the server was reading or publishing
+  SOURCE = 2,              // the source file, read by this request
+  PEER = 3,                // bytes another node's server sent
+  SOURCE_WHILE_CACHED = 4, // the source of a large file, handed over while it is cached whole
+  MEMORY = 8,              // a tier of each kind (tiers.Kind), fastest first
+  PMEM = 9,
+  NVME = 10,
+  DISK = 11,
+}
+
 // A tier directory of a server, so that a client on the same node can map cached files itself.
 struct TierInfo {
   1: string dir
@@ -96,8 +110,7 @@ struct ReadReply {
   4: string cached_path
   // The file's bytes, when cached_path is empty and errno is 0.
   5: binary data
-  // Where the server found the file: a tier kind, "inflight" or "source".
-  6: string origin
+  // 6 was origin as a string (a tier kind, "inflight" or "source"): not to be reused.
   // The source file's modification time (Unix nanoseconds), when known.
   7: i64 mtime_nanos
   // Membership gossip: this server's membership version and, when the caller's is older,
@@ -116,6 +129,8 @@ struct ReadReply {
   12: i64 ctime_nanos
   13: i64 inode
   14: binary stamp
+  // Where the server found the file.
+  15: Origin origin
 }
 
 // Several files of one dataset root, for a caller that cannot map tier files (another node's

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -82,7 +83,7 @@ func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
 	ctx := context.Background()
 
 	r, err := c.Read(ctx, root, path, false)
-	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != "source" {
+	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != fitcachepb.Origin_SOURCE {
 		t.Fatalf("remote read: origin %q, %d bytes, err %v", r.GetOrigin(), len(r.GetData()), err)
 	}
 	// The first read answered before the data mover published the file: wait for it.
@@ -107,7 +108,7 @@ func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
 	}
 	m.Release()
 	r, err = c.Read(ctx, root, path, false)
-	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != "memory" {
+	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != fitcachepb.Origin_MEMORY {
 		t.Errorf("remote read of a cached file: origin %q, err %v", r.GetOrigin(), err)
 	}
 
@@ -246,6 +247,28 @@ func TestReasonsMatchTheIDL(t *testing.T) {
 	}
 	if next := fitcachepb.Reason(len(pairs)); next.String() != "<UNSET>" {
 		t.Errorf("the IDL has reason %s, which core.Reason lacks", next)
+	}
+}
+
+// The wire's Origin and core.Origin are converted by value (rpc/origin.go): every value
+// either has is the other's too, under the same name (the IDL's in capitals, "_" for "-").
+func TestOriginsMatchTheIDL(t *testing.T) {
+	named := 0
+	for v := range 64 {
+		c, w := core.Origin(v).String(), fitcachepb.Origin(v).String()
+		cNamed, wNamed := !strings.HasPrefix(c, "origin("), w != "<UNSET>"
+		if cNamed != wNamed || (cNamed && strings.ToUpper(strings.ReplaceAll(c, "-", "_")) != w) {
+			t.Errorf("origin %d: %q in core, %q on the wire", v, c, w)
+		}
+		if cNamed {
+			named++
+		}
+	}
+	if named < 5+tiers.NumKinds {
+		t.Errorf("%d origins named, want every tier kind's and 5 others", named)
+	}
+	if got := OriginOf(&fitcachepb.ReadReply{Origin: -1}); got != core.OriginNone {
+		t.Errorf("a negative origin read as %v", got)
 	}
 }
 

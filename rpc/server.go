@@ -43,9 +43,9 @@ type ServerConfig struct {
 	// OnRequest, if set, is called at the start of every request (idle tracking).
 	OnRequest func()
 	// OnRead, if set, is called once a Read was answered with a file (not on failure): for
-	// a caller on this node (local) or not, the file's origin (a tier kind, "inflight" or
-	// "source"), the time the answer took and the file's size (metrics.Server.ObserveRead).
-	OnRead func(local bool, origin string, d time.Duration, bytes int64)
+	// a caller on this node (local) or not, the file's origin (a tier, inflight or the
+	// source), the time the answer took and the file's size (metrics.Server.ObserveRead).
+	OnRead func(local bool, origin core.Origin, d time.Duration, bytes int64)
 	// Members, if set, tells what the servers' membership knows (package membership): the
 	// servers alive and dead, and those other servers' reads found dead lately, for Stats; nil
 	// lists when there is none.
@@ -300,7 +300,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		// Ranges are reads as files are; a request that only caches the block (a length of 0)
 		// is none.
 		if h.cfg.OnRead != nil && reply.Errno == 0 && req.GetRangeLength() > 0 {
-			h.cfg.OnRead(req.Local, reply.Origin, time.Since(start), reply.Size)
+			h.cfg.OnRead(req.Local, OriginOf(reply), time.Since(start), reply.Size)
 		}
 		return reply, nil
 	}
@@ -309,7 +309,7 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
-	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: res.Origin, MtimeNanos: res.MTimeNanos,
+	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: wireOrigin(res.Origin), MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
 	if !req.IsSetBlock() { // a block's bytes are no copy of the file a replica may take
 		h.stampReply(req.Path, res, reply)
@@ -351,7 +351,7 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 			return fail(err)
 		}
 		if ok {
-			return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: "peer", MembershipVersion: version,
+			return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: fitcachepb.Origin_PEER, MembershipVersion: version,
 				Dead: dead}
 		}
 	}
@@ -366,7 +366,7 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 	h.engine.CountSent(int64(len(data)))
 	// The identity of the source version the block copies, for a node-local copy of it (see
 	// client.Client.ForwardBlock).
-	return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: res.Origin, MembershipVersion: version,
+	return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: wireOrigin(res.Origin), MembershipVersion: version,
 		Dead: dead, MtimeNanos: res.MTimeNanos, CtimeNanos: res.CTimeNanos, Inode: int64(res.Ino)}
 }
 

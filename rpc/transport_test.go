@@ -73,7 +73,7 @@ func TestReadRepliesCarryTheFilesBytes(t *testing.T) {
 					if inBuf := size > 0 && bufSize >= size && &r.Data[0] == &buf[0]; inBuf != (size > 0 && bufSize >= size) {
 						t.Errorf("files %v, %d bytes, buffer of %d: read into the caller's buffer %v", fromFiles, size, bufSize, inBuf)
 					}
-					if round == 1 && r.Origin != "memory" {
+					if round == 1 && r.Origin != fitcachepb.Origin_MEMORY {
 						t.Errorf("%d bytes: second read from %q, want the memory tier", size, r.Origin)
 					}
 				}
@@ -243,7 +243,7 @@ func decodeReadReply(f, buf []byte) (*fitcachepb.ReadReply, error) {
 // readReply returns a framed Read reply with data, and the offset of data in its payload.
 func readReply(data []byte, message string) ([]byte, int) {
 	r := &fitcachepb.FitCacheReadResult{Success: &fitcachepb.ReadReply{Size: int64(len(data)), Data: data,
-		Message: message, Origin: "memory", Dead: []string{"a", "b"}, Stamp: []byte{1, 2, 3}}}
+		Message: message, Origin: fitcachepb.Origin_MEMORY, Dead: []string{"a", "b"}, Stamp: []byte{1, 2, 3}}}
 	f := frame("Read", thrift.REPLY, 1, encode(r))
 	return f, bytes.Index(f, data) - 4
 }
@@ -259,7 +259,7 @@ func TestReadReplyDataIsFoundAndChecked(t *testing.T) {
 	}
 	buf := make([]byte, len(data))
 	r, err := decodeReadReply(f, buf)
-	if err != nil || !bytes.Equal(r.Data, data) || &r.Data[0] != &buf[0] || r.Origin != "memory" || len(r.Dead) != 2 {
+	if err != nil || !bytes.Equal(r.Data, data) || &r.Data[0] != &buf[0] || r.Origin != fitcachepb.Origin_MEMORY || len(r.Dead) != 2 {
 		t.Errorf("decode: %v, %+v", err, r)
 	}
 	// A long message before the data: found beyond the window only by decoding the frame.

@@ -270,7 +270,7 @@ func TestStoreTakesOnlyCopiesItsOwnerStamped(t *testing.T) {
 		t.Fatalf("the owner's copy: %v", err)
 	}
 	got, err := replica.Read(ctx, root, path, false)
-	if err != nil || !bytes.Equal(got.Data, data) || got.Origin == "source" {
+	if err != nil || !bytes.Equal(got.Data, data) || OriginOf(got) == core.OriginSource {
 		t.Errorf("replica read after the owner's copy: origin %q, real bytes %v, %v", got.GetOrigin(), bytes.Equal(got.GetData(), data), err)
 	}
 	if s := e.Stats(); s.Stored != 1 || s.SourceReads != 0 {

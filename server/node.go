@@ -412,7 +412,7 @@ func (n *clusterNode) bring(ctx context.Context, root, path string) error {
 // fetchForPrefetch brings a file of a node's readers' list into a tier of this node (see
 // core.EngineConfig.NodeFetch), and reports whether a copy was here already.
 func (n *clusterNode) fetchForPrefetch(ctx context.Context, root, path string) (cached bool, err error) {
-	if f, ok := n.engine.OpenCached(root, path); ok {
+	if f, _, ok := n.engine.OpenCached(root, path); ok {
 		f.Close()
 		return true, nil
 	}

@@ -175,8 +175,8 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 		owned[owner]++
 		// The other node's files come from this server's tier too: it keeps a node-local
 		// copy of what their owner sends (it has room), and OpFetch promises the file there.
-		if origin := openBytes(t, sock, root, p, data); origin != core.OriginTier {
-			t.Errorf("open %s of %s: origin %v, want %v", p, owner, origin, core.OriginTier)
+		if origin := openBytes(t, sock, root, p, data); origin != core.OriginMemory {
+			t.Errorf("open %s of %s: origin %v, want %v", p, owner, origin, core.OriginMemory)
 		}
 		if errno, _, _ := nodeOp(t, sock, nodesock.OpFetch, root, p); errno != 0 {
 			t.Errorf("fetch %s of %s: errno %v, want 0", p, owner, errno)
@@ -190,7 +190,7 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 			s.SourceReads, s.Guests, owned[self], owned[other])
 	}
 	mu.Lock()
-	if want := map[core.Origin]int{core.OriginTier: owned[self] + owned[other]}; !maps.Equal(opens, want) {
+	if want := map[core.Origin]int{core.OriginMemory: owned[self] + owned[other]}; !maps.Equal(opens, want) {
 		t.Errorf("opens observed by origin: got %v, want %v", opens, want)
 	}
 	mu.Unlock()

@@ -335,7 +335,7 @@ func (s *Server) openNodeSocket() (err error) {
 
 // serveRPC starts the RPC server.
 func (s *Server) serveRPC() error {
-	var onRead func(bool, string, time.Duration, int64)
+	var onRead func(bool, core.Origin, time.Duration, int64)
 	if s.metrics != nil {
 		onRead = s.metrics.ObserveRead
 	}

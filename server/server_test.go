@@ -503,7 +503,7 @@ func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
 	for p, want := range files {
 		origins[openBytes(t, s.NodeSocket(), root, p, want)]++
 	}
-	if origins[core.OriginTier] != len(files) {
+	if origins[core.OriginMemory] != len(files) {
 		t.Errorf("opens by origin: %v; want every file from this server's tier (its own, and copies of the other's)", origins)
 	}
 	theirs, mine := otherEngine.Stats(), s.Engine().Stats()

@@ -33,6 +33,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
@@ -459,7 +460,7 @@ func (f fitcacheReader) warm(paths []string, size int) error {
 			switch {
 			case pass == 0 && string(reply.Data) != string(content(i, size)):
 				return fmt.Errorf("warm read %s: wrong bytes", p)
-			case pass == 1 && reply.Origin != tiers.Memory.String():
+			case pass == 1 && rpc.OriginOf(reply) != core.OriginMemory:
 				return fmt.Errorf("warm read %s: served from %q, not the memory tier", p, reply.Origin)
 			}
 		}

@@ -2,7 +2,8 @@
 // with which libfitcache's hit path and the preload shim find cached files without Go,
 // compiled here as they compile it. The tier layout and index are written by Go (package
 // tiers) and read by that C code; this package's tests hold the two to one layout: path
-// cleaning, the data files' names, the hashes, and lookups in indexes Go wrote.
+// cleaning, the data files' names, the hashes, and lookups in indexes Go wrote. They hold the
+// numbers of the node socket protocol in capi/fcnode.h to package nodesock's and core's too.
 //
 // Nothing else imports it.
 package clayout
@@ -11,7 +12,11 @@ package clayout
 #cgo CFLAGS: -Wall -Wextra -Wno-unused-parameter
 #define _GNU_SOURCE
 #include <stdlib.h>
-#include "../fclookup.c"
+// The C files are included through links in this directory (fclookup_c.h is ../fclookup.c):
+// the go command rebuilds a package when its own files change, and would not see a change
+// of files included from another directory.
+#include "fclookup_c.h"
+#include "fcnode.h"
 
 // rel_path is static in fclookup.c: this file includes it to reach it.
 static int clayout_rel_path(const char *path, size_t len, char *rel, size_t cap) {
@@ -25,6 +30,24 @@ import "C"
 import (
 	"syscall"
 	"unsafe"
+)
+
+// The node socket protocol as capi/fcnode.h numbers it (see package nodesock).
+const (
+	NodeMagic      = C.FC_NODE_MAGIC
+	NodeAck        = C.FC_NODE_ACK
+	NodeMaxMessage = C.FC_NODE_MAX_MESSAGE
+
+	NodeOpFetch      = C.FC_NODE_OP_FETCH
+	NodeOpOpen       = C.FC_NODE_OP_OPEN
+	NodeOpForget     = C.FC_NODE_OP_FORGET
+	NodeOpFetchBlock = C.FC_NODE_OP_FETCH_BLOCK
+	NodeOpCacheBlock = C.FC_NODE_OP_CACHE_BLOCK
+
+	OriginSource            = C.FC_ORIGIN_SOURCE
+	OriginPeer              = C.FC_ORIGIN_PEER
+	OriginSourceWhileCached = C.FC_ORIGIN_SOURCE_WHILE_CACHED
+	OriginTierFirst         = C.FC_ORIGIN_TIER_FIRST
 )
 
 // CleanPath is fc_clean_path: the lexically cleaned form of the absolute path in, and false

@@ -81,6 +81,83 @@ func (p *Reason) Value() (driver.Value, error) {
 	return int64(*p), nil
 }
 
+type Origin int64
+
+const (
+	Origin_NONE                Origin = 0
+	Origin_INFLIGHT            Origin = 1
+	Origin_SOURCE              Origin = 2
+	Origin_PEER                Origin = 3
+	Origin_SOURCE_WHILE_CACHED Origin = 4
+	Origin_MEMORY              Origin = 8
+	Origin_PMEM                Origin = 9
+	Origin_NVME                Origin = 10
+	Origin_DISK                Origin = 11
+)
+
+func (p Origin) String() string {
+	switch p {
+	case Origin_NONE:
+		return "NONE"
+	case Origin_INFLIGHT:
+		return "INFLIGHT"
+	case Origin_SOURCE:
+		return "SOURCE"
+	case Origin_PEER:
+		return "PEER"
+	case Origin_SOURCE_WHILE_CACHED:
+		return "SOURCE_WHILE_CACHED"
+	case Origin_MEMORY:
+		return "MEMORY"
+	case Origin_PMEM:
+		return "PMEM"
+	case Origin_NVME:
+		return "NVME"
+	case Origin_DISK:
+		return "DISK"
+	}
+	return "<UNSET>"
+}
+
+func OriginFromString(s string) (Origin, error) {
+	switch s {
+	case "NONE":
+		return Origin_NONE, nil
+	case "INFLIGHT":
+		return Origin_INFLIGHT, nil
+	case "SOURCE":
+		return Origin_SOURCE, nil
+	case "PEER":
+		return Origin_PEER, nil
+	case "SOURCE_WHILE_CACHED":
+		return Origin_SOURCE_WHILE_CACHED, nil
+	case "MEMORY":
+		return Origin_MEMORY, nil
+	case "PMEM":
+		return Origin_PMEM, nil
+	case "NVME":
+		return Origin_NVME, nil
+	case "DISK":
+		return Origin_DISK, nil
+	}
+	return Origin(0), fmt.Errorf("not a valid Origin string")
+}
+
+func OriginPtr(v Origin) *Origin { return &v }
+func (p *Origin) Scan(value interface{}) (err error) {
+	var result sql.NullInt64
+	err = result.Scan(value)
+	*p = Origin(result.Int64)
+	return
+}
+
+func (p *Origin) Value() (driver.Value, error) {
+	if p == nil {
+		return nil, nil
+	}
+	return int64(*p), nil
+}
+
 type TierInfo struct {
 	Dir  string `thrift:"dir,1" frugal:"1,default,string" json:"dir"`
 	Kind string `thrift:"kind,2" frugal:"2,default,string" json:"kind"`
@@ -410,7 +487,6 @@ type ReadReply struct {
 	Size              int64    `thrift:"size,3" frugal:"3,default,i64" json:"size"`
 	CachedPath        string   `thrift:"cached_path,4" frugal:"4,default,string" json:"cached_path"`
 	Data              []byte   `thrift:"data,5" frugal:"5,default,binary" json:"data"`
-	Origin            string   `thrift:"origin,6" frugal:"6,default,string" json:"origin"`
 	MtimeNanos        int64    `thrift:"mtime_nanos,7" frugal:"7,default,i64" json:"mtime_nanos"`
 	MembershipVersion int64    `thrift:"membership_version,8" frugal:"8,default,i64" json:"membership_version"`
 	Dead              []string `thrift:"dead,9" frugal:"9,default,list<string>" json:"dead"`
@@ -419,6 +495,7 @@ type ReadReply struct {
 	CtimeNanos        int64    `thrift:"ctime_nanos,12" frugal:"12,default,i64" json:"ctime_nanos"`
 	Inode             int64    `thrift:"inode,13" frugal:"13,default,i64" json:"inode"`
 	Stamp             []byte   `thrift:"stamp,14" frugal:"14,default,binary" json:"stamp"`
+	Origin            Origin   `thrift:"origin,15" frugal:"15,default,Origin" json:"origin"`
 }
 
 func NewReadReply() *ReadReply {
@@ -446,10 +523,6 @@ func (p *ReadReply) GetCachedPath() (v string) {
 
 func (p *ReadReply) GetData() (v []byte) {
 	return p.Data
-}
-
-func (p *ReadReply) GetOrigin() (v string) {
-	return p.Origin
 }
 
 func (p *ReadReply) GetMtimeNanos() (v int64) {
@@ -483,6 +556,10 @@ func (p *ReadReply) GetInode() (v int64) {
 func (p *ReadReply) GetStamp() (v []byte) {
 	return p.Stamp
 }
+
+func (p *ReadReply) GetOrigin() (v Origin) {
+	return p.Origin
+}
 func (p *ReadReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -497,9 +574,6 @@ func (p *ReadReply) SetCachedPath(val string) {
 }
 func (p *ReadReply) SetData(val []byte) {
 	p.Data = val
-}
-func (p *ReadReply) SetOrigin(val string) {
-	p.Origin = val
 }
 func (p *ReadReply) SetMtimeNanos(val int64) {
 	p.MtimeNanos = val
@@ -525,6 +599,9 @@ func (p *ReadReply) SetInode(val int64) {
 func (p *ReadReply) SetStamp(val []byte) {
 	p.Stamp = val
 }
+func (p *ReadReply) SetOrigin(val Origin) {
+	p.Origin = val
+}
 
 func (p *ReadReply) String() string {
 	if p == nil {
@@ -539,7 +616,6 @@ var fieldIDToName_ReadReply = map[int16]string{
 	3:  "size",
 	4:  "cached_path",
 	5:  "data",
-	6:  "origin",
 	7:  "mtime_nanos",
 	8:  "membership_version",
 	9:  "dead",
@@ -548,6 +624,7 @@ var fieldIDToName_ReadReply = map[int16]string{
 	12: "ctime_nanos",
 	13: "inode",
 	14: "stamp",
+	15: "origin",
 }
 
 type ReadBatchRequest struct {

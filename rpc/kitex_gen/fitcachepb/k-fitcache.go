@@ -1420,20 +1420,6 @@ func (p *ReadReply) FastRead(buf []byte) (int, error) {
 					goto SkipFieldError
 				}
 			}
-		case 6:
-			if fieldTypeId == thrift.STRING {
-				l, err = p.FastReadField6(buf[offset:])
-				offset += l
-				if err != nil {
-					goto ReadFieldError
-				}
-			} else {
-				l, err = thrift.Binary.Skip(buf[offset:], fieldTypeId)
-				offset += l
-				if err != nil {
-					goto SkipFieldError
-				}
-			}
 		case 7:
 			if fieldTypeId == thrift.I64 {
 				l, err = p.FastReadField7(buf[offset:])
@@ -1546,6 +1532,20 @@ func (p *ReadReply) FastRead(buf []byte) (int, error) {
 					goto SkipFieldError
 				}
 			}
+		case 15:
+			if fieldTypeId == thrift.I32 {
+				l, err = p.FastReadField15(buf[offset:])
+				offset += l
+				if err != nil {
+					goto ReadFieldError
+				}
+			} else {
+				l, err = thrift.Binary.Skip(buf[offset:], fieldTypeId)
+				offset += l
+				if err != nil {
+					goto SkipFieldError
+				}
+			}
 		default:
 			l, err = thrift.Binary.Skip(buf[offset:], fieldTypeId)
 			offset += l
@@ -1632,20 +1632,6 @@ func (p *ReadReply) FastReadField5(buf []byte) (int, error) {
 		_field = []byte(v)
 	}
 	p.Data = _field
-	return offset, nil
-}
-
-func (p *ReadReply) FastReadField6(buf []byte) (int, error) {
-	offset := 0
-
-	var _field string
-	if v, l, err := thrift.Binary.ReadString(buf[offset:]); err != nil {
-		return offset, err
-	} else {
-		offset += l
-		_field = v
-	}
-	p.Origin = _field
 	return offset, nil
 }
 
@@ -1773,6 +1759,21 @@ func (p *ReadReply) FastReadField14(buf []byte) (int, error) {
 	return offset, nil
 }
 
+func (p *ReadReply) FastReadField15(buf []byte) (int, error) {
+	offset := 0
+
+	var _field Origin
+	if v, l, err := thrift.Binary.ReadI32(buf[offset:]); err != nil {
+		return offset, err
+	} else {
+		offset += l
+
+		_field = Origin(v)
+	}
+	p.Origin = _field
+	return offset, nil
+}
+
 func (p *ReadReply) FastWrite(buf []byte) int {
 	return p.FastWriteNocopy(buf, nil)
 }
@@ -1790,10 +1791,10 @@ func (p *ReadReply) FastWriteNocopy(buf []byte, w thrift.NocopyWriter) int {
 		offset += p.fastWriteField2(buf[offset:], w)
 		offset += p.fastWriteField4(buf[offset:], w)
 		offset += p.fastWriteField5(buf[offset:], w)
-		offset += p.fastWriteField6(buf[offset:], w)
 		offset += p.fastWriteField9(buf[offset:], w)
 		offset += p.fastWriteField10(buf[offset:], w)
 		offset += p.fastWriteField14(buf[offset:], w)
+		offset += p.fastWriteField15(buf[offset:], w)
 	}
 	offset += thrift.Binary.WriteFieldStop(buf[offset:])
 	return offset
@@ -1807,7 +1808,6 @@ func (p *ReadReply) BLength() int {
 		l += p.field3Length()
 		l += p.field4Length()
 		l += p.field5Length()
-		l += p.field6Length()
 		l += p.field7Length()
 		l += p.field8Length()
 		l += p.field9Length()
@@ -1816,6 +1816,7 @@ func (p *ReadReply) BLength() int {
 		l += p.field12Length()
 		l += p.field13Length()
 		l += p.field14Length()
+		l += p.field15Length()
 	}
 	l += thrift.Binary.FieldStopLength()
 	return l
@@ -1853,13 +1854,6 @@ func (p *ReadReply) fastWriteField5(buf []byte, w thrift.NocopyWriter) int {
 	offset := 0
 	offset += thrift.Binary.WriteFieldBegin(buf[offset:], thrift.STRING, 5)
 	offset += thrift.Binary.WriteBinaryNocopy(buf[offset:], w, []byte(p.Data))
-	return offset
-}
-
-func (p *ReadReply) fastWriteField6(buf []byte, w thrift.NocopyWriter) int {
-	offset := 0
-	offset += thrift.Binary.WriteFieldBegin(buf[offset:], thrift.STRING, 6)
-	offset += thrift.Binary.WriteStringNocopy(buf[offset:], w, p.Origin)
 	return offset
 }
 
@@ -1926,6 +1920,13 @@ func (p *ReadReply) fastWriteField14(buf []byte, w thrift.NocopyWriter) int {
 	return offset
 }
 
+func (p *ReadReply) fastWriteField15(buf []byte, w thrift.NocopyWriter) int {
+	offset := 0
+	offset += thrift.Binary.WriteFieldBegin(buf[offset:], thrift.I32, 15)
+	offset += thrift.Binary.WriteI32(buf[offset:], int32(p.Origin))
+	return offset
+}
+
 func (p *ReadReply) field1Length() int {
 	l := 0
 	l += thrift.Binary.FieldBeginLength()
@@ -1958,13 +1959,6 @@ func (p *ReadReply) field5Length() int {
 	l := 0
 	l += thrift.Binary.FieldBeginLength()
 	l += thrift.Binary.BinaryLengthNocopy([]byte(p.Data))
-	return l
-}
-
-func (p *ReadReply) field6Length() int {
-	l := 0
-	l += thrift.Binary.FieldBeginLength()
-	l += thrift.Binary.StringLengthNocopy(p.Origin)
 	return l
 }
 
@@ -2025,6 +2019,13 @@ func (p *ReadReply) field14Length() int {
 	l := 0
 	l += thrift.Binary.FieldBeginLength()
 	l += thrift.Binary.BinaryLengthNocopy([]byte(p.Stamp))
+	return l
+}
+
+func (p *ReadReply) field15Length() int {
+	l := 0
+	l += thrift.Binary.FieldBeginLength()
+	l += thrift.Binary.I32Length()
 	return l
 }
 
