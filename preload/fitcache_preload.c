@@ -146,15 +146,26 @@ void shim_debug(const char *fmt, ...) {
 	errno = saved;
 }
 
+// none_found marks a slot whose function dlsym did not find, so that it is looked for once.
+static char none_found;
+
 void *shim_resolve(void **slot, const char *name) {
 	void *p = __atomic_load_n(slot, __ATOMIC_RELAXED);
 	if (!p) {
 		p = dlsym(RTLD_NEXT, name);
-		if (!p) // the C library has no such function: the program cannot have called it
+		if (!p) { // an older C library: calls of name fail (CALL_NEXT); renameat2 is a system call
 			shim_debug("dlsym found no %s after this library", name);
+			p = &none_found;
+		}
 		__atomic_store_n(slot, p, __ATOMIC_RELAXED);
 	}
-	return p;
+	return p == &none_found ? NULL : p;
+}
+
+int shim_missing(const char *name) {
+	shim_debug("%s: the C library has no such function: ENOSYS", name);
+	errno = ENOSYS;
+	return -1;
 }
 
 // The environment is parsed into this storage once, at load.
@@ -393,7 +404,7 @@ int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t
 	}
 	if (fc_node_request(fd, op, r->real, r->reallen, key, len, timeout_ms) != 0) {
 		timed_out();
-		NEXT(close)(fd);
+		CALL_NEXT(close, fd);
 		return -1;
 	}
 	return fd;
@@ -406,7 +417,7 @@ void shim_node_tell(uint32_t op, const struct root *r, const char *key, size_t l
 	if (fd < 0 || fc_node_send_request(fd, op, r->real, r->reallen, key, len) != 0)
 		timed_out();
 	if (fd >= 0)
-		NEXT(close)(fd);
+		CALL_NEXT(close, fd);
 }
 
 // lowest_fd moves fd to the lowest free descriptor, as open() would have returned (POSIX:
@@ -421,10 +432,10 @@ static int lowest_fd(int fd) {
 	if (low < 0)
 		return fd;
 	if (low > fd) { // fd was the lowest already
-		NEXT(close)(low);
+		CALL_NEXT(close, low);
 		return fd;
 	}
-	NEXT(close)(fd);
+	CALL_NEXT(close, fd);
 	return low;
 }
 
@@ -438,7 +449,7 @@ static int ask_open(const struct root *r, const char *key, size_t len, uint32_t 
 	int32_t err;
 	if (fc_node_recv_open(sock, &fd, &err, origin) != 0)
 		timed_out();
-	NEXT(close)(sock); // an error message, if any, is not needed: libc opens the file and says why
+	CALL_NEXT(close, sock); // an error message, if any, is not needed: libc opens the file and says why
 	return lowest_fd(fd);
 }
 
@@ -450,7 +461,7 @@ static void forget(const struct root *r, const char *key, size_t len) {
 	uint8_t reply[12];
 	if (fc_recv_all(sock, reply, sizeof reply) != 0)
 		timed_out();
-	NEXT(close)(sock);
+	CALL_NEXT(close, sock);
 }
 
 // Flags of a read-only open the shim serves; others (O_DIRECTORY, O_PATH, O_TMPFILE,
@@ -602,62 +613,62 @@ EXPORT int open(const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
 	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(open)(path, flags, mode), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(open, path, flags, mode), w);
 }
 
 EXPORT int open64(const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
 	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(open64)(path, flags, mode), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(open64, path, flags, mode), w);
 }
 
 EXPORT int openat(int dirfd, const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
 	int w, fd = shim_open(dirfd, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(openat)(dirfd, path, flags, mode), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(openat, dirfd, path, flags, mode), w);
 }
 
 EXPORT int openat64(int dirfd, const char *path, int flags, ...) {
 	mode_t mode = 0;
 	MODE_ARG(flags, mode);
 	int w, fd = shim_open(dirfd, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(openat64)(dirfd, path, flags, mode), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(openat64, dirfd, path, flags, mode), w);
 }
 
 // The fortified forms (-D_FORTIFY_SOURCE) take no mode: they are called only without O_CREAT.
 EXPORT int __open_2(const char *path, int flags) {
 	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(__open_2)(path, flags), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(__open_2, path, flags), w);
 }
 
 EXPORT int __open64_2(const char *path, int flags) {
 	int w, fd = shim_open(AT_FDCWD, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(__open64_2)(path, flags), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(__open64_2, path, flags), w);
 }
 
 EXPORT int __openat_2(int dirfd, const char *path, int flags) {
 	int w, fd = shim_open(dirfd, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(__openat_2)(dirfd, path, flags), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(__openat_2, dirfd, path, flags), w);
 }
 
 EXPORT int __openat64_2(int dirfd, const char *path, int flags) {
 	int w, fd = shim_open(dirfd, path, flags, &w);
-	return fd != NOT_OURS ? fd : libc_result(NEXT(__openat64_2)(dirfd, path, flags), w);
+	return fd != NOT_OURS ? fd : libc_result(CALL_NEXT(__openat64_2, dirfd, path, flags), w);
 }
 
 // creat always writes: the cached copy is dropped, the call goes to libc.
 EXPORT int creat(const char *path, mode_t mode) {
 	int w;
 	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &w);
-	return libc_result(NEXT(creat)(path, mode), w);
+	return libc_result(CALL_NEXT(creat, path, mode), w);
 }
 
 EXPORT int creat64(const char *path, mode_t mode) {
 	int w;
 	shim_open(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &w);
-	return libc_result(NEXT(creat64)(path, mode), w);
+	return libc_result(CALL_NEXT(creat64, path, mode), w);
 }
 
 // close of a dataset file written through this process drops its cached copy once more,
@@ -665,11 +676,11 @@ EXPORT int creat64(const char *path, mode_t mode) {
 EXPORT int close(int fd) {
 	ranged_forget(fd);
 	if (!untrack_write(fd))
-		return NEXT(close)(fd);
+		return CALL_NEXT(close, fd);
 	char key[FC_PATH_MAX];
 	const struct root *r;
 	int len = fd_key(fd, key, &r);
-	int rc = NEXT(close)(fd), saved = errno;
+	int rc = CALL_NEXT(close, fd), saved = errno;
 	if (len >= 0)
 		forget(r, key, (size_t)len);
 	errno = saved;
@@ -723,9 +734,9 @@ static FILE *shim_fopen(const char *path, const char *mode, int *writes) {
 	if (fd < 0)
 		return NULL;
 	int saved = errno;
-	FILE *f = NEXT(fdopen)(fd, fdmode);
+	FILE *f = CALL_NEXT_PTR(fdopen, fd, fdmode);
 	if (!f)
-		NEXT(close)(fd);
+		CALL_NEXT(close, fd);
 	errno = saved;
 	return f;
 }
@@ -743,13 +754,13 @@ static FILE *libc_stream(FILE *f, int writes) {
 EXPORT FILE *fopen(const char *path, const char *mode) {
 	int w;
 	FILE *f = shim_fopen(path, mode, &w);
-	return f ? f : libc_stream(NEXT(fopen)(path, mode), w);
+	return f ? f : libc_stream(CALL_NEXT_PTR(fopen, path, mode), w);
 }
 
 EXPORT FILE *fopen64(const char *path, const char *mode) {
 	int w;
 	FILE *f = shim_fopen(path, mode, &w);
-	return f ? f : libc_stream(NEXT(fopen64)(path, mode), w);
+	return f ? f : libc_stream(CALL_NEXT_PTR(fopen64, path, mode), w);
 }
 
 // fclose closes its descriptor inside libc, not through close: a stream written to a dataset
@@ -758,11 +769,11 @@ EXPORT int fclose(FILE *f) {
 	int fd = f ? fileno(f) : -1;
 	ranged_forget(fd);
 	if (!untrack_write(fd))
-		return NEXT(fclose)(f);
+		return CALL_NEXT(fclose, f);
 	char key[FC_PATH_MAX];
 	const struct root *r;
 	int len = fd_key(fd, key, &r);
-	int rc = NEXT(fclose)(f), saved = errno;
+	int rc = CALL_NEXT(fclose, f), saved = errno;
 	if (len >= 0)
 		forget(r, key, (size_t)len);
 	errno = saved;
@@ -820,7 +831,7 @@ static int resolved_key(int dirfd, const char *path, char *key, const struct roo
 	if (dfd < 0)
 		return NO_KEY;
 	int len = dataset_key(dfd, last, key, r, 1);
-	NEXT(close)(dfd);
+	CALL_NEXT(close, dfd);
 	return len;
 }
 
@@ -886,7 +897,7 @@ static void walk_renamed(int fd, const struct root *ro, char *okey, int olen, co
 	while (depth >= 0) {
 		long got = node_usable() ? syscall(SYS_getdents64, fds[depth], buf, sizeof buf) : 0;
 		if (got <= 0) {
-			NEXT(close)(fds[depth--]);
+			CALL_NEXT(close, fds[depth--]);
 			continue;
 		}
 		for (long at = 0; at < got;) {
@@ -911,7 +922,7 @@ static void walk_renamed(int fd, const struct root *ro, char *okey, int olen, co
 			    (sub = (int)syscall(SYS_openat, fds[depth], name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0)
 				continue;
 			if (lseek(fds[depth], d->d_off, SEEK_SET) < 0) { // cannot come back to the rest
-				NEXT(close)(sub);
+				CALL_NEXT(close, sub);
 				continue;
 			}
 			depth++;
@@ -944,14 +955,14 @@ static void renamed(int olddirfd, const char *oldpath, int newdirfd, const char 
 }
 
 EXPORT int rename(const char *oldpath, const char *newpath) {
-	int rc = NEXT(rename)(oldpath, newpath);
+	int rc = CALL_NEXT(rename, oldpath, newpath);
 	if (rc == 0)
 		renamed(AT_FDCWD, oldpath, AT_FDCWD, newpath);
 	return rc;
 }
 
 EXPORT int renameat(int olddirfd, const char *oldpath, int newdirfd, const char *newpath) {
-	int rc = NEXT(renameat)(olddirfd, oldpath, newdirfd, newpath);
+	int rc = CALL_NEXT(renameat, olddirfd, oldpath, newdirfd, newpath);
 	if (rc == 0)
 		renamed(olddirfd, oldpath, newdirfd, newpath);
 	return rc;
@@ -966,7 +977,7 @@ EXPORT int renameat2(int olddirfd, const char *oldpath, int newdirfd, const char
 }
 
 EXPORT int unlink(const char *path) {
-	int rc = NEXT(unlink)(path);
+	int rc = CALL_NEXT(unlink, path);
 	if (rc == 0)
 		changed(AT_FDCWD, path);
 	return rc;
@@ -974,7 +985,7 @@ EXPORT int unlink(const char *path) {
 
 // unlinkat with AT_REMOVEDIR removes an empty directory: nothing beneath it to drop.
 EXPORT int unlinkat(int dirfd, const char *path, int flags) {
-	int rc = NEXT(unlinkat)(dirfd, path, flags);
+	int rc = CALL_NEXT(unlinkat, dirfd, path, flags);
 	if (rc == 0)
 		changed(dirfd, path);
 	return rc;
@@ -983,21 +994,21 @@ EXPORT int unlinkat(int dirfd, const char *path, int flags) {
 // glibc's remove calls its own unlink and rmdir, not the exported ones this library
 // interposes: it needs its own wrapper.
 EXPORT int remove(const char *path) {
-	int rc = NEXT(remove)(path);
+	int rc = CALL_NEXT(remove, path);
 	if (rc == 0)
 		changed(AT_FDCWD, path);
 	return rc;
 }
 
 EXPORT int truncate(const char *path, off_t length) {
-	int rc = NEXT(truncate)(path, length);
+	int rc = CALL_NEXT(truncate, path, length);
 	if (rc == 0)
 		changed(AT_FDCWD, path);
 	return rc;
 }
 
 EXPORT int truncate64(const char *path, off64_t length) {
-	int rc = NEXT(truncate64)(path, length);
+	int rc = CALL_NEXT(truncate64, path, length);
 	if (rc == 0)
 		changed(AT_FDCWD, path);
 	return rc;

@@ -334,14 +334,14 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 	if (fc_lookup(shim_tiers, shim_ntiers, name, len, O_CLOEXEC, 1, &hit) != 0) {
 		if (fc_lookup(shim_tiers, shim_ntiers, name, len, O_CLOEXEC, 0, &hit) == 0) {
 			*unchecked = 1;
-			NEXT(close)(hit.fd);
+			CALL_NEXT(close, hit.fd);
 		}
 		return -1;
 	}
 	void *map = MAP_FAILED;
 	if (hit.size == copy_len && hit.mtime_ns == mtime_ns && copy_len > 0)
 		map = mmap(NULL, (size_t)copy_len, PROT_READ, MAP_SHARED, hit.fd, 0);
-	NEXT(close)(hit.fd);
+	CALL_NEXT(close, hit.fd);
 	if (map == MAP_FAILED)
 		return -1;
 	put(c, (const uint8_t *)map + at, (size_t)n);
@@ -395,7 +395,7 @@ static struct fc_heat *heat_file(void) {
 	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
 	    (st.st_size == (off_t)FC_HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)FC_HEAT_BYTES) == 0)
 		map = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	NEXT(close)(fd);
+	CALL_NEXT(close, fd);
 	return map == MAP_FAILED ? NULL : map;
 }
 
@@ -454,7 +454,7 @@ static int check_block(const struct marked *m, const char *name, size_t len) {
 	if (got != 0)
 		shim_node_timed_out();
 	int ok = got == 0 && memcmp(reply, FC_NODE_MAGIC, 4) == 0 && fc_get32(reply + 4) == 0;
-	NEXT(close)(sock);
+	CALL_NEXT(close, sock);
 	return ok ? 0 : -1;
 }
 
@@ -474,8 +474,8 @@ static void ask_block(const struct marked *m, const char *name, size_t len) {
 static ssize_t from_source(int fd, struct cursor *c, int64_t n, int64_t at) {
 	struct iovec piece[MAX_PIECES];
 	int k = pieces(c, (size_t)n, piece);
-	ssize_t got = k == 1 ? NEXT(pread64)(fd, piece[0].iov_base, piece[0].iov_len, at)
-	                     : NEXT(preadv64)(fd, piece, k, at);
+	ssize_t got = k == 1 ? CALL_NEXT(pread64, fd, piece[0].iov_base, piece[0].iov_len, at)
+	                     : CALL_NEXT(preadv64, fd, piece, k, at);
 	if (got > 0)
 		skip(c, (size_t)got);
 	return got;
@@ -584,7 +584,7 @@ EXPORT ssize_t read(int fd, void *buf, size_t n) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(read)(fd, buf, n);
+	return CALL_NEXT(read, fd, buf, n);
 }
 
 EXPORT ssize_t pread(int fd, void *buf, size_t n, off_t off) {
@@ -594,7 +594,7 @@ EXPORT ssize_t pread(int fd, void *buf, size_t n, off_t off) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(pread)(fd, buf, n, off);
+	return CALL_NEXT(pread, fd, buf, n, off);
 }
 
 EXPORT ssize_t pread64(int fd, void *buf, size_t n, off64_t off) {
@@ -604,7 +604,7 @@ EXPORT ssize_t pread64(int fd, void *buf, size_t n, off64_t off) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(pread64)(fd, buf, n, off);
+	return CALL_NEXT(pread64, fd, buf, n, off);
 }
 
 EXPORT ssize_t readv(int fd, const struct iovec *iov, int cnt) {
@@ -613,7 +613,7 @@ EXPORT ssize_t readv(int fd, const struct iovec *iov, int cnt) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(readv)(fd, iov, cnt);
+	return CALL_NEXT(readv, fd, iov, cnt);
 }
 
 EXPORT ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
@@ -622,7 +622,7 @@ EXPORT ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(preadv)(fd, iov, cnt, off);
+	return CALL_NEXT(preadv, fd, iov, cnt, off);
 }
 
 EXPORT ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off64_t off) {
@@ -631,7 +631,7 @@ EXPORT ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off64_t off) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(preadv64)(fd, iov, cnt, off);
+	return CALL_NEXT(preadv64, fd, iov, cnt, off);
 }
 
 // preadv2 with flags (RWF_NOWAIT, RWF_HIPRI...) is the kernel's; an offset of -1 reads at
@@ -642,7 +642,7 @@ EXPORT ssize_t preadv2(int fd, const struct iovec *iov, int cnt, off_t off, int 
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(preadv2)(fd, iov, cnt, off, flags);
+	return CALL_NEXT(preadv2, fd, iov, cnt, off, flags);
 }
 
 EXPORT ssize_t preadv64v2(int fd, const struct iovec *iov, int cnt, off64_t off, int flags) {
@@ -651,7 +651,7 @@ EXPORT ssize_t preadv64v2(int fd, const struct iovec *iov, int cnt, off64_t off,
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(preadv64v2)(fd, iov, cnt, off, flags);
+	return CALL_NEXT(preadv64v2, fd, iov, cnt, off, flags);
 }
 
 // The fortified forms (-D_FORTIFY_SOURCE): a read larger than the buffer is libc's to stop.
@@ -662,7 +662,7 @@ EXPORT ssize_t __read_chk(int fd, void *buf, size_t n, size_t buflen) {
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(__read_chk)(fd, buf, n, buflen);
+	return CALL_NEXT(__read_chk, fd, buf, n, buflen);
 }
 
 EXPORT ssize_t __pread_chk(int fd, void *buf, size_t n, off_t off, size_t buflen) {
@@ -672,7 +672,7 @@ EXPORT ssize_t __pread_chk(int fd, void *buf, size_t n, off_t off, size_t buflen
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(__pread_chk)(fd, buf, n, off, buflen);
+	return CALL_NEXT(__pread_chk, fd, buf, n, off, buflen);
 }
 
 EXPORT ssize_t __pread64_chk(int fd, void *buf, size_t n, off64_t off, size_t buflen) {
@@ -682,5 +682,5 @@ EXPORT ssize_t __pread64_chk(int fd, void *buf, size_t n, off64_t off, size_t bu
 		if (r != NOT_RANGED)
 			return r;
 	}
-	return NEXT(__pread64_chk)(fd, buf, n, off, buflen);
+	return CALL_NEXT(__pread64_chk, fd, buf, n, off, buflen);
 }

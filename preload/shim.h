@@ -30,10 +30,23 @@ extern int shim_ntiers;
 void shim_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // shim_resolve returns the next definition of name after this library, found on first use
-// and kept in *slot. A program may call a wrapped function before this library's constructor
-// ran (from another library's constructor), so each wrapper resolves what it calls.
+// and kept in *slot, or NULL when there is none (a C library older than the function). A
+// program may call a wrapped function before this library's constructor ran (from another
+// library's constructor), so each wrapper resolves what it calls.
 void *shim_resolve(void **slot, const char *name);
 #define NEXT(fn) ((__typeof__(libc_##fn))shim_resolve((void **)&libc_##fn, #fn))
+
+// shim_missing fails a call of the function name, which the C library does not have: errno
+// ENOSYS (as from a kernel without the call), noted under FITCACHE_PRELOAD_DEBUG, and -1.
+int shim_missing(const char *name);
+
+// CALL_NEXT(fn, args...) calls the next definition of fn with args, or fails with ENOSYS when
+// there is none (shim_missing): never a call through NULL. CALL_NEXT_PTR is for the functions
+// that return a pointer (NULL on failure).
+#define CALL_NEXT(fn, ...) \
+	({ __typeof__(libc_##fn) next_ = NEXT(fn); next_ ? next_(__VA_ARGS__) : shim_missing(#fn); })
+#define CALL_NEXT_PTR(fn, ...) \
+	({ __typeof__(libc_##fn) next_ = NEXT(fn); next_ ? next_(__VA_ARGS__) : (shim_missing(#fn), NULL); })
 
 // shim_node_request sends one request of operation op for the dataset path key (len bytes)
 // under root r to the local server's node socket and waits for its acknowledgement: the

@@ -5,6 +5,7 @@ from outside with inotify: over 3 epochs each file is read from the source once.
 that work without the shim must work the same with it: missing files, directories, FIFOs,
 write-opens, a dead or stopped server."""
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -1599,3 +1600,59 @@ def test_every_wrapped_rename_unlink_and_truncate(cache_options, tmp_path):
     names = sorted(files) + ["f1.moved", "f13.moved"]
     got = run_script(cache_options, [str(root)], reader, {"root": str(root), "names": names}, prefetch=0)
     assert {n: v[0] for n, v in got.items()} == plain_view(root, names)
+
+
+# --- a function the C library lacks --------------------------------------------------------
+
+CALLS_HIDDEN = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+	char b[4];
+	int fd = open(argv[1], O_RDONLY);
+	errno = 0;
+	ssize_t got = pread(fd, b, sizeof b, 0);
+	printf("pread %zd %d\n", got, got < 0 ? errno : 0);
+	errno = 0;
+	FILE *f = fopen(argv[1], "r");
+	printf("fopen %d %d\n", f != NULL, f ? 0 : errno);
+	return 0;
+}
+"""
+
+
+def test_a_function_the_c_library_lacks_fails_with_enosys(tmp_path):
+    """A program built against a newer C library than it runs on may call a function the shim
+    wraps and the C library lacks: the call fails with ENOSYS, as from a kernel without it,
+    and the shim says so under FITCACHE_PRELOAD_DEBUG; it never calls through a null pointer
+    (it crashed the program before). The shim is built here with a dlsym that finds none of
+    the functions named in FITCACHE_TEST_HIDDEN (tests/c/hide_symbols.c)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shim = tmp_path / "libhidden_preload.so"
+    build = subprocess.run([cc, "-O2", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden",
+                            "-Ddlsym=fitcache_test_dlsym", "-o", str(shim),
+                            *(os.path.join(repo, p) for p in ("preload/fitcache_preload.c", "preload/ranges.c",
+                                                              "capi/fclookup.c", "tests/c/hide_symbols.c")),
+                            "-ldl"], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
+    exe = compile_program(tmp_path, "calls_hidden", CALLS_HIDDEN, symbols=("pread", "fopen"))
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"data")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FITCACHE_")}
+
+    def run(**extra):
+        out = subprocess.run([exe, str(target)], env={**env, "LD_PRELOAD": str(shim), **extra},
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, f"exit {out.returncode}: {out.stderr}"
+        return out
+
+    assert run().stdout == "pread 4 0\nfopen 1 0\n"
+    hidden = run(FITCACHE_TEST_HIDDEN="pread,fopen", FITCACHE_PRELOAD_DEBUG="1")
+    assert hidden.stdout == f"pread -1 {errno.ENOSYS}\nfopen 0 {errno.ENOSYS}\n"
+    assert "pread: the C library has no such function" in hidden.stderr, hidden.stderr
+    assert "fopen: the C library has no such function" in hidden.stderr, hidden.stderr
