@@ -11,9 +11,9 @@ Nodes. Two variants (--variants, default both):
              nodes and one client node without a server, each link shaped: --rate (default
              10gbit, tc tbf on both ends of every veth) and --delay-us (default 100: each
              packet a node sends is held that long; this kernel has no netem, so the delay is
-             the NFQUEUE program of ../shared/pfs/pfs-up.sh, nfq-delay, compiled into the run's
-             directory; without iptables-legacy and libnetfilter-queue the link is rate-limited
-             only, and the results say so). The round trip between nodes is measured and
+             bench/netdelay, an NFQUEUE program compiled into the run's directory; without
+             iptables-legacy and libnetfilter-queue-dev the link is rate-limited only, and the
+             results say so). The round trip between nodes is measured and
              reported (a 1-byte TCP ping-pong), as are the delay processes' CPU time.
 
 Dataset: the ImageNet-like one of bench_scale.py (--files, default 10,000, lognormal around 105
@@ -56,8 +56,8 @@ Every epoch also records the CPU time of the server processes and of the reader 
 (utime+stime from /proc/PID/stat of the agent, its reaped children and its live descendants:
 the DataLoader workers), so that CPU per file can be compared with plain reads.
 
-With --pfs DIR (the GlusterFS emulation of ../shared/pfs, which must be mounted: this script
-never brings it up), a last section measures the first epoch over it with every server node
+With --pfs DIR (on a slow file system mounted there: the GlusterFS emulation of ../shared/pfs,
+or bench/slowfs, see bench/README.md; this script never brings one up), a last section measures the first epoch over it with every server node
 reading its share (--pfs-files files of the same kind generated under DIR), in the variant
 --pfs-variant (default netns when run, else loopback), per round:
 
@@ -117,7 +117,7 @@ PLACEMENTS = ("client", "server", "all")
 BUDGETS = ("fits", "share")
 REPLY_TIMEOUT = 1800  # seconds an agent may take for one command: every wait is bounded
 HERE = Path(__file__).resolve().parent
-PFS_UP = HERE.parent.parent / "shared" / "pfs" / "pfs-up.sh"  # ../shared/pfs beside the repository
+NETDELAY = HERE / "netdelay" / "netdelay.c"
 
 
 # ---- CPU time from /proc ----
@@ -396,7 +396,7 @@ class Nodes:
         program, why = delay_program(work) if args.delay_us else (None, "no delay asked")
         self.netns.shape(args.rate, args.delay_us if program else 0, program)
         self.network.update(rate=args.rate, delay_us=args.delay_us if program else 0,
-                            delay="NFQUEUE (nfq-delay of ../shared/pfs), egress of each node" if program else why)
+                            delay="NFQUEUE (bench/netdelay), egress of each node" if program else why)
         if not program:
             log(f"netns: rate {args.rate} only, no delay: {why}")
 
@@ -410,20 +410,14 @@ class Nodes:
 
 
 def delay_program(work):
-    """nfq-delay, compiled from its source in ../shared/pfs/pfs-up.sh into work, or (None, why)."""
+    """bench/netdelay, compiled into work, or (None, why)."""
     if shutil.which("iptables-legacy") is None:
         return None, "iptables-legacy missing (apt-get install iptables)"
-    try:
-        text = PFS_UP.read_text()
-        src = text.split("<<'CEOF'\n", 1)[1].split("\nCEOF\n", 1)[0]
-    except (OSError, IndexError):
-        return None, f"no nfq-delay source in {PFS_UP}"
-    c, exe = os.path.join(work, "nfq-delay.c"), os.path.join(work, "nfq-delay")
-    Path(c).write_text(src + "\n")
-    out = subprocess.run(["gcc", "-O2", "-o", exe, c, "-lnetfilter_queue", "-lnfnetlink"],
+    exe = os.path.join(work, "netdelay")
+    out = subprocess.run(["gcc", "-O2", "-o", exe, str(NETDELAY), "-lnetfilter_queue", "-lnfnetlink"],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        return None, "nfq-delay did not build (apt-get install libnetfilter-queue-dev): " + out.stderr[-300:]
+        return None, "netdelay did not build (apt-get install libnetfilter-queue-dev): " + out.stderr[-300:]
     return exe, ""
 
 
@@ -779,7 +773,7 @@ def prepare_pfs(args):
         mount = os.path.dirname(mount)
     if mount == "/":
         raise SystemExit(f"--pfs {args.pfs}: no file system mounted there; bring it up first "
-                         f"(../shared/pfs/pfs-up.sh /mnt/pfs --rtt-ms 1 --rate 1gbit)")
+                         f"(bench/README.md, \"A slow file system to read from\")")
     src, manifest, made = generate(args.pfs, args.pfs_files, args.seed)
     total = sum(size for _, size, _ in manifest)
     log(f"PFS dataset {src}: {len(manifest)} files, {total / 1e9:.2f} GB ({'generated' if made else 'reused'})")

@@ -59,8 +59,9 @@ shared: "others' CPU" is the share of its CPUs used, while a configuration ran, 
 other than the reader, its workers, the embedded server, this script and the emulated PFS's
 processes (/proc/stat less their own CPU time), so that noisy rounds show.
 
-With --pfs DIR, a second section measures the first epoch over the GlusterFS PFS of
-../shared/pfs, which must be up (pfs-up.sh; this script never brings it up): --pfs-files
+With --pfs DIR, a second section measures the first epoch over a slow file system mounted
+there (the GlusterFS emulation of ../shared/pfs, or bench/slowfs: see bench/README.md; this
+script never brings one up): --pfs-files
 (default 2,000) files generated under DIR by bench_scale's generator, then per round, each
 after dropping the page cache with --drop-caches (root; it also empties the emulated servers'
 caches):

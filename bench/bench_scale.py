@@ -44,8 +44,9 @@ Epoch figures are medians over a round's epochs, then medians over rounds; ratio
 baseline's median time by the configuration's. Source opens during the FitCache
 configurations are counted with inotify on the source directory (from outside the library).
 
-With --pfs DIR, a second section measures the first epoch over the GlusterFS PFS of
-../shared/pfs, which must be up (pfs-up.sh; this script never brings it up). --pfs-files
+With --pfs DIR, a second section measures the first epoch over a slow file system mounted
+there (the GlusterFS emulation of ../shared/pfs, or bench/slowfs: see bench/README.md; this
+script never brings one up). --pfs-files
 (default 2,000) files of the same kind are generated under DIR, then, per round:
 
   pfs-plain                 plain reads, DataLoader with --pfs-workers (default 4) workers

@@ -16,7 +16,7 @@ Per S and round, on fresh servers with empty tiers (bench_cluster.py's machinery
                     prefetch; source opens counted with inotify
   warm-fresh        epochs 1..E-1, fresh workers
   warm-persistent   persistent workers: one untimed epoch, then epochs 1..E-1
-  pfs-cold          with --pfs DIR (the GlusterFS emulation of ../shared/pfs, mounted), epoch
+  pfs-cold          with --pfs DIR (a slow file system mounted there: bench/README.md), epoch
                     0 of a dataset there, page cache dropped first with --drop-caches: where
                     the paper sees more servers absorb the first epoch's burst
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares a fresh Debian machine for FitCache: system packages (PyTorch CPU build, numpy,
-# pytest; torchvision, PIL, h5py and lmdb for the transparent-mode tests; mypy; gcc), a virtualenv
+# pytest; torchvision, PIL, h5py and lmdb for the transparent-mode tests; mypy; gcc; iptables
+# and libnetfilter-queue-dev for bench/netdelay, the link delay of the netns benches), a virtualenv
 # at .venv that sees them, and FitCache installed into it with pip (which compiles the Go
 # parts and the preload library). Needs Go >= 1.26 on PATH. Idempotent.
 set -euo pipefail
@@ -8,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 packages=(python3-venv python3-torch python3-numpy python3-pytest python3-pytest-forked
           python3-torchvision python3-pil python3-h5py python3-lmdb
-          python3-pytest-timeout python3-mypy gcc)
+          python3-pytest-timeout python3-mypy gcc iptables libnetfilter-queue-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -83,8 +83,7 @@ class NetnsNodes:
     def shape(self, rate=None, delay_us=0, delay_program=None, burst="1mb"):
         """Shapes every node's link, both ways. rate (tc syntax, "10gbit"): a token bucket
         (tbf) on both ends of each node's veth. delay_us with delay_program (an NFQUEUE delay
-        program taking QUEUE DELAY_US PIDFILE, such as nfq-delay of ../shared/pfs, for kernels
-        without netem): every packet a node sends is held delay_us in its namespace (iptables
+        program taking QUEUE DELAY_US PIDFILE, bench/netdelay, for kernels without netem): every packet a node sends is held delay_us in its namespace (iptables
         OUTPUT, one program per namespace), so a round trip between nodes gains 2 x delay_us.
         Undone by close()."""
         def run(*cmd):
