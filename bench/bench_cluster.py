@@ -862,7 +862,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=3, help="epochs per job: 1 cold, the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
     ap.add_argument("--out", help="JSON results (default bench/results/cluster-<date>.json)")
-    ap.add_argument("--pfs", help="dataset directory on the mounted GlusterFS PFS (needs it up)")
+    ap.add_argument("--pfs", help="dataset directory on a mounted slow file system (bench/README.md)")
     ap.add_argument("--pfs-files", type=int, default=2000)
     ap.add_argument("--pfs-threads", type=int, default=16)
     ap.add_argument("--pfs-variant", help="nodes of the PFS section (default: netns if run, else loopback)")

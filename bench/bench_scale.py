@@ -46,8 +46,8 @@ configurations are counted with inotify on the source directory (from outside th
 
 With --pfs DIR, a second section measures the first epoch over a slow file system mounted
 there (the GlusterFS emulation of ../shared/pfs, or bench/slowfs: see bench/README.md; this
-script never brings one up). --pfs-files
-(default 2,000) files of the same kind are generated under DIR, then, per round:
+script never brings one up). --pfs-files (default 2,000) files of the same kind are
+generated under DIR, then, per round:
 
   pfs-plain                 plain reads, DataLoader with --pfs-workers (default 4) workers
   pfs-threads               plain reads with --pfs-threads (default 16) threads, each file once:
@@ -638,7 +638,7 @@ def add_scale_arguments(ap, name):
     ap.add_argument("--epochs", type=int, default=3, help="epochs per round: 1 cold, the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
     ap.add_argument("--out", help=f"JSON results (default bench/results/{name}-<date>.json)")
-    ap.add_argument("--pfs", help="dataset directory on the mounted GlusterFS PFS (needs it up)")
+    ap.add_argument("--pfs", help="dataset directory on a mounted slow file system (bench/README.md)")
     ap.add_argument("--pfs-files", type=int, default=2000)
     ap.add_argument("--pfs-workers", type=int, default=4)
     ap.add_argument("--pfs-threads", type=int, default=16)

@@ -98,7 +98,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3, help="1 cold + the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--pfs", help="dataset directory on the mounted GlusterFS PFS")
+    ap.add_argument("--pfs", help="dataset directory on a mounted slow file system (bench/README.md)")
     ap.add_argument("--pfs-files", type=int, default=2000)
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each PFS epoch (root)")
     ap.add_argument("--out", help="JSON results (default bench/results/servers-per-node-<date>.json)")
