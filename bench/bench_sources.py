@@ -7,8 +7,8 @@ Each directory gets the ImageNet-like dataset of bench_scale.py (--files, defaul
 lognormal around 105 KiB; generated there unless present). Per round and directory, with the
 page cache dropped first (root), every file is read once, whole, by --threads readers (each
 count in turn: default 1 and 16), and its crc32 checked against the manifest. Reported: files
-and MB per second, medians over --repeats rounds, and the ratio of each directory's time to
-the first directory's in the same round.
+and MB per second, medians over --repeats rounds, and each directory's speed against the
+first directory's in the same round (the first's time over its time).
 
     python bench/bench_sources.py /mnt/pfs/fitcache-sources /mnt/slowfs/fitcache-sources
 """

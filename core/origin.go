@@ -12,9 +12,9 @@ import (
 // and the node socket's FC_ORIGIN_ values (capi/fcnode.h) are the same numbers, and tests
 // hold them together. The names (String) are the labels of the metrics and of statistics.
 //
-// The numbers of the node socket's origins (1-4) are those it had before the enum, so that
-// a shim and a server of different versions still agree on what the shim acts on (the
-// source, handed over).
+// The numbers of the two sources (2 and 4) are those the node socket gave them before the
+// enum, so that a shim and a server of different versions still agree on what the shim acts
+// on (a source, handed over); the shim takes every other origin for a whole copy.
 type Origin uint32
 
 const (
@@ -42,6 +42,30 @@ const (
 // Every tier kind has its origin: a kind added to package tiers stops the build here until
 // it has one.
 var _ = [1]struct{}{}[OriginDisk-OriginMemory+1-tiers.NumKinds]
+
+// origins is every origin.
+var origins = [...]Origin{OriginNone, OriginInflight, OriginSource, OriginPeer, OriginSourceWhileCached,
+	OriginMemory, OriginPMem, OriginNVMe, OriginDisk}
+
+// Known reports whether o is an origin of this version (a value from the wire may not be).
+func (o Origin) Known() bool {
+	for _, known := range origins {
+		if o == known {
+			return true
+		}
+	}
+	return false
+}
+
+// OriginNamed returns the origin String names s, and whether there is one.
+func OriginNamed(s string) (Origin, bool) {
+	for _, o := range origins {
+		if o.String() == s {
+			return o, true
+		}
+	}
+	return OriginNone, false
+}
 
 // TierOrigin returns the origin of bytes read from a tier of kind k.
 func TierOrigin(k tiers.Kind) Origin { return OriginMemory + Origin(k) }

@@ -27,3 +27,19 @@ func TestTierOrigins(t *testing.T) {
 		}
 	}
 }
+
+func TestOriginNamesRoundTrip(t *testing.T) {
+	for _, o := range origins {
+		if got, ok := OriginNamed(o.String()); !ok || got != o || !o.Known() {
+			t.Errorf("%v: named back as %v, %v; known %v", o, got, ok, o.Known())
+		}
+	}
+	for _, o := range []Origin{5, 7, 12, 1 << 31} {
+		if o.Known() {
+			t.Errorf("origin %d is known", uint32(o))
+		}
+	}
+	if o, ok := OriginNamed("tier"); ok {
+		t.Errorf(`"tier" names %v`, o)
+	}
+}

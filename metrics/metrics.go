@@ -217,7 +217,7 @@ func New(e Engine) *Server {
 			Name: "fitcache_rpc_read_duration_seconds",
 			Help: "Time this server took to answer a Read RPC, reply included, by caller (local: a client on this node, " +
 				"which maps cached files itself; remote: a client on another node, sent the bytes) and origin (a tier kind, " +
-				"inflight, source). Failed reads are not counted.",
+				"inflight, source; peer: a range another node's server sent). Failed reads are not counted.",
 			Buckets: core.LatencyBuckets(),
 		}, []string{"caller", "origin"}),
 		rpcReadBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -228,7 +228,8 @@ func New(e Engine) *Server {
 			Name: "fitcache_node_open_duration_seconds",
 			Help: "Time the node socket took to answer an open of a reader on this node (the preload shim), by origin " +
 				"(tier: a tier file of this node, filled first on a miss; remote: bytes another node's server sent; " +
-				"source: the source file itself). Failed opens are not counted.",
+				"source: the source file itself; source-while-cached: the source of a large file, handed over while it is " +
+				"copied). Failed opens are not counted.",
 			Buckets: core.LatencyBuckets(),
 		}, []string{"origin"}),
 	}

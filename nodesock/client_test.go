@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/fitcache/fitcache/core"
 )
 
 // Open hands a Go reader the descriptor the server answers with, or the server's error;
@@ -24,7 +26,7 @@ func TestOpenClient(t *testing.T) {
 			return nil, 0, &fs.PathError{Op: "open", Path: path, Err: fs.ErrNotExist}
 		}
 		f, err := os.Open(data)
-		return f, 3, err
+		return f, uint32(core.OriginPeer), err
 	}})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -34,8 +36,8 @@ func TestOpenClient(t *testing.T) {
 	}
 	got, _ := io.ReadAll(f)
 	f.Close()
-	if string(got) != "the bytes" || origin != 3 {
-		t.Errorf("got %q, origin %d; want the file's bytes and origin 3", got, origin)
+	if string(got) != "the bytes" || origin != uint32(core.OriginPeer) {
+		t.Errorf("got %q, origin %d; want the file's bytes and the server's origin, %d", got, origin, core.OriginPeer)
 	}
 	if _, _, err := Open(ctx, sock, "/d", "/d/missing"); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("a missing file: %v, want ENOENT", err)

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/core"
 )
 
 func errno(err error) syscall.Errno {
@@ -154,7 +156,7 @@ func TestOpenAnswersWithADescriptor(t *testing.T) {
 				return nil, 0, &fs.PathError{Op: "open", Path: path, Err: fs.ErrNotExist}
 			}
 			f, err := os.Open(data)
-			return f, 1, err
+			return f, uint32(core.OriginMemory), err
 		},
 		Forget: func(root, path string) error { forgotten = append(forgotten, path); return nil },
 	})
@@ -164,7 +166,7 @@ func TestOpenAnswersWithADescriptor(t *testing.T) {
 	}
 	defer c.Close()
 	got, origin, msg, f := askOpen(t, c, "/d", "/d/a")
-	if got != 0 || origin != 1 || msg != "" || f == nil {
+	if got != 0 || origin != uint32(core.OriginMemory) || msg != "" || f == nil {
 		t.Fatalf("open /d/a: errno %d, origin %d, %q, file %v", got, origin, msg, f)
 	}
 	b, err := io.ReadAll(f)

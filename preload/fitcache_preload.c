@@ -897,7 +897,8 @@ static void walk_renamed(int fd, const struct root *ro, char *okey, int olen, co
 	while (depth >= 0) {
 		long got = node_usable() ? syscall(SYS_getdents64, fds[depth], buf, sizeof buf) : 0;
 		if (got <= 0) {
-			CALL_NEXT(close, fds[depth--]);
+			int listed = fds[depth--]; // not in CALL_NEXT's arguments: see shim.h
+			CALL_NEXT(close, listed);
 			continue;
 		}
 		for (long at = 0; at < got;) {

@@ -42,7 +42,8 @@ int shim_missing(const char *name);
 
 // CALL_NEXT(fn, args...) calls the next definition of fn with args, or fails with ENOSYS when
 // there is none (shim_missing): never a call through NULL. CALL_NEXT_PTR is for the functions
-// that return a pointer (NULL on failure).
+// that return a pointer (NULL on failure). When fn is missing, args are not evaluated: pass
+// no argument with a side effect.
 #define CALL_NEXT(fn, ...) \
 	({ __typeof__(libc_##fn) next_ = NEXT(fn); next_ ? next_(__VA_ARGS__) : shim_missing(#fn); })
 #define CALL_NEXT_PTR(fn, ...) \

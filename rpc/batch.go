@@ -57,7 +57,8 @@ func (h *Handler) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchReques
 			continue
 		}
 		room -= int64(n)
-		r.Size, r.Origin, r.MtimeNanos = int64(n), wireOrigin(res.Origin), res.MTimeNanos
+		r.Size, r.MtimeNanos = int64(n), res.MTimeNanos
+		setOrigin(r, res.Origin)
 		h.stampReply(path, res, r)
 		data = append(data, h.replyBytes(ctx, res))
 		if h.cfg.OnRead != nil {

@@ -110,7 +110,10 @@ struct ReadReply {
   4: string cached_path
   // The file's bytes, when cached_path is empty and errno is 0.
   5: binary data
-  // 6 was origin as a string (a tier kind, "inflight" or "source"): not to be reused.
+  // Where the server found the file, by name (a tier kind, "inflight", "source" or "peer"):
+  // what servers older than origin (15) say. Servers write both, for clients older than 15;
+  // a client reads it when origin is NONE. To be dropped once no server older than 15 runs.
+  6: string origin_name
   // The source file's modification time (Unix nanoseconds), when known.
   7: i64 mtime_nanos
   // Membership gossip: this server's membership version and, when the caller's is older,

@@ -83,8 +83,9 @@ func TestReadRepliesWithBytesOrTierFile(t *testing.T) {
 	ctx := context.Background()
 
 	r, err := c.Read(ctx, root, path, false)
-	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != fitcachepb.Origin_SOURCE {
-		t.Fatalf("remote read: origin %q, %d bytes, err %v", r.GetOrigin(), len(r.GetData()), err)
+	// The origin by name too: clients older than the enum read only that.
+	if err != nil || !bytes.Equal(r.Data, want) || r.Origin != fitcachepb.Origin_SOURCE || r.OriginName != "source" {
+		t.Fatalf("remote read: origin %q (%q), %d bytes, err %v", r.GetOrigin(), r.GetOriginName(), len(r.GetData()), err)
 	}
 	// The first read answered before the data mover published the file: wait for it.
 	for i := 0; i < 500; i++ {
@@ -267,8 +268,22 @@ func TestOriginsMatchTheIDL(t *testing.T) {
 	if named < 5+tiers.NumKinds {
 		t.Errorf("%d origins named, want every tier kind's and 5 others", named)
 	}
-	if got := OriginOf(&fitcachepb.ReadReply{Origin: -1}); got != core.OriginNone {
-		t.Errorf("a negative origin read as %v", got)
+	for _, c := range []struct {
+		reply *fitcachepb.ReadReply
+		want  core.Origin
+	}{
+		{&fitcachepb.ReadReply{Origin: fitcachepb.Origin_DISK, OriginName: "disk"}, core.OriginDisk},
+		{&fitcachepb.ReadReply{OriginName: "source"}, core.OriginSource}, // a server older than the enum
+		{&fitcachepb.ReadReply{OriginName: "peer"}, core.OriginPeer},
+		{&fitcachepb.ReadReply{}, core.OriginNone},
+		{&fitcachepb.ReadReply{Origin: -1}, core.OriginNone},
+		{&fitcachepb.ReadReply{Origin: 5}, core.OriginNone}, // no origin has 5
+		{&fitcachepb.ReadReply{Origin: 1 << 32, OriginName: "inflight"}, core.OriginInflight},
+		{&fitcachepb.ReadReply{OriginName: "tier"}, core.OriginNone},
+	} {
+		if got := OriginOf(c.reply); got != c.want {
+			t.Errorf("OriginOf(origin %d, name %q) = %v, want %v", c.reply.Origin, c.reply.OriginName, got, c.want)
+		}
 	}
 }
 

@@ -309,8 +309,9 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
-	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), Origin: wireOrigin(res.Origin), MtimeNanos: res.MTimeNanos,
+	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
+	setOrigin(reply, res.Origin)
 	if !req.IsSetBlock() { // a block's bytes are no copy of the file a replica may take
 		h.stampReply(req.Path, res, reply)
 	}
@@ -351,8 +352,9 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 			return fail(err)
 		}
 		if ok {
-			return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: fitcachepb.Origin_PEER, MembershipVersion: version,
-				Dead: dead}
+			reply := &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, MembershipVersion: version, Dead: dead}
+			setOrigin(reply, core.OriginPeer)
+			return reply
 		}
 	}
 	res, err := h.engine.ReadBlock(ctx, req.Root, req.Path, req.GetBlock(), true)
@@ -366,8 +368,10 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 	h.engine.CountSent(int64(len(data)))
 	// The identity of the source version the block copies, for a node-local copy of it (see
 	// client.Client.ForwardBlock).
-	return &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, Origin: wireOrigin(res.Origin), MembershipVersion: version,
+	reply := &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, MembershipVersion: version,
 		Dead: dead, MtimeNanos: res.MTimeNanos, CtimeNanos: res.CTimeNanos, Inode: int64(res.Ino)}
+	setOrigin(reply, res.Origin)
+	return reply
 }
 
 // readWhat reads what req asks for: the whole file, or one of its blocks.

@@ -13,6 +13,17 @@ import pytest
 
 import fitcache
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the factory
+def pytest_configure(config):
+    """Makes the run's temporary directory (pytest-of-USER/pytest-N) in this process, before
+    any test forks (pytest.ini: --forked): each forked test would otherwise make one of its
+    own, and pytest, which keeps the last three runs' directories, would keep every test's
+    datasets and tiers (tens of GB over a few hundred runs)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None:
+        factory.getbasetemp()
+
+
 # Sizes that probe the edges: empty, one byte, page boundaries, and typical samples.
 EDGE_SIZES = [0, 1, 4095, 4096, 4097, 65537, 256 << 10, (1 << 20) + 3]
 

@@ -3,6 +3,7 @@
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +65,34 @@ def test_netdelay_holds_what_a_node_sends(tmp_path):
             echo.wait(timeout=10)
         nodes.close()
     wait_for(lambda: not os.path.exists(f"/proc/{pid}") or " Z " in open(f"/proc/{pid}/stat").read(), timeout=10)
+
+
+SEND_ONE = """
+import socket, sys
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.sendto(b"held", (sys.argv[1], int(sys.argv[2])))
+"""
+
+
+def test_netdelay_lets_held_packets_go_when_stopped(tmp_path):
+    """Stopped (SIGTERM) while it holds a packet, netdelay lets it go: the kernel would drop
+    the packets still queued when the queue closes."""
+    if not NetnsNodes.available() or shutil.which("iptables-legacy") is None:
+        pytest.skip("needs root, network namespaces and iptables-legacy (scripts/setup-env.sh installs it)")
+    exe = build_netdelay(tmp_path)
+    nodes = NetnsNodes(1)
+    try:
+        nodes.shape(delay_us=10_000_000, delay_program=exe)  # 10 s: longer than the test waits
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx:
+            rx.bind((nodes.client_addr, 0))
+            rx.settimeout(5)
+            subprocess.run(["nsenter", f"--net=/run/netns/{nodes.namespaces[0]}", sys.executable, "-c", SEND_ONE,
+                            nodes.client_addr, str(rx.getsockname()[1])], check=True, timeout=30)
+            time.sleep(0.3)  # the datagram is held
+            os.kill(nodes.delay_pids[0], signal.SIGTERM)
+            assert rx.recv(16) == b"held"
+    finally:
+        nodes.close()
 
 
 def test_netdelay_refuses_bad_arguments(tmp_path):

@@ -8,12 +8,14 @@
  *   netdelay QUEUE DELAY_US [PIDFILE]
  *
  * With PIDFILE it goes to the background once the queue is bound (so that no packet is
- * queued before it listens) and writes its pid there, with a newline, last. SIGTERM or
- * SIGINT stop it; packets still held are let go by the kernel when the queue closes.
+ * queued before it listens) and writes its pid there, with a newline, last; the file is
+ * opened first, so that a bad path fails in the foreground. SIGTERM or SIGINT stop it, and
+ * the packets still held go at once (the kernel would drop them when the queue closes).
  *
  * Every packet is held the same time, so they are let go in the order they came: the held
  * ones are a FIFO of packet ids, and one batch verdict accepts every id up to the last one
- * due. A full FIFO lets a packet go at once rather than drop it.
+ * due. The kernel's queue holds as many packets as the FIFO, and lets packets through at once
+ * when it is full (fail-open): late or early, never lost.
  *
  * Build: gcc -O2 -o netdelay netdelay.c -lnetfilter_queue -lnfnetlink
  * (Debian: apt-get install libnetfilter-queue-dev).
@@ -35,8 +37,12 @@
 #include <libnfnetlink/libnfnetlink.h>
 
 // held is the FIFO of packets waiting: their ids and when each is due (CLOCK_MONOTONIC ns).
-// first and next count packets ever held and let go; they wrap together.
-#define HELD_MAX (1u << 20)
+// first and next count packets ever held and let go; they wrap together. HELD_MAX is the
+// kernel queue's length too.
+#define HELD_MAX (1u << 18)
+// DRAIN_MAX bounds the messages read between two looks at the clock, so that a burst does
+// not hold packets past their time.
+#define DRAIN_MAX 64
 static struct {
 	uint32_t id[HELD_MAX];
 	uint64_t due[HELD_MAX];
@@ -59,12 +65,19 @@ static int on_packet(struct nfq_q_handle *q, struct nfgenmsg *msg, struct nfq_da
 	if (!hdr)
 		return 0;
 	uint32_t id = ntohl(hdr->packet_id);
-	if (held.next - held.first == HELD_MAX) // full: late rather than lost
+	if (held.next - held.first == HELD_MAX) // cannot be: the kernel queue is as long; never lose it
 		return nfq_set_verdict(q, id, NF_ACCEPT, 0, NULL);
 	held.id[held.next % HELD_MAX] = id;
 	held.due[held.next % HELD_MAX] = now_ns() + delay_ns;
 	held.next++;
 	return 0;
+}
+
+// release_all lets go every packet held, in one verdict.
+static void release_all(struct nfq_q_handle *q) {
+	if (held.first != held.next)
+		nfq_set_verdict_batch(q, held.id[(held.next - 1) % HELD_MAX], NF_ACCEPT);
+	held.first = held.next;
 }
 
 // release lets go every packet due by now, in one verdict.
@@ -101,9 +114,16 @@ int main(int argc, char **argv) {
 		return 2;
 	}
 	delay_ns = delay_us * 1000;
-	struct sigaction sa = {.sa_handler = on_signal}; // no SA_RESTART: ppoll returns EINTR
+	// The signals are blocked but while ppoll waits, which unblocks them: one that comes
+	// between the look at stopping and the wait ends the wait instead of being missed.
+	struct sigaction sa = {.sa_handler = on_signal};
 	sigaction(SIGTERM, &sa, NULL);
 	sigaction(SIGINT, &sa, NULL);
+	sigset_t stop_signals, waiting;
+	sigemptyset(&stop_signals);
+	sigaddset(&stop_signals, SIGTERM);
+	sigaddset(&stop_signals, SIGINT);
+	sigprocmask(SIG_BLOCK, &stop_signals, &waiting);
 	prctl(PR_SET_TIMERSLACK, 1UL); // wake when asked: the default slack is 50 us
 
 	struct nfq_handle *h = nfq_open();
@@ -117,16 +137,19 @@ int main(int argc, char **argv) {
 	// The ids are all a verdict needs: no payload is copied to this process.
 	if (nfq_set_mode(q, NFQNL_COPY_META, 0) < 0 && nfq_set_mode(q, NFQNL_COPY_PACKET, 0) < 0)
 		return fail("nfq_set_mode");
-	nfq_set_queue_maxlen(q, 1 << 18);
-	nfq_set_queue_flags(q, NFQA_CFG_F_GSO, NFQA_CFG_F_GSO); // segments stay one packet
+	nfq_set_queue_maxlen(q, HELD_MAX);
+	// Segments stay one packet; a full queue lets packets through rather than drop them.
+	nfq_set_queue_flags(q, NFQA_CFG_F_GSO | NFQA_CFG_F_FAIL_OPEN, NFQA_CFG_F_GSO | NFQA_CFG_F_FAIL_OPEN);
 	nfnl_rcvbufsiz(nfq_nfnlh(h), 64 << 20);
 
 	if (argc == 4) {
+		FILE *f = fopen(argv[3], "w");
+		if (!f)
+			return fail(argv[3]);
 		if (daemon(0, 1) < 0)
 			return fail("daemon");
-		FILE *f = fopen(argv[3], "w");
-		if (!f || fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f) != 0)
-			return fail(argv[3]);
+		if (fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f) != 0)
+			return fail(argv[3]); // in the background: the caller waits for the pid in vain
 	}
 
 	int fd = nfq_fd(h);
@@ -142,18 +165,19 @@ int main(int argc, char **argv) {
 			until = &wait;
 		}
 		struct pollfd p = {.fd = fd, .events = POLLIN};
-		int ready = ppoll(&p, 1, until, NULL);
+		int ready = ppoll(&p, 1, until, &waiting);
 		if (ready < 0 && errno != EINTR)
 			return fail("ppoll");
-		while (ready > 0) { // every message waiting, then back to the clock
+		for (int i = 0; ready > 0 && i < DRAIN_MAX; i++) {
 			ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-			if (n < 0 && errno == ENOBUFS) // the kernel dropped messages: go on with the rest
+			if (n < 0 && errno == ENOBUFS) // messages lost: their packets go with a later verdict
 				continue;
 			if (n <= 0)
 				break;
 			nfq_handle_packet(h, buf, (int)n);
 		}
 	}
+	release_all(q);
 	nfq_destroy_queue(q);
 	nfq_close(h);
 	return 0;

@@ -16,9 +16,9 @@
 //     a training job does (the GlusterFS emulation of the development machines mounts with
 //     the same choice).
 //
-// It runs until SIGINT or SIGTERM, then unmounts and prints what went over the link. It
-// mounts with mount(2) itself, so it needs root (or fusermount3 and /etc/fuse.conf's
-// user_allow_other for another user's programs). bench/README.md says how the benchmarks use it.
+// It runs until SIGINT or SIGTERM, or until the mount is unmounted (umount MOUNTPOINT), then
+// prints what went over the link. It mounts as root (mount(2), or fusermount3 otherwise), and
+// only the user who mounted it reads through it. bench/README.md says how the benchmarks use it.
 package main
 
 import (
@@ -66,9 +66,14 @@ func main() {
 	fmt.Fprintf(os.Stderr, "slowfs: %s at %s: round trip %v, rate %s\n", flag.Arg(0), flag.Arg(1), *rtt, *rate)
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
-	<-stop
-	if err := m.Unmount(); err != nil { // busy: a program has a file open there
-		fmt.Fprintf(os.Stderr, "slowfs: %v: unmount %s once nothing uses it (umount -l)\n", err, flag.Arg(1))
+	unmounted := make(chan struct{})
+	go func() { m.Wait(); close(unmounted) }()
+	select {
+	case <-unmounted:
+	case <-stop:
+		if err := m.Unmount(); err != nil { // busy: a program has a file open there
+			fmt.Fprintf(os.Stderr, "slowfs: %v: unmount %s once nothing uses it (umount -l)\n", err, flag.Arg(1))
+		}
 	}
 	fmt.Fprintf(os.Stderr, "slowfs: %d requests, %d bytes\n", l.requests.Load(), l.bytes.Load())
 }
@@ -216,11 +221,15 @@ type slowFile struct {
 	link *link
 }
 
+// Read sends the bytes the read returns over the link: the kernel asks for whole pages, and
+// the result (spliced from the source file) knows only the size asked for, so the bytes are
+// what the file has from off.
 func (f *slowFile) Read(ctx context.Context, buf []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	res, errno := f.LoopbackFile.Read(ctx, buf, off)
 	n := 0
-	if errno == 0 {
-		n = res.Size()
+	var attr fuse.AttrOut
+	if errno == 0 && f.LoopbackFile.Getattr(ctx, &attr) == 0 {
+		n = int(max(0, min(int64(len(buf)), int64(attr.Size)-off)))
 	}
 	f.link.request(ctx, n)
 	return res, errno

@@ -51,7 +51,7 @@ func TestReadsCostTheLink(t *testing.T) {
 		if err != nil || !bytes.Equal(got, data) {
 			t.Fatalf("open %d: %d bytes, right %v, %v", open, len(got), bytes.Equal(got, data), err)
 		}
-		if sent := l.bytes.Load() - before; sent < size {
+		if sent := l.bytes.Load() - before; sent != size {
 			t.Errorf("open %d: %d bytes over the link, want the file's %d", open, sent, size)
 		}
 		if min := time.Duration(size / 10e6 * float64(time.Second)); took < min {
@@ -86,9 +86,9 @@ func TestRequestsCostARoundTrip(t *testing.T) {
 }
 
 // Programs write datasets through the mount (the benches generate theirs there): the writes
-// land in the source, and renames and removals work.
+// land in the source, over the link, and renames and removals work.
 func TestWritesReachTheSource(t *testing.T) {
-	source, mnt, _ := mounted(t, 0, 0)
+	source, mnt, l := mounted(t, time.Millisecond, 0)
 	if err := os.MkdirAll(filepath.Join(mnt, "d"), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -100,6 +100,9 @@ func TestWritesReachTheSource(t *testing.T) {
 	}
 	if got, err := os.ReadFile(filepath.Join(source, "d", "final")); err != nil || string(got) != "written" {
 		t.Errorf("the source has %q, %v", got, err)
+	}
+	if got := l.bytes.Load(); got != int64(len("written")) {
+		t.Errorf("%d bytes over the link, want the write's %d", got, len("written"))
 	}
 	if err := os.Remove(filepath.Join(mnt, "d", "final")); err != nil {
 		t.Fatal(err)

@@ -14,7 +14,8 @@ package clayout
 #include <stdlib.h>
 // The C files are included through links in this directory (fclookup_c.h is ../fclookup.c):
 // the go command rebuilds a package when its own files change, and would not see a change
-// of files included from another directory.
+// of files included from another directory. Module zips leave links out, so the package
+// builds from a checkout of the repository only, which is where its tests run.
 #include "fclookup_c.h"
 #include "fcnode.h"
 

@@ -487,6 +487,7 @@ type ReadReply struct {
 	Size              int64    `thrift:"size,3" frugal:"3,default,i64" json:"size"`
 	CachedPath        string   `thrift:"cached_path,4" frugal:"4,default,string" json:"cached_path"`
 	Data              []byte   `thrift:"data,5" frugal:"5,default,binary" json:"data"`
+	OriginName        string   `thrift:"origin_name,6" frugal:"6,default,string" json:"origin_name"`
 	MtimeNanos        int64    `thrift:"mtime_nanos,7" frugal:"7,default,i64" json:"mtime_nanos"`
 	MembershipVersion int64    `thrift:"membership_version,8" frugal:"8,default,i64" json:"membership_version"`
 	Dead              []string `thrift:"dead,9" frugal:"9,default,list<string>" json:"dead"`
@@ -523,6 +524,10 @@ func (p *ReadReply) GetCachedPath() (v string) {
 
 func (p *ReadReply) GetData() (v []byte) {
 	return p.Data
+}
+
+func (p *ReadReply) GetOriginName() (v string) {
+	return p.OriginName
 }
 
 func (p *ReadReply) GetMtimeNanos() (v int64) {
@@ -575,6 +580,9 @@ func (p *ReadReply) SetCachedPath(val string) {
 func (p *ReadReply) SetData(val []byte) {
 	p.Data = val
 }
+func (p *ReadReply) SetOriginName(val string) {
+	p.OriginName = val
+}
 func (p *ReadReply) SetMtimeNanos(val int64) {
 	p.MtimeNanos = val
 }
@@ -616,6 +624,7 @@ var fieldIDToName_ReadReply = map[int16]string{
 	3:  "size",
 	4:  "cached_path",
 	5:  "data",
+	6:  "origin_name",
 	7:  "mtime_nanos",
 	8:  "membership_version",
 	9:  "dead",
