@@ -66,16 +66,23 @@ func main() {
 	fmt.Fprintf(os.Stderr, "slowfs: %s at %s: round trip %v, rate %s\n", flag.Arg(0), flag.Arg(1), *rtt, *rate)
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
+	if err := serve(m, stop); err != nil { // busy: a program has a file open there
+		fmt.Fprintf(os.Stderr, "slowfs: %v: unmount %s once nothing uses it (umount -l)\n", err, flag.Arg(1))
+	}
+	fmt.Fprintf(os.Stderr, "slowfs: %d requests, %d bytes\n", l.requests.Load(), l.bytes.Load())
+}
+
+// serve returns once the mount of m is unmounted, from outside or, at a signal from stop,
+// by serve itself: the error of that unmount.
+func serve(m *fuse.Server, stop <-chan os.Signal) error {
 	unmounted := make(chan struct{})
 	go func() { m.Wait(); close(unmounted) }()
 	select {
 	case <-unmounted:
+		return nil
 	case <-stop:
-		if err := m.Unmount(); err != nil { // busy: a program has a file open there
-			fmt.Fprintf(os.Stderr, "slowfs: %v: unmount %s once nothing uses it (umount -l)\n", err, flag.Arg(1))
-		}
+		return m.Unmount()
 	}
-	fmt.Fprintf(os.Stderr, "slowfs: %d requests, %d bytes\n", l.requests.Load(), l.bytes.Load())
 }
 
 // mount serves source at mountpoint through l until the returned server is unmounted.

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -109,6 +110,36 @@ func TestWritesReachTheSource(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(source, "d", "final")); !os.IsNotExist(err) {
 		t.Errorf("removed through the mount, still in the source: %v", err)
+	}
+}
+
+// slowfs ends when its mount is unmounted from outside (umount), not only at a signal.
+func TestServeEndsWhenUnmounted(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("no /dev/fuse")
+	}
+	mnt := t.TempDir()
+	server, err := mount(t.TempDir(), mnt, &link{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- serve(server, make(chan os.Signal)) }()
+	if err := syscall.Unmount(mnt, 0); err != nil {
+		server.Unmount()
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		server.Unmount()
+		t.Fatal("serve still runs 10 s after the unmount")
 	}
 }
 
