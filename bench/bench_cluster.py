@@ -102,7 +102,7 @@ from pathlib import Path
 
 import bench_scale
 from bench_scale import (Check, EpochSampler, FitCacheCRC, PlainCRC, brick_dir, checkpoint, copy_tree,
-                         drop_caches, generate, loader, log, warm_page_cache)
+                         drop_caches, generate, loader, log, read_with_threads, warm_page_cache)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from harness import Cluster, NetnsNodes, cached_names  # noqa: E402
@@ -668,22 +668,16 @@ class Run:
         agents, hosts = self.readers("all")
         watch = [p["src"]] + [brick_dir(b, p["src"]) for b in args.bricks.split(",") if b] if args.bricks else [p["src"]]
         names = [rel for rel, _, _ in p["manifest"]]
-        by_name = {rel: (crc, size) for rel, size, crc in p["manifest"]}
+        by_name = {entry[0]: entry for entry in p["manifest"]}
         rec = Recorder()
         bad0 = self.bad
 
         def threads_epoch():
-            def one(rel):
-                with open(os.path.join(p["src"], rel), "rb") as f:
-                    data = f.read()
-                return zlib.crc32(data), len(data)
             order = [names[i] for i in EpochSampler(len(names), args.seed).order(0)]
-            cpu, t, nbytes = os.times(), time.monotonic(), 0
-            with concurrent.futures.ThreadPoolExecutor(args.pfs_threads) as pool:
-                for rel, (crc, size) in zip(order, pool.map(one, order)):
-                    self.bad += (crc, size) != by_name[rel]
-                    nbytes += size
-            secs, cpu1 = time.monotonic() - t, os.times()
+            cpu = os.times()
+            secs, nbytes, bad = read_with_threads(p["src"], [by_name[rel] for rel in order], args.pfs_threads)
+            cpu1 = os.times()
+            self.bad += bad
             return {"seconds": secs, "files": len(order), "bytes": nbytes,
                     "client_cpu": cpu1.user + cpu1.system - cpu.user - cpu.system}
 

@@ -14,31 +14,14 @@ first directory's in the same round (the first's time over its time).
 """
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import os
 import statistics
 import sys
 import time
-import zlib
 
 import bench_scale
-
-
-def read_all(src, manifest, threads):
-    """Reads every file of manifest under src with threads readers; returns the seconds it took
-    and the files whose bytes did not match."""
-    def one(entry):
-        rel, size, crc = entry
-        with open(os.path.join(src, rel), "rb") as f:
-            data = f.read()
-        return len(data) != size or zlib.crc32(data) != crc
-
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        bad = sum(pool.map(one, manifest, chunksize=16))
-    return time.perf_counter() - start, bad
 
 
 def main():
@@ -63,7 +46,7 @@ def main():
             base = None
             for d, (src, manifest) in zip(args.dirs, sets):
                 bench_scale.drop_caches()
-                s, mismatched = read_all(src, manifest, t)
+                s, _, mismatched = bench_scale.read_with_threads(src, manifest, t)
                 bad += mismatched
                 base = base or s
                 seconds[d, t].append(s)
