@@ -199,7 +199,7 @@ def test_ranges_in_cluster_mode_are_served_by_the_blocks_owners(large_file, tmp_
                 for off in range(0, len(data), BLOCK):  # in sequence: each block is asked for at once
                     assert client.pread("big.bin", BLOCK, off) == data[off:off + BLOCK]
             read_all()
-            blocks = -(-len(data) // (4 << 20))
+            blocks = -(-len(data) // block)
 
             def holders():
                 return {a: sum(1 for n in cached_names(cluster, a) if n.startswith("big.bin#")) for a in cluster.addrs}
@@ -368,16 +368,21 @@ def test_prefetch_in_cluster_mode_caches_a_large_files_blocks_at_their_owners(la
     """Four servers whose tiers (16 MiB) cannot hold the 20 MiB file whole: the prefetch of a
     reader on a node without a server goes to the file's owner, which caches the blocks it
     owns and asks the other servers for theirs (each block's owner on the ring). The blocks
-    spread over the servers, each read from the source once."""
+    spread over the servers, each read from the source once. Blocks of 1 MiB, so that no
+    placement on the ring (the servers' ports are random) gives one server more blocks than
+    its tier holds: with 4 MiB blocks, 5 runs in 21 gave one server more of the 5 blocks than
+    its tier had room for, and it rightly declined the rest (prefetch evicts nothing)."""
     from harness import Cluster, cached_names
     root, data = large_file
     (tmp_path / "cluster").mkdir()
-    cluster = Cluster(tmp_path / "cluster", root, serve_options={"rpc_timeout": "2", "wait_timeout": "5"},
+    block = 1 << 20
+    cluster = Cluster(tmp_path / "cluster", root,
+                      serve_options={"rpc_timeout": "2", "wait_timeout": "5", "block_size": str(block)},
                       budget="16MiB")
     try:
         with fitcache.Client(root, **cluster.options(node="127.0.0.9")) as client:
             client.prefetch(["big.bin"])
-            blocks = -(-len(data) // (4 << 20))
+            blocks = -(-len(data) // block)
 
             def holders():
                 return {a: sum(1 for n in cached_names(cluster, a) if n.startswith("big.bin#")) for a in cluster.addrs}
