@@ -199,7 +199,7 @@ def test_ranges_in_cluster_mode_are_served_by_the_blocks_owners(large_file, tmp_
                 for off in range(0, len(data), BLOCK):  # in sequence: each block is asked for at once
                     assert client.pread("big.bin", BLOCK, off) == data[off:off + BLOCK]
             read_all()
-            blocks = -(-len(data) // block)
+            blocks = -(-len(data) // (4 << 20))
 
             def holders():
                 return {a: sum(1 for n in cached_names(cluster, a) if n.startswith("big.bin#")) for a in cluster.addrs}
