@@ -17,6 +17,7 @@ import (
 	"time"
 
 	kitexserver "github.com/cloudwego/kitex/server"
+	"golang.org/x/net/netutil"
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
@@ -66,7 +67,7 @@ type Config struct {
 	// say), reported with the engine's statistics.
 	Warnings []string
 	// MetricsAddr, if set, is the host:port at which Prometheus metrics are served over HTTP,
-	// path /metrics (see package metrics).
+	// path /metrics (see package metrics), to at most metricsMaxConns connections at once.
 	MetricsAddr string
 	// ReadyFile, if set, is written with the RPC address and a newline once the server
 	// accepts requests (never through a symbolic link: a path that is one is refused), and
@@ -392,15 +393,37 @@ func (s *Server) awaitRPC() error {
 	}
 }
 
+// The metrics server's bounds. Whoever reaches its address may connect, and each connection
+// it accepts is a descriptor of the process that serves the data and gossip ports: with a
+// read-header timeout alone, 22,950 idle keep-alive connections took a server to its
+// descriptor limit, its accepts failed on the gossip port too, and another server declared
+// it dead. So at most metricsMaxConns connections are accepted at once; more wait in the
+// kernel's accept queue, which costs the process no descriptor, until a place frees (a
+// scrape then waits, the cache does not). A connection that does not send its request in
+// time, takes too long to be answered, or idles between requests is closed, so that a place
+// held by a client that went away comes back. Prometheus keeps one connection per target.
+const (
+	metricsMaxConns       = 32
+	metricsHeaderTimeout  = 5 * time.Second
+	metricsReadTimeout    = 10 * time.Second
+	metricsWriteTimeout   = 30 * time.Second
+	metricsIdleTimeout    = 90 * time.Second
+	metricsMaxHeaderBytes = 16 << 10
+)
+
+// serveMetrics serves the metrics (see the bounds above).
 func (s *Server) serveMetrics() error {
 	if s.metrics == nil {
 		return nil
 	}
-	s.metricsSrv = &http.Server{Handler: s.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	s.metricsSrv = &http.Server{Handler: s.metrics.Handler(), ReadHeaderTimeout: metricsHeaderTimeout,
+		ReadTimeout: metricsReadTimeout, WriteTimeout: metricsWriteTimeout, IdleTimeout: metricsIdleTimeout,
+		MaxHeaderBytes: metricsMaxHeaderBytes}
+	ln := netutil.LimitListener(s.metricsLn, metricsMaxConns)
 	s.serving.Add(1)
 	go func() {
 		defer s.serving.Done()
-		if err := s.metricsSrv.Serve(s.metricsLn); !errors.Is(err, http.ErrServerClosed) {
+		if err := s.metricsSrv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			s.log.Error("metrics server stopped", "err", err) // scrapes fail; the cache serves on
 		}
 	}()
