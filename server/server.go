@@ -32,7 +32,9 @@ import (
 // the FITCACHE_* options. Zero values take the defaults shown.
 type Config struct {
 	// Listen is the TCP address (host:port) of a cluster server; it needs Token and Roots.
-	// Listen and Socket are not both set.
+	// Listen and Socket are not both set. A host name is listened on at every address it
+	// resolves to, and the server does not start while another process holds the port on any
+	// of them (see rpc.ListenTCP).
 	Listen string
 	// Socket is the Unix socket of a server for this user on this node. It appears once the
 	// engine is ready (a client that finds no socket waits for the server being started, one
@@ -90,6 +92,9 @@ type Config struct {
 
 	// failAfter, for tests, makes Start fail right after its step of that name.
 	failAfter string
+	// lookup, for tests, resolves the host names of Listen and MetricsAddr (nil: the system's
+	// resolver).
+	lookup rpc.Lookup
 }
 
 // ErrConfig reports a Config that Start refuses before opening anything.
@@ -234,8 +239,8 @@ func (s *Server) lockEmbedded() (err error) {
 
 func (s *Server) listenTCP() (err error) {
 	if s.cfg.Listen != "" {
-		if s.ln, err = net.Listen("tcp", s.cfg.Listen); err != nil {
-			return fmt.Errorf("listen on %s: %w", s.cfg.Listen, err)
+		if s.ln, err = rpc.ListenTCP(context.Background(), s.cfg.Listen, s.cfg.lookup); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -243,7 +248,7 @@ func (s *Server) listenTCP() (err error) {
 
 func (s *Server) listenMetrics() (err error) {
 	if s.cfg.MetricsAddr != "" {
-		if s.metricsLn, err = net.Listen("tcp", s.cfg.MetricsAddr); err != nil {
+		if s.metricsLn, err = rpc.ListenTCP(context.Background(), s.cfg.MetricsAddr, s.cfg.lookup); err != nil {
 			return fmt.Errorf("metrics: %w", err)
 		}
 	}
