@@ -56,7 +56,7 @@ func ListenTCP(ctx context.Context, addr string, lookup Lookup) (net.Listener, e
 	if err != nil {
 		return nil, fmt.Errorf("listen on %s: port %q: %w", addr, port, err)
 	}
-	ips, err := resolve(ctx, host, lookup)
+	ips, err := ListenAddrs(ctx, host, lookup)
 	if err != nil {
 		return nil, fmt.Errorf("listen on %s: %w", addr, err)
 	}
@@ -71,9 +71,11 @@ func ListenTCP(ctx context.Context, addr string, lookup Lookup) (net.Listener, e
 	}
 }
 
-// resolve returns the addresses of host, IPv4 first, each once (IPv4-mapped IPv6 addresses
-// as IPv4).
-func resolve(ctx context.Context, host string, lookup Lookup) ([]netip.Addr, error) {
+// ListenAddrs returns the addresses that ListenTCP listens on for the host name host: all
+// it resolves to, IPv4 first, each once (IPv4-mapped IPv6 addresses as IPv4). Another
+// listener of the same host (the servers' gossip) takes them all too, and advertises the
+// first.
+func ListenAddrs(ctx context.Context, host string, lookup Lookup) ([]netip.Addr, error) {
 	if lookup == nil {
 		lookup = func(ctx context.Context, host string) ([]netip.Addr, error) {
 			return net.DefaultResolver.LookupNetIP(ctx, "ip", host)
