@@ -15,7 +15,8 @@ import (
 // Spec says where the servers are.
 type Spec struct {
 	// Servers is "host:port,..." (an explicit list), "@PATH" (a hostfile: one host or
-	// host:port per line, '#' comments, words after the first ignored), or "slurm" (the
+	// host:port per line, '#' comments, words after the first ignored; a regular file of at
+	// most maxFileBytes and maxHosts hosts), or "slurm" (the
 	// nodes of SLURM_JOB_NODELIST).
 	Servers string
 	// PerNode servers run on each host given without a port, on ports BasePort,
@@ -122,10 +123,12 @@ func discover(s Spec) ([]ring.Member, error) {
 	return out, nil
 }
 
+// readHostfile reads a hostfile, bounded as a topology file is (see openListFile), and of at
+// most maxHosts hosts.
 func readHostfile(path string) ([]string, error) {
-	f, err := os.Open(path)
+	f, err := openListFile("hostfile", path)
 	if err != nil {
-		return nil, fmt.Errorf("hostfile: %w", err)
+		return nil, err
 	}
 	defer f.Close()
 	var hosts []string
@@ -136,6 +139,9 @@ func readHostfile(path string) ([]string, error) {
 			line = line[:i]
 		}
 		if fields := strings.Fields(line); len(fields) > 0 {
+			if len(hosts) == maxHosts {
+				return nil, fmt.Errorf("hostfile %s: more than %d hosts", path, maxHosts)
+			}
 			hosts = append(hosts, fields[0])
 		}
 	}

@@ -11,6 +11,12 @@ import (
 // "rack[1-2]-n[01-02]"). Zero padding of a range's lower bound is kept ("001-010" gives
 // 001 ... 010). Duplicates are kept out, first occurrence wins.
 func ExpandHostlist(list string) ([]string, error) {
+	return expandHostlist(list, maxHosts)
+}
+
+// expandHostlist is ExpandHostlist with at most limit hosts (limit <= maxHosts), so that a
+// file of hostlists (a topology) bounds all of them together, not each alone.
+func expandHostlist(list string, limit int) ([]string, error) {
 	terms, err := splitTop(list)
 	if err != nil {
 		return nil, err
@@ -18,7 +24,7 @@ func ExpandHostlist(list string) ([]string, error) {
 	var out []string
 	seen := map[string]bool{}
 	for _, term := range terms {
-		hosts, err := expandTerm(term)
+		hosts, err := expandTerm(term, limit)
 		if err != nil {
 			return nil, err
 		}
@@ -28,8 +34,8 @@ func ExpandHostlist(list string) ([]string, error) {
 				out = append(out, h)
 			}
 		}
-		if len(out) > maxHosts {
-			return nil, fmt.Errorf("hostlist %q: more than %d hosts", list, maxHosts)
+		if len(out) > limit {
+			return nil, fmt.Errorf("hostlist %q: more than %d hosts", list, limit)
 		}
 	}
 	return out, nil
@@ -75,15 +81,16 @@ func splitTop(s string) ([]string, error) {
 // ("n[0-99999]r[0-99999]") is an error, not a process out of memory.
 const maxHosts = 100000
 
-// expandTerm expands the first bracket group of term and recurses on the rest.
-func expandTerm(term string) ([]string, error) {
+// expandTerm expands the first bracket group of term and recurses on the rest, into at
+// most limit hosts.
+func expandTerm(term string, limit int) ([]string, error) {
 	open := strings.IndexByte(term, '[')
 	if open < 0 {
 		return []string{term}, nil
 	}
 	close := strings.IndexByte(term[open:], ']') + open
 	prefix, ranges, rest := term[:open], term[open+1:close], term[close+1:]
-	tails, err := expandTerm(rest)
+	tails, err := expandTerm(rest, limit)
 	if err != nil {
 		return nil, err
 	}
@@ -98,8 +105,8 @@ func expandTerm(term string) ([]string, error) {
 		if err1 != nil || err2 != nil || a > b || a < 0 {
 			return nil, fmt.Errorf("hostlist term %q: bad range %q", term, r)
 		}
-		if b-a > maxHosts || len(out)+(b-a+1)*len(tails) > maxHosts {
-			return nil, fmt.Errorf("hostlist term %q: more than %d hosts", term, maxHosts)
+		if b-a > limit || len(out)+(b-a+1)*len(tails) > limit {
+			return nil, fmt.Errorf("hostlist term %q: more than %d hosts", term, limit)
 		}
 		width := len(lo)
 		for i := a; i <= b; i++ {

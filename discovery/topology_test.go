@@ -1,9 +1,14 @@
 package discovery
 
 import (
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 func TestTopologyGivesEachNodeItsDomain(t *testing.T) {
@@ -43,5 +48,99 @@ func TestTopologyGivesEachNodeItsDomain(t *testing.T) {
 		if _, err := Discover(Spec{Servers: "gpu001", Topology: topology}); err == nil {
 			t.Errorf("topology %q: no error", topology)
 		}
+	}
+}
+
+// A topology or hostfile put in place by someone else is read by every client process at
+// start: a FIFO, a directory or a device is refused without blocking, a file over
+// maxFileBytes is refused from its size, and a few lines naming millions of hosts are
+// refused at maxHosts in all.
+func TestHostileListFilesAreRefused(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big")
+	var lines strings.Builder
+	for i := 0; lines.Len() <= maxFileBytes; i++ {
+		fmt.Fprintf(&lines, "gpu%07d rack%d\n", i, i%64) // each line valid: only the size is wrong
+	}
+	if err := os.WriteFile(big, []byte(lines.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	wide := filepath.Join(dir, "wide") // 40 lines of 100,000 hosts each, 1.5 KB
+	lines.Reset()
+	for i := range 40 {
+		fmt.Fprintf(&lines, "SwitchName=s%d Nodes=h%02d-[000000-099999]\n", i, i)
+	}
+	if err := os.WriteFile(wide, []byte(lines.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hostfile := filepath.Join(dir, "hosts")
+	if err := os.WriteFile(hostfile, []byte("gpu001\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		spec     Spec
+		wantErrs []string // each in the error
+	}{
+		{"topology FIFO", Spec{Servers: "gpu001", Topology: "@" + fifo}, []string{fifo, "not a regular file (a FIFO)"}},
+		{"hostfile FIFO", Spec{Servers: "@" + fifo}, []string{fifo, "not a regular file (a FIFO)"}},
+		{"topology directory", Spec{Servers: "gpu001", Topology: "@" + dir}, []string{"not a regular file (a directory)"}},
+		{"topology device", Spec{Servers: "gpu001", Topology: "@/dev/zero"}, []string{"not a regular file (a character device)"}},
+		{"topology too large", Spec{Servers: "gpu001", Topology: "@" + big}, []string{big, "more than the 8388608"}},
+		{"hostfile too large", Spec{Servers: "@" + big}, []string{big, "more than the 8388608"}},
+		{"topology of too many hosts", Spec{Servers: "@" + hostfile, Topology: "@" + wide},
+			[]string{wide + ":2:", "100000 hosts in the file"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			done := make(chan error, 1)
+			go func() {
+				_, err := Discover(tc.spec)
+				done <- err
+			}()
+			var err error
+			select {
+			case err = <-done:
+			case <-time.After(20 * time.Second):
+				// Release an open blocked on the FIFO (the code before this test) so that
+				// the goroutine ends: an open for writing lets it through, to EOF.
+				if w, werr := os.OpenFile(fifo, os.O_RDWR, 0); werr == nil {
+					w.Close()
+				}
+				t.Fatalf("Discover(%+v) still blocked after 20 s", tc.spec)
+			}
+			if err == nil {
+				t.Fatalf("Discover(%+v): no error", tc.spec)
+			}
+			for _, want := range tc.wantErrs {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("Discover(%+v): error %q, want it to say %q", tc.spec, err, want)
+				}
+			}
+		})
+	}
+}
+
+// A file that grows past maxFileBytes after its size was checked fails rather than being
+// read whole or cut short.
+func TestListFileThatGrowsIsRefused(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "hosts")
+	if err := os.WriteFile(path, []byte("gpu001\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := openListFile("hostfile", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := os.Truncate(path, maxFileBytes+1); err != nil {
+		t.Fatal(err)
+	}
+	n, err := io.Copy(io.Discard, f)
+	if err == nil || !strings.Contains(err.Error(), "grew past") {
+		t.Errorf("read %d bytes of a file grown past %d: error %v, want one saying it grew past", n, maxFileBytes, err)
 	}
 }

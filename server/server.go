@@ -17,6 +17,7 @@ import (
 	"time"
 
 	kitexserver "github.com/cloudwego/kitex/server"
+	"golang.org/x/net/netutil"
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
@@ -31,7 +32,9 @@ import (
 // the FITCACHE_* options. Zero values take the defaults shown.
 type Config struct {
 	// Listen is the TCP address (host:port) of a cluster server; it needs Token and Roots.
-	// Listen and Socket are not both set.
+	// Listen and Socket are not both set. A host name is listened on at every address it
+	// resolves to, and the server does not start while another process holds the port on any
+	// of them (see rpc.ListenTCP).
 	Listen string
 	// Socket is the Unix socket of a server for this user on this node. It appears once the
 	// engine is ready (a client that finds no socket waits for the server being started, one
@@ -66,7 +69,7 @@ type Config struct {
 	// say), reported with the engine's statistics.
 	Warnings []string
 	// MetricsAddr, if set, is the host:port at which Prometheus metrics are served over HTTP,
-	// path /metrics (see package metrics).
+	// path /metrics (see package metrics), to at most metricsMaxConns connections at once.
 	MetricsAddr string
 	// ReadyFile, if set, is written with the RPC address and a newline once the server
 	// accepts requests (never through a symbolic link: a path that is one is refused), and
@@ -89,6 +92,9 @@ type Config struct {
 
 	// failAfter, for tests, makes Start fail right after its step of that name.
 	failAfter string
+	// lookup, for tests, resolves the host names of Listen and MetricsAddr (nil: the system's
+	// resolver).
+	lookup rpc.Lookup
 }
 
 // ErrConfig reports a Config that Start refuses before opening anything.
@@ -233,8 +239,8 @@ func (s *Server) lockEmbedded() (err error) {
 
 func (s *Server) listenTCP() (err error) {
 	if s.cfg.Listen != "" {
-		if s.ln, err = net.Listen("tcp", s.cfg.Listen); err != nil {
-			return fmt.Errorf("listen on %s: %w", s.cfg.Listen, err)
+		if s.ln, err = rpc.ListenTCP(context.Background(), s.cfg.Listen, s.cfg.lookup); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -242,7 +248,7 @@ func (s *Server) listenTCP() (err error) {
 
 func (s *Server) listenMetrics() (err error) {
 	if s.cfg.MetricsAddr != "" {
-		if s.metricsLn, err = net.Listen("tcp", s.cfg.MetricsAddr); err != nil {
+		if s.metricsLn, err = rpc.ListenTCP(context.Background(), s.cfg.MetricsAddr, s.cfg.lookup); err != nil {
 			return fmt.Errorf("metrics: %w", err)
 		}
 	}
@@ -392,15 +398,37 @@ func (s *Server) awaitRPC() error {
 	}
 }
 
+// The metrics server's bounds. Whoever reaches its address may connect, and each connection
+// it accepts is a descriptor of the process that serves the data and gossip ports: with a
+// read-header timeout alone, 22,950 idle keep-alive connections took a server to its
+// descriptor limit, its accepts failed on the gossip port too, and another server declared
+// it dead. So at most metricsMaxConns connections are accepted at once; more wait in the
+// kernel's accept queue, which costs the process no descriptor, until a place frees (a
+// scrape then waits, the cache does not). A connection that does not send its request in
+// time, takes too long to be answered, or idles between requests is closed, so that a place
+// held by a client that went away comes back. Prometheus keeps one connection per target.
+const (
+	metricsMaxConns       = 32
+	metricsHeaderTimeout  = 5 * time.Second
+	metricsReadTimeout    = 10 * time.Second
+	metricsWriteTimeout   = 30 * time.Second
+	metricsIdleTimeout    = 90 * time.Second
+	metricsMaxHeaderBytes = 16 << 10
+)
+
+// serveMetrics serves the metrics (see the bounds above).
 func (s *Server) serveMetrics() error {
 	if s.metrics == nil {
 		return nil
 	}
-	s.metricsSrv = &http.Server{Handler: s.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	s.metricsSrv = &http.Server{Handler: s.metrics.Handler(), ReadHeaderTimeout: metricsHeaderTimeout,
+		ReadTimeout: metricsReadTimeout, WriteTimeout: metricsWriteTimeout, IdleTimeout: metricsIdleTimeout,
+		MaxHeaderBytes: metricsMaxHeaderBytes}
+	ln := netutil.LimitListener(s.metricsLn, metricsMaxConns)
 	s.serving.Add(1)
 	go func() {
 		defer s.serving.Done()
-		if err := s.metricsSrv.Serve(s.metricsLn); !errors.Is(err, http.ErrServerClosed) {
+		if err := s.metricsSrv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			s.log.Error("metrics server stopped", "err", err) // scrapes fail; the cache serves on
 		}
 	}()

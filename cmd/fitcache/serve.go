@@ -29,7 +29,7 @@ func serve(args []string) error {
 	fs := flag.NewFlagSet("serve", flag.ExitOnError)
 	asEmbedded := fs.Bool("embedded", false, "run as the per-user embedded server in the runtime directory (one at a time; exits when idle)")
 	socket := fs.String("socket", "", "Unix socket to listen on (default: the runtime directory's, with --embedded)")
-	listen := fs.String("listen", "", "TCP address to listen on (host:port), for cluster mode; needs a job token")
+	listen := fs.String("listen", "", "TCP address to listen on (host:port), for cluster mode; needs a job token. A host name is listened on at every address it resolves to (IPv4 and IPv6), and the server does not start while another process holds the port on one of them")
 	tokenFile := fs.String("token-file", "", "file holding the job token (0600; see 'fitcache token'); default FITCACHE_TOKEN / FITCACHE_TOKEN_FILE")
 	metricsAddr := fs.String("metrics", "", "serve Prometheus metrics over HTTP at this address (host:port), path /metrics; off by default")
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
