@@ -103,9 +103,6 @@ type transport struct {
 	addr netip.AddrPort // where it listens, what it advertises and what senders bind packets to
 	keys transportKeys
 	log  *slog.Logger
-	// keyOf is what streams still authenticating are counted by: gate.PeerKey (tests see
-	// every peer as a host of its own address).
-	keyOf func(net.Conn) string
 
 	tcp *net.TCPListener
 	udp *net.UDPConn
@@ -116,16 +113,21 @@ type transport struct {
 	shut     sync.Once      // closes done
 	wg       sync.WaitGroup // the listening goroutines
 
-	pending   gate.Pending         // streams authenticating
-	open      atomic.Int64         // streams open, authenticating or handed to memberlist
-	refusals  gate.RateLog         // of refusals, per peer host
-	refused   atomic.Int64         // streams and packets refused
-	replays   replayCache          // packets taken
-	lastStamp atomic.Int64         // the last stamp sent
-	packets   atomic.Int64         // packets sent
-	streams   atomic.Int64         // streams dialed
-	capture   func([]byte, string) // if set, sees each packet sent and its destination (tests)
+	pending   gate.Pending // streams authenticating
+	open      atomic.Int64 // streams open, authenticating or handed to memberlist
+	refusals  gate.RateLog // of refusals, per peer host
+	refused   atomic.Int64 // streams and packets refused
+	replays   replayCache  // packets taken
+	lastStamp atomic.Int64 // the last stamp sent
+	packets   atomic.Int64 // packets sent
+	streams   atomic.Int64 // streams dialed
+	// capture, if set, sees each packet sent and its destination (tests record gossip).
+	capture atomic.Pointer[func(packet []byte, to string)]
 }
+
+// pendingKeyOf is what streams still authenticating are counted by: gate.PeerKey, which
+// tests replace to see every peer as a host of its own address.
+var pendingKeyOf = gate.PeerKey
 
 var _ memberlist.NodeAwareTransport = (*transport)(nil)
 
@@ -137,7 +139,7 @@ var ErrPortInUse = errors.New("gossip port in use")
 // for up to wait: a server restarted at once may find its previous run's sockets still
 // closing.
 func listenTransport(addr netip.AddrPort, keys transportKeys, log *slog.Logger, wait time.Duration) (*transport, error) {
-	t := &transport{addr: addr, keys: keys, log: log, keyOf: gate.PeerKey,
+	t := &transport{addr: addr, keys: keys, log: log,
 		packetCh: make(chan *memberlist.Packet), streamCh: make(chan net.Conn), done: make(chan struct{}),
 		pending: gate.Pending{Own: gate.OwnUser()}, refusals: gate.RateLog{Every: refusalEvery}}
 	deadline := time.Now().Add(wait)
@@ -207,8 +209,8 @@ func (t *transport) WriteToAddress(b []byte, a memberlist.Address) (time.Time, e
 	out = append(out, b...)
 	out = append(out, packetMAC(t.keys.packet, to, out[1:])...)
 	t.packets.Add(1)
-	if t.capture != nil {
-		t.capture(out, to.String())
+	if capture := t.capture.Load(); capture != nil {
+		(*capture)(out, to.String())
 	}
 	_, err = t.udp.WriteToUDPAddrPort(out, to)
 	return time.Now(), err
@@ -412,7 +414,7 @@ func (t *transport) acceptLoop() {
 			continue
 		}
 		sc := &stream{Conn: c, open: &t.open}
-		key := t.keyOf(c)
+		key := pendingKeyOf(c)
 		if victim, from := t.pending.Start(key, sc); victim != nil {
 			v := victim.(*stream)
 			t.refuse(gate.PeerHost(v.RemoteAddr()), "stream: closed to make room: too many streams authenticating from "+from)
