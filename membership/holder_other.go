@@ -2,5 +2,7 @@
 
 package membership
 
+import "net/netip"
+
 // holderOf names nobody outside Linux.
-func holderOf(port uint16) string { return "" }
+func holderOf(addr netip.AddrPort) string { return "" }

@@ -1,6 +1,7 @@
 package membership
 
 import (
+	"bytes"
 	"context"
 	"crypto/hkdf"
 	"crypto/hmac"
@@ -113,14 +114,13 @@ type transport struct {
 	shut     sync.Once      // closes done
 	wg       sync.WaitGroup // the listening goroutines
 
-	pending   gate.Pending // streams authenticating
-	open      atomic.Int64 // streams open, authenticating or handed to memberlist
-	refusals  gate.RateLog // of refusals, per peer host
-	refused   atomic.Int64 // streams and packets refused
-	replays   replayCache  // packets taken
-	lastStamp atomic.Int64 // the last stamp sent
-	packets   atomic.Int64 // packets sent
-	streams   atomic.Int64 // streams dialed
+	admit     gate.Admitter // of streams: at most maxStreams open, those authenticating in places
+	refusals  gate.RateLog  // of refusals, per peer host
+	refused   atomic.Int64  // streams and packets refused
+	replays   replayCache   // packets taken
+	lastStamp atomic.Int64  // the last stamp sent
+	packets   atomic.Int64  // packets sent
+	streams   atomic.Int64  // streams dialed
 	// capture, if set, sees each packet sent and its destination (tests record gossip).
 	capture atomic.Pointer[func(packet []byte, to string)]
 }
@@ -141,7 +141,10 @@ var ErrPortInUse = errors.New("gossip port in use")
 func listenTransport(addr netip.AddrPort, keys transportKeys, log *slog.Logger, wait time.Duration) (*transport, error) {
 	t := &transport{addr: addr, keys: keys, log: log,
 		packetCh: make(chan *memberlist.Packet), streamCh: make(chan net.Conn), done: make(chan struct{}),
-		pending: gate.Pending{Own: gate.OwnUser()}, refusals: gate.RateLog{Every: refusalEvery}}
+		refusals: gate.RateLog{Every: refusalEvery}}
+	t.admit = gate.Admitter{MaxConns: maxStreams, Pending: gate.Pending{Own: gate.OwnUser()},
+		KeyOf:  func(c net.Conn) string { return pendingKeyOf(c) },
+		Refuse: func(host, reason string) { t.refuse(host, "stream: "+reason) }}
 	deadline := time.Now().Add(wait)
 	for {
 		err := t.bind()
@@ -153,12 +156,15 @@ func listenTransport(addr netip.AddrPort, keys transportKeys, log *slog.Logger, 
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("%w: %s (TCP and UDP) still taken after %v%s: %w", ErrPortInUse, addr, wait,
-				holderOf(addr.Port()), err)
+				holderOf(addr), err)
 		}
 		time.Sleep(min(250*time.Millisecond, max(wait/4, time.Millisecond)))
 	}
 	t.wg.Add(2)
-	go t.acceptLoop()
+	go func() {
+		defer t.wg.Done()
+		t.admit.Serve(t.tcp, t.done, t.authenticate)
+	}()
 	go t.readLoop()
 	return t, nil
 }
@@ -249,11 +255,12 @@ func unmapped(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap().WithZone(""), a.Port())
 }
 
-// readLoop reads packets, checks them (see open) and passes those that pass to memberlist.
+// readLoop reads packets, checks them (see openPacket) and passes copies of those that pass
+// to memberlist: junk costs one buffer in all.
 func (t *transport) readLoop() {
 	defer t.wg.Done()
+	buf := make([]byte, maxPacket)
 	for {
-		buf := make([]byte, maxPacket)
 		n, from, err := t.udp.ReadFromUDPAddrPort(buf)
 		at := time.Now()
 		if err != nil {
@@ -268,7 +275,7 @@ func (t *transport) readLoop() {
 			continue
 		}
 		select {
-		case t.packetCh <- &memberlist.Packet{Buf: payload, From: net.UDPAddrFromAddrPort(from), Timestamp: at}:
+		case t.packetCh <- &memberlist.Packet{Buf: bytes.Clone(payload), From: net.UDPAddrFromAddrPort(from), Timestamp: at}:
 		case <-t.done:
 			return
 		}
@@ -386,49 +393,11 @@ func streamProof(key, nonce []byte, acceptor netip.AddrPort) []byte {
 	return m.Sum(nil)
 }
 
-// acceptLoop accepts streams and authenticates each in a goroutine of its own.
-func (t *transport) acceptLoop() {
-	defer t.wg.Done()
-	backoff := 5 * time.Millisecond
-	for {
-		c, err := t.tcp.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Out of descriptors or the like: wait a little, as net/http does.
-			select {
-			case <-t.done:
-				return
-			case <-time.After(backoff):
-			}
-			backoff = min(2*backoff, time.Second)
-			continue
-		}
-		backoff = 5 * time.Millisecond
-		host := gate.PeerHost(c.RemoteAddr())
-		if t.open.Add(1) > maxStreams {
-			t.open.Add(-1)
-			t.refuse(host, "stream: too many streams open")
-			c.Close()
-			continue
-		}
-		sc := &stream{Conn: c, open: &t.open}
-		key := pendingKeyOf(c)
-		if victim, from := t.pending.Start(key, sc); victim != nil {
-			v := victim.(*stream)
-			t.refuse(gate.PeerHost(v.RemoteAddr()), "stream: closed to make room: too many streams authenticating from "+from)
-			v.Close() // its authentication fails, and its goroutine ends
-		}
-		go t.authenticate(sc, key)
-	}
-}
-
 // authenticate is the acceptor's side of a stream's authentication: it hands c to memberlist
 // or closes it.
-func (t *transport) authenticate(c *stream, key string) {
+func (t *transport) authenticate(c *gate.Conn, key string) {
 	err := t.challenge(c)
-	t.pending.End(key, c)
+	t.admit.Pending.End(key, c)
 	if err != nil {
 		t.refuse(gate.PeerHost(c.RemoteAddr()), "stream: "+err.Error())
 		c.Close()
@@ -460,21 +429,6 @@ func (t *transport) challenge(c net.Conn) error {
 		return errors.New("not authenticated (no job token, another job's, or a relayed connection)")
 	}
 	return c.SetDeadline(time.Time{})
-}
-
-// stream is an accepted connection that gives back its place among the open streams once
-// closed (memberlist closes the streams it handles).
-type stream struct {
-	net.Conn
-	open *atomic.Int64
-	once sync.Once
-}
-
-// Close closes the connection and gives back its place.
-func (s *stream) Close() error {
-	err := s.Conn.Close()
-	s.once.Do(func() { s.open.Add(-1) })
-	return err
 }
 
 // refuse counts a refused stream or packet and logs it, at most once per peer host per
