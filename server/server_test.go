@@ -504,12 +504,10 @@ func takeGossipPort(t *testing.T, listen string) net.PacketConn {
 	return taken
 }
 
-// A cluster server whose gossip port another socket holds does not start: the other servers
-// would take it for dead, and keep it so, while it ran. The error names the port. Before, the
-// server started without its membership, with a warning.
-func TestTakenGossipPortFailsTheStart(t *testing.T) {
-	root, _ := dataset(t, 1)
-	other, _ := startEngineServer(t, "127.0.0.2", root)
+// clusterConfig returns the configuration of a cluster server on 127.0.0.1 serving root, in a
+// job with the server at other.
+func clusterConfig(t *testing.T, root, other string) Config {
+	t.Helper()
 	cfg := tcpConfig(t, root)
 	cfg.Listen = freePort(t, "127.0.0.1")
 	var err error
@@ -518,6 +516,16 @@ func TestTakenGossipPortFailsTheStart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return cfg
+}
+
+// A cluster server whose gossip port another socket holds does not start: the other servers
+// would take it for dead, and keep it so, while it ran. The error names the port. Before, the
+// server started without its membership, with a warning.
+func TestTakenGossipPortFailsTheStart(t *testing.T) {
+	root, _ := dataset(t, 1)
+	other, _ := startEngineServer(t, "127.0.0.2", root)
+	cfg := clusterConfig(t, root, other)
 	taken := takeGossipPort(t, cfg.Listen)
 	cfg.gossipBindWait = 200 * time.Millisecond
 	s, err := Start(cfg)
@@ -528,6 +536,7 @@ func TestTakenGossipPortFailsTheStart(t *testing.T) {
 	if !errors.Is(err, membership.ErrPortInUse) || !strings.Contains(err.Error(), taken.LocalAddr().String()) {
 		t.Errorf("got %v, want membership.ErrPortInUse naming %s", err, taken.LocalAddr())
 	}
+	t.Log(err)
 }
 
 // A cluster server started with the job's servers answers its node socket with a file that
@@ -535,14 +544,7 @@ func TestTakenGossipPortFailsTheStart(t *testing.T) {
 func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
 	root, files := dataset(t, 20)
 	other, otherEngine := startEngineServer(t, "127.0.0.2", root)
-	cfg := tcpConfig(t, root)
-	cfg.Listen = freePort(t, "127.0.0.1")
-	var err error
-	cfg.Cluster, err = config.Load(map[string]string{"servers": cfg.Listen + "," + other, "node": "127.0.0.1",
-		"wait_timeout": "5", "rpc_timeout": "2"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := clusterConfig(t, root, other)
 	s := start(t, cfg)
 	if s.NodeSocket() != listenFile(cfg.RuntimeDir, cfg.Listen, ".node") {
 		t.Fatalf("node socket %q, want the runtime directory's for %s", s.NodeSocket(), cfg.Listen)
