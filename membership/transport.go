@@ -44,8 +44,9 @@ import (
 // prove itself to the dialer: what the dialer sends is memberlist's encrypted message, of no
 // use to a listener without the token, whose answer fails memberlist's decryption.
 //
-// Streams still authenticating hold places of gate.Pending (16 per peer host or user, 128
-// in all); a new one past its share closes the oldest. At most maxStreams streams are open
+// Streams still authenticating hold places of gate.Pending (16 per peer host or other user of
+// this host, 128 in all, and 128 of its own for the member's own user); a new one past its
+// share closes the oldest. At most maxStreams streams are open
 // at once, authenticating or handed to memberlist: past that, new ones are closed at once.
 //
 // Packets (UDP) carry a stamp and a MAC, checked before memberlist sees them:
@@ -57,10 +58,12 @@ import (
 // to the addresses members advertise, which is what a receiver checks against), so that a
 // packet recorded on its way to one member is no news to another. A sender's stamps
 // increase strictly. A receiver drops a packet whose MAC is wrong, whose stamp is more than
-// packetWindow away from its own clock, or that it took already (replays, see replayCache).
-// This assumes that the members' clocks agree to well within packetWindow, as NTP keeps the
-// nodes of a cluster (to milliseconds); a member whose clock is off by more hears nothing
-// and is declared dead, which its log says (see refuse). Dropped packets and refused streams
+// packetWindow away from its own clock, or that it took already (replays, see replayCache;
+// a member that restarts forgets what it took, so a packet recorded within packetWindow
+// before could be played to it once more, news at most twice packetWindow old). This
+// assumes that the members' clocks agree to well within packetWindow, as NTP keeps the nodes
+// of a cluster (to milliseconds); a member whose clock is off by more is heard by nobody and
+// declared dead, and the others' logs say by how much its packets were off (see refuse). Dropped packets and refused streams
 // are counted (Refused) and logged at most once per peer host per refusalEvery.
 const (
 	streamMagic      = "FCG1"
