@@ -3,9 +3,22 @@
 // before a member is declared dead, news spread by gossip), as Consul, Nomad and Serf run it.
 //
 // Each server is a member named by its RPC address (host:port, as the job's server list
-// gives it) and gossips on the same host at that port plus an offset (GossipAddr). Every
-// packet and stream is encrypted and authenticated (AES-GCM) with a key derived from the job
-// token, so a host without the token can neither join nor forge news about the members.
+// gives it) and gossips on the same host at that port plus an offset (GossipAddr), TCP and
+// UDP; a port that stays taken (Config.BindWait) fails Start (ErrPortInUse), as a server
+// without its membership would be taken for dead by the others. Every packet and stream is
+// encrypted and authenticated (AES-GCM) with a key derived from the job token, so a host
+// without the token can neither join nor forge news about the members. Beneath that, the
+// gossip port has a layer of its own (see transport.go), with keys derived from the token
+// too: a stream is authenticated by a challenge before memberlist reads a byte of it (which
+// would read up to 20 MB first), with bounded places for streams authenticating (per peer
+// host and in all, as the RPC port: package gate); a packet carries a stamp and a MAC bound
+// to its destination, and one that is stale, replayed, or not authenticated is dropped before
+// memberlist sees it. Refusals are logged at most once per peer host per 10 s, with a count.
+//
+// Clocks: packets are stamped with the sender's clock and refused more than 10 s
+// (packetWindow) away from the receiver's, so the members' clocks must agree to within a few
+// seconds, as NTP keeps the nodes of a cluster (to milliseconds). A member whose clock is off
+// by more is refused by the others (their logs say by how much) and declared dead.
 //
 // A member that stops answering probes is suspected first and keeps its files; only once the
 // suspicion times out (SuspicionMult * log10(N) probe intervals at least, less as other
@@ -31,9 +44,9 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
+	"github.com/fitcache/fitcache/gate"
 	"github.com/hashicorp/memberlist"
 )
 
@@ -47,12 +60,19 @@ const DefaultPortOffset = 1000
 // 200 ms at least.
 const DefaultProbeInterval = time.Second
 
+// DefaultBindWait is how long Start waits for its gossip port while another socket holds it:
+// long enough for a restarted server's previous sockets to close.
+const DefaultBindWait = 10 * time.Second
+
 // Config configures a server's membership.
 type Config struct {
 	Self       string   // this server's RPC address (host:port): its name
 	Servers    []string // the job's servers' RPC addresses, Self included or not
 	PortOffset int      // gossip port = RPC port + PortOffset (see DefaultPortOffset)
-	Token      string   // the job token: the gossip key is derived from it
+	Token      string   // the job token: the gossip keys are derived from it
+	// BindWait is how long Start waits for a gossip port held by another socket before it
+	// fails with ErrPortInUse (0: DefaultBindWait).
+	BindWait time.Duration
 	// ProbeInterval paces the protocol (0: DefaultProbeInterval); tests shorten it.
 	ProbeInterval time.Duration
 	// OnChange is called, one call at a time, when a member was declared dead (alive false)
@@ -81,7 +101,7 @@ type Membership struct {
 	events chan event
 	done   chan struct{}
 	news   *memberlist.TransmitLimitedQueue // what this server's reads found (see Tell)
-	sent   *countingTransport
+	net    *transport
 }
 
 // Traffic is what a member sent since it started: UDP packets (probes, acks, gossip) and TCP
@@ -92,34 +112,12 @@ type Traffic struct {
 
 // Sent returns what this member sent since it started.
 func (m *Membership) Sent() Traffic {
-	return Traffic{Packets: m.sent.packets.Load(), Streams: m.sent.streams.Load()}
+	return Traffic{Packets: m.net.packets.Load(), Streams: m.net.streams.Load()}
 }
 
-// countingTransport is memberlist's network transport, counting what the member sends.
-type countingTransport struct {
-	*memberlist.NetTransport
-	packets, streams atomic.Int64
-}
-
-func (t *countingTransport) WriteTo(b []byte, addr string) (time.Time, error) {
-	t.packets.Add(1)
-	return t.NetTransport.WriteTo(b, addr)
-}
-
-func (t *countingTransport) WriteToAddress(b []byte, a memberlist.Address) (time.Time, error) {
-	t.packets.Add(1)
-	return t.NetTransport.WriteToAddress(b, a)
-}
-
-func (t *countingTransport) DialTimeout(addr string, timeout time.Duration) (net.Conn, error) {
-	t.streams.Add(1)
-	return t.NetTransport.DialTimeout(addr, timeout)
-}
-
-func (t *countingTransport) DialAddressTimeout(a memberlist.Address, timeout time.Duration) (net.Conn, error) {
-	t.streams.Add(1)
-	return t.NetTransport.DialAddressTimeout(a, timeout)
-}
+// Refused returns how many streams and packets the gossip port refused since it started:
+// not authenticated, stale or replayed, or past the limits on streams.
+func (m *Membership) Refused() int64 { return m.net.refused.Load() }
 
 type event struct {
 	id    string
@@ -163,20 +161,32 @@ func Start(cfg Config) (*Membership, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.BindWait <= 0 {
+		cfg.BindWait = DefaultBindWait
+	}
+	keys, err := newTransportKeys(cfg.Token)
+	if err != nil {
+		return nil, err
+	}
 	gossip, err := GossipAddr(cfg.Self, cfg.PortOffset)
 	if err != nil {
 		return nil, err
 	}
 	host, portText, _ := net.SplitHostPort(gossip)
 	port, _ := strconv.Atoi(portText)
+	addr, err := resolve(host, port)
+	if err != nil {
+		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
+	}
 	m := &Membership{cfg: cfg, log: cfg.Log, known: map[string]bool{}, notes: map[string]uint64{},
 		reported: map[string]time.Time{},
 		events:   make(chan event, 256), done: make(chan struct{})}
 
 	c := memberlist.DefaultLANConfig()
 	c.Name = cfg.Self
-	c.BindAddr, c.BindPort = host, port
-	c.AdvertiseAddr, c.AdvertisePort = host, port
+	c.BindAddr, c.BindPort = addr.Addr().String(), port
+	c.AdvertiseAddr, c.AdvertisePort = addr.Addr().String(), port
+	c.UDPBufferSize -= packetOverhead // the transport's layer fits in the same datagrams
 	c.SecretKey = key
 	c.GossipVerifyIncoming, c.GossipVerifyOutgoing = true, true
 	c.ProbeInterval = cfg.ProbeInterval
@@ -189,17 +199,14 @@ func Start(cfg Config) (*Membership, error) {
 	c.Delegate = (*delegate)(m)
 	jobSize := max(len(cfg.Servers), 1) // for how often news is retransmitted
 	m.news = &memberlist.TransmitLimitedQueue{RetransmitMult: c.RetransmitMult, NumNodes: func() int { return jobSize }}
-	c.Logger = log.New(&logWriter{log: cfg.Log}, "", 0)
-	nt, err := memberlist.NewNetTransport(&memberlist.NetTransportConfig{BindAddrs: []string{host}, BindPort: port,
-		Logger: c.Logger})
-	if err != nil {
+	c.Logger = log.New(&logWriter{log: cfg.Log, lines: gate.RateLog{Every: refusalEvery}}, "", 0)
+	if m.net, err = listenTransport(addr, keys, cfg.Log, cfg.BindWait); err != nil {
 		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
 	}
-	m.sent = &countingTransport{NetTransport: nt}
-	c.Transport = m.sent
+	c.Transport = m.net
 	list, err := memberlist.Create(c)
 	if err != nil {
-		nt.Shutdown()
+		m.net.Shutdown()
 		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
 	}
 	m.list = list
@@ -436,9 +443,9 @@ func (m *Membership) heard(id string) {
 	m.mu.Lock()
 	closed := m.closed
 	last, again := m.reported[id]
-	fresh := !again || time.Since(last) > reportedFor/2
+	fresh := !again || now().Sub(last) > reportedFor/2
 	if fresh {
-		m.reported[id] = time.Now()
+		m.reported[id] = now()
 	}
 	m.mu.Unlock()
 	if closed || !fresh {
@@ -489,7 +496,7 @@ func (m *Membership) Reported() []string {
 	defer m.mu.Unlock()
 	var out []string
 	for id, at := range m.reported {
-		if time.Since(at) < reportedFor {
+		if now().Sub(at) < reportedFor {
 			out = append(out, id)
 		} else {
 			delete(m.reported, id)
@@ -542,18 +549,36 @@ func (m *Membership) Close() error {
 }
 
 // logWriter passes memberlist's log lines to slog: its warnings and errors at warning level,
+// at most one line of a kind per refusalEvery (lines are of a kind when they differ only in
+// numbers: addresses, ports, sizes), with the number of lines of that kind left out since;
 // the rest (debug) at debug level.
-type logWriter struct{ log *slog.Logger }
+type logWriter struct {
+	log   *slog.Logger
+	lines gate.RateLog
+}
 
 func (w *logWriter) Write(p []byte) (int, error) {
 	line := strings.TrimSpace(string(p))
 	switch {
 	case strings.Contains(line, "[ERR]"), strings.Contains(line, "[WARN]"):
-		w.log.Warn("membership: " + line)
+		if write, suppressed := w.lines.Allow(kindOf(line)); write {
+			w.log.Warn("membership: "+line, "suppressed_since_last", suppressed)
+		}
 	default:
 		w.log.Debug("membership: " + line)
 	}
 	return len(p), nil
+}
+
+// kindOf returns line without its digits, at most 80 bytes of it: what lines of a kind share.
+func kindOf(line string) string {
+	k := strings.Map(func(r rune) rune {
+		if r >= '0' && r <= '9' {
+			return -1
+		}
+		return r
+	}, line)
+	return k[:min(len(k), 80)]
 }
 
 var _ io.Writer = (*logWriter)(nil)

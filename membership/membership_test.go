@@ -77,6 +77,23 @@ func start(t *testing.T, self string, servers []string, token string, r *recorde
 	return m
 }
 
+// startJob starts a job of n members with the token "token" and closes them at the end of
+// the test (those in ms then: a test may replace one).
+func startJob(t *testing.T, n int) (ids []string, recs []*recorder, ms []*Membership) {
+	t.Helper()
+	ids = names(t, n)
+	for _, id := range ids {
+		recs = append(recs, &recorder{})
+		ms = append(ms, start(t, id, ids, "token", recs[len(recs)-1]))
+	}
+	t.Cleanup(func() {
+		for _, m := range ms {
+			m.Close()
+		}
+	})
+	return ids, recs, ms
+}
+
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
@@ -222,17 +239,7 @@ func TestNewsFromReadsReachesTheOthers(t *testing.T) {
 // declared it dead, and its gossip arrives once the network heals): a member that answers
 // this one's ping is kept, one that does not is declared dead, one that left is out at once.
 func TestADeathIsActedOnOnlyIfTheMemberDoesNotAnswer(t *testing.T) {
-	ids := names(t, 3)
-	recs := []*recorder{{}, {}, {}}
-	ms := make([]*Membership, 3)
-	for i, id := range ids {
-		ms[i] = start(t, id, ids, "token", recs[i])
-	}
-	defer func() {
-		for _, m := range ms {
-			m.Close()
-		}
-	}()
+	ids, recs, ms := startJob(t, 3)
 	waitFor(t, "every member alive at member 0", func() bool { return len(ms[0].Alive()) == 3 })
 	nodes := map[string]*memberlist.Node{}
 	for _, n := range ms[0].list.Members() {

@@ -216,7 +216,7 @@ type handshakeDialer struct {
 }
 
 // maxHandshakes bounds the connections a client dials and authenticates with its server at
-// once. A server lets maxPendingPerPeer connections from one host authenticate at a time and
+// once. A server lets gate.MaxPendingPerPeer connections from one host authenticate at a time and
 // closes the oldest beyond (see guardListener): a burst of calls that each need a new
 // connection (a node's prefetch asks up to 16 files at once, and every server of a job on one
 // host shares that host's places) had servers close the client's own connections, which

@@ -21,6 +21,7 @@ import (
 	"github.com/cloudwego/kitex/pkg/kerrors"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/gate"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -232,33 +233,6 @@ func TestUnauthenticatedConnectionsReachNoHandler(t *testing.T) {
 	}
 }
 
-func TestRefusalLogIsRateLimited(t *testing.T) {
-	var out lockedBuffer
-	now := time.Unix(1000, 0)
-	l := &refusalLog{log: slog.New(slog.NewTextHandler(&out, nil)), every: 10 * time.Second,
-		now: func() time.Time { return now }}
-	for _, step := range []struct {
-		peer    string
-		advance time.Duration
-		want    string // the line expected, "" for none
-	}{
-		{"10.0.0.1", 0, "suppressed_since_last=0"},
-		{"10.0.0.1", time.Second, ""},
-		{"10.0.0.1", time.Second, ""},
-		{"10.0.0.2", 0, "peer=10.0.0.2"},
-		{"10.0.0.1", 9 * time.Second, "suppressed_since_last=2"},
-		{"10.0.0.1", time.Second, ""},
-	} {
-		now = now.Add(step.advance)
-		before := out.String()
-		l.refuse(step.peer, "test")
-		line := strings.TrimPrefix(out.String(), before)
-		if (line != "") != (step.want != "") || !strings.Contains(line, step.want) {
-			t.Errorf("refusal by %s after %v: got line %q, want one containing %q", step.peer, step.advance, line, step.want)
-		}
-	}
-}
-
 func TestClientClose(t *testing.T) {
 	addr, h, _ := serveTCP(t, ServerConfig{Token: testToken})
 	c, err := Dial(addr, ClientConfig{Token: testToken})
@@ -409,10 +383,10 @@ func TestGarbageOnManyConnectionsIsSurvived(t *testing.T) {
 // (Peers on this host are counted by user, see TestAnotherUsersFloodLeavesTheJobItsPlaces:
 // here every peer is taken for a host of its own address.)
 func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
-	pendingKeyOf = func(c net.Conn) string { return peerHost(c.RemoteAddr()) }
-	t.Cleanup(func() { pendingKeyOf = pendingKey })
+	pendingKeyOf = func(c net.Conn) string { return gate.PeerHost(c.RemoteAddr()) }
+	t.Cleanup(func() { pendingKeyOf = gate.PeerKey })
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
-	for range 2 * maxPendingPerPeer {
+	for range 2 * gate.MaxPendingPerPeer {
 		dialRaw(t, addr) // from 127.0.0.1, silent
 	}
 	_, port, _ := net.SplitHostPort(addr)
@@ -432,10 +406,10 @@ func TestUnauthenticatedFloodTakesOnlyItsHostsPlaces(t *testing.T) {
 // the client out: the client's connection takes the place of the oldest one, and it needs it
 // for one round trip. Before, the client was refused for as long as the flood held.
 func TestFloodFromTheClientsOwnHostDoesNotKeepItOut(t *testing.T) {
-	pendingKeyOf = func(c net.Conn) string { return peerHost(c.RemoteAddr()) } // as from another host
-	t.Cleanup(func() { pendingKeyOf = pendingKey })
+	pendingKeyOf = func(c net.Conn) string { return gate.PeerHost(c.RemoteAddr()) } // as from another host
+	t.Cleanup(func() { pendingKeyOf = gate.PeerKey })
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
-	for range maxPendingPerPeer {
+	for range gate.MaxPendingPerPeer {
 		dialRaw(t, addr) // silent, from the client's host
 	}
 	c := dialRaw(t, addr)
@@ -472,7 +446,7 @@ func TestServerAtItsCapIsNotRefused(t *testing.T) {
 // connections, their calls failed, and the client took the server for dead.
 func TestABurstOfNewConnectionsIsNotRefused(t *testing.T) {
 	addr, _, e := serveTCP(t, ServerConfig{Token: testToken, HandshakeTimeout: 5 * time.Second})
-	const calls = 4 * maxPendingPerPeer
+	const calls = 4 * gate.MaxPendingPerPeer
 	clients := make([]*Client, 3) // three servers' clients on this host, as on loopback
 	for i := range clients {
 		c, err := Dial(addr, ClientConfig{Token: testToken, CallTimeout: 10 * time.Second})

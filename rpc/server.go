@@ -18,6 +18,7 @@ import (
 	"github.com/cloudwego/kitex/server"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/gate"
 	"github.com/fitcache/fitcache/gossip"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
@@ -85,7 +86,7 @@ type Handler struct {
 	cfg      ServerConfig
 	keys     *jobKeys // derived from cfg.Token (also without a token: stamps then only check integrity)
 	members  gossip.View
-	refusals *refusalLog
+	refusals *gate.RateLog  // of refused connections and requests, per client host
 	guard    *guardListener // nil without a token
 	// sendFromFiles: see the variable.
 	sendFromFiles bool
@@ -112,7 +113,7 @@ func newHandler(e *core.Engine, cfg ServerConfig) *Handler {
 		cfg.RefusalLogInterval = 10 * time.Second
 	}
 	return &Handler{engine: e, cfg: cfg, keys: newJobKeys(cfg.Token), sendFromFiles: sendFromFiles,
-		refusals: &refusalLog{log: cfg.Log, every: cfg.RefusalLogInterval}}
+		refusals: &gate.RateLog{Every: cfg.RefusalLogInterval}}
 }
 
 // Serve starts serving e on ln in the background and returns the running server; Stop it to
@@ -208,7 +209,9 @@ func (h *Handler) heard(dead, alive []string) {
 // refuse counts a refused connection or request and logs it, rate-limited per peer.
 func (h *Handler) refuse(peer, reason string) {
 	h.engine.CountRefusal()
-	h.refusals.refuse(peer, reason)
+	if write, suppressed := h.refusals.Allow(peer); write {
+		h.cfg.Log.Warn("refused a client", "peer", peer, "reason", reason, "suppressed_since_last", suppressed)
+	}
 }
 
 // authenticate is the Kitex middleware every request goes through before its handler: it

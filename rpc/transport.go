@@ -50,7 +50,7 @@ type conn struct {
 }
 
 // newConn wraps c, which must be used through the returned conn only. Its bytes are read and
-// written on the connection c wraps, if any (see countedConn.NetConn): a *net.TCPConn writes
+// written on the connection c wraps, if any (see gate.Conn.NetConn): a *net.TCPConn writes
 // a message's parts with one writev.
 func newConn(c net.Conn) *conn {
 	raw := c

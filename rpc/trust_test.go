@@ -405,38 +405,6 @@ func TestHostileReplyFailsTheCall(t *testing.T) {
 	}
 }
 
-// TestPeerUID: the kernel names this process's user as the owner of a connection it made
-// to itself, over TCP and over a Unix socket.
-func TestPeerUID(t *testing.T) {
-	for _, network := range []string{"tcp", "unix"} {
-		addr := "127.0.0.1:0"
-		if network == "unix" {
-			addr = filepath.Join(t.TempDir(), "s")
-		}
-		ln, err := net.Listen(network, addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer ln.Close()
-		c, err := net.Dial(network, ln.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		s, err := ln.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close()
-		if uid, ok := peerUID(s); !ok || uid != uint32(os.Getuid()) {
-			t.Errorf("%s: peer uid %d (%v), want %d", network, uid, ok, os.Getuid())
-		}
-		if got, want := pendingKey(s), userKey(uint32(os.Getuid())); got != want {
-			t.Errorf("%s: pending key %q, want %q", network, got, want)
-		}
-	}
-}
-
 // floodEnv names the address a helper process floods (see TestFloodHelper).
 const floodEnv = "FITCACHE_TEST_FLOOD"
 

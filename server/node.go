@@ -131,7 +131,7 @@ type rootClient struct {
 
 // newClusterNode prepares the routed node socket of the cluster server listening on listen,
 // in the job that cfg describes (cfg.Servers set), authenticated with token. It fails when
-// the job's servers cannot be listed.
+// the job's servers cannot be listed. The servers' membership starts apart (startMembership).
 func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string, log *slog.Logger) (*clusterNode, error) {
 	members, err := discovery.Discover(cfg.ServerSpec())
 	if err != nil {
@@ -150,29 +150,31 @@ func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string
 		log.Warn("this server is not among the job's servers: its node socket reads its own files over RPC too",
 			"listen", listen, "node", cfg.Node, "servers", cfg.Servers)
 	}
-	cn.startMembership()
 	return cn, nil
 }
 
 // startMembership makes this server a member of the servers' membership (gossip_port_offset
 // not 0, and the server among the job's): the servers watch each other, and a server found
 // dead is skipped by this node's reads at once, whether they read it or not. A membership
-// that cannot start (its port taken, say) is logged: failures are then found by reads alone.
-func (n *clusterNode) startMembership() {
+// that cannot start (its port still taken after membership.DefaultBindWait, say) fails the
+// server's start: the others would take a server outside the membership for dead and keep it
+// so, while its own reads went on. bindWait is membership.Config.BindWait.
+func (n *clusterNode) startMembership(bindWait time.Duration) error {
 	if n.self == "" || n.cfg.GossipPortOffset == 0 {
-		return
+		return nil
 	}
 	ids := make([]string, len(n.members))
 	for i, m := range n.members {
 		ids[i] = m.ID
 	}
 	w, err := membership.Start(membership.Config{Self: n.self, Servers: ids, PortOffset: n.cfg.GossipPortOffset,
-		Token: n.cfg.Token, ProbeInterval: n.cfg.ProbeInterval, OnChange: n.told, Log: n.log})
+		Token: n.cfg.Token, ProbeInterval: n.cfg.ProbeInterval, BindWait: bindWait, OnChange: n.told, Log: n.log})
 	if err != nil {
-		n.log.Warn("no membership among the servers: failed servers are found by reads alone", "err", err)
-		return
+		return fmt.Errorf("the servers' membership (gossip_port_offset %d; 0 turns it off): %w",
+			n.cfg.GossipPortOffset, err)
 	}
 	n.watch = w
+	return nil
 }
 
 // foundDead passes on what the reads of one of this node's clients found: the server id is

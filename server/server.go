@@ -95,6 +95,9 @@ type Config struct {
 	// lookup, for tests, resolves the host names of Listen and MetricsAddr (nil: the system's
 	// resolver).
 	lookup rpc.Lookup
+	// gossipBindWait, for tests, is how long a gossip port held by another socket is waited
+	// for (0: membership.DefaultBindWait).
+	gossipBindWait time.Duration
 }
 
 // ErrConfig reports a Config that Start refuses before opening anything.
@@ -309,7 +312,8 @@ func (s *Server) listenUnix() (err error) {
 // after fork, the preload shim) asks for misses (see node.go). A cluster server has one only
 // when it knows the job's servers, so that it serves every file from its owner; the RPC
 // server announces its path in its hello. A node socket that cannot be opened is logged, not
-// fatal.
+// fatal; the servers' membership, which starts here with the cluster node, fails the start
+// if it cannot start (see startMembership).
 func (s *Server) openNodeSocket() (err error) {
 	path := ""
 	switch {
@@ -321,6 +325,9 @@ func (s *Server) openNodeSocket() (err error) {
 		if s.cluster, err = newClusterNode(s.engine, s.cfg.Cluster, s.cfg.Token, s.cfg.Listen, s.log); err != nil {
 			s.log.Warn("no node socket: programs run by `fitcache run` on this node read only the files cached here", "err", err)
 		} else {
+			if err := s.cluster.startMembership(s.cfg.gossipBindWait); err != nil {
+				return err
+			}
 			path = listenFile(s.cfg.RuntimeDir, s.cfg.Listen, ".node")
 		}
 	}

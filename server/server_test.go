@@ -21,6 +21,7 @@ import (
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
+	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -404,6 +405,7 @@ func TestFailedStartLeavesNothingOpen(t *testing.T) {
 		}
 		return cfg
 	}
+	var gossipTaken io.Closer // by the case "gossip port in use"
 	type testCase struct {
 		name  string
 		cfg   func(t *testing.T) Config
@@ -415,6 +417,10 @@ func TestFailedStartLeavesNothingOpen(t *testing.T) {
 			func(cfg *Config) { cfg.MetricsAddr = taken.Addr().String() }, func(cfg *Config) { cfg.MetricsAddr = "127.0.0.1:0" }},
 		{"metrics address unbindable", clusterServer,
 			func(cfg *Config) { cfg.MetricsAddr = "192.0.2.1:9" }, func(cfg *Config) { cfg.MetricsAddr = "127.0.0.1:0" }},
+		{"gossip port in use", clusterServer, func(cfg *Config) {
+			gossipTaken = takeGossipPort(t, cfg.Listen)
+			cfg.gossipBindWait = 100 * time.Millisecond
+		}, func(cfg *Config) { gossipTaken.Close() }},
 		{"socket path too long", embeddedServer,
 			func(cfg *Config) { cfg.Socket = filepath.Join(cfg.RuntimeDir, strings.Repeat("s", 120)) },
 			func(cfg *Config) { cfg.Socket = "" }},
@@ -482,11 +488,26 @@ func TestFailedStartLeavesNothingOpen(t *testing.T) {
 	}
 }
 
-// A cluster server started with the job's servers answers its node socket with a file that
-// another server owns: the bytes that server sent, kept as a node-local copy in its tier.
-func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
-	root, files := dataset(t, 20)
-	other, otherEngine := startEngineServer(t, "127.0.0.2", root)
+// takeGossipPort binds the UDP side of the gossip port of the server to listen at listen, as
+// another program (another user's) may hold it, and returns the socket.
+func takeGossipPort(t *testing.T, listen string) net.PacketConn {
+	t.Helper()
+	gossip, err := membership.GossipAddr(listen, membership.DefaultPortOffset)
+	if err != nil {
+		t.Fatal(err)
+	}
+	taken, err := net.ListenPacket("udp", gossip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { taken.Close() })
+	return taken
+}
+
+// clusterConfig returns the configuration of a cluster server on 127.0.0.1 serving root, in a
+// job with the server at other.
+func clusterConfig(t *testing.T, root, other string) Config {
+	t.Helper()
 	cfg := tcpConfig(t, root)
 	cfg.Listen = freePort(t, "127.0.0.1")
 	var err error
@@ -495,6 +516,35 @@ func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return cfg
+}
+
+// A cluster server whose gossip port another socket holds does not start: the other servers
+// would take it for dead, and keep it so, while it ran. The error names the port. Before, the
+// server started without its membership, with a warning.
+func TestTakenGossipPortFailsTheStart(t *testing.T) {
+	root, _ := dataset(t, 1)
+	other, _ := startEngineServer(t, "127.0.0.2", root)
+	cfg := clusterConfig(t, root, other)
+	taken := takeGossipPort(t, cfg.Listen)
+	cfg.gossipBindWait = 200 * time.Millisecond
+	s, err := Start(cfg)
+	if err == nil {
+		s.Close()
+		t.Fatal("the server started without its gossip port")
+	}
+	if !errors.Is(err, membership.ErrPortInUse) || !strings.Contains(err.Error(), taken.LocalAddr().String()) {
+		t.Errorf("got %v, want membership.ErrPortInUse naming %s", err, taken.LocalAddr())
+	}
+	t.Log(err)
+}
+
+// A cluster server started with the job's servers answers its node socket with a file that
+// another server owns: the bytes that server sent, kept as a node-local copy in its tier.
+func TestClusterServerNodeSocketOpensAnotherServersFile(t *testing.T) {
+	root, files := dataset(t, 20)
+	other, otherEngine := startEngineServer(t, "127.0.0.2", root)
+	cfg := clusterConfig(t, root, other)
 	s := start(t, cfg)
 	if s.NodeSocket() != listenFile(cfg.RuntimeDir, cfg.Listen, ".node") {
 		t.Fatalf("node socket %q, want the runtime directory's for %s", s.NodeSocket(), cfg.Listen)

@@ -128,10 +128,27 @@ class NetnsNodes:
             self._home_fd = None
 
 
-def free_port(host):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+GOSSIP_OFFSET = 1000  # membership.DefaultPortOffset
+
+
+def free_port(host, gossip_offset=0):
+    """A TCP port free on host a moment ago; with gossip_offset, one whose gossip port (port +
+    gossip_offset) was free too, TCP and UDP: a cluster server whose gossip port is taken does
+    not start."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if not gossip_offset:
+            return port
+        try:
+            with socket.socket() as t, socket.socket(type=socket.SOCK_DGRAM) as u:
+                t.bind((host, port + gossip_offset))
+                u.bind((host, port + gossip_offset))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no port on {host} with its gossip port free")
 
 
 class Cluster:
@@ -154,7 +171,7 @@ class Cluster:
             self.addrs = [f"{host}:7070" for host in netns.addrs[:len(nodes)]]
             self.node = netns.client_addr
         else:
-            self.addrs = [f"{host}:{free_port(host)}" for host in nodes]
+            self.addrs = [f"{host}:{free_port(host, GOSSIP_OFFSET)}" for host in nodes]
             self.node = nodes[0]
         first = self.addrs[0].split(":")[0]
         self.metrics = f"{first}:7071" if netns else f"{first}:{free_port(first)}"  # the first server's metrics

@@ -1,4 +1,4 @@
-package rpc
+package gate
 
 import (
 	"encoding/binary"
@@ -13,13 +13,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// peerUID returns the user owning the other end of c, a connection accepted by this host, if
+// PeerUID returns the user owning the other end of c, a connection accepted by this host, if
 // that end is on this host too: for a Unix socket the kernel's credentials of the peer
 // (SO_PEERCRED); for TCP between two addresses of this host the owner of the peer's socket,
 // found by an exact lookup of its four-tuple in the kernel's socket diagnostics
 // (NETLINK_SOCK_DIAG, the source of `ss -e`). ok is false for a peer on another host, or
 // when the kernel does not say.
-func peerUID(c net.Conn) (uid uint32, ok bool) {
+func PeerUID(c net.Conn) (uid uint32, ok bool) {
 	if uc, isUnix := c.(*net.UnixConn); isUnix {
 		return unixPeerUID(uc)
 	}
