@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"os"
 	"runtime"
 	"runtime/metrics"
@@ -333,4 +334,58 @@ func TestMembersNamedByHostNameJoin(t *testing.T) {
 	b := start(t, ids[1], ids, "token", recs[1])
 	defer b.Close()
 	waitFor(t, "both members alive at both", func() bool { return recs[0].is(ids[1], true) && recs[1].is(ids[0], true) })
+}
+
+// A member named by a host name of two families (::1 and 127.0.0.1) holds its gossip port on
+// both, so that no other user can take it on the one left free and meet the members that
+// resolve the name to it; a port already taken on either fails the start. Before, the member
+// bound the first IPv4 address alone.
+func TestANameOfTwoFamiliesIsHeldOnBoth(t *testing.T) {
+	if ln, err := net.Listen("tcp", "[::1]:0"); err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	} else {
+		ln.Close()
+	}
+	lookupHost = func(context.Context, string) ([]netip.Addr, error) {
+		return []netip.Addr{netip.MustParseAddr("::1"), netip.MustParseAddr("127.0.0.1")}, nil
+	}
+	defer func() { lookupHost = nil }()
+	ids := names(t, 2)
+	for i, id := range ids {
+		ids[i] = strings.Replace(id, "127.0.0.1", "twofamilies.invalid", 1)
+	}
+	recs := []*recorder{{}, {}}
+	a := start(t, ids[0], ids, "token", recs[0])
+	defer a.Close()
+	_, port, _ := net.SplitHostPort(gossipAddr(t, ids[0]))
+	v6 := net.JoinHostPort("::1", port)
+	if ln, err := net.Listen("tcp", v6); err == nil {
+		ln.Close()
+		t.Errorf("another socket bound %s (TCP), the member's gossip port on the name's IPv6 address", v6)
+	}
+	if c, err := net.ListenPacket("udp", v6); err == nil {
+		c.Close()
+		t.Errorf("another socket bound %s (UDP), the member's gossip port on the name's IPv6 address", v6)
+	}
+	b := start(t, ids[1], ids, "token", recs[1])
+	defer b.Close()
+	waitFor(t, "both members alive at both", func() bool { return recs[0].is(ids[1], true) && recs[1].is(ids[0], true) })
+
+	// A third member whose port another socket holds on the IPv6 address does not start.
+	third := names(t, 1)[0]
+	third = strings.Replace(third, "127.0.0.1", "twofamilies.invalid", 1)
+	_, tport, _ := net.SplitHostPort(gossipAddr(t, third))
+	squatter, err := net.ListenPacket("udp", net.JoinHostPort("::1", tport))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer squatter.Close()
+	cfg := Config{Self: third, Servers: append(ids, third), Token: "token", PortOffset: DefaultPortOffset,
+		ProbeInterval: probe, BindWait: 300 * time.Millisecond, Log: slog.New(slog.DiscardHandler)}
+	if m, err := Start(cfg); err == nil {
+		m.Close()
+		t.Error("Start while another socket holds the gossip port on the name's IPv6 address")
+	} else if !errors.Is(err, ErrPortInUse) || !strings.Contains(err.Error(), "[::1]:"+tport) {
+		t.Errorf("got %v, want ErrPortInUse naming [::1]:%s", err, tport)
+	}
 }

@@ -174,7 +174,7 @@ func Start(cfg Config) (*Membership, error) {
 	}
 	host, portText, _ := net.SplitHostPort(gossip)
 	port, _ := strconv.Atoi(portText)
-	addr, err := resolve(host, port)
+	addrs, err := resolve(host, port)
 	if err != nil {
 		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
 	}
@@ -184,8 +184,8 @@ func Start(cfg Config) (*Membership, error) {
 
 	c := memberlist.DefaultLANConfig()
 	c.Name = cfg.Self
-	c.BindAddr, c.BindPort = addr.Addr().String(), port
-	c.AdvertiseAddr, c.AdvertisePort = addr.Addr().String(), port
+	c.BindAddr, c.BindPort = addrs[0].Addr().String(), port
+	c.AdvertiseAddr, c.AdvertisePort = addrs[0].Addr().String(), port
 	c.UDPBufferSize -= packetOverhead // the transport's layer fits in the same datagrams
 	c.SecretKey = key
 	c.GossipVerifyIncoming, c.GossipVerifyOutgoing = true, true
@@ -200,7 +200,7 @@ func Start(cfg Config) (*Membership, error) {
 	jobSize := max(len(cfg.Servers), 1) // for how often news is retransmitted
 	m.news = &memberlist.TransmitLimitedQueue{RetransmitMult: c.RetransmitMult, NumNodes: func() int { return jobSize }}
 	c.Logger = log.New(&logWriter{log: cfg.Log, lines: gate.RateLog{Every: refusalEvery}}, "", 0)
-	if m.net, err = listenTransport(addr, keys, cfg.Log, cfg.BindWait); err != nil {
+	if m.net, err = listenTransport(addrs, keys, cfg.Log, cfg.BindWait); err != nil {
 		return nil, fmt.Errorf("membership on %s: %w", gossip, err)
 	}
 	c.Transport = m.net
@@ -232,11 +232,28 @@ func (m *Membership) reconnect() {
 		case <-tick.C:
 		}
 		for _, id := range m.Dead() {
-			if addr, err := GossipAddr(id, m.cfg.PortOffset); err == nil {
+			if addr, err := m.seed(id); err == nil {
 				m.list.Join([]string{addr}) // a member still down refuses or times out: tried again later
 			}
 		}
 	}
+}
+
+// seed returns the gossip address to join the member id at: the first address its host name
+// resolves to (see resolve), which is where that member advertises itself, rather than the
+// name, which memberlist would resolve by itself, maybe to another address first.
+func (m *Membership) seed(id string) (string, error) {
+	gossip, err := GossipAddr(id, m.cfg.PortOffset)
+	if err != nil {
+		return "", err
+	}
+	host, port, _ := net.SplitHostPort(gossip)
+	p, _ := strconv.Atoi(port)
+	addrs, err := resolve(host, p)
+	if err != nil {
+		return "", err
+	}
+	return addrs[0].String(), nil
 }
 
 // reconnectEvery: how many probe intervals apart reconnect asks the dead members.
@@ -250,7 +267,7 @@ func (m *Membership) join() {
 		if id == m.cfg.Self {
 			continue
 		}
-		if addr, err := GossipAddr(id, m.cfg.PortOffset); err == nil {
+		if addr, err := m.seed(id); err == nil {
 			seeds = append(seeds, addr)
 		}
 	}

@@ -104,12 +104,14 @@ func newTransportKeys(token string) (transportKeys, error) {
 // TCP streams and UDP packets on the gossip address, with the layer described above, and
 // counters of what it sent (Sent). It is safe for concurrent use.
 type transport struct {
-	addr netip.AddrPort // where it listens, what it advertises and what senders bind packets to
-	keys transportKeys
-	log  *slog.Logger
+	addrs []netip.AddrPort // where it listens: every address of the member's host name, IPv4 first
+	keys  transportKeys
+	log   *slog.Logger
 
-	tcp *net.TCPListener
-	udp *net.UDPConn
+	// One TCP listener and one UDP socket per address of addrs, in its order (those of
+	// addresses not on this host left out: see bind).
+	tcp []*net.TCPListener
+	udp []*net.UDPConn
 
 	packetCh chan *memberlist.Packet
 	streamCh chan net.Conn
@@ -138,11 +140,11 @@ var _ memberlist.NodeAwareTransport = (*transport)(nil)
 // user's) past Config.BindWait.
 var ErrPortInUse = errors.New("gossip port in use")
 
-// listenTransport listens on addr (TCP and UDP, same port), retrying while the port is in use
-// for up to wait: a server restarted at once may find its previous run's sockets still
-// closing.
-func listenTransport(addr netip.AddrPort, keys transportKeys, log *slog.Logger, wait time.Duration) (*transport, error) {
-	t := &transport{addr: addr, keys: keys, log: log,
+// listenTransport listens on addrs (TCP and UDP, same port, on each), retrying while the port
+// is in use for up to wait: a server restarted at once may find its previous run's sockets
+// still closing. It advertises the first address.
+func listenTransport(addrs []netip.AddrPort, keys transportKeys, log *slog.Logger, wait time.Duration) (*transport, error) {
+	t := &transport{addrs: addrs, keys: keys, log: log,
 		packetCh: make(chan *memberlist.Packet), streamCh: make(chan net.Conn), done: make(chan struct{}),
 		refusals: gate.RateLog{Every: refusalEvery}}
 	t.admit = gate.Admitter{MaxConns: maxStreams, Pending: gate.Pending{Own: gate.OwnUser()},
@@ -158,39 +160,82 @@ func listenTransport(addr netip.AddrPort, keys transportKeys, log *slog.Logger, 
 			return nil, err
 		}
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("%w: %s (TCP and UDP) still taken after %v%s: %w", ErrPortInUse, addr, wait,
-				holderOf(addr), err)
+			var taken *portTakenError
+			errors.As(err, &taken)
+			return nil, fmt.Errorf("%w: %s (TCP and UDP) still taken after %v%s: %w", ErrPortInUse, taken.addr, wait,
+				holderOf(taken.addr), err)
 		}
 		time.Sleep(min(250*time.Millisecond, max(wait/4, time.Millisecond)))
 	}
-	t.wg.Add(2)
-	go func() {
-		defer t.wg.Done()
-		t.admit.Serve(t.tcp, t.done, t.authenticate)
-	}()
-	go t.readLoop()
+	for i := range t.tcp {
+		t.wg.Add(2)
+		go func() {
+			defer t.wg.Done()
+			t.admit.Serve(t.tcp[i], t.done, t.authenticate)
+		}()
+		go t.readLoop(t.udp[i], t.addrs[i])
+	}
 	return t, nil
 }
 
-// bind opens both sockets, or neither.
+// portTakenError is bind's error for an address whose port another socket holds.
+type portTakenError struct {
+	addr netip.AddrPort
+	err  error
+}
+
+func (e *portTakenError) Error() string { return fmt.Sprintf("%s: %v", e.addr, e.err) }
+func (e *portTakenError) Unwrap() error { return e.err }
+
+// bind opens a TCP listener and a UDP socket on each address, or none. Every address of the
+// host name, not one, as the RPC port does (gate.ListenTCP): another user who took the
+// gossip port on the address left free (::1 beside 127.0.0.1) would meet the members that
+// resolve the name to it. An address that is not on this host (or of a family it lacks) is
+// left out, as long as one is left; a port taken on any address fails the bind.
 func (t *transport) bind() error {
-	tcp, err := net.ListenTCP("tcp", net.TCPAddrFromAddrPort(t.addr))
-	if err != nil {
+	var tcps []*net.TCPListener
+	var udps []*net.UDPConn
+	var addrs []netip.AddrPort
+	closeAll := func() {
+		for i := range tcps {
+			tcps[i].Close()
+			udps[i].Close()
+		}
+	}
+	var skipped []error
+	for _, a := range t.addrs {
+		tcp, err := net.ListenTCP("tcp", net.TCPAddrFromAddrPort(a))
+		var udp *net.UDPConn
+		if err == nil {
+			if udp, err = net.ListenUDP("udp", net.UDPAddrFromAddrPort(a)); err != nil {
+				tcp.Close()
+			}
+		}
+		switch {
+		case err == nil:
+			udp.SetReadBuffer(2 << 20) // as memberlist's own transport: bursts of gossip are not lost
+			tcps, udps, addrs = append(tcps, tcp), append(udps, udp), append(addrs, a)
+			continue
+		case errors.Is(err, syscall.EADDRNOTAVAIL), errors.Is(err, syscall.EAFNOSUPPORT):
+			skipped = append(skipped, err)
+			continue
+		case errors.Is(err, syscall.EADDRINUSE):
+			err = &portTakenError{addr: a, err: err}
+		}
+		closeAll()
 		return err
 	}
-	udp, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(t.addr))
-	if err != nil {
-		tcp.Close()
-		return err
+	if len(tcps) == 0 {
+		return fmt.Errorf("no address of the gossip port is on this host: %w", errors.Join(skipped...))
 	}
-	udp.SetReadBuffer(2 << 20) // as memberlist's own transport: bursts of gossip are not lost
-	t.tcp, t.udp = tcp, udp
+	t.tcp, t.udp, t.addrs = tcps, udps, addrs
 	return nil
 }
 
-// FinalAdvertiseAddr implements memberlist.Transport: a member advertises where it listens.
+// FinalAdvertiseAddr implements memberlist.Transport: a member advertises the first address
+// it listens on (IPv4 where the name has one, as the other members resolve it).
 func (t *transport) FinalAdvertiseAddr(string, int) (net.IP, int, error) {
-	return net.IP(t.addr.Addr().AsSlice()), int(t.addr.Port()), nil
+	return net.IP(t.addrs[0].Addr().AsSlice()), int(t.addrs[0].Port()), nil
 }
 
 // PacketCh implements memberlist.Transport: the packets that passed the checks.
@@ -221,8 +266,18 @@ func (t *transport) WriteToAddress(b []byte, a memberlist.Address) (time.Time, e
 	if capture := t.capture.Load(); capture != nil {
 		(*capture)(out, to.String())
 	}
-	_, err = t.udp.WriteToUDPAddrPort(out, to)
+	_, err = t.socketFor(to).WriteToUDPAddrPort(out, to)
 	return time.Now(), err
+}
+
+// socketFor returns the UDP socket to send to dst from: one of dst's family.
+func (t *transport) socketFor(dst netip.AddrPort) *net.UDPConn {
+	for i, a := range t.addrs {
+		if a.Addr().Is4() == dst.Addr().Is4() {
+			return t.udp[i]
+		}
+	}
+	return t.udp[0]
 }
 
 // stamp returns the time now in Unix nanoseconds, or one more than the last stamp: a sender's
@@ -258,13 +313,13 @@ func unmapped(a netip.AddrPort) netip.AddrPort {
 	return netip.AddrPortFrom(a.Addr().Unmap().WithZone(""), a.Port())
 }
 
-// readLoop reads packets, checks them (see openPacket) and passes copies of those that pass
-// to memberlist: junk costs one buffer in all.
-func (t *transport) readLoop() {
+// readLoop reads the packets of udp, bound to local, checks them (see openPacket) and passes
+// copies of those that pass to memberlist: junk costs one buffer in all.
+func (t *transport) readLoop(udp *net.UDPConn, local netip.AddrPort) {
 	defer t.wg.Done()
 	buf := make([]byte, maxPacket)
 	for {
-		n, from, err := t.udp.ReadFromUDPAddrPort(buf)
+		n, from, err := udp.ReadFromUDPAddrPort(buf)
 		at := time.Now()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
@@ -272,7 +327,7 @@ func (t *transport) readLoop() {
 			}
 			continue // a transient error (ICMP feedback): the next read may work
 		}
-		payload, reason := t.openPacket(buf[:n])
+		payload, reason := t.openPacket(buf[:n], local)
 		if reason != "" {
 			t.refuse(from.Addr().Unmap().String(), "packet: "+reason)
 			continue
@@ -285,13 +340,14 @@ func (t *transport) readLoop() {
 	}
 }
 
-// openPacket checks a packet received and returns its payload, or why it is dropped.
-func (t *transport) openPacket(p []byte) (payload []byte, reason string) {
+// openPacket checks a packet received on the socket bound to local and returns its payload,
+// or why it is dropped.
+func (t *transport) openPacket(p []byte, local netip.AddrPort) (payload []byte, reason string) {
 	if len(p) <= packetOverhead || p[0] != packetVersion {
 		return nil, "not a gossip packet of this version"
 	}
 	body, mac := p[1:len(p)-macSize], p[len(p)-macSize:]
-	if !hmac.Equal(mac, packetMAC(t.keys.packet, t.addr, body)) {
+	if !hmac.Equal(mac, packetMAC(t.keys.packet, local, body)) {
 		return nil, "not authenticated (no job token, another job's, or meant for another address)"
 	}
 	stamp := int64(binary.BigEndian.Uint64(body))
@@ -447,7 +503,11 @@ func (t *transport) refuse(host, reason string) {
 // Shutdown implements memberlist.Transport: it closes the sockets and waits for its loops.
 func (t *transport) Shutdown() error {
 	t.shut.Do(func() { close(t.done) })
-	err := errors.Join(t.tcp.Close(), t.udp.Close())
+	var errs []error
+	for i := range t.tcp {
+		errs = append(errs, t.tcp[i].Close(), t.udp[i].Close())
+	}
+	err := errors.Join(errs...)
 	t.wg.Wait()
 	if errors.Is(err, net.ErrClosed) {
 		return nil
@@ -455,28 +515,29 @@ func (t *transport) Shutdown() error {
 	return err
 }
 
-// resolve returns the address to gossip on for host and port: host itself if it is an IP
-// address, else its first IPv4 address (or first address) as the resolver gives it; the
-// other members resolve the same name to send to it.
-func resolve(host string, port int) (netip.AddrPort, error) {
+// resolve returns the addresses to gossip on for host and port: host itself if it is an IP
+// address, else every address it resolves to, IPv4 first (gate.ListenAddrs, as the RPC port
+// takes them). The other members resolve the same name to send to the first.
+func resolve(host string, port int) ([]netip.AddrPort, error) {
 	if ip, err := netip.ParseAddr(host); err == nil {
-		return netip.AddrPortFrom(ip.Unmap().WithZone(""), uint16(port)), nil
+		return []netip.AddrPort{netip.AddrPortFrom(ip.Unmap().WithZone(""), uint16(port))}, nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
-	if err != nil || len(ips) == 0 {
-		return netip.AddrPort{}, fmt.Errorf("resolve %s: %v", host, err)
+	ips, err := gate.ListenAddrs(ctx, host, lookupHost)
+	if err != nil {
+		return nil, fmt.Errorf("resolve %s: %w", host, err)
 	}
-	ip := ips[0]
-	for _, a := range ips {
-		if a.Unmap().Is4() {
-			ip = a
-			break
-		}
+	out := make([]netip.AddrPort, len(ips))
+	for i, ip := range ips {
+		out[i] = netip.AddrPortFrom(ip.WithZone(""), uint16(port))
 	}
-	return netip.AddrPortFrom(ip.Unmap().WithZone(""), uint16(port)), nil
+	return out, nil
 }
+
+// lookupHost resolves host names for resolve (nil: the system's resolver); tests give a name
+// two families.
+var lookupHost gate.Lookup
 
 // clockSkew is added to the members' clock (now): tests move every member's clock forward,
 // as if the time had passed, to play recorded gossip "later".

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/gate"
 )
 
 // bothFamilies resolves every name to ::1 and 127.0.0.1, as an /etc/hosts that maps
@@ -63,8 +63,8 @@ func TestNameOfTwoFamiliesIsServedOnBoth(t *testing.T) {
 			s.Close()
 			t.Fatalf("another process holds %s: the server started on %s anyway", squatter.Addr(), name)
 		}
-		if !errors.Is(err, rpc.ErrAddressTaken) || !strings.Contains(err.Error(), squatter.Addr().String()) {
-			t.Errorf("another process holds %s: Start failed with %q, want rpc.ErrAddressTaken naming it",
+		if !errors.Is(err, gate.ErrAddressTaken) || !strings.Contains(err.Error(), squatter.Addr().String()) {
+			t.Errorf("another process holds %s: Start failed with %q, want gate.ErrAddressTaken naming it",
 				squatter.Addr(), err)
 		}
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
+	"github.com/fitcache/fitcache/gate"
 	"github.com/fitcache/fitcache/metrics"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
@@ -34,7 +35,7 @@ type Config struct {
 	// Listen is the TCP address (host:port) of a cluster server; it needs Token and Roots.
 	// Listen and Socket are not both set. A host name is listened on at every address it
 	// resolves to, and the server does not start while another process holds the port on any
-	// of them (see rpc.ListenTCP).
+	// of them (see gate.ListenTCP).
 	Listen string
 	// Socket is the Unix socket of a server for this user on this node. It appears once the
 	// engine is ready (a client that finds no socket waits for the server being started, one
@@ -94,7 +95,7 @@ type Config struct {
 	failAfter string
 	// lookup, for tests, resolves the host names of Listen and MetricsAddr (nil: the system's
 	// resolver).
-	lookup rpc.Lookup
+	lookup gate.Lookup
 	// gossipBindWait, for tests, is how long a gossip port held by another socket is waited
 	// for (0: membership.DefaultBindWait).
 	gossipBindWait time.Duration
@@ -242,7 +243,7 @@ func (s *Server) lockEmbedded() (err error) {
 
 func (s *Server) listenTCP() (err error) {
 	if s.cfg.Listen != "" {
-		if s.ln, err = rpc.ListenTCP(context.Background(), s.cfg.Listen, s.cfg.lookup); err != nil {
+		if s.ln, err = gate.ListenTCP(context.Background(), s.cfg.Listen, s.cfg.lookup); err != nil {
 			return err
 		}
 	}
@@ -251,7 +252,7 @@ func (s *Server) listenTCP() (err error) {
 
 func (s *Server) listenMetrics() (err error) {
 	if s.cfg.MetricsAddr != "" {
-		if s.metricsLn, err = rpc.ListenTCP(context.Background(), s.cfg.MetricsAddr, s.cfg.lookup); err != nil {
+		if s.metricsLn, err = gate.ListenTCP(context.Background(), s.cfg.MetricsAddr, s.cfg.lookup); err != nil {
 			return fmt.Errorf("metrics: %w", err)
 		}
 	}
