@@ -408,6 +408,77 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 	return -ENOENT;
 }
 
+// Record layout (tiers/record.go).
+#define RECORD_MAGIC "FCRECORD"
+#define RECORD_VERSION 4
+#define RECORD_PREFIX ".rec-"
+
+// pread_all reads n bytes at off of fd into p: 0, or -1 for an error or a short file.
+static int pread_all(int fd, void *p, size_t n, off_t off) {
+	size_t done = 0;
+	while (done < n) {
+		ssize_t k = pread(fd, (char *)p + done, n - done, off + (off_t)done);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return -1;
+		done += (size_t)k;
+	}
+	return 0;
+}
+
+static uint64_t le64(const uint8_t *p) {
+	uint64_t v;
+	memcpy(&v, p, 8);
+	return v;
+}
+
+int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char *path, size_t len,
+                    struct fc_version *v) {
+	int saved = errno, ok = 0;
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	char rel[MAX_NAME_BYTES + 32], rec[MAX_NAME_BYTES + 40];
+	int n = rel_path(path, len, key, rel, sizeof rel);
+	if (n < 0)
+		goto out;
+	// "ab/cd/" RECORD_PREFIX "<key>-<name>": the record beside the data file.
+	memcpy(rec, rel, 6);
+	memcpy(rec + 6, RECORD_PREFIX, sizeof RECORD_PREFIX - 1);
+	memcpy(rec + 6 + sizeof RECORD_PREFIX - 1, rel + 6, (size_t)n - 6 + 1);
+	struct fc_tier *t = &tiers[hit->tier];
+	int fd = open_beneath(t->dirfd, rec, O_CLOEXEC);
+	if (fd < 0)
+		goto out;
+	struct stat st;
+	uint8_t head[16], buf[512], tail[40];
+	uint32_t version, plen, glen;
+	ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && pread_all(fd, head, sizeof head, 0) == 0;
+	if (ok) {
+		memcpy(&version, head + 8, 4);
+		memcpy(&plen, head + 12, 4);
+		ok = memcmp(head, RECORD_MAGIC, 8) == 0 && version == RECORD_VERSION && plen == len;
+	}
+	for (size_t at = 0; ok && at < len; at += sizeof buf) { // the source path, compared
+		size_t k = len - at < sizeof buf ? len - at : sizeof buf;
+		ok = pread_all(fd, buf, k, (off_t)(16 + at)) == 0 && memcmp(buf, path + at, k) == 0;
+	}
+	ok = ok && pread_all(fd, &glen, 4, (off_t)(16 + len)) == 0 && glen <= 2 * FC_PATH_MAX &&
+	     pread_all(fd, tail, sizeof tail, (off_t)(20 + len + glen)) == 0;
+	// size, mtime, ctime, srcIno, ino: the record of this very data file
+	ok = ok && le64(tail) == (uint64_t)hit->size && (int64_t)le64(tail + 8) == hit->mtime_ns &&
+	     le64(tail + 32) == hit->ino;
+	if (ok) {
+		v->mtime_ns = (int64_t)le64(tail + 8);
+		v->ctime_ns = (int64_t)le64(tail + 16);
+		v->ino = le64(tail + 24);
+	}
+	close(fd);
+out:
+	errno = saved;
+	return ok ? 0 : -1;
+}
+
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
 	const struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	struct slot s;

@@ -106,6 +106,23 @@ struct fc_hit {
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit);
 
+/* The version of a source file a cached copy holds, as its record gives it: what tells two
+ * versions of the file apart (a rewrite in place that keeps the size and puts the
+ * modification time back still moves the change time). ctime_ns 0 is unknown (a copy sent
+ * by another server may lack it). */
+struct fc_version {
+	int64_t mtime_ns, ctime_ns;
+	uint64_t ino; /* the source's inode number, 0 if unknown */
+};
+
+/* Reads the version of the source that the copy fc_lookup found as hit, for the clean path
+ * (len bytes) it was looked up by, from the copy's record in the tier (tiers/record.go):
+ * some system calls (open, fstat, a few preads), no allocation. Returns 0, or -1 when the
+ * record is missing, or is not that of this copy (the caller then takes the copy's version
+ * for unknown). */
+int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char *path, size_t len,
+                    struct fc_version *v);
+
 /* Whether tier t's index still lists the copy with hashes (key, check) and data file inode
  * ino (as fc_lookup found it), whatever its session: a reader that keeps a cached copy open
  * or mapped lets go of one no longer listed (evicted, removed, found stale), whose pages the

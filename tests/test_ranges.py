@@ -419,3 +419,116 @@ def test_the_shims_diagnostics_say_what_it_did(large_file, small_tiers):
                             os.path.join(root, "big.bin"), os.path.join(root, "written.bin")],
                            env=command_env(small_tiers), capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0 and "fitcache preload[" not in quiet.stderr, quiet.stderr
+
+
+# --- a source rewritten in place while its blocks are read ----------------------------------
+
+
+def rewrite_in_place(path, data, keep_mtime):
+    """Rewrites the file at path in place with data (of its size); with keep_mtime, puts its
+    modification time back (as `cp -p` or `touch -r` would), so that only its change time
+    tells the versions apart."""
+    was = os.stat(path)
+    time.sleep(0.02)  # past the kernel's clock tick: the change time moves
+    with open(path, "r+b") as f:
+        f.write(data)
+    if keep_mtime:
+        os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+    now = os.stat(path)
+    assert now.st_size == was.st_size and now.st_ino == was.st_ino and now.st_ctime_ns != was.st_ctime_ns
+    assert (now.st_mtime_ns == was.st_mtime_ns) == keep_mtime
+
+
+def cache_first_blocks(client, blocks):
+    """Reads the first blocks of big.bin in sequence through client (each is asked for at
+    once) and waits until the server has cached them."""
+    for b in range(blocks):
+        client.pread("big.bin", BLOCK, b * BLOCK)
+    deadline = time.monotonic() + 30
+    while client.stats()["server"]["published"] < blocks:
+        assert time.monotonic() < deadline, f"blocks 0-{blocks - 1} were not cached"
+        time.sleep(0.1)
+
+
+# A range across the end of block 3 (cached before the rewrite) into block 4 (never cached).
+SPAN = (4 * BLOCK - 1000, 2000)
+
+
+def version_of(got, old, new, off, n):
+    """Which version of the file the bytes got of the range (off, n) are: 'old', 'new' or 'mixed'."""
+    return "old" if got == old[off:off + n] else "new" if got == new[off:off + n] else "mixed"
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["new-mtime", "same-mtime"])
+def test_a_range_never_mixes_blocks_of_a_source_rewritten_in_place(large_file, small_tiers, keep_mtime):
+    """Blocks 0-3 of a file are cached, then the source is rewritten in place (same size, same
+    inode, with or without its modification time put back): a range that spans cached block 3
+    and block 4, read from the source, has the bytes of one version, or fails with EAGAIN --
+    through Go (Client.pread) and in C, in a process forked after load. Before, it had block
+    3's old bytes followed by block 4's new ones."""
+    root, old = large_file
+    new = random.Random(7).randbytes(len(old))
+    off, n = SPAN
+    code = f"""
+import errno, os, sys, fitcache
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_ranges import cache_first_blocks, rewrite_in_place, version_of
+old = open({root!r} + "/big.bin", "rb").read()
+new = __import__("random").Random(7).randbytes(len(old))
+c = fitcache.Client({root!r}, **{small_tiers!r})
+cache_first_blocks(c, 4)
+assert c.pread("big.bin", 100, 3 * {BLOCK}) == old[3 * {BLOCK}:3 * {BLOCK} + 100]
+rewrite_in_place({root!r} + "/big.bin", new, {keep_mtime!r})
+
+def outcome():
+    try:
+        return version_of(c.pread("big.bin", {n}, {off}), old, new, {off}, {n})
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # C alone: cached block 3, block 4 from the source
+    os.write(w, outcome().encode())
+    os._exit(0)
+os.close(w)
+os.waitpid(pid, 0)
+child = os.read(r, 100).decode()
+print(child, outcome())  # the parent: Go
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    child, parent = out.stdout.split()[-2:]
+    assert (child, parent) in {(a, b) for a in ("old", "new", "EAGAIN") for b in ("old", "new", "EAGAIN")}, \
+        f"forked child (C): {child}, parent (Go): {parent}"
+
+
+def test_the_transparent_mode_never_mixes_blocks_of_a_source_rewritten_in_place(large_file, small_tiers):
+    """A program under `fitcache run` reads a range of cached block 3, then another process
+    rewrites the file in place, same size and modification time: a read that spans block 3
+    and block 4 (not cached) has the new version's bytes, not block 3's old ones followed by
+    block 4's new ones."""
+    from test_preload import FITCACHE_BIN, command_env
+    root, old = large_file
+    new = random.Random(7).randbytes(len(old))
+    with fitcache.Client(root, **small_tiers) as c:
+        cache_first_blocks(c, 4)
+    off, n = SPAN
+    env = command_env(small_tiers)
+    code = f"""
+import os, subprocess, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+sys.stdout.write(os.pread(fd, 100, 3 * {BLOCK}).hex() + "\\n")  # block 3, cached and checked
+# Rewritten by a process outside the shim, as another job or a person would.
+env = {{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}}
+subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                "import random, test_ranges; test_ranges.rewrite_in_place(sys.argv[1], "
+                "random.Random(7).randbytes({len(old)}), True)", sys.argv[1]], env=env, check=True)
+sys.stdout.write(os.pread(fd, {n}, {off}).hex() + "\\n")
+"""
+    out = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                          os.path.join(root, "big.bin")], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    first, span = out.stdout.split()
+    assert bytes.fromhex(first) == old[3 * BLOCK:3 * BLOCK + 100]
+    assert version_of(bytes.fromhex(span), old, new, off, n) == "new"

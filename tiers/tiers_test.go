@@ -584,3 +584,35 @@ func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
 		t.Error("ForgetBlocks removed the whole file's copy")
 	}
 }
+
+// TestCopyIdentityIsTheRecordedSourceVersion: a reader of a mapped copy learns the version
+// of the source it copies from the copy's record, change time and inode included (the index
+// has its size and mtime only), and a copy replaced by another version gives the new one.
+func TestCopyIdentityIsTheRecordedSourceVersion(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	d, err := OpenDir(tier.Path, Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	for _, want := range []Identity{{Size: 5, MTimeNanos: 7, CTimeNanos: 11, Ino: 13},
+		{Size: 5, MTimeNanos: 7, CTimeNanos: 12, Ino: 13}} { // rewritten in place, mtime put back
+		e := Entry{SourcePath: "/d/f", Size: want.Size, MTimeNanos: want.MTimeNanos, SourceCTimeNanos: want.CTimeNanos,
+			SourceIno: want.Ino}
+		if err := tier.Publish(e, []byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		m, err := Probe([]Dir{d}, "/d/f")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := CopyIdentity([]Dir{d}, m)
+		m.Release()
+		if err != nil || got != want {
+			t.Errorf("CopyIdentity = %+v, %v; want %+v", got, err, want)
+		}
+	}
+	if _, err := CopyIdentity(nil, &Mapping{Path: "/elsewhere/x"}); !errors.Is(err, ErrNotCached) {
+		t.Errorf("a copy of no tier given: got %v, want ErrNotCached", err)
+	}
+}
