@@ -190,7 +190,23 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	ix->len = index_len(buckets);
 	ix->buckets = buckets;
 	ix->counters = c;
+	ix->ino = (uint64_t)st.st_ino;
 	return 0;
+}
+
+// index_intact reports whether the file ix maps is still the tier's index, at least as long
+// as the mapping: one stat of the name, a system call. Another process of the user can
+// truncate the index (FitCache never does: a server writes a new one and renames it over),
+// and touching a page of the mapping past the new end of the file raises SIGBUS, which
+// code running inside other programs cannot catch: every touch of a mapped index (lookups,
+// hit counters) checks this first. A file found shorter, or another file under the name (a
+// restarted server's new index), is never touched again; the index is mapped anew from the
+// name. What is left is the window between this check and the touch that follows it, a
+// few hundred nanoseconds: a truncation that lands inside it still kills the reader.
+static int index_intact(const struct fc_tier *t, const struct fc_index *ix) {
+	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
+	return syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	       (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
 }
 
 static void unmap_index(struct fc_index *ix) {
@@ -214,6 +230,10 @@ static void unmap_index(struct fc_index *ix) {
 // stay until fc_tier_close.
 static struct fc_index *current_index(struct fc_tier *t) {
 	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	if (ix && !index_intact(t, ix)) { // truncated or replaced: let go of it (kept mapped, untouched)
+		__atomic_compare_exchange_n(&t->index, &ix, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+		ix = NULL;
+	}
 	if (ix && !rd32(ix->base + HDR_RETIRED))
 		return ix;
 	int64_t now = fc_monotonic_ns();
@@ -224,6 +244,8 @@ static struct fc_index *current_index(struct fc_tier *t) {
 	    !__atomic_compare_exchange_n(&t->remapping, &started, now, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
 		return ix; // another thread is mapping it
 	ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // what that thread may have mapped
+	if (ix && !index_intact(t, ix))
+		ix = NULL;
 	int slot = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
 	struct fc_index fresh;
 	if (ix && !rd32(ix->base + HDR_RETIRED)) {
@@ -480,23 +502,30 @@ out:
 }
 
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
+	int saved = errno;
 	const struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	struct slot s;
-	return ix && index_find(ix, key, check, &s) && s.ino == ino;
+	int listed = ix && index_find(ix, key, check, &s) && s.ino == ino;
+	errno = saved;
+	return listed;
 }
 
 void fc_count_source(struct fc_tier *t, int64_t bytes) {
-	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	int saved = errno;
+	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	if (ix) {
 		__atomic_fetch_add(&ix->counters[2], 1, __ATOMIC_RELAXED);
 		__atomic_fetch_add(&ix->counters[3], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}
+	errno = saved;
 }
 
 void fc_count_hit(struct fc_tier *t, int64_t bytes) {
-	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	int saved = errno;
+	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	if (ix) {
 		__atomic_fetch_add(&ix->counters[0], 1, __ATOMIC_RELAXED);
 		__atomic_fetch_add(&ix->counters[1], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}
+	errno = saved;
 }

@@ -57,6 +57,7 @@ struct fc_index {
 	size_t len;
 	uint32_t buckets;   /* from the header, checked against len */
 	uint64_t *counters; /* the page of hit counters, mapped writable */
+	uint64_t ino;       /* the index file's inode number: see index_intact in fclookup.c */
 	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */
 };
 
@@ -95,6 +96,14 @@ struct fc_hit {
 	uint64_t ino;     /* the cached file's inode number (see fc_listed) */
 };
 
+/* Every touch of a tier's mapped index (fc_lookup, fc_listed, the counters) first checks with
+ * one stat that the file is still as long as the mapping and under the index's name:
+ * another process of the user can truncate it, and a page touched past the new end would
+ * kill the program with SIGBUS (a signal code inside other programs cannot catch). An index
+ * found truncated or replaced is let go and mapped anew; meanwhile lookups miss. A
+ * truncation that lands between the check and the touch (a few hundred nanoseconds) still
+ * kills the reader. */
+
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
  * fastest first. On a hit, returns 0 and fills *hit; on a miss, returns -ENOENT. Any other
  * problem (a tier without index, a file replaced behind the index's back) is a miss too,
@@ -126,7 +135,8 @@ int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char 
 /* Whether tier t's index still lists the copy with hashes (key, check) and data file inode
  * ino (as fc_lookup found it), whatever its session: a reader that keeps a cached copy open
  * or mapped lets go of one no longer listed (evicted, removed, found stale), whose pages the
- * reader would otherwise keep in use. An index lookup, no system call. */
+ * reader would otherwise keep in use. An index lookup, after one stat of the index file (see
+ * below). */
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
 
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */

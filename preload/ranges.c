@@ -394,6 +394,8 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, const s
 // the first large open.
 static struct fc_heat *heat_table;              // see heats (atomic)
 static struct fc_heat heat_here[FC_HEAT_PLACES]; // when no shared mapping could be made
+static struct fc_heat *heat_of_file;            // heat_table when it maps the heat file (atomic)
+static uint64_t heat_file_ino;                  // that file's inode number (set before heat_of_file)
 
 // heat_file maps the heat file at heat_path, creating it if it is not there; NULL when there
 // is none, or it is not a regular file of this user of the table's size (or empty: made so).
@@ -412,7 +414,10 @@ static struct fc_heat *heat_file(void) {
 	    (st.st_size == (off_t)FC_HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)FC_HEAT_BYTES) == 0)
 		map = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	CALL_NEXT(close, fd);
-	return map == MAP_FAILED ? NULL : map;
+	if (map == MAP_FAILED)
+		return NULL;
+	__atomic_store_n(&heat_file_ino, (uint64_t)st.st_ino, __ATOMIC_RELAXED);
+	return map;
 }
 
 // heats returns the heat table, mapped on first use.
@@ -420,8 +425,9 @@ static struct fc_heat *heats(void) {
 	struct fc_heat *h = __atomic_load_n(&heat_table, __ATOMIC_ACQUIRE);
 	if (h)
 		return h;
-	int saved = errno;
+	int saved = errno, from_file = 1;
 	if (!(h = heat_file())) {
+		from_file = 0;
 		h = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 		if (h == MAP_FAILED)
 			h = heat_here;
@@ -431,9 +437,44 @@ static struct fc_heat *heats(void) {
 		if (h != heat_here)
 			munmap(h, FC_HEAT_BYTES); // another thread mapped it first
 		h = was;
+	} else if (from_file) {
+		__atomic_store_n(&heat_of_file, h, __ATOMIC_RELEASE);
 	}
 	errno = saved;
 	return h;
+}
+
+// heats_to_touch returns the heat table for a read or write of it. The heat file is the
+// user's: another of their processes can truncate it, and touching a page of the mapping
+// past the new end would kill the program with SIGBUS (a signal code inside other programs
+// cannot catch). So a table mapped from the file is used only after one stat finds the file
+// still under its name and whole; one found truncated or replaced is let go for good (kept
+// mapped, never touched again), and the heat is shared in memory from then on, with the
+// processes forked after. A truncation between the check and the touch (a few hundred
+// nanoseconds) still kills the program.
+static struct fc_heat *heats_to_touch(void) {
+	struct fc_heat *h = heats();
+	if (h != __atomic_load_n(&heat_of_file, __ATOMIC_ACQUIRE))
+		return h;
+	int saved = errno;
+	struct stat st; // a system call: the shim's own stat wrappers are not for it
+	if (syscall(SYS_newfstatat, AT_FDCWD, heat_path, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	    (uint64_t)st.st_ino == __atomic_load_n(&heat_file_ino, __ATOMIC_RELAXED) && st.st_size >= (off_t)FC_HEAT_BYTES) {
+		errno = saved;
+		return h;
+	}
+	struct fc_heat *mem = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (mem == MAP_FAILED)
+		mem = heat_here;
+	struct fc_heat *was = h;
+	if (__atomic_compare_exchange_n(&heat_table, &was, mem, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		__atomic_store_n(&heat_of_file, NULL, __ATOMIC_RELEASE);
+		was = mem;
+	} else if (mem != heat_here) {
+		munmap(mem, FC_HEAT_BYTES); // another thread let go of the file first
+	}
+	errno = saved;
+	return was;
 }
 
 // When this process last had the server check a block the tiers list but have not checked in
@@ -569,7 +610,8 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 			k = from_source(fd, &c, n, at);
 			if (k > 0 && shim_ntiers > 0)
 				fc_count_source(&shim_tiers[0], k);
-			if (k > 0 && m.ask && fc_heat_read(fc_heat_of(heats(), m.name, namelen), k, block_bytes, sequential))
+			if (k > 0 && m.ask &&
+			    fc_heat_read(fc_heat_of(heats_to_touch(), m.name, namelen), k, block_bytes, sequential))
 				ask_block(&m, m.name, namelen);
 		}
 		if (k <= 0)

@@ -532,3 +532,97 @@ sys.stdout.write(os.pread(fd, {n}, {off}).hex() + "\\n")
     first, span = out.stdout.split()
     assert bytes.fromhex(first) == old[3 * BLOCK:3 * BLOCK + 100]
     assert version_of(bytes.fromhex(span), old, new, off, n) == "new"
+
+
+# --- mapped files truncated by another process of the user ----------------------------------
+
+
+def truncate_mapped(tiers_option, runtime_dir):
+    """Truncates, as another process of the user could, what readers keep mapped: the index
+    of the memory tier to 4,096 bytes (its header page: the slots and the counter page are
+    cut off) and the shim's heat table to nothing."""
+    shm = tiers_option.split(",")[0].split(":")[1]
+    os.truncate(os.path.join(shm, "fitcache.index"), 4096)
+    heat = os.path.join(runtime_dir, "preload.heat")
+    if os.path.exists(heat):
+        os.truncate(heat, 0)
+
+
+def test_a_truncated_index_costs_readers_of_the_api_no_sigbus(large_file, small_tiers):
+    """A reader through the API (C hit path and Go, and a process forked after load, C alone)
+    has the tier's index mapped when another process truncates it to 4,096 bytes: its next
+    reads -- of a file cached whole, and of ranges across cached blocks -- have the right
+    bytes (or, in the forked process, which cannot run Go, a clear error for a file it no
+    longer finds cached), and it is not killed by SIGBUS. Before, touching the cut-off slots
+    or counters killed it."""
+    root, data = large_file
+    small = random.Random(8).randbytes(300_000)
+    with open(os.path.join(root, "small.bin"), "wb") as f:
+        f.write(small)
+    code = f"""
+import os, sys, fitcache
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_ranges import cache_first_blocks, truncate_mapped
+data = open({root!r} + "/big.bin", "rb").read()
+small = open({root!r} + "/small.bin", "rb").read()
+c = fitcache.Client({root!r}, **{small_tiers!r})
+cache_first_blocks(c, 4)
+
+def check(forked=False):
+    try:
+        with c.read("small.bin") as b:
+            assert bytes(b) == small
+    except fitcache.ForkedAfterLoad:
+        # A miss, which needs Go, or the server's index whole again: a clear error in a
+        # process forked after load.
+        assert forked
+    for off, n in ((10, 1000), ({BLOCK} - 500, 1000), (2 * {BLOCK} + 7, 2 * {BLOCK})):
+        assert c.pread("big.bin", n, off) == data[off:off + n], (off, n)
+
+check()  # small.bin cached whole, the blocks mapped: the index is in use
+check()
+truncate_mapped({small_tiers["tiers"]!r}, {small_tiers["runtime_dir"]!r})
+pid = os.fork()
+if pid == 0:
+    check(forked=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, f"forked reader: {{os.waitstatus_to_exitcode(status)}}"
+for _ in range(3):
+    check()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], (out.returncode, out.stdout + out.stderr)
+
+
+def test_a_truncated_index_and_heat_table_cost_the_transparent_mode_no_sigbus(large_file, small_tiers):
+    """A program under `fitcache run` reads a file through cached blocks and the source (the
+    shim has the tier's index and the heat table mapped) while another process truncates the
+    index to 4,096 bytes and the heat table to nothing: its reads go on with the right bytes
+    and it exits 0, not killed by SIGBUS."""
+    from test_preload import FITCACHE_BIN, command_env
+    root, data = large_file
+    with fitcache.Client(root, **small_tiers) as c:
+        cache_first_blocks(c, 4)
+    want = hashlib.sha256(b"".join(data[o:o + 300_000] for o in range(0, 20 * BLOCK, 700_000))).hexdigest()
+    code = f"""
+import hashlib, os, subprocess, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+
+def digest():  # blocks 0-3 cached, the others read from the source (and their heat counted)
+    return hashlib.sha256(b"".join(os.pread(fd, 300_000, o) for o in range(0, 20 * {BLOCK}, 700_000))).hexdigest()
+
+print(digest())
+env = {{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}}
+subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                "import test_ranges; test_ranges.truncate_mapped(sys.argv[1], sys.argv[2])",
+                {small_tiers["tiers"]!r}, {small_tiers["runtime_dir"]!r}], env=env, check=True)
+print(digest())
+print(digest())
+"""
+    out = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                          os.path.join(root, "big.bin")], env=command_env(small_tiers), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stdout + out.stderr)
+    assert out.stdout.split() == [want] * 3, out.stdout + out.stderr

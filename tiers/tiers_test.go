@@ -616,3 +616,31 @@ func TestCopyIdentityIsTheRecordedSourceVersion(t *testing.T) {
 		t.Errorf("a copy of no tier given: got %v, want ErrNotCached", err)
 	}
 }
+
+// TestAReaderOfAnIndexTruncatedUnderItMisses: another process of the user truncates the
+// index a reader has mapped (to its header page, then to nothing): the reader's lookups and
+// counters read no page past the end (SIGBUS, a crash of the program) but miss.
+func TestAReaderOfAnIndexTruncatedUnderItMisses(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	publish(t, tier, "/d/f", []byte("hello"))
+	d, err := OpenDir(tier.Path, Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if !Listed([]Dir{d}, "/d/f") {
+		t.Fatal("not listed before the truncation")
+	}
+	for _, size := range []int64{4096, 0} {
+		if err := os.Truncate(filepath.Join(tier.Path, indexName), size); err != nil {
+			t.Fatal(err)
+		}
+		if Listed([]Dir{d}, "/d/f") {
+			t.Errorf("index truncated to %d bytes: listed, want a miss", size)
+		}
+		if m, err := d.Open("/d/f"); !errors.Is(err, ErrNotCached) {
+			t.Errorf("index truncated to %d bytes: Open = %v, %v; want ErrNotCached", size, m, err)
+		}
+		d.view.hits()
+	}
+}
