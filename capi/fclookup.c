@@ -501,6 +501,19 @@ out:
 	return ok ? 0 : -1;
 }
 
+int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size) {
+	int saved = errno;
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	char rel[MAX_NAME_BYTES + 32];
+	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
+	int intact = t->dirfd >= 0 && rel_path(path, len, key, rel, sizeof rel) >= 0 &&
+	             syscall(SYS_newfstatat, t->dirfd, rel, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	             (uint64_t)st.st_ino == ino && (int64_t)st.st_size >= size;
+	errno = saved;
+	return intact;
+}
+
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
 	int saved = errno;
 	const struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;

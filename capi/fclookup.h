@@ -139,6 +139,15 @@ int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char 
  * below). */
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
 
+/* Whether the cached copy of the clean path (len bytes) in tier t is still the file with
+ * data file inode ino that a reader mapped, at least size bytes long: one stat. A reader
+ * that keeps a copy mapped checks it before each copy from the mapping: another process of
+ * the user can truncate a cached file in place (FitCache never does), and a page touched
+ * past the new end would kill the program with SIGBUS. As for the index, a truncation
+ * between the check and the copy still does. An evicted copy (unlinked) is no longer
+ * intact either: the caller looks it up anew. */
+int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size);
+
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);
 

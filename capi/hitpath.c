@@ -675,6 +675,20 @@ static void range_give(struct hit_client *c, struct range_map *r) {
 	pthread_mutex_unlock(&c->ranges_mu);
 }
 
+// range_drop gives back a reference from range_take and lets go of the entry, unless
+// another reader uses it (its last range_take then finds it not intact and drops it).
+static void range_drop(struct hit_client *c, struct range_map *r) {
+	struct range_map old = {0};
+	pthread_mutex_lock(&c->ranges_mu);
+	if (--r->refs == 0) {
+		old = *r;
+		*r = (struct range_map){0};
+	}
+	pthread_mutex_unlock(&c->ranges_mu);
+	if (old.data)
+		munmap((void *)old.data, (size_t)old.size);
+}
+
 // range_keep keeps data, a mapping of size bytes just made of the copy (key, check), in an
 // entry of its set that no reader uses (unmapping the one it held), with a reference taken;
 // it returns the entry, or NULL when every entry of the set is in use (the caller then
@@ -744,6 +758,12 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 	uint64_t key, check;
 	fc_hashes(name, len, &key, &check);
 	struct range_map *r = range_take(c, key, check), made;
+	if (r && !fc_copy_intact(&c->tiers[r->tier], name, len, r->ino, r->size)) {
+		// Truncated in place by someone, or evicted: never touched again (SIGBUS), and
+		// looked up anew.
+		range_drop(c, r);
+		r = NULL;
+	}
 	if (!r) {
 		struct fc_hit h;
 		if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, require_session, &h) != 0)

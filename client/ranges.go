@@ -516,7 +516,12 @@ func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int6
 		}
 		rf = c.ranges.add(key, &rangeFile{m: m, kind: m.Tier, ver: v})
 	}
-	n = copyAt(rf.m.Bytes(), p, off)
+	n, cerr := rf.m.CopyAt(p, off)
+	if cerr != nil { // truncated under the mapping by someone: a miss, and the mapping goes
+		c.ranges.forget(key, rf)
+		c.ranges.give(rf)
+		return 0, version{}, false, nil
+	}
 	v = rf.ver
 	c.ranges.give(rf)
 	c.counts.localHits.Add(1)
@@ -835,6 +840,15 @@ func (r *rangeFiles) add(key string, rf *rangeFile) *rangeFile {
 	}
 	rf.refs++
 	return rf
+}
+
+// forget stops keeping rf for key, if it is still what key holds.
+func (r *rangeFiles) forget(key string, rf *rangeFile) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.files[key] == rf {
+		r.drop(key)
+	}
 }
 
 // drop stops keeping the entry of key, if any: it is released now, or by its last reader

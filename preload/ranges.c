@@ -330,7 +330,8 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, const s
 	if (__atomic_compare_exchange_n(&k->state, &expect, KEPT_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
 		int same = k->key == key && k->check == check;
 		if (same && same_source(&k->ver, src) && (int64_t)k->len == copy_len &&
-		    fc_listed(&shim_tiers[k->tier], key, check, k->ino)) {
+		    fc_listed(&shim_tiers[k->tier], key, check, k->ino) &&
+		    fc_copy_intact(&shim_tiers[k->tier], name, len, k->ino, (int64_t)k->len)) {
 			put(c, k->map + at, (size_t)n);
 			served[k->tier] += n;
 			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);

@@ -540,9 +540,13 @@ sys.stdout.write(os.pread(fd, {n}, {off}).hex() + "\\n")
 def truncate_mapped(tiers_option, runtime_dir):
     """Truncates, as another process of the user could, what readers keep mapped: the index
     of the memory tier to 4,096 bytes (its header page: the slots and the counter page are
-    cut off) and the shim's heat table to nothing."""
+    cut off), the shim's heat table and the cached blocks of big.bin to nothing."""
     shm = tiers_option.split(",")[0].split(":")[1]
     os.truncate(os.path.join(shm, "fitcache.index"), 4096)
+    for bin_dir, _, names in os.walk(shm):
+        for name in names:
+            if "big.bin#" in name and not name.startswith("."):
+                os.truncate(os.path.join(bin_dir, name), 0)
     heat = os.path.join(runtime_dir, "preload.heat")
     if os.path.exists(heat):
         os.truncate(heat, 0)

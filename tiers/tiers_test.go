@@ -644,3 +644,30 @@ func TestAReaderOfAnIndexTruncatedUnderItMisses(t *testing.T) {
 		d.view.hits()
 	}
 }
+
+// TestCopyAtFromACopyTruncatedUnderItFails: a cached file truncated in place by another
+// process of the user while a reader has it mapped: CopyAt fails with ErrNotCached instead
+// of the SIGBUS that would crash the program.
+func TestCopyAtFromACopyTruncatedUnderItFails(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	data := make([]byte, 3*4096)
+	for i := range data {
+		data[i] = byte(i)
+	}
+	publish(t, tier, "/d/f", data)
+	m, err := tier.Open("/d/f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	p := make([]byte, 100)
+	if n, err := m.CopyAt(p, 8192); n != 100 || err != nil || p[0] != data[8192] {
+		t.Fatalf("CopyAt = %d, %v; want 100 bytes of the data", n, err)
+	}
+	if err := os.Truncate(m.Path, 0); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := m.CopyAt(p, 8192); !errors.Is(err, ErrNotCached) {
+		t.Errorf("CopyAt of a truncated copy = %d, %v; want ErrNotCached", n, err)
+	}
+}
