@@ -191,22 +191,29 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	ix->buckets = buckets;
 	ix->counters = c;
 	ix->ino = (uint64_t)st.st_ino;
+	ix->intact_ns = 0;
 	return 0;
 }
 
 // index_intact reports whether the file ix maps is still the tier's index, at least as long
-// as the mapping: one stat of the name, a system call. Another process of the user can
-// truncate the index (FitCache never does: a server writes a new one and renames it over),
-// and touching a page of the mapping past the new end of the file raises SIGBUS, which
-// code running inside other programs cannot catch: every touch of a mapped index (lookups,
-// hit counters) checks this first. A file found shorter, or another file under the name (a
-// restarted server's new index), is never touched again; the index is mapped anew from the
-// name. What is left is the window between this check and the touch that follows it, a
-// few hundred nanoseconds: a truncation that lands inside it still kills the reader.
-static int index_intact(const struct fc_tier *t, const struct fc_index *ix) {
+// as the mapping: one stat of the name (unless one found it so less than FC_INTACT_TRUST_NS
+// ago). Another process of the user can truncate the index (FitCache never does: a server
+// writes a new one and renames it over), and touching a page of the mapping past the new
+// end of the file raises SIGBUS, which code running inside other programs cannot catch:
+// every touch of a mapped index (lookups, hit counters) checks this first. A file found
+// shorter, or another file under the name (a restarted server's new index), is never
+// touched again; the index is mapped anew from the name. What is left is the window after a
+// check (see fclookup.h): a truncation that lands inside it still kills the reader.
+static int index_intact(const struct fc_tier *t, struct fc_index *ix) {
+	int64_t now = fc_monotonic_ns();
+	if (now - __atomic_load_n(&ix->intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
+		return 1;
 	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
-	return syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-	       (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
+	int intact = syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	             (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
+	if (intact)
+		__atomic_store_n(&ix->intact_ns, now, __ATOMIC_RELAXED);
+	return intact;
 }
 
 static void unmap_index(struct fc_index *ix) {
@@ -501,7 +508,10 @@ out:
 	return ok ? 0 : -1;
 }
 
-int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size) {
+int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size, int64_t *intact_ns) {
+	int64_t now = fc_monotonic_ns();
+	if (now - __atomic_load_n(intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
+		return 1;
 	int saved = errno;
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
@@ -510,6 +520,8 @@ int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino
 	int intact = t->dirfd >= 0 && rel_path(path, len, key, rel, sizeof rel) >= 0 &&
 	             syscall(SYS_newfstatat, t->dirfd, rel, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
 	             (uint64_t)st.st_ino == ino && (int64_t)st.st_size >= size;
+	if (intact)
+		__atomic_store_n(intact_ns, now, __ATOMIC_RELAXED);
 	errno = saved;
 	return intact;
 }

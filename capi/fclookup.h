@@ -58,6 +58,7 @@ struct fc_index {
 	uint32_t buckets;   /* from the header, checked against len */
 	uint64_t *counters; /* the page of hit counters, mapped writable */
 	uint64_t ino;       /* the index file's inode number: see index_intact in fclookup.c */
+	int64_t intact_ns;  /* CLOCK_MONOTONIC time it was last found intact (atomic) */
 	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */
 };
 
@@ -100,9 +101,13 @@ struct fc_hit {
  * one stat that the file is still as long as the mapping and under the index's name:
  * another process of the user can truncate it, and a page touched past the new end would
  * kill the program with SIGBUS (a signal code inside other programs cannot catch). An index
- * found truncated or replaced is let go and mapped anew; meanwhile lookups miss. A
- * truncation that lands between the check and the touch (a few hundred nanoseconds) still
- * kills the reader. */
+ * found truncated or replaced is let go and mapped anew; meanwhile lookups miss. A file found
+ * intact is trusted for FC_INTACT_TRUST_NS: a stat costs about 1 us (against some 9 us for a
+ * whole hit of 64 KiB), and a reader that touches the index every few microseconds pays one
+ * per FC_INTACT_TRUST_NS, not one per touch. So a truncation within that time of a check
+ * still kills the reader: a window kept short, against a process of the same user, which
+ * could as well kill the reader with a signal. */
+#define FC_INTACT_TRUST_NS 100000LL
 
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
  * fastest first. On a hit, returns 0 and fills *hit; on a miss, returns -ENOENT. Any other
@@ -140,13 +145,15 @@ int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char 
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
 
 /* Whether the cached copy of the clean path (len bytes) in tier t is still the file with
- * data file inode ino that a reader mapped, at least size bytes long: one stat. A reader
- * that keeps a copy mapped checks it before each copy from the mapping: another process of
- * the user can truncate a cached file in place (FitCache never does), and a page touched
- * past the new end would kill the program with SIGBUS. As for the index, a truncation
- * between the check and the copy still does. An evicted copy (unlinked) is no longer
- * intact either: the caller looks it up anew. */
-int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size);
+ * data file inode ino that a reader mapped, at least size bytes long: one stat, unless
+ * *intact_ns (the CLOCK_MONOTONIC time the caller's mapping was last found intact, updated
+ * here atomically) is less than FC_INTACT_TRUST_NS old. A reader that keeps a copy mapped
+ * checks it before each copy from the mapping: another process of the user can truncate a
+ * cached file in place (FitCache never does), and a page touched past the new end would
+ * kill the program with SIGBUS. As for the index, a truncation within FC_INTACT_TRUST_NS of
+ * a check still does. An evicted copy (unlinked) is no longer intact either: the caller
+ * looks it up anew. */
+int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size, int64_t *intact_ns);
 
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);

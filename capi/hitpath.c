@@ -65,6 +65,7 @@ struct range_map {
 	int tier;
 	int refs; // readers copying from it: an entry is replaced only when it has none
 	struct piece_version ver; // the version of the source the copy holds
+	int64_t intact_ns;        // when the copy was last found intact (fc_copy_intact; atomic)
 };
 
 // The source of a large file whose blocks the server has no room for: the ranges of its
@@ -758,7 +759,7 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 	uint64_t key, check;
 	fc_hashes(name, len, &key, &check);
 	struct range_map *r = range_take(c, key, check), made;
-	if (r && !fc_copy_intact(&c->tiers[r->tier], name, len, r->ino, r->size)) {
+	if (r && !fc_copy_intact(&c->tiers[r->tier], name, len, r->ino, r->size, &r->intact_ns)) {
 		// Truncated in place by someone, or evicted: never touched again (SIGBUS), and
 		// looked up anew.
 		range_drop(c, r);

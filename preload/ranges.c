@@ -266,6 +266,7 @@ struct kept {
 	uint64_t ino;         // its data file's inode number, for fc_listed
 	int tier;
 	struct fc_version ver; // the version of the source the copy was made of (its record)
+	int64_t intact_ns;     // when the copy was last found intact (fc_copy_intact)
 	const uint8_t *map;
 	size_t len;
 };
@@ -331,7 +332,7 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, const s
 		int same = k->key == key && k->check == check;
 		if (same && same_source(&k->ver, src) && (int64_t)k->len == copy_len &&
 		    fc_listed(&shim_tiers[k->tier], key, check, k->ino) &&
-		    fc_copy_intact(&shim_tiers[k->tier], name, len, k->ino, (int64_t)k->len)) {
+		    fc_copy_intact(&shim_tiers[k->tier], name, len, k->ino, (int64_t)k->len, &k->intact_ns)) {
 			put(c, k->map + at, (size_t)n);
 			served[k->tier] += n;
 			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
@@ -376,6 +377,7 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, const s
 		k->ino = hit.ino;
 		k->tier = hit.tier;
 		k->ver = ver;
+		k->intact_ns = 0;
 		k->map = map;
 		k->len = (size_t)copy_len;
 		__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
