@@ -190,7 +190,30 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	ix->len = index_len(buckets);
 	ix->buckets = buckets;
 	ix->counters = c;
+	ix->ino = (uint64_t)st.st_ino;
+	ix->intact_ns = 0;
 	return 0;
+}
+
+// index_intact reports whether the file ix maps is still the tier's index, at least as long
+// as the mapping: one stat of the name (unless one found it so less than FC_INTACT_TRUST_NS
+// ago). Another process of the user can truncate the index (FitCache never does: a server
+// writes a new one and renames it over), and touching a page of the mapping past the new
+// end of the file raises SIGBUS, which code running inside other programs cannot catch:
+// every touch of a mapped index (lookups, hit counters) checks this first. A file found
+// shorter, or another file under the name (a restarted server's new index), is never
+// touched again; the index is mapped anew from the name. What is left is the window after a
+// check (see fclookup.h): a truncation that lands inside it still kills the reader.
+static int index_intact(const struct fc_tier *t, struct fc_index *ix) {
+	int64_t now = fc_monotonic_ns();
+	if (now - __atomic_load_n(&ix->intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
+		return 1;
+	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
+	int intact = syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	             (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
+	if (intact)
+		__atomic_store_n(&ix->intact_ns, now, __ATOMIC_RELAXED);
+	return intact;
 }
 
 static void unmap_index(struct fc_index *ix) {
@@ -214,6 +237,10 @@ static void unmap_index(struct fc_index *ix) {
 // stay until fc_tier_close.
 static struct fc_index *current_index(struct fc_tier *t) {
 	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	if (ix && !index_intact(t, ix)) { // truncated or replaced: let go of it (kept mapped, untouched)
+		__atomic_compare_exchange_n(&t->index, &ix, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+		ix = NULL;
+	}
 	if (ix && !rd32(ix->base + HDR_RETIRED))
 		return ix;
 	int64_t now = fc_monotonic_ns();
@@ -224,6 +251,8 @@ static struct fc_index *current_index(struct fc_tier *t) {
 	    !__atomic_compare_exchange_n(&t->remapping, &started, now, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
 		return ix; // another thread is mapping it
 	ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // what that thread may have mapped
+	if (ix && !index_intact(t, ix))
+		ix = NULL;
 	int slot = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
 	struct fc_index fresh;
 	if (ix && !rd32(ix->base + HDR_RETIRED)) {
@@ -408,24 +437,120 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 	return -ENOENT;
 }
 
+// Record layout (tiers/record.go).
+#define RECORD_MAGIC "FCRECORD"
+#define RECORD_VERSION 4
+#define RECORD_PREFIX ".rec-"
+
+// pread_all reads n bytes at off of fd into p: 0, or -1 for an error or a short file.
+static int pread_all(int fd, void *p, size_t n, off_t off) {
+	size_t done = 0;
+	while (done < n) {
+		ssize_t k = pread(fd, (char *)p + done, n - done, off + (off_t)done);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return -1;
+		done += (size_t)k;
+	}
+	return 0;
+}
+
+static uint64_t le64(const uint8_t *p) {
+	uint64_t v;
+	memcpy(&v, p, 8);
+	return v;
+}
+
+int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char *path, size_t len,
+                    struct fc_version *v) {
+	int saved = errno, ok = 0;
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	char rel[MAX_NAME_BYTES + 32], rec[MAX_NAME_BYTES + 40];
+	int n = rel_path(path, len, key, rel, sizeof rel);
+	if (n < 0)
+		goto out;
+	// "ab/cd/" RECORD_PREFIX "<key>-<name>": the record beside the data file.
+	memcpy(rec, rel, 6);
+	memcpy(rec + 6, RECORD_PREFIX, sizeof RECORD_PREFIX - 1);
+	memcpy(rec + 6 + sizeof RECORD_PREFIX - 1, rel + 6, (size_t)n - 6 + 1);
+	struct fc_tier *t = &tiers[hit->tier];
+	int fd = open_beneath(t->dirfd, rec, O_CLOEXEC);
+	if (fd < 0)
+		goto out;
+	struct stat st;
+	uint8_t head[16], buf[512], tail[40];
+	uint32_t version, plen, glen;
+	ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && pread_all(fd, head, sizeof head, 0) == 0;
+	if (ok) {
+		memcpy(&version, head + 8, 4);
+		memcpy(&plen, head + 12, 4);
+		ok = memcmp(head, RECORD_MAGIC, 8) == 0 && version == RECORD_VERSION && plen == len;
+	}
+	for (size_t at = 0; ok && at < len; at += sizeof buf) { // the source path, compared
+		size_t k = len - at < sizeof buf ? len - at : sizeof buf;
+		ok = pread_all(fd, buf, k, (off_t)(16 + at)) == 0 && memcmp(buf, path + at, k) == 0;
+	}
+	ok = ok && pread_all(fd, &glen, 4, (off_t)(16 + len)) == 0 && glen <= 2 * FC_PATH_MAX &&
+	     pread_all(fd, tail, sizeof tail, (off_t)(20 + len + glen)) == 0;
+	// size, mtime, ctime, srcIno, ino: the record of this very data file
+	ok = ok && le64(tail) == (uint64_t)hit->size && (int64_t)le64(tail + 8) == hit->mtime_ns &&
+	     le64(tail + 32) == hit->ino;
+	if (ok) {
+		v->mtime_ns = (int64_t)le64(tail + 8);
+		v->ctime_ns = (int64_t)le64(tail + 16);
+		v->ino = le64(tail + 24);
+	}
+	close(fd);
+out:
+	errno = saved;
+	return ok ? 0 : -1;
+}
+
+int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size, int64_t *intact_ns) {
+	int64_t now = fc_monotonic_ns();
+	if (now - __atomic_load_n(intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
+		return 1;
+	int saved = errno;
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	char rel[MAX_NAME_BYTES + 32];
+	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
+	int intact = t->dirfd >= 0 && rel_path(path, len, key, rel, sizeof rel) >= 0 &&
+	             syscall(SYS_newfstatat, t->dirfd, rel, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	             (uint64_t)st.st_ino == ino && (int64_t)st.st_size >= size;
+	if (intact)
+		__atomic_store_n(intact_ns, now, __ATOMIC_RELAXED);
+	errno = saved;
+	return intact;
+}
+
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
+	int saved = errno;
 	const struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	struct slot s;
-	return ix && index_find(ix, key, check, &s) && s.ino == ino;
+	int listed = ix && index_find(ix, key, check, &s) && s.ino == ino;
+	errno = saved;
+	return listed;
 }
 
 void fc_count_source(struct fc_tier *t, int64_t bytes) {
-	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	int saved = errno;
+	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	if (ix) {
 		__atomic_fetch_add(&ix->counters[2], 1, __ATOMIC_RELAXED);
 		__atomic_fetch_add(&ix->counters[3], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}
+	errno = saved;
 }
 
 void fc_count_hit(struct fc_tier *t, int64_t bytes) {
-	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	int saved = errno;
+	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	if (ix) {
 		__atomic_fetch_add(&ix->counters[0], 1, __ATOMIC_RELAXED);
 		__atomic_fetch_add(&ix->counters[1], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}
+	errno = saved;
 }

@@ -57,6 +57,8 @@ struct fc_index {
 	size_t len;
 	uint32_t buckets;   /* from the header, checked against len */
 	uint64_t *counters; /* the page of hit counters, mapped writable */
+	uint64_t ino;       /* the index file's inode number: see index_intact in fclookup.c */
+	int64_t intact_ns;  /* CLOCK_MONOTONIC time it was last found intact (atomic) */
 	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */
 };
 
@@ -95,6 +97,18 @@ struct fc_hit {
 	uint64_t ino;     /* the cached file's inode number (see fc_listed) */
 };
 
+/* Every touch of a tier's mapped index (fc_lookup, fc_listed, the counters) first checks with
+ * one stat that the file is still as long as the mapping and under the index's name:
+ * another process of the user can truncate it, and a page touched past the new end would
+ * kill the program with SIGBUS (a signal code inside other programs cannot catch). An index
+ * found truncated or replaced is let go and mapped anew; meanwhile lookups miss. A file found
+ * intact is trusted for FC_INTACT_TRUST_NS: a stat costs about 1 us (against some 9 us for a
+ * whole hit of 64 KiB), and a reader that touches the index every few microseconds pays one
+ * per FC_INTACT_TRUST_NS, not one per touch. So a truncation within that time of a check
+ * still kills the reader: a window kept short, against a process of the same user, which
+ * could as well kill the reader with a signal. */
+#define FC_INTACT_TRUST_NS 100000LL
+
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
  * fastest first. On a hit, returns 0 and fills *hit; on a miss, returns -ENOENT. Any other
  * problem (a tier without index, a file replaced behind the index's back) is a miss too,
@@ -106,11 +120,40 @@ struct fc_hit {
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit);
 
+/* The version of a source file a cached copy holds, as its record gives it: what tells two
+ * versions of the file apart (a rewrite in place that keeps the size and puts the
+ * modification time back still moves the change time). ctime_ns 0 is unknown (a copy sent
+ * by another server may lack it). */
+struct fc_version {
+	int64_t mtime_ns, ctime_ns;
+	uint64_t ino; /* the source's inode number, 0 if unknown */
+};
+
+/* Reads the version of the source that the copy fc_lookup found as hit, for the clean path
+ * (len bytes) it was looked up by, from the copy's record in the tier (tiers/record.go):
+ * some system calls (open, fstat, a few preads), no allocation. Returns 0, or -1 when the
+ * record is missing, or is not that of this copy (the caller then takes the copy's version
+ * for unknown). */
+int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char *path, size_t len,
+                    struct fc_version *v);
+
 /* Whether tier t's index still lists the copy with hashes (key, check) and data file inode
  * ino (as fc_lookup found it), whatever its session: a reader that keeps a cached copy open
  * or mapped lets go of one no longer listed (evicted, removed, found stale), whose pages the
- * reader would otherwise keep in use. An index lookup, no system call. */
+ * reader would otherwise keep in use. An index lookup, after one stat of the index file (see
+ * below). */
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
+
+/* Whether the cached copy of the clean path (len bytes) in tier t is still the file with
+ * data file inode ino that a reader mapped, at least size bytes long: one stat, unless
+ * *intact_ns (the CLOCK_MONOTONIC time the caller's mapping was last found intact, updated
+ * here atomically) is less than FC_INTACT_TRUST_NS old. A reader that keeps a copy mapped
+ * checks it before each copy from the mapping: another process of the user can truncate a
+ * cached file in place (FitCache never does), and a page touched past the new end would
+ * kill the program with SIGBUS. As for the index, a truncation within FC_INTACT_TRUST_NS of
+ * a check still does. An evicted copy (unlinked) is no longer intact either: the caller
+ * looks it up anew. */
+int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size, int64_t *intact_ns);
 
 /* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);

@@ -221,7 +221,12 @@ int64_t fc_pread(int64_t handle, const char *path, void *buf, int64_t len, int64
 	int64_t got;
 	// In a process forked after load, a block not cached is asked of the server in C (Go
 	// cannot run there); elsewhere Go reads it from the source at once while it is cached.
-	if (len > 0 && hit_pread(handle, path, buf, len, off, forked(), &got) == 0) return got;
+	int rc = len > 0 ? hit_pread(handle, path, buf, len, off, forked(), &got) : FC_MISS;
+	if (rc == 0) return got;
+	if (rc == -EAGAIN) {
+		snprintf(errmsg, sizeof errmsg, "fc_pread %s: source file changed while being read", path);
+		return rc;
+	}
 	if (forked()) return -ECHILD;
 	return goPread(handle, (char *)path, buf, len, off);
 }

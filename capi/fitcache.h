@@ -76,7 +76,9 @@ int fc_prefetch_epochs(int64_t handle, int count, const char *const *paths, int 
 int fc_release(int64_t buffer);
 
 /* Copies up to len bytes of the file at path, from offset off, into the caller's buf.
- * Returns the number of bytes copied (0 at or past the end of the file). */
+ * Returns the number of bytes copied (0 at or past the end of the file). The bytes are of
+ * one version of the file: a range that spans cached blocks of a source rewritten in place
+ * since is read from the source; -EAGAIN when the source changed while it was read. */
 int64_t fc_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off);
 
 /* Stores the size of the file at path in *size. */

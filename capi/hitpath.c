@@ -24,6 +24,33 @@
 #define RANGE_SETS 1024 // cached copies a client keeps mapped for ranges: RANGE_SETS sets of
 #define RANGE_WAYS 4    // RANGE_WAYS (see hit_pread): 4,096, 16 GiB of 4 MiB blocks
 
+// The version of the source a piece of a range was read from (see hit_pread): known 0 for
+// a copy whose record could not be read, which matches nothing.
+struct piece_version {
+	int known;
+	struct fc_version v;
+};
+
+// same_version reports whether two pieces of a range may be of one version of the file: a
+// field one of them does not know (0) is not compared.
+static int same_version(const struct piece_version *a, const struct piece_version *b) {
+	return a->known && b->known && a->v.mtime_ns == b->v.mtime_ns &&
+	       (a->v.ctime_ns == 0 || b->v.ctime_ns == 0 || a->v.ctime_ns == b->v.ctime_ns) &&
+	       (a->v.ino == 0 || b->v.ino == 0 || a->v.ino == b->v.ino);
+}
+
+// fd_version returns in *p the version of the open file fd now.
+static int fd_version(int fd, struct piece_version *p) {
+	struct stat st;
+	if (fstat(fd, &st) != 0)
+		return -1;
+	*p = (struct piece_version){.known = 1,
+	                           .v = {.mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
+	                                 .ctime_ns = (int64_t)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec,
+	                                 .ino = (uint64_t)st.st_ino}};
+	return 0;
+}
+
 // A cached copy (a whole file or a block) kept mapped for ranges: a range of it is a copy
 // from memory, without a system call (a page not yet touched by this process costs a fault,
 // which maps the pages around it too). A copy never changes once published (a new copy is a
@@ -37,6 +64,8 @@ struct range_map {
 	uint64_t ino; // of the data file mapped, to tell whether the tier still lists it
 	int tier;
 	int refs; // readers copying from it: an entry is replaced only when it has none
+	struct piece_version ver; // the version of the source the copy holds
+	int64_t intact_ns;        // when the copy was last found intact (fc_copy_intact; atomic)
 };
 
 // The source of a large file whose blocks the server has no room for: the ranges of its
@@ -647,12 +676,26 @@ static void range_give(struct hit_client *c, struct range_map *r) {
 	pthread_mutex_unlock(&c->ranges_mu);
 }
 
+// range_drop gives back a reference from range_take and lets go of the entry, unless
+// another reader uses it (its last range_take then finds it not intact and drops it).
+static void range_drop(struct hit_client *c, struct range_map *r) {
+	struct range_map old = {0};
+	pthread_mutex_lock(&c->ranges_mu);
+	if (--r->refs == 0) {
+		old = *r;
+		*r = (struct range_map){0};
+	}
+	pthread_mutex_unlock(&c->ranges_mu);
+	if (old.data)
+		munmap((void *)old.data, (size_t)old.size);
+}
+
 // range_keep keeps data, a mapping of size bytes just made of the copy (key, check), in an
 // entry of its set that no reader uses (unmapping the one it held), with a reference taken;
 // it returns the entry, or NULL when every entry of the set is in use (the caller then
 // unmaps data itself).
 static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t check, const char *data,
-                                    int64_t size, uint64_t ino, int tier) {
+                                    int64_t size, uint64_t ino, int tier, struct piece_version ver) {
 	struct range_map *set = range_set(c, key), *r = NULL;
 	struct range_map old = {0};
 	pthread_mutex_lock(&c->ranges_mu);
@@ -667,7 +710,7 @@ static struct range_map *range_keep(struct hit_client *c, uint64_t key, uint64_t
 	if (r) {
 		old = *r;
 		*r = (struct range_map){.key = key, .check = check, .data = data, .size = size, .ino = ino, .tier = tier,
-		                        .refs = 1};
+		                        .refs = 1, .ver = ver};
 		c->ranges_turn++;
 	}
 	pthread_mutex_unlock(&c->ranges_mu);
@@ -709,24 +752,32 @@ static void range_sweep(struct hit_client *c) {
 // mapping kept (range_take) or made now, and adds them to served[its tier]; it returns the
 // bytes copied (fewer than n at the end of the copy), -FC_MISS when no tier holds the copy
 // (checked in the client's session, with require_session: without, a copy the server has
-// just said it holds, as for hit_read_fetched), or -EIO.
+// just said it holds, as for hit_read_fetched), or -EIO. *ver (may be NULL) is set to the
+// version of the source the copy holds, read from its record when it is mapped.
 static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t len, char *p, size_t n, off_t off,
-                         int require_session, int64_t *served) {
+                         int require_session, int64_t *served, struct piece_version *ver) {
 	uint64_t key, check;
 	fc_hashes(name, len, &key, &check);
 	struct range_map *r = range_take(c, key, check), made;
+	if (r && !fc_copy_intact(&c->tiers[r->tier], name, len, r->ino, r->size, &r->intact_ns)) {
+		// Truncated in place by someone, or evicted: never touched again (SIGBUS), and
+		// looked up anew.
+		range_drop(c, r);
+		r = NULL;
+	}
 	if (!r) {
 		struct fc_hit h;
 		if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, require_session, &h) != 0)
 			return -FC_MISS;
 		made = (struct range_map){.size = h.size, .tier = h.tier};
+		made.ver.known = fc_copy_version(c->tiers, &h, name, len, &made.ver.v) == 0;
 		if (h.size > 0) {
 			void *m = mmap(NULL, (size_t)h.size, PROT_READ, MAP_SHARED, h.fd, 0);
 			close(h.fd);
 			if (m == MAP_FAILED)
 				return -EIO;
 			made.data = m;
-			r = range_keep(c, key, check, m, h.size, h.ino, h.tier);
+			r = range_keep(c, key, check, m, h.size, h.ino, h.tier, made.ver);
 		} else {
 			close(h.fd);
 		}
@@ -736,6 +787,8 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 	if (k > 0)
 		memcpy(p, use->data + off, k);
 	int tier = use->tier;
+	if (ver)
+		*ver = use->ver;
 	if (r)
 		range_give(c, r);
 	else if (made.data)
@@ -749,9 +802,11 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 // there is one still valid; it returns the bytes read, or -FC_MISS. *sequential (may be NULL)
 // says whether the read this range is part of, which began at call_off, began where the last
 // range read from the source ended: a range that spans two blocks is two ranges here, and the
-// second is no sign of a reader in sequence.
+// second is no sign of a reader in sequence. With ver (may be NULL: a range that is the
+// read's only piece), it returns in *ver the version of the file the bytes are of, and
+// -EAGAIN when the file changed while they were read (fstat before and after).
 static ssize_t read_source_range(struct hit_client *c, const char *path, size_t len, char *p, size_t n, off_t off,
-                                 off_t call_off, int *sequential) {
+                                 off_t call_off, int *sequential, struct piece_version *ver) {
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
 	int64_t now = fc_monotonic_ns();
@@ -769,7 +824,10 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 		return -FC_MISS;
 	size_t done = 0;
 	int failed = 0; // an error is no end of file: the range is left to the caller's fallback
-	while (done < n) {
+	struct piece_version after;
+	if (ver && fd_version(s->fd, ver) != 0)
+		failed = 1;
+	while (done < n && !failed) {
 		ssize_t k = pread(s->fd, p + done, n - done, off + (off_t)done);
 		if (k < 0 && errno == EINTR)
 			continue;
@@ -778,6 +836,8 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 			break;
 		done += (size_t)k;
 	}
+	int changed = ver && !failed && (fd_version(s->fd, &after) != 0 || after.v.mtime_ns != ver->v.mtime_ns ||
+	                                 after.v.ctime_ns != ver->v.ctime_ns || after.v.ino != ver->v.ino);
 	pthread_mutex_lock(&c->ranges_mu);
 	s->refs--;
 	if (sequential)
@@ -786,6 +846,8 @@ static ssize_t read_source_range(struct hit_client *c, const char *path, size_t 
 	pthread_mutex_unlock(&c->ranges_mu);
 	if (failed)
 		return -FC_MISS;
+	if (changed)
+		return -EAGAIN;
 	__atomic_fetch_add(&c->source_ranges, 1, __ATOMIC_RELAXED);
 	if (c->ntiers > 0) // in the server's statistics too: a forked reader has no Go to report it
 		fc_count_source(&c->tiers[0], (int64_t)done);
@@ -879,13 +941,22 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 	// here (the server has no room for its blocks: fcHitSetSource); else Go serves the range.
 	int64_t bb = __atomic_load_n(&c->block_bytes, __ATOMIC_RELAXED), done = 0;
 	ssize_t k = -FC_MISS;
+	// The pieces of a range that spans blocks must be of one version of the file: a block
+	// cached before the source was rewritten in place (same size, even the same mtime: the
+	// change time tells) is never followed by bytes of the new version read from the
+	// source. Each piece's version is kept (a copy's from its record, a source range's from
+	// fstat around its read), and a range of pieces of two versions is read again from the
+	// source alone.
+	int pieces = bb > 0 && len > 0 && (off + len - 1) / bb != off / bb, mixed = 0;
+	struct piece_version first = {0}, v;
 	while (bb > 0 && done < len) {
 		int64_t at = off + done, block = at / bb, within = at % bb;
 		int64_t want = len - done < bb - within ? len - done : bb - within;
 		size_t namelen = fc_block_name(name, (size_t)n, bb, block);
-		k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 1, served);
+		v = (struct piece_version){0};
+		k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 1, served, &v);
 		if (k == -FC_MISS && ask && done == 0) {
-			k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served); // a whole copy
+			k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served, NULL); // a whole copy
 			if (k >= 0) {
 				done = k;
 				break;
@@ -899,7 +970,7 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 			// the server caches whole) are asked for below, and waited for.
 			int sequential = 0;
 			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)at, (off_t)off,
-			                      &sequential);
+			                      &sequential, pieces ? &v : NULL);
 			if (k > 0 && heat && fc_heat_read(fc_heat_of(heat, name, namelen), k, bb, sequential))
 				node_tell(c, FC_NODE_OP_CACHE_BLOCK, name, namelen);
 		}
@@ -907,31 +978,55 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 			int asked = node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg);
 			if (asked == FC_DIRECT && node_fetch(c, FC_NODE_OP_FETCH, name, (size_t)n, msg) == 0) {
 				// A file read whole: its copy serves the range.
-				k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 0, fetched);
+				k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 0, fetched, NULL);
 				if (k >= 0)
 					done = k;
 				break;
 			}
 			if (asked == 0)
-				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
+				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched,
+				              &v);
 		} else if (k == -FC_MISS && ask) {
 			if (node_fetch(c, FC_NODE_OP_FETCH_BLOCK, name, namelen, msg) == 0)
-				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched);
+				k = read_copy(c, nt, name, namelen, (char *)buf + done, (size_t)want, (off_t)within, 0, fetched,
+				              &v);
 		}
 		if (k == -FC_MISS) // a block the server has no room for: from the source Go left here
-			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at), (off_t)off, NULL);
+			k = read_source_range(c, name, (size_t)n, (char *)buf + done, (size_t)want, (off_t)(at), (off_t)off, NULL,
+			                      pieces ? &v : NULL);
 		if (k < 0)
 			break;
+		if (done == 0)
+			first = v;
+		else if (!same_version(&first, &v))
+			mixed = 1;
 		done += k;
 		if (k < want)
 			break; // the end of the file
 	}
+	if (k == -EAGAIN) { // the source changed while a piece was read from it
+		rc = -EAGAIN;
+		goto out;
+	}
 	if (k < 0) {
 		if (done > 0 || k != -FC_MISS || ask)
 			goto out;
-		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served)) < 0) // a whole copy
+		if ((k = read_copy(c, nt, name, (size_t)n, buf, (size_t)len, (off_t)off, 1, served, NULL)) < 0) // a whole copy
 			goto out;
 		done = k;
+	}
+	if (mixed) {
+		// Read again from the source alone, checked not to change meanwhile. Without ask (a
+		// process that runs Go), Go does it, as it does for its own pieces.
+		if (!ask || open_source(c, name, (size_t)n) != 1)
+			goto out;
+		k = read_source_range(c, name, (size_t)n, buf, (size_t)done, (off_t)off, (off_t)off, NULL, &v);
+		if (k < 0) {
+			rc = k == -EAGAIN ? -EAGAIN : rc;
+			goto out;
+		}
+		done = k;
+		memset(served, 0, sizeof served);
 	}
 	*got = done;
 	rc = 0;

@@ -86,9 +86,11 @@ bool hit_node_opens(int64_t handle);
  * (FC_NODE_OP_CACHE_BLOCK) once worth it (capi/fcheat.h); a block the tiers list unchecked
  * for this job, and a file under 8 MiB (cached whole), are asked for and waited for
  * (FC_NODE_OP_FETCH_BLOCK). Returns 0
- * with the bytes read in *got (fewer than len only at the end of the file), or FC_MISS when
- * a copy the range needs is not cached here (Go then serves the whole range). Like hit_read,
- * it works in a process forked after load. */
+ * with the bytes read in *got (fewer than len only at the end of the file), FC_MISS when
+ * a copy the range needs is not cached here (Go then serves the whole range), or -EAGAIN
+ * when the source changed while a range of it was read. A range is never served from pieces
+ * of two versions of the file: one that would be is read from the source alone (by Go
+ * without ask). Like hit_read, it works in a process forked after load. */
 int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t off, int ask, int64_t *got);
 
 /* Gives the hit path fd, the source of the large file at the clean absolute path path whose

@@ -50,7 +50,7 @@ func (c *Client) ReadAt(path string, p []byte, off int64) (int, error) {
 func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 	dirs := c.localDirs()
 	c.ranges.sweep(dirs)
-	if k, ok, err := c.readCopy(dirs, path+wholeSuffix, path, p, off); ok {
+	if k, _, ok, err := c.readCopy(dirs, path+wholeSuffix, path, p, off); ok {
 		return k, err
 	}
 	plan := c.blockPlan()
@@ -78,21 +78,98 @@ func (c *Client) readAt(path string, p []byte, off int64) (int, error) {
 		c.counts.sourceRangeBytes.Add(int64(k))
 		return k, err
 	}
-	done := 0
+	// A range may span blocks, each read from a cached copy or from the source: all its
+	// pieces must be of one version of the file. A block cached before the source was
+	// rewritten in place (same size, even the same mtime) must not be followed by bytes of
+	// the new version read from the source: a range of pieces of two versions is read again
+	// from the source alone.
+	end := min(off+int64(len(p)), src.size)
+	pieces := end > off && (end-1)/plan.bytes != off/plan.bytes
+	var first version
+	mixed, done := false, 0
 	for done < len(p) && off+int64(done) < src.size {
 		at := off + int64(done)
 		n, within := at/plan.bytes, at%plan.bytes
 		want := p[done:min(len(p), done+int(min(plan.bytes-within, src.size-at)))]
-		k, err := c.readBlockRange(plan, dirs, src, path, n, want, within, off)
+		k, v, err := c.readBlockRange(plan, dirs, src, path, n, want, within, off, pieces)
 		if err != nil {
 			return done, err
+		}
+		if done == 0 {
+			first = v
+		} else if !first.same(v) {
+			mixed = true
 		}
 		if k == 0 {
 			break // the file is shorter than it was
 		}
 		done += k
 	}
+	if mixed {
+		k, _, err := readVersion(src.f, p[:done], off)
+		c.counts.sourceRanges.Add(1)
+		c.counts.sourceRangeBytes.Add(int64(k))
+		return k, err
+	}
 	return done, nil
+}
+
+// version tells apart the versions of a source file that the pieces of one range were read
+// from: a cached copy records the version it copies (tiers.CopyIdentity), a range read from the
+// source has the version fstat gives around the read. The size is left out (a block's
+// entry records the block's length); the change time is what tells a rewrite in place
+// that kept the size and put the modification time back. A zero field is unknown (a copy
+// sent by another server may lack the change time) and not compared; a zero version
+// (known false) matches nothing.
+type version struct {
+	known bool
+	mtime int64
+	ctime int64
+	ino   uint64
+}
+
+// same reports whether v and w may be the same version of the file.
+func (v version) same(w version) bool {
+	return v.known && w.known && v.mtime == w.mtime && (v.ctime == 0 || w.ctime == 0 || v.ctime == w.ctime) &&
+		(v.ino == 0 || w.ino == 0 || v.ino == w.ino)
+}
+
+// versionOf returns the version of the open file f now.
+func versionOf(f *os.File) (version, error) {
+	var st unix.Stat_t
+	var err error
+	raw, rerr := f.SyscallConn()
+	if rerr != nil {
+		return version{}, rerr
+	}
+	if rerr = raw.Control(func(fd uintptr) { err = unix.Fstat(int(fd), &st) }); rerr != nil {
+		return version{}, rerr
+	}
+	if err != nil {
+		return version{}, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
+	}
+	return version{known: true, mtime: st.Mtim.Nano(), ctime: st.Ctim.Nano(), ino: st.Ino}, nil
+}
+
+// readVersion reads len(p) bytes of f at off (fewer only at the end of the file), and
+// returns the version they are of: core.ErrChanged when the file changed during the read.
+func readVersion(f *os.File, p []byte, off int64) (int, version, error) {
+	before, err := versionOf(f)
+	if err != nil {
+		return 0, version{}, err
+	}
+	k, err := readFull(f, p, off)
+	if err != nil {
+		return k, version{}, err
+	}
+	after, err := versionOf(f)
+	if err != nil {
+		return k, version{}, err
+	}
+	if after != before {
+		return k, version{}, fmt.Errorf("%w: %s", core.ErrChanged, f.Name())
+	}
+	return k, before, nil
 }
 
 // wholeSuffix follows a path in the key of its whole copy among rangeFiles (a block's has a
@@ -137,9 +214,9 @@ type blockPlan struct {
 	bytes int64
 	// ask has block n of the file at path cached, sending none of it.
 	ask func(ctx context.Context, path string, n int64) error
-	// fetch reads a range of a block cached off this node into p; nil where every cached
-	// block is in a tier of this node.
-	fetch func(ctx context.Context, path string, n, off int64, p []byte) (int, error)
+	// fetch reads a range of a block cached off this node into p, and returns the version
+	// of the source the block holds; nil where every cached block is in a tier of this node.
+	fetch func(ctx context.Context, path string, n, off int64, p []byte) (int, version, error)
 	// check asks the server of this node for a block its tiers list unchecked for this
 	// job (see readBlockRange); nil in cluster mode, where fetch serves it.
 	check func(ctx context.Context, path string, n int64) bool
@@ -195,12 +272,12 @@ func (r *nodeRouter) blockPlan(c *Client) *blockPlan {
 			_, err := home.rpc.ReadBlockRange(ctx, c.root, path, bb, n, 0, 0, true)
 			return failed(err)
 		},
-		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, error) {
+		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, version, error) {
 			reply, err := home.rpc.ReadBlockRange(ctx, c.root, path, bb, n, off, int64(len(p)), true)
 			if err != nil {
-				return 0, failed(err)
+				return 0, version{}, failed(err)
 			}
-			return copy(p, reply.Data), nil
+			return copy(p, reply.Data), versionOfReply(reply), nil
 		}}
 }
 
@@ -215,13 +292,18 @@ func (r *clusterRouter) blockPlan(c *Client) *blockPlan {
 			_, _, err := c.askOwner(ctx, bb, path, n, 0, 0, false)
 			return err
 		},
-		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, error) {
+		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, version, error) {
 			reply, _, err := c.askOwner(ctx, bb, path, n, off, int64(len(p)), false)
 			if err != nil {
-				return 0, err
+				return 0, version{}, err
 			}
-			return copy(p, reply.Data), nil
+			return copy(p, reply.Data), versionOfReply(reply), nil
 		}}
+}
+
+// versionOfReply returns the version of the source a block sent by a server holds.
+func versionOfReply(r *fitcachepb.ReadReply) version {
+	return version{known: true, mtime: r.MtimeNanos, ctime: r.CtimeNanos, ino: uint64(r.Inode)}
 }
 
 // askOwner asks the server that owns block n (of bb bytes) of the file at path on the ring
@@ -376,52 +458,75 @@ const sourceKeep = 5 * time.Second
 // holder (plan.fetch); else from the source src, asking for the block to be cached. A block
 // the tiers list but not for this job's session yet (a new job over a warm cache) is asked
 // for at once: the server checks it against the source (one look per file) and answers, and
-// the range is served from it. callOff is where the ReadAt this range is part of began.
+// the range is served from it. callOff is where the ReadAt this range is part of began. It
+// also returns the version of the file the bytes are of; with pieces (the ReadAt reads
+// other blocks too, whose versions are compared), a range read from the source is
+// checked not to change while it is read (fstat before and after: core.ErrChanged).
 func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFile, path string, n int64, p []byte,
-	within, callOff int64) (int, error) {
+	within, callOff int64, pieces bool) (int, version, error) {
 	name := tiers.BlockName(path, plan.bytes, n)
-	if k, ok, err := c.readCopy(dirs, name, name, p, within); ok {
-		return k, err
+	if k, v, ok, err := c.readCopy(dirs, name, name, p, within); ok {
+		return k, v, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
 	defer cancel()
 	if plan.check != nil && tiers.Listed(anySession(dirs), name) && plan.check(ctx, path, n) {
-		if k, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {
-			return k, err
+		if k, v, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {
+			return k, v, err
 		}
 	}
 	if plan.fetch != nil && c.brings.cachedElsewhere(name) {
-		if k, err := plan.fetch(ctx, path, n, within, p); err == nil {
+		if k, v, err := plan.fetch(ctx, path, n, within, p); err == nil {
 			c.counts.serverReads.Add(1)
-			return k, nil
+			return k, v, nil
 		}
 	}
-	k, err := readFull(src.f, p, n*plan.bytes+within)
+	var k int
+	var v version
+	var err error
+	if pieces {
+		k, v, err = readVersion(src.f, p, n*plan.bytes+within)
+	} else {
+		k, err = readFull(src.f, p, n*plan.bytes+within)
+	}
 	c.counts.sourceRanges.Add(1)
 	c.counts.sourceRangeBytes.Add(int64(k))
 	c.bringBlock(plan, path, n, n*plan.bytes+within, int64(k), callOff)
-	return k, err
+	return k, v, err
 }
 
 // readCopy reads len(p) bytes at off from the cached copy of name (a whole file or a
-// block) in a tier of this node, kept mapped under key; ok is false when no tier has it.
-func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int64) (n int, ok bool, err error) {
+// block) in a tier of this node, kept mapped under key, and returns the version of the
+// source the copy holds; ok is false when no tier has it.
+func (c *Client) readCopy(dirs []tiers.Dir, key, name string, p []byte, off int64) (n int, v version, ok bool, err error) {
 	rf := c.ranges.take(key)
 	if rf == nil {
 		if !tiers.Listed(dirs, name) { // an index lookup: a probe of several tiers is not free
-			return 0, false, nil
+			return 0, version{}, false, nil
 		}
 		m, perr := tiers.Probe(dirs, name)
 		if perr != nil {
-			return 0, false, nil
+			return 0, version{}, false, nil
 		}
-		rf = c.ranges.add(key, &rangeFile{m: m, kind: m.Tier})
+		// The version it copies, from its record, once per mapping: unknown (matching no
+		// other piece) if the record cannot be read.
+		var v version
+		if id, err := tiers.CopyIdentity(dirs, m); err == nil {
+			v = version{known: true, mtime: id.MTimeNanos, ctime: id.CTimeNanos, ino: id.Ino}
+		}
+		rf = c.ranges.add(key, &rangeFile{m: m, kind: m.Tier, ver: v})
 	}
-	n = copyAt(rf.m.Bytes(), p, off)
+	n, cerr := rf.m.CopyAt(p, off)
+	if cerr != nil { // truncated under the mapping by someone: a miss, and the mapping goes
+		c.ranges.forget(key, rf)
+		c.ranges.give(rf)
+		return 0, version{}, false, nil
+	}
+	v = rf.ver
 	c.ranges.give(rf)
 	c.counts.localHits.Add(1)
 	c.pending.add(rf.kind.String(), int64(n))
-	return n, true, nil
+	return n, v, true, nil
 }
 
 // DeclinedSource returns, for the C hit path of libfitcache, a new descriptor (the caller's
@@ -640,6 +745,7 @@ type blockAsk struct {
 // size: its size then).
 type rangeFile struct {
 	m     *tiers.Mapping
+	ver   version // of the source m copies
 	f     *os.File
 	kind  tiers.Kind
 	size  int64
@@ -734,6 +840,15 @@ func (r *rangeFiles) add(key string, rf *rangeFile) *rangeFile {
 	}
 	rf.refs++
 	return rf
+}
+
+// forget stops keeping rf for key, if it is still what key holds.
+func (r *rangeFiles) forget(key string, rf *rangeFile) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.files[key] == rf {
+		r.drop(key)
+	}
 }
 
 // drop stops keeping the entry of key, if any: it is released now, or by its last reader

@@ -23,8 +23,12 @@
  *
  * Safety. A marked descriptor number may come to name another file behind the shim's back
  * (dup2, close_range, a raw close): each read checks that the descriptor is still the file
- * marked (fstat: device and inode) and that a copy matches the source's size and
- * modification time, so a mismatch reads the source. Like the rest of the shim, nothing
+ * marked (fstat: device and inode) and that a copy matches the source's size,
+ * modification time, change time and inode (the copy's record gives them once per mapping),
+ * so a mismatch reads the source: a file rewritten in place, even with its modification time
+ * put back, or replaced, is never served from blocks of another version. A read that took
+ * pieces from copies and from the source is read again from the source alone if fstat finds
+ * the file changed meanwhile. Like the rest of the shim, nothing
  * here allocates, locks or waits for another thread: shared entries are taken by an atomic
  * exchange or guarded by a sequence count, and a thread that finds one busy does without it.
  * A process forked while another thread held an entry does without that entry; the shim's
@@ -261,7 +265,8 @@ struct kept {
 	uint64_t key, check;  // the hashes of the copy's name (fc_hashes)
 	uint64_t ino;         // its data file's inode number, for fc_listed
 	int tier;
-	int64_t mtime_ns;     // the source's modification time the copy was made of
+	struct fc_version ver; // the version of the source the copy was made of (its record)
+	int64_t intact_ns;     // when the copy was last found intact (fc_copy_intact)
 	const uint8_t *map;
 	size_t len;
 };
@@ -302,12 +307,22 @@ static void sweep_kept(void) {
 
 void ranged_sweep(void) { sweep_kept(); }
 
+// same_source reports whether a copy made of version v may serve the source whose version
+// is now src: modification time, change time and inode number (a field the copy's record
+// left 0 is unknown, and not compared). The change time tells a rewrite in place that kept
+// the size and put the modification time back.
+static int same_source(const struct fc_version *v, const struct fc_version *src) {
+	return v->mtime_ns == src->mtime_ns && (v->ctime_ns == 0 || v->ctime_ns == src->ctime_ns) &&
+	       (v->ino == 0 || v->ino == src->ino);
+}
+
 // from_copy copies n bytes at offset at of the cached copy named name (len bytes: a block's
 // name, or the key of a whole file) to the cursor, if a tier holds that copy checked in this
-// run's session, copy_len bytes long and made of the source as modified at mtime_ns (the
-// version the program's descriptor reads). It returns n, or -1 (nothing copied) when there is
-// no such copy; with *unchecked set when the tiers list one not checked in the session.
-static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t mtime_ns, int64_t at,
+// run's session, copy_len bytes long and made of the source version src (the one the
+// program's descriptor reads, as fstat gave it). It returns n, or -1 (nothing copied) when
+// there is no such copy; with *unchecked set when the tiers list one not checked in the
+// session.
+static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, const struct fc_version *src, int64_t at,
                          struct cursor *c, int64_t n, int64_t *served, int *unchecked) {
 	uint64_t key, check;
 	fc_hashes(name, len, &key, &check);
@@ -315,8 +330,9 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 	int expect = KEPT_FULL;
 	if (__atomic_compare_exchange_n(&k->state, &expect, KEPT_BUSY, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
 		int same = k->key == key && k->check == check;
-		if (same && k->mtime_ns == mtime_ns && (int64_t)k->len == copy_len &&
-		    fc_listed(&shim_tiers[k->tier], key, check, k->ino)) {
+		if (same && same_source(&k->ver, src) && (int64_t)k->len == copy_len &&
+		    fc_listed(&shim_tiers[k->tier], key, check, k->ino) &&
+		    fc_copy_intact(&shim_tiers[k->tier], name, len, k->ino, (int64_t)k->len, &k->intact_ns)) {
 			put(c, k->map + at, (size_t)n);
 			served[k->tier] += n;
 			__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
@@ -339,7 +355,9 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 		return -1;
 	}
 	void *map = MAP_FAILED;
-	if (hit.size == copy_len && hit.mtime_ns == mtime_ns && copy_len > 0)
+	struct fc_version ver;
+	if (hit.size == copy_len && copy_len > 0 && fc_copy_version(shim_tiers, &hit, name, len, &ver) == 0 &&
+	    same_source(&ver, src))
 		map = mmap(NULL, (size_t)copy_len, PROT_READ, MAP_SHARED, hit.fd, 0);
 	CALL_NEXT(close, hit.fd);
 	if (map == MAP_FAILED)
@@ -358,7 +376,8 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 		k->check = check;
 		k->ino = hit.ino;
 		k->tier = hit.tier;
-		k->mtime_ns = mtime_ns;
+		k->ver = ver;
+		k->intact_ns = 0;
 		k->map = map;
 		k->len = (size_t)copy_len;
 		__atomic_store_n(&k->state, KEPT_FULL, __ATOMIC_RELEASE);
@@ -378,6 +397,8 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, int64_t
 // the first large open.
 static struct fc_heat *heat_table;              // see heats (atomic)
 static struct fc_heat heat_here[FC_HEAT_PLACES]; // when no shared mapping could be made
+static struct fc_heat *heat_of_file;            // heat_table when it maps the heat file (atomic)
+static uint64_t heat_file_ino;                  // that file's inode number (set before heat_of_file)
 
 // heat_file maps the heat file at heat_path, creating it if it is not there; NULL when there
 // is none, or it is not a regular file of this user of the table's size (or empty: made so).
@@ -396,7 +417,10 @@ static struct fc_heat *heat_file(void) {
 	    (st.st_size == (off_t)FC_HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)FC_HEAT_BYTES) == 0)
 		map = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	CALL_NEXT(close, fd);
-	return map == MAP_FAILED ? NULL : map;
+	if (map == MAP_FAILED)
+		return NULL;
+	__atomic_store_n(&heat_file_ino, (uint64_t)st.st_ino, __ATOMIC_RELAXED);
+	return map;
 }
 
 // heats returns the heat table, mapped on first use.
@@ -404,8 +428,9 @@ static struct fc_heat *heats(void) {
 	struct fc_heat *h = __atomic_load_n(&heat_table, __ATOMIC_ACQUIRE);
 	if (h)
 		return h;
-	int saved = errno;
+	int saved = errno, from_file = 1;
 	if (!(h = heat_file())) {
+		from_file = 0;
 		h = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 		if (h == MAP_FAILED)
 			h = heat_here;
@@ -415,9 +440,44 @@ static struct fc_heat *heats(void) {
 		if (h != heat_here)
 			munmap(h, FC_HEAT_BYTES); // another thread mapped it first
 		h = was;
+	} else if (from_file) {
+		__atomic_store_n(&heat_of_file, h, __ATOMIC_RELEASE);
 	}
 	errno = saved;
 	return h;
+}
+
+// heats_to_touch returns the heat table for a read or write of it. The heat file is the
+// user's: another of their processes can truncate it, and touching a page of the mapping
+// past the new end would kill the program with SIGBUS (a signal code inside other programs
+// cannot catch). So a table mapped from the file is used only after one stat finds the file
+// still under its name and whole; one found truncated or replaced is let go for good (kept
+// mapped, never touched again), and the heat is shared in memory from then on, with the
+// processes forked after. A truncation between the check and the touch (a few hundred
+// nanoseconds) still kills the program.
+static struct fc_heat *heats_to_touch(void) {
+	struct fc_heat *h = heats();
+	if (h != __atomic_load_n(&heat_of_file, __ATOMIC_ACQUIRE))
+		return h;
+	int saved = errno;
+	struct stat st; // a system call: the shim's own stat wrappers are not for it
+	if (syscall(SYS_newfstatat, AT_FDCWD, heat_path, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	    (uint64_t)st.st_ino == __atomic_load_n(&heat_file_ino, __ATOMIC_RELAXED) && st.st_size >= (off_t)FC_HEAT_BYTES) {
+		errno = saved;
+		return h;
+	}
+	struct fc_heat *mem = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (mem == MAP_FAILED)
+		mem = heat_here;
+	struct fc_heat *was = h;
+	if (__atomic_compare_exchange_n(&heat_table, &was, mem, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		__atomic_store_n(&heat_of_file, NULL, __ATOMIC_RELEASE);
+		was = mem;
+	} else if (mem != heat_here) {
+		munmap(mem, FC_HEAT_BYTES); // another thread let go of the file first
+	}
+	errno = saved;
+	return was;
 }
 
 // When this process last had the server check a block the tiers list but have not checked in
@@ -526,7 +586,11 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 		}
 	}
 	sweep_kept();
-	int64_t size = st.st_size, mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+	int64_t size = st.st_size;
+	struct fc_version src = {.mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
+	                         .ctime_ns = (int64_t)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec,
+	                         .ino = (uint64_t)st.st_ino};
+	int copied = 0, read_source = 0; // pieces of the read served from copies, read from the source
 	int64_t end = (int64_t)total < size - off ? off + (int64_t)total : size, at = off;
 	int sequential = off > 0 && off == __atomic_load_n(&m.f->next, __ATOMIC_RELAXED);
 	int64_t served[FC_MAX_TIERS] = {0};
@@ -538,16 +602,19 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 		int64_t block_len = size - block * block_bytes < block_bytes ? size - block * block_bytes : block_bytes;
 		size_t namelen = fc_block_name(m.name, m.keylen, block_bytes, block);
 		int unchecked = 0;
-		k = from_copy(m.name, namelen, block_len, mtime, within, &c, n, served, &unchecked);
+		k = from_copy(m.name, namelen, block_len, &src, within, &c, n, served, &unchecked);
 		if (k < 0 && !m.ask) // a file being cached whole: its copy, once made
-			k = from_copy(m.name, m.keylen, size, mtime, at, &c, n, served, &unchecked);
+			k = from_copy(m.name, m.keylen, size, &src, at, &c, n, served, &unchecked);
 		if (k < 0 && unchecked && check_turn(m.name, namelen) && check_block(&m, m.name, namelen) == 0)
-			k = from_copy(m.name, namelen, block_len, mtime, within, &c, n, served, &unchecked);
+			k = from_copy(m.name, namelen, block_len, &src, within, &c, n, served, &unchecked);
+		copied |= k >= 0;
 		if (k < 0) {
+			read_source = 1;
 			k = from_source(fd, &c, n, at);
 			if (k > 0 && shim_ntiers > 0)
 				fc_count_source(&shim_tiers[0], k);
-			if (k > 0 && m.ask && fc_heat_read(fc_heat_of(heats(), m.name, namelen), k, block_bytes, sequential))
+			if (k > 0 && m.ask &&
+			    fc_heat_read(fc_heat_of(heats_to_touch(), m.name, namelen), k, block_bytes, sequential))
 				ask_block(&m, m.name, namelen);
 		}
 		if (k <= 0)
@@ -555,6 +622,19 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 		at += k;
 		if (k < n)
 			break; // the end of the file, which moved
+	}
+	// Copies were checked against the source's version as fstat gave it when the read
+	// began; a read that also read the source is checked again: a source rewritten in
+	// place meanwhile would have given it pieces of two versions, so it is read again from
+	// the source alone, as the kernel would have read it.
+	struct stat now;
+	if (copied && read_source && at > off &&
+	    (fstat(fd, &now) != 0 || now.st_mtim.tv_sec != st.st_mtim.tv_sec || now.st_mtim.tv_nsec != st.st_mtim.tv_nsec ||
+	     now.st_ctim.tv_sec != st.st_ctim.tv_sec || now.st_ctim.tv_nsec != st.st_ctim.tv_nsec)) {
+		struct cursor again = {.iov = iov, .n = cnt};
+		k = from_source(fd, &again, at - off, off);
+		at = k < 0 ? off : off + k;
+		memset(served, 0, sizeof served);
 	}
 	for (int i = 0; i < shim_ntiers; i++)
 		if (served[i] > 0)

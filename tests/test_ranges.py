@@ -419,3 +419,214 @@ def test_the_shims_diagnostics_say_what_it_did(large_file, small_tiers):
                             os.path.join(root, "big.bin"), os.path.join(root, "written.bin")],
                            env=command_env(small_tiers), capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0 and "fitcache preload[" not in quiet.stderr, quiet.stderr
+
+
+# --- a source rewritten in place while its blocks are read ----------------------------------
+
+
+def rewrite_in_place(path, data, keep_mtime):
+    """Rewrites the file at path in place with data (of its size); with keep_mtime, puts its
+    modification time back (as `cp -p` or `touch -r` would), so that only its change time
+    tells the versions apart."""
+    was = os.stat(path)
+    time.sleep(0.02)  # past the kernel's clock tick: the change time moves
+    with open(path, "r+b") as f:
+        f.write(data)
+    if keep_mtime:
+        os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+    now = os.stat(path)
+    assert now.st_size == was.st_size and now.st_ino == was.st_ino and now.st_ctime_ns != was.st_ctime_ns
+    assert (now.st_mtime_ns == was.st_mtime_ns) == keep_mtime
+
+
+def cache_first_blocks(client, blocks):
+    """Reads the first blocks of big.bin in sequence through client (each is asked for at
+    once) and waits until the server has cached them."""
+    for b in range(blocks):
+        client.pread("big.bin", BLOCK, b * BLOCK)
+    deadline = time.monotonic() + 30
+    while client.stats()["server"]["published"] < blocks:
+        assert time.monotonic() < deadline, f"blocks 0-{blocks - 1} were not cached"
+        time.sleep(0.1)
+
+
+# A range across the end of block 3 (cached before the rewrite) into block 4 (never cached).
+SPAN = (4 * BLOCK - 1000, 2000)
+
+
+def version_of(got, old, new, off, n):
+    """Which version of the file the bytes got of the range (off, n) are: 'old', 'new' or 'mixed'."""
+    return "old" if got == old[off:off + n] else "new" if got == new[off:off + n] else "mixed"
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["new-mtime", "same-mtime"])
+def test_a_range_never_mixes_blocks_of_a_source_rewritten_in_place(large_file, small_tiers, keep_mtime):
+    """Blocks 0-3 of a file are cached, then the source is rewritten in place (same size, same
+    inode, with or without its modification time put back): a range that spans cached block 3
+    and block 4, read from the source, has the bytes of one version, or fails with EAGAIN --
+    through Go (Client.pread) and in C, in a process forked after load. Before, it had block
+    3's old bytes followed by block 4's new ones."""
+    root, old = large_file
+    new = random.Random(7).randbytes(len(old))
+    off, n = SPAN
+    code = f"""
+import errno, os, sys, fitcache
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_ranges import cache_first_blocks, rewrite_in_place, version_of
+old = open({root!r} + "/big.bin", "rb").read()
+new = __import__("random").Random(7).randbytes(len(old))
+c = fitcache.Client({root!r}, **{small_tiers!r})
+cache_first_blocks(c, 4)
+assert c.pread("big.bin", 100, 3 * {BLOCK}) == old[3 * {BLOCK}:3 * {BLOCK} + 100]
+rewrite_in_place({root!r} + "/big.bin", new, {keep_mtime!r})
+
+def outcome():
+    try:
+        return version_of(c.pread("big.bin", {n}, {off}), old, new, {off}, {n})
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # C alone: cached block 3, block 4 from the source
+    os.write(w, outcome().encode())
+    os._exit(0)
+os.close(w)
+os.waitpid(pid, 0)
+child = os.read(r, 100).decode()
+print(child, outcome())  # the parent: Go
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    child, parent = out.stdout.split()[-2:]
+    assert (child, parent) in {(a, b) for a in ("old", "new", "EAGAIN") for b in ("old", "new", "EAGAIN")}, \
+        f"forked child (C): {child}, parent (Go): {parent}"
+
+
+def test_the_transparent_mode_never_mixes_blocks_of_a_source_rewritten_in_place(large_file, small_tiers):
+    """A program under `fitcache run` reads a range of cached block 3, then another process
+    rewrites the file in place, same size and modification time: a read that spans block 3
+    and block 4 (not cached) has the new version's bytes, not block 3's old ones followed by
+    block 4's new ones."""
+    from test_preload import FITCACHE_BIN, command_env
+    root, old = large_file
+    new = random.Random(7).randbytes(len(old))
+    with fitcache.Client(root, **small_tiers) as c:
+        cache_first_blocks(c, 4)
+    off, n = SPAN
+    env = command_env(small_tiers)
+    code = f"""
+import os, subprocess, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+sys.stdout.write(os.pread(fd, 100, 3 * {BLOCK}).hex() + "\\n")  # block 3, cached and checked
+# Rewritten by a process outside the shim, as another job or a person would.
+env = {{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}}
+subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                "import random, test_ranges; test_ranges.rewrite_in_place(sys.argv[1], "
+                "random.Random(7).randbytes({len(old)}), True)", sys.argv[1]], env=env, check=True)
+sys.stdout.write(os.pread(fd, {n}, {off}).hex() + "\\n")
+"""
+    out = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                          os.path.join(root, "big.bin")], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    first, span = out.stdout.split()
+    assert bytes.fromhex(first) == old[3 * BLOCK:3 * BLOCK + 100]
+    assert version_of(bytes.fromhex(span), old, new, off, n) == "new"
+
+
+# --- mapped files truncated by another process of the user ----------------------------------
+
+
+def truncate_mapped(tiers_option, runtime_dir):
+    """Truncates, as another process of the user could, what readers keep mapped: the index
+    of the memory tier to 4,096 bytes (its header page: the slots and the counter page are
+    cut off), the shim's heat table and the cached blocks of big.bin to nothing."""
+    shm = tiers_option.split(",")[0].split(":")[1]
+    os.truncate(os.path.join(shm, "fitcache.index"), 4096)
+    for bin_dir, _, names in os.walk(shm):
+        for name in names:
+            if "big.bin#" in name and not name.startswith("."):
+                os.truncate(os.path.join(bin_dir, name), 0)
+    heat = os.path.join(runtime_dir, "preload.heat")
+    if os.path.exists(heat):
+        os.truncate(heat, 0)
+
+
+def test_a_truncated_index_costs_readers_of_the_api_no_sigbus(large_file, small_tiers):
+    """A reader through the API (C hit path and Go, and a process forked after load, C alone)
+    has the tier's index mapped when another process truncates it to 4,096 bytes: its next
+    reads -- of a file cached whole, and of ranges across cached blocks -- have the right
+    bytes (or, in the forked process, which cannot run Go, a clear error for a file it no
+    longer finds cached), and it is not killed by SIGBUS. Before, touching the cut-off slots
+    or counters killed it."""
+    root, data = large_file
+    small = random.Random(8).randbytes(300_000)
+    with open(os.path.join(root, "small.bin"), "wb") as f:
+        f.write(small)
+    code = f"""
+import os, sys, fitcache
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_ranges import cache_first_blocks, truncate_mapped
+data = open({root!r} + "/big.bin", "rb").read()
+small = open({root!r} + "/small.bin", "rb").read()
+c = fitcache.Client({root!r}, **{small_tiers!r})
+cache_first_blocks(c, 4)
+
+def check(forked=False):
+    try:
+        with c.read("small.bin") as b:
+            assert bytes(b) == small
+    except fitcache.ForkedAfterLoad:
+        # A miss, which needs Go, or the server's index whole again: a clear error in a
+        # process forked after load.
+        assert forked
+    for off, n in ((10, 1000), ({BLOCK} - 500, 1000), (2 * {BLOCK} + 7, 2 * {BLOCK})):
+        assert c.pread("big.bin", n, off) == data[off:off + n], (off, n)
+
+check()  # small.bin cached whole, the blocks mapped: the index is in use
+check()
+truncate_mapped({small_tiers["tiers"]!r}, {small_tiers["runtime_dir"]!r})
+pid = os.fork()
+if pid == 0:
+    check(forked=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, f"forked reader: {{os.waitstatus_to_exitcode(status)}}"
+for _ in range(3):
+    check()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], (out.returncode, out.stdout + out.stderr)
+
+
+def test_a_truncated_index_and_heat_table_cost_the_transparent_mode_no_sigbus(large_file, small_tiers):
+    """A program under `fitcache run` reads a file through cached blocks and the source (the
+    shim has the tier's index and the heat table mapped) while another process truncates the
+    index to 4,096 bytes and the heat table to nothing: its reads go on with the right bytes
+    and it exits 0, not killed by SIGBUS."""
+    from test_preload import FITCACHE_BIN, command_env
+    root, data = large_file
+    with fitcache.Client(root, **small_tiers) as c:
+        cache_first_blocks(c, 4)
+    want = hashlib.sha256(b"".join(data[o:o + 300_000] for o in range(0, 20 * BLOCK, 700_000))).hexdigest()
+    code = f"""
+import hashlib, os, subprocess, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+
+def digest():  # blocks 0-3 cached, the others read from the source (and their heat counted)
+    return hashlib.sha256(b"".join(os.pread(fd, 300_000, o) for o in range(0, 20 * {BLOCK}, 700_000))).hexdigest()
+
+print(digest())
+env = {{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}}
+subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                "import test_ranges; test_ranges.truncate_mapped(sys.argv[1], sys.argv[2])",
+                {small_tiers["tiers"]!r}, {small_tiers["runtime_dir"]!r}], env=env, check=True)
+print(digest())
+print(digest())
+"""
+    out = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
+                          os.path.join(root, "big.bin")], env=command_env(small_tiers), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stdout + out.stderr)
+    assert out.stdout.split() == [want] * 3, out.stdout + out.stderr

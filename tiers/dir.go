@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/fitcache/fitcache/privdir"
 )
@@ -118,6 +119,37 @@ func (d Dir) OpenFile(sourcePath string) (*os.File, error) {
 		return err
 	})
 	return f, err
+}
+
+// CopyIdentity returns the identity of the source version that the copy m holds, from the
+// copy's record in whichever of dirs mapped it (the index gives a reader the source's size
+// and mtime only): an open and a read of a small file, for a reader that serves pieces of
+// several copies in one read (a range that spans blocks) and must know that they are of
+// one version of the file. A record that is not that of the mapped file is an error.
+func CopyIdentity(dirs []Dir, m *Mapping) (Identity, error) {
+	for _, d := range dirs {
+		if d.dir == nil || !strings.HasPrefix(m.Path, d.Path+string(filepath.Separator)) {
+			continue
+		}
+		var s stored
+		err := withFd(d.dir, func(dirfd int) error {
+			binfd, name, err := openBin(dirfd, RelPath(m.SourcePath), false)
+			if err != nil {
+				return err
+			}
+			defer unix.Close(binfd)
+			s, err = readRecord(binfd, name)
+			return err
+		})
+		if err != nil {
+			return Identity{}, fmt.Errorf("record of %s: %w", m.Path, err)
+		}
+		if s.ino != m.ino || s.SourcePath != m.SourcePath || s.Size != m.Size {
+			return Identity{}, fmt.Errorf("%w: %s: the record is not the mapped file's", errDamaged, m.Path)
+		}
+		return s.Identity(), nil
+	}
+	return Identity{}, fmt.Errorf("%w: %s is in none of the tiers given", ErrNotCached, m.Path)
 }
 
 // withEntry runs open with the directory's descriptor and the clean sourcePath, and makes

@@ -8,6 +8,7 @@ import (
 	"math/bits"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -415,12 +416,22 @@ const indexRetry = time.Second
 func (v *indexView) lookup(dirfd int, id entryID) (slot, bool) {
 	for try := 0; try < 2; try++ {
 		v.mu.RLock()
-		if ix := v.cur; ix != nil && !v.closed && (try > 0 || !ix.retired()) {
-			s, ok := ix.lookup(id)
-			v.mu.RUnlock()
+		ix := v.cur
+		var s slot
+		var ok, looked bool
+		faulted := ix != nil && !v.closed && !readMapped(func() {
+			if looked = try > 0 || !ix.retired(); looked {
+				s, ok = ix.lookup(id)
+			}
+		})
+		v.mu.RUnlock()
+		if faulted {
+			v.drop(ix)
+			return slot{}, false
+		}
+		if looked {
 			return s, ok
 		}
-		v.mu.RUnlock()
 		if !v.reopen(dirfd) {
 			return slot{}, false
 		}
@@ -428,15 +439,46 @@ func (v *indexView) lookup(dirfd int, id entryID) (slot, bool) {
 	return slot{}, false
 }
 
+// readMapped runs read, which reads a mapped index, and reports whether it completed: false
+// when it faulted. Another process of the user can truncate an index file (FitCache never
+// does: a server writes a new one and renames it over), and a read of a page past the new
+// end raises SIGBUS, which debug.SetPanicOnFault turns into a panic of this goroutine,
+// recovered here, instead of a crash of the program that reads.
+func readMapped(read func()) (ok bool) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			if _, fault := r.(interface{ Addr() uintptr }); !fault {
+				panic(r)
+			}
+		}
+	}()
+	read()
+	return true
+}
+
+// drop lets go of ix, whose mapping faulted: it is never read again (close unmaps it), and
+// the index is opened anew at the next lookup (a truncated file is refused: misses until
+// the server writes a new one).
+func (v *indexView) drop(ix *index) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.cur == ix {
+		v.old = append(v.old, ix)
+		v.cur, v.tried = nil, time.Time{}
+	}
+}
+
 // reopen opens the index anew if the current one is missing or retired; it reports whether
 // there is an index to look in.
-func (v *indexView) reopen(dirfd int) bool {
+func (v *indexView) reopen(dirfd int) (ok bool) {
+	var retired bool
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.closed {
 		return false
 	}
-	if v.cur != nil && !v.cur.retired() {
+	if cur := v.cur; cur != nil && readMapped(func() { retired = cur.retired() }) && !retired {
 		return true // another goroutine reopened it
 	}
 	if time.Since(v.tried) < indexRetry {
@@ -461,7 +503,8 @@ func (v *indexView) hits() (n, bytes int64) {
 	if v.closed || v.cur == nil {
 		return 0, 0
 	}
-	return v.cur.hits()
+	readMapped(func() { n, bytes = v.cur.hits() })
+	return n, bytes
 }
 
 // sourceReads returns the source read counters of the current index (0 once closed).
@@ -471,7 +514,8 @@ func (v *indexView) sourceReads() (n, bytes int64) {
 	if v.closed || v.cur == nil {
 		return 0, 0
 	}
-	return v.cur.sourceReads()
+	readMapped(func() { n, bytes = v.cur.sourceReads() })
+	return n, bytes
 }
 
 // close unmaps every index the view mapped; later lookups miss. It is idempotent.

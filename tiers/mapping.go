@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"fmt"
 	"sync"
 
 	"github.com/edsrzf/mmap-go"
@@ -37,6 +38,23 @@ func (m *Mapping) Bytes() []byte {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.m
+}
+
+// CopyAt copies the file's bytes from off into p and returns how many it copied (0 at or
+// past the end). The copy runs under debug.SetPanicOnFault: another process of the user can
+// truncate a cached file in place (FitCache never does), and a read of a page past its new
+// end raises SIGBUS, which would crash the program; it fails instead with ErrNotCached, and
+// the caller lets go of the mapping. It must not be used after Release.
+func (m *Mapping) CopyAt(p []byte, off int64) (int, error) {
+	b := m.Bytes()
+	if off >= int64(len(b)) {
+		return 0, nil
+	}
+	n := 0
+	if !readMapped(func() { n = copy(p, b[off:]) }) {
+		return 0, fmt.Errorf("%w: %w: %s was truncated under its mapping", ErrNotCached, errDamaged, m.Path)
+	}
+	return n, nil
 }
 
 // Release unmaps the file. It is idempotent.

@@ -584,3 +584,90 @@ func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
 		t.Error("ForgetBlocks removed the whole file's copy")
 	}
 }
+
+// TestCopyIdentityIsTheRecordedSourceVersion: a reader of a mapped copy learns the version
+// of the source it copies from the copy's record, change time and inode included (the index
+// has its size and mtime only), and a copy replaced by another version gives the new one.
+func TestCopyIdentityIsTheRecordedSourceVersion(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	d, err := OpenDir(tier.Path, Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	for _, want := range []Identity{{Size: 5, MTimeNanos: 7, CTimeNanos: 11, Ino: 13},
+		{Size: 5, MTimeNanos: 7, CTimeNanos: 12, Ino: 13}} { // rewritten in place, mtime put back
+		e := Entry{SourcePath: "/d/f", Size: want.Size, MTimeNanos: want.MTimeNanos, SourceCTimeNanos: want.CTimeNanos,
+			SourceIno: want.Ino}
+		if err := tier.Publish(e, []byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		m, err := Probe([]Dir{d}, "/d/f")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := CopyIdentity([]Dir{d}, m)
+		m.Release()
+		if err != nil || got != want {
+			t.Errorf("CopyIdentity = %+v, %v; want %+v", got, err, want)
+		}
+	}
+	if _, err := CopyIdentity(nil, &Mapping{Path: "/elsewhere/x"}); !errors.Is(err, ErrNotCached) {
+		t.Errorf("a copy of no tier given: got %v, want ErrNotCached", err)
+	}
+}
+
+// TestAReaderOfAnIndexTruncatedUnderItMisses: another process of the user truncates the
+// index a reader has mapped (to its header page, then to nothing): the reader's lookups and
+// counters read no page past the end (SIGBUS, a crash of the program) but miss.
+func TestAReaderOfAnIndexTruncatedUnderItMisses(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	publish(t, tier, "/d/f", []byte("hello"))
+	d, err := OpenDir(tier.Path, Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if !Listed([]Dir{d}, "/d/f") {
+		t.Fatal("not listed before the truncation")
+	}
+	for _, size := range []int64{4096, 0} {
+		if err := os.Truncate(filepath.Join(tier.Path, indexName), size); err != nil {
+			t.Fatal(err)
+		}
+		if Listed([]Dir{d}, "/d/f") {
+			t.Errorf("index truncated to %d bytes: listed, want a miss", size)
+		}
+		if m, err := d.Open("/d/f"); !errors.Is(err, ErrNotCached) {
+			t.Errorf("index truncated to %d bytes: Open = %v, %v; want ErrNotCached", size, m, err)
+		}
+		d.view.hits()
+	}
+}
+
+// TestCopyAtFromACopyTruncatedUnderItFails: a cached file truncated in place by another
+// process of the user while a reader has it mapped: CopyAt fails with ErrNotCached instead
+// of the SIGBUS that would crash the program.
+func TestCopyAtFromACopyTruncatedUnderItFails(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	data := make([]byte, 3*4096)
+	for i := range data {
+		data[i] = byte(i)
+	}
+	publish(t, tier, "/d/f", data)
+	m, err := tier.Open("/d/f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	p := make([]byte, 100)
+	if n, err := m.CopyAt(p, 8192); n != 100 || err != nil || p[0] != data[8192] {
+		t.Fatalf("CopyAt = %d, %v; want 100 bytes of the data", n, err)
+	}
+	if err := os.Truncate(m.Path, 0); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := m.CopyAt(p, 8192); !errors.Is(err, ErrNotCached) {
+		t.Errorf("CopyAt of a truncated copy = %d, %v; want ErrNotCached", n, err)
+	}
+}
