@@ -87,10 +87,10 @@ def serve(conn):
                 return
             rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (8, 12))
             conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
-            conn.sendall(b"FCA2")
+            conn.sendall(b"FCA3")
             time.sleep(DELAY)
             message = b"slow server: no such file"
-            conn.sendall(b"FCN2" + (2).to_bytes(4, "little") + len(message).to_bytes(4, "little") + message)
+            conn.sendall(b"FCN3" + (2).to_bytes(4, "little") + len(message).to_bytes(4, "little") + message)
 
 
 def accept(listener):
@@ -144,7 +144,7 @@ print(json.dumps(result))
 
 def test_close_and_fork_do_not_wait_for_misses(tmp_path, c_dataset, cache_options):
     """Four threads in misses that the server answers slowly (0.3 s each, back to back):
-    fork() returns at once and fc_close after the misses in flight. Before, the hit path held
+    fork() returns at once, and so does fc_close (the misses in flight stop waiting). Before, the hit path held
     a read lock across each miss's wait for the server, and fork and fc_close, which take it
     for writing, waited for a moment with no miss in flight (glibc's rwlock prefers readers):
     here, where the gaps between a thread's misses are long (Python), fork took about 10 s;
