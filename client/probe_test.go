@@ -2,6 +2,7 @@ package client
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 )
 
@@ -162,5 +164,45 @@ func pipe(from, to net.Conn, each func([]byte)) {
 		if _, err := to.Write(buf[:n]); err != nil {
 			return
 		}
+	}
+}
+
+// Close does not wait for a read in flight on a server that is slow to answer it (a large
+// source file): the read stops waiting and returns ErrClosed. Before, Close waited for the
+// answer, up to the read timeout.
+func TestCloseStopsAReadWaitingForTheServer(t *testing.T) {
+	cfg, _ := startServer(t)
+	cfg = withOptions(t, cfg, map[string]string{"read_timeout": "30"})
+	delayReplies(t, embedded.SocketPath(cfg.RuntimeDir), 20*time.Second)
+	root := t.TempDir()
+	writeFile(t, root, "slow", []byte("slow"))
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	done := make(chan error, 1)
+	go func() {
+		buf, err := c.Read("slow")
+		if err == nil {
+			buf.Release()
+		}
+		done <- err
+	}()
+	time.Sleep(2 * probeAfter) // the read waits, watched by probes that the server answers
+	start := time.Now()
+	if err := c.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("close took %s with a read waiting for the server; want it at once", d)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, core.ErrClosed) {
+			t.Errorf("the read in flight: %v, want ErrClosed", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("the read in flight did not end after close")
 	}
 }

@@ -383,7 +383,7 @@ func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFil
 	if k, ok, err := c.readCopy(dirs, name, name, p, within); ok {
 		return k, err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
+	ctx, cancel := c.readContext(time.Now().Add(c.cfg.ReadTimeout))
 	defer cancel()
 	if plan.check != nil && tiers.Listed(anySession(dirs), name) && plan.check(ctx, path, n) {
 		if k, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {
