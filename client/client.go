@@ -412,6 +412,8 @@ var errNoProbeAnswer = errors.New("the server did not answer a probe beside a re
 // watchServer probes server while a call under ctx runs (see probeAfter), and cancels the
 // call through cancel when a probe gets no answer. The returned function ends the watch at
 // once (a probe in flight is cancelled) and reports whether it gave up on the server.
+// Liveness decides, not the time the call takes: a probe answered, or failed at once, keeps
+// the call waiting.
 func watchServer(ctx context.Context, server *rpc.Client, cancel context.CancelFunc) (unwatch func() (hung bool)) {
 	wctx, stop := context.WithCancel(ctx)
 	var hung atomic.Bool
@@ -426,8 +428,12 @@ func watchServer(ctx context.Context, server *rpc.Client, cancel context.CancelF
 			}
 			pctx, pcancel := context.WithTimeout(wctx, probeTimeout)
 			_, err := server.Hello(pctx)
+			// Only a probe left without an answer tells of a hung server: one that failed
+			// otherwise (a pooled connection the server closed) is no sign against a live
+			// server, and the call itself fails if the server is gone.
+			unanswered := errors.Is(pctx.Err(), context.DeadlineExceeded)
 			pcancel()
-			if errors.Is(err, rpc.ErrUnavailable) && wctx.Err() == nil {
+			if err != nil && unanswered && wctx.Err() == nil {
 				hung.Store(true) // before cancel: the call returns after it, and sees it
 				cancel()
 				return

@@ -165,8 +165,16 @@ func (c *Client) blockPlan() *blockPlan {
 			_, err := cached(ctx, path, n)
 			return err
 		},
+		// The reader waits for the check: watched as a read is (see watchServer), so that a
+		// server that stops meanwhile costs it a probe, not the read timeout.
 		check: func(ctx context.Context, path string, n int64) bool {
+			ctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			unwatch := watchServer(ctx, conn.rpc, cancel)
 			reply, err := cached(ctx, path, n)
+			if hung := unwatch(); err != nil && hung {
+				c.MarkUnavailable()
+			}
 			return err == nil && reply.CachedPath != ""
 		}}
 }
