@@ -8,6 +8,7 @@
 #define FITCACHE_NODE_H
 
 #include <errno.h>
+#include <poll.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -15,10 +16,12 @@
 #include <sys/uio.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
-#define FC_NODE_MAGIC "FCN2"
-#define FC_NODE_ACK "FCA2" /* sent by the server as soon as it has read a request */
+#define FC_NODE_MAGIC "FCN3"
+#define FC_NODE_ACK "FCA3" /* sent by the server as soon as it has read a request, then every
+                              quarter probe time until it replies */
 #define FC_NODE_OP_FETCH 1
 #define FC_NODE_OP_OPEN 2
 #define FC_NODE_OP_FORGET 3
@@ -26,10 +29,11 @@
 #define FC_NODE_OP_CACHE_BLOCK 5 /* as FETCH_BLOCK, answered with neither ack nor reply */
 #define FC_NODE_MAX_MESSAGE 1000
 
-/* How long a client waits to connect, to send a request and for its ack (nodesock.ProbeTimeout):
+/* How long a client waits to connect, to send a request and for each ack (nodesock.ProbeTimeout):
  * a server that does not acknowledge within it is hung (stopped with SIGSTOP, say: the kernel
- * still accepts its connections), and only a server that acknowledged is waited for the whole
- * read timeout, which a large source file may need. */
+ * still accepts its connections), before the request or while it works on it; only a server
+ * that keeps acknowledging is waited for up to the read timeout, which a large source file
+ * may need. */
 #define FC_NODE_PROBE_MS 1000
 
 static inline void fc_put32(uint8_t *p, uint32_t v) {
@@ -119,13 +123,70 @@ static inline int64_t fc_node_probe_ms(int64_t timeout_ms) {
 	return timeout_ms < FC_NODE_PROBE_MS ? timeout_ms : FC_NODE_PROBE_MS;
 }
 
-/* Sends one request on fd (connected by fc_node_connect) and waits for the server's ack for
- * the probe time of timeout_ms; then sets the receive timeout to timeout_ms for the reply,
- * which the caller reads. 0, or -1 with errno set: EAGAIN when no ack came in time (a hung
- * server), ECONNRESET when the server closed the connection, EPROTO for bytes that are not
- * an ack. */
+static inline int64_t fc_node_now_ms(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Waits until the reply to a request begins on fd, taking in the acks that the server repeats
+ * while it works on the request: 0 once other bytes than an ack are there (the reply's, left
+ * unread, with a descriptor riding on them), or -1 with errno set: EAGAIN when neither an ack
+ * nor the reply came within the probe time (a server stopped or hung while the request was in
+ * flight) or the reply did not begin within timeout_ms, ECONNRESET when the server closed
+ * the connection, ECANCELED when cancel_fd (-1 for none) became readable. Each ack is a write
+ * of its own, so a peek of 4 bytes sees a whole ack or the reply's magic. */
+static inline int fc_node_await_reply(int fd, int64_t timeout_ms, int cancel_fd) {
+	int64_t now = fc_node_now_ms(), end = now + timeout_ms, alive = now;
+	for (;;) {
+		int64_t until = alive + fc_node_probe_ms(timeout_ms);
+		if (until > end)
+			until = end;
+		if ((now = fc_node_now_ms()) >= until) {
+			errno = EAGAIN;
+			return -1;
+		}
+		struct pollfd p[2] = {{.fd = fd, .events = POLLIN}, {.fd = cancel_fd, .events = POLLIN}};
+		int n = poll(p, cancel_fd >= 0 ? 2 : 1, (int)(until - now));
+		if (n < 0 && errno != EINTR)
+			return -1;
+		if (n > 0 && cancel_fd >= 0 && p[1].revents) {
+			errno = ECANCELED;
+			return -1;
+		}
+		if (n <= 0)
+			continue;
+		uint8_t head[4];
+		ssize_t k = recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
+		if (k == 0) {
+			errno = ECONNRESET;
+			return -1;
+		}
+		if (k < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)
+			return -1;
+		if (k < 0)
+			continue;
+		if (memcmp(head, FC_NODE_ACK, (size_t)k) != 0)
+			return 0; /* the reply begins (or bytes the caller finds malformed) */
+		if (k < (ssize_t)sizeof head) { /* the start of an ack or of the reply: wait for the rest */
+			struct timespec pause = {.tv_nsec = 1000000};
+			nanosleep(&pause, NULL);
+			continue;
+		}
+		if (recv(fd, head, sizeof head, MSG_DONTWAIT) != (ssize_t)sizeof head)
+			return -1;
+		alive = fc_node_now_ms();
+	}
+}
+
+/* Sends one request on fd (connected by fc_node_connect), waits for the server's ack for the
+ * probe time of timeout_ms, then for its reply to begin while the server keeps acknowledging
+ * (fc_node_await_reply, with cancel_fd), up to timeout_ms; the caller reads the reply, whose
+ * bytes are there (the receive timeout is the probe time). 0, or -1 with errno set: EAGAIN
+ * when no ack came in time (a hung server, before or during the request), ECONNRESET when the
+ * server closed the connection, EPROTO for bytes that are not an ack, ECANCELED. */
 static inline int fc_node_request(int fd, uint32_t op, const char *root, size_t rootlen, const char *path, size_t len,
-                                  int64_t timeout_ms) {
+                                  int64_t timeout_ms, int cancel_fd) {
 	uint8_t ack[4];
 	fc_set_rcvtimeo(fd, fc_node_probe_ms(timeout_ms));
 	if (fc_node_send_request(fd, op, root, rootlen, path, len) != 0 || fc_recv_all(fd, ack, sizeof ack) != 0)
@@ -134,8 +195,7 @@ static inline int fc_node_request(int fd, uint32_t op, const char *root, size_t 
 		errno = EPROTO;
 		return -1;
 	}
-	fc_set_rcvtimeo(fd, timeout_ms);
-	return 0;
+	return fc_node_await_reply(fd, timeout_ms, cancel_fd);
 }
 
 /* Connects to the node socket at addr, with the probe time of timeout_ms on the connection

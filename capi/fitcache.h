@@ -34,7 +34,8 @@ extern "C" {
 int fc_open(const char *root, const char *options_json, int64_t *handle);
 
 /* Closes a client (reporting its pending counters). Buffers already read stay valid until
- * released. Closing an unknown or closed handle returns -EBADF. */
+ * released. Reads of the client in progress on other threads that wait for its server stop
+ * waiting at once and fail with -EBADF. Closing an unknown or closed handle returns -EBADF. */
 int fc_close(int64_t handle);
 
 /* Reads the whole file at path (absolute, or relative to the root): *data points to size

@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -115,6 +116,10 @@ struct hit_client {
 	pthread_mutex_t node_mu; // protects node_fd and node_pid
 	int node_fd;             // the connection kept to the node socket, or -1
 	pid_t node_pid;          // the process that opened node_fd
+	int closing_fd;          // an eventfd that fcHitClose makes readable, or -1: misses waiting
+	                         // on the server in the process that opened the client stop then
+	pid_t opener;            // that process (a child forked after load has its own copy of the
+	                         // client, which its parent's close must not stop)
 	struct fc_tier tiers[FC_MAX_TIERS];
 	int ntiers;          // tiers in use (atomic: added under clients_lock, read without it)
 	int64_t hits, bytes; // atomic
@@ -370,6 +375,8 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	c->node_opens = node_opens;
 	c->node_down_until = INT64_MAX; // until the Go client reports its server up
 	c->node_fd = -1;
+	c->closing_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); // -1: misses are not stopped by close
+	c->opener = getpid();
 	pthread_mutex_init(&c->node_mu, NULL);
 	pthread_mutex_init(&c->ranges_mu, NULL);
 	memcpy(c->root, root, n + 1);
@@ -383,6 +390,8 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	if (!ok) {
 		if (c->real_root_fd >= 0)
 			close(c->real_root_fd);
+		if (c->closing_fd >= 0)
+			close(c->closing_fd);
 		pthread_mutex_destroy(&c->node_mu);
 		pthread_mutex_destroy(&c->ranges_mu);
 		free(c);
@@ -409,11 +418,12 @@ int fcHitTiers(int64_t handle) {
 	return n;
 }
 
-// A client being closed is freed once the reads and misses that hold references to it end;
-// each is bounded by the client's timeouts (a miss: two tries, each up to a probe for the
-// connection, one for the request and its ack, and the read timeout for the answer), and a
-// client still referenced after close_wait_ns is left allocated rather than freed under a
-// thread that uses it (a source read stuck in the file system, say).
+// A client being closed is freed once the reads and misses that hold references to it end.
+// Misses waiting for the server's answer stop at once (closing_fd); what is left is bounded
+// by the client's timeouts (a miss: two tries, each up to a probe for the connection, one for
+// the request and its ack, and the read timeout for the answer of a server that keeps
+// acknowledging), and a client still referenced after close_wait_ns is left allocated rather
+// than freed under a thread that uses it (a source read stuck in the file system, say).
 #define CLOSE_POLL_NS 1000000 // 1 ms
 static int64_t close_wait_ns(const struct hit_client *c) {
 	return (2 * (c->timeout_ms + 3 * FC_NODE_PROBE_MS) + 1000) * 1000000LL;
@@ -427,6 +437,11 @@ void fcHitClose(int64_t handle) {
 	pthread_rwlock_unlock(&clients_lock);
 	if (!c)
 		return;
+	if (c->closing_fd >= 0) { // misses in flight stop waiting for the server
+		uint64_t one = 1;
+		ssize_t k = write(c->closing_fd, &one, sizeof one);
+		(void)k; // an eventfd's counter cannot overflow from one write
+	}
 	// No new reference can be taken now; wait for those held.
 	int64_t deadline = fc_monotonic_ns() + close_wait_ns(c);
 	while (__atomic_load_n(&c->refs, __ATOMIC_ACQUIRE) > 0) {
@@ -441,6 +456,8 @@ void fcHitClose(int64_t handle) {
 		close(c->node_fd);
 	if (c->real_root_fd >= 0)
 		close(c->real_root_fd);
+	if (c->closing_fd >= 0)
+		close(c->closing_fd);
 	for (int i = 0; i < RANGE_SETS * RANGE_WAYS; i++)
 		if (c->ranges[i].data)
 			munmap((void *)c->ranges[i].data, (size_t)c->ranges[i].size);
@@ -1088,14 +1105,19 @@ static void node_give(struct hit_client *c, int fd, int kept) {
 	}
 }
 
+// closing returns the descriptor that tells c's misses to stop waiting (see closing_fd), or
+// -1 in a process that did not open c.
+static int closing(const struct hit_client *c) { return c->opener == getpid() ? c->closing_fd : -1; }
+
 // node_ask sends one fetch request (op FC_NODE_OP_FETCH or FC_NODE_OP_FETCH_BLOCK) on fd and
 // reads the reply: 0 with the server's errno in *err and its message in msg, or -1 with errno
 // set when the connection failed (EAGAIN: the server did not acknowledge within the probe
-// time, or did not answer within timeout_ms).
+// time, stopped acknowledging, or did not answer within timeout_ms; ECANCELED: the client is
+// being closed, cancel_fd).
 static int node_ask(int fd, uint32_t op, const char *root, size_t rootlen, const char *path, size_t len,
-                    int64_t timeout_ms, int32_t *err, char *msg) {
+                    int64_t timeout_ms, int cancel_fd, int32_t *err, char *msg) {
 	uint8_t reply[12];
-	if (fc_node_request(fd, op, root, rootlen, path, len, timeout_ms) != 0 ||
+	if (fc_node_request(fd, op, root, rootlen, path, len, timeout_ms, cancel_fd) != 0 ||
 	    fc_recv_all(fd, reply, sizeof reply) != 0)
 		return -1;
 	if (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 8) > FC_NODE_MAX_MESSAGE ||
@@ -1176,13 +1198,14 @@ static int node_fetch(struct hit_client *c, uint32_t op, const char *name, size_
 	int kept;
 	int fd = node_take(c, &kept);
 	int32_t err = 0;
-	int asked = -1, timed_out = 0;
-	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
+	int asked = -1, timed_out = 0, canceled = 0;
+	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out && !canceled; attempt++) {
 		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0)
 			break; // no server listening: Go starts one
-		asked = node_ask(fd, op, c->root, c->rootlen, name, len, c->timeout_ms, &err, msg);
+		asked = node_ask(fd, op, c->root, c->rootlen, name, len, c->timeout_ms, closing(c), &err, msg);
 		if (asked != 0) {
 			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+			canceled = errno == ECANCELED; // closed: Go says so (the handle is gone)
 			close(fd);
 			fd = -1;
 		}
@@ -1226,19 +1249,21 @@ static int hit_read_open(int64_t handle, const char *path, const void **data, in
 	// On the connection kept for this process's misses, as hit_fetch asks (a connection per
 	// open cost the server an accepted connection and a new goroutine per file, and the
 	// reader a connect): one that failed is closed, a broken kept one replaced once.
-	int kept, asked = -1, timed_out = 0;
+	int kept, asked = -1, timed_out = 0, canceled = 0;
 	int32_t err = 0;
 	uint32_t origin; // whatever the descriptor holds, its bytes are the file's
 	sock = node_take(c, &kept);
-	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out; attempt++) {
+	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out && !canceled; attempt++) {
 		if (sock < 0 && (sock = node_connect(c->node_socket, c->timeout_ms)) < 0)
 			break;
-		asked = fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms) == 0 &&
+		asked = fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, (size_t)n, c->timeout_ms,
+		                        closing(c)) == 0 &&
 		                fc_node_recv_open(sock, &fd, &err, &origin) == 0
 		            ? 0
 		            : -1;
 		if (asked != 0) {
 			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+			canceled = errno == ECANCELED;
 			close(sock);
 			sock = -1;
 		}

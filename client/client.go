@@ -136,6 +136,11 @@ type Client struct {
 	closed   atomic.Bool
 	stop     chan struct{}
 	stopped  chan struct{}
+	// reads is the context of reads' calls to servers, cancelled by Close so that it does not
+	// wait for misses in flight (a server busy with a large file, one that stopped); nil in a
+	// Client not made by Open.
+	reads      context.Context
+	cancelRead context.CancelFunc
 }
 
 type counters struct {
@@ -182,6 +187,7 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 	}
 	c := &Client{root: abs, realRoot: real, cfg: cfg, log: log,
 		stop: make(chan struct{}), stopped: make(chan struct{})}
+	c.reads, c.cancelRead = context.WithCancel(context.Background())
 	c.pending.byTier = make(map[string]int64)
 	if cfg.Servers != "" {
 		members, token, err := discovery.Job(cfg.ServerSpec(), cfg.Token, cfg.TokenFile)
@@ -332,6 +338,9 @@ func (c *Client) readInto(path string, mapTiers bool) (Buffer, error) {
 			break
 		}
 		buf, err := c.readFromServer(conn, path, deadline, mapTiers)
+		if err != nil && c.readsEnded() {
+			return nil, core.ErrClosed
+		}
 		if errors.Is(err, core.ErrTooLarge) {
 			return c.readDirect(path)
 		}
@@ -354,8 +363,22 @@ func (c *Client) hit(m *tiers.Mapping) {
 	c.pending.add(m.Tier.String(), m.Size)
 }
 
+// readContext returns the context of a read's calls to servers: it ends at deadline, or at
+// once when the client is closed (see Close).
+func (c *Client) readContext(deadline time.Time) (context.Context, context.CancelFunc) {
+	if c.reads == nil {
+		return context.WithDeadline(context.Background(), deadline)
+	}
+	return context.WithDeadline(c.reads, deadline)
+}
+
+// readsEnded reports whether Close ended the reads' calls to servers: a read whose call
+// failed then returns core.ErrClosed rather than reading the source for a caller that is
+// done with the client.
+func (c *Client) readsEnded() bool { return c.reads != nil && c.reads.Err() != nil }
+
 func (c *Client) readFromServer(conn *serverConn, path string, deadline time.Time, mapTiers bool) (Buffer, error) {
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	ctx, cancel := c.readContext(deadline)
 	defer cancel()
 	unwatch := watchServer(ctx, conn.rpc, cancel)
 	reply, err := conn.rpc.Read(ctx, c.root, path, true)
@@ -389,6 +412,8 @@ var errNoProbeAnswer = errors.New("the server did not answer a probe beside a re
 // watchServer probes server while a call under ctx runs (see probeAfter), and cancels the
 // call through cancel when a probe gets no answer. The returned function ends the watch at
 // once (a probe in flight is cancelled) and reports whether it gave up on the server.
+// Liveness decides, not the time the call takes: a probe answered, or failed at once, keeps
+// the call waiting.
 func watchServer(ctx context.Context, server *rpc.Client, cancel context.CancelFunc) (unwatch func() (hung bool)) {
 	wctx, stop := context.WithCancel(ctx)
 	var hung atomic.Bool
@@ -403,8 +428,12 @@ func watchServer(ctx context.Context, server *rpc.Client, cancel context.CancelF
 			}
 			pctx, pcancel := context.WithTimeout(wctx, probeTimeout)
 			_, err := server.Hello(pctx)
+			// Only a probe left without an answer tells of a hung server: one that failed
+			// otherwise (a pooled connection the server closed) is no sign against a live
+			// server, and the call itself fails if the server is gone.
+			unanswered := errors.Is(pctx.Err(), context.DeadlineExceeded)
 			pcancel()
-			if errors.Is(err, rpc.ErrUnavailable) && wctx.Err() == nil {
+			if err != nil && unanswered && wctx.Err() == nil {
 				hung.Store(true) // before cancel: the call returns after it, and sees it
 				cancel()
 				return
@@ -507,17 +536,23 @@ func (c *Client) localDirs() []tiers.Dir {
 	return c.tierView()
 }
 
-// Close reports pending hits and stops the client, after reads in progress have ended. It
-// closes the client's connections and unmaps what it kept. It is idempotent. Buffers already
-// handed out stay valid until released.
+// Close reports pending hits and stops the client, after reads in progress have ended: those
+// waiting for a server stop waiting at once and return core.ErrClosed. It closes the
+// client's connections and unmaps what it kept. It is idempotent. Buffers already handed out
+// stay valid until released.
 func (c *Client) Close() error {
 	if c.closed.Swap(true) {
 		return nil
 	}
+	if c.cancelRead != nil {
+		c.cancelRead()
+	}
 	close(c.stop)
 	<-c.stopped
 
-	if server := c.reportTo(); server != nil {
+	// Pending hits are reported, unless the server is known not to answer now (a report
+	// would wait for it).
+	if server := c.reportTo(); server != nil && !c.serverDown() {
 		c.flushHits(server)
 	}
 	// A connection attempt still running frees what it made itself, seeing closed; wait for

@@ -60,6 +60,12 @@ func (c *Client) current() (conn *serverConn, down bool) {
 	return c.conn, time.Now().Before(c.downUntil)
 }
 
+// serverDown reports whether reads skip the embedded server for now (see current).
+func (c *Client) serverDown() bool {
+	_, down := c.current()
+	return down
+}
+
 // ensureConn returns a working connection to the embedded server: the current one unless it
 // is failed, else the result of a connection attempt (started here, or already running),
 // waited for at most wait. While the server is backing off it returns ErrUnavailable at once.

@@ -295,9 +295,12 @@ func (c *Client) readNode(path string, mapTiers bool) (Buffer, error) {
 	if socket == "" || c.node.down() {
 		return c.readDirect(path)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
+	ctx, cancel := c.readContext(time.Now().Add(c.cfg.ReadTimeout))
 	defer cancel()
 	f, _, err := nodesock.Open(ctx, socket, c.root, path)
+	if err != nil && c.readsEnded() {
+		return nil, core.ErrClosed
+	}
 	if errors.Is(err, nodesock.ErrUnavailable) {
 		c.node.markDown(err)
 		return c.readDirect(path)

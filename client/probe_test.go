@@ -2,6 +2,7 @@ package client
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 )
 
@@ -101,8 +103,10 @@ func TestSlowReadOnALiveServerCompletes(t *testing.T) {
 
 // delayReplies puts a proxy at the server socket sock that holds back for delay each answer to
 // a request other than Hello (the method name travels in clear): a server busy with a long
-// read that still answers probes.
-func delayReplies(t *testing.T, sock string, delay time.Duration) {
+// read that still answers probes. After the returned freeze, the proxy forwards nothing more
+// in either direction, as a server stopped with SIGSTOP answers nothing while the kernel
+// still accepts its connections.
+func delayReplies(t *testing.T, sock string, delay time.Duration) (freeze func()) {
 	t.Helper()
 	real := sock + ".real"
 	if err := os.Rename(sock, real); err != nil {
@@ -114,7 +118,16 @@ func delayReplies(t *testing.T, sock string, delay time.Duration) {
 	}
 	var mu sync.Mutex // protects conns
 	var conns []net.Conn
+	frozen, ended := make(chan struct{}), make(chan struct{})
+	hold := func() { // while frozen, until the test ends
+		select {
+		case <-frozen:
+			<-ended
+		default:
+		}
+	}
 	t.Cleanup(func() {
+		close(ended)
 		ln.Close()
 		mu.Lock()
 		for _, c := range conns {
@@ -137,14 +150,20 @@ func delayReplies(t *testing.T, sock string, delay time.Duration) {
 			conns = append(conns, in, out)
 			mu.Unlock()
 			var slow atomic.Bool // the request being answered is not a Hello
-			go pipe(in, out, func(b []byte) { slow.Store(!bytes.Contains(b, []byte("Hello"))) })
+			go pipe(in, out, func(b []byte) {
+				hold()
+				slow.Store(!bytes.Contains(b, []byte("Hello")))
+			})
 			go pipe(out, in, func([]byte) {
 				if slow.Swap(false) {
 					time.Sleep(delay)
 				}
+				hold()
 			})
 		}
 	}()
+	var once sync.Once
+	return func() { once.Do(func() { close(frozen) }) }
 }
 
 // pipe copies from one connection to the other, calling each before a chunk is forwarded,
@@ -162,5 +181,82 @@ func pipe(from, to net.Conn, each func([]byte)) {
 		if _, err := to.Write(buf[:n]); err != nil {
 			return
 		}
+	}
+}
+
+// Close does not wait for a read in flight on a server that is slow to answer it (a large
+// source file): the read stops waiting and returns ErrClosed. Before, Close waited for the
+// answer, up to the read timeout.
+func TestCloseStopsAReadWaitingForTheServer(t *testing.T) {
+	cfg, _ := startServer(t)
+	cfg = withOptions(t, cfg, map[string]string{"read_timeout": "30"})
+	delayReplies(t, embedded.SocketPath(cfg.RuntimeDir), 20*time.Second)
+	root := t.TempDir()
+	writeFile(t, root, "slow", []byte("slow"))
+	c, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	done := make(chan error, 1)
+	go func() {
+		buf, err := c.Read("slow")
+		if err == nil {
+			buf.Release()
+		}
+		done <- err
+	}()
+	time.Sleep(2 * probeAfter) // the read waits, watched by probes that the server answers
+	start := time.Now()
+	if err := c.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("close took %s with a read waiting for the server; want it at once", d)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, core.ErrClosed) {
+			t.Errorf("the read in flight: %v, want ErrClosed", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("the read in flight did not end after close")
+	}
+}
+
+// A reader's check of a cached block (a new job over a warm cache asks the server, which
+// compares the block with its source) in flight when the server stops answering (its
+// connections accepted, nothing answered, as after SIGSTOP) is abandoned after a probe, like
+// a read: the range is read from the source. Before, it waited the whole read timeout.
+func TestABlockCheckInFlightWhenTheServerStopsCostsAProbe(t *testing.T) {
+	cfg, _ := startServerWithBudget(t, "64MiB")
+	cfg = withOptions(t, cfg, map[string]string{"read_timeout": "20"})
+	root := t.TempDir()
+	data, _ := randomBytes(12<<20, 5)
+	writeFile(t, root, "big.bin", data)
+	first, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cacheBlocks(t, first, "big.bin", 3)
+	first.Close()
+	freeze := delayReplies(t, embedded.SocketPath(cfg.RuntimeDir), time.Minute)
+	cfg.Job = "another job" // its blocks are unchecked for this job: each is asked for
+	second, err := Open(root, cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	time.AfterFunc(3*probeAfter, freeze) // the check waits meanwhile, its probes answered
+	start := time.Now()
+	q := make([]byte, 1000)
+	if k, err := second.ReadAt("big.bin", q, 5<<20); err != nil || !bytes.Equal(q[:k], data[5<<20:5<<20+1000]) {
+		t.Fatalf("ReadAt: %d, %v", k, err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("a range whose block check was in flight when the server stopped took %s; want a probe, well under the 20s read timeout", d)
+	}
+	if d := time.Since(start); d < 3*probeAfter {
+		t.Errorf("the range took %s: it did not wait for the check, the test proves nothing", d)
 	}
 }

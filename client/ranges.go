@@ -242,8 +242,16 @@ func (c *Client) blockPlan() *blockPlan {
 			_, err := cached(ctx, path, n)
 			return err
 		},
+		// The reader waits for the check: watched as a read is (see watchServer), so that a
+		// server that stops meanwhile costs it a probe, not the read timeout.
 		check: func(ctx context.Context, path string, n int64) bool {
+			ctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			unwatch := watchServer(ctx, conn.rpc, cancel)
 			reply, err := cached(ctx, path, n)
+			if hung := unwatch(); err != nil && hung {
+				c.MarkUnavailable()
+			}
 			return err == nil && reply.CachedPath != ""
 		}}
 }
@@ -468,7 +476,7 @@ func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFil
 	if k, v, ok, err := c.readCopy(dirs, name, name, p, within); ok {
 		return k, v, err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.ReadTimeout)
+	ctx, cancel := c.readContext(time.Now().Add(c.cfg.ReadTimeout))
 	defer cancel()
 	if plan.check != nil && tiers.Listed(anySession(dirs), name) && plan.check(ctx, path, n) {
 		if k, v, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {

@@ -157,6 +157,23 @@ func TestARangeAcrossTwoBlocksIsNoReaderInSequence(t *testing.T) {
 	}
 }
 
+// cacheBlocks has c's server cache the first n blocks (4 MiB) of the file name, read in
+// sequence so that each is asked for at once, and waits until they are.
+func cacheBlocks(t *testing.T, c *Client, name string, n int64) {
+	t.Helper()
+	p := make([]byte, 4<<20)
+	for i := range n {
+		if k, err := c.ReadAt(name, p, i<<22); err != nil || k != len(p) {
+			t.Fatalf("block %d: %d, %v", i, k, err)
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); statsOf(t, c).Server.Published < n; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the blocks were not cached")
+		}
+	}
+}
+
 // A new job over blocks an earlier job cached reads them, not the source: a block its tiers
 // list unchecked for its session is asked for at once, and the server checks it (one look
 // at the file). A copy the server removes is let go by the client's kept mappings.
@@ -170,17 +187,7 @@ func TestANewJobReadsTheBlocksAnEarlierOneCached(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer first.Close()
-	p := make([]byte, 4<<20)
-	for n := int64(0); n < 3; n++ { // in sequence: each block is asked for at once
-		if k, err := first.ReadAt("big.bin", p, n<<22); err != nil || k != len(p) {
-			t.Fatalf("block %d: %d, %v", n, k, err)
-		}
-	}
-	for deadline := time.Now().Add(10 * time.Second); statsOf(t, first).Server.Published < 3; time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the blocks were not cached")
-		}
-	}
+	cacheBlocks(t, first, "big.bin", 3)
 	cfg.Job = "another job"
 	second, err := Open(root, cfg, nil)
 	if err != nil {

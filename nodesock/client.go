@@ -23,8 +23,10 @@ import (
 var ErrUnavailable = errors.New("node socket: server unavailable")
 
 // Open asks the server at the node socket path to open the file at path (inside root) for a
-// reader (OpOpen), waiting ProbeTimeout for the server to acknowledge the request and until
-// ctx's deadline for its answer. It returns the descriptor the server sent (the caller closes
+// reader (OpOpen), waiting ProbeTimeout for each ack of the server and until ctx's deadline
+// (or its cancellation) for its answer: a server that stops acknowledging (stopped with
+// SIGSTOP, hung) is given up within ProbeTimeout, one busy with a large file is waited for.
+// It returns the descriptor the server sent (the caller closes
 // it) and its origin (core.Origin's values), an error carrying the server's errno (see
 // ErrnoError) when it refused, or one wrapping ErrUnavailable when it could not be asked. The
 // server must run as this user or as root: its answer is read as a dataset file.
@@ -46,44 +48,43 @@ func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32,
 	if err := ReadAck(c); err != nil {
 		return nil, 0, fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
+	// Cancelling ctx ends the wait at once: the read below fails at a deadline in the past.
+	defer context.AfterFunc(ctx, func() { c.SetReadDeadline(time.Unix(1, 0)) })()
 	deadline, ok := ctx.Deadline()
 	if !ok {
-		deadline = time.Time{}
+		deadline = time.Now().Add(24 * time.Hour)
 	}
-	c.SetDeadline(deadline)
 	// Reply: magic, errno, origin, message length, message; the descriptor rides with the
-	// first bytes.
-	head := make([]byte, 16)
-	oob := make([]byte, unix.CmsgSpace(4))
-	n, oobn, flags, _, err := c.ReadMsgUnix(head, oob)
-	if err != nil {
-		return nil, 0, fmt.Errorf("%w: %v", ErrUnavailable, err)
-	}
+	// first bytes. Before it, the acks the server repeats while it works, each 4 bytes of a
+	// write of its own: reading 4 bytes at a time takes each whole, and the reply's start.
 	var file *os.File
-	if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
-		for _, m := range msgs {
-			if fds, err := unix.ParseUnixRights(&m); err == nil {
-				for _, fd := range fds {
-					if file == nil {
-						unix.CloseOnExec(fd)
-						file = os.NewFile(uintptr(fd), path)
-					} else {
-						unix.Close(fd)
-					}
-				}
-			}
-		}
-	}
 	fail := func(err error) (*os.File, uint32, error) {
 		if file != nil {
 			file.Close()
 		}
 		return nil, 0, err
 	}
-	if flags&unix.MSG_CTRUNC != 0 {
-		return fail(fmt.Errorf("%w: truncated control message", ErrUnavailable))
+	head := make([]byte, 16)
+	for n := 0; n < len(Magic) || string(head[:n]) == Ack; {
+		if n == len(Ack) { // an ack: the server lives
+			n = 0
+		}
+		if err := ctx.Err(); err != nil {
+			return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
+		}
+		probe := time.Now().Add(ProbeTimeout)
+		if deadline.Before(probe) {
+			probe = deadline
+		}
+		c.SetReadDeadline(probe)
+		k, err := readWithRights(c, head[n:len(Magic)], &file, path)
+		if err != nil {
+			return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
+		}
+		n += k
 	}
-	if _, err := io.ReadFull(c, head[n:]); err != nil {
+	c.SetReadDeadline(time.Now().Add(ProbeTimeout)) // the rest came in the same write
+	if _, err := io.ReadFull(c, head[len(Magic):]); err != nil {
 		return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
 	}
 	le := binary.LittleEndian
@@ -101,6 +102,34 @@ func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32,
 		return nil, 0, fmt.Errorf("%w: a reply without its descriptor", ErrUnavailable)
 	}
 	return file, le.Uint32(head[8:12]), nil
+}
+
+// readWithRights reads into buf from c, keeping in *file the first descriptor that comes
+// with the bytes (named name; any other is closed).
+func readWithRights(c *net.UnixConn, buf []byte, file **os.File, name string) (int, error) {
+	oob := make([]byte, unix.CmsgSpace(4))
+	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+	if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
+		for _, m := range msgs {
+			if fds, err := unix.ParseUnixRights(&m); err == nil {
+				for _, fd := range fds {
+					if *file == nil {
+						unix.CloseOnExec(fd)
+						*file = os.NewFile(uintptr(fd), name)
+					} else {
+						unix.Close(fd)
+					}
+				}
+			}
+		}
+	}
+	if err == nil && n == 0 {
+		err = io.ErrUnexpectedEOF
+	}
+	if err == nil && flags&unix.MSG_CTRUNC != 0 {
+		err = errors.New("truncated control message")
+	}
+	return n, err
 }
 
 // ErrnoError is an error the server answered with: its errno and message.

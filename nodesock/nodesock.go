@@ -27,12 +27,13 @@
 //
 // Wire format (integers little-endian):
 //
-//	request: magic "FCN2", op uint32, root length uint32, path length uint32,
+//	request: magic "FCN3", op uint32, root length uint32, path length uint32,
 //	         root bytes, path bytes (absolute, clean, path inside root)
-//	ack:     "FCA2", sent as soon as the request has been read, before any work
-//	reply:   magic "FCN2", errno int32 (0: done), message length uint32,
+//	ack:     "FCA3", sent as soon as the request has been read, before any work, and
+//	         again every AckInterval until the reply (each ack a write of its own)
+//	reply:   magic "FCN3", errno int32 (0: done), message length uint32,
 //	         message bytes (why it failed, at most maxMessage bytes; empty on success)
-//	OpOpen reply: magic "FCN2", errno int32, origin uint32 (core.Origin, 0 on error),
+//	OpOpen reply: magic "FCN3", errno int32, origin uint32 (core.Origin, 0 on error),
 //	         message length uint32, message bytes; on success one descriptor rides along
 //	         with the first byte (a separate write from the ack's, so that a client
 //	         reading the ack's 4 bytes never reads into it).
@@ -40,12 +41,14 @@
 // The ack tells a hung server from a slow answer. A server stopped with SIGSTOP (or hung)
 // still has its connections accepted by the kernel and its requests buffered, so without it a
 // client could only wait for the whole read timeout; with it, a client waits a short probe
-// time (ProbeTimeout) for the ack and the read timeout only for the answer of a server that
-// acknowledged, which may legitimately be busy reading a large source file. A server at its
-// connection cap (maxConns) sends no ack until a place frees: its clients take it for a hung
-// one and read the source for a while. Version 1 ("FCN1", no ack) is refused at its first
-// bytes, and a version-1 server closes a version-2 client's connection the same way, so a
-// client and server of different versions fall back at once, never by a timeout.
+// time (ProbeTimeout) for each ack, and the read timeout for the answer only while the server
+// keeps acknowledging: one busy reading a large source file is waited for, one that stops
+// while a request is in flight is found out within ProbeTimeout. Liveness, not the time an
+// answer takes, decides. A server at its connection cap (maxConns) sends no ack until a place
+// frees: its clients take it for a hung one and read the source for a while. Earlier versions
+// ("FCN1" without an ack, "FCN2" with one ack only) are refused at their first bytes, and
+// such a server closes this version's connection the same way, so a client and server of
+// different versions fall back at once, never by a timeout.
 //
 // The socket lives in the private runtime directory (mode 0600) and a connection is served
 // only if its peer runs as this server's user (SO_PEERCRED), so nobody else can use it.
@@ -68,15 +71,19 @@ import (
 )
 
 // Magic starts every request and reply.
-const Magic = "FCN2"
+const Magic = "FCN3"
 
-// Ack is what the server sends as soon as it has read a request (see the package
-// documentation).
-const Ack = "FCA2"
+// Ack is what the server sends as soon as it has read a request, and again every
+// AckInterval while it works on it (see the package documentation).
+const Ack = "FCA3"
 
-// ProbeTimeout is how long a client waits for the ack before it takes the server for hung
-// (capi/fcnode.h has the same value).
+// ProbeTimeout is how long a client waits for an ack (or the reply) before it takes the
+// server for hung (capi/fcnode.h has the same value).
 const ProbeTimeout = time.Second
+
+// AckInterval is how often a server working on a request repeats its ack: a quarter of
+// ProbeTimeout, so that a server slowed by a busy machine is not taken for a hung one.
+const AckInterval = ProbeTimeout / 4
 
 // Operations (see the package documentation).
 const (
@@ -261,19 +268,21 @@ func (s *Server) serve(c *net.UnixConn) {
 			}
 			continue
 		}
-		if _, err := c.Write([]byte(Ack)); err != nil {
-			return
-		}
 		if err := s.answer(c, op, root, path); err != nil {
 			return
 		}
 	}
 }
 
-// answer carries out one request and writes its reply.
+// answer acknowledges one request, carries it out while repeating the ack, and writes its
+// reply.
 func (s *Server) answer(c *net.UnixConn, op uint32, root, path string) error {
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.Timeout)
 	defer cancel()
+	if _, err := c.Write([]byte(Ack)); err != nil {
+		return err
+	}
+	acked := keepAcking(c)
 	var err error
 	var file *os.File
 	var origin uint32
@@ -288,6 +297,12 @@ func (s *Server) answer(c *net.UnixConn, op uint32, root, path string) error {
 		err = s.cfg.FetchBlock(ctx, root, path)
 	default:
 		err = fmt.Errorf("operation %d: %w", op, syscall.ENOSYS)
+	}
+	if aerr := acked(); aerr != nil { // the client is gone
+		if file != nil {
+			file.Close()
+		}
+		return aerr
 	}
 	var errno syscall.Errno
 	var msg string
@@ -314,6 +329,33 @@ func (s *Server) answer(c *net.UnixConn, op uint32, root, path string) error {
 	defer file.Close()
 	_, _, err = c.WriteMsgUnix(reply, unix.UnixRights(int(file.Fd())), nil)
 	return err
+}
+
+// keepAcking writes Ack on c every AckInterval until the returned function is called, which
+// returns once no more is written (the reply may follow) with the error a write failed with.
+func keepAcking(c net.Conn) (stop func() error) {
+	done, finished := make(chan struct{}), make(chan struct{})
+	var werr error
+	go func() {
+		defer close(finished)
+		tick := time.NewTicker(AckInterval)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+			if _, werr = c.Write([]byte(Ack)); werr != nil {
+				return
+			}
+		}
+	}()
+	return func() error {
+		close(done)
+		<-finished
+		return werr
+	}
 }
 
 // readRequest reads one request.

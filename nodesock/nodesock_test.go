@@ -38,7 +38,10 @@ func startServer(t *testing.T, fetch Fetcher) string {
 func startWith(t *testing.T, cfg Config) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "s.sock.node")
-	cfg.Errno, cfg.Timeout = errno, time.Second
+	cfg.Errno = errno
+	if cfg.Timeout == 0 {
+		cfg.Timeout = time.Second
+	}
 	s, err := Listen(path, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -337,4 +340,44 @@ func FuzzReadRequest(f *testing.F) {
 			t.Fatalf("accepted %q as op %d, root %q, path %q, which is written %q", b, op, root, path, want)
 		}
 	})
+}
+
+// A server working on a request repeats its ack every AckInterval until it replies, each ack
+// 4 bytes of a write of its own: a client waiting for the reply of a request in flight sees
+// within ProbeTimeout that the server lives, whatever the reply takes.
+func TestServerRepeatsTheAckWhileItWorks(t *testing.T) {
+	sock := startWith(t, Config{Timeout: 10 * time.Second, Fetch: func(ctx context.Context, root, path string) error {
+		time.Sleep(3 * ProbeTimeout)
+		return nil
+	}})
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write(AppendRequest(nil, OpFetch, "/d", "/d/a")); err != nil {
+		t.Fatal(err)
+	}
+	acks := 0
+	for {
+		c.SetReadDeadline(time.Now().Add(ProbeTimeout))
+		var b [4]byte
+		if _, err := io.ReadFull(c, b[:]); err != nil {
+			t.Fatalf("after %d acks: %v; want an ack or the reply within %s", acks, err, ProbeTimeout)
+		}
+		if string(b[:]) != Ack {
+			if string(b[:]) != Magic {
+				t.Fatalf("after %d acks: %q, want the reply's magic", acks, b)
+			}
+			break
+		}
+		acks++
+	}
+	if want := int(3 * ProbeTimeout / AckInterval); acks < want-2 {
+		t.Errorf("%d acks while a fetch of %s ran, want about %d", acks, 3*ProbeTimeout, want)
+	}
+	var rest [8]byte
+	if _, err := io.ReadFull(c, rest[:]); err != nil || binary.LittleEndian.Uint32(rest[:4]) != 0 {
+		t.Errorf("reply: %v, errno %d", err, binary.LittleEndian.Uint32(rest[:4]))
+	}
 }

@@ -43,8 +43,8 @@
  *                             job's servers on this node), fastest first
  *   FITCACHE_PRELOAD_SOCKET   the local server's node socket (in cluster mode, one of them)
  *   FITCACHE_PRELOAD_TIMEOUT_MS  how long a miss waits for the answer of a server that
- *                             acknowledged it (default 30000); the acknowledgement itself is
- *                             waited for a second at most (FC_NODE_PROBE_MS)
+ *                             keeps acknowledging it (default 30000); each acknowledgement
+ *                             is waited for a second at most (FC_NODE_PROBE_MS)
  *   FITCACHE_PRELOAD_SESSIONS the run's validation session at the server of each tier, in
  *                             the order of FITCACHE_PRELOAD_TIERS (core.Engine.BeginSession):
  *                             a copy not checked against its source in that session is
@@ -389,12 +389,13 @@ void shim_node_timed_out(void) { timed_out(); }
 
 int64_t shim_node_timeout_ms(void) { return timeout_ms; }
 
-// shim_node_request connects to the node socket, sends one request and waits for its ack: a
-// server that does not acknowledge within the probe time (about a second) is hung, and
-// skipped for a while, and one that did is waited for its reply up to the read timeout. Each
+// shim_node_request connects to the node socket, sends one request and waits for its reply to
+// begin: a server that does not acknowledge within the probe time (about a second), or stops
+// repeating its ack while it works on the request, is hung, and skipped for a while; one that
+// keeps acknowledging is waited for up to the read timeout. Each
 // request has its own connection: a kept one could not be shared safely with a vfork child
 // or across fork, and a miss costs far more than a connect. Returns the connection, or -1.
-int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len) {
+int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len, int64_t reply_ms) {
 	if (node_addr.sun_family != AF_UNIX || fc_monotonic_ns() < __atomic_load_n(&node_down_until, __ATOMIC_RELAXED))
 		return -1;
 	int fd = fc_node_connect(&node_addr, timeout_ms);
@@ -402,7 +403,7 @@ int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t
 		timed_out();
 		return -1;
 	}
-	if (fc_node_request(fd, op, r->real, r->reallen, key, len, timeout_ms) != 0) {
+	if (fc_node_request(fd, op, r->real, r->reallen, key, len, reply_ms, -1) != 0) {
 		timed_out();
 		CALL_NEXT(close, fd);
 		return -1;
@@ -442,7 +443,7 @@ static int lowest_fd(int fd) {
 // ask_open asks the server for a descriptor of the dataset file key; returns it (close-on-
 // exec) with what it holds in *origin (an FC_ORIGIN_ value), or -1.
 static int ask_open(const struct root *r, const char *key, size_t len, uint32_t *origin) {
-	int sock = shim_node_request(FC_NODE_OP_OPEN, r, key, len);
+	int sock = shim_node_request(FC_NODE_OP_OPEN, r, key, len, timeout_ms);
 	if (sock < 0)
 		return -1;
 	int fd;
@@ -455,7 +456,7 @@ static int ask_open(const struct root *r, const char *key, size_t len, uint32_t 
 
 // forget asks the server to drop the cached copy of a dataset file about to be written.
 static void forget(const struct root *r, const char *key, size_t len) {
-	int sock = shim_node_request(FC_NODE_OP_FORGET, r, key, len);
+	int sock = shim_node_request(FC_NODE_OP_FORGET, r, key, len, timeout_ms);
 	if (sock < 0)
 		return;
 	uint8_t reply[12];

@@ -502,13 +502,12 @@ static int check_turn(const char *name, size_t len) {
 // the tiers list unchecked, and waits for its answer: 0 when the server has the block now.
 // The server compares it with its source (one look at the file checks all its blocks).
 static int check_block(const struct marked *m, const char *name, size_t len) {
-	int sock = shim_node_request(FC_NODE_OP_FETCH_BLOCK, m->root, name, len);
-	if (sock < 0)
-		return -1;
 	// The probe time, not the read timeout: a check is a look at the file, and a server that
 	// takes longer (it found the file changed and fills the block anew, or it is stuck) is
 	// left to it while the program reads the source, and skipped a while if it timed out.
-	fc_set_rcvtimeo(sock, fc_node_probe_ms(shim_node_timeout_ms()));
+	int sock = shim_node_request(FC_NODE_OP_FETCH_BLOCK, m->root, name, len, fc_node_probe_ms(shim_node_timeout_ms()));
+	if (sock < 0)
+		return -1;
 	uint8_t reply[12];
 	int got = fc_recv_all(sock, reply, sizeof reply);
 	if (got != 0)

@@ -50,10 +50,10 @@ int shim_missing(const char *name);
 	({ __typeof__(libc_##fn) next_ = NEXT(fn); next_ ? next_(__VA_ARGS__) : (shim_missing(#fn), NULL); })
 
 // shim_node_request sends one request of operation op for the dataset path key (len bytes)
-// under root r to the local server's node socket and waits for its acknowledgement: the
-// connection, for the reply, or -1 (no server, or one that did not answer in time: it is then
-// skipped a while).
-int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len);
+// under root r to the local server's node socket and waits for its reply to begin, for at
+// most reply_ms while the server keeps acknowledging: the connection, with the reply to read,
+// or -1 (no server, or one that did not answer in time: it is then skipped a while).
+int shim_node_request(uint32_t op, const struct root *r, const char *key, size_t len, int64_t reply_ms);
 
 // shim_node_timed_out notes a server that did not answer in time (errno EAGAIN from the
 // failed call): the node socket is skipped a while. shim_node_timeout_ms is the read timeout.

@@ -87,10 +87,10 @@ def serve(conn):
                 return
             rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (8, 12))
             conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
-            conn.sendall(b"FCA2")
+            conn.sendall(b"FCA3")
             time.sleep(DELAY)
             message = b"slow server: no such file"
-            conn.sendall(b"FCN2" + (2).to_bytes(4, "little") + len(message).to_bytes(4, "little") + message)
+            conn.sendall(b"FCN3" + (2).to_bytes(4, "little") + len(message).to_bytes(4, "little") + message)
 
 
 def accept(listener):
@@ -144,7 +144,7 @@ print(json.dumps(result))
 
 def test_close_and_fork_do_not_wait_for_misses(tmp_path, c_dataset, cache_options):
     """Four threads in misses that the server answers slowly (0.3 s each, back to back):
-    fork() returns at once and fc_close after the misses in flight. Before, the hit path held
+    fork() returns at once, and so does fc_close (the misses in flight stop waiting). Before, the hit path held
     a read lock across each miss's wait for the server, and fork and fc_close, which take it
     for writing, waited for a moment with no miss in flight (glibc's rwlock prefers readers):
     here, where the gaps between a thread's misses are long (Python), fork took about 10 s;
@@ -164,3 +164,77 @@ def test_close_and_fork_do_not_wait_for_misses(tmp_path, c_dataset, cache_option
     assert 4 <= result["misses before"] <= 4 * 1.5 / 0.3 + 4, result
     assert result["fork"] < 2, f"fork took {result['fork']:.1f} s with 4 threads in misses"
     assert result["close"] < 5, f"fc_close took {result['close']:.1f} s with 4 threads in misses"
+
+
+BUSY_NODE_MISS = r'''
+import contextlib, json, os, socket, sys, threading, time
+import fitcache
+
+root, runtime_dir, tiers = sys.argv[1:4]
+
+
+def serve(conn):
+    """Acknowledges each request at once and again every quarter second, and never answers:
+    a live server busy with a long copy."""
+    with conn, contextlib.suppress(OSError):  # the client closed it
+        head = conn.recv(16, socket.MSG_WAITALL)
+        rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (8, 12))
+        conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
+        while True:
+            conn.sendall(b"FCA3")
+            time.sleep(0.25)
+
+
+def accept(listener):
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+c = fitcache.Client(root, runtime_dir=runtime_dir, tiers=tiers, read_timeout="30")  # up: misses go to its node socket
+node = os.path.join(runtime_dir, "server.sock.node")
+os.unlink(node)  # replaced by a busy one of ours
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(node)
+listener.listen(8)
+threading.Thread(target=accept, args=(listener,), daemon=True).start()
+result = {}
+
+
+def miss():
+    start = time.monotonic()
+    try:
+        c.read("missing.bin")
+        result["read"] = "bytes"
+    except (ValueError, fitcache.FitCacheError) as e:  # closed meanwhile
+        result["read"] = type(e).__name__
+    result["read seconds"] = time.monotonic() - start
+
+
+reader = threading.Thread(target=miss)
+reader.start()
+time.sleep(2)  # past the probe time: the miss waits on the busy server
+start = time.monotonic()
+c.close()
+result["close"] = time.monotonic() - start
+reader.join()
+print(json.dumps(result))
+'''
+
+
+def test_close_stops_a_miss_waiting_on_a_live_server(tmp_path, c_dataset, cache_options):
+    """fc_close while a miss waits for a server that lives but does not answer yet (it keeps
+    acknowledging: a long copy) returns at once, and the miss ends with an error: the
+    process reads nothing more through the client. Before, fc_close waited for the miss, up
+    to the read timeout (30 s here)."""
+    import json
+    import sys
+    script = tmp_path / "busy_miss.py"
+    script.write_text(BUSY_NODE_MISS)
+    out = subprocess.run([sys.executable, str(script), c_dataset, cache_options["runtime_dir"],
+                          cache_options["tiers"]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["read"] == "FitCacheError", result  # it was still waiting when closed
+    assert result["close"] < 3, f"fc_close took {result['close']:.1f} s with a miss in flight"
+    assert result["read seconds"] < 5, result

@@ -1,11 +1,13 @@
 """The embedded server: started on demand exactly once however many processes start at the
 same time, reused by later runs (warm), and restarted after it exits."""
 
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import fitcache
@@ -203,3 +205,92 @@ def test_a_server_stopped_after_connecting_costs_a_short_probe_per_miss(dataset,
     assert {n: d for n, (_, d) in result.items()} == {n: digests[n] for n in names[1:3]}
     slow = {n: round(s, 1) for n, (s, _) in result.items() if s >= 10}
     assert not slow, f"misses with a stopped server took {slow} s (read timeout 30 s)"
+
+
+def _stop_during_a_copy(root, name, options, then):
+    """Reads name (a large file) through a client on another thread and stops the server
+    (SIGSTOP) while it copies the file into its memory tier, the miss in flight: the server
+    has acknowledged the request and has not answered. Calls then(client) once the server is
+    stopped, resumes the server in any case, and returns the read's (seconds, bytes or
+    exception) and the seconds then took."""
+    c = fitcache.Client(root, **options)
+    c.read("small")  # the server runs and the client knows its tiers
+    run, shm = options["runtime_dir"], options["tiers"].split(":")[1]
+    pid = server_pid(run)
+    assert pid, "no server runs after a read"
+    result = {}
+
+    def read():
+        start = time.monotonic()
+        try:
+            result["data"] = bytes(c.read(name))
+        except Exception as e:  # noqa: BLE001 (reported by the caller)
+            result["data"] = e
+        result["seconds"] = time.monotonic() - start
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not glob.glob(os.path.join(shm, "*", "*", ".tmp-*")):
+            assert time.monotonic() < deadline, "the server did not start copying"
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        wait_stopped(pid)
+        # Still being copied when the server stopped: the miss was in flight.
+        assert glob.glob(os.path.join(shm, "*", "*", ".tmp-*")) and "seconds" not in result
+        start = time.monotonic()
+        then(c)
+        then_seconds = time.monotonic() - start
+        reader.join(timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        reader.join()
+        c.close()
+    return result["seconds"], result["data"], then_seconds
+
+
+def wait_stopped(pid):
+    """Waits until process pid is stopped: kill returns once the signal is sent."""
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def _large_file_setup(tmp_path, cache_options):
+    """A dataset of a small file and a 256 MiB one (copying it takes the server a while), and
+    options whose memory tier (the fixture's, cleaned by it) holds it."""
+    root = tmp_path / "large"
+    root.mkdir()
+    (root / "small").write_bytes(b"small")
+    data = os.urandom(256 << 20)
+    (root / "big").write_bytes(data)
+    shm = cache_options["tiers"].split(":")[1]
+    options = dict(cache_options, tiers=f"memory:{shm}:1GiB", read_timeout="30")
+    return str(root), data, options
+
+
+def test_a_read_in_flight_when_the_server_stops_costs_a_short_probe(tmp_path, cache_options):
+    """A server stopped (SIGSTOP) while a miss waits for its answer: the server keeps
+    acknowledging a request it works on, so the reader finds it hung within about a second
+    and reads the source (right bytes), instead of waiting the read timeout (30 s here, 61.6 s
+    with the default 60 s before)."""
+    root, data, options = _large_file_setup(tmp_path, cache_options)
+    seconds, got, _ = _stop_during_a_copy(root, "big", options, lambda c: None)
+    assert not isinstance(got, Exception), got
+    assert got == data
+    assert seconds < 10, f"a read in flight when the server stopped took {seconds:.1f} s (read timeout 30 s)"
+
+
+def test_close_does_not_wait_for_a_read_in_flight_on_a_stopped_server(tmp_path, cache_options):
+    """Closing a client while one of its misses waits on a server that stopped (SIGSTOP)
+    returns promptly (before: it waited for the miss, the whole read timeout); the read ends
+    with the right bytes or an error, promptly too."""
+    root, data, options = _large_file_setup(tmp_path, cache_options)
+    seconds, got, close_seconds = _stop_during_a_copy(root, "big", options, lambda c: c.close())
+    assert close_seconds < 5, f"close took {close_seconds:.1f} s with a read in flight (read timeout 30 s)"
+    assert seconds < 10, f"the read in flight took {seconds:.1f} s (read timeout 30 s)"
+    assert isinstance(got, fitcache.FitCacheError) or got == data, got

@@ -1275,12 +1275,12 @@ class FakeNodeSocket:
                     continue
                 op, rootlen, pathlen = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
                 body = conn.recv(rootlen + pathlen, socket.MSG_WAITALL)
-                conn.sendall(b"FCA2")  # the ack: the request is read
+                conn.sendall(b"FCA3")  # the ack: the request is read
                 path = body[rootlen:].decode()
                 with open(path, "rb") as f:
                     held = f.read()
                 self.requests.append((op, path, held))
-                conn.sendall(b"FCN2" + bytes(8))  # errno 0, no message
+                conn.sendall(b"FCN3" + bytes(8))  # errno 0, no message
 
     def close(self):
         self.stopped.set()
