@@ -161,7 +161,7 @@ static int map_index(int dirfd, struct fc_index *ix) {
 		return -1;
 	struct stat st;
 	uint8_t hdr[32];
-	int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_SLOTS &&
+	int ok = fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_SLOTS &&
 	         pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
 	uint32_t buckets = 0;
 	if (ok) {
@@ -266,7 +266,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session)
 		return -err;
 	}
 	struct stat st;
-	if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+	if (fc_sys_fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
 		close(fd);
 		errno = saved;
 		return -EPERM;
@@ -392,7 +392,7 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 		if (fd < 0)
 			continue; // evicted since the lookup
 		struct stat st;
-		if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && (uint64_t)st.st_ino == s.ino &&
+		if (fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && (uint64_t)st.st_ino == s.ino &&
 		    (uint64_t)st.st_size == s.size) {
 			hit->fd = fd;
 			hit->tier = i;

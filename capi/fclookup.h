@@ -21,14 +21,32 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Nanoseconds of CLOCK_MONOTONIC, for rate limits and back-offs. */
 static inline int64_t fc_monotonic_ns(void) {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The kernel's fstat. The preload shim's fstat reports a cached copy's source instead (see
+ * preload/copies.c), and the checks made here and in the shim need the copy itself. 64-bit
+ * Linux, where the system call's struct stat is the C library's; elsewhere, the C library's
+ * fstat (the shim then reports the copy, see copies.c). */
+#if defined(SYS_fstat) && __SIZEOF_LONG__ == 8
+#define FC_SYS_FSTAT 1
+#endif
+static inline int fc_sys_fstat(int fd, struct stat *st) {
+#ifdef FC_SYS_FSTAT
+	return (int)syscall(SYS_fstat, fd, st);
+#else
+	return fstat(fd, st);
+#endif
 }
 
 #ifdef __cplusplus

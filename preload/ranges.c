@@ -392,7 +392,7 @@ static struct fc_heat *heat_file(void) {
 	// Its pages allocated (fallocate), also those of a file made by another process: a write
 	// to a page that cannot be allocated (a full file system, a quota) would kill the program
 	// with SIGBUS.
-	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
+	if (fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
 	    (st.st_size == (off_t)FC_HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)FC_HEAT_BYTES) == 0)
 		map = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	CALL_NEXT(close, fd);
@@ -497,7 +497,7 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 			return NOT_RANGED;
 		total += iov[i].iov_len;
 	}
-	if (total == 0 || fstat(fd, &st) != 0) {
+	if (total == 0 || fc_sys_fstat(fd, &st) != 0) {
 		errno = saved;
 		return NOT_RANGED;
 	}
