@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -1638,7 +1639,7 @@ def test_a_function_the_c_library_lacks_fails_with_enosys(tmp_path):
     shim = tmp_path / "libhidden_preload.so"
     build = subprocess.run([cc, "-O2", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden",
                             "-Ddlsym=fitcache_test_dlsym", "-o", str(shim),
-                            *(os.path.join(repo, p) for p in ("preload/fitcache_preload.c", "preload/ranges.c",
+                            *(os.path.join(repo, p) for p in ("preload/fitcache_preload.c", "preload/ranges.c", "preload/copies.c",
                                                               "capi/fclookup.c", "tests/c/hide_symbols.c")),
                             "-ldl"], capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
@@ -1659,3 +1660,237 @@ def test_a_function_the_c_library_lacks_fails_with_enosys(tmp_path):
     assert hidden.stderr.count("pread: the C library has no such function") == 2, hidden.stderr
     assert "fopen: the C library has no such function" in hidden.stderr, hidden.stderr
     assert hidden.stderr.count("dlsym found no pread") == 1, "dlsym asked again: " + hidden.stderr
+
+
+# --- copies of dataset files: cp, install, copy_file_range, sendfile, splice ------------------
+
+
+def cache_all(cache_options, root, digests):
+    """Reads every file under root once under `fitcache run` and waits until all are cached."""
+    out = fitcache_run(cache_options, [root], ["sh", "-c", 'cat "$@" > /dev/null', "sh", *files_under(root)],
+                       prefetch=0)
+    assert out.returncode == 0, describe(out)
+    wait_published(cache_options, len(digests))
+
+
+def assert_same_tree(source, copy):
+    """copy holds the files of source with the same bytes (and no others)."""
+    want = {os.path.relpath(p, source): sha(d) for p, d in read_all(source).items()}
+    got = {os.path.relpath(p, copy): sha(d) for p, d in read_all(copy).items()}
+    assert got == want, f"{copy} differs from {source}"
+
+
+# cp compares fstat of the descriptor it opened with stat of the path, and refused the cached
+# copy ("skipping file ..., as it was replaced while being copied", exit 1) before fstat
+# reported the source's identity. Each line runs under `fitcache run`; cp -r goes first, so
+# that in the cold case it opens every file uncached (answered by the server).
+COPY_COMMANDS = r'''
+set -e
+src=$1 out=$2 a=$3 b=$4 c=$5 d=$6
+cp -r "$src" "$out/tree"
+cp "$a" "$out/cp"
+cp --reflink=auto "$b" "$out/reflink-auto"
+cp -p "$c" "$out/cp-p"
+install -m 640 "$a" "$out/install-m"
+install -p "$d" "$out/install-p"
+'''
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_cp_and_install_copy_dataset_files(dataset, cache_options, tmp_path, cache):
+    root, digests = dataset
+    picks = [os.path.join(root, rel) for rel in sorted(digests)[:4]]
+    for i, path in enumerate(picks):  # modes and times that cp -p and install -p must keep
+        os.chmod(path, 0o640 if i % 2 else 0o444)
+        os.utime(path, ns=(1_500_000_000_123_456_789 + i, 1_600_000_000_987_654_321 + i))
+    if cache == "warm":
+        cache_all(cache_options, root, digests)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    script = tmp_path / "copies.sh"
+    script.write_text(COPY_COMMANDS)
+    with OpenCounter(root) as opens:
+        out = fitcache_run(cache_options, [root], ["sh", str(script), root, str(out_dir), *picks],
+                           prefetch=0, env=command_env(cache_options, FITCACHE_PRELOAD_DEBUG="1"))
+        counts = opens.counts()
+    assert out.returncode == 0, describe(out)
+    # The copies were read from the cache: a warm cache never opened the source, a cold one
+    # once per file (the server's read), and the shim handed out cached copies.
+    if cache == "warm":
+        assert not counts, f"the source was opened: {counts}"
+    else:
+        assert_each_opened_once(counts, digests)
+    served = re.findall(rb": (?:cached in tier \d+|the server answered: fd \d+, origin (?:[89]|1\d))", out.stderr)
+    assert len(served) >= len(digests) + 5, f"{len(served)} opens served from the cache\n" + describe(out)
+    assert_same_tree(root, out_dir / "tree")
+    a, b, c, d = picks
+    for name, source in (("cp", a), ("reflink-auto", b), ("cp-p", c), ("install-m", a), ("install-p", d)):
+        assert (out_dir / name).read_bytes() == open(source, "rb").read(), f"{name}: other bytes than {source}"
+    for name, source in (("cp-p", c), ("install-p", d)):
+        got, want = os.stat(out_dir / name).st_mtime_ns, os.stat(source).st_mtime_ns
+        assert got == want, f"{name}: modification time {got}, the source's {want}"
+    assert os.stat(out_dir / "cp-p").st_mode & 0o7777 == os.stat(c).st_mode & 0o7777
+    assert os.stat(out_dir / "install-m").st_mode & 0o7777 == 0o640
+
+
+# Opens each file named on the command line as a program would (open, read-only), says where
+# the descriptor leads and whether its identity is its path's (fstat, fstatat and statx with
+# AT_EMPTY_PATH against stat), then copies it into DIR with each call, from the descriptor
+# to a file DIR/<call>-<n>: copy_file_range without offsets (moving both file offsets) and
+# with them (moving neither: the offsets given are), sendfile without and with an offset,
+# and splice through a pipe. Each copy starts 1000 bytes in (or at 0 for a shorter file) and
+# checks the offsets it leaves. One line per file: its number, the descriptor's path, then
+# "same"/"differs" for each identity and "ok"/an error for each copy.
+COPY_CALLS = r'''
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+static const char *dir;
+
+static int out_file(const char *how, int n) {
+    char name[4096];
+    snprintf(name, sizeof name, "%s/%s-%d", dir, how, n);
+    int fd = open(name, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) { perror(name); exit(2); }
+    return fd;
+}
+
+#define FAIL(what) do { printf(" %s:%s", how, what); goto done; } while (0)
+#define ERRNO (snprintf(err, sizeof err, "errno-%d", errno), err)
+#define CHECK(cond, what) do { if (!(cond)) FAIL(what); } while (0)
+
+static void copy(const char *how, int in, int n, off_t start, off_t size) {
+    char err[32];
+    int out = out_file(how, n);
+    off_t want = size - start;
+    if (lseek(in, start, SEEK_SET) != start) FAIL("lseek");
+    off_t got = 0;
+    if (!strcmp(how, "cfr")) {
+        ssize_t k;
+        while ((k = copy_file_range(in, NULL, out, NULL, 70000, 0)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(lseek(in, 0, SEEK_CUR) == size && lseek(out, 0, SEEK_CUR) == want, "offsets");
+    } else if (!strcmp(how, "cfr-off")) {
+        off64_t oin = start, oout = 0;
+        ssize_t k;
+        while ((k = copy_file_range(in, &oin, out, &oout, 70000, 0)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(oin == size && oout == want, "given offsets");
+        CHECK(lseek(in, 0, SEEK_CUR) == start && lseek(out, 0, SEEK_CUR) == 0, "file offsets moved");
+    } else if (!strcmp(how, "sendfile")) {
+        ssize_t k;
+        while ((k = sendfile(out, in, NULL, 70000)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(lseek(in, 0, SEEK_CUR) == size, "offset");
+    } else if (!strcmp(how, "sendfile-off")) {
+        off_t o = start;
+        ssize_t k;
+        CHECK(lseek(in, 0, SEEK_SET) == 0, "lseek");
+        while ((k = sendfile(out, in, &o, 70000)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(o == size && lseek(in, 0, SEEK_CUR) == 0, "offsets");
+    } else {
+        int p[2];
+        CHECK(pipe(p) == 0, "pipe");
+        ssize_t k;
+        while ((k = splice(in, NULL, p[1], NULL, 70000, 0)) > 0) {
+            for (ssize_t left = k; left > 0;) {
+                ssize_t w = splice(p[0], NULL, out, NULL, (size_t)left, 0);
+                if (w <= 0) { k = -1; break; }
+                left -= w;
+            }
+            if (k < 0) break;
+            got += k;
+        }
+        close(p[0]);
+        close(p[1]);
+        CHECK(k == 0, ERRNO);
+    }
+    CHECK(got == want, "count");
+    printf(" %s:ok", how);
+done:
+    close(out);
+}
+
+static const char *same(const struct stat *a, dev_t dev, ino_t ino) {
+    return a->st_dev == dev && a->st_ino == ino ? "same" : "differs";
+}
+
+int main(int argc, char **argv) {
+    dir = argv[1];
+    for (int n = 2; n < argc; n++) {
+        int in = open(argv[n], O_RDONLY);
+        if (in < 0) { perror(argv[n]); return 2; }
+        char link[64], target[4096] = "";
+        snprintf(link, sizeof link, "/proc/self/fd/%d", in);
+        ssize_t len = readlink(link, target, sizeof target - 1);
+        target[len > 0 ? len : 0] = 0;
+        struct stat path, fd, at;
+        struct statx sx;
+        if (stat(argv[n], &path) || fstat(in, &fd) || fstatat(in, "", &at, AT_EMPTY_PATH) ||
+            statx(in, "", AT_EMPTY_PATH, STATX_BASIC_STATS, &sx)) { perror("stat"); return 2; }
+        struct stat x = {0};
+        x.st_dev = makedev(sx.stx_dev_major, sx.stx_dev_minor);
+        x.st_ino = sx.stx_ino;
+        int more = fd.st_size == path.st_size && fd.st_mtim.tv_sec == path.st_mtim.tv_sec &&
+                   fd.st_mtim.tv_nsec == path.st_mtim.tv_nsec && fd.st_ctim.tv_sec == path.st_ctim.tv_sec &&
+                   fd.st_ctim.tv_nsec == path.st_ctim.tv_nsec && fd.st_mode == path.st_mode;
+        printf("%d %s fstat:%s fstatat:%s statx:%s times-mode:%s", n - 1, target, same(&fd, path.st_dev, path.st_ino),
+               same(&at, path.st_dev, path.st_ino), same(&x, path.st_dev, path.st_ino), more ? "same" : "differs");
+        off_t start = path.st_size > 1000 ? 1000 : 0;
+        copy("cfr", in, n - 1, start, path.st_size);
+        copy("cfr-off", in, n - 1, start, path.st_size);
+        copy("sendfile", in, n - 1, start, path.st_size);
+        copy("sendfile-off", in, n - 1, start, path.st_size);
+        copy("splice", in, n - 1, start, path.st_size);
+        printf("\n");
+        close(in);
+    }
+    return 0;
+}
+'''
+
+COPY_CALL_NAMES = ("cfr", "cfr-off", "sendfile", "sendfile-off", "splice")
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_copy_calls_from_a_dataset_descriptor(dataset, cache_options, tmp_path, cache):
+    """copy_file_range, sendfile and splice from the descriptor of a dataset file, cached
+    (a tier under /dev/shm, tmpfs) or not yet, to files of another file system (the test's
+    directory): copy_file_range across file systems fails with EXDEV in the kernel, which the
+    shim turns into a copy. And the descriptor's identity is its path's."""
+    root, digests = dataset
+    exe = compile_program(tmp_path, "copy_calls", COPY_CALLS,
+                          symbols=("copy_file_range", "sendfile", "splice", "fstat", "fstatat", "statx"))
+    if cache == "warm":
+        cache_all(cache_options, root, digests)
+    # Files of several sizes, the largest ones (many copies through the buffer) included.
+    rels = sorted(digests, key=lambda r: (os.path.getsize(os.path.join(root, r)), r))[-6:]
+    paths = [os.path.join(root, rel) for rel in rels]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert os.stat(out_dir).st_dev != os.stat(os.path.dirname(tier_dirs(cache_options)[0])).st_dev, \
+        "the copies must cross file systems: the memory tier and the test directory share one"
+    out = fitcache_run(cache_options, [root], [exe, str(out_dir), *paths], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    tiers = tier_dirs(cache_options)
+    lines = out.stdout.decode().splitlines()
+    assert len(lines) == len(paths), describe(out)
+    for i, (path, line) in enumerate(zip(paths, lines), 1):
+        n, target, *results = line.split(" ")
+        assert in_tier(target, tiers), f"{path} was opened at {target}, not a cached copy"
+        want = [f"{k}:same" for k in ("fstat", "fstatat", "statx", "times-mode")] + \
+               [f"{how}:ok" for how in COPY_CALL_NAMES]
+        assert results == want, f"{path} (opened at {target}): {results}"
+        data = open(path, "rb").read()
+        start = 1000 if len(data) > 1000 else 0
+        for how in COPY_CALL_NAMES:
+            assert (out_dir / f"{how}-{i}").read_bytes() == data[start:], f"{how} of {path}: other bytes"

@@ -1,0 +1,371 @@
+/*
+ * copies.c -- the preload shim's descriptors of cached copies, as a program sees them: their
+ * identity (the stat family) and the calls that copy from them (copy_file_range).
+ *
+ * A read-only open of a dataset file returns a descriptor of its cached copy (shim_open). Its
+ * bytes, size, modification time and permission bits are the source's by construction, but
+ * the kernel's fstat names the copy: another device and inode. Programs that compare the
+ * descriptor with the path they opened then refuse the file: coreutils' cp and install check
+ * that fstat of the descriptor and stat of the path name the same inode ("skipping file ...,
+ * as it was replaced while being copied"). So fstat, fstat64, fstatat/fstatat64 and statx of
+ * the descriptor itself (AT_EMPTY_PATH with an empty path), and the __fxstat* forms of older
+ * binaries, report the source's device and inode numbers and change time, as the copy's
+ * record holds them (the source version the copy holds, checked when it was cached, not the
+ * source now: a source replaced since differs, as the program should be told). Everything
+ * else is the copy's: size, modification time and permission bits (equal to the source's),
+ * owner (this user), link count, access time, blocks and block size.
+ *
+ * Which descriptors: decided at each call from the descriptor itself, with no state kept per
+ * descriptor, so that dup, dup2, dup3, F_DUPFD, fork and exec need no wrappers and a reused
+ * descriptor number can never report another file's identity. A descriptor is a cached copy
+ * when the kernel's fstat shows a regular file on the device of a tier, /proc/self/fd names
+ * it below that tier's directory, and the record beside it (tiers/record.go) describes that
+ * very data file (its inode and size). Other descriptors cost one fstat comparison; files on
+ * a tier's device but outside the tier, one readlink more. The source's device is that of its
+ * dataset root (one stat of the root per process, on first need): a file on another file
+ * system mounted beneath the root keeps the copy's identity. So does a copy without a record
+ * of its source's inode (one sent by another node's server, a memory file).
+ *
+ * copy_file_range from a copy to a file on another file system fails with EXDEV where the
+ * source (on the destination's file system) would have been copied: the wrapper then copies
+ * through a buffer, with the offsets and the return value copy_file_range has. sendfile and
+ * splice read any regular file, copies included: they need no wrapper.
+ *
+ * Like the rest of the shim: no allocation, no lock, errno as the program expects it.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include "shim.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+static int (*libc_fstat)(int, struct stat *);
+static int (*libc_fstat64)(int, struct stat64 *);
+static int (*libc_fstatat)(int, const char *, struct stat *, int);
+static int (*libc_fstatat64)(int, const char *, struct stat64 *, int);
+static int (*libc_statx)(int, const char *, int, unsigned int, struct statx *);
+static int (*libc___fxstat)(int, int, struct stat *);
+static int (*libc___fxstat64)(int, int, struct stat64 *);
+static int (*libc___fxstatat)(int, int, const char *, struct stat *, int);
+static int (*libc___fxstatat64)(int, int, const char *, struct stat64 *, int);
+static ssize_t (*libc_copy_file_range)(int, off64_t *, int, off64_t *, size_t, unsigned int);
+
+// The tiers' directories as /proc/self/fd names files below them, and their devices; set at
+// load (copies_tier), read only afterwards.
+static char tier_names[16384];
+static size_t tier_used;
+static const char *tier_path[FC_MAX_TIERS];
+static size_t tier_len[FC_MAX_TIERS];
+static dev_t tier_dev[FC_MAX_TIERS];
+
+void copies_init(void) {
+	NEXT(fstat);
+	NEXT(fstat64);
+	NEXT(fstatat);
+	NEXT(fstatat64);
+	NEXT(statx);
+	NEXT(__fxstat);
+	NEXT(__fxstat64);
+	NEXT(__fxstatat);
+	NEXT(__fxstatat64);
+	NEXT(copy_file_range);
+}
+
+void copies_tier(int i) {
+	if (i < 0 || i >= FC_MAX_TIERS)
+		return;
+	char link[32], *out = tier_names + tier_used;
+	snprintf(link, sizeof link, "/proc/self/fd/%d", shim_tiers[i].dirfd);
+	long n = syscall(SYS_readlinkat, AT_FDCWD, link, out, sizeof tier_names - tier_used - 1);
+	struct stat st;
+	if (n <= 1 || out[0] != '/' || (size_t)n >= sizeof tier_names - tier_used - 1 || fc_sys_fstat(shim_tiers[i].dirfd, &st) != 0)
+		return;
+	out[n] = 0;
+	tier_path[i] = out;
+	tier_len[i] = (size_t)n;
+	tier_dev[i] = st.st_dev;
+	tier_used += (size_t)n + 1;
+}
+
+// The record of a cached file (tiers/record.go): version, and the offsets of its fields
+// after the source path (n bytes) and group (g bytes) that follow its 16-byte head.
+#define RECORD_PREFIX ".rec-"
+#define RECORD_MAGIC "FCRECORD"
+#define RECORD_VERSION 4
+
+// What a copy's record says of its source.
+struct source_id {
+	dev_t dev;
+	uint64_t ino;
+	int64_t ctime_ns; // 0: unknown
+};
+
+static uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static uint64_t le64(const uint8_t *p) {
+	uint64_t v = 0;
+	for (int i = 7; i >= 0; i--)
+		v = v << 8 | p[i];
+	return v;
+}
+
+// source_dev gives the device of dataset root r, stat'ed once per process (0 when it cannot
+// be). A race between threads stats it twice, harmlessly.
+static dev_t source_dev(struct root *r) {
+	uint64_t d = __atomic_load_n(&r->dev_plus1, __ATOMIC_RELAXED);
+	if (d == 0) {
+		struct stat st;
+		if (stat(r->real, &st) != 0)
+			return 0;
+		d = (uint64_t)st.st_dev + 1;
+		__atomic_store_n(&r->dev_plus1, d, __ATOMIC_RELAXED);
+	}
+	return (dev_t)(d - 1);
+}
+
+// copy_source finds out whether fd, whose kernel identity is (dev, ino, size), is a cached
+// copy, and if so what its record says of its source: 1 and *id, or 0. errno is unchanged.
+static int copy_source(int fd, dev_t dev, uint64_t ino, int64_t size, struct source_id *id) {
+#ifndef FC_SYS_FSTAT
+	return 0; // the shim's own checks would see the source too (see fc_sys_fstat)
+#endif
+	int t = 0;
+	while (t < shim_ntiers && !(tier_path[t] && tier_dev[t] == dev))
+		t++;
+	if (t == shim_ntiers || fd < 0)
+		return 0;
+	int saved = errno, found = 0;
+	char link[32], path[FC_PATH_MAX];
+	snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+	long n = syscall(SYS_readlinkat, AT_FDCWD, link, path, sizeof path - 1);
+	if (n <= 0)
+		goto out;
+	path[n] = 0;
+	// The tier below which /proc names it (tiers may share a device).
+	for (t = 0; t < shim_ntiers; t++)
+		if (tier_path[t] && tier_dev[t] == dev && (size_t)n > tier_len[t] + 1 &&
+		    memcmp(path, tier_path[t], tier_len[t]) == 0 && path[tier_len[t]] == '/')
+			break;
+	if (t == shim_ntiers)
+		goto out;
+	// The record: RECORD_PREFIX + the data file's name, in the data file's directory.
+	const char *rel = path + tier_len[t] + 1, *base = strrchr(rel, '/');
+	base = base ? base + 1 : rel;
+	char rec[FC_PATH_MAX];
+	size_t dirlen = (size_t)(base - rel), baselen = strlen(base);
+	if (dirlen + sizeof RECORD_PREFIX + baselen > sizeof rec)
+		goto out;
+	memcpy(rec, rel, dirlen);
+	memcpy(rec + dirlen, RECORD_PREFIX, sizeof RECORD_PREFIX - 1);
+	memcpy(rec + dirlen + sizeof RECORD_PREFIX - 1, base, baselen + 1);
+	int rfd = (int)syscall(SYS_openat, shim_tiers[t].dirfd, rec, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+	if (rfd < 0)
+		goto out;
+	// One read: a record longer than the buffer (a source path and root of 4 KiB together)
+	// leaves the copy its own identity. The record's name is not needed any more: its buffer
+	// takes the record.
+	uint8_t *b = (uint8_t *)rec;
+	ssize_t got = pread(rfd, b, sizeof rec, 0);
+	syscall(SYS_close, rfd);
+	uint32_t plen = 0, glen = 0;
+	int ok = got >= 20 && memcmp(b, RECORD_MAGIC, 8) == 0 && le32(b + 8) == RECORD_VERSION &&
+	         (plen = le32(b + 12)) < (uint32_t)got - 20 && (glen = le32(b + 16 + plen)) < (uint32_t)got &&
+	         20 + (size_t)plen + glen + 40 <= (size_t)got;
+	if (!ok)
+		goto out;
+	// After the path and group: size, mtime, ctime, the source's inode, the data file's inode.
+	const uint8_t *tail = b + 20 + plen + glen;
+	if ((int64_t)le64(tail) != size || le64(tail + 32) != ino || le64(tail + 24) == 0)
+		goto out;
+	const char *src = (const char *)b + 16;
+	struct root *r = shim_root_of(src, plen);
+	dev_t sdev = r ? source_dev(r) : 0;
+	if (sdev == 0)
+		goto out;
+	id->dev = sdev;
+	id->ino = le64(tail + 24);
+	id->ctime_ns = (int64_t)le64(tail + 16);
+	found = 1;
+out:
+	errno = saved;
+	return found;
+}
+
+// is_copy reports whether fd is a descriptor of a cached copy.
+static int is_copy(int fd) {
+	struct stat st;
+	struct source_id id;
+	return fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && copy_source(fd, st.st_dev, st.st_ino, st.st_size, &id);
+}
+
+// IDENTIFY(st) gives the struct stat (or stat64) st of descriptor fd, filled by the kernel,
+// its source's identity when fd is a cached copy.
+#define IDENTIFY(fd, st)                                                                                               \
+	do {                                                                                                           \
+		struct source_id id_;                                                                                  \
+		if (S_ISREG((st)->st_mode) && copy_source(fd, (st)->st_dev, (st)->st_ino, (st)->st_size, &id_)) {     \
+			(st)->st_dev = id_.dev;                                                                        \
+			(st)->st_ino = id_.ino;                                                                        \
+			if (id_.ctime_ns) {                                                                            \
+				(st)->st_ctim.tv_sec = id_.ctime_ns / 1000000000;                                      \
+				(st)->st_ctim.tv_nsec = id_.ctime_ns % 1000000000;                                     \
+			}                                                                                              \
+		}                                                                                                      \
+	} while (0)
+
+// of_fd reports whether an fstatat/statx call with dirfd, path and flags describes the
+// descriptor dirfd itself.
+static int of_fd(int dirfd, const char *path, int flags) {
+	return dirfd >= 0 && (flags & AT_EMPTY_PATH) && (!path || !*path);
+}
+
+EXPORT int fstat(int fd, struct stat *st) {
+	int rc = CALL_NEXT(fstat, fd, st);
+	if (rc == 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int fstat64(int fd, struct stat64 *st) {
+	int rc = CALL_NEXT(fstat64, fd, st);
+	if (rc == 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int fstatat(int dirfd, const char *path, struct stat *st, int flags) {
+	int rc = CALL_NEXT(fstatat, dirfd, path, st, flags);
+	if (rc == 0 && of_fd(dirfd, path, flags))
+		IDENTIFY(dirfd, st);
+	return rc;
+}
+
+EXPORT int fstatat64(int dirfd, const char *path, struct stat64 *st, int flags) {
+	int rc = CALL_NEXT(fstatat64, dirfd, path, st, flags);
+	if (rc == 0 && of_fd(dirfd, path, flags))
+		IDENTIFY(dirfd, st);
+	return rc;
+}
+
+// The forms binaries built against glibc before 2.33 call.
+EXPORT int __fxstat(int ver, int fd, struct stat *st) {
+	int rc = CALL_NEXT(__fxstat, ver, fd, st);
+	if (rc == 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int __fxstat64(int ver, int fd, struct stat64 *st) {
+	int rc = CALL_NEXT(__fxstat64, ver, fd, st);
+	if (rc == 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int __fxstatat(int ver, int dirfd, const char *path, struct stat *st, int flags) {
+	int rc = CALL_NEXT(__fxstatat, ver, dirfd, path, st, flags);
+	if (rc == 0 && of_fd(dirfd, path, flags))
+		IDENTIFY(dirfd, st);
+	return rc;
+}
+
+EXPORT int __fxstatat64(int ver, int dirfd, const char *path, struct stat64 *st, int flags) {
+	int rc = CALL_NEXT(__fxstatat64, ver, dirfd, path, st, flags);
+	if (rc == 0 && of_fd(dirfd, path, flags))
+		IDENTIFY(dirfd, st);
+	return rc;
+}
+
+// statx fills only the fields it was asked for (mask): the device always, the inode and
+// change time when asked.
+EXPORT int statx(int dirfd, const char *path, int flags, unsigned int mask, struct statx *stx) {
+	int rc = CALL_NEXT(statx, dirfd, path, flags, mask, stx);
+	struct source_id id;
+	if (rc != 0 || !of_fd(dirfd, path, flags) || !(stx->stx_mask & STATX_TYPE) || !S_ISREG(stx->stx_mode) ||
+	    !(stx->stx_mask & STATX_INO) || !(stx->stx_mask & STATX_SIZE) ||
+	    !copy_source(dirfd, makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino, (int64_t)stx->stx_size, &id))
+		return rc;
+	stx->stx_dev_major = major(id.dev);
+	stx->stx_dev_minor = minor(id.dev);
+	stx->stx_ino = id.ino;
+	if (id.ctime_ns && (stx->stx_mask & STATX_CTIME)) {
+		stx->stx_ctime.tv_sec = id.ctime_ns / 1000000000;
+		stx->stx_ctime.tv_nsec = (uint32_t)(id.ctime_ns % 1000000000);
+	}
+	return rc;
+}
+
+// The largest count the kernel copies in one call (MAX_RW_COUNT).
+#define MAX_COPY 0x7ffff000L
+
+// copy_through copies up to len bytes as copy_file_range would, through a buffer: from
+// *off_in of fd_in (or its file offset, moved on), to *off_out of fd_out (or its offset).
+// Returns the bytes copied (0 at the end of fd_in), or -1 with errno when none could be.
+static ssize_t copy_through(int fd_in, off64_t *off_in, int fd_out, off64_t *off_out, size_t len) {
+	off64_t in = off_in ? *off_in : lseek(fd_in, 0, SEEK_CUR);
+	off64_t out = off_out ? *off_out : lseek(fd_out, 0, SEEK_CUR);
+	if (in < 0 || out < 0)
+		return -1;
+	if (len > MAX_COPY)
+		len = MAX_COPY;
+	char buf[16384]; // on the program's stack, which may be a small thread's
+	ssize_t done = 0;
+	int err = 0;
+	while ((size_t)done < len) {
+		size_t want = len - (size_t)done < sizeof buf ? len - (size_t)done : sizeof buf;
+		ssize_t got = pread(fd_in, buf, want, in);
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0) {
+			err = got < 0 ? errno : 0;
+			break;
+		}
+		ssize_t put = 0;
+		while (put < got) {
+			ssize_t k = pwrite(fd_out, buf + put, (size_t)(got - put), out + put);
+			if (k < 0 && errno == EINTR)
+				continue;
+			if (k <= 0) {
+				err = k < 0 ? errno : EIO;
+				break;
+			}
+			put += k;
+		}
+		in += put, out += put, done += put;
+		if (put < got)
+			break;
+	}
+	if (done == 0 && err) {
+		errno = err;
+		return -1;
+	}
+	if (off_in)
+		*off_in = in;
+	else
+		lseek(fd_in, in, SEEK_SET);
+	if (off_out)
+		*off_out = out;
+	else
+		lseek(fd_out, out, SEEK_SET);
+	return done;
+}
+
+// copy_file_range from a cached copy to another file system fails with EXDEV where the
+// source would have been copied (on the destination's file system, or where the kernel
+// copies across them): such a copy goes through a buffer instead. Any other result is the
+// kernel's.
+EXPORT ssize_t copy_file_range(int fd_in, off64_t *off_in, int fd_out, off64_t *off_out, size_t len,
+                               unsigned int flags) {
+	ssize_t n = CALL_NEXT(copy_file_range, fd_in, off_in, fd_out, off_out, len, flags);
+	if (n >= 0 || errno != EXDEV || flags != 0 || !is_copy(fd_in))
+		return n;
+	return copy_through(fd_in, off_in, fd_out, off_out, len);
+}
