@@ -1735,14 +1735,17 @@ def test_cp_and_install_copy_dataset_files(dataset, cache_options, tmp_path, cac
 
 # Opens each file named on the command line as a program would (open, read-only), says where
 # the descriptor leads and whether its identity is its path's (fstat, fstatat and statx with
-# AT_EMPTY_PATH against stat), then copies it into DIR with each call, from the descriptor
-# to a file DIR/<call>-<n>: copy_file_range without offsets (moving both file offsets) and
-# with them (moving neither: the offsets given are), sendfile without and with an offset,
-# and splice through a pipe. Each copy starts 1000 bytes in (or at 0 for a shorter file) and
-# checks the offsets it leaves. One line per file: its number, the descriptor's path, then
-# "same"/"differs" for each identity and "ok"/an error for each copy.
+# AT_EMPTY_PATH, fstat of a dup, the __fxstat64 of older binaries, against stat), then
+# copies it into DIR with each call, from the descriptor to a file DIR/<call>-<n>:
+# copy_file_range without offsets (moving both file offsets) and with them (moving neither:
+# the offsets given are), sendfile without and with an offset, and splice through a pipe.
+# Each copy starts 1000 bytes in (or at 0 for a shorter file) and checks the offsets it
+# leaves. Last, the descriptor's number, reused by a file of the program's own, must be that
+# file. One line per file: its number, the descriptor's path, then "same"/"differs" for each
+# identity and "ok"/an error for each copy.
 COPY_CALLS = r'''
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -1752,6 +1755,12 @@ COPY_CALLS = r'''
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
+
+#ifdef __x86_64__
+#define STAT_VER 1
+#else
+#define STAT_VER 0
+#endif
 
 static const char *dir;
 
@@ -1843,16 +1852,33 @@ int main(int argc, char **argv) {
         int more = fd.st_size == path.st_size && fd.st_mtim.tv_sec == path.st_mtim.tv_sec &&
                    fd.st_mtim.tv_nsec == path.st_mtim.tv_nsec && fd.st_ctim.tv_sec == path.st_ctim.tv_sec &&
                    fd.st_ctim.tv_nsec == path.st_ctim.tv_nsec && fd.st_mode == path.st_mode;
-        printf("%d %s fstat:%s fstatat:%s statx:%s times-mode:%s", n - 1, target, same(&fd, path.st_dev, path.st_ino),
-               same(&at, path.st_dev, path.st_ino), same(&x, path.st_dev, path.st_ino), more ? "same" : "differs");
+        /* A duplicate is the same open file; __fxstat64 is what binaries built against glibc
+           before 2.33 call (looked up, as the dynamic linker would bind it). */
+        struct stat dupped, old;
+        int d = dup(in);
+        int (*fxstat64)(int, int, struct stat *) = (int (*)(int, int, struct stat *))dlsym(RTLD_DEFAULT, "__fxstat64");
+        if (d < 0 || fstat(d, &dupped) || !fxstat64 || fxstat64(STAT_VER, in, &old)) { perror("dup"); return 2; }
+        close(d);
+        printf("%d %s fstat:%s fstatat:%s statx:%s times-mode:%s dup:%s fxstat64:%s", n - 1, target,
+               same(&fd, path.st_dev, path.st_ino), same(&at, path.st_dev, path.st_ino),
+               same(&x, path.st_dev, path.st_ino), more ? "same" : "differs", same(&dupped, path.st_dev, path.st_ino),
+               same(&old, path.st_dev, path.st_ino));
         off_t start = path.st_size > 1000 ? 1000 : 0;
         copy("cfr", in, n - 1, start, path.st_size);
         copy("cfr-off", in, n - 1, start, path.st_size);
         copy("sendfile", in, n - 1, start, path.st_size);
         copy("sendfile-off", in, n - 1, start, path.st_size);
         copy("splice", in, n - 1, start, path.st_size);
-        printf("\n");
+        /* The descriptor's number, closed and reused by a file of the program's own, is that
+           file: the source's identity went with the copy. */
         close(in);
+        char own[4096];
+        snprintf(own, sizeof own, "%s/own-%d", dir, n);
+        int o = open(own, O_RDWR | O_CREAT | O_TRUNC, 0644);
+        struct stat ost, ofd;
+        if (o != in || stat(own, &ost) || fstat(o, &ofd)) { perror("reuse"); return 2; }
+        printf(" reused:%s\n", same(&ofd, ost.st_dev, ost.st_ino));
+        close(o);
     }
     return 0;
 }
@@ -1887,8 +1913,8 @@ def test_copy_calls_from_a_dataset_descriptor(dataset, cache_options, tmp_path, 
     for i, (path, line) in enumerate(zip(paths, lines), 1):
         n, target, *results = line.split(" ")
         assert in_tier(target, tiers), f"{path} was opened at {target}, not a cached copy"
-        want = [f"{k}:same" for k in ("fstat", "fstatat", "statx", "times-mode")] + \
-               [f"{how}:ok" for how in COPY_CALL_NAMES]
+        want = [f"{k}:same" for k in ("fstat", "fstatat", "statx", "times-mode", "dup", "fxstat64")] + \
+               [f"{how}:ok" for how in COPY_CALL_NAMES] + ["reused:same"]
         assert results == want, f"{path} (opened at {target}): {results}"
         data = open(path, "rb").read()
         start = 1000 if len(data) > 1000 else 0
