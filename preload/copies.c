@@ -11,9 +11,12 @@
  * the descriptor itself (AT_EMPTY_PATH with an empty path), and the __fxstat* forms of older
  * binaries, report the source's device and inode numbers and change time, as the copy's
  * record holds them (the source version the copy holds, checked when it was cached, not the
- * source now: a source replaced since differs, as the program should be told). Everything
- * else is the copy's: size, modification time and permission bits (equal to the source's),
- * owner (this user), link count, access time, blocks and block size.
+ * source now: a source replaced since differs, as the program should be told). So do stat,
+ * stat64, fstatat, statx and __xstat* of a path that leads to the copy through the kernel's
+ * links to a process's descriptors (/dev/stdin, /dev/fd/N, /proc/self/fd/N: `cp /dev/stdin`),
+ * the paths of a program's that name a copy. Everything else is the copy's: size,
+ * modification time and permission bits (equal to the source's), owner (this user), link
+ * count, access time, blocks and block size.
  *
  * Which descriptors: decided at each call from the descriptor itself, with no state kept per
  * descriptor, so that dup, dup2, dup3, F_DUPFD, fork and exec need no wrappers and a reused
@@ -49,6 +52,10 @@
 
 static int (*libc_fstat)(int, struct stat *);
 static int (*libc_fstat64)(int, struct stat64 *);
+static int (*libc_stat)(const char *, struct stat *);
+static int (*libc_stat64)(const char *, struct stat64 *);
+static int (*libc___xstat)(int, const char *, struct stat *);
+static int (*libc___xstat64)(int, const char *, struct stat64 *);
 static int (*libc_fstatat)(int, const char *, struct stat *, int);
 static int (*libc_fstatat64)(int, const char *, struct stat64 *, int);
 static int (*libc_statx)(int, const char *, int, unsigned int, struct statx *);
@@ -69,6 +76,10 @@ static dev_t tier_dev[FC_MAX_TIERS];
 void copies_init(void) {
 	NEXT(fstat);
 	NEXT(fstat64);
+	NEXT(stat);
+	NEXT(stat64);
+	NEXT(__xstat);
+	NEXT(__xstat64);
 	NEXT(fstatat);
 	NEXT(fstatat64);
 	NEXT(statx);
@@ -123,7 +134,7 @@ static dev_t source_dev(struct root *r) {
 	uint64_t d = __atomic_load_n(&r->dev_plus1, __ATOMIC_RELAXED);
 	if (d == 0) {
 		struct stat st;
-		if (stat(r->real, &st) != 0)
+		if (CALL_NEXT(stat, r->real, &st) != 0)
 			return 0;
 		d = (uint64_t)st.st_dev + 1;
 		__atomic_store_n(&r->dev_plus1, d, __ATOMIC_RELAXED);
@@ -221,10 +232,40 @@ static int is_copy(int fd) {
 		}                                                                                                      \
 	} while (0)
 
-// of_fd reports whether an fstatat/statx call with dirfd, path and flags describes the
-// descriptor dirfd itself.
-static int of_fd(int dirfd, const char *path, int flags) {
-	return dirfd >= 0 && (flags & AT_EMPTY_PATH) && (!path || !*path);
+// fd_named returns the descriptor a path names through the kernel's links to a process's
+// own descriptors (/dev/stdin, /dev/fd/N, /proc/self/fd/N...), or -1. Such a path to a
+// cached copy leads to the copy itself: stat of it must tell the same as fstat of the
+// descriptor (cp /dev/stdin compares the two).
+static int fd_named(const char *path) {
+	static const char *const dirs[] = {"/dev/fd/", "/proc/self/fd/", "/proc/thread-self/fd/"};
+	if (!path || path[0] != '/')
+		return -1;
+	if (strcmp(path, "/dev/stdin") == 0)
+		return 0;
+	if (strcmp(path, "/dev/stdout") == 0)
+		return 1;
+	if (strcmp(path, "/dev/stderr") == 0)
+		return 2;
+	for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
+		size_t n = strlen(dirs[i]);
+		if (strncmp(path, dirs[i], n) != 0)
+			continue;
+		long fd = 0;
+		const char *p = path + n;
+		for (; *p >= '0' && *p <= '9' && fd < (1L << 30); p++)
+			fd = fd * 10 + (*p - '0');
+		return p > path + n && !*p && fd < (1L << 30) ? (int)fd : -1;
+	}
+	return -1;
+}
+
+// described returns the descriptor an fstatat or statx call with dirfd, path and flags
+// describes: dirfd itself (AT_EMPTY_PATH with an empty path), one named by a path through
+// the kernel's links to descriptors (followed), or -1 for any other file.
+static int described(int dirfd, const char *path, int flags) {
+	if ((flags & AT_EMPTY_PATH) && (!path || !*path))
+		return dirfd >= 0 ? dirfd : -1;
+	return flags & AT_SYMLINK_NOFOLLOW ? -1 : fd_named(path);
 }
 
 EXPORT int fstat(int fd, struct stat *st) {
@@ -242,20 +283,48 @@ EXPORT int fstat64(int fd, struct stat64 *st) {
 }
 
 EXPORT int fstatat(int dirfd, const char *path, struct stat *st, int flags) {
-	int rc = CALL_NEXT(fstatat, dirfd, path, st, flags);
-	if (rc == 0 && of_fd(dirfd, path, flags))
-		IDENTIFY(dirfd, st);
+	int rc = CALL_NEXT(fstatat, dirfd, path, st, flags), fd = described(dirfd, path, flags);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
 	return rc;
 }
 
 EXPORT int fstatat64(int dirfd, const char *path, struct stat64 *st, int flags) {
-	int rc = CALL_NEXT(fstatat64, dirfd, path, st, flags);
-	if (rc == 0 && of_fd(dirfd, path, flags))
-		IDENTIFY(dirfd, st);
+	int rc = CALL_NEXT(fstatat64, dirfd, path, st, flags), fd = described(dirfd, path, flags);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int stat(const char *path, struct stat *st) {
+	int rc = CALL_NEXT(stat, path, st), fd = fd_named(path);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int stat64(const char *path, struct stat64 *st) {
+	int rc = CALL_NEXT(stat64, path, st), fd = fd_named(path);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
 	return rc;
 }
 
 // The forms binaries built against glibc before 2.33 call.
+EXPORT int __xstat(int ver, const char *path, struct stat *st) {
+	int rc = CALL_NEXT(__xstat, ver, path, st), fd = fd_named(path);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
+EXPORT int __xstat64(int ver, const char *path, struct stat64 *st) {
+	int rc = CALL_NEXT(__xstat64, ver, path, st), fd = fd_named(path);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
+	return rc;
+}
+
 EXPORT int __fxstat(int ver, int fd, struct stat *st) {
 	int rc = CALL_NEXT(__fxstat, ver, fd, st);
 	if (rc == 0)
@@ -271,27 +340,27 @@ EXPORT int __fxstat64(int ver, int fd, struct stat64 *st) {
 }
 
 EXPORT int __fxstatat(int ver, int dirfd, const char *path, struct stat *st, int flags) {
-	int rc = CALL_NEXT(__fxstatat, ver, dirfd, path, st, flags);
-	if (rc == 0 && of_fd(dirfd, path, flags))
-		IDENTIFY(dirfd, st);
+	int rc = CALL_NEXT(__fxstatat, ver, dirfd, path, st, flags), fd = described(dirfd, path, flags);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
 	return rc;
 }
 
 EXPORT int __fxstatat64(int ver, int dirfd, const char *path, struct stat64 *st, int flags) {
-	int rc = CALL_NEXT(__fxstatat64, ver, dirfd, path, st, flags);
-	if (rc == 0 && of_fd(dirfd, path, flags))
-		IDENTIFY(dirfd, st);
+	int rc = CALL_NEXT(__fxstatat64, ver, dirfd, path, st, flags), fd = described(dirfd, path, flags);
+	if (rc == 0 && fd >= 0)
+		IDENTIFY(fd, st);
 	return rc;
 }
 
 // statx fills only the fields it was asked for (mask): the device always, the inode and
 // change time when asked.
 EXPORT int statx(int dirfd, const char *path, int flags, unsigned int mask, struct statx *stx) {
-	int rc = CALL_NEXT(statx, dirfd, path, flags, mask, stx);
+	int rc = CALL_NEXT(statx, dirfd, path, flags, mask, stx), fd = described(dirfd, path, flags);
 	struct source_id id;
-	if (rc != 0 || !of_fd(dirfd, path, flags) || !(stx->stx_mask & STATX_TYPE) || !S_ISREG(stx->stx_mode) ||
+	if (rc != 0 || fd < 0 || !(stx->stx_mask & STATX_TYPE) || !S_ISREG(stx->stx_mode) ||
 	    !(stx->stx_mask & STATX_INO) || !(stx->stx_mask & STATX_SIZE) ||
-	    !copy_source(dirfd, makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino, (int64_t)stx->stx_size, &id))
+	    !copy_source(fd, makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino, (int64_t)stx->stx_size, &id))
 		return rc;
 	stx->stx_dev_major = major(id.dev);
 	stx->stx_dev_minor = minor(id.dev);

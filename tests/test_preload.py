@@ -1683,7 +1683,8 @@ def assert_same_tree(source, copy):
 # cp compares fstat of the descriptor it opened with stat of the path, and refused the cached
 # copy ("skipping file ..., as it was replaced while being copied", exit 1) before fstat
 # reported the source's identity. Each line runs under `fitcache run`; cp -r goes first, so
-# that in the cold case it opens every file uncached (answered by the server).
+# that in the cold case it opens every file uncached (answered by the server). The last
+# copies standard input, a cached copy that sh opened: /dev/stdin leads to the copy itself.
 COPY_COMMANDS = r'''
 set -e
 src=$1 out=$2 a=$3 b=$4 c=$5 d=$6
@@ -1693,6 +1694,7 @@ cp --reflink=auto "$b" "$out/reflink-auto"
 cp -p "$c" "$out/cp-p"
 install -m 640 "$a" "$out/install-m"
 install -p "$d" "$out/install-p"
+cp /dev/stdin "$out/stdin" < "$b"
 '''
 
 
@@ -1724,7 +1726,8 @@ def test_cp_and_install_copy_dataset_files(dataset, cache_options, tmp_path, cac
     assert len(served) >= len(digests) + 5, f"{len(served)} opens served from the cache\n" + describe(out)
     assert_same_tree(root, out_dir / "tree")
     a, b, c, d = picks
-    for name, source in (("cp", a), ("reflink-auto", b), ("cp-p", c), ("install-m", a), ("install-p", d)):
+    for name, source in (("cp", a), ("reflink-auto", b), ("cp-p", c), ("install-m", a), ("install-p", d),
+                         ("stdin", b)):
         assert (out_dir / name).read_bytes() == open(source, "rb").read(), f"{name}: other bytes than {source}"
     for name, source in (("cp-p", c), ("install-p", d)):
         got, want = os.stat(out_dir / name).st_mtime_ns, os.stat(source).st_mtime_ns
