@@ -142,23 +142,26 @@ static dev_t source_dev(struct root *r) {
 	return (dev_t)(d - 1);
 }
 
-// copy_source finds out whether fd, whose kernel identity is (dev, ino, size), is a cached
-// copy, and if so what its record says of its source: 1 and *id, or 0. errno is unchanged.
-static int copy_source(int fd, dev_t dev, uint64_t ino, int64_t size, struct source_id *id) {
-#ifndef FC_SYS_FSTAT
-	return 0; // the shim's own checks would see the source too (see fc_sys_fstat)
-#endif
-	int t = 0;
-	while (t < shim_ntiers && !(tier_path[t] && tier_dev[t] == dev))
-		t++;
-	if (t == shim_ntiers || fd < 0)
-		return 0;
-	int saved = errno, found = 0;
+// What the kernel says of a descriptor: a cached copy is recognised by it.
+struct kernel_id {
+	dev_t dev;
+	uint64_t ino;
+	int64_t size;
+	struct timespec ctime; // tv_nsec -1: not known (statx not asked for it)
+};
+
+// look_up finds out whether fd, a regular file on a tier's device whose kernel identity is
+// k, is a cached copy, and if so what its record says of its source: 1 and *id, or 0.
+static int look_up(int fd, const struct kernel_id *k, struct source_id *id) {
+	dev_t dev = k->dev;
+	uint64_t ino = k->ino;
+	int64_t size = k->size;
+	int t;
 	char link[32], path[FC_PATH_MAX];
 	snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
 	long n = syscall(SYS_readlinkat, AT_FDCWD, link, path, sizeof path - 1);
 	if (n <= 0)
-		goto out;
+		return 0;
 	path[n] = 0;
 	// The tier below which /proc names it (tiers may share a device).
 	for (t = 0; t < shim_ntiers; t++)
@@ -166,20 +169,20 @@ static int copy_source(int fd, dev_t dev, uint64_t ino, int64_t size, struct sou
 		    memcmp(path, tier_path[t], tier_len[t]) == 0 && path[tier_len[t]] == '/')
 			break;
 	if (t == shim_ntiers)
-		goto out;
+		return 0;
 	// The record: RECORD_PREFIX + the data file's name, in the data file's directory.
 	const char *rel = path + tier_len[t] + 1, *base = strrchr(rel, '/');
 	base = base ? base + 1 : rel;
 	char rec[FC_PATH_MAX];
 	size_t dirlen = (size_t)(base - rel), baselen = strlen(base);
 	if (dirlen + sizeof RECORD_PREFIX + baselen > sizeof rec)
-		goto out;
+		return 0;
 	memcpy(rec, rel, dirlen);
 	memcpy(rec + dirlen, RECORD_PREFIX, sizeof RECORD_PREFIX - 1);
 	memcpy(rec + dirlen + sizeof RECORD_PREFIX - 1, base, baselen + 1);
 	int rfd = (int)syscall(SYS_openat, shim_tiers[t].dirfd, rec, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
 	if (rfd < 0)
-		goto out;
+		return 0;
 	// One read: a record longer than the buffer (a source path and root of 4 KiB together)
 	// leaves the copy its own identity. The record's name is not needed any more: its buffer
 	// takes the record.
@@ -191,21 +194,86 @@ static int copy_source(int fd, dev_t dev, uint64_t ino, int64_t size, struct sou
 	         (plen = le32(b + 12)) < (uint32_t)got - 20 && (glen = le32(b + 16 + plen)) < (uint32_t)got &&
 	         20 + (size_t)plen + glen + 40 <= (size_t)got;
 	if (!ok)
-		goto out;
+		return 0;
 	// After the path and group: size, mtime, ctime, the source's inode, the data file's inode.
 	const uint8_t *tail = b + 20 + plen + glen;
 	if ((int64_t)le64(tail) != size || le64(tail + 32) != ino || le64(tail + 24) == 0)
-		goto out;
+		return 0;
 	const char *src = (const char *)b + 16;
 	struct root *r = shim_root_of(src, plen);
 	dev_t sdev = r ? source_dev(r) : 0;
 	if (sdev == 0)
-		goto out;
+		return 0;
 	id->dev = sdev;
 	id->ino = le64(tail + 24);
 	id->ctime_ns = (int64_t)le64(tail + 16);
-	found = 1;
-out:
+	return 1;
+}
+
+// The answers of look_up, kept by descriptor (below KNOWN_FDS) for the next stat of the same
+// descriptor: Python's read of a whole file fstats it twice, and a program that looks more
+// than once costs its readlink and record read once. An answer serves only a descriptor whose
+// kernel identity (device, inode, size, change time) is the one it was found for: another
+// file under the number, or a copy changed, is looked up again. Each entry is written under
+// its sequence count (odd while written, taken by compare-and-swap: a second writer does
+// without); a reader that finds it changing looks up for itself.
+#define KNOWN_FDS 4096
+
+struct known {
+	uint32_t seq; // atomic
+	struct kernel_id k;
+	int found;
+	struct source_id id;
+};
+
+static struct known known[KNOWN_FDS];
+
+static int recall(int fd, const struct kernel_id *k, struct source_id *id) {
+	struct known *e = &known[fd];
+	uint32_t seq = __atomic_load_n(&e->seq, __ATOMIC_ACQUIRE);
+	if (seq == 0 || (seq & 1))
+		return -1;
+	int same = e->k.dev == k->dev && e->k.ino == k->ino && e->k.size == k->size &&
+	           e->k.ctime.tv_sec == k->ctime.tv_sec && e->k.ctime.tv_nsec == k->ctime.tv_nsec;
+	int found = e->found;
+	*id = e->id;
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	if (__atomic_load_n(&e->seq, __ATOMIC_RELAXED) != seq || !same)
+		return -1;
+	return found;
+}
+
+static void note(int fd, const struct kernel_id *k, int found, const struct source_id *id) {
+	struct known *e = &known[fd];
+	uint32_t seq = __atomic_load_n(&e->seq, __ATOMIC_RELAXED);
+	if ((seq & 1) || !__atomic_compare_exchange_n(&e->seq, &seq, seq + 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+		return;
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	e->k = *k;
+	e->found = found;
+	e->id = *id;
+	__atomic_store_n(&e->seq, seq + 2, __ATOMIC_RELEASE);
+}
+
+// copy_source finds out whether fd, whose kernel identity is k, is a cached copy, and if so
+// what its record says of its source: 1 and *id, or 0. errno is unchanged.
+static int copy_source(int fd, const struct kernel_id *k, struct source_id *id) {
+#ifndef FC_SYS_FSTAT
+	return 0; // the shim's own checks would see the source too (see fc_sys_fstat)
+#endif
+	int t = 0;
+	while (t < shim_ntiers && !(tier_path[t] && tier_dev[t] == k->dev))
+		t++;
+	if (t == shim_ntiers || fd < 0)
+		return 0;
+	int keep = fd < KNOWN_FDS && k->ctime.tv_nsec >= 0, found = keep ? recall(fd, k, id) : -1;
+	if (found >= 0)
+		return found;
+	int saved = errno;
+	*id = (struct source_id){0};
+	found = look_up(fd, k, id);
+	if (keep)
+		note(fd, k, found, id);
 	errno = saved;
 	return found;
 }
@@ -214,7 +282,8 @@ out:
 static int is_copy(int fd) {
 	struct stat st;
 	struct source_id id;
-	return fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && copy_source(fd, st.st_dev, st.st_ino, st.st_size, &id);
+	return fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+	       copy_source(fd, &(struct kernel_id){st.st_dev, st.st_ino, st.st_size, st.st_ctim}, &id);
 }
 
 // IDENTIFY(st) gives the struct stat (or stat64) st of descriptor fd, filled by the kernel,
@@ -222,7 +291,9 @@ static int is_copy(int fd) {
 #define IDENTIFY(fd, st)                                                                                               \
 	do {                                                                                                           \
 		struct source_id id_;                                                                                  \
-		if (S_ISREG((st)->st_mode) && copy_source(fd, (st)->st_dev, (st)->st_ino, (st)->st_size, &id_)) {     \
+		if (S_ISREG((st)->st_mode) &&                                                                  \
+		    copy_source(fd, &(struct kernel_id){(st)->st_dev, (st)->st_ino, (st)->st_size, (st)->st_ctim},   \
+		                &id_)) {                                                                           \
 			(st)->st_dev = id_.dev;                                                                        \
 			(st)->st_ino = id_.ino;                                                                        \
 			if (id_.ctime_ns) {                                                                            \
@@ -360,7 +431,11 @@ EXPORT int statx(int dirfd, const char *path, int flags, unsigned int mask, stru
 	struct source_id id;
 	if (rc != 0 || fd < 0 || !(stx->stx_mask & STATX_TYPE) || !S_ISREG(stx->stx_mode) ||
 	    !(stx->stx_mask & STATX_INO) || !(stx->stx_mask & STATX_SIZE) ||
-	    !copy_source(fd, makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino, (int64_t)stx->stx_size, &id))
+	    !copy_source(fd,
+	                 &(struct kernel_id){makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino,
+	                                     (int64_t)stx->stx_size,
+	                                     {stx->stx_ctime.tv_sec, stx->stx_mask & STATX_CTIME ? (long)stx->stx_ctime.tv_nsec : -1L}},
+	                 &id))
 		return rc;
 	stx->stx_dev_major = major(id.dev);
 	stx->stx_dev_minor = minor(id.dev);
