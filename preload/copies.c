@@ -31,7 +31,9 @@
  *
  * copy_file_range from a copy to a file on another file system fails with EXDEV where the
  * source (on the destination's file system) would have been copied: the wrapper then copies
- * through a buffer, with the offsets and the return value copy_file_range has. sendfile and
+ * through a buffer, with the offsets and the return value copy_file_range has. cp --reflink
+ * (the FICLONE ioctl) is not wrapped: a clone is not a copy, and a tier's file system can
+ * share no extents with the source's. sendfile and
  * splice read any regular file, copies included: they need no wrapper.
  *
  * Like the rest of the shim: no allocation, no lock, errno as the program expects it.
@@ -97,7 +99,8 @@ void copies_tier(int i) {
 	snprintf(link, sizeof link, "/proc/self/fd/%d", shim_tiers[i].dirfd);
 	long n = syscall(SYS_readlinkat, AT_FDCWD, link, out, sizeof tier_names - tier_used - 1);
 	struct stat st;
-	if (n <= 1 || out[0] != '/' || (size_t)n >= sizeof tier_names - tier_used - 1 || fc_sys_fstat(shim_tiers[i].dirfd, &st) != 0)
+	if (n <= 1 || out[0] != '/' || (size_t)n >= sizeof tier_names - tier_used - 1 ||
+	    fc_sys_fstat(shim_tiers[i].dirfd, &st) != 0)
 		return;
 	out[n] = 0;
 	tier_path[i] = out;
@@ -106,8 +109,9 @@ void copies_tier(int i) {
 	tier_used += (size_t)n + 1;
 }
 
-// The record of a cached file (tiers/record.go): version, and the offsets of its fields
-// after the source path (n bytes) and group (g bytes) that follow its 16-byte head.
+// The record of a cached file (tiers/record.go), beside it: magic, version, the source
+// path's length and the path, the group's length and the group, then the data's size, the
+// source's modification and change times, the source's inode, the data file's inode...
 #define RECORD_PREFIX ".rec-"
 #define RECORD_MAGIC "FCRECORD"
 #define RECORD_VERSION 4
@@ -119,7 +123,9 @@ struct source_id {
 	int64_t ctime_ns; // 0: unknown
 };
 
-static uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint32_t le32(const uint8_t *p) {
+	return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
 
 static uint64_t le64(const uint8_t *p) {
 	uint64_t v = 0;
@@ -428,14 +434,13 @@ EXPORT int __fxstatat64(int ver, int dirfd, const char *path, struct stat64 *st,
 // change time when asked.
 EXPORT int statx(int dirfd, const char *path, int flags, unsigned int mask, struct statx *stx) {
 	int rc = CALL_NEXT(statx, dirfd, path, flags, mask, stx), fd = described(dirfd, path, flags);
+	unsigned int need = STATX_TYPE | STATX_INO | STATX_SIZE;
+	if (rc != 0 || fd < 0 || (stx->stx_mask & need) != need || !S_ISREG(stx->stx_mode))
+		return rc;
+	struct kernel_id k = {makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino, (int64_t)stx->stx_size,
+	                      {stx->stx_ctime.tv_sec, (stx->stx_mask & STATX_CTIME) ? (long)stx->stx_ctime.tv_nsec : -1L}};
 	struct source_id id;
-	if (rc != 0 || fd < 0 || !(stx->stx_mask & STATX_TYPE) || !S_ISREG(stx->stx_mode) ||
-	    !(stx->stx_mask & STATX_INO) || !(stx->stx_mask & STATX_SIZE) ||
-	    !copy_source(fd,
-	                 &(struct kernel_id){makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino,
-	                                     (int64_t)stx->stx_size,
-	                                     {stx->stx_ctime.tv_sec, stx->stx_mask & STATX_CTIME ? (long)stx->stx_ctime.tv_nsec : -1L}},
-	                 &id))
+	if (!copy_source(fd, &k, &id))
 		return rc;
 	stx->stx_dev_major = major(id.dev);
 	stx->stx_dev_minor = minor(id.dev);
@@ -503,9 +508,10 @@ static ssize_t copy_through(int fd_in, off64_t *off_in, int fd_out, off64_t *off
 }
 
 // copy_file_range from a cached copy to another file system fails with EXDEV where the
-// source would have been copied (on the destination's file system, or where the kernel
-// copies across them): such a copy goes through a buffer instead. Any other result is the
-// kernel's.
+// source might have been copied (it is on the destination's file system, or the kernel
+// copies across the two): such a copy goes through a buffer instead, also where the source
+// would have failed too (a program falls back on EXDEV to the same copy). Any other result
+// is the kernel's.
 EXPORT ssize_t copy_file_range(int fd_in, off64_t *off_in, int fd_out, off64_t *off_out, size_t len,
                                unsigned int flags) {
 	ssize_t n = CALL_NEXT(copy_file_range, fd_in, off_in, fd_out, off_out, len, flags);
