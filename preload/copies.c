@@ -23,8 +23,9 @@
  * descriptor number can never report another file's identity. A descriptor is a cached copy
  * when the kernel's fstat shows a regular file on the device of a tier, /proc/self/fd names
  * it below that tier's directory, and the record beside it (tiers/record.go) describes that
- * very data file (its inode and size). Other descriptors cost one fstat comparison; files on
- * a tier's device but outside the tier, one readlink more. The source's device is that of its
+ * very data file (its inode and size). Other descriptors cost one fstat comparison; files of
+ * this user on a tier's device but outside the tier, one readlink more (once per descriptor:
+ * see known). The source's device is that of its
  * dataset root (one stat of the root per process, on first need): a file on another file
  * system mounted beneath the root keeps the copy's identity. So does a copy without a record
  * of its source's inode (one sent by another node's server, a memory file).
@@ -154,6 +155,7 @@ struct kernel_id {
 	uint64_t ino;
 	int64_t size;
 	struct timespec ctime; // tv_nsec -1: not known (statx not asked for it)
+	uid_t uid;             // (uid_t)-1: not known
 };
 
 // look_up finds out whether fd, a regular file on a tier's device whose kernel identity is
@@ -240,7 +242,7 @@ static int recall(int fd, const struct kernel_id *k, struct source_id *id) {
 	if (seq == 0 || (seq & 1))
 		return -1;
 	int same = e->k.dev == k->dev && e->k.ino == k->ino && e->k.size == k->size &&
-	           e->k.ctime.tv_sec == k->ctime.tv_sec && e->k.ctime.tv_nsec == k->ctime.tv_nsec;
+	           e->k.ctime.tv_sec == k->ctime.tv_sec && e->k.ctime.tv_nsec == k->ctime.tv_nsec && e->k.uid == k->uid;
 	int found = e->found;
 	*id = e->id;
 	__atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -267,8 +269,11 @@ static int copy_source(int fd, const struct kernel_id *k, struct source_id *id) 
 #ifndef FC_SYS_FSTAT
 	return 0; // the shim's own checks would see the source too (see fc_sys_fstat)
 #endif
+	// A tier serves only files of its owner (see fc_lookup): the files of other users on its
+	// device (the system's, on a disk tier's root file system) need no readlink.
 	int t = 0;
-	while (t < shim_ntiers && !(tier_path[t] && tier_dev[t] == k->dev))
+	while (t < shim_ntiers &&
+	       !(tier_path[t] && tier_dev[t] == k->dev && (k->uid == (uid_t)-1 || k->uid == shim_tiers[t].uid)))
 		t++;
 	if (t == shim_ntiers || fd < 0)
 		return 0;
@@ -289,7 +294,7 @@ static int is_copy(int fd) {
 	struct stat st;
 	struct source_id id;
 	return fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-	       copy_source(fd, &(struct kernel_id){st.st_dev, st.st_ino, st.st_size, st.st_ctim}, &id);
+	       copy_source(fd, &(struct kernel_id){st.st_dev, st.st_ino, st.st_size, st.st_ctim, st.st_uid}, &id);
 }
 
 // IDENTIFY(st) gives the struct stat (or stat64) st of descriptor fd, filled by the kernel,
@@ -297,9 +302,10 @@ static int is_copy(int fd) {
 #define IDENTIFY(fd, st)                                                                                               \
 	do {                                                                                                           \
 		struct source_id id_;                                                                                  \
-		if (S_ISREG((st)->st_mode) &&                                                                  \
-		    copy_source(fd, &(struct kernel_id){(st)->st_dev, (st)->st_ino, (st)->st_size, (st)->st_ctim},   \
-		                &id_)) {                                                                           \
+		if (S_ISREG((st)->st_mode) &&                                                                          \
+		    copy_source(fd, &(struct kernel_id){(st)->st_dev, (st)->st_ino, (st)->st_size, (st)->st_ctim,      \
+		                                        (st)->st_uid},                                                 \
+		                &id_)) {                                                                               \
 			(st)->st_dev = id_.dev;                                                                        \
 			(st)->st_ino = id_.ino;                                                                        \
 			if (id_.ctime_ns) {                                                                            \
@@ -438,7 +444,8 @@ EXPORT int statx(int dirfd, const char *path, int flags, unsigned int mask, stru
 	if (rc != 0 || fd < 0 || (stx->stx_mask & need) != need || !S_ISREG(stx->stx_mode))
 		return rc;
 	struct kernel_id k = {makedev(stx->stx_dev_major, stx->stx_dev_minor), stx->stx_ino, (int64_t)stx->stx_size,
-	                      {stx->stx_ctime.tv_sec, (stx->stx_mask & STATX_CTIME) ? (long)stx->stx_ctime.tv_nsec : -1L}};
+	                      {stx->stx_ctime.tv_sec, (stx->stx_mask & STATX_CTIME) ? (long)stx->stx_ctime.tv_nsec : -1L},
+	                      (stx->stx_mask & STATX_UID) ? stx->stx_uid : (uid_t)-1};
 	struct source_id id;
 	if (!copy_source(fd, &k, &id))
 		return rc;
