@@ -18,9 +18,9 @@
 // Index layout (tiers/index.go).
 #define INDEX_NAME "fitcache.index"
 #define INDEX_MAGIC "FCINDEX\x01"
-#define INDEX_VERSION 3
+#define INDEX_VERSION 4
 #define INDEX_WAYS 8
-#define INDEX_SLOT 64
+#define INDEX_SLOT 80
 #define INDEX_PAGE 4096     // the header page (read-only here), then the counter page
 #define INDEX_SLOTS 8192    // offset of the first slot
 #define HDR_VERSION 8
@@ -275,6 +275,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session)
 	t->kind = kind;
 	t->session = session;
 	t->uid = st.st_uid; // == geteuid(), checked above: fc_lookup makes no system call for it
+	t->dev = st.st_dev;
 	current_index(t);
 	errno = saved;
 	return 0;
@@ -304,6 +305,8 @@ struct slot {
 	uint64_t size, ino;
 	int64_t mtime;
 	uint32_t checked; // the last validation session that found the copy matching its source
+	uint64_t src_ino;  // the source's inode number and change time (0: unknown)
+	int64_t src_ctime;
 };
 
 // index_find looks (key, check) up in a mapped index with the slot's seqlock.
@@ -323,6 +326,8 @@ static int index_find(const struct fc_index *ix, uint64_t key, uint64_t check, s
 			out->mtime = (int64_t)rd64(s + 32);
 			out->ino = rd64(s + 40);
 			out->checked = rd32(s + 52);
+			out->src_ino = rd64(s + 64);
+			out->src_ctime = (int64_t)rd64(s + 72);
 			__atomic_thread_fence(__ATOMIC_ACQUIRE);
 			if (__atomic_load_n((const uint32_t *)s, __ATOMIC_RELAXED) != seq)
 				continue;
@@ -368,6 +373,26 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 	return fd;
 }
 
+// is_listed reports whether the file whose kernel fstat is st is the copy of tier t's slot s:
+// a regular file of this user with the slot's inode number and size.
+static int is_listed(const struct fc_tier *t, const struct slot *s, const struct stat *st) {
+	return S_ISREG(st->st_mode) && st->st_uid == t->uid && (uint64_t)st->st_ino == s->ino &&
+	       (uint64_t)st->st_size == s->size;
+}
+
+// fill describes in *hit the copy open at fd: the slot s of tier number tier, whose fstat is st.
+static void fill(struct fc_hit *hit, int fd, int tier, const struct slot *s, const struct stat *st) {
+	hit->fd = fd;
+	hit->tier = tier;
+	hit->size = (int64_t)s->size;
+	hit->mtime_ns = s->mtime;
+	hit->ino = s->ino;
+	hit->dev = (uint64_t)st->st_dev;
+	hit->ctime = st->st_ctim;
+	hit->src_ino = s->src_ino;
+	hit->src_ctime_ns = s->src_ctime;
+}
+
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit) {
 	int saved = errno;
@@ -392,17 +417,35 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 		if (fd < 0)
 			continue; // evicted since the lookup
 		struct stat st;
-		if (fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && (uint64_t)st.st_ino == s.ino &&
-		    (uint64_t)st.st_size == s.size) {
-			hit->fd = fd;
-			hit->tier = i;
-			hit->size = (int64_t)s.size;
-			hit->mtime_ns = s.mtime;
-			hit->ino = s.ino;
+		if (fc_sys_fstat(fd, &st) == 0 && is_listed(t, &s, &st)) {
+			fill(hit, fd, i, &s, &st);
 			errno = saved;
 			return 0;
 		}
 		close(fd); // replaced behind the index's back: the server removes it when it meets it
+	}
+	errno = saved;
+	return -ENOENT;
+}
+
+int fc_lookup_fd(struct fc_tier *tiers, int n, const char *path, size_t len, int fd, struct fc_hit *hit) {
+	int saved = errno;
+	struct stat st;
+	if (fc_sys_fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		errno = saved;
+		return -ENOENT;
+	}
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	for (int i = 0; i < n; i++) {
+		struct fc_tier *t = &tiers[i];
+		const struct fc_index *ix = t->dirfd >= 0 && t->dev == st.st_dev ? current_index(t) : NULL;
+		struct slot s;
+		if (ix && index_find(ix, key, check, &s) && is_listed(t, &s, &st)) {
+			fill(hit, fd, i, &s, &st);
+			errno = saved;
+			return 0;
+		}
 	}
 	errno = saved;
 	return -ENOENT;

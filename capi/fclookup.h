@@ -83,6 +83,7 @@ struct fc_tier {
 	int dirfd;                     /* the tier directory, checked private at open */
 	int kind;                      /* the caller's tag for the tier (its kind), for statistics */
 	uid_t uid;                     /* the owner of the tier directory: this user when it was opened */
+	dev_t dev;                     /* the device of the tier directory, and so of its files */
 	uint32_t session;              /* the reader's validation session (see fc_tier_open) */
 	struct fc_index *_Atomic index; /* the current mapping, in maps; NULL while there is none */
 	int64_t retry_ns;              /* CLOCK_MONOTONIC time before which a missing index is not sought */
@@ -111,6 +112,15 @@ struct fc_hit {
 	int64_t size;     /* the file's size (the source's) */
 	int64_t mtime_ns; /* the source's modification time, Unix nanoseconds */
 	uint64_t ino;     /* the cached file's inode number (see fc_listed) */
+	/* The cached file's device and change time as the kernel's fstat of fd gave them: with
+	 * ino and size, the identity by which the preload shim knows the descriptor again. */
+	uint64_t dev;
+	struct timespec ctime;
+	/* The identity of the source version the copy holds, as the index records it (0 where
+	 * unknown: a replica's copy): what fstat of the descriptor reports under the preload
+	 * shim (preload/copies.c). */
+	uint64_t src_ino;
+	int64_t src_ctime_ns;
 };
 
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),
@@ -123,6 +133,13 @@ struct fc_hit {
  * opened without it). */
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit);
+
+/* Finds out whether fd, a descriptor that the server answered an open of the clean source path
+ * (len bytes) with, is the cached copy that the index of one of tiers[0..n) lists for it,
+ * whatever its session: one fstat of fd (the kernel's) and index lookups. On success, returns
+ * 0 and fills *hit as fc_lookup would (hit->fd is fd; the caller keeps it); otherwise (the
+ * source, a memory file, a copy the index does not list yet) returns -ENOENT. */
+int fc_lookup_fd(struct fc_tier *tiers, int n, const char *path, size_t len, int fd, struct fc_hit *hit);
 
 /* Whether tier t's index still lists the copy with hashes (key, check) and data file inode
  * ino (as fc_lookup found it), whatever its session: a reader that keeps a cached copy open
