@@ -10,7 +10,7 @@
  * as it was replaced while being copied"). So fstat, fstat64, fstatat/fstatat64 and statx of
  * the descriptor itself (AT_EMPTY_PATH with an empty path), and the __fxstat* forms of older
  * binaries, report the source's device and inode numbers and change time, as the copy's
- * record holds them (the source version the copy holds, checked when it was cached, not the
+ * record and the tier's index hold them (the source version the copy holds, checked when it was cached, not the
  * source now: a source replaced since differs, as the program should be told). So do stat,
  * stat64, fstatat, statx and __xstat* of a path that leads to the copy through the kernel's
  * links to a process's descriptors (/dev/stdin, /dev/fd/N, /proc/self/fd/N: `cp /dev/stdin`),
@@ -18,17 +18,30 @@
  * modification time and permission bits (equal to the source's), owner (this user), link
  * count, access time, blocks and block size.
  *
- * Which descriptors: decided at each call from the descriptor itself, with no state kept per
- * descriptor, so that dup, dup2, dup3, F_DUPFD, fork and exec need no wrappers and a reused
- * descriptor number can never report another file's identity. A descriptor is a cached copy
- * when the kernel's fstat shows a regular file on the device of a tier, /proc/self/fd names
- * it below that tier's directory, and the record beside it (tiers/record.go) describes that
- * very data file (its inode and size). Other descriptors cost one fstat comparison; files of
- * this user on a tier's device but outside the tier, one readlink more (once per descriptor:
- * see known). The source's device is that of its
- * dataset root (one stat of the root per process, on first need): a file on another file
- * system mounted beneath the root keeps the copy's identity. So does a copy without a record
- * of its source's inode (one sent by another node's server, a memory file).
+ * Which descriptors, and what each costs. A descriptor the shim opens as the cached copy of a
+ * dataset file, a hit it found in a tier's index (shim_open, fc_lookup) or the copy the server
+ * answered a miss with (fc_lookup_fd: one fstat at that open, beside a round trip), is noted
+ * at the open in a table by descriptor number (known, below KNOWN_FDS; a descriptor past it
+ * is found out at each stat call, as below): the copy's identity as
+ * the kernel reports it (device, inode, size, change time, owner) and the source's (its inode
+ * and change time, which the tier's index repeats from the copy's record, and the device of
+ * its dataset root, stat'ed once per process). fstat of it then costs the kernel's fstat and
+ * a comparison: no system call more, which matters because Python's open() fstats every file
+ * it opens. Any other descriptor is found out at its first stat call: a regular file on the
+ * device of a tier is a cached copy when /proc/self/fd names it below that tier's directory
+ * and the record beside it (tiers/record.go) describes that very data file (its inode and
+ * size): one readlink, and an open, read and close of the record, once per descriptor (the
+ * answer is noted in the same table); other descriptors cost a comparison of device numbers,
+ * and files of this user on a tier's device outside the tier one readlink (once). That covers
+ * dup, dup2, dup3, F_DUPFD, descriptors inherited across exec or passed over a socket, and
+ * copies the index does not list yet, with no wrapper of theirs (a forked child keeps the
+ * table, as it keeps the descriptors). An entry serves only a
+ * descriptor with the identity it was noted for, so a number reused by another file (closed
+ * and opened again, dup2'd over, from another thread) never reports a copy's source (see
+ * known). The source's device is that of its dataset root (one stat of the root per process,
+ * on first need): a file on another file system mounted beneath the root is given the root's
+ * device, not its own. A copy without a record of its source's inode (one sent by another
+ * node's server, a memory file) keeps its own identity.
  *
  * copy_file_range from a copy to a file on another file system fails with EXDEV where the
  * source (on the destination's file system) would have been copied: the wrapper then copies
@@ -136,15 +149,16 @@ static uint64_t le64(const uint8_t *p) {
 }
 
 // source_dev gives the device of dataset root r, stat'ed once per process (0 when it cannot
-// be). A race between threads stats it twice, harmlessly.
-static dev_t source_dev(struct root *r) {
-	uint64_t d = __atomic_load_n(&r->dev_plus1, __ATOMIC_RELAXED);
+// be). A race between threads stats it twice, harmlessly. The roots are the shim's own
+// writable storage (fitcache_preload.c), dev_plus1 the one field written after load.
+static dev_t source_dev(const struct root *r) {
+	uint64_t *slot = (uint64_t *)&r->dev_plus1, d = __atomic_load_n(slot, __ATOMIC_RELAXED);
 	if (d == 0) {
 		struct stat st;
 		if (CALL_NEXT(stat, r->real, &st) != 0)
 			return 0;
 		d = (uint64_t)st.st_dev + 1;
-		__atomic_store_n(&r->dev_plus1, d, __ATOMIC_RELAXED);
+		__atomic_store_n(slot, d, __ATOMIC_RELAXED);
 	}
 	return (dev_t)(d - 1);
 }
@@ -218,13 +232,22 @@ static int look_up(int fd, const struct kernel_id *k, struct source_id *id) {
 	return 1;
 }
 
-// The answers of look_up, kept by descriptor (below KNOWN_FDS) for the next stat of the same
-// descriptor: Python's read of a whole file fstats it twice, and a program that looks more
-// than once costs its readlink and record read once. An answer serves only a descriptor whose
-// kernel identity (device, inode, size, change time) is the one it was found for: another
-// file under the number, or a copy changed, is looked up again. Each entry is written under
-// its sequence count (odd while written, taken by compare-and-swap: a second writer does
-// without); a reader that finds it changing looks up for itself.
+// What a descriptor (below KNOWN_FDS) is, kept by its number: noted when the shim opens a
+// cached copy (copies_opened, from the tier's index: no system call), or the first time a
+// stat call looks up a descriptor the shim did not open (a dup, a copy the index did not
+// list yet: the answer of look_up). So fstat of a descriptor opened as a hit costs the
+// kernel's fstat alone (Python's open() fstats every file it opens, and its read of a whole
+// file once more), and a program that looks up another one more than once pays its readlink
+// and record read once. An entry serves only a descriptor whose kernel identity (device,
+// inode, size, change time, owner) is the one it was noted for: a number reused by another
+// file (closed, then opened, dup2'd over or received by any means), or a copy changed since
+// (evicted: its link count, so its change time, changed), is looked up anew; a file cannot
+// take on all five of a copy's while the copy is open, and ours is open while its entry
+// matters. No wrapper of close, dup2 or fork is needed. Each entry is written under its
+// sequence count (odd while written, taken by compare-and-swap: a second writer does
+// without, which leaves the entry to a later lookup); a reader that finds it changing or
+// changed across its reads (a torn entry) looks up for itself, and one that read a whole
+// entry still serves it only to the identity it describes.
 #define KNOWN_FDS 4096
 
 struct known {
@@ -261,6 +284,22 @@ static void note(int fd, const struct kernel_id *k, int found, const struct sour
 	e->found = found;
 	e->id = *id;
 	__atomic_store_n(&e->seq, seq + 2, __ATOMIC_RELEASE);
+}
+
+void copies_opened(int fd, const struct root *r, const struct fc_hit *hit) {
+#ifndef FC_SYS_FSTAT
+	return; // the kernel's fstat is libc's, and so this shim's: copies keep their identity
+#endif
+	if (fd < 0 || fd >= KNOWN_FDS || hit->tier < 0 || hit->tier >= shim_ntiers)
+		return;
+	struct kernel_id k = {(dev_t)hit->dev, hit->ino, hit->size, hit->ctime, shim_tiers[hit->tier].uid};
+	struct source_id id = {0};
+	// The source's device is its root's (see look_up); without the source's inode (a replica's
+	// copy) or a root to stat, the copy keeps its own identity, as look_up would find.
+	dev_t sdev = hit->src_ino ? source_dev(r) : 0;
+	if (sdev)
+		id = (struct source_id){sdev, hit->src_ino, hit->src_ctime_ns};
+	note(fd, &k, sdev != 0, &id);
 }
 
 // copy_source finds out whether fd, whose kernel identity is k, is a cached copy, and if so

@@ -575,6 +575,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		fd = hit.fd;
 		untrack_write(fd);
 		ranged_forget(fd);
+		copies_opened(fd, r, &hit);
 		shim_debug("%s: cached in tier %d: fd %d", key, hit.tier, fd);
 		goto out;
 	}
@@ -590,6 +591,11 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		struct stat st;
 		if ((origin == FC_ORIGIN_SOURCE || origin == FC_ORIGIN_SOURCE_WHILE_CACHED) && fc_sys_fstat(fd, &st) == 0)
 			ranged_open(fd, origin == FC_ORIGIN_SOURCE, r, key, (size_t)n, &st);
+		// A copy in a tier: known now, for fstat, at the cost of one fstat here (next to the
+		// round trip to the server, nothing). A copy the index does not list yet (a large
+		// file still being written) is left for fstat to find out (copies.c).
+		if (origin >= FC_ORIGIN_TIER_FIRST && fc_lookup_fd(shim_tiers, shim_ntiers, key, (size_t)n, fd, &hit) == 0)
+			copies_opened(fd, r, &hit);
 		shim_debug("%s: the server answered: fd %d, origin %u", key, fd, origin);
 	} else {
 		shim_debug("%s: no answer from the server: left to libc", key);

@@ -94,4 +94,9 @@ void ranged_sweep(void);
 void copies_init(void);
 void copies_tier(int i);
 
+// copies_opened notes that fd, just opened by the shim, is the cached copy of a dataset file
+// under root r that hit describes (fc_lookup, fc_lookup_fd), so that fstat of fd reports the
+// source's identity with no system call but the kernel's fstat (copies.c). errno may change.
+void copies_opened(int fd, const struct root *r, const struct fc_hit *hit);
+
 #endif /* FITCACHE_SHIM_H */

@@ -1923,3 +1923,153 @@ def test_copy_calls_from_a_dataset_descriptor(dataset, cache_options, tmp_path, 
         start = 1000 if len(data) > 1000 else 0
         for how in COPY_CALL_NAMES:
             assert (out_dir / f"{how}-{i}").read_bytes() == data[start:], f"{how} of {path}: other bytes"
+
+
+# Opens the dataset file A twice (the first open is asked of the server: the file is not
+# cached yet, or not checked in this run's session; the second is a hit the shim finds in
+# the tier's index), and B; removes A's record, which the shim's slow way of telling a
+# cached copy reads; then compares fstat of both descriptors of A, and statx of the hit,
+# with stat of A (device, inode, change time), and fstat of the hit's number once B's
+# descriptor was dup2'd over it with stat of B. One line of "what:same"/"what:differs".
+IDENTITY_FROM_INDEX = r'''
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+static const char *same(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino && a->st_ctim.tv_sec == b->st_ctim.tv_sec &&
+           a->st_ctim.tv_nsec == b->st_ctim.tv_nsec ? "same" : "differs";
+}
+
+int main(int argc, char **argv) {
+    int answered = open(argv[1], O_RDONLY), hit = open(argv[1], O_RDONLY), other = open(argv[2], O_RDONLY);
+    if (answered < 0 || hit < 0 || other < 0) { perror("open"); return 2; }
+    char link[64], copy[4096], rec[4200];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", hit);
+    ssize_t n = readlink(link, copy, sizeof copy - 1);
+    if (n <= 0) { perror("readlink"); return 2; }
+    copy[n] = 0;
+    char *base = strrchr(copy, '/');
+    *base = 0;
+    snprintf(rec, sizeof rec, "%s/.rec-%s", copy, base + 1);
+    if (unlink(rec) != 0) { perror(rec); return 2; }
+    struct stat a, b, got;
+    struct statx sx;
+    if (stat(argv[1], &a) || stat(argv[2], &b)) { perror("stat"); return 2; }
+    printf("answered:%s", fstat(answered, &got) ? "error" : same(&got, &a));
+    printf(" hit:%s", fstat(hit, &got) ? "error" : same(&got, &a));
+    if (statx(hit, "", AT_EMPTY_PATH, STATX_BASIC_STATS, &sx)) { perror("statx"); return 2; }
+    struct stat x = {0};
+    x.st_dev = makedev(sx.stx_dev_major, sx.stx_dev_minor);
+    x.st_ino = sx.stx_ino;
+    x.st_ctim.tv_sec = sx.stx_ctime.tv_sec;
+    x.st_ctim.tv_nsec = sx.stx_ctime.tv_nsec;
+    printf(" statx:%s", same(&x, &a));
+    if (dup2(other, hit) != hit) { perror("dup2"); return 2; }
+    printf(" dup2:%s\n", fstat(hit, &got) ? "error" : same(&got, &b));
+    return 0;
+}
+'''
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_fstat_of_a_descriptor_the_shim_opened_needs_no_record(dataset, cache_options, tmp_path, cache):
+    """The shim notes what a copy it opens is (from the tier's index: the source's inode and
+    change time), for the server's answer as for a hit it found itself, so that fstat of it
+    costs the kernel's fstat alone: no readlink, no read of the copy's record. With the record
+    gone, both still report the source's identity (the old shim read the record: the copy's
+    own). A descriptor of another file dup2'd over the number reports that file's source."""
+    root, digests = dataset
+    exe = compile_program(tmp_path, "identity_from_index", IDENTITY_FROM_INDEX, symbols=("fstat", "statx", "dup2"))
+    if cache == "warm":
+        cache_all(cache_options, root, digests)
+    a, b = (os.path.join(root, rel) for rel in sorted(digests)[:2])
+    out = fitcache_run(cache_options, [root], [exe, a, b], prefetch=0,
+                       env=command_env(cache_options, FITCACHE_PRELOAD_DEBUG="1"))
+    assert out.returncode == 0, describe(out)
+    ways = re.findall(rb": (cached in tier \d+|the server answered: fd \d+, origin \d+)", out.stderr)
+    assert [w.split(b":")[0].split(b" ")[0] for w in ways[:2]] == [b"the", b"cached"], describe(out)
+    assert int(ways[0].rsplit(b" ", 1)[1]) >= 8, f"the server's answer was no cached copy\n{describe(out)}"
+    assert out.stdout.decode().split() == ["answered:same", "hit:same", "statx:same", "dup2:same"], describe(out)
+
+
+# THREADS threads race through opens and closes of the dataset files given and of files of
+# their own, so that descriptor numbers pass from a cached copy to another copy or to a file
+# of a thread's own many times over: each fstat (and fstat of a dup) must report the identity
+# of the file stat of its path gives. Prints the number of fstats that did not.
+IDENTITY_UNDER_THREADS = r'''
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define THREADS 8
+#define ROUNDS 400
+
+static int nfiles;
+static char **files;
+static const char *dir;
+static int wrong, failed;
+
+static int check(int fd, const char *path) {
+    struct stat want, got;
+    if (fd < 0 || stat(path, &want) || fstat(fd, &got)) { __atomic_add_fetch(&failed, 1, __ATOMIC_RELAXED); return 0; }
+    return got.st_dev == want.st_dev && got.st_ino == want.st_ino;
+}
+
+static void *run(void *arg) {
+    long t = (long)arg;
+    char own[4096];
+    snprintf(own, sizeof own, "%s/own-%ld", dir, t);
+    for (int i = 0; i < ROUNDS; i++) {
+        const char *f = files[(t * 7 + i) % nfiles];
+        int fd = open(f, O_RDONLY), d = fd >= 0 ? dup(fd) : -1;
+        int ok = check(fd, f) && check(d, f);
+        close(fd);
+        close(d);
+        int o = open(own, O_RDWR | O_CREAT, 0644);
+        ok = check(o, own) && ok;
+        close(o);
+        if (!ok)
+            __atomic_add_fetch(&wrong, 1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    dir = argv[1];
+    files = argv + 2;
+    nfiles = argc - 2;
+    pthread_t th[THREADS];
+    for (long t = 0; t < THREADS; t++)
+        pthread_create(&th[t], NULL, run, (void *)t);
+    for (int t = 0; t < THREADS; t++)
+        pthread_join(th[t], NULL);
+    printf("wrong:%d failed:%d\n", wrong, failed);
+    return 0;
+}
+'''
+
+
+def test_fstat_identity_under_threads(dataset, cache_options, tmp_path):
+    """Threads opening and closing cached copies and files of their own at once, descriptor
+    numbers passing between them: fstat of each descriptor (and of its dup) names the file
+    its path does, never the file another thread had under the number (the shim's notes of
+    descriptors are written under a sequence count and checked against the kernel's
+    identity of the file)."""
+    root, digests = dataset
+    exe = compile_program(tmp_path, "identity_threads", IDENTITY_UNDER_THREADS, symbols=("fstat", "dup"),
+                          flags=("-pthread",))
+    cache_all(cache_options, root, digests)
+    out_dir = tmp_path / "own"
+    out_dir.mkdir()
+    out = fitcache_run(cache_options, [root], [exe, str(out_dir), *files_under(root)], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    assert out.stdout.decode().split() == ["wrong:0", "failed:0"], describe(out)

@@ -45,7 +45,8 @@ import (
 // is never taken for the new one.
 //
 // The preload shim reads records too (preload/copies.c: fstat of a cached copy reports the
-// source's inode and change time from it); it leaves a record of another version alone.
+// source's inode and change time, from the index for a copy the shim opened, from the record
+// for another descriptor of one); it leaves a record of another version alone.
 
 const (
 	recordVersion = 4
