@@ -61,6 +61,7 @@ def build_preload(dest):
     args = [cc, "-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-shared",
             "-fvisibility=hidden", "-o", out,
             os.path.join("preload", "fitcache_preload.c"), os.path.join("preload", "ranges.c"),
+            os.path.join("preload", "copies.c"),
             os.path.join("capi", "fclookup.c"), "-ldl"]
     print("fitcache:", " ".join(args), flush=True)
     subprocess.run(args, cwd=HERE, check=True)

@@ -18,9 +18,9 @@
 // Index layout (tiers/index.go).
 #define INDEX_NAME "fitcache.index"
 #define INDEX_MAGIC "FCINDEX\x01"
-#define INDEX_VERSION 3
+#define INDEX_VERSION 4
 #define INDEX_WAYS 8
-#define INDEX_SLOT 64
+#define INDEX_SLOT 80
 #define INDEX_PAGE 4096     // the header page (read-only here), then the counter page
 #define INDEX_SLOTS 8192    // offset of the first slot
 #define HDR_VERSION 8
@@ -161,7 +161,7 @@ static int map_index(int dirfd, struct fc_index *ix) {
 		return -1;
 	struct stat st;
 	uint8_t hdr[32];
-	int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_SLOTS &&
+	int ok = fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_SLOTS &&
 	         pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
 	uint32_t buckets = 0;
 	if (ok) {
@@ -295,7 +295,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session)
 		return -err;
 	}
 	struct stat st;
-	if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+	if (fc_sys_fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
 		close(fd);
 		errno = saved;
 		return -EPERM;
@@ -304,6 +304,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session)
 	t->kind = kind;
 	t->session = session;
 	t->uid = st.st_uid; // == geteuid(), checked above: fc_lookup makes no system call for it
+	t->dev = st.st_dev;
 	current_index(t);
 	errno = saved;
 	return 0;
@@ -333,6 +334,8 @@ struct slot {
 	uint64_t size, ino;
 	int64_t mtime;
 	uint32_t checked; // the last validation session that found the copy matching its source
+	uint64_t src_ino;  // the source's inode number and change time (0: unknown)
+	int64_t src_ctime;
 };
 
 // index_find looks (key, check) up in a mapped index with the slot's seqlock.
@@ -352,6 +355,8 @@ static int index_find(const struct fc_index *ix, uint64_t key, uint64_t check, s
 			out->mtime = (int64_t)rd64(s + 32);
 			out->ino = rd64(s + 40);
 			out->checked = rd32(s + 52);
+			out->src_ino = rd64(s + 64);
+			out->src_ctime = (int64_t)rd64(s + 72);
 			__atomic_thread_fence(__ATOMIC_ACQUIRE);
 			if (__atomic_load_n((const uint32_t *)s, __ATOMIC_RELAXED) != seq)
 				continue;
@@ -397,6 +402,26 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 	return fd;
 }
 
+// is_listed reports whether the file whose kernel fstat is st is the copy of tier t's slot s:
+// a regular file of this user with the slot's inode number and size.
+static int is_listed(const struct fc_tier *t, const struct slot *s, const struct stat *st) {
+	return S_ISREG(st->st_mode) && st->st_uid == t->uid && (uint64_t)st->st_ino == s->ino &&
+	       (uint64_t)st->st_size == s->size;
+}
+
+// fill describes in *hit the copy open at fd: the slot s of tier number tier, whose fstat is st.
+static void fill(struct fc_hit *hit, int fd, int tier, const struct slot *s, const struct stat *st) {
+	hit->fd = fd;
+	hit->tier = tier;
+	hit->size = (int64_t)s->size;
+	hit->mtime_ns = s->mtime;
+	hit->ino = s->ino;
+	hit->dev = (uint64_t)st->st_dev;
+	hit->ctime = st->st_ctim;
+	hit->src_ino = s->src_ino;
+	hit->src_ctime_ns = s->src_ctime;
+}
+
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit) {
 	int saved = errno;
@@ -421,13 +446,8 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 		if (fd < 0)
 			continue; // evicted since the lookup
 		struct stat st;
-		if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && (uint64_t)st.st_ino == s.ino &&
-		    (uint64_t)st.st_size == s.size) {
-			hit->fd = fd;
-			hit->tier = i;
-			hit->size = (int64_t)s.size;
-			hit->mtime_ns = s.mtime;
-			hit->ino = s.ino;
+		if (fc_sys_fstat(fd, &st) == 0 && is_listed(t, &s, &st)) {
+			fill(hit, fd, i, &s, &st);
 			errno = saved;
 			return 0;
 		}
@@ -437,75 +457,13 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 	return -ENOENT;
 }
 
-// Record layout (tiers/record.go).
-#define RECORD_MAGIC "FCRECORD"
-#define RECORD_VERSION 4
-#define RECORD_PREFIX ".rec-"
-
-// pread_all reads n bytes at off of fd into p: 0, or -1 for an error or a short file.
-static int pread_all(int fd, void *p, size_t n, off_t off) {
-	size_t done = 0;
-	while (done < n) {
-		ssize_t k = pread(fd, (char *)p + done, n - done, off + (off_t)done);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		done += (size_t)k;
-	}
+int fc_copy_version(const struct fc_hit *hit, struct fc_version *v) {
+	if (hit->src_ctime_ns == 0)
+		return -1; // a copy whose source version its server did not know (a replica's)
+	v->mtime_ns = hit->mtime_ns;
+	v->ctime_ns = hit->src_ctime_ns;
+	v->ino = hit->src_ino;
 	return 0;
-}
-
-static uint64_t le64(const uint8_t *p) {
-	uint64_t v;
-	memcpy(&v, p, 8);
-	return v;
-}
-
-int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char *path, size_t len,
-                    struct fc_version *v) {
-	int saved = errno, ok = 0;
-	uint64_t key, check;
-	fc_hashes(path, len, &key, &check);
-	char rel[MAX_NAME_BYTES + 32], rec[MAX_NAME_BYTES + 40];
-	int n = rel_path(path, len, key, rel, sizeof rel);
-	if (n < 0)
-		goto out;
-	// "ab/cd/" RECORD_PREFIX "<key>-<name>": the record beside the data file.
-	memcpy(rec, rel, 6);
-	memcpy(rec + 6, RECORD_PREFIX, sizeof RECORD_PREFIX - 1);
-	memcpy(rec + 6 + sizeof RECORD_PREFIX - 1, rel + 6, (size_t)n - 6 + 1);
-	struct fc_tier *t = &tiers[hit->tier];
-	int fd = open_beneath(t->dirfd, rec, O_CLOEXEC);
-	if (fd < 0)
-		goto out;
-	struct stat st;
-	uint8_t head[16], buf[512], tail[40];
-	uint32_t version, plen, glen;
-	ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == t->uid && pread_all(fd, head, sizeof head, 0) == 0;
-	if (ok) {
-		memcpy(&version, head + 8, 4);
-		memcpy(&plen, head + 12, 4);
-		ok = memcmp(head, RECORD_MAGIC, 8) == 0 && version == RECORD_VERSION && plen == len;
-	}
-	for (size_t at = 0; ok && at < len; at += sizeof buf) { // the source path, compared
-		size_t k = len - at < sizeof buf ? len - at : sizeof buf;
-		ok = pread_all(fd, buf, k, (off_t)(16 + at)) == 0 && memcmp(buf, path + at, k) == 0;
-	}
-	ok = ok && pread_all(fd, &glen, 4, (off_t)(16 + len)) == 0 && glen <= 2 * FC_PATH_MAX &&
-	     pread_all(fd, tail, sizeof tail, (off_t)(20 + len + glen)) == 0;
-	// size, mtime, ctime, srcIno, ino: the record of this very data file
-	ok = ok && le64(tail) == (uint64_t)hit->size && (int64_t)le64(tail + 8) == hit->mtime_ns &&
-	     le64(tail + 32) == hit->ino;
-	if (ok) {
-		v->mtime_ns = (int64_t)le64(tail + 8);
-		v->ctime_ns = (int64_t)le64(tail + 16);
-		v->ino = le64(tail + 24);
-	}
-	close(fd);
-out:
-	errno = saved;
-	return ok ? 0 : -1;
 }
 
 int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size, int64_t *intact_ns) {
@@ -524,6 +482,29 @@ int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino
 		__atomic_store_n(intact_ns, now, __ATOMIC_RELAXED);
 	errno = saved;
 	return intact;
+}
+
+int fc_lookup_fd(struct fc_tier *tiers, int n, const char *path, size_t len, int fd, struct fc_hit *hit) {
+	int saved = errno;
+	struct stat st;
+	if (fc_sys_fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		errno = saved;
+		return -ENOENT;
+	}
+	uint64_t key, check;
+	fc_hashes(path, len, &key, &check);
+	for (int i = 0; i < n; i++) {
+		struct fc_tier *t = &tiers[i];
+		const struct fc_index *ix = t->dirfd >= 0 && t->dev == st.st_dev ? current_index(t) : NULL;
+		struct slot s;
+		if (ix && index_find(ix, key, check, &s) && is_listed(t, &s, &st)) {
+			fill(hit, fd, i, &s, &st);
+			errno = saved;
+			return 0;
+		}
+	}
+	errno = saved;
+	return -ENOENT;
 }
 
 int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {

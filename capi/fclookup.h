@@ -21,14 +21,32 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Nanoseconds of CLOCK_MONOTONIC, for rate limits and back-offs. */
 static inline int64_t fc_monotonic_ns(void) {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The kernel's fstat. The preload shim's fstat reports a cached copy's source instead (see
+ * preload/copies.c), and the checks made here and in the shim need the copy itself. 64-bit
+ * Linux, where the system call's struct stat is the C library's; elsewhere, the C library's
+ * fstat (the shim then reports the copy, see copies.c). */
+#if defined(SYS_fstat) && __SIZEOF_LONG__ == 8
+#define FC_SYS_FSTAT 1
+#endif
+static inline int fc_sys_fstat(int fd, struct stat *st) {
+#ifdef FC_SYS_FSTAT
+	return (int)syscall(SYS_fstat, fd, st);
+#else
+	return fstat(fd, st);
+#endif
 }
 
 #ifdef __cplusplus
@@ -67,6 +85,7 @@ struct fc_tier {
 	int dirfd;                     /* the tier directory, checked private at open */
 	int kind;                      /* the caller's tag for the tier (its kind), for statistics */
 	uid_t uid;                     /* the owner of the tier directory: this user when it was opened */
+	dev_t dev;                     /* the device of the tier directory, and so of its files */
 	uint32_t session;              /* the reader's validation session (see fc_tier_open) */
 	struct fc_index *_Atomic index; /* the current mapping, in maps; NULL while there is none */
 	int64_t retry_ns;              /* CLOCK_MONOTONIC time before which a missing index is not sought */
@@ -95,6 +114,15 @@ struct fc_hit {
 	int64_t size;     /* the file's size (the source's) */
 	int64_t mtime_ns; /* the source's modification time, Unix nanoseconds */
 	uint64_t ino;     /* the cached file's inode number (see fc_listed) */
+	/* The cached file's device and change time as the kernel's fstat of fd gave them: with
+	 * ino and size, the identity by which the preload shim knows the descriptor again. */
+	uint64_t dev;
+	struct timespec ctime;
+	/* The identity of the source version the copy holds, as the index records it (0 where
+	 * unknown: a replica's copy): what fstat of the descriptor reports under the preload
+	 * shim (preload/copies.c). */
+	uint64_t src_ino;
+	int64_t src_ctime_ns;
 };
 
 /* Every touch of a tier's mapped index (fc_lookup, fc_listed, the counters) first checks with
@@ -129,13 +157,18 @@ struct fc_version {
 	uint64_t ino; /* the source's inode number, 0 if unknown */
 };
 
-/* Reads the version of the source that the copy fc_lookup found as hit, for the clean path
- * (len bytes) it was looked up by, from the copy's record in the tier (tiers/record.go):
- * some system calls (open, fstat, a few preads), no allocation. Returns 0, or -1 when the
- * record is missing, or is not that of this copy (the caller then takes the copy's version
- * for unknown). */
-int fc_copy_version(struct fc_tier *tiers, const struct fc_hit *hit, const char *path, size_t len,
-                    struct fc_version *v);
+/* The version of the source that the copy fc_lookup found as hit holds, as the tier's index
+ * records it (the slot's source inode and change time, beside the modification time): no
+ * system call. Returns 0, or -1 when the index does not know it (a replica's copy): the
+ * caller then takes the copy's version for unknown. */
+int fc_copy_version(const struct fc_hit *hit, struct fc_version *v);
+
+/* Finds out whether fd, a descriptor that the server answered an open of the clean source path
+ * (len bytes) with, is the cached copy that the index of one of tiers[0..n) lists for it,
+ * whatever its session: one fstat of fd (the kernel's) and index lookups. On success, returns
+ * 0 and fills *hit as fc_lookup would (hit->fd is fd; the caller keeps it); otherwise (the
+ * source, a memory file, a copy the index does not list yet) returns -ENOENT. */
+int fc_lookup_fd(struct fc_tier *tiers, int n, const char *path, size_t len, int fd, struct fc_hit *hit);
 
 /* Whether tier t's index still lists the copy with hashes (key, check) and data file inode
  * ino (as fc_lookup found it), whatever its session: a reader that keeps a cached copy open

@@ -43,7 +43,7 @@ static int same_version(const struct piece_version *a, const struct piece_versio
 // fd_version returns in *p the version of the open file fd now.
 static int fd_version(int fd, struct piece_version *p) {
 	struct stat st;
-	if (fstat(fd, &st) != 0)
+	if (fc_sys_fstat(fd, &st) != 0)
 		return -1;
 	*p = (struct piece_version){.known = 1,
 	                           .v = {.mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec,
@@ -787,7 +787,7 @@ static ssize_t read_copy(struct hit_client *c, int nt, const char *name, size_t 
 		if (fc_lookup(c->tiers, nt, name, len, O_CLOEXEC, require_session, &h) != 0)
 			return -FC_MISS;
 		made = (struct range_map){.size = h.size, .tier = h.tier};
-		made.ver.known = fc_copy_version(c->tiers, &h, name, len, &made.ver.v) == 0;
+		made.ver.known = fc_copy_version(&h, &made.ver.v) == 0;
 		if (h.size > 0) {
 			void *m = mmap(NULL, (size_t)h.size, PROT_READ, MAP_SHARED, h.fd, 0);
 			close(h.fd);
@@ -911,7 +911,7 @@ static int open_source(struct hit_client *c, const char *path, size_t len) {
 	struct stat st;
 	if (fd < 0)
 		return -1;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+	if (fc_sys_fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
 		close(fd);
 		return -1;
 	}
@@ -1282,7 +1282,7 @@ static int hit_read_open(int64_t handle, const char *path, const void **data, in
 		goto out;
 	}
 	struct stat st;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+	if (fc_sys_fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
 		goto out;
 	struct fc_hit h = {.fd = fd, .size = st.st_size};
 	void *ptr;
@@ -1328,14 +1328,14 @@ int hit_read_source(int64_t handle, const char *path, const void **data, int64_t
 		goto out;
 	fd = source_open(c, clean, (size_t)n);
 	struct stat before, after;
-	if (fd < 0 || fstat(fd, &before) != 0 || !S_ISREG(before.st_mode))
+	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode))
 		goto out;
 	struct fc_hit h = {.fd = fd, .size = before.st_size};
 	void *ptr;
 	uint8_t kind;
 	if ((rc = take(&h, &ptr, &kind)) != 0)
 		goto out;
-	if (fstat(fd, &after) != 0 || after.st_size != before.st_size || after.st_ino != before.st_ino ||
+	if (fc_sys_fstat(fd, &after) != 0 || after.st_size != before.st_size || after.st_ino != before.st_ino ||
 	    after.st_mtim.tv_sec != before.st_mtim.tv_sec || after.st_mtim.tv_nsec != before.st_mtim.tv_nsec ||
 	    after.st_ctim.tv_sec != before.st_ctim.tv_sec || after.st_ctim.tv_nsec != before.st_ctim.tv_nsec) {
 		free_mem(ptr, (size_t)h.size, kind); // changed while read: Go reads it again, or says so

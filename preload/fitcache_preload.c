@@ -6,10 +6,12 @@
  * forms, creat, fopen, fopen64), close and fclose of dataset files it saw opened for
  * writing, and the calls that change which file a path names (renames, unlinks, truncates).
  * A read-only open of a file under a dataset root returns a descriptor of the file's cached
- * copy instead of the source; everything after the open (read, pread, mmap, fstat, stdio)
- * then runs natively on a real file, so every way of reading works. The one exception is
- * a large file no tier holds whole: the program gets the source, and ranges.c interposes the
- * read functions to serve that descriptor's reads from cached blocks. Specifically:
+ * copy instead of the source; everything after the open (read, pread, mmap, stdio) then
+ * runs natively on a real file, so every way of reading works. The exceptions: a large
+ * file no tier holds whole, whose source the program gets and whose reads ranges.c serves
+ * from cached blocks; and what tells the copy from the source, the stat family on the
+ * descriptor (made to report the source's identity) and copy_file_range across file
+ * systems (made to copy), in copies.c. Specifically:
  *
  *   - A hit is found here, without a round trip: the path is looked up in the tiers' mapped
  *     indexes and the cached file opened (capi/fclookup.c, shared with libfitcache).
@@ -222,8 +224,10 @@ static void parse_tiers(const char *v, const char *sessions) {
 		if (n > 0 && n < sizeof dir) {
 			memcpy(dir, v, n);
 			dir[n] = 0;
-			if (fc_tier_open(&shim_tiers[shim_ntiers], dir, shim_ntiers, session) == 0)
+			if (fc_tier_open(&shim_tiers[shim_ntiers], dir, shim_ntiers, session) == 0) {
+				copies_tier(shim_ntiers);
 				shim_ntiers++;
+			}
 		}
 		if (!end)
 			break;
@@ -258,6 +262,7 @@ __attribute__((constructor)) static void preload_init(void) {
 	NEXT(remove);
 	NEXT(truncate);
 	NEXT(truncate64);
+	copies_init();
 
 	const char *r = getenv("FITCACHE_PRELOAD_ROOTS"), *t = getenv("FITCACHE_PRELOAD_TIERS"),
 	           *s = getenv("FITCACHE_PRELOAD_SOCKET"), *ms = getenv("FITCACHE_PRELOAD_TIMEOUT_MS");
@@ -376,6 +381,13 @@ static int dataset_key(int dirfd, const char *path, char *key, const struct root
 		return (int)(r->reallen + restlen);
 	}
 	return -1;
+}
+
+struct root *shim_root_of(const char *key, size_t len) {
+	for (int i = 0; i < nroots; i++)
+		if (beneath(key, len, roots[i].real, roots[i].reallen, 0))
+			return &roots[i];
+	return NULL;
 }
 
 // timed_out notes a server that did not answer in time (errno from the failed call), so
@@ -564,6 +576,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		fd = hit.fd;
 		untrack_write(fd);
 		ranged_forget(fd);
+		copies_opened(fd, r, &hit);
 		shim_debug("%s: cached in tier %d: fd %d", key, hit.tier, fd);
 		goto out;
 	}
@@ -577,8 +590,13 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		// The source of a large file no tier holds whole yet: its reads go through the
 		// blocks the tiers hold (ranges.c).
 		struct stat st;
-		if ((origin == FC_ORIGIN_SOURCE || origin == FC_ORIGIN_SOURCE_WHILE_CACHED) && fstat(fd, &st) == 0)
+		if ((origin == FC_ORIGIN_SOURCE || origin == FC_ORIGIN_SOURCE_WHILE_CACHED) && fc_sys_fstat(fd, &st) == 0)
 			ranged_open(fd, origin == FC_ORIGIN_SOURCE, r, key, (size_t)n, &st);
+		// A copy in a tier: known now, for fstat, at the cost of one fstat here (next to the
+		// round trip to the server, nothing). A copy the index does not list yet (a large
+		// file still being written) is left for fstat to find out (copies.c).
+		if (origin >= FC_ORIGIN_TIER_FIRST && fc_lookup_fd(shim_tiers, shim_ntiers, key, (size_t)n, fd, &hit) == 0)
+			copies_opened(fd, r, &hit);
 		shim_debug("%s: the server answered: fd %d, origin %u", key, fd, origin);
 	} else {
 		shim_debug("%s: no answer from the server: left to libc", key);

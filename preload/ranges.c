@@ -356,7 +356,7 @@ static ssize_t from_copy(const char *name, size_t len, int64_t copy_len, const s
 	}
 	void *map = MAP_FAILED;
 	struct fc_version ver;
-	if (hit.size == copy_len && copy_len > 0 && fc_copy_version(shim_tiers, &hit, name, len, &ver) == 0 &&
+	if (hit.size == copy_len && copy_len > 0 && fc_copy_version(&hit, &ver) == 0 &&
 	    same_source(&ver, src))
 		map = mmap(NULL, (size_t)copy_len, PROT_READ, MAP_SHARED, hit.fd, 0);
 	CALL_NEXT(close, hit.fd);
@@ -413,7 +413,7 @@ static struct fc_heat *heat_file(void) {
 	// Its pages allocated (fallocate), also those of a file made by another process: a write
 	// to a page that cannot be allocated (a full file system, a quota) would kill the program
 	// with SIGBUS.
-	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
+	if (fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_nlink == 1 &&
 	    (st.st_size == (off_t)FC_HEAT_BYTES || st.st_size == 0) && fallocate(fd, 0, 0, (off_t)FC_HEAT_BYTES) == 0)
 		map = mmap(NULL, FC_HEAT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	CALL_NEXT(close, fd);
@@ -556,7 +556,7 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 			return NOT_RANGED;
 		total += iov[i].iov_len;
 	}
-	if (total == 0 || fstat(fd, &st) != 0) {
+	if (total == 0 || fc_sys_fstat(fd, &st) != 0) {
 		errno = saved;
 		return NOT_RANGED;
 	}
@@ -628,7 +628,7 @@ static ssize_t ranged_read(int fd, const struct iovec *iov, int cnt, off_t off, 
 	// the source alone, as the kernel would have read it.
 	struct stat now;
 	if (copied && read_source && at > off &&
-	    (fstat(fd, &now) != 0 || now.st_mtim.tv_sec != st.st_mtim.tv_sec || now.st_mtim.tv_nsec != st.st_mtim.tv_nsec ||
+	    (fc_sys_fstat(fd, &now) != 0 || now.st_mtim.tv_sec != st.st_mtim.tv_sec || now.st_mtim.tv_nsec != st.st_mtim.tv_nsec ||
 	     now.st_ctim.tv_sec != st.st_ctim.tv_sec || now.st_ctim.tv_nsec != st.st_ctim.tv_nsec)) {
 		struct cursor again = {.iov = iov, .n = cnt};
 		k = from_source(fd, &again, at - off, off);

@@ -18,7 +18,12 @@
 struct root {
 	const char *name, *real; // name: as the user gave it; equal to real when it has no link
 	size_t namelen, reallen;
+	uint64_t dev_plus1; // the device of real plus 1, 0 until copies.c needs it (atomic)
 };
+
+// shim_root_of returns the root the dataset key (len bytes, a clean absolute path with the
+// root in its resolved form) is under, or NULL.
+struct root *shim_root_of(const char *key, size_t len);
 
 // The tier directories of the local server (in cluster mode, of the job's servers on this
 // node), fastest first.
@@ -83,5 +88,15 @@ void ranged_forget(int fd);
 // ranged_sweep lets go of the kept mappings of copies the tiers no longer list, at most once
 // a second (see ranges.c): called at reads through blocks and at opens of dataset files.
 void ranged_sweep(void);
+
+// copies_init resolves the functions copies.c wraps; copies_tier notes where tier i of
+// shim_tiers (just opened) is, for telling descriptors of cached copies (copies.c).
+void copies_init(void);
+void copies_tier(int i);
+
+// copies_opened notes that fd, just opened by the shim, is the cached copy of a dataset file
+// under root r that hit describes (fc_lookup, fc_lookup_fd), so that fstat of fd reports the
+// source's identity with no system call but the kernel's fstat (copies.c). errno may change.
+void copies_opened(int fd, const struct root *r, const struct fc_hit *hit);
 
 #endif /* FITCACHE_SHIM_H */

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -1638,7 +1639,7 @@ def test_a_function_the_c_library_lacks_fails_with_enosys(tmp_path):
     shim = tmp_path / "libhidden_preload.so"
     build = subprocess.run([cc, "-O2", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden",
                             "-Ddlsym=fitcache_test_dlsym", "-o", str(shim),
-                            *(os.path.join(repo, p) for p in ("preload/fitcache_preload.c", "preload/ranges.c",
+                            *(os.path.join(repo, p) for p in ("preload/fitcache_preload.c", "preload/ranges.c", "preload/copies.c",
                                                               "capi/fclookup.c", "tests/c/hide_symbols.c")),
                             "-ldl"], capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
@@ -1659,3 +1660,416 @@ def test_a_function_the_c_library_lacks_fails_with_enosys(tmp_path):
     assert hidden.stderr.count("pread: the C library has no such function") == 2, hidden.stderr
     assert "fopen: the C library has no such function" in hidden.stderr, hidden.stderr
     assert hidden.stderr.count("dlsym found no pread") == 1, "dlsym asked again: " + hidden.stderr
+
+
+# --- copies of dataset files: cp, install, copy_file_range, sendfile, splice ------------------
+
+
+def cache_all(cache_options, root, digests):
+    """Reads every file under root once under `fitcache run` and waits until all are cached."""
+    out = fitcache_run(cache_options, [root], ["sh", "-c", 'cat "$@" > /dev/null', "sh", *files_under(root)],
+                       prefetch=0)
+    assert out.returncode == 0, describe(out)
+    wait_published(cache_options, len(digests))
+
+
+def assert_same_tree(source, copy):
+    """copy holds the files of source with the same bytes (and no others)."""
+    want = {os.path.relpath(p, source): sha(d) for p, d in read_all(source).items()}
+    got = {os.path.relpath(p, copy): sha(d) for p, d in read_all(copy).items()}
+    assert got == want, f"{copy} differs from {source}"
+
+
+# cp compares fstat of the descriptor it opened with stat of the path, and refused the cached
+# copy ("skipping file ..., as it was replaced while being copied", exit 1) before fstat
+# reported the source's identity. Each line runs under `fitcache run`; cp -r goes first, so
+# that in the cold case it opens every file uncached (answered by the server). The last
+# copies standard input, a cached copy that sh opened: /dev/stdin leads to the copy itself.
+COPY_COMMANDS = r'''
+set -e
+src=$1 out=$2 a=$3 b=$4 c=$5 d=$6
+cp -r "$src" "$out/tree"
+cp "$a" "$out/cp"
+cp --reflink=auto "$b" "$out/reflink-auto"
+cp -p "$c" "$out/cp-p"
+install -m 640 "$a" "$out/install-m"
+install -p "$d" "$out/install-p"
+cp /dev/stdin "$out/stdin" < "$b"
+'''
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_cp_and_install_copy_dataset_files(dataset, cache_options, tmp_path, cache):
+    root, digests = dataset
+    picks = [os.path.join(root, rel) for rel in sorted(digests)[:4]]
+    for i, path in enumerate(picks):  # modes and times that cp -p and install -p must keep
+        os.chmod(path, 0o640 if i % 2 else 0o444)
+        os.utime(path, ns=(1_500_000_000_123_456_789 + i, 1_600_000_000_987_654_321 + i))
+    if cache == "warm":
+        cache_all(cache_options, root, digests)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    script = tmp_path / "copies.sh"
+    script.write_text(COPY_COMMANDS)
+    with OpenCounter(root) as opens:
+        out = fitcache_run(cache_options, [root], ["sh", str(script), root, str(out_dir), *picks],
+                           prefetch=0, env=command_env(cache_options, FITCACHE_PRELOAD_DEBUG="1"))
+        counts = opens.counts()
+    assert out.returncode == 0, describe(out)
+    # The copies were read from the cache: a warm cache never opened the source, a cold one
+    # once per file (the server's read), and the shim handed out cached copies.
+    if cache == "warm":
+        assert not counts, f"the source was opened: {counts}"
+    else:
+        assert_each_opened_once(counts, digests)
+    served = re.findall(rb": (?:cached in tier \d+|the server answered: fd \d+, origin (?:[89]|1\d))", out.stderr)
+    assert len(served) >= len(digests) + 5, f"{len(served)} opens served from the cache\n" + describe(out)
+    assert_same_tree(root, out_dir / "tree")
+    a, b, c, d = picks
+    for name, source in (("cp", a), ("reflink-auto", b), ("cp-p", c), ("install-m", a), ("install-p", d),
+                         ("stdin", b)):
+        assert (out_dir / name).read_bytes() == open(source, "rb").read(), f"{name}: other bytes than {source}"
+    for name, source in (("cp-p", c), ("install-p", d)):
+        got, want = os.stat(out_dir / name).st_mtime_ns, os.stat(source).st_mtime_ns
+        assert got == want, f"{name}: modification time {got}, the source's {want}"
+    assert os.stat(out_dir / "cp-p").st_mode & 0o7777 == os.stat(c).st_mode & 0o7777
+    assert os.stat(out_dir / "install-m").st_mode & 0o7777 == 0o640
+
+
+# Opens each file named on the command line as a program would (open, read-only), says where
+# the descriptor leads and whether its identity is its path's (fstat, fstatat and statx with
+# AT_EMPTY_PATH, fstat of a dup, the __fxstat64 of older binaries, against stat), then
+# copies it into DIR with each call, from the descriptor to a file DIR/<call>-<n>:
+# copy_file_range without offsets (moving both file offsets) and with them (moving neither:
+# the offsets given are), sendfile without and with an offset, and splice through a pipe.
+# Each copy starts 1000 bytes in (or at 0 for a shorter file) and checks the offsets it
+# leaves. Last, the descriptor's number, reused by a file of the program's own, must be that
+# file. One line per file: its number, the descriptor's path, then "same"/"differs" for each
+# identity and "ok"/an error for each copy.
+COPY_CALLS = r'''
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#ifdef __x86_64__
+#define STAT_VER 1
+#else
+#define STAT_VER 0
+#endif
+
+static const char *dir;
+
+static int out_file(const char *how, int n) {
+    char name[4096];
+    snprintf(name, sizeof name, "%s/%s-%d", dir, how, n);
+    int fd = open(name, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) { perror(name); exit(2); }
+    return fd;
+}
+
+#define FAIL(what) do { printf(" %s:%s", how, what); goto done; } while (0)
+#define ERRNO (snprintf(err, sizeof err, "errno-%d", errno), err)
+#define CHECK(cond, what) do { if (!(cond)) FAIL(what); } while (0)
+
+static void copy(const char *how, int in, int n, off_t start, off_t size) {
+    char err[32];
+    int out = out_file(how, n);
+    off_t want = size - start;
+    if (lseek(in, start, SEEK_SET) != start) FAIL("lseek");
+    off_t got = 0;
+    if (!strcmp(how, "cfr")) {
+        ssize_t k;
+        while ((k = copy_file_range(in, NULL, out, NULL, 70000, 0)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(lseek(in, 0, SEEK_CUR) == size && lseek(out, 0, SEEK_CUR) == want, "offsets");
+    } else if (!strcmp(how, "cfr-off")) {
+        off64_t oin = start, oout = 0;
+        ssize_t k;
+        while ((k = copy_file_range(in, &oin, out, &oout, 70000, 0)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(oin == size && oout == want, "given offsets");
+        CHECK(lseek(in, 0, SEEK_CUR) == start && lseek(out, 0, SEEK_CUR) == 0, "file offsets moved");
+    } else if (!strcmp(how, "sendfile")) {
+        ssize_t k;
+        while ((k = sendfile(out, in, NULL, 70000)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(lseek(in, 0, SEEK_CUR) == size, "offset");
+    } else if (!strcmp(how, "sendfile-off")) {
+        off_t o = start;
+        ssize_t k;
+        CHECK(lseek(in, 0, SEEK_SET) == 0, "lseek");
+        while ((k = sendfile(out, in, &o, 70000)) > 0) got += k;
+        CHECK(k == 0, ERRNO);
+        CHECK(o == size && lseek(in, 0, SEEK_CUR) == 0, "offsets");
+    } else {
+        int p[2];
+        CHECK(pipe(p) == 0, "pipe");
+        ssize_t k;
+        while ((k = splice(in, NULL, p[1], NULL, 70000, 0)) > 0) {
+            for (ssize_t left = k; left > 0;) {
+                ssize_t w = splice(p[0], NULL, out, NULL, (size_t)left, 0);
+                if (w <= 0) { k = -1; break; }
+                left -= w;
+            }
+            if (k < 0) break;
+            got += k;
+        }
+        close(p[0]);
+        close(p[1]);
+        CHECK(k == 0, ERRNO);
+    }
+    CHECK(got == want, "count");
+    printf(" %s:ok", how);
+done:
+    close(out);
+}
+
+static const char *same(const struct stat *a, dev_t dev, ino_t ino) {
+    return a->st_dev == dev && a->st_ino == ino ? "same" : "differs";
+}
+
+int main(int argc, char **argv) {
+    dir = argv[1];
+    for (int n = 2; n < argc; n++) {
+        int in = open(argv[n], O_RDONLY);
+        if (in < 0) { perror(argv[n]); return 2; }
+        char link[64], target[4096] = "";
+        snprintf(link, sizeof link, "/proc/self/fd/%d", in);
+        ssize_t len = readlink(link, target, sizeof target - 1);
+        target[len > 0 ? len : 0] = 0;
+        struct stat path, fd, at;
+        struct statx sx;
+        if (stat(argv[n], &path) || fstat(in, &fd) || fstatat(in, "", &at, AT_EMPTY_PATH) ||
+            statx(in, "", AT_EMPTY_PATH, STATX_BASIC_STATS, &sx)) { perror("stat"); return 2; }
+        struct stat x = {0};
+        x.st_dev = makedev(sx.stx_dev_major, sx.stx_dev_minor);
+        x.st_ino = sx.stx_ino;
+        int more = fd.st_size == path.st_size && fd.st_mtim.tv_sec == path.st_mtim.tv_sec &&
+                   fd.st_mtim.tv_nsec == path.st_mtim.tv_nsec && fd.st_ctim.tv_sec == path.st_ctim.tv_sec &&
+                   fd.st_ctim.tv_nsec == path.st_ctim.tv_nsec && fd.st_mode == path.st_mode;
+        /* A duplicate is the same open file; __fxstat64 is what binaries built against glibc
+           before 2.33 call (looked up, as the dynamic linker would bind it). */
+        struct stat dupped, old;
+        int d = dup(in);
+        int (*fxstat64)(int, int, struct stat *) = (int (*)(int, int, struct stat *))dlsym(RTLD_DEFAULT, "__fxstat64");
+        if (d < 0 || fstat(d, &dupped) || !fxstat64 || fxstat64(STAT_VER, in, &old)) { perror("dup"); return 2; }
+        close(d);
+        printf("%d %s fstat:%s fstatat:%s statx:%s times-mode:%s dup:%s fxstat64:%s", n - 1, target,
+               same(&fd, path.st_dev, path.st_ino), same(&at, path.st_dev, path.st_ino),
+               same(&x, path.st_dev, path.st_ino), more ? "same" : "differs", same(&dupped, path.st_dev, path.st_ino),
+               same(&old, path.st_dev, path.st_ino));
+        off_t start = path.st_size > 1000 ? 1000 : 0;
+        copy("cfr", in, n - 1, start, path.st_size);
+        copy("cfr-off", in, n - 1, start, path.st_size);
+        copy("sendfile", in, n - 1, start, path.st_size);
+        copy("sendfile-off", in, n - 1, start, path.st_size);
+        copy("splice", in, n - 1, start, path.st_size);
+        /* The descriptor's number, closed and reused by a file of the program's own, is that
+           file: the source's identity went with the copy. */
+        close(in);
+        char own[4096];
+        snprintf(own, sizeof own, "%s/own-%d", dir, n);
+        int o = open(own, O_RDWR | O_CREAT | O_TRUNC, 0644);
+        struct stat ost, ofd;
+        if (o != in || stat(own, &ost) || fstat(o, &ofd)) { perror("reuse"); return 2; }
+        printf(" reused:%s\n", same(&ofd, ost.st_dev, ost.st_ino));
+        close(o);
+    }
+    return 0;
+}
+'''
+
+COPY_CALL_NAMES = ("cfr", "cfr-off", "sendfile", "sendfile-off", "splice")
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_copy_calls_from_a_dataset_descriptor(dataset, cache_options, tmp_path, cache):
+    """copy_file_range, sendfile and splice from the descriptor of a dataset file, cached
+    (a tier under /dev/shm, tmpfs) or not yet, to files of another file system (the test's
+    directory): copy_file_range across file systems fails with EXDEV in the kernel, which the
+    shim turns into a copy. And the descriptor's identity is its path's."""
+    root, digests = dataset
+    exe = compile_program(tmp_path, "copy_calls", COPY_CALLS,
+                          symbols=("copy_file_range", "sendfile", "splice", "fstat", "fstatat", "statx"))
+    if cache == "warm":
+        cache_all(cache_options, root, digests)
+    # Files of several sizes, the largest ones (many copies through the buffer) included.
+    rels = sorted(digests, key=lambda r: (os.path.getsize(os.path.join(root, r)), r))[-6:]
+    paths = [os.path.join(root, rel) for rel in rels]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert os.stat(out_dir).st_dev != os.stat(os.path.dirname(tier_dirs(cache_options)[0])).st_dev, \
+        "the copies must cross file systems: the memory tier and the test directory share one"
+    out = fitcache_run(cache_options, [root], [exe, str(out_dir), *paths], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    tiers = tier_dirs(cache_options)
+    lines = out.stdout.decode().splitlines()
+    assert len(lines) == len(paths), describe(out)
+    for i, (path, line) in enumerate(zip(paths, lines), 1):
+        n, target, *results = line.split(" ")
+        assert in_tier(target, tiers), f"{path} was opened at {target}, not a cached copy"
+        want = [f"{k}:same" for k in ("fstat", "fstatat", "statx", "times-mode", "dup", "fxstat64")] + \
+               [f"{how}:ok" for how in COPY_CALL_NAMES] + ["reused:same"]
+        assert results == want, f"{path} (opened at {target}): {results}"
+        data = open(path, "rb").read()
+        start = 1000 if len(data) > 1000 else 0
+        for how in COPY_CALL_NAMES:
+            assert (out_dir / f"{how}-{i}").read_bytes() == data[start:], f"{how} of {path}: other bytes"
+
+
+# Opens the dataset file A twice (the first open is asked of the server: the file is not
+# cached yet, or not checked in this run's session; the second is a hit the shim finds in
+# the tier's index), and B; removes A's record, which the shim's slow way of telling a
+# cached copy reads; then compares fstat of both descriptors of A, and statx of the hit,
+# with stat of A (device, inode, change time), and fstat of the hit's number once B's
+# descriptor was dup2'd over it with stat of B. One line of "what:same"/"what:differs".
+IDENTITY_FROM_INDEX = r'''
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+static const char *same(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino && a->st_ctim.tv_sec == b->st_ctim.tv_sec &&
+           a->st_ctim.tv_nsec == b->st_ctim.tv_nsec ? "same" : "differs";
+}
+
+int main(int argc, char **argv) {
+    int answered = open(argv[1], O_RDONLY), hit = open(argv[1], O_RDONLY), other = open(argv[2], O_RDONLY);
+    if (answered < 0 || hit < 0 || other < 0) { perror("open"); return 2; }
+    char link[64], copy[4096], rec[4200];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", hit);
+    ssize_t n = readlink(link, copy, sizeof copy - 1);
+    if (n <= 0) { perror("readlink"); return 2; }
+    copy[n] = 0;
+    char *base = strrchr(copy, '/');
+    *base = 0;
+    snprintf(rec, sizeof rec, "%s/.rec-%s", copy, base + 1);
+    if (unlink(rec) != 0) { perror(rec); return 2; }
+    struct stat a, b, got;
+    struct statx sx;
+    if (stat(argv[1], &a) || stat(argv[2], &b)) { perror("stat"); return 2; }
+    printf("answered:%s", fstat(answered, &got) ? "error" : same(&got, &a));
+    printf(" hit:%s", fstat(hit, &got) ? "error" : same(&got, &a));
+    if (statx(hit, "", AT_EMPTY_PATH, STATX_BASIC_STATS, &sx)) { perror("statx"); return 2; }
+    struct stat x = {0};
+    x.st_dev = makedev(sx.stx_dev_major, sx.stx_dev_minor);
+    x.st_ino = sx.stx_ino;
+    x.st_ctim.tv_sec = sx.stx_ctime.tv_sec;
+    x.st_ctim.tv_nsec = sx.stx_ctime.tv_nsec;
+    printf(" statx:%s", same(&x, &a));
+    if (dup2(other, hit) != hit) { perror("dup2"); return 2; }
+    printf(" dup2:%s\n", fstat(hit, &got) ? "error" : same(&got, &b));
+    return 0;
+}
+'''
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_fstat_of_a_descriptor_the_shim_opened_needs_no_record(dataset, cache_options, tmp_path, cache):
+    """The shim notes what a copy it opens is (from the tier's index: the source's inode and
+    change time), for the server's answer as for a hit it found itself, so that fstat of it
+    costs the kernel's fstat alone: no readlink, no read of the copy's record. With the record
+    gone, both still report the source's identity (the old shim read the record: the copy's
+    own). A descriptor of another file dup2'd over the number reports that file's source."""
+    root, digests = dataset
+    exe = compile_program(tmp_path, "identity_from_index", IDENTITY_FROM_INDEX, symbols=("fstat", "statx", "dup2"))
+    if cache == "warm":
+        cache_all(cache_options, root, digests)
+    a, b = (os.path.join(root, rel) for rel in sorted(digests)[:2])
+    out = fitcache_run(cache_options, [root], [exe, a, b], prefetch=0,
+                       env=command_env(cache_options, FITCACHE_PRELOAD_DEBUG="1"))
+    assert out.returncode == 0, describe(out)
+    ways = re.findall(rb": (cached in tier \d+|the server answered: fd \d+, origin \d+)", out.stderr)
+    assert [w.split(b":")[0].split(b" ")[0] for w in ways[:2]] == [b"the", b"cached"], describe(out)
+    assert int(ways[0].rsplit(b" ", 1)[1]) >= 8, f"the server's answer was no cached copy\n{describe(out)}"
+    assert out.stdout.decode().split() == ["answered:same", "hit:same", "statx:same", "dup2:same"], describe(out)
+
+
+# THREADS threads race through opens and closes of the dataset files given and of files of
+# their own, so that descriptor numbers pass from a cached copy to another copy or to a file
+# of a thread's own many times over: each fstat (and fstat of a dup) must report the identity
+# of the file stat of its path gives. Prints the number of fstats that did not.
+IDENTITY_UNDER_THREADS = r'''
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define THREADS 8
+#define ROUNDS 400
+
+static int nfiles;
+static char **files;
+static const char *dir;
+static int wrong, failed;
+
+static int check(int fd, const char *path) {
+    struct stat want, got;
+    if (fd < 0 || stat(path, &want) || fstat(fd, &got)) { __atomic_add_fetch(&failed, 1, __ATOMIC_RELAXED); return 0; }
+    return got.st_dev == want.st_dev && got.st_ino == want.st_ino;
+}
+
+static void *run(void *arg) {
+    long t = (long)arg;
+    char own[4096];
+    snprintf(own, sizeof own, "%s/own-%ld", dir, t);
+    for (int i = 0; i < ROUNDS; i++) {
+        const char *f = files[(t * 7 + i) % nfiles];
+        int fd = open(f, O_RDONLY), d = fd >= 0 ? dup(fd) : -1;
+        int ok = check(fd, f) && check(d, f);
+        close(fd);
+        close(d);
+        int o = open(own, O_RDWR | O_CREAT, 0644);
+        ok = check(o, own) && ok;
+        close(o);
+        if (!ok)
+            __atomic_add_fetch(&wrong, 1, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    dir = argv[1];
+    files = argv + 2;
+    nfiles = argc - 2;
+    pthread_t th[THREADS];
+    for (long t = 0; t < THREADS; t++)
+        pthread_create(&th[t], NULL, run, (void *)t);
+    for (int t = 0; t < THREADS; t++)
+        pthread_join(th[t], NULL);
+    printf("wrong:%d failed:%d\n", wrong, failed);
+    return 0;
+}
+'''
+
+
+def test_fstat_identity_under_threads(dataset, cache_options, tmp_path):
+    """Threads opening and closing cached copies and files of their own at once, descriptor
+    numbers passing between them: fstat of each descriptor (and of its dup) names the file
+    its path does, never the file another thread had under the number (the shim's notes of
+    descriptors are written under a sequence count and checked against the kernel's
+    identity of the file)."""
+    root, digests = dataset
+    exe = compile_program(tmp_path, "identity_threads", IDENTITY_UNDER_THREADS, symbols=("fstat", "dup"),
+                          flags=("-pthread",))
+    cache_all(cache_options, root, digests)
+    out_dir = tmp_path / "own"
+    out_dir.mkdir()
+    out = fitcache_run(cache_options, [root], [exe, str(out_dir), *files_under(root)], prefetch=0)
+    assert out.returncode == 0, describe(out)
+    assert out.stdout.decode().split() == ["wrong:0", "failed:0"], describe(out)

@@ -41,7 +41,7 @@ import (
 //	  4112 sourceRanges uint64 ranges such readers read from the source of a large file whose
 //	                       blocks were not cached (the preload shim), counted in the first tier
 //	  4120 sourceBytes  uint64 their bytes
-//	slots, 64 bytes each, from offset 8192; bucket b holds slots b*ways .. b*ways+ways-1:
+//	slots, 80 bytes each, from offset 8192; bucket b holds slots b*ways .. b*ways+ways-1:
 //	  0  seq      uint32   seqlock: odd while the server changes the slot
 //	  4  used     uint32   1 if the slot holds an entry
 //	  8  key      uint64   KeyOf(source path): names the data file, see RelPath
@@ -55,6 +55,8 @@ import (
 //	                       copy only if checked >= s, and asks the server otherwise
 //	  56 pubSeq   uint64   publication sequence number (the server evicts the oldest of a
 //	                       full bucket)
+//	  64 srcIno   uint64   the source file's inode number (0: unknown, a replica's copy)
+//	  72 srcCtime int64    the source file's change time, Unix nanoseconds (0: unknown)
 //
 // Readers read the geometry (buckets) once, when they map the index, and check it against the
 // mapping's length: a stray write to the header by a process of the same user can make them
@@ -70,13 +72,18 @@ import (
 // serves the data file only if the file it opened (following no link, below the tier) is a
 // regular file of this user with the slot's inode number and size. Anything else is a miss.
 // A full bucket makes the server evict its oldest entry, so the index never refuses a file.
+//
+// srcIno and srcCtime repeat the record's identity of the source version the copy holds
+// (record.go), for the preload shim: fstat of a descriptor it opened as a hit reports the
+// source's inode and change time (preload/copies.c), and with them in the slot it needs no
+// read of the record to know them.
 
 const (
 	indexName     = "fitcache.index"
 	indexMagic    = "FCINDEX\x01"
-	indexVersion  = 3
+	indexVersion  = 4
 	indexWays     = 8
-	indexSlotSize = 64
+	indexSlotSize = 80
 	indexSlots    = 8192 // offset of the first slot, after the header and counter pages
 
 	hdrVersion      = 8
@@ -97,12 +104,12 @@ const (
 // 30,000 files of 110 KiB (16,384 buckets, 1.8 entries per bucket) overflowed 2 buckets,
 // which churned through 20 evictions and 25-38 source reads over warm epochs. At 16 KiB a
 // bucket holds 0.9 entries on average and overflows about never; a tier full of files much
-// smaller than that still does (Info.IndexEvictions counts it). The index costs about 0.4%
+// smaller than that still does (Info.IndexEvictions counts it). The index costs about 0.5%
 // of the budget, in the tier's file system.
 const (
 	indexBytesPerSlot = 16 << 10
-	minIndexBuckets   = 1 << 10 // 8,192 slots: 516 KiB
-	maxIndexBuckets   = 1 << 20 // 8 Mi slots: 512 MiB
+	minIndexBuckets   = 1 << 10 // 8,192 slots: 648 KiB
+	maxIndexBuckets   = 1 << 20 // 8 Mi slots: 640 MiB
 )
 
 // indexLen returns the size of an index file of the given number of buckets.
@@ -152,6 +159,8 @@ type slot struct {
 	checksum uint32
 	checked  uint32 // see the layout: the last validation session that found the copy good
 	pubSeq   uint64
+	srcIno   uint64 // the source's inode and change time (see the layout); 0 where unknown
+	srcCtime int64
 }
 
 // index is a mapped index file. The server's copy is writable and has one writer (the
@@ -208,6 +217,8 @@ func (ix *index) read(off int) (slot, bool) {
 		checksum: atomic.LoadUint32(ix.word32(off + 48)),
 		checked:  atomic.LoadUint32(ix.word32(off + 52)),
 		pubSeq:   atomic.LoadUint64(ix.word64(off + 56)),
+		srcIno:   atomic.LoadUint64(ix.word64(off + 64)),
+		srcCtime: int64(atomic.LoadUint64(ix.word64(off + 72))),
 	}, used
 }
 
@@ -228,6 +239,8 @@ func (ix *index) write(off int, s slot, used bool) {
 	atomic.StoreUint32(ix.word32(off+48), s.checksum)
 	atomic.StoreUint32(ix.word32(off+52), s.checked)
 	atomic.StoreUint64(ix.word64(off+56), s.pubSeq)
+	atomic.StoreUint64(ix.word64(off+64), s.srcIno)
+	atomic.StoreUint64(ix.word64(off+72), uint64(s.srcCtime))
 	atomic.StoreUint32(seq, *seq+1)
 }
 

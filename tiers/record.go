@@ -43,6 +43,10 @@ import (
 // A record describes one data file only: its inode number must match, so a record left
 // from an older copy of the same source (a crash between the two renames of publication)
 // is never taken for the new one.
+//
+// The preload shim reads records too (preload/copies.c: fstat of a cached copy reports the
+// source's inode and change time, from the index for a copy the shim opened, from the record
+// for another descriptor of one); it leaves a record of another version alone.
 
 const (
 	recordVersion = 4

@@ -721,7 +721,7 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 // bucket's oldest entry is evicted to make way.
 func (t *Tier) index(s stored, id entryID) {
 	victim, evicted := t.ix.put(slot{id: id, size: s.Size, mtime: s.MTimeNanos, ino: s.ino,
-		checksum: s.Checksum, checked: s.Session, pubSeq: s.seq})
+		checksum: s.Checksum, checked: s.Session, pubSeq: s.seq, srcIno: s.SourceIno, srcCtime: s.SourceCTimeNanos})
 	if !evicted {
 		return
 	}

@@ -99,12 +99,42 @@ type Hit struct {
 	Size      int64 // the copy's size, as the index records it
 	MTimeNano int64 // the source's modification time, as the index records it
 	Ino       uint64
+	Dev       uint64 // the copy's device, as fstat of the descriptor gave it
+	// The source's inode number and change time, as the index records them.
+	SrcIno       uint64
+	SrcCTimeNano int64
 }
 
 // Lookup is fc_lookup of the clean path in the tier directories dirs (fastest first), each
 // opened for session (see fc_tier_open), with or without requiring a copy checked in it:
 // the hit, or an error wrapping syscall.ENOENT for a miss.
 func Lookup(dirs []string, session uint32, requireSession bool, path string) (Hit, error) {
+	req := C.int(0)
+	if requireSession {
+		req = 1
+	}
+	p := []byte(path)
+	return withTiers(dirs, session, func(tiers *C.struct_fc_tier, hit *C.struct_fc_hit) C.int {
+		rc := C.fc_lookup(tiers, C.int(len(dirs)), cbytes(p), C.size_t(len(p)), C.O_CLOEXEC, req, hit)
+		if rc == 0 {
+			syscall.Close(int(hit.fd))
+		}
+		return rc
+	})
+}
+
+// LookupFd is fc_lookup_fd: whether fd is the copy of the clean path that the index of one
+// of the tier directories dirs lists (the hit), or an error wrapping syscall.ENOENT.
+func LookupFd(dirs []string, path string, fd int) (Hit, error) {
+	p := []byte(path)
+	return withTiers(dirs, 0, func(tiers *C.struct_fc_tier, hit *C.struct_fc_hit) C.int {
+		return C.fc_lookup_fd(tiers, C.int(len(dirs)), cbytes(p), C.size_t(len(p)), C.int(fd), hit)
+	})
+}
+
+// withTiers opens the tier directories dirs for session, calls look with them and a hit to
+// fill, closes them, and returns the hit, or the error of the negated errno look returned.
+func withTiers(dirs []string, session uint32, look func(*C.struct_fc_tier, *C.struct_fc_hit) C.int) (Hit, error) {
 	tiers := (*C.struct_fc_tier)(C.calloc(C.size_t(len(dirs)), C.sizeof_struct_fc_tier))
 	defer C.free(unsafe.Pointer(tiers))
 	all := unsafe.Slice(tiers, len(dirs))
@@ -123,17 +153,12 @@ func Lookup(dirs []string, session uint32, requireSession bool, path string) (Hi
 		}
 		opened++
 	}
-	p := []byte(path)
 	var hit C.struct_fc_hit
-	req := C.int(0)
-	if requireSession {
-		req = 1
-	}
-	if rc := C.fc_lookup(tiers, C.int(len(dirs)), cbytes(p), C.size_t(len(p)), C.O_CLOEXEC, req, &hit); rc != 0 {
+	if rc := look(tiers, &hit); rc != 0 {
 		return Hit{}, syscall.Errno(-rc)
 	}
-	syscall.Close(int(hit.fd))
-	return Hit{Tier: int(hit.tier), Size: int64(hit.size), MTimeNano: int64(hit.mtime_ns), Ino: uint64(hit.ino)}, nil
+	return Hit{Tier: int(hit.tier), Size: int64(hit.size), MTimeNano: int64(hit.mtime_ns), Ino: uint64(hit.ino),
+		Dev: uint64(hit.dev), SrcIno: uint64(hit.src_ino), SrcCTimeNano: int64(hit.src_ctime_ns)}, nil
 }
 
 // cbytes points C at b's bytes (no terminator: every function here takes a length), or at a

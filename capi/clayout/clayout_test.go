@@ -2,6 +2,7 @@ package clayout
 
 import (
 	"errors"
+	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -75,7 +76,8 @@ func FuzzNamesMatchGo(f *testing.F) {
 }
 
 // C finds, in indexes Go wrote, every copy Go published (whole files and blocks, in either
-// of two tiers), with the size, modification time and inode Go recorded; it misses what
+// of two tiers), with the size, modification time and inode Go recorded, and the source's
+// inode and change time the preload shim's fstat reports; it misses what
 // was never published or was removed, and, asked for a later session, what was not checked
 // in it.
 func TestLookupsFindWhatGoPublished(t *testing.T) {
@@ -90,15 +92,16 @@ func TestLookupsFindWhatGoPublished(t *testing.T) {
 		t.Cleanup(func() { tier.Close() })
 		dirs, tierList = append(dirs, dir), append(tierList, tier)
 	}
-	published := map[string]int{}
+	published, number := map[string]int{}, map[string]int{}
 	for i, p := range layoutPaths[:6] {
 		p = filepath.Clean(p)
 		data := []byte(strings.Repeat(string(rune('a'+i)), 100*(i+1)))
-		e := tiers.Entry{SourcePath: p, Size: int64(len(data)), MTimeNanos: int64(1000 + i), Session: 5, Group: "/data"}
+		e := tiers.Entry{SourcePath: p, Size: int64(len(data)), MTimeNanos: int64(1000 + i), Session: 5, Group: "/data",
+			SourceIno: uint64(7000 + i), SourceCTimeNanos: int64(1_700_000_000_000_000_000 + i)}
 		if err := tierList[i%2].Publish(e, data); err != nil {
 			t.Fatal(err)
 		}
-		published[p] = i % 2
+		published[p], number[p] = i%2, i
 	}
 	for p, tier := range published {
 		hit, err := Lookup(dirs, 5, true, p)
@@ -110,8 +113,37 @@ func TestLookupsFindWhatGoPublished(t *testing.T) {
 			t.Fatal(err)
 		}
 		size, _ := tierList[tier].CachedSize(p)
-		if hit.Tier != tier || hit.Size != size || hit.Ino != st.Ino {
-			t.Errorf("%q: C found %+v, Go has tier %d, size %d, inode %d", p, hit, tier, size, st.Ino)
+		i := number[p]
+		if hit.Tier != tier || hit.Size != size || hit.Ino != st.Ino || hit.Dev != st.Dev || hit.MTimeNano != int64(1000+i) {
+			t.Errorf("%q: C found %+v, Go has tier %d, size %d, device %d, inode %d, mtime %d", p, hit, tier, size,
+				st.Dev, st.Ino, 1000+i)
+		}
+		if hit.SrcIno != uint64(7000+i) || hit.SrcCTimeNano != int64(1_700_000_000_000_000_000+i) {
+			t.Errorf("%q: C found the source's inode %d and change time %d, Go published %d and %d", p, hit.SrcIno,
+				hit.SrcCTimeNano, 7000+i, 1_700_000_000_000_000_000+i)
+		}
+		// The descriptor a server would answer the open with is known by its inode: the same
+		// hit. A copy of the file elsewhere, on the same file system, is none.
+		f, err := os.Open(filepath.Join(dirs[tier], tiers.RelPath(p)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		byFd, err := LookupFd(dirs, p, int(f.Fd()))
+		f.Close()
+		if err != nil || byFd != hit {
+			t.Errorf("%q: fc_lookup_fd of the copy found %+v (%v), fc_lookup %+v", p, byFd, err, hit)
+		}
+		other := filepath.Join(dirs[tier], "other")
+		if err := os.WriteFile(other, make([]byte, size), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if f, err = os.Open(other); err != nil {
+			t.Fatal(err)
+		}
+		byFd, err = LookupFd(dirs, p, int(f.Fd()))
+		f.Close()
+		if !errors.Is(err, syscall.ENOENT) {
+			t.Errorf("%q: fc_lookup_fd took another file of the size for the copy: %+v (%v)", p, byFd, err)
 		}
 		if _, err := Lookup(dirs, 6, true, p); !errors.Is(err, syscall.ENOENT) {
 			t.Errorf("%q: a copy not checked in session 6 served to it (%v)", p, err)

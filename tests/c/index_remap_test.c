@@ -26,7 +26,8 @@
 
 #define BUCKETS 1024
 #define SLOTS 8192
-#define INDEX_LEN (SLOTS + BUCKETS * 8 * 64)
+#define SLOT 80 // tiers/index.go indexSlotSize
+#define INDEX_LEN (SLOTS + BUCKETS * 8 * SLOT)
 #define RESTARTS 40
 
 static char tier[256];
@@ -68,7 +69,7 @@ static void put(uint8_t *m, int i, uint64_t ino) {
 	fc_hashes(src, strlen(src), &key, &check);
 	size_t bucket = (size_t)((key * 0x9E3779B97F4A7C15ULL) >> (64 - 10));
 	for (size_t s = bucket * 8; s < bucket * 8 + 8; s++) {
-		uint8_t *slot = m + SLOTS + s * 64;
+		uint8_t *slot = m + SLOTS + s * SLOT;
 		uint32_t used;
 		memcpy(&used, slot + 4, 4);
 		if (used)
@@ -91,7 +92,7 @@ static void publish_index(const uint64_t *inos, int n) {
 	static uint8_t m[INDEX_LEN];
 	memset(m, 0, sizeof m);
 	memcpy(m, "FCINDEX\x01", 8);
-	uint32_t version = 3, ways = 8, buckets = BUCKETS, slot = 64;
+	uint32_t version = 4, ways = 8, buckets = BUCKETS, slot = SLOT;
 	memcpy(m + 8, &version, 4);
 	memcpy(m + 12, &ways, 4);
 	memcpy(m + 16, &buckets, 4);
