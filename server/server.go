@@ -17,7 +17,6 @@ import (
 	"time"
 
 	kitexserver "github.com/cloudwego/kitex/server"
-	"golang.org/x/net/netutil"
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
@@ -70,7 +69,8 @@ type Config struct {
 	// say), reported with the engine's statistics.
 	Warnings []string
 	// MetricsAddr, if set, is the host:port at which Prometheus metrics are served over HTTP,
-	// path /metrics (see package metrics), to at most metricsMaxConns connections at once.
+	// path /metrics (see package metrics), to a bounded number of connections per peer and in
+	// all (see metricsMaxConns).
 	MetricsAddr string
 	// ReadyFile, if set, is written with the RPC address and a newline once the server
 	// accepts requests (never through a symbolic link: a path that is one is refused), and
@@ -410,13 +410,17 @@ func (s *Server) awaitRPC() error {
 // it accepts is a descriptor of the process that serves the data and gossip ports: with a
 // read-header timeout alone, 22,950 idle keep-alive connections took a server to its
 // descriptor limit, its accepts failed on the gossip port too, and another server declared
-// it dead. So at most metricsMaxConns connections are accepted at once; more wait in the
-// kernel's accept queue, which costs the process no descriptor, until a place frees (a
-// scrape then waits, the cache does not). A connection that does not send its request in
-// time, takes too long to be answered, or idles between requests is closed, so that a place
-// held by a client that went away comes back. Prometheus keeps one connection per target.
+// it dead. So each connection holds a place (gate.PlacesListener): metricsPerPeer per peer
+// host (or other user of this host), metricsMaxConns in all, and metricsMaxConns more for the
+// server's own user; a new connection past its share closes the oldest one there, so that a
+// flood from one host neither takes the descriptors nor keeps a scrape from another host
+// waiting behind it (a cap that left new connections in the kernel's queue kept a scrape
+// out for minutes). A connection that does not send its request in time, takes too long to
+// be answered, or idles between requests is closed. Prometheus keeps one connection per
+// target.
 const (
 	metricsMaxConns       = 32
+	metricsPerPeer        = 8
 	metricsHeaderTimeout  = 5 * time.Second
 	metricsReadTimeout    = 10 * time.Second
 	metricsWriteTimeout   = 30 * time.Second
@@ -432,7 +436,8 @@ func (s *Server) serveMetrics() error {
 	s.metricsSrv = &http.Server{Handler: s.metrics.Handler(), ReadHeaderTimeout: metricsHeaderTimeout,
 		ReadTimeout: metricsReadTimeout, WriteTimeout: metricsWriteTimeout, IdleTimeout: metricsIdleTimeout,
 		MaxHeaderBytes: metricsMaxHeaderBytes}
-	ln := netutil.LimitListener(s.metricsLn, metricsMaxConns)
+	ln := gate.PlacesListener(s.metricsLn, &gate.Pending{PerPeer: metricsPerPeer, Total: metricsMaxConns,
+		Own: gate.OwnUser()})
 	s.serving.Add(1)
 	go func() {
 		defer s.serving.Done()
