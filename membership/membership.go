@@ -78,7 +78,12 @@ type Config struct {
 	// OnChange is called, one call at a time, when a member was declared dead (alive false)
 	// or joined or rejoined (alive true). Members never heard of are neither.
 	OnChange func(id string, alive bool)
-	Log      *slog.Logger
+	// NeverJoinedAfter: a listed server not heard of this long after Start is taken for dead
+	// (OnChange, Dead) until it joins: it never started, or its host is gone. Servers name
+	// their dead to new clients, which then wait for none of them: only the clients that start
+	// with the job wait for a server that may still be starting. 0: never.
+	NeverJoinedAfter time.Duration
+	Log              *slog.Logger
 }
 
 // Membership is a running member. Close it to leave.
@@ -213,7 +218,48 @@ func Start(cfg Config) (*Membership, error) {
 	go m.deliver()
 	go m.join()
 	go m.reconnect()
+	if cfg.NeverJoinedAfter > 0 {
+		go m.neverJoined(cfg.NeverJoinedAfter)
+	}
 	return m, nil
+}
+
+// neverJoined takes the listed servers not heard of after wait for dead (see
+// Config.NeverJoinedAfter). reconnect asks them to join from then on, as it asks the dead.
+func (m *Membership) neverJoined(wait time.Duration) {
+	select {
+	case <-m.done:
+		return
+	case <-time.After(wait):
+	}
+	for _, id := range m.cfg.Servers {
+		if id == m.cfg.Self {
+			continue
+		}
+		// Checked and recorded under recording, as record does: a join recorded meanwhile must
+		// not be overwritten.
+		m.recording.Lock()
+		m.mu.Lock()
+		_, heard := m.known[id]
+		fresh := !heard && !m.closed
+		if fresh {
+			m.known[id] = false
+		}
+		m.mu.Unlock()
+		if fresh && !m.listed(id) {
+			m.log.Warn("listed server never joined the servers' membership: taken for dead until it joins",
+				"server", id, "after", wait)
+			select {
+			case m.events <- event{id, false}:
+			case <-m.done:
+			}
+		} else if fresh { // memberlist holds it: its join is being recorded
+			m.mu.Lock()
+			delete(m.known, id)
+			m.mu.Unlock()
+		}
+		m.recording.Unlock()
+	}
 }
 
 // reconnect asks the members declared dead, every reconnectEvery probe intervals, to join

@@ -261,3 +261,47 @@ func TestADeathIsActedOnOnlyIfTheMemberDoesNotAnswer(t *testing.T) {
 	ms[1].Close()
 	waitFor(t, "the member that left out", func() bool { return recs[0].is(ids[1], false) })
 }
+
+// A listed server that never joins is taken for dead once the members have been up for
+// NeverJoinedAfter (so that the job's servers name it dead to new clients, which then wait
+// for it no more), not before; started at last, it joins and is alive.
+func TestAListedServerThatNeverJoinedIsDeadAfterAWhile(t *testing.T) {
+	ids := names(t, 3)
+	const after = 1500 * time.Millisecond
+	recs := []*recorder{{}, {}}
+	var ms []*Membership
+	for i := range 2 {
+		m, err := Start(Config{Self: ids[i], Servers: ids, Token: "token", PortOffset: DefaultPortOffset,
+			ProbeInterval: probe, OnChange: recs[i].change, NeverJoinedAfter: after, Log: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ms = append(ms, m)
+	}
+	defer func() {
+		for _, m := range ms {
+			m.Close()
+		}
+	}()
+	begun := time.Now()
+	waitFor(t, "the two members alive at each other", func() bool { return recs[0].is(ids[1], true) && recs[1].is(ids[0], true) })
+	if d := time.Since(begun); d < after && len(ms[0].Dead()) > 0 {
+		t.Errorf("dead after %s, before NeverJoinedAfter (%s): %v", d, after, ms[0].Dead())
+	}
+	waitFor(t, "the listed server that never started taken for dead", func() bool {
+		return recs[0].is(ids[2], false) && recs[1].is(ids[2], false)
+	})
+	if d := time.Since(begun); d < after {
+		t.Errorf("taken for dead after %s, before NeverJoinedAfter (%s)", d, after)
+	}
+	for i := range ms {
+		if got := ms[i].Dead(); !slices.Equal(got, ids[2:]) {
+			t.Errorf("member %d: dead %v, want %v", i, got, ids[2:])
+		}
+	}
+	ms = append(ms, start(t, ids[2], ids, "token", &recorder{}))
+	waitFor(t, "the late server alive at both", func() bool { return recs[0].is(ids[2], true) && recs[1].is(ids[2], true) })
+	if got := ms[0].Dead(); len(got) != 0 {
+		t.Errorf("dead after the late server joined: %v", got)
+	}
+}

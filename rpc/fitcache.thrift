@@ -70,6 +70,11 @@ struct HelloReply {
   // client finds a cached block in the tiers by its name (tiers.BlockName). 0 from a server
   // older than blocks.
   10: i64 block_bytes
+  // Membership gossip, as in ReadReply: this server's membership version and the servers it
+  // holds dead (its clients' reports, the servers' membership, and listed servers that never
+  // joined it), so that a new client waits for none of them at start.
+  11: i64 membership_version
+  12: list<string> dead
 }
 
 struct ReadRequest {

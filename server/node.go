@@ -106,6 +106,10 @@ type clusterNode struct {
 	cfg    config.Config // the job's: Node is this server's node
 	self   string        // this server's id on the ring, "" if it is not found there
 	log    *slog.Logger
+	// jobWait is the job's wait_timeout: how long its clients wait at start for a server that
+	// may still be starting. A listed server that has not joined the membership by then is
+	// named dead to new clients (membership.Config.NeverJoinedAfter).
+	jobWait time.Duration
 
 	members []ring.Member // the job's servers
 	// watch is this server's part in the servers' membership (package membership), nil when
@@ -141,9 +145,11 @@ func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string
 		log = slog.New(slog.DiscardHandler)
 	}
 	cfg.Token, cfg.TokenFile = token, ""
+	jobWait := cfg.WaitTimeout
 	cfg.WaitTimeout = min(cfg.WaitTimeout, nodeClientWait)
 	cfg.Direct = true // the server reads from the job's servers itself, never through a node socket
-	cn := &clusterNode{engine: engine, cfg: cfg, log: log, clients: map[string]*rootClient{}, members: members}
+	cn := &clusterNode{engine: engine, cfg: cfg, log: log, clients: map[string]*rootClient{}, members: members,
+		jobWait: jobWait}
 	if self, ok := selfMember(members, listen, cfg.Node); ok {
 		cn.self, cn.cfg.Node = self.ID, self.Node
 	} else {
@@ -168,7 +174,7 @@ func (n *clusterNode) startMembership(bindWait time.Duration) error {
 		ids[i] = m.ID
 	}
 	w, err := membership.Start(membership.Config{Self: n.self, Servers: ids, PortOffset: n.cfg.GossipPortOffset,
-		Token: n.cfg.Token, ProbeInterval: n.cfg.ProbeInterval, BindWait: bindWait, OnChange: n.told, Log: n.log})
+		Token: n.cfg.Token, ProbeInterval: n.cfg.ProbeInterval, BindWait: bindWait, OnChange: n.told, NeverJoinedAfter: n.jobWait, Log: n.log})
 	if err != nil {
 		return fmt.Errorf("the servers' membership (gossip_port_offset %d; 0 turns it off): %w",
 			n.cfg.GossipPortOffset, err)

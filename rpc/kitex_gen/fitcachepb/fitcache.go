@@ -235,15 +235,17 @@ var fieldIDToName_HelloRequest = map[int16]string{
 }
 
 type HelloReply struct {
-	Errno      int32       `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
-	Message    string      `thrift:"message,2" frugal:"2,default,string" json:"message"`
-	ServerId   string      `thrift:"server_id,3" frugal:"3,default,string" json:"server_id"`
-	Pid        int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
-	Tiers      []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
-	NodeSocket string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
-	Reason     Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
-	Session    int64       `thrift:"session,9" frugal:"9,default,i64" json:"session"`
-	BlockBytes int64       `thrift:"block_bytes,10" frugal:"10,default,i64" json:"block_bytes"`
+	Errno             int32       `thrift:"errno,1" frugal:"1,default,i32" json:"errno"`
+	Message           string      `thrift:"message,2" frugal:"2,default,string" json:"message"`
+	ServerId          string      `thrift:"server_id,3" frugal:"3,default,string" json:"server_id"`
+	Pid               int32       `thrift:"pid,4" frugal:"4,default,i32" json:"pid"`
+	Tiers             []*TierInfo `thrift:"tiers,5" frugal:"5,default,list<TierInfo>" json:"tiers"`
+	NodeSocket        string      `thrift:"node_socket,7" frugal:"7,default,string" json:"node_socket"`
+	Reason            Reason      `thrift:"reason,8" frugal:"8,default,Reason" json:"reason"`
+	Session           int64       `thrift:"session,9" frugal:"9,default,i64" json:"session"`
+	BlockBytes        int64       `thrift:"block_bytes,10" frugal:"10,default,i64" json:"block_bytes"`
+	MembershipVersion int64       `thrift:"membership_version,11" frugal:"11,default,i64" json:"membership_version"`
+	Dead              []string    `thrift:"dead,12" frugal:"12,default,list<string>" json:"dead"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -288,6 +290,14 @@ func (p *HelloReply) GetSession() (v int64) {
 func (p *HelloReply) GetBlockBytes() (v int64) {
 	return p.BlockBytes
 }
+
+func (p *HelloReply) GetMembershipVersion() (v int64) {
+	return p.MembershipVersion
+}
+
+func (p *HelloReply) GetDead() (v []string) {
+	return p.Dead
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -315,6 +325,12 @@ func (p *HelloReply) SetSession(val int64) {
 func (p *HelloReply) SetBlockBytes(val int64) {
 	p.BlockBytes = val
 }
+func (p *HelloReply) SetMembershipVersion(val int64) {
+	p.MembershipVersion = val
+}
+func (p *HelloReply) SetDead(val []string) {
+	p.Dead = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -333,6 +349,8 @@ var fieldIDToName_HelloReply = map[int16]string{
 	8:  "reason",
 	9:  "session",
 	10: "block_bytes",
+	11: "membership_version",
+	12: "dead",
 }
 
 type ReadRequest struct {
