@@ -203,6 +203,14 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 			if c.cluster, err = newClusterRouter(cfg, log, members, token, o); err != nil {
 				return nil, err
 			}
+			// The node's server did not answer the node router's hello but the direct path
+			// waited for it (it was starting, not dead): take the node's path after all.
+			if !cfg.Direct && c.cluster.localAnswered() {
+				if node, err := newNodeRouter(cfg, log, members, token); err == nil && node != nil {
+					c.cluster.close()
+					c.cluster, c.node = nil, node
+				}
+			}
 		}
 	} else if _, err := c.ensureConn(nil, cfg.StartTimeout+cfg.ReadTimeout); err != nil {
 		log.Warn("fitcache server unavailable; reading from the source", "err", err)

@@ -30,32 +30,13 @@ func hangServer(t *testing.T, cfg config.Config) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var mu sync.Mutex // protects conns
-	var conns []net.Conn
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
 	lock, err := embedded.LockServer(cfg.RuntimeDir, 0)
 	if err != nil {
+		ln.Close()
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		ln.Close()
-		lock.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-	})
+	t.Cleanup(func() { lock.Close() })
+	holdConns(t, ln)
 }
 
 func withOptions(t *testing.T, cfg config.Config, opts map[string]string) config.Config {

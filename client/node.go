@@ -66,11 +66,13 @@ type localServer struct {
 	blockBytes atomic.Int64
 }
 
-// newNodeRouter says hello to the job's servers on this node (all at once, again until all
-// answered or WaitTimeout passed) and returns the router, or nil when there is no server of
-// the job on this node, none of them answered, or none serves a node socket of this user's:
-// the caller then takes the direct path. It fails only when the servers refused the client or
-// could not prove the job token.
+// newNodeRouter says hello to the job's servers on this node (all at once) and returns the
+// router, or nil when there is no server of the job on this node, none of them answered the
+// first hello, or none serves a node socket of this user's: the caller then takes the direct
+// path, whose start asks the job's other servers whether the node's are dead and waits for
+// them if they may still be starting (see startwait.go; Open comes back here if they answer).
+// The node's servers that did not answer while others did are waited for as the direct path
+// waits. It fails only when the servers refused the client or could not prove the job token.
 func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*nodeRouter, error) {
 	r := &nodeRouter{cfg: cfg, log: log, members: members, token: token}
 	for _, m := range members {
@@ -89,52 +91,68 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 		return nil, nil
 	}
 	sort.Slice(r.servers, func(i, j int) bool { return r.servers[i].id < r.servers[j].id })
-	deadline := time.Now().Add(cfg.WaitTimeout)
-	var lastErr error
+	w := newStartWait(cfg.WaitTimeout)
+	w.askAgain() // the first round asks everyone
+	byID := map[string]*localServer{}
+	for _, s := range r.servers {
+		byID[s.id] = s
+	}
+	alive := func(id string) bool { s, ok := byID[id]; return ok && s.hasAnswered() }
 	for {
-		var wg sync.WaitGroup
-		var mu sync.Mutex // protects lastErr and unproven
-		unproven := 0
+		again := w.askAgain()
+		var asked []*localServer
 		for _, s := range r.servers {
-			if s.hasAnswered() {
-				continue
+			if _, named := w.named[s.id]; !named && (again || !s.hasAnswered()) {
+				asked = append(asked, s)
 			}
+		}
+		dead := make([][]string, len(asked))
+		errs := make([]error, len(asked))
+		var wg sync.WaitGroup
+		for i, s := range asked {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				if err := s.hello(cfg, log); err != nil {
-					mu.Lock()
-					lastErr = err
-					if errors.Is(err, rpc.ErrUnproven) {
-						unproven++
-					}
-					mu.Unlock()
-				}
+				dead[i], errs[i] = s.hello(cfg, log)
 			}()
 		}
 		wg.Wait()
-		if unproven == len(r.servers) {
-			r.close()
-			return nil, tokenRefused(lastErr)
-		}
-		missing := 0
-		for _, s := range r.servers {
-			if !s.hasAnswered() {
-				missing++
+		unproven := 0
+		for i, err := range errs {
+			if err == nil {
+				w.answered(asked[i].id, dead[i], alive)
+				continue
+			}
+			w.errs[asked[i].id] = err
+			if refusedBy(err) {
+				r.close()
+				return nil, fmt.Errorf("the fitcache servers of this node refused this client: %w", err)
+			}
+			if errors.Is(err, rpc.ErrUnproven) {
+				unproven++
 			}
 		}
-		if missing == 0 || (time.Now().After(deadline) && missing < len(r.servers)) {
-			break
-		}
-		if errors.Is(lastErr, os.ErrPermission) {
+		if unproven == len(r.servers) {
 			r.close()
-			return nil, fmt.Errorf("the fitcache servers of this node refused this client: %w", lastErr)
+			return nil, tokenRefused(errs[0])
 		}
-		if time.Now().After(deadline) {
-			log.Warn("no fitcache server of the job on this node answered; reading through the cluster directly",
-				"servers", strings.Join(r.ids(), ", "), "waited", cfg.WaitTimeout, "err", lastErr)
+		var answered, waiting []string
+		for _, s := range r.servers {
+			switch {
+			case s.hasAnswered():
+				answered = append(answered, s.id)
+			case w.decide(s.id, true, true) == waitOn:
+				waiting = append(waiting, s.id)
+			}
+		}
+		if len(answered) == 0 {
+			log.Info("no fitcache server of the job on this node answered; asking the job's other servers",
+				"servers", strings.Join(r.ids(), ", "), "err", errs[0])
 			r.close()
 			return nil, nil
+		}
+		if len(waiting) == 0 {
+			break
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -148,12 +166,13 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 }
 
 // hello asks the server to describe itself, with the reader's job (see rpc.Client.Hello).
-func (s *localServer) hello(cfg config.Config, log *slog.Logger) error {
+// It returns the servers it holds dead (see startwait.go).
+func (s *localServer) hello(cfg config.Config, log *slog.Logger) (dead []string, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), min(cfg.RPCTimeout, 2*time.Second))
 	defer cancel()
 	reply, err := s.rpc.Hello(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	session := sessionOf(reply)
 	dirs := tierDirs(reply.Tiers, session, log)
@@ -162,7 +181,7 @@ func (s *localServer) hello(cfg config.Config, log *slog.Logger) error {
 	defer s.mu.Unlock()
 	closeDirs(s.dirs)
 	s.dirs, s.session, s.nodeSocket, s.answered = dirs, session, reply.NodeSocket, true
-	return nil
+	return reply.Dead, nil
 }
 
 func (s *localServer) hasAnswered() bool {

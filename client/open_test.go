@@ -28,6 +28,7 @@ type testServer struct {
 	addr   string
 	engine *core.Engine
 	srv    server.Server
+	h      *rpc.Handler
 	ln     *connsListener
 }
 
@@ -78,8 +79,8 @@ func startClusterServerWithBudget(t testing.TB, host, root, budget string) *test
 		t.Fatal(err)
 	}
 	cl := &connsListener{Listener: ln}
-	srv, _, _ := rpc.Serve(e, cl, rpc.ServerConfig{Token: "tok"})
-	s := &testServer{addr: ln.Addr().String(), engine: e, srv: srv, ln: cl}
+	srv, h, _ := rpc.Serve(e, cl, rpc.ServerConfig{Token: "tok"})
+	s := &testServer{addr: ln.Addr().String(), engine: e, srv: srv, h: h, ln: cl}
 	t.Cleanup(func() { s.stop() })
 	return s
 }

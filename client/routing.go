@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"sort"
 	"strings"
@@ -121,76 +120,132 @@ func newClusterRouter(cfg config.Config, log *slog.Logger, members []ring.Member
 	return r, nil
 }
 
-// waitForServers says hello to every server, all at once, until all answered or WaitTimeout
-// passed. Servers known dead (KnownDead) are not waited for.
+// waitForServers says hello to every server, all at once, until each answered or is not
+// waited for (see startwait.go): servers known dead (KnownDead) or named dead by a server
+// that answered are not; one that refuses connections is dead at once when others answer;
+// one that does not answer is waited for up to WaitTimeout. With no server answering, it
+// fails after the start grace, naming every server and why.
 func (r *clusterRouter) waitForServers() error {
-	deadline := time.Now().Add(r.cfg.WaitTimeout)
-	var lastErr error
+	w := newStartWait(r.cfg.WaitTimeout)
+	w.askAgain() // the first round asks everyone
+	alive := func(id string) bool { _, dead := r.peers[id].state(); return !dead }
 	waited := 0 // servers not known dead
 	for _, p := range r.peers {
 		if !p.knownDead {
 			waited++
 		}
 	}
+	// Hellos run in the background, at most one per server: one that hangs holds up no
+	// decision about the others (a server named dead is not waited for, answered or not).
+	type result struct {
+		p     *peer
+		reply *fitcachepb.HelloReply
+		err   error
+	}
+	results := make(chan result, len(r.peers))
+	inflight := map[*peer]bool{}
 	for {
-		var asked []*peer
-		for _, p := range r.peers {
-			if _, dead := p.state(); dead && !p.knownDead {
-				asked = append(asked, p)
-			}
-		}
-		errs := make([]error, len(asked))
-		var wg sync.WaitGroup
-		for i, p := range asked {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[i] = r.hello(p)
-			}()
-		}
-		wg.Wait()
-		missing, unproven := 0, 0
-		for i, err := range errs {
-			if err == nil {
+		again := w.askAgain()
+		for id, p := range r.peers {
+			_, dead := p.state()
+			if _, named := w.named[id]; p.knownDead || inflight[p] || (dead && named) {
 				continue
 			}
-			missing++
-			lastErr = err
-			if errors.Is(err, fs.ErrPermission) {
-				return fmt.Errorf("fitcache server %s refused this client: %w", asked[i].member.ID, err)
+			// Answering servers are asked again for their view of the dead; not those on this
+			// node, whose hello maps their tiers again.
+			if dead || (again && !p.local) {
+				inflight[p] = true
+				go func() {
+					reply, err := r.helloReply(p)
+					results <- result{p, reply, err}
+				}()
 			}
+		}
+		tick := time.NewTimer(100 * time.Millisecond)
+		var got []result
+		select {
+		case res := <-results:
+			got = append(got, res)
+		case <-tick.C:
+		}
+		tick.Stop()
+	drain:
+		for {
+			select {
+			case res := <-results:
+				got = append(got, res)
+			default:
+				break drain
+			}
+		}
+		for _, res := range got {
+			p := res.p
+			delete(inflight, p)
+			if res.err == nil {
+				w.answered(p.member.ID, res.reply.Dead, alive)
+				p.news.Heard(res.reply.MembershipVersion)
+				continue
+			}
+			w.errs[p.member.ID] = res.err
+			if refusedBy(res.err) {
+				return fmt.Errorf("fitcache server %s refused this client: %w", p.member.ID, res.err)
+			}
+		}
+		unproven, lastUnproven := 0, error(nil)
+		for _, err := range w.errs {
 			if errors.Is(err, rpc.ErrUnproven) {
-				unproven++
+				unproven, lastUnproven = unproven+1, err
 			}
 		}
-		if missing == 0 {
-			return nil
-		}
-		if unproven == waited {
-			return tokenRefused(lastErr)
-		}
-		if time.Now().After(deadline) {
-			var down []string
-			for id, p := range r.peers {
-				if _, dead := p.state(); dead {
-					down = append(down, id)
-				}
+		var answered, waiting, named, gone []string
+		for id := range r.peers {
+			if alive(id) {
+				answered = append(answered, id)
 			}
-			sort.Strings(down)
-			if missing == waited {
-				return fmt.Errorf("no fitcache server of the job answered within %s (%s): %w",
-					r.cfg.WaitTimeout, strings.Join(down, ", "), lastErr)
+		}
+		for id, p := range r.peers {
+			if alive(id) || p.knownDead {
+				continue
 			}
-			r.log.Warn("fitcache servers not answering; starting without them", "servers", down)
-			r.deaths.Add(int64(len(down)))
-			for _, id := range down {
-				if r.onDead != nil && !r.peers[id].knownDead {
+			switch w.decide(id, len(answered) > 0, p.local) {
+			case waitOn:
+				waiting = append(waiting, id)
+			case waitNamed:
+				named = append(named, id)
+			default:
+				gone = append(gone, id)
+			}
+		}
+		if len(answered) == 0 && waited > 0 && unproven == waited {
+			return tokenRefused(lastUnproven)
+		}
+		if len(waiting) > 0 {
+			continue
+		}
+		if len(answered) == 0 && waited > 0 {
+			return w.noServerError(gone)
+		}
+		sort.Strings(named)
+		sort.Strings(gone)
+		if len(named) > 0 {
+			r.gossiped.Add(int64(len(named)))
+			r.log.Info("fitcache servers the job's servers hold dead: not waited for", "servers", named)
+		}
+		if len(gone) > 0 {
+			reasons := make([]string, len(gone))
+			for i, id := range gone {
+				reasons[i] = id + ": " + whyNoAnswer(w.errs[id])
+			}
+			r.log.Warn("fitcache servers not answering; starting without them", "servers", strings.Join(reasons, "; "),
+				"waited", time.Since(w.begun).Round(100*time.Millisecond))
+			r.deaths.Add(int64(len(gone)))
+			if r.onDead != nil {
+				for _, id := range gone {
 					r.onDead(id)
 				}
 			}
-			return nil
 		}
-		time.Sleep(100 * time.Millisecond)
+		return nil
 	}
 }
 
@@ -205,11 +260,17 @@ func tokenRefused(last error) error {
 
 // hello asks a server to describe itself and marks it alive if it answers.
 func (r *clusterRouter) hello(p *peer) error {
+	_, err := r.helloReply(p)
+	return err
+}
+
+// helloReply is hello, with the server's reply.
+func (r *clusterRouter) helloReply(p *peer) (*fitcachepb.HelloReply, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), min(r.cfg.RPCTimeout, time.Second))
 	defer cancel()
 	reply, err := p.rpc.Hello(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	session := sessionOf(reply)
 	if reply.BlockBytes > 0 {
@@ -228,7 +289,7 @@ func (r *clusterRouter) hello(p *peer) error {
 		p.nodeSocket = reply.NodeSocket
 	}
 	p.failedCalls, p.dead = 0, false
-	return nil
+	return reply, nil
 }
 
 // targets returns the servers to read key from, in order: the first Replicas servers on
@@ -379,6 +440,20 @@ func (r *clusterRouter) localServer() *rpc.Client {
 		return nil
 	}
 	return best.rpc
+}
+
+// localAnswered reports whether a server on this node is alive and serves a node socket of
+// this user's (see nodeRouter.home).
+func (r *clusterRouter) localAnswered() bool {
+	for _, p := range r.peers {
+		p.mu.Lock()
+		ok := p.local && !p.dead && p.nodeSocket != "" && ownSocket(p.nodeSocket)
+		p.mu.Unlock()
+		if ok {
+			return true
+		}
+	}
+	return false
 }
 
 // localDirs returns the tier directories of the live servers on this node.

@@ -1,0 +1,155 @@
+// How a cluster client waits for the job's servers at start. It waits for no server the job
+// already knows dead, in any process: every server that answers its hello names the servers
+// it holds dead (the servers' membership, its clients' reports, and listed servers that never
+// joined the membership within the job's wait_timeout), and those are not waited for. Of the
+// rest:
+//
+//   - A refused connection (nothing listens there) is a dead server at once when another
+//     server of the job answered: it is asked again every second (probeLoop) and rejoins
+//     when it answers. A server on the reader's own node is given the start grace first: a
+//     job's readers often start with its servers (srun), and the node's server is worth a
+//     moment.
+//   - A server that does not answer in time (its host may still be starting) is waited for up
+//     to wait_timeout, as long as no answering server names it dead. Answering servers are
+//     asked again once a second meanwhile: a server killed moments ago is named as soon as
+//     the membership finds it, and a server that never started is named by all once they
+//     have been up for wait_timeout, so only the job's first clients wait for it.
+//   - When no server answers at all, the client gives up after the start grace (a few
+//     seconds, for servers started with the readers) with an error that names every address
+//     and why it gave no answer.
+
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/fitcache/fitcache/rpc"
+)
+
+// startGrace is how long a client waits at start for a server that refuses connections
+// while it may still be binding its port (readers started with their servers), and for the
+// first answer from any server of the job. Capped by wait_timeout.
+const startGrace = 5 * time.Second
+
+// askAgainEvery paces the hellos to servers that answered, while a client waits for others:
+// their view of the dead grows as the membership finds deaths.
+const askAgainEvery = time.Second
+
+// waitGives is why a client stopped waiting for a server at start.
+type waitGives int
+
+const (
+	waitOn    waitGives = iota // still waited for
+	waitNamed                  // an answering server named it dead
+	waitDead                   // refused (or not the job's) while others answered
+	waitGone                   // no answer within wait_timeout (or the grace)
+)
+
+// startWait holds what a client learned while waiting for the job's servers at start. It is
+// used by one goroutine.
+type startWait struct {
+	begun    time.Time
+	grace    time.Time         // see startGrace
+	deadline time.Time         // see config.Config.WaitTimeout
+	named    map[string]string // server -> the server that named it dead
+	errs     map[string]error  // server -> why its last hello failed
+	asked    time.Time         // when the servers that answered were last asked again
+}
+
+func newStartWait(waitTimeout time.Duration) *startWait {
+	now := time.Now()
+	return &startWait{begun: now, grace: now.Add(min(waitTimeout, startGrace)), deadline: now.Add(waitTimeout),
+		named: map[string]string{}, errs: map[string]error{}}
+}
+
+// askAgain reports whether the servers that answered are due to be asked again.
+func (w *startWait) askAgain() bool {
+	if time.Since(w.asked) < askAgainEvery {
+		return false
+	}
+	w.asked = time.Now()
+	return true
+}
+
+// answered records a server's hello reply: the servers it holds dead, other than those that
+// answered this client themselves (its view may lag behind).
+func (w *startWait) answered(id string, dead []string, alive func(id string) bool) {
+	delete(w.errs, id)
+	for _, d := range dead {
+		if d != id && !alive(d) {
+			if _, ok := w.named[d]; !ok {
+				w.named[d] = id
+			}
+		}
+	}
+}
+
+// decide says whether to go on waiting for a server that has not answered, given whether
+// any server of the job answered and whether the server is on the reader's node.
+func (w *startWait) decide(id string, anyAnswered, local bool) waitGives {
+	if _, ok := w.named[id]; ok {
+		return waitNamed
+	}
+	now := time.Now()
+	err := w.errs[id]
+	switch {
+	case !anyAnswered:
+		if now.After(w.grace) {
+			return waitGone
+		}
+	case rpc.IsRefused(err) && (!local || now.After(w.grace)):
+		return waitDead
+	case now.After(w.deadline):
+		return waitGone
+	}
+	return waitOn
+}
+
+// refusedBy reports a server that refused this client (its uid is not allowed): no point
+// waiting for the others.
+func refusedBy(err error) bool { return errors.Is(err, fs.ErrPermission) }
+
+// noServerError is the error of a client that no server of the job answered within the
+// start grace: every address, and why each gave no answer.
+func (w *startWait) noServerError(ids []string) error {
+	sort.Strings(ids)
+	parts := make([]string, len(ids))
+	var last error
+	for i, id := range ids {
+		err := w.errs[id]
+		parts[i] = id + ": " + whyNoAnswer(err)
+		if err != nil {
+			last = err
+		}
+	}
+	return fmt.Errorf("no fitcache server of the job answered within %s (%s): %w",
+		time.Since(w.begun).Round(100*time.Millisecond), strings.Join(parts, "; "), last)
+}
+
+// whyNoAnswer says in a few words why a server gave no hello.
+func whyNoAnswer(err error) string {
+	var timeout interface{ Timeout() bool }
+	switch {
+	case err == nil:
+		return "no answer"
+	case errors.Is(err, rpc.ErrUnproven):
+		return "did not prove the job token (a wrong token, or not a server of this job)"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "connection refused (no server listens there)"
+	case errors.Is(err, syscall.ENOENT):
+		return "no such socket (no server listens there)"
+	case errors.As(err, &timeout) && timeout.Timeout(), errors.Is(err, syscall.ETIMEDOUT),
+		errors.Is(err, context.DeadlineExceeded):
+		return "timed out"
+	case rpc.IsRefused(err):
+		return "could not connect"
+	}
+	return err.Error()
+}
