@@ -239,8 +239,11 @@ func (r *clusterRouter) waitForServers() error {
 			r.log.Warn("fitcache servers not answering; starting without them", "servers", strings.Join(reasons, "; "),
 				"waited", time.Since(w.begun).Round(100*time.Millisecond))
 			r.deaths.Add(int64(len(gone)))
-			if r.onDead != nil {
-				for _, id := range gone {
+			// Only those waited for in vain are news for the servers' membership: one that
+			// refused at once may be binding its port as the job starts, and the membership
+			// finds a dead one itself.
+			for _, id := range gone {
+				if r.onDead != nil && w.decide(id, true, false) == waitGone {
 					r.onDead(id)
 				}
 			}

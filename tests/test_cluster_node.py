@@ -228,3 +228,34 @@ def remote_peers(pid):
                 ip = ".".join(str(int(ip_hex[i:i + 2], 16)) for i in (6, 4, 2, 0))
                 peers.add(f"{ip}:{int(port_hex, 16)}")
     return peers
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["node-without-server", "own-server-killed"])
+def test_fresh_workers_wait_for_no_server_the_job_knows_dead(dataset, tmp_path, request, own):
+    """A server is killed between two epochs of fresh DataLoader workers (the default). Once
+    the survivors' membership knows, each new worker starts without waiting for it: on a node
+    without a server of the job, and on the killed server's own node. Every item's bytes are
+    checked. Before, every later epoch waited the whole wait_timeout (30 s here) for the dead
+    server, and twice that on its node (once as the node's server, once on the ring)."""
+    import time
+
+    root, digests = dataset
+    cluster = Cluster(tmp_path, root, serve_options={"rpc_timeout": "2", "wait_timeout": "30",
+                                                     "probe_interval": "0.2"})
+    request.addfinalizer(cluster.stop)
+    victim = cluster.addrs[0] if own else cluster.addrs[3]
+    opts = cluster.options(wait_timeout="30", node=cluster.node if own else "a-node-without-a-server")
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
+    assert epoch(ds, "fork") == digests
+    cluster.kill(victim)
+    with fitcache.Client(root, **cluster.options(node="another-node-without-a-server")) as c:
+        deadline = time.monotonic() + 30
+        while not all(victim in s.get("members", {}).get("dead", []) for s in server_stats(c).values()):
+            assert time.monotonic() < deadline, f"the survivors' membership did not find {victim} dead"
+            time.sleep(0.1)
+    for e in range(2):
+        start = time.monotonic()
+        assert epoch(ds, "fork") == digests, f"epoch {e} after the kill: wrong bytes"
+        took = time.monotonic() - start
+        # Generous against a loaded machine; what matters is no wait_timeout (30 s) per worker.
+        assert took < 15, f"epoch {e} after the kill took {took:.1f} s: a fresh worker waited for the dead server"
