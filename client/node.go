@@ -36,6 +36,7 @@ import (
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -106,21 +107,21 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 				asked = append(asked, s)
 			}
 		}
-		dead := make([][]string, len(asked))
+		replies := make([]*fitcachepb.HelloReply, len(asked))
 		errs := make([]error, len(asked))
 		var wg sync.WaitGroup
 		for i, s := range asked {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				dead[i], errs[i] = s.hello(cfg, log)
+				replies[i], errs[i] = s.hello(cfg, log)
 			}()
 		}
 		wg.Wait()
 		unproven := 0
 		for i, err := range errs {
 			if err == nil {
-				w.answered(asked[i].id, dead[i], alive)
+				w.answered(asked[i].id, replies[i].Dead, replies[i].Alive, alive)
 				continue
 			}
 			w.errs[asked[i].id] = err
@@ -166,8 +167,8 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 }
 
 // hello asks the server to describe itself, with the reader's job (see rpc.Client.Hello).
-// It returns the servers it holds dead (see startwait.go).
-func (s *localServer) hello(cfg config.Config, log *slog.Logger) (dead []string, err error) {
+// It returns the server's reply.
+func (s *localServer) hello(cfg config.Config, log *slog.Logger) (*fitcachepb.HelloReply, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), min(cfg.RPCTimeout, 2*time.Second))
 	defer cancel()
 	reply, err := s.rpc.Hello(ctx)
@@ -181,7 +182,7 @@ func (s *localServer) hello(cfg config.Config, log *slog.Logger) (dead []string,
 	defer s.mu.Unlock()
 	closeDirs(s.dirs)
 	s.dirs, s.session, s.nodeSocket, s.answered = dirs, session, reply.NodeSocket, true
-	return reply.Dead, nil
+	return reply, nil
 }
 
 func (s *localServer) hasAnswered() bool {

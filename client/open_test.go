@@ -69,17 +69,28 @@ func startClusterServer(t testing.TB, host, root string) *testServer {
 // startClusterServerWithBudget is startClusterServer with a memory tier of budget.
 func startClusterServerWithBudget(t testing.TB, host, root, budget string) *testServer {
 	t.Helper()
+	return startClusterServerWithConfig(t, host, root, budget, rpc.ServerConfig{})
+}
+
+// startClusterServerWithConfig is startClusterServerWithBudget with the server configured by
+// cfg (its token set to "tok"). host may carry a port to listen on.
+func startClusterServerWithConfig(t testing.TB, host, root, budget string, cfg rpc.ServerConfig) *testServer {
+	t.Helper()
+	if !strings.Contains(host, ":") {
+		host += ":0"
+	}
 	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: budget}},
 		Roots: []string{root}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", host+":0")
+	ln, err := net.Listen("tcp", host)
 	if err != nil {
 		t.Fatal(err)
 	}
 	cl := &connsListener{Listener: ln}
-	srv, h, _ := rpc.Serve(e, cl, rpc.ServerConfig{Token: "tok"})
+	cfg.Token = "tok"
+	srv, h, _ := rpc.Serve(e, cl, cfg)
 	s := &testServer{addr: ln.Addr().String(), engine: e, srv: srv, h: h, ln: cl}
 	t.Cleanup(func() { s.stop() })
 	return s

@@ -182,7 +182,7 @@ func (r *clusterRouter) waitForServers() error {
 			p := res.p
 			delete(inflight, p)
 			if res.err == nil {
-				w.answered(p.member.ID, res.reply.Dead, alive)
+				w.answered(p.member.ID, res.reply.Dead, res.reply.Alive, alive)
 				p.news.Heard(res.reply.MembershipVersion)
 				continue
 			}

@@ -6,9 +6,10 @@
 //
 //   - A refused connection (nothing listens there) is a dead server at once when another
 //     server of the job answered: it is asked again every second (probeLoop) and rejoins
-//     when it answers. A server on the reader's own node is given the start grace first: a
-//     job's readers often start with its servers (srun), and the node's server is worth a
-//     moment.
+//     when it answers. A server on the reader's own node is given the start grace first,
+//     unless an answering server's membership holds it alive (it was up moments ago: it
+//     died): a job's readers often start with its servers (srun), and the node's server is
+//     worth a moment.
 //   - A server that does not answer in time (its host may still be starting) is waited for up
 //     to wait_timeout, as long as no answering server names it dead. Answering servers are
 //     asked again once a second meanwhile: a server killed moments ago is named as soon as
@@ -59,6 +60,7 @@ type startWait struct {
 	grace    time.Time         // see startGrace
 	deadline time.Time         // see config.Config.WaitTimeout
 	named    map[string]string // server -> the server that named it dead
+	joined   map[string]bool   // servers an answering server's membership holds alive
 	errs     map[string]error  // server -> why its last hello failed
 	asked    time.Time         // when the servers that answered were last asked again
 }
@@ -66,7 +68,7 @@ type startWait struct {
 func newStartWait(waitTimeout time.Duration) *startWait {
 	now := time.Now()
 	return &startWait{begun: now, grace: now.Add(min(waitTimeout, startGrace)), deadline: now.Add(waitTimeout),
-		named: map[string]string{}, errs: map[string]error{}}
+		named: map[string]string{}, joined: map[string]bool{}, errs: map[string]error{}}
 }
 
 // askAgain reports whether the servers that answered are due to be asked again.
@@ -79,9 +81,13 @@ func (w *startWait) askAgain() bool {
 }
 
 // answered records a server's hello reply: the servers it holds dead, other than those that
-// answered this client themselves (its view may lag behind).
-func (w *startWait) answered(id string, dead []string, alive func(id string) bool) {
+// answered this client themselves (its view may lag behind), and those its membership holds
+// alive (joined).
+func (w *startWait) answered(id string, dead, joined []string, alive func(id string) bool) {
 	delete(w.errs, id)
+	for _, j := range joined {
+		w.joined[j] = true
+	}
 	for _, d := range dead {
 		if d != id && !alive(d) {
 			if _, ok := w.named[d]; !ok {
@@ -104,7 +110,7 @@ func (w *startWait) decide(id string, anyAnswered, local bool) waitGives {
 		if now.After(w.grace) {
 			return waitGone
 		}
-	case rpc.IsRefused(err) && (!local || now.After(w.grace)):
+	case rpc.IsRefused(err) && (!local || w.joined[id] || now.After(w.grace)):
 		return waitDead
 	case now.After(w.deadline):
 		return waitGone

@@ -75,6 +75,10 @@ struct HelloReply {
   // joined it), so that a new client waits for none of them at start.
   11: i64 membership_version
   12: list<string> dead
+  // The servers alive in this server's membership (package membership; empty without one): a
+  // listed server whose connections are refused although the membership holds it alive died
+  // moments ago, rather than still starting with the job.
+  13: list<string> alive
 }
 
 struct ReadRequest {

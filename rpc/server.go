@@ -284,6 +284,9 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 		NodeSocket: h.cfg.NodeSocket, Session: int64(session), BlockBytes: h.engine.BlockBytes()}
 	// What this server holds dead, so that a new client waits for none of it (see Learn).
 	reply.MembershipVersion, reply.Dead = h.members.Since(-1)
+	if h.cfg.Members != nil {
+		reply.Alive, _, _ = h.cfg.Members()
+	}
 	for _, d := range h.engine.TierDirs() {
 		reply.Tiers = append(reply.Tiers, &fitcachepb.TierInfo{Dir: d.Path, Kind: d.Kind.String()})
 	}

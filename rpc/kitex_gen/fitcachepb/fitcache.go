@@ -246,6 +246,7 @@ type HelloReply struct {
 	BlockBytes        int64       `thrift:"block_bytes,10" frugal:"10,default,i64" json:"block_bytes"`
 	MembershipVersion int64       `thrift:"membership_version,11" frugal:"11,default,i64" json:"membership_version"`
 	Dead              []string    `thrift:"dead,12" frugal:"12,default,list<string>" json:"dead"`
+	Alive             []string    `thrift:"alive,13" frugal:"13,default,list<string>" json:"alive"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -298,6 +299,10 @@ func (p *HelloReply) GetMembershipVersion() (v int64) {
 func (p *HelloReply) GetDead() (v []string) {
 	return p.Dead
 }
+
+func (p *HelloReply) GetAlive() (v []string) {
+	return p.Alive
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -331,6 +336,9 @@ func (p *HelloReply) SetMembershipVersion(val int64) {
 func (p *HelloReply) SetDead(val []string) {
 	p.Dead = val
 }
+func (p *HelloReply) SetAlive(val []string) {
+	p.Alive = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -351,6 +359,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	10: "block_bytes",
 	11: "membership_version",
 	12: "dead",
+	13: "alive",
 }
 
 type ReadRequest struct {
