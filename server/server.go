@@ -51,7 +51,9 @@ type Config struct {
 	// Roots the server serves files under (see core.EngineConfig.Roots); required with
 	// Listen. Empty: any root a caller names (a server reachable only by its user).
 	Roots []string
-	// Tiers, fastest first (see core.EngineConfig.Tiers).
+	// Tiers, fastest first (see core.EngineConfig.Tiers). A TCP server that can open none of
+	// them does not start (core.ErrNoTier): it owns a share of the job's files, which it
+	// would otherwise read from the source at every read.
 	Tiers []tiers.Config
 	// Verify checks the data checksum of every cached file when the tiers are opened.
 	Verify bool
@@ -262,8 +264,8 @@ func (s *Server) listenMetrics() (err error) {
 func (s *Server) openEngine() (err error) {
 	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots,
 		Verify: s.cfg.Verify, Warnings: s.cfg.Warnings, Prefetch: core.PrefetchConfig{Reads: s.cfg.Prefetch},
-		BlockBytes: s.cfg.BlockBytes,
-		Holder:     "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
+		BlockBytes: s.cfg.BlockBytes, RequireTier: s.cfg.Listen != "",
+		Holder: "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
 	if s.cfg.Listen != "" && s.cfg.Cluster.Servers != "" {
 		// The lists of this node's readers are brought into the node through the cluster node,
 		// which openNodeSocket makes before the RPC server takes a request.
@@ -281,6 +283,10 @@ func (s *Server) openEngine() (err error) {
 		}
 	}
 	s.engine, err = core.NewEngine(ecfg, s.log)
+	if errors.Is(err, core.ErrNoTier) {
+		// Several servers on one node sharing the default tiers is the usual cause.
+		return fmt.Errorf("%w\n(each server of a node needs tier directories of its own: fitcache serve --tiers kind:dir,...)", err)
+	}
 	if err != nil {
 		return fmt.Errorf("engine: %w", err)
 	}
