@@ -73,7 +73,8 @@ func run(args []string) error {
 	fset := flag.NewFlagSet("run", flag.ExitOnError)
 	var dirs stringList
 	fset.Var(&dirs, "data", "a dataset directory whose files CMD reads through the cache (repeatable)")
-	prefetch := fset.Int("prefetch", -1, fmt.Sprintf("source reads the server's prefetch runs at once; 0: no prefetch of the data directories (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
+	var prefetch optionalInt
+	fset.Var(&prefetch, "prefetch", fmt.Sprintf("the server's prefetch runs `N` source reads at once; 0: no prefetch of the data directories (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
 	fset.Usage = func() {
 		fmt.Fprint(fset.Output(), runUsage+"\nflags:\n")
 		fset.PrintDefaults()
@@ -106,7 +107,11 @@ func run(args []string) error {
 	}
 	// The companion opens the client, so that a server it starts is its child, not the
 	// program's: a program that waits for all its children would wait for the server.
-	server, err := startCompanion(os.Getpid(), roots, *prefetch, cfg.StartTimeout+cfg.WaitTimeout+5*time.Second)
+	prefetchReads := -1 // unset: the server's own setting
+	if prefetch.set {
+		prefetchReads = prefetch.n
+	}
+	server, err := startCompanion(os.Getpid(), roots, prefetchReads, cfg.StartTimeout+cfg.WaitTimeout+5*time.Second)
 	switch {
 	case err != nil:
 		fmt.Fprintf(os.Stderr, "fitcache run: %v: the program reads the source\n", err)
