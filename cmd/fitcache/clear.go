@@ -10,10 +10,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -22,7 +25,8 @@ import (
 // The running server owns its tiers (their accounting, FIFO order and index), so ls and
 // clear go through it when it runs. Without one, ls reads the tiers' records (changing
 // nothing) and clear opens the tiers itself, under their locks, as a starting server would,
-// while it keeps a server from starting (embedded.HoldOff).
+// while it keeps a server from starting (embedded.HoldOff). In cluster mode (FITCACHE_SERVERS
+// set, no --socket) ls asks every server of the job, whose tiers hold the job's cache.
 
 // lsCmd prints what the tiers hold per dataset root.
 func lsCmd(args []string) error {
@@ -32,13 +36,23 @@ func lsCmd(args []string) error {
 	socket := fset.String("socket", "", "server socket (default: the embedded server's)")
 	fset.Usage = func() {
 		fmt.Fprintln(fset.Output(), "usage: fitcache ls [--json] [--socket PATH]\n\n"+
-			"Prints what the cache holds per dataset root and tier: files and the room they take.")
+			"Prints what the cache holds per dataset root and tier: files and the room they take.\n"+
+			"With FITCACHE_SERVERS set (and no --socket), what every server of the job holds.")
 		fset.PrintDefaults()
 	}
 	fset.Parse(args)
 	if fset.NArg() != 0 {
 		fset.Usage()
 		os.Exit(2)
+	}
+	if *socket == "" {
+		cfg, err := config.Load(nil)
+		if err != nil {
+			return err
+		}
+		if cfg.Servers != "" {
+			return clusterLs(cfg, *asJSON)
+		}
 	}
 	cfg, c, pid, err := serverFor(*socket)
 	if err != nil {
@@ -68,6 +82,85 @@ func lsCmd(args []string) error {
 	}
 	printUsage(os.Stdout, us)
 	return nil
+}
+
+// clusterLs prints what every server of a cluster job (FITCACHE_SERVERS) holds, asked over
+// RPC as clusterStats asks for their counters: the job's cache is in their tiers, not in the
+// embedded server's that ls lists otherwise. It fails when no server answers.
+func clusterLs(cfg config.Config, asJSON bool) error {
+	members, token, err := discovery.Job(cfg.ServerSpec(), cfg.Token, cfg.TokenFile)
+	if err != nil {
+		return err
+	}
+	out := struct {
+		Servers map[string][]core.CacheUsage `json:"servers"`
+		Down    map[string]string            `json:"unreachable,omitempty"`
+	}{Servers: map[string][]core.CacheUsage{}, Down: map[string]string{}}
+	var mu sync.Mutex                // protects out
+	slots := make(chan struct{}, 32) // servers asked at once: a large job is asked in seconds
+	var wg sync.WaitGroup
+	for _, m := range members {
+		wg.Add(1)
+		slots <- struct{}{}
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			us, err := serverUsage(m.ID, token)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				out.Down[m.ID] = err.Error()
+			} else {
+				out.Servers[m.ID] = nonNil(us)
+			}
+		}()
+	}
+	wg.Wait()
+	if asJSON {
+		if err := printJSON(out); err != nil {
+			return err
+		}
+	} else {
+		fmt.Printf("servers of the job (FITCACHE_SERVERS=%s): %d answered, %d unreachable\n", cfg.Servers, len(out.Servers), len(out.Down))
+		var all []core.CacheUsage
+		for _, id := range sortedKeys(out.Down) {
+			fmt.Printf("  unreachable %s: %s\n", id, out.Down[id])
+		}
+		for _, id := range sortedKeys(out.Servers) {
+			us := out.Servers[id]
+			fmt.Printf("\nserver %s\n", id)
+			if len(us) == 0 {
+				fmt.Println("nothing cached")
+				continue
+			}
+			printUsage(os.Stdout, us)
+			all = append(all, us...)
+		}
+		files, bytes := total(all)
+		fmt.Printf("\njob total: %d files, %s\n", files, tiers.FormatBytes(bytes))
+	}
+	if len(out.Servers) == 0 {
+		return fmt.Errorf("no server of the job (FITCACHE_SERVERS=%s) answered", cfg.Servers)
+	}
+	return nil
+}
+
+// serverUsage asks the cluster server at addr what its tiers hold.
+func serverUsage(addr, token string) ([]core.CacheUsage, error) {
+	c, err := rpc.Dial(addr, rpc.ClientConfig{Token: token, CallTimeout: 10 * time.Second})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	return c.Usage(context.Background())
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
 }
 
 // clearCmd removes the cached files of a dataset, or of all.
