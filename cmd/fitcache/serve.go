@@ -58,7 +58,7 @@ func serve(args []string) error {
 	tokenFile := fs.String("token-file", "", "file holding the job token (0600; see 'fitcache token'); default FITCACHE_TOKEN / FITCACHE_TOKEN_FILE")
 	metricsAddr := fs.String("metrics", "", "serve Prometheus metrics over HTTP at this address (host:port), path /metrics; off by default")
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
-	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
+	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache); each server of a node needs its own, and one with --listen that can open none does not start")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
 	verify := fs.Bool("verify", false, "check the data checksum of every cached file at start and remove damaged ones (default: FITCACHE_VERIFY)")
 	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
