@@ -26,7 +26,8 @@ import (
 // clear go through it when it runs. Without one, ls reads the tiers' records (changing
 // nothing) and clear opens the tiers itself, under their locks, as a starting server would,
 // while it keeps a server from starting (embedded.HoldOff). In cluster mode (FITCACHE_SERVERS
-// set, no --socket) ls asks every server of the job, whose tiers hold the job's cache.
+// set, no --socket) ls and clear ask every server of the job, whose tiers hold the job's
+// cache.
 
 // lsCmd prints what the tiers hold per dataset root.
 func lsCmd(args []string) error {
@@ -88,23 +89,82 @@ func lsCmd(args []string) error {
 // RPC as clusterStats asks for their counters: the job's cache is in their tiers, not in the
 // embedded server's that ls lists otherwise. It fails when no server answers.
 func clusterLs(cfg config.Config, asJSON bool) error {
-	members, token, err := discovery.Job(cfg.ServerSpec(), cfg.Token, cfg.TokenFile)
+	out, err := askJob(cfg, func(c *rpc.Client) ([]core.CacheUsage, error) { return c.Usage(context.Background()) })
 	if err != nil {
 		return err
 	}
-	out := struct {
-		Servers map[string][]core.CacheUsage `json:"servers"`
-		Down    map[string]string            `json:"unreachable,omitempty"`
-	}{Servers: map[string][]core.CacheUsage{}, Down: map[string]string{}}
-	var mu sync.Mutex                // protects out
-	slots := make(chan struct{}, 32) // servers asked at once: a large job is asked in seconds
+	if asJSON {
+		if err := printJSON(out); err != nil {
+			return err
+		}
+	} else {
+		fmt.Printf("servers of the job (FITCACHE_SERVERS=%s): %d answered, %d unreachable\n", cfg.Servers, len(out.Servers), len(out.Down))
+		files, bytes := printJob(out)
+		fmt.Printf("\njob total: %d files, %s\n", files, tiers.FormatBytes(bytes))
+	}
+	return out.answered(cfg)
+}
+
+// clusterClear removes from every server of a cluster job (FITCACHE_SERVERS) the cached files
+// of the datasets read with root (or under it; "" for all), as clear does with the embedded
+// server's tiers. It fails when no server answers.
+func clusterClear(cfg config.Config, root string, dryRun, asJSON bool) error {
+	out, err := askJob(cfg, func(c *rpc.Client) ([]core.CacheUsage, error) {
+		return c.Clear(context.Background(), root, dryRun)
+	})
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		if err := printJSON(struct {
+			DryRun bool `json:"dry_run"`
+			jobAnswers
+		}{dryRun, out}); err != nil {
+			return err
+		}
+	} else {
+		verb := "cleared"
+		if dryRun {
+			verb = "would clear (dry run)"
+		}
+		fmt.Printf("servers of the job (FITCACHE_SERVERS=%s): %d %s, %d unreachable\n", cfg.Servers, len(out.Servers), verb, len(out.Down))
+		files, bytes := printJob(out)
+		fmt.Printf("\njob total %s: %d files, %s\n", verb, files, tiers.FormatBytes(bytes))
+	}
+	return out.answered(cfg)
+}
+
+// jobAnswers is what the servers of a cluster job answered (askJob), by server address.
+type jobAnswers struct {
+	Servers map[string][]core.CacheUsage `json:"servers"`
+	Down    map[string]string            `json:"unreachable,omitempty"`
+}
+
+// answered is an error naming the job's servers when none answered.
+func (a jobAnswers) answered(cfg config.Config) error {
+	if len(a.Servers) == 0 {
+		return fmt.Errorf("no server of the job (FITCACHE_SERVERS=%s) answered", cfg.Servers)
+	}
+	return nil
+}
+
+// askJob calls ask with a client of every server of the job, 32 at a time, so that a large
+// job answers in seconds.
+func askJob(cfg config.Config, ask func(*rpc.Client) ([]core.CacheUsage, error)) (jobAnswers, error) {
+	members, token, err := discovery.Job(cfg.ServerSpec(), cfg.Token, cfg.TokenFile)
+	if err != nil {
+		return jobAnswers{}, err
+	}
+	out := jobAnswers{Servers: map[string][]core.CacheUsage{}, Down: map[string]string{}}
+	var mu sync.Mutex // protects out
+	slots := make(chan struct{}, 32)
 	var wg sync.WaitGroup
 	for _, m := range members {
 		wg.Add(1)
 		slots <- struct{}{}
 		go func() {
 			defer func() { <-slots; wg.Done() }()
-			us, err := serverUsage(m.ID, token)
+			us, err := askServer(m.ID, token, ask)
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -115,43 +175,36 @@ func clusterLs(cfg config.Config, asJSON bool) error {
 		}()
 	}
 	wg.Wait()
-	if asJSON {
-		if err := printJSON(out); err != nil {
-			return err
-		}
-	} else {
-		fmt.Printf("servers of the job (FITCACHE_SERVERS=%s): %d answered, %d unreachable\n", cfg.Servers, len(out.Servers), len(out.Down))
-		var all []core.CacheUsage
-		for _, id := range sortedKeys(out.Down) {
-			fmt.Printf("  unreachable %s: %s\n", id, out.Down[id])
-		}
-		for _, id := range sortedKeys(out.Servers) {
-			us := out.Servers[id]
-			fmt.Printf("\nserver %s\n", id)
-			if len(us) == 0 {
-				fmt.Println("nothing cached")
-				continue
-			}
-			printUsage(os.Stdout, us)
-			all = append(all, us...)
-		}
-		files, bytes := total(all)
-		fmt.Printf("\njob total: %d files, %s\n", files, tiers.FormatBytes(bytes))
-	}
-	if len(out.Servers) == 0 {
-		return fmt.Errorf("no server of the job (FITCACHE_SERVERS=%s) answered", cfg.Servers)
-	}
-	return nil
+	return out, nil
 }
 
-// serverUsage asks the cluster server at addr what its tiers hold.
-func serverUsage(addr, token string) ([]core.CacheUsage, error) {
+// askServer calls ask with a client of the cluster server at addr.
+func askServer(addr, token string, ask func(*rpc.Client) ([]core.CacheUsage, error)) ([]core.CacheUsage, error) {
 	c, err := rpc.Dial(addr, rpc.ClientConfig{Token: token, CallTimeout: 10 * time.Second})
 	if err != nil {
 		return nil, err
 	}
 	defer c.Close()
-	return c.Usage(context.Background())
+	return ask(c)
+}
+
+// printJob prints each server's answer and returns their totals.
+func printJob(out jobAnswers) (files int, bytes int64) {
+	var all []core.CacheUsage
+	for _, id := range sortedKeys(out.Down) {
+		fmt.Printf("  unreachable %s: %s\n", id, out.Down[id])
+	}
+	for _, id := range sortedKeys(out.Servers) {
+		us := out.Servers[id]
+		fmt.Printf("\nserver %s\n", id)
+		if len(us) == 0 {
+			fmt.Println("nothing cached")
+			continue
+		}
+		printUsage(os.Stdout, us)
+		all = append(all, us...)
+	}
+	return total(all)
 }
 
 func sortedKeys[V any](m map[string]V) []string {
@@ -174,7 +227,8 @@ func clearCmd(args []string) error {
 	fset.Usage = func() {
 		fmt.Fprintln(fset.Output(), "usage: fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)\n\n"+
 			"Removes from every tier the cached files of the datasets read with DIR, or a directory under it,\n"+
-			"as their root (the path they were opened with), or with --all every cached file.")
+			"as their root (the path they were opened with), or with --all every cached file.\n"+
+			"With FITCACHE_SERVERS set (and no --socket), from every server of the job.")
 		fset.PrintDefaults()
 	}
 	fset.Parse(args)
@@ -189,6 +243,15 @@ func clearCmd(args []string) error {
 			return err
 		}
 		root = abs // a dataset removed since keeps its cache: DIR need not exist
+	}
+	if *socket == "" {
+		cfg, err := config.Load(nil)
+		if err != nil {
+			return err
+		}
+		if cfg.Servers != "" {
+			return clusterClear(cfg, root, *dryRun, *asJSON)
+		}
 	}
 	cfg, c, pid, err := serverFor(*socket)
 	if err != nil {

@@ -18,7 +18,7 @@ import (
 
 // With FITCACHE_SERVERS set, `fitcache ls` lists what the job's servers hold, each server's
 // tiers, and names a server that does not answer; not the local embedded cache (its tier
-// here holds a file of its own, which must not show).
+// here holds a file of its own, which must not show). `fitcache clear` clears the job's.
 func TestLsListsTheJobsServers(t *testing.T) {
 	dir := t.TempDir()
 	root := filepath.Join(dir, "data")
@@ -78,10 +78,32 @@ func TestLsListsTheJobsServers(t *testing.T) {
 		strings.Contains(out, local) {
 		t.Errorf("fitcache ls: %v\n%s", err, out)
 	}
+	// clear too: a dry run changes nothing, then every server of the job lets go of the
+	// dataset's files, and the embedded cache keeps its own.
+	out, err = fitcacheCommand(t, env, "clear", "--dry-run", root)
+	if err != nil || !strings.Contains(out, "job total would clear (dry run): 5 files") {
+		t.Errorf("fitcache clear --dry-run: %v\n%s", err, out)
+	}
+	out, err = fitcacheCommand(t, env, "clear", root)
+	if err != nil || !strings.Contains(out, "job total cleared: 5 files") {
+		t.Errorf("fitcache clear: %v\n%s", err, out)
+	}
+	for _, addr := range addrs {
+		if us, err := askServer(addr, "job-token", func(c *rpc.Client) ([]core.CacheUsage, error) {
+			return c.Usage(context.Background())
+		}); err != nil || len(us) != 0 {
+			t.Errorf("server %s after fitcache clear: holds %+v (%v), want nothing", addr, us, err)
+		}
+	}
+	if us := emb.Engine().Usage(); len(us) != 1 || us[0].Files != 1 {
+		t.Errorf("the embedded cache after a clear of the job: %+v, want its one file kept", us)
+	}
 	// No server answers: an error, not the local cache.
 	env[0] = "FITCACHE_SERVERS=127.0.0.1:1"
-	if out, err := fitcacheCommand(t, env, "ls"); err == nil || !strings.Contains(out, "no server of the job") {
-		t.Errorf("fitcache ls with no server up: %v\n%s", err, out)
+	for _, cmd := range [][]string{{"ls"}, {"clear", "--all"}} {
+		if out, err := fitcacheCommand(t, env, cmd...); err == nil || !strings.Contains(out, "no server of the job") {
+			t.Errorf("fitcache %s with no server up: %v\n%s", cmd[0], err, out)
+		}
 	}
 }
 
