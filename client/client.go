@@ -115,6 +115,9 @@ type Client struct {
 	cluster *clusterRouter // set in cluster mode (Config.Servers) on a node without a server of the job
 	node    *nodeRouter    // set in cluster mode on a node with servers of the job (see node.go)
 	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
+	// deadTiers serves copies from the tiers of this node's servers while they do not answer
+	// (cluster mode; see deadtiers.go).
+	deadTiers *deadTiers
 	// guestsFullUntil (Unix ns): before then, no node-local copy is kept (see keepGuest).
 	guestsFullUntil atomic.Int64
 	// bringing: the large files being brought to this node in the background (see
@@ -194,6 +197,7 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 		if err != nil {
 			return nil, err
 		}
+		c.deadTiers = newDeadTiers(cfg.RuntimeDir, log)
 		if !cfg.Direct {
 			if c.node, err = newNodeRouter(cfg, log, members, token); err != nil {
 				return nil, err
@@ -584,6 +588,9 @@ func (c *Client) Close() error {
 	}
 	if c.node != nil {
 		c.node.close()
+	}
+	if c.deadTiers != nil {
+		errs = append(errs, c.deadTiers.close())
 	}
 	c.ranges.close()
 	return errors.Join(errs...)
