@@ -113,6 +113,26 @@ func (t *deadTiers) read(c *Client, ids []string, path string) *tiers.Mapping {
 	return nil
 }
 
+// unlisted returns the paths (clean, absolute) that the tiers of the servers ids do not list,
+// all of them when there are no such tiers. A listed copy may still turn out stale at its
+// read, which then goes to the file's owner.
+func (t *deadTiers) unlisted(ids []string, paths []string) []string {
+	if t == nil || len(ids) == 0 {
+		return paths
+	}
+	dirs := t.of(ids)
+	if len(dirs) == 0 {
+		return paths
+	}
+	out := make([]string, 0, len(paths))
+	for _, p := range paths {
+		if !tiers.Listed(dirs, p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 // source returns the identity of the source file at path: as this client saw it before, or
 // from a stat now.
 func (t *deadTiers) source(c *Client, path string) (tiers.Identity, error) {

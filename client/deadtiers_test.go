@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/fitcache/fitcache/client"
 	"github.com/fitcache/fitcache/config"
@@ -64,7 +65,7 @@ func (j *nodeJob) start(t *testing.T, i int) {
 	t.Helper()
 	s, err := server.Start(server.Config{Listen: j.addrs[i], Token: "tok", Roots: []string{j.root},
 		Tiers: []tiers.Config{{Dir: j.tierDirs[i], Kind: tiers.Memory, Budget: "64MiB"}}, RuntimeDir: j.runDirs[i],
-		Cluster: j.cluster})
+		Cluster: j.cluster, Prefetch: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +142,8 @@ func ownStats(t *testing.T, c *client.Client) client.ClientStats {
 
 // A node whose own server died keeps serving its readers from the server's tiers: a reader
 // that starts after the death finds them through the record in the runtime directory, and
-// serves a copy once it saw that the source is still the version the copy holds. A copy of
+// serves a copy once it saw that the source is still the version the copy holds; the list it
+// hands over for prefetch does not make the new owner read those files ahead. A copy of
 // a file rewritten after the death (same size, same modification time: only its change time
 // tells) is not served. The restarted server takes its tiers back: it serves the copies it
 // kept, checked against their source, without reading them again.
@@ -198,6 +200,18 @@ func TestANodesDeadServersTiersServeItsReaders(t *testing.T) {
 
 	before := j.sourceReads()
 	c := j.reader(t)
+	// As FitCacheDataset does, the reader hands its list over first: the dead server's
+	// files would be read ahead from the source by their new owner.
+	paths := make([]string, 0, len(want))
+	for p := range want {
+		paths = append(paths, p)
+	}
+	if err := c.Prefetch(paths); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 500 && !c.PrefetchStatus().Terminal(); i++ {
+		time.Sleep(20 * time.Millisecond)
+	}
 	readAll(t, c, want)
 	st := ownStats(t, c)
 	if got := j.sourceReads() - before + st.DirectReads; got != 1 {

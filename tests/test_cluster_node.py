@@ -101,15 +101,17 @@ def test_a_killed_owners_files_come_from_the_nodes_copies(node_cluster, dataset)
         f"{ {k: n for k, n in counts.items() if n != 1} }")
 
 
-def test_fresh_workers_read_the_tiers_of_their_nodes_killed_server(node_cluster, dataset, tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fresh_workers_read_the_tiers_of_their_nodes_killed_server(node_cluster, dataset, tmp_path, prefetch):
     """The reader's own node server killed between two epochs: the next epoch's DataLoader
     workers, fresh processes that cannot learn the node's tiers from that server, find them
     through the record it keeps in the runtime directory (which the readers share with it),
     check each copy against its source (a stat) and serve it: no file the killed server held
-    is opened at the source again, and every byte is right."""
+    is opened at the source again, and every byte is right. With prefetch, the list the
+    workers hand over does not make the new owners read those files ahead either."""
     root, digests = dataset
     opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
-    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=prefetch, **opts)
     assert epoch(ds, "fork") == digests
     victim = node_cluster.addrs[0]
     node_cluster.kill(victim)
