@@ -83,14 +83,16 @@ func (j *nodeJob) stop(t *testing.T, i int) {
 	}
 }
 
-// reader opens a new client on node A, as a fresh DataLoader worker there would.
-func (j *nodeJob) reader(t *testing.T) *client.Client {
+// reader opens a new client on node A, as a fresh DataLoader worker there would (with
+// direct, one that routes over the ring itself, as a reader without a server on its node).
+func (j *nodeJob) reader(t *testing.T, direct bool) *client.Client {
 	t.Helper()
 	cfg, err := config.Load(map[string]string{"servers": strings.Join(j.addrs[:], ","), "token": "tok",
 		"node": "127.0.0.1", "runtime_dir": j.runDirs[0], "wait_timeout": "1", "rpc_timeout": "2"})
 	if err != nil {
 		t.Fatal(err)
 	}
+	cfg.Direct = direct
 	c, err := client.Open(j.root, cfg, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -158,7 +160,7 @@ func TestANodesDeadServersTiersServeItsReaders(t *testing.T) {
 		}
 	}
 	j := newNodeJob(t, root)
-	readAll(t, j.reader(t), want) // through A's node socket: A keeps every file
+	readAll(t, j.reader(t, false), want) // through A's node socket: A keeps every file
 	ownedByA := j.servers[0].Engine().Stats().SourceReads
 	if ownedByA == 0 || ownedByA == int64(len(want)) {
 		t.Fatalf("A read %d of the %d files from the source: the test needs files of both servers", ownedByA, len(want))
@@ -177,12 +179,16 @@ func TestANodesDeadServersTiersServeItsReaders(t *testing.T) {
 	if held < int(ownedByA) {
 		t.Fatalf("A's tier holds %d files, fewer than the %d it read", held, ownedByA)
 	}
-	var changed string // a file of A's tier, rewritten after A died
+	var changed string // a file A owns, in A's tier, rewritten after A died
+	ring := j.reader(t, true)
 	for p := range want {
-		if tiers.Listed([]tiers.Dir{atA}, p) {
+		if tiers.Listed([]tiers.Dir{atA}, p) && ring.Owner(p) == j.addrs[0] {
 			changed = p
 			break
 		}
+	}
+	if changed == "" {
+		t.Fatal("A's tier holds none of A's files")
 	}
 	j.stop(t, 0)
 
@@ -199,7 +205,7 @@ func TestANodesDeadServersTiersServeItsReaders(t *testing.T) {
 	}
 
 	before := j.sourceReads()
-	c := j.reader(t)
+	c := j.reader(t, false)
 	// As FitCacheDataset does, the reader hands its list over first: the dead server's
 	// files would be read ahead from the source by their new owner.
 	paths := make([]string, 0, len(want))
@@ -224,15 +230,14 @@ func TestANodesDeadServersTiersServeItsReaders(t *testing.T) {
 
 	j.start(t, 0)
 	before = j.sourceReads() // B's; A counts anew
-	c = j.reader(t)
+	c = j.reader(t, false)
 	readAll(t, c, want)
-	again := j.sourceReads() - before + ownStats(t, c).DirectReads
-	if again > 1 {
-		t.Errorf("after A restarted, a new reader made %d source reads, want at most 1 (the rewritten file, "+
-			"if A owns it): A took its tier back", again)
+	if again := j.sourceReads() - before + ownStats(t, c).DirectReads; again != 1 {
+		t.Errorf("after A restarted, a new reader made %d source reads, want 1 (the rewritten file): "+
+			"A took its tier back", again)
 	}
-	if s := j.servers[0].Engine().Stats(); s.SourceReads > 1 || s.Tiers[0].Files < held-1 {
-		t.Errorf("the restarted A read %d files from the source and holds %d, want at most 1 and at least %d",
-			s.SourceReads, s.Tiers[0].Files, held-1)
+	if s := j.servers[0].Engine().Stats(); s.SourceReads != 1 || s.StaleCopies != 1 || s.Tiers[0].Files < held {
+		t.Errorf("the restarted A read %d files from the source, dropped %d stale copies and holds %d files, "+
+			"want 1, 1 and at least %d", s.SourceReads, s.StaleCopies, s.Tiers[0].Files, held)
 	}
 }
