@@ -34,6 +34,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -527,7 +528,19 @@ func (c *Client) Size(path string) (int64, error) {
 
 // TierDirs returns the tier directories on this node that the client reads cached files
 // from (its server's, or in cluster mode those of the servers on this node), fastest first.
-func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
+// In cluster mode they include the tiers of this node's servers that were dead when the
+// client started, for a session no copy is checked in: a reader serves copies from them
+// only once it has checked their source itself (see deadTiers; the C hit path of a process
+// forked after load, hit_read_checked).
+func (c *Client) TierDirs() []tiers.Dir {
+	dirs := c.localDirs()
+	if c.cluster != nil && c.deadTiers != nil {
+		for _, d := range c.deadTiers.of(c.cluster.deadLocal()) {
+			dirs = append(dirs, d.WithSession(math.MaxUint32))
+		}
+	}
+	return dirs
+}
 
 // localDirs returns the tier directories this client maps files from.
 func (c *Client) localDirs() []tiers.Dir {
