@@ -49,8 +49,18 @@ func newNodeJob(t *testing.T, root string) *nodeJob {
 		t.Fatal(err)
 	}
 	for i := range j.addrs {
-		j.runDirs[i], j.tierDirs[i] = filepath.Join(t.TempDir(), "run"), t.TempDir()
+		// A short path: the node socket lives in the runtime directory, and a Unix socket's
+		// path has room for 107 bytes (t.TempDir's, named after the test, are longer).
+		short, err := os.MkdirTemp("", "fc")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(short) })
+		j.runDirs[i], j.tierDirs[i] = filepath.Join(short, "run"), t.TempDir()
 		j.start(t, i)
+		if j.servers[i].NodeSocket() == "" {
+			t.Fatalf("server %s has no node socket", j.addrs[i])
+		}
 	}
 	t.Cleanup(func() {
 		for i := range j.servers {
@@ -239,5 +249,31 @@ func TestANodesDeadServersTiersServeItsReaders(t *testing.T) {
 	if s := j.servers[0].Engine().Stats(); s.SourceReads != 1 || s.StaleCopies != 1 || s.Tiers[0].Files < held {
 		t.Errorf("the restarted A read %d files from the source, dropped %d stale copies and holds %d files, "+
 			"want 1, 1 and at least %d", s.SourceReads, s.StaleCopies, s.Tiers[0].Files, held)
+	}
+}
+
+// A reader that was running when its node's server died serves the copies its session had
+// not had checked yet from the server's tiers too, once it saw their source unchanged,
+// instead of reading them from the source.
+func TestAReaderRunningWhenItsNodesServerDiesKeepsReadingItsTiers(t *testing.T) {
+	root := t.TempDir()
+	want := map[string][]byte{}
+	for i := range 20 {
+		p := filepath.Join(root, fmt.Sprintf("g%02d.bin", i))
+		want[p] = bytes.Repeat([]byte{byte(i), 9}, 500+200*i)
+		if err := os.WriteFile(p, want[p], 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	j := newNodeJob(t, root)
+	readAll(t, j.reader(t, false), want) // an earlier job: A holds every file
+	c := j.reader(t, false)              // a job of its own: A has checked no copy for it yet
+	j.stop(t, 0)
+	before := j.sourceReads()
+	readAll(t, c, want)
+	st := ownStats(t, c)
+	if got := j.sourceReads() - before + st.DirectReads; got != 0 || st.DeadServerHits != int64(len(want)) {
+		t.Errorf("after its node's server died, a running reader made %d source reads (%d by itself) and served "+
+			"%d files from the dead server's tier, want 0, 0 and %d", got, st.DirectReads, st.DeadServerHits, len(want))
 	}
 }
