@@ -426,7 +426,7 @@ func TestFailedStartLeavesNothingOpen(t *testing.T) {
 			func(cfg *Config) { cfg.Socket = "" }},
 	}
 	for _, step := range []string{"runtime dir", "lock", "listen", "metrics listen", "engine", "socket", "node socket",
-		"rpc", "metrics", "ready file"} {
+		"tiers record", "rpc", "metrics", "ready file"} {
 		for _, kind := range []struct {
 			name string
 			cfg  func(t *testing.T) Config
