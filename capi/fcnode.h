@@ -240,6 +240,19 @@ static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeou
 #define FC_ORIGIN_SOURCE_WHILE_CACHED 4 /* the source of a large file while it is cached whole */
 #define FC_ORIGIN_TIER_FIRST 8          /* a tier of this node: FC_ORIGIN_TIER_FIRST + its kind */
 
+/* Returns the name of an FC_ORIGIN_ value, as core.Origin's String and the metrics' origin
+ * labels give it ("memory", "source", ...), for diagnostics; a static string, never NULL. The
+ * tier kinds are tiers.Kind's, in its order. */
+static inline const char *fc_origin_name(uint32_t origin) {
+	static const char *const names[] = {"none", "inflight", "source", "peer", "source-while-cached"};
+	static const char *const tiers[] = {"memory", "pmem", "nvme", "disk"};
+	if (origin < sizeof names / sizeof names[0])
+		return names[origin];
+	if (origin >= FC_ORIGIN_TIER_FIRST && origin - FC_ORIGIN_TIER_FIRST < sizeof tiers / sizeof tiers[0])
+		return tiers[origin - FC_ORIGIN_TIER_FIRST];
+	return "unknown";
+}
+
 /* Reads the reply to an open request (FC_NODE_OP_OPEN) on sock: magic, errno, origin, message
  * length and message, with the descriptor riding on the first bytes. Returns 0 with the
  * server's errno in *err (0: success, and *fd holds the descriptor, close-on-exec, and *origin

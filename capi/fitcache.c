@@ -82,10 +82,16 @@ static int fetch_and_read(int64_t handle, const char *path, const void **data, i
 	return rc;
 }
 
-// forked_read serves a miss in a process forked after load, where Go cannot run.
+// forked_read serves a miss in a process forked after load, where Go cannot run. Without the
+// node's server (none listening, or no answer), a copy its tiers hold still serves once the
+// source shows the copy's version (hit_read_checked), as Go's reader does.
 static int forked_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	int rc = fetch_and_read(handle, path, data, size, buffer);
 	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
+	if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
+		int checked = hit_read_checked(handle, path, data, size, buffer);
+		if (checked != FC_MISS) return checked;
+	}
 	if (rc == FC_UNAVAILABLE) rc = hit_read_source(handle, path, data, size, buffer);
 	return rc == FC_MISS || rc == FC_DIRECT || rc == FC_UNAVAILABLE ? forked_miss() : rc;
 }

@@ -633,6 +633,46 @@ int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_
 	return hit_read_counted(handle, path, data, size, buffer, 0);
 }
 
+// ts_ns returns a time as Unix nanoseconds, as the index records times.
+static int64_t ts_ns(struct timespec t) { return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec; }
+
+int hit_read_checked(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int saved = errno;
+	struct hit_client *c = acquire(handle);
+	char clean[FC_PATH_MAX];
+	struct fc_hit h = {.fd = -1};
+	int n, nt, rc = FC_MISS;
+	if (!c || (nt = tier_count(c)) == 0 || c->real_root_fd < 0 ||
+	    (n = source_path(c, path, clean, sizeof clean)) < 0 || (size_t)n <= c->rootlen ||
+	    fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) != 0) {
+		h.fd = -1;
+		goto out;
+	}
+	// The source as Go's reader looks at it (client/deadtiers.go): one stat beneath the
+	// resolved root, following links (a link to anything else is another version). A system
+	// call, not libc's fstatat: the preload shim may interpose it.
+	struct stat st;
+	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	if (syscall(SYS_newfstatat, c->real_root_fd, rel, &st, 0) != 0 || !S_ISREG(st.st_mode) ||
+	    (int64_t)st.st_size != h.size || ts_ns(st.st_mtim) != h.mtime_ns ||
+	    (h.src_ctime_ns != 0 && ts_ns(st.st_ctim) != h.src_ctime_ns) ||
+	    (h.src_ino != 0 && (uint64_t)st.st_ino != h.src_ino))
+		goto out; // another version: the copy is no hit
+	void *ptr;
+	uint8_t kind;
+	if ((rc = take(&h, &ptr, &kind)) != 0 || (rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
+		goto out;
+	fc_count_hit(&c->tiers[h.tier], h.size);
+	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
+out:
+	if (h.fd >= 0)
+		close(h.fd);
+	put(c);
+	errno = saved;
+	return rc;
+}
+
 // hit_read_counted is hit_read; it counts the read as a hit only with count. Without count
 // (a file the server has just fetched, and checked against its source), a copy checked in an
 // earlier session than the client's is served too: a restarted server numbers sessions anew.

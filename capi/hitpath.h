@@ -47,6 +47,13 @@ int hit_read(int64_t handle, const char *path, const void **data, int64_t *size,
  * fetch): the same read, not counted as a hit, since the server counted the miss. */
 int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* hit_read for a client whose node's server does not answer (a process forked after load
+ * cannot ask Go): a copy is served whatever validation session its server last checked it in,
+ * once one stat of the source shows the version the copy's index slot names (size,
+ * modification and change times, inode; the last two where the slot knows them). No server
+ * checks copies while it is dead, so the reader does, at each such read. Returns as hit_read. */
+int hit_read_checked(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
 /* Asks the server of a client, over its node socket (package nodesock), to bring path into its
  * tiers, waiting a second at most for the server to acknowledge the request and no longer
  * than the client's read timeout for its answer. A client whose node's server opens files

@@ -34,6 +34,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -115,6 +116,9 @@ type Client struct {
 	cluster *clusterRouter // set in cluster mode (Config.Servers) on a node without a server of the job
 	node    *nodeRouter    // set in cluster mode on a node with servers of the job (see node.go)
 	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
+	// deadTiers serves copies from the tiers of this node's servers while they do not answer
+	// (cluster mode; see deadtiers.go).
+	deadTiers *deadTiers
 	// guestsFullUntil (Unix ns): before then, no node-local copy is kept (see keepGuest).
 	guestsFullUntil atomic.Int64
 	// bringing: the large files being brought to this node in the background (see
@@ -194,6 +198,7 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 		if err != nil {
 			return nil, err
 		}
+		c.deadTiers = newDeadTiers(cfg.RuntimeDir, log)
 		if !cfg.Direct {
 			if c.node, err = newNodeRouter(cfg, log, members, token); err != nil {
 				return nil, err
@@ -531,7 +536,19 @@ func (c *Client) Size(path string) (int64, error) {
 
 // TierDirs returns the tier directories on this node that the client reads cached files
 // from (its server's, or in cluster mode those of the servers on this node), fastest first.
-func (c *Client) TierDirs() []tiers.Dir { return c.localDirs() }
+// In cluster mode they include the tiers of this node's servers that were dead when the
+// client started, for a session no copy is checked in: a reader serves copies from them
+// only once it has checked their source itself (see deadTiers; the C hit path of a process
+// forked after load, hit_read_checked).
+func (c *Client) TierDirs() []tiers.Dir {
+	dirs := c.localDirs()
+	if c.cluster != nil && c.deadTiers != nil {
+		for _, d := range c.deadTiers.of(c.cluster.deadLocal()) {
+			dirs = append(dirs, d.WithSession(math.MaxUint32))
+		}
+	}
+	return dirs
+}
 
 // localDirs returns the tier directories this client maps files from.
 func (c *Client) localDirs() []tiers.Dir {
@@ -592,6 +609,9 @@ func (c *Client) Close() error {
 	}
 	if c.node != nil {
 		c.node.close()
+	}
+	if c.deadTiers != nil {
+		errs = append(errs, c.deadTiers.close())
 	}
 	c.ranges.close()
 	return errors.Join(errs...)

@@ -313,7 +313,7 @@ func (c *Client) readNode(path string, mapTiers bool) (Buffer, error) {
 	}
 	socket := c.node.socket()
 	if socket == "" || c.node.down() {
-		return c.readDirect(path)
+		return c.readAround(path)
 	}
 	ctx, cancel := c.readContext(time.Now().Add(c.cfg.ReadTimeout))
 	defer cancel()
@@ -323,7 +323,7 @@ func (c *Client) readNode(path string, mapTiers bool) (Buffer, error) {
 	}
 	if errors.Is(err, nodesock.ErrUnavailable) {
 		c.node.markDown(err)
-		return c.readDirect(path)
+		return c.readAround(path)
 	}
 	if err != nil {
 		return nil, err
@@ -332,6 +332,17 @@ func (c *Client) readNode(path string, mapTiers bool) (Buffer, error) {
 	c.node.up()
 	c.counts.serverReads.Add(1)
 	return fileBuffer(f, path)
+}
+
+// readAround serves a read that the node's server does not answer: from its tiers when
+// they hold the file as it is now at the source (the reader checks it itself, see
+// deadTiers), else from the source. Copies that the reader's session allows were looked for
+// already.
+func (c *Client) readAround(path string) (Buffer, error) {
+	if b, ok := c.fromDeadTiers(c.node.ids(), path); ok {
+		return b, nil
+	}
+	return c.readDirect(path)
 }
 
 // fileBuffer reads the file f (a descriptor the node's server answered with) into a buffer:

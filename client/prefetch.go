@@ -144,7 +144,10 @@ func (c *Client) PrefetchEpochs(paths []string, thisEpoch int) error {
 		s.mu.Unlock()
 		forNode = true
 	} else if c.cluster != nil {
-		for p, owned := range c.cluster.owners(abs) {
+		// The files the tiers of this node's dead servers hold are read from there (see
+		// deadTiers): their new owners would read them from the source ahead of readers that
+		// never ask them for them.
+		for p, owned := range c.cluster.owners(c.deadTiers.unlisted(c.cluster.deadLocal(), abs)) {
 			p.mu.Lock()
 			groups[target{p.rpc, p.session}] = owned
 			p.mu.Unlock()

@@ -38,6 +38,10 @@ type ClientStats struct {
 	ServersGossiped int64 `json:"servers_dead_by_gossip,omitempty"`
 	ServersRejoined int64 `json:"servers_rejoined,omitempty"`
 	ServerFailures  int64 `json:"server_failures,omitempty"`
+	// Cluster mode: reads served from the tiers of a server of this node that did not
+	// answer, and the sources looked at to check such copies (see deadTiers).
+	DeadServerHits int64 `json:"dead_server_hits,omitempty"`
+	SourceChecks   int64 `json:"source_checks,omitempty"`
 }
 
 // Stats returns this client's counters and, when the server answers, the server's (after
@@ -60,6 +64,9 @@ func (c *Client) Stats() (string, error) {
 		out.Client.ServerReads += ext.Fetches
 		out.Client.DirectReads += ext.Direct
 		out.Client.SourceRanges += ext.SourceRanges
+	}
+	if c.deadTiers != nil {
+		out.Client.DeadServerHits, out.Client.SourceChecks = c.deadTiers.hits.Load(), c.deadTiers.checks.Load()
 	}
 	if c.cluster != nil {
 		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()

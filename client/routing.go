@@ -459,6 +459,18 @@ func (r *clusterRouter) localAnswered() bool {
 	return false
 }
 
+// deadLocal returns the ids of the servers on this node that are dead, by address.
+func (r *clusterRouter) deadLocal() []string {
+	var ids []string
+	for id, p := range r.peers {
+		if _, dead := p.state(); p.local && dead {
+			ids = append(ids, id)
+		}
+	}
+	sort.Strings(ids)
+	return ids
+}
+
 // localDirs returns the tier directories of the live servers on this node.
 func (r *clusterRouter) localDirs() []tiers.Dir {
 	var dirs []tiers.Dir
@@ -507,8 +519,12 @@ func (c *Client) route(path string, try func(p *peer, rest []*peer) error) error
 	return errReadSource
 }
 
-// readCluster serves a read in cluster mode.
+// readCluster serves a read in cluster mode: from the tiers of this node's dead servers
+// when they hold the file as it is now at the source, else from the servers the ring gives.
 func (c *Client) readCluster(path string) (Buffer, error) {
+	if b, ok := c.fromDeadTiers(c.cluster.deadLocal(), path); ok {
+		return b, nil
+	}
 	var buf Buffer
 	err := c.route(path, func(p *peer, rest []*peer) error {
 		b, reply, err := c.readFromPeer(p, path)

@@ -22,8 +22,12 @@ import (
 type EngineConfig struct {
 	// Tiers, fastest first. A tier that cannot be opened (missing, not writable, not private,
 	// held by another server) is skipped with a warning in the engine's stats; an engine with
-	// no tier serves every read from the source.
+	// no tier serves every read from the source, unless RequireTier.
 	Tiers []tiers.Config
+	// RequireTier makes NewEngine fail with ErrNoTier, naming each tier and why it was
+	// skipped, when it opens none: a cluster server owns part of the job's files, and one
+	// without a tier would read its part from the source on every read.
+	RequireTier bool
 	// Verify checks every cached file's data checksum when the tiers are opened and removes
 	// the damaged ones (tiers.Config.Verify).
 	Verify bool
@@ -146,10 +150,12 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		}
 		e.roots = append(e.roots, abs)
 	}
+	var skipped []error
 	for _, tc := range cfg.Tiers {
 		tc.Verify, tc.Holder = cfg.Verify, cfg.Holder
 		t, err := tiers.New(tc, log)
 		if err != nil {
+			skipped = append(skipped, fmt.Errorf("%s %w", tc.Kind, err)) // "memory tier DIR: why"
 			log.Warn("skipping tier", "kind", tc.Kind.String(), "dir", tc.Dir, "err", err)
 			e.stats.Warn(fmt.Sprintf("%s tier skipped: %v", tc.Kind, err))
 			continue
@@ -161,6 +167,12 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 			e.stats.Warn(fmt.Sprintf("%s tier %s: removed %d damaged or foreign entries (see the log)", tc.Kind, t.Path, n))
 		}
 		e.tiers = append(e.tiers, t)
+	}
+	if len(e.tiers) == 0 && cfg.RequireTier {
+		if len(skipped) == 0 {
+			return nil, fmt.Errorf("%w: none configured", ErrNoTier)
+		}
+		return nil, fmt.Errorf("%w: %w", ErrNoTier, errors.Join(skipped...))
 	}
 	if len(e.tiers) == 0 {
 		log.Warn("no usable tier: every read goes to the source")

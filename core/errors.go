@@ -25,6 +25,9 @@ var (
 	// of the dataset being read, whose files are never evicted for one another (see
 	// tiers.Tier.MakeRoom). The caller reads it from the source itself. It wraps ErrTooLarge.
 	ErrCacheFull = fmt.Errorf("%w: no room left in the cache for this dataset", ErrTooLarge)
+	// ErrNoTier reports an engine that had to open a tier (EngineConfig.RequireTier) and
+	// could open none.
+	ErrNoTier = errors.New("no usable tier")
 	// ErrClosed reports use of a closed engine or client.
 	ErrClosed = errors.New("closed")
 	// ErrBadCopy reports bytes sent for a replica copy (Engine.Store) that do not match what

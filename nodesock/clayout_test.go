@@ -36,3 +36,17 @@ func TestCHeaderMatchesTheProtocol(t *testing.T) {
 		}
 	}
 }
+
+// The C side names each origin as core.Origin does (the preload shim's debug lines use
+// these names, the metrics' origin labels too), and a number it does not know "unknown".
+func TestCHeaderNamesTheOrigins(t *testing.T) {
+	for o := range core.Origin(32) {
+		want := o.String()
+		if !o.Known() {
+			want = "unknown"
+		}
+		if got := clayout.OriginName(uint32(o)); got != want {
+			t.Errorf("origin %d: C names it %q, Go %q", uint32(o), got, want)
+		}
+	}
+}

@@ -597,7 +597,7 @@ static int shim_open(int dirfd, const char *path, int flags, int *writes) {
 		// file still being written) is left for fstat to find out (copies.c).
 		if (origin >= FC_ORIGIN_TIER_FIRST && fc_lookup_fd(shim_tiers, shim_ntiers, key, (size_t)n, fd, &hit) == 0)
 			copies_opened(fd, r, &hit);
-		shim_debug("%s: the server answered: fd %d, origin %u", key, fd, origin);
+		shim_debug("%s: the server answered: fd %d, origin %s", key, fd, fc_origin_name(origin));
 	} else {
 		shim_debug("%s: no answer from the server: left to libc", key);
 	}

@@ -51,7 +51,9 @@ type Config struct {
 	// Roots the server serves files under (see core.EngineConfig.Roots); required with
 	// Listen. Empty: any root a caller names (a server reachable only by its user).
 	Roots []string
-	// Tiers, fastest first (see core.EngineConfig.Tiers).
+	// Tiers, fastest first (see core.EngineConfig.Tiers). A TCP server that can open none of
+	// them does not start (core.ErrNoTier): it owns a share of the job's files, which it
+	// would otherwise read from the source at every read.
 	Tiers []tiers.Config
 	// Verify checks the data checksum of every cached file when the tiers are opened.
 	Verify bool
@@ -62,8 +64,8 @@ type Config struct {
 	BlockBytes int64
 	// RuntimeDir is the private directory (see embedded.PrepareDir, which makes it when it
 	// is missing) of the embedded server's lock and socket, and of a TCP server's node socket
-	// (server-HOST_PORT.node). Required with
-	// Embedded or Listen.
+	// (server-HOST_PORT.node) and the record of its tiers (server-HOST_PORT.tiers, see
+	// tiers.WriteServed). Required with Embedded or Listen.
 	RuntimeDir string
 	// Warnings are problems found before the server started (a default directory replaced,
 	// say), reported with the engine's statistics.
@@ -156,7 +158,9 @@ type Server struct {
 // Start opens a server as cfg says, in order: the runtime directory and the embedded lock,
 // the TCP listener, the metrics listener (both before the engine, whose start rescans the
 // tiers), the engine, the Unix socket, the node socket (a failure there is logged: readers
-// then read their misses through Go or from the source), the RPC server, the metrics server
+// then read their misses through Go or from the source), the record of the tiers in the
+// runtime directory (for readers of the node while the server is dead), the RPC server, the
+// metrics server
 // and the ready file; a server without a token is started once its RPC server answered a
 // request (see awaitRPC). On any failure Start closes what it opened (see Close) and
 // returns the error.
@@ -188,6 +192,7 @@ func Start(cfg Config) (*Server, error) {
 		{"engine", s.openEngine},
 		{"socket", s.listenUnix},
 		{"node socket", s.openNodeSocket},
+		{"tiers record", s.recordTiers},
 		{"rpc", s.serveRPC},
 		{"metrics", s.serveMetrics},
 		{"ready file", s.writeReadyFile},
@@ -262,8 +267,8 @@ func (s *Server) listenMetrics() (err error) {
 func (s *Server) openEngine() (err error) {
 	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots,
 		Verify: s.cfg.Verify, Warnings: s.cfg.Warnings, Prefetch: core.PrefetchConfig{Reads: s.cfg.Prefetch},
-		BlockBytes: s.cfg.BlockBytes,
-		Holder:     "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
+		BlockBytes: s.cfg.BlockBytes, RequireTier: s.cfg.Listen != "",
+		Holder: "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
 	if s.cfg.Listen != "" && s.cfg.Cluster.Servers != "" {
 		// The lists of this node's readers are brought into the node through the cluster node,
 		// which openNodeSocket makes before the RPC server takes a request.
@@ -281,6 +286,10 @@ func (s *Server) openEngine() (err error) {
 		}
 	}
 	s.engine, err = core.NewEngine(ecfg, s.log)
+	if errors.Is(err, core.ErrNoTier) {
+		// Several servers on one node sharing the default tiers is the usual cause.
+		return fmt.Errorf("%w\n(each server of a node needs tier directories of its own: fitcache serve --tiers kind:dir,...)", err)
+	}
 	if err != nil {
 		return fmt.Errorf("engine: %w", err)
 	}
@@ -344,6 +353,20 @@ func (s *Server) openNodeSocket() (err error) {
 		return nil
 	}
 	s.nodePath = path
+	return nil
+}
+
+// recordTiers records the tiers of a server among the job's in its runtime directory (see
+// tiers.WriteServed), so that a reader on its node still finds them while the server is dead
+// (its hello tells them otherwise). A record that cannot be written is logged, not fatal:
+// readers then read those files elsewhere while the server is dead.
+func (s *Server) recordTiers() error {
+	if s.cluster == nil || s.cluster.self == "" {
+		return nil
+	}
+	if err := tiers.WriteServed(s.cfg.RuntimeDir, tiers.ServedName(s.cluster.self), s.engine.TierDirs()); err != nil {
+		s.log.Warn("the readers of this node will not find its tiers while this server is dead", "err", err)
+	}
 	return nil
 }
 

@@ -426,7 +426,7 @@ func TestFailedStartLeavesNothingOpen(t *testing.T) {
 			func(cfg *Config) { cfg.Socket = "" }},
 	}
 	for _, step := range []string{"runtime dir", "lock", "listen", "metrics listen", "engine", "socket", "node socket",
-		"rpc", "metrics", "ready file"} {
+		"tiers record", "rpc", "metrics", "ready file"} {
 		for _, kind := range []struct {
 			name string
 			cfg  func(t *testing.T) Config
@@ -537,6 +537,33 @@ func TestTakenGossipPortFailsTheStart(t *testing.T) {
 		t.Errorf("got %v, want membership.ErrPortInUse naming %s", err, taken.LocalAddr())
 	}
 	t.Log(err)
+}
+
+// A TCP server whose every tier another server holds does not start (several servers of a
+// node given the same tiers, as the default tiers are): it would own a share of the ring and
+// read that share from the source at every read. The error names the tier and its holder.
+// An embedded server in the same position still starts, reading from the source.
+func TestTCPServerWhoseTiersAreHeldDoesNotStart(t *testing.T) {
+	root, _ := dataset(t, 1)
+	first := start(t, tcpConfig(t, root))
+	cfg := tcpConfig(t, root)
+	cfg.Tiers = first.cfg.Tiers
+	s, err := Start(cfg)
+	if err == nil {
+		s.Close()
+		t.Fatal("a second server started on the tiers of the first")
+	}
+	for _, want := range []string{first.cfg.Tiers[0].Dir, "held by", "listening on " + first.cfg.Listen, "--tiers"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name %q", err, want)
+		}
+	}
+	if !errors.Is(err, core.ErrNoTier) || !errors.Is(err, tiers.ErrLocked) {
+		t.Errorf("got %v, want core.ErrNoTier wrapping tiers.ErrLocked", err)
+	}
+	emb := embeddedConfig(t)
+	emb.Tiers = first.cfg.Tiers
+	start(t, emb).Close()
 }
 
 // A cluster server started with the job's servers answers its node socket with a file that

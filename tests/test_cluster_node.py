@@ -101,6 +101,61 @@ def test_a_killed_owners_files_come_from_the_nodes_copies(node_cluster, dataset)
         f"{ {k: n for k, n in counts.items() if n != 1} }")
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fresh_workers_read_the_tiers_of_their_nodes_killed_server(node_cluster, dataset, tmp_path, prefetch):
+    """The reader's own node server killed between two epochs: the next epoch's DataLoader
+    workers, fresh processes that cannot learn the node's tiers from that server, find them
+    through the record it keeps in the runtime directory (which the readers share with it),
+    check each copy against its source (a stat) and serve it: no file the killed server held
+    is opened at the source again, and every byte is right. With prefetch, the list the
+    workers hand over does not make the new owners read those files ahead either."""
+    root, digests = dataset
+    opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=prefetch, **opts)
+    assert epoch(ds, "fork") == digests
+    victim = node_cluster.addrs[0]
+    node_cluster.kill(victim)
+    held = cached_names(node_cluster, victim)
+    assert len(held) > len(digests) // 2, f"the node's server held {len(held)} of {len(digests)} files"
+    with OpenCounter(root) as opens:
+        assert epoch(ds, "fork") == digests, "after the kill: wrong bytes"
+        counts = opens.counts()
+    again = sorted(k for k in counts if os.path.basename(k) in held)
+    assert not again, (f"{len(again)} of the {len(held)} files the killed server held were read from the source "
+                       f"again, though its tier kept them: {again}")
+
+
+def test_workers_forked_after_load_read_the_tiers_of_their_nodes_killed_server(node_cluster, dataset, tmp_path):
+    """As above, with the main process loading the library after the kill (it reads an item)
+    before the DataLoader forks its workers, which cannot enter Go: their hit path serves the
+    killed server's copies once a stat of the source shows the version each copy holds. A
+    file rewritten in place after the kill (same size, its modification time put back) is
+    read anew, not served stale."""
+    root, digests = dataset
+    opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
+    assert epoch(ds, "fork") == digests
+    victim = node_cluster.addrs[0]
+    node_cluster.kill(victim)
+    held = cached_names(node_cluster, victim)
+    changed = next(k for k in sorted(digests) if os.path.basename(k) in held and os.path.getsize(os.path.join(root, k)) > 0)
+    path = os.path.join(root, changed)
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        data = bytes(b ^ 0xFF for b in f.read())
+        f.seek(0)
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    want = {**digests, changed: digest(data)}
+    with OpenCounter(root) as opens:
+        assert ds[0] == want[ds.files[0]]  # loads the library here, after the kill
+        assert epoch(ds, "fork") == want, "after the kill: wrong bytes"
+        counts = opens.counts()
+    again = sorted(k for k in counts if os.path.basename(k) in held and k != changed)
+    assert not again, (f"{len(again)} of the {len(held)} files the killed server held were read from the source "
+                       f"again, though its tier kept them: {again}")
+
+
 def test_a_batchs_misses_are_read_without_go(node_cluster, dataset):
     """A batch read (DataLoader workers read a batch with one call, __getitems__) whose files
     are not in the node's tiers yet: the node's server opens each, and the library reads what

@@ -165,6 +165,30 @@ func (d Dir) withEntry(sourcePath string, open func(dirfd int, sourcePath string
 	return err
 }
 
+// OpenVersion is Open for a reader that checked the source itself: it maps the copy of
+// sourcePath if its index slot says that the copy holds the source version cur (size,
+// modification and change times, inode: see Identity), whatever validation session the copy
+// was last checked in. Sessions say that a server checked a copy for the reader's job; a
+// reader whose server is dead has no one to ask (see OpenServed), and the copy's own record
+// of its source's version is what it checks instead. A copy of another version is a miss.
+func (d Dir) OpenVersion(sourcePath string, cur Identity) (*Mapping, error) {
+	d.session = 0
+	var m *Mapping
+	err := d.withEntry(sourcePath, func(dirfd int, p string) error {
+		f, s, ino, err := openChecked(dirfd, d, p)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if !s.source().matches(cur) {
+			return fmt.Errorf("%w: the copy of %s holds another version of it", ErrNotCached, p)
+		}
+		m, err = mapData(f, filepath.Join(d.Path, RelPath(p)), d.Kind, s.entry(p), ino)
+		return err
+	})
+	return m, err
+}
+
 // openAt maps the cached copy of the clean sourcePath in the tier d open at dirfd.
 func openAt(dirfd int, d Dir, sourcePath string) (*Mapping, error) {
 	m, f, err := openMapped(dirfd, d, sourcePath)
@@ -182,8 +206,7 @@ func openMapped(dirfd int, d Dir, sourcePath string) (*Mapping, *os.File, error)
 	if err != nil {
 		return nil, nil, err
 	}
-	e := Entry{SourcePath: sourcePath, Size: s.size, MTimeNanos: s.mtime, Checksum: s.checksum}
-	m, err := mapData(f, filepath.Join(d.Path, RelPath(sourcePath)), d.Kind, e, ino)
+	m, err := mapData(f, filepath.Join(d.Path, RelPath(sourcePath)), d.Kind, s.entry(sourcePath), ino)
 	if err != nil {
 		f.Close()
 		return nil, nil, err

@@ -163,6 +163,18 @@ type slot struct {
 	srcCtime int64
 }
 
+// entry returns what a reader knows of the copy of sourcePath that the slot describes.
+func (s slot) entry(sourcePath string) Entry {
+	return Entry{SourcePath: sourcePath, Size: s.size, MTimeNanos: s.mtime, Checksum: s.checksum,
+		SourceCTimeNanos: s.srcCtime, SourceIno: s.srcIno}
+}
+
+// source returns the identity of the source version the copy holds (a whole file's: its
+// size is the source's).
+func (s slot) source() Identity {
+	return Identity{Size: s.size, MTimeNanos: s.mtime, CTimeNanos: s.srcCtime, Ino: s.srcIno}
+}
+
 // index is a mapped index file. The server's copy is writable and has one writer (the
 // Tier, under its mutex); readers' copies are read-only. Lookups are safe for concurrent use.
 type index struct {

@@ -51,6 +51,11 @@ const (
 	OriginTierFirst         = C.FC_ORIGIN_TIER_FIRST
 )
 
+// OriginName is fc_origin_name: the name C code gives an origin in its diagnostics.
+func OriginName(origin uint32) string {
+	return C.GoString(C.fc_origin_name(C.uint32_t(origin)))
+}
+
 // CleanPath is fc_clean_path: the lexically cleaned form of the absolute path in, and false
 // when C refuses it (a relative path, or one longer than FC_PATH_MAX).
 func CleanPath(in string) (string, bool) {

@@ -10,10 +10,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -22,7 +25,9 @@ import (
 // The running server owns its tiers (their accounting, FIFO order and index), so ls and
 // clear go through it when it runs. Without one, ls reads the tiers' records (changing
 // nothing) and clear opens the tiers itself, under their locks, as a starting server would,
-// while it keeps a server from starting (embedded.HoldOff).
+// while it keeps a server from starting (embedded.HoldOff). In cluster mode (FITCACHE_SERVERS
+// set, no --socket) ls and clear ask every server of the job, whose tiers hold the job's
+// cache.
 
 // lsCmd prints what the tiers hold per dataset root.
 func lsCmd(args []string) error {
@@ -32,13 +37,23 @@ func lsCmd(args []string) error {
 	socket := fset.String("socket", "", "server socket (default: the embedded server's)")
 	fset.Usage = func() {
 		fmt.Fprintln(fset.Output(), "usage: fitcache ls [--json] [--socket PATH]\n\n"+
-			"Prints what the cache holds per dataset root and tier: files and the room they take.")
+			"Prints what the cache holds per dataset root and tier: files and the room they take.\n"+
+			"With FITCACHE_SERVERS set (and no --socket), what every server of the job holds.")
 		fset.PrintDefaults()
 	}
 	fset.Parse(args)
 	if fset.NArg() != 0 {
 		fset.Usage()
 		os.Exit(2)
+	}
+	if *socket == "" {
+		cfg, err := config.Load(nil)
+		if err != nil {
+			return err
+		}
+		if cfg.Servers != "" {
+			return clusterLs(cfg, *asJSON)
+		}
 	}
 	cfg, c, pid, err := serverFor(*socket)
 	if err != nil {
@@ -70,6 +85,137 @@ func lsCmd(args []string) error {
 	return nil
 }
 
+// clusterLs prints what every server of a cluster job (FITCACHE_SERVERS) holds, asked over
+// RPC as clusterStats asks for their counters: the job's cache is in their tiers, not in the
+// embedded server's that ls lists otherwise. It fails when no server answers.
+func clusterLs(cfg config.Config, asJSON bool) error {
+	out, err := askJob(cfg, func(c *rpc.Client) ([]core.CacheUsage, error) { return c.Usage(context.Background()) })
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		if err := printJSON(out); err != nil {
+			return err
+		}
+	} else {
+		fmt.Printf("servers of the job (FITCACHE_SERVERS=%s): %d answered, %d unreachable\n", cfg.Servers, len(out.Servers), len(out.Down))
+		files, bytes := printJob(out)
+		fmt.Printf("\njob total: %d files, %s\n", files, tiers.FormatBytes(bytes))
+	}
+	return out.answered(cfg)
+}
+
+// clusterClear removes from every server of a cluster job (FITCACHE_SERVERS) the cached files
+// of the datasets read with root (or under it; "" for all), as clear does with the embedded
+// server's tiers. It fails when no server answers.
+func clusterClear(cfg config.Config, root string, dryRun, asJSON bool) error {
+	out, err := askJob(cfg, func(c *rpc.Client) ([]core.CacheUsage, error) {
+		return c.Clear(context.Background(), root, dryRun)
+	})
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		if err := printJSON(struct {
+			DryRun bool `json:"dry_run"`
+			jobAnswers
+		}{dryRun, out}); err != nil {
+			return err
+		}
+	} else {
+		verb := "cleared"
+		if dryRun {
+			verb = "would clear (dry run)"
+		}
+		fmt.Printf("servers of the job (FITCACHE_SERVERS=%s): %d %s, %d unreachable\n", cfg.Servers, len(out.Servers), verb, len(out.Down))
+		files, bytes := printJob(out)
+		fmt.Printf("\njob total %s: %d files, %s\n", verb, files, tiers.FormatBytes(bytes))
+	}
+	return out.answered(cfg)
+}
+
+// jobAnswers is what the servers of a cluster job answered (askJob), by server address.
+type jobAnswers struct {
+	Servers map[string][]core.CacheUsage `json:"servers"`
+	Down    map[string]string            `json:"unreachable,omitempty"`
+}
+
+// answered is an error naming the job's servers when none answered.
+func (a jobAnswers) answered(cfg config.Config) error {
+	if len(a.Servers) == 0 {
+		return fmt.Errorf("no server of the job (FITCACHE_SERVERS=%s) answered", cfg.Servers)
+	}
+	return nil
+}
+
+// askJob calls ask with a client of every server of the job, 32 at a time, so that a large
+// job answers in seconds.
+func askJob(cfg config.Config, ask func(*rpc.Client) ([]core.CacheUsage, error)) (jobAnswers, error) {
+	members, token, err := discovery.Job(cfg.ServerSpec(), cfg.Token, cfg.TokenFile)
+	if err != nil {
+		return jobAnswers{}, err
+	}
+	out := jobAnswers{Servers: map[string][]core.CacheUsage{}, Down: map[string]string{}}
+	var mu sync.Mutex // protects out
+	slots := make(chan struct{}, 32)
+	var wg sync.WaitGroup
+	for _, m := range members {
+		wg.Add(1)
+		slots <- struct{}{}
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			us, err := askServer(m.ID, token, ask)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				out.Down[m.ID] = err.Error()
+			} else {
+				out.Servers[m.ID] = nonNil(us)
+			}
+		}()
+	}
+	wg.Wait()
+	return out, nil
+}
+
+// askServer calls ask with a client of the cluster server at addr.
+func askServer(addr, token string, ask func(*rpc.Client) ([]core.CacheUsage, error)) ([]core.CacheUsage, error) {
+	c, err := rpc.Dial(addr, rpc.ClientConfig{Token: token, CallTimeout: 10 * time.Second})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	return ask(c)
+}
+
+// printJob prints each server's answer and returns their totals.
+func printJob(out jobAnswers) (files int, bytes int64) {
+	var all []core.CacheUsage
+	for _, id := range sortedKeys(out.Down) {
+		fmt.Printf("  unreachable %s: %s\n", id, out.Down[id])
+	}
+	for _, id := range sortedKeys(out.Servers) {
+		us := out.Servers[id]
+		fmt.Printf("\nserver %s\n", id)
+		if len(us) == 0 {
+			fmt.Println("nothing cached")
+			continue
+		}
+		printUsage(os.Stdout, us)
+		all = append(all, us...)
+	}
+	return total(all)
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
 // clearCmd removes the cached files of a dataset, or of all.
 func clearCmd(args []string) error {
 	rpc.QuietKitexLogs()
@@ -81,7 +227,8 @@ func clearCmd(args []string) error {
 	fset.Usage = func() {
 		fmt.Fprintln(fset.Output(), "usage: fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)\n\n"+
 			"Removes from every tier the cached files of the datasets read with DIR, or a directory under it,\n"+
-			"as their root (the path they were opened with), or with --all every cached file.")
+			"as their root (the path they were opened with), or with --all every cached file.\n"+
+			"With FITCACHE_SERVERS set (and no --socket), from every server of the job.")
 		fset.PrintDefaults()
 	}
 	fset.Parse(args)
@@ -96,6 +243,15 @@ func clearCmd(args []string) error {
 			return err
 		}
 		root = abs // a dataset removed since keeps its cache: DIR need not exist
+	}
+	if *socket == "" {
+		cfg, err := config.Load(nil)
+		if err != nil {
+			return err
+		}
+		if cfg.Servers != "" {
+			return clusterClear(cfg, root, *dryRun, *asJSON)
+		}
 	}
 	cfg, c, pid, err := serverFor(*socket)
 	if err != nil {

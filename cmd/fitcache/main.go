@@ -9,7 +9,7 @@
 //	fitcache verify [--tiers SPEC]
 //	fitcache warmup [--quiet] DIR
 //	fitcache prefetch [--wait] [-0] [--quiet] [--json] DIR < LIST
-//	fitcache run --data DIR [--data DIR]... [--prefetch N] -- CMD [ARGS...]
+//	fitcache run --data DIR [--data DIR]... [--prefetch N] [--prefetch-only P]... [--prefetch-exclude P]... -- CMD [ARGS...]
 //	fitcache preload-path
 //	fitcache token FILE
 //	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR

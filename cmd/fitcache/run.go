@@ -52,13 +52,20 @@ import (
 // for the others. FitCacheDataset in the program joins the same job.
 
 // runUsage is printed by `fitcache run -h`.
-const runUsage = `usage: fitcache run --data DIR [--data DIR]... [--prefetch N] -- CMD [ARGS...]
+const runUsage = `usage: fitcache run --data DIR [--data DIR]... [--prefetch N]
+                    [--prefetch-only PATTERN]... [--prefetch-exclude PATTERN]... -- CMD [ARGS...]
 
 Runs CMD with its reads of files under each DIR served from FitCache: opens of those files
 return the cached copy (the first read of a file caches it), with no change to CMD. The
 embedded server is started if none runs; a prefetch of every file under each DIR starts at
 once, so that the first epoch already reads from the cache. CMD inherits this process (its
 pid, signals and exit status). Under SLURM: srun fitcache run --data DIR -- python train.py
+
+The prefetch reads every file under each DIR, also files CMD never reads (index files, a
+validation split): --prefetch-only and --prefetch-exclude choose which. A PATTERN (shell
+syntax: *, ?, [a-z]) without '/' matches a file's name; one with '/' matches its path
+relative to DIR, or a directory it is under (train/* is every file under DIR/train). Files
+left out are still served from the cache when CMD reads them, cached at their first read.
 
 In cluster mode (FITCACHE_SERVERS set) CMD reads through the job's servers on this node,
 started with --servers (or FITCACHE_SERVERS): files cached on this node are opened there,
@@ -72,8 +79,12 @@ setuid programs read the source. See README.md, "Transparent mode".
 func run(args []string) error {
 	fset := flag.NewFlagSet("run", flag.ExitOnError)
 	var dirs stringList
-	fset.Var(&dirs, "data", "a dataset directory whose files CMD reads through the cache (repeatable)")
-	prefetch := fset.Int("prefetch", -1, fmt.Sprintf("source reads the server's prefetch runs at once; 0: no prefetch of the data directories (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
+	fset.Var(&dirs, "data", "a dataset directory `DIR` whose files CMD reads through the cache (repeatable)")
+	var only, exclude stringList
+	fset.Var(&only, "prefetch-only", "prefetch only the files that match `PATTERN` (repeatable: any of them); see above")
+	fset.Var(&exclude, "prefetch-exclude", "do not prefetch the files that match `PATTERN` (repeatable), even those --prefetch-only names")
+	var prefetch optionalInt
+	fset.Var(&prefetch, "prefetch", fmt.Sprintf("the server's prefetch runs `N` source reads at once; 0: no prefetch of the data directories (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
 	fset.Usage = func() {
 		fmt.Fprint(fset.Output(), runUsage+"\nflags:\n")
 		fset.PrintDefaults()
@@ -86,6 +97,10 @@ func run(args []string) error {
 	}
 	roots, err := datasetRoots(dirs)
 	if err != nil {
+		return err
+	}
+	filter := prefetchFilter{only: only, exclude: exclude}
+	if err := filter.check(); err != nil {
 		return err
 	}
 	lib, err := preloadLibrary()
@@ -106,7 +121,11 @@ func run(args []string) error {
 	}
 	// The companion opens the client, so that a server it starts is its child, not the
 	// program's: a program that waits for all its children would wait for the server.
-	server, err := startCompanion(os.Getpid(), roots, *prefetch, cfg.StartTimeout+cfg.WaitTimeout+5*time.Second)
+	prefetchReads := -1 // unset: the server's own setting
+	if prefetch.set {
+		prefetchReads = prefetch.n
+	}
+	server, err := startCompanion(os.Getpid(), roots, prefetchReads, filter, cfg.StartTimeout+cfg.WaitTimeout+5*time.Second)
 	switch {
 	case err != nil:
 		fmt.Fprintf(os.Stderr, "fitcache run: %v: the program reads the source\n", err)
@@ -274,13 +293,19 @@ type companionReport struct {
 // detached: an intermediate process starts it and exits at once, so that the companion is
 // not a child of the program (which would have to reap it). It returns the companion's
 // report on the server, read from a pipe within wait.
-func startCompanion(pid int, roots []datasetRoot, prefetch int, wait time.Duration) (companionReport, error) {
+func startCompanion(pid int, roots []datasetRoot, prefetch int, filter prefetchFilter, wait time.Duration) (companionReport, error) {
 	var report companionReport
 	self, err := os.Executable()
 	if err != nil {
 		return report, err
 	}
 	args := []string{"run-companion", "--pid", strconv.Itoa(pid), "--prefetch=" + strconv.FormatBool(prefetch != 0)}
+	for _, p := range filter.only {
+		args = append(args, "--only", p)
+	}
+	for _, p := range filter.exclude {
+		args = append(args, "--exclude", p)
+	}
 	for _, r := range roots {
 		args = append(args, r.real)
 	}
@@ -327,9 +352,15 @@ func companion(args []string) error {
 	fset := flag.NewFlagSet("run-companion", flag.ExitOnError)
 	pid := fset.Int("pid", 0, "the process to accompany")
 	prefetch := fset.Bool("prefetch", true, "prefetch the data directories")
+	var filter prefetchFilter
+	fset.Var((*stringList)(&filter.only), "only", "prefetch only the files that match this pattern (repeatable)")
+	fset.Var((*stringList)(&filter.exclude), "exclude", "do not prefetch the files that match this pattern (repeatable)")
 	fset.Parse(args)
 	if *pid <= 0 || fset.NArg() == 0 {
-		return errors.New("usage: fitcache run-companion --pid PID [--prefetch=false] DIRS")
+		return errors.New("usage: fitcache run-companion --pid PID [--prefetch=false] [--only P]... [--exclude P]... DIRS")
+	}
+	if err := filter.check(); err != nil {
+		return err
 	}
 	if os.Getenv("FITCACHE_COMPANION_DETACH") == "1" { // the intermediate: start the companion, leave
 		cmd := exec.Command(os.Args[0], os.Args[1:]...)
@@ -375,7 +406,7 @@ func companion(args []string) error {
 	os.Stdout.Close()
 	if *prefetch {
 		for _, c := range clients {
-			files, err := datasetFiles(c.Root())
+			files, err := datasetFiles(c.Root(), filter)
 			if err == nil {
 				err = c.Prefetch(files)
 			}
@@ -402,20 +433,66 @@ func companion(args []string) error {
 	}
 }
 
-// datasetFiles lists the regular files under root, sorted.
-func datasetFiles(root string) ([]string, error) {
+// datasetFiles lists the regular files under root that filter takes, sorted.
+func datasetFiles(root string, filter prefetchFilter) ([]string, error) {
 	var files []string
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
 		if d.Type().IsRegular() {
-			files = append(files, p)
+			if rel, err := filepath.Rel(root, p); err == nil && filter.takes(rel) {
+				files = append(files, p)
+			}
 		}
 		return nil
 	})
 	sort.Strings(files)
 	return files, err
+}
+
+// prefetchFilter chooses the files of a data directory that `fitcache run` prefetches
+// (--prefetch-only, --prefetch-exclude): a dataset directory often holds files the program
+// never reads (index files, another split), which a prefetch of everything would read from
+// the source and let take the room of the files it does read. The zero value takes every file.
+type prefetchFilter struct {
+	only, exclude []string // patterns (filepath.Match)
+}
+
+// check refuses a malformed pattern, before anything starts.
+func (f prefetchFilter) check() error {
+	for _, p := range append(slices.Clone(f.only), f.exclude...) {
+		if _, err := filepath.Match(p, ""); err != nil || p == "" {
+			return fmt.Errorf("prefetch pattern %q: want a shell pattern (*, ?, [a-z])", p)
+		}
+	}
+	return nil
+}
+
+// takes reports whether the file at rel, relative to its data directory, is prefetched: it
+// matches an --only pattern (if any) and no --exclude pattern.
+func (f prefetchFilter) takes(rel string) bool {
+	return (len(f.only) == 0 || matchesAny(f.only, rel)) && !matchesAny(f.exclude, rel)
+}
+
+// matchesAny reports whether a pattern matches rel: one without '/' its file name, one with
+// '/' the path itself or a directory it is under ("train/*" takes everything under train).
+func matchesAny(patterns []string, rel string) bool {
+	for _, p := range patterns {
+		if !strings.Contains(p, "/") {
+			if ok, _ := filepath.Match(p, filepath.Base(rel)); ok {
+				return true
+			}
+			continue
+		}
+		p = strings.Trim(p, "/")
+		for dir := rel; dir != "." && dir != "/"; dir = filepath.Dir(dir) {
+			if ok, _ := filepath.Match(p, dir); ok {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // watchProcess returns a channel closed when the process pid exits.

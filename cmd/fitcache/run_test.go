@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -80,5 +81,59 @@ func TestPreloadLibraryHonoursTheEnvironment(t *testing.T) {
 	t.Setenv("FITCACHE_PRELOAD_LIB", lib+".missing")
 	if _, err := preloadLibrary(); err == nil {
 		t.Error("a missing FITCACHE_PRELOAD_LIB was accepted")
+	}
+}
+
+// The files `fitcache run` prefetches: --prefetch-only and --prefetch-exclude patterns match a
+// file's name, or with a '/' its path under the data directory or a directory it is under.
+func TestDatasetFilesTakesWhatThePrefetchPatternsSay(t *testing.T) {
+	root := t.TempDir()
+	all := []string{"a.tfrecord", "a.tfrecord.idx", "train/b.tfrecord", "train/b.tfrecord.idx",
+		"train/deep/c.tfrecord", "val/d.tfrecord", "val/notes.txt"}
+	for _, rel := range all {
+		p := filepath.Join(root, rel)
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		name          string
+		only, exclude []string
+		want          []string
+	}{
+		{"no pattern: every file", nil, nil, all},
+		{"exclude by name", nil, []string{"*.idx"},
+			[]string{"a.tfrecord", "train/b.tfrecord", "train/deep/c.tfrecord", "val/d.tfrecord", "val/notes.txt"}},
+		{"only by name", []string{"*.tfrecord"}, nil,
+			[]string{"a.tfrecord", "train/b.tfrecord", "train/deep/c.tfrecord", "val/d.tfrecord"}},
+		{"only a directory, by path", []string{"train/*"}, nil,
+			[]string{"train/b.tfrecord", "train/b.tfrecord.idx", "train/deep/c.tfrecord"}},
+		{"a directory by name with a slash", nil, []string{"val/", "*.idx"},
+			[]string{"a.tfrecord", "train/b.tfrecord", "train/deep/c.tfrecord"}},
+		{"exclude wins over only", []string{"*.tfrecord", "*.txt"}, []string{"train/deep"},
+			[]string{"a.tfrecord", "train/b.tfrecord", "val/d.tfrecord", "val/notes.txt"}},
+	} {
+		f := prefetchFilter{only: tc.only, exclude: tc.exclude}
+		if err := f.check(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		got, err := datasetFiles(root, f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var want []string
+		for _, rel := range tc.want {
+			want = append(want, filepath.Join(root, rel))
+		}
+		slices.Sort(want)
+		if diff := cmp.Diff(want, got); diff != "" {
+			t.Errorf("%s (-want +got):\n%s", tc.name, diff)
+		}
+	}
+	for _, bad := range []string{"[a-", ""} {
+		if err := (prefetchFilter{exclude: []string{bad}}).check(); err == nil {
+			t.Errorf("pattern %q was accepted", bad)
+		}
 	}
 }

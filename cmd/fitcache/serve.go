@@ -25,6 +25,31 @@ type stringList []string
 func (l *stringList) String() string     { return fmt.Sprint(*l) }
 func (l *stringList) Set(v string) error { *l = append(*l, v); return nil }
 
+// optionalInt is a flag taking a whole number from 0 that may be left unset, so that the
+// option's environment variable or default applies. Unset, it prints as "", which keeps the
+// flag package from appending a "(default -1)" of its own to a help text that gives the
+// real default.
+type optionalInt struct {
+	n   int
+	set bool
+}
+
+func (o *optionalInt) String() string {
+	if o == nil || !o.set {
+		return ""
+	}
+	return strconv.Itoa(o.n)
+}
+
+func (o *optionalInt) Set(v string) error {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 {
+		return fmt.Errorf("want a whole number from 0, got %q", v)
+	}
+	o.n, o.set = n, true
+	return nil
+}
+
 func serve(args []string) error {
 	fs := flag.NewFlagSet("serve", flag.ExitOnError)
 	asEmbedded := fs.Bool("embedded", false, "run as the per-user embedded server in the runtime directory (one at a time; exits when idle)")
@@ -33,13 +58,14 @@ func serve(args []string) error {
 	tokenFile := fs.String("token-file", "", "file holding the job token (0600; see 'fitcache token'); default FITCACHE_TOKEN / FITCACHE_TOKEN_FILE")
 	metricsAddr := fs.String("metrics", "", "serve Prometheus metrics over HTTP at this address (host:port), path /metrics; off by default")
 	readyFile := fs.String("ready-file", "", "write this file once the server accepts requests (a readiness signal for launchers)")
-	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache)")
+	tierSpec := fs.String("tiers", "", "tiers, fastest first: kind:dir[:budget],... (default: FITCACHE_TIERS, else memory under /dev/shm and disk under ~/.cache); each server of a node needs its own, and one with --listen that can open none does not start")
 	idle := fs.Duration("idle-timeout", 0, "exit after this long without a request; 0: FITCACHE_IDLE_TIMEOUT or 15m with --embedded, never otherwise")
 	verify := fs.Bool("verify", false, "check the data checksum of every cached file at start and remove damaged ones (default: FITCACHE_VERIFY)")
 	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
 	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
 	servers := fs.String("servers", "", "with --listen: the job's servers (host:port,..., @HOSTFILE or slurm; default FITCACHE_SERVERS), so that the node socket serves this node's readers every file of the job (see 'fitcache run')")
-	prefetch := fs.Int("prefetch", -1, fmt.Sprintf("source reads prefetch runs at once, reading ahead of readers from the file lists they hand over; 0 turns it off (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
+	var prefetch optionalInt
+	fs.Var(&prefetch, "prefetch", fmt.Sprintf("prefetch runs `N` source reads at once, reading ahead of readers from the file lists they hand over; 0 turns it off (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
 	var roots stringList
 	fs.Var(&roots, "root", "serve only files under this dataset root (repeatable; required with --listen, where --root / serves every file this user can read; default otherwise: any root the caller names)")
 	fs.Parse(args)
@@ -51,8 +77,8 @@ func serve(args []string) error {
 	if *verify {
 		opts["verify"] = "true"
 	}
-	if *prefetch >= 0 {
-		opts["prefetch"] = strconv.Itoa(*prefetch)
+	if prefetch.set {
+		opts["prefetch"] = prefetch.String()
 	}
 	cfg, err := config.Load(opts)
 	if err != nil {
