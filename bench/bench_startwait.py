@@ -88,8 +88,10 @@ def run(case, kill, root, manifest, args, work):
     try:
         victim = cluster.addrs[0] if case == "own" else cluster.addrs[-1]
         node = cluster.addrs[0].split(":")[0] if case == "own" else "login"
+        # The servers' runtime directory, as the readers of a node share it by default: there
+        # the readers find the tiers of the node's servers, also of one that died.
         ds = fitcache.FitCacheDataset(root, CRC(), servers=",".join(cluster.addrs), token_file=cluster.token_file,
-                                      node=node)
+                                      node=node, runtime_dir=str(cluster.tmp / "run"))
         rows = []
         for e in range(args.epochs):
             if kill and e == args.kill_after:
