@@ -10,8 +10,8 @@ those the killed server's tier held, and bad items.
 
 The readers share the servers' runtime directory, where each server records its tiers, so that
 the workers of epoch 2 and later, which start after the kill, find the node's tiers without it.
-Each worker also waits for the dead server at its start (2 x --wait-timeout today), which is
-most of an epoch's time here.
+A worker does not wait for the dead server at its start (README, Cluster mode, Start); before
+it waited 2 x --wait-timeout, most of an epoch's time here.
 
     python bench/bench_node_server_kill.py                   # 5,000 files of 1-64 KB
     python bench/bench_node_server_kill.py --no-prefetch     # without the readers' lists
