@@ -207,6 +207,11 @@ func (r *clusterRouter) waitForServers() error {
 			if alive(id) || p.knownDead {
 				continue
 			}
+			_, failed := w.errs[id]
+			if _, named := w.named[id]; !named && !failed && inflight[p] {
+				waiting = append(waiting, id) // its first hello has not returned (bounded by its timeout)
+				continue
+			}
 			switch w.decide(id, len(answered) > 0, p.local) {
 			case waitOn:
 				waiting = append(waiting, id)
