@@ -19,6 +19,7 @@ import (
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/rpctest"
 )
 
 // hangServer makes the embedded server of cfg look hung, as a stopped (SIGSTOP) server does:
@@ -36,7 +37,7 @@ func hangServer(t *testing.T, cfg config.Config) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { lock.Close() })
-	holdConns(t, ln)
+	rpctest.HoldConns(t, ln)
 }
 
 func withOptions(t *testing.T, cfg config.Config, opts map[string]string) config.Config {

@@ -3,65 +3,13 @@ package client
 import (
 	"bytes"
 	"fmt"
-	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/rpctest"
 )
-
-// hang listens on host and accepts connections that it never answers: a server whose host
-// takes connections but whose server does not answer (hung, or still starting).
-func hang(t *testing.T, host string) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	holdConns(t, ln)
-	return ln.Addr().String()
-}
-
-// holdConns accepts ln's connections and never answers them, until the test ends.
-func holdConns(t *testing.T, ln net.Listener) {
-	var mu sync.Mutex // protects conns
-	var conns []net.Conn
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		<-done
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-}
-
-// refusedAddr returns an address on host where nothing listens: connections are refused.
-func refusedAddr(t *testing.T, host string) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
 
 // A fresh client (a new DataLoader worker) of a job whose servers know one of them dead
 // starts without waiting for it, and reads every file with its bytes: on a node without a
@@ -99,7 +47,7 @@ func TestFreshClientWaitsForNoServerTheJobKnowsDead(t *testing.T) {
 			for i := 1; i <= 3; i++ {
 				servers = append(servers, startClusterServerWithConfig(t, fmt.Sprintf("127.0.0.%d", i), root, "64MiB", srvCfg))
 			}
-			dead := &testServer{addr: hang(t, "127.0.0.4")}
+			dead := &testServer{addr: rpctest.Hang(t, "127.0.0.4")}
 			if !tc.hung {
 				s := startClusterServer(t, "127.0.0.4", root)
 				s.stop()
@@ -153,8 +101,8 @@ func TestFreshClientWaitsForNoServerTheJobKnowsDead(t *testing.T) {
 func TestNoServerAnsweringFailsFastNamingEach(t *testing.T) {
 	root := t.TempDir()
 	writeFile(t, root, "a", []byte("a"))
-	refused := &testServer{addr: refusedAddr(t, "127.0.0.1")}
-	hung := &testServer{addr: hang(t, "127.0.0.2")}
+	refused := &testServer{addr: rpctest.Refused(t, "127.0.0.1")}
+	hung := &testServer{addr: rpctest.Hang(t, "127.0.0.2")}
 	other := startClusterServer(t, "127.0.0.3", root) // the token "tok": the client has another
 	cfg := clusterConfig(t, map[string]string{"wait_timeout": "60", "token": "not-tok", "node": "127.0.0.1"},
 		refused, hung, other)
@@ -187,7 +135,7 @@ func TestNodeServerStartingAMomentLateIsWaitedFor(t *testing.T) {
 	for i := 1; i <= 3; i++ {
 		servers = append(servers, startClusterServer(t, fmt.Sprintf("127.0.0.%d", i), root))
 	}
-	late := &testServer{addr: refusedAddr(t, "127.0.0.4")}
+	late := &testServer{addr: rpctest.Refused(t, "127.0.0.4")}
 	cfg := clusterConfig(t, map[string]string{"wait_timeout": "20", "node": "127.0.0.4"}, append(servers, late)...)
 	type opened struct {
 		c   *Client

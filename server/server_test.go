@@ -24,6 +24,7 @@ import (
 	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/rpctest"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -364,12 +365,7 @@ func TestStartRefusesBadConfigs(t *testing.T) {
 // freePort returns a TCP port on host that nothing listens on (now).
 func freePort(t *testing.T, host string) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return rpctest.Refused(t, host)
 }
 
 // A Start that fails at any step leaves nothing open: no descriptor, goroutine, socket or

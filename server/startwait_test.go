@@ -3,52 +3,16 @@ package server
 import (
 	"bytes"
 	"context"
-	"net"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/fitcache/fitcache/client"
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/rpc"
+	"github.com/fitcache/fitcache/rpc/rpctest"
 )
-
-// hang listens on host and takes connections that it never answers: a listed server whose
-// host is up but whose server never started answering.
-func hang(t *testing.T, host string) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex // protects conns
-	var conns []net.Conn
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		<-done
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-	return ln.Addr().String()
-}
 
 // A listed server that never started costs the job's first client the wait_timeout (it may
 // still be starting) and later clients nothing: the servers, up for wait_timeout without
@@ -57,7 +21,7 @@ func hang(t *testing.T, host string) string {
 func TestAServerThatNeverStartedCostsOnlyTheFirstClient(t *testing.T) {
 	root, files := dataset(t, 20)
 	const wait = 4 * time.Second
-	ghost := hang(t, "127.0.0.3")
+	ghost := rpctest.Hang(t, "127.0.0.3")
 	a, b := tcpConfig(t, root), tcpConfig(t, root)
 	a.Listen, b.Listen = freePort(t, "127.0.0.1"), freePort(t, "127.0.0.2")
 	servers := strings.Join([]string{a.Listen, b.Listen, ghost}, ",")
