@@ -413,7 +413,7 @@ def test_the_shims_diagnostics_say_what_it_did(large_file, small_tiers):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("fitcache preload[")]
-    assert any("big.bin: the server answered" in line and "origin 2" in line for line in lines), out.stderr
+    assert any("big.bin: the server answered" in line and "origin source" in line for line in lines), out.stderr
     assert any("written.bin: open for writing" in line for line in lines), out.stderr
     quiet = subprocess.run([FITCACHE_BIN, "run", "--data", root, "--prefetch", "0", "--", sys.executable, "-c", code,
                             os.path.join(root, "big.bin"), os.path.join(root, "written.bin")],
