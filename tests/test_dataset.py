@@ -14,6 +14,7 @@ import time
 import pytest
 
 import fitcache
+import fitcache.dataset as dataset_module
 from conftest import digest, server_pid, wait_gone, wait_published
 from inotify import OpenCounter
 
@@ -372,6 +373,14 @@ def test_getitems_returns_what_getitem_does(dataset, cache_options):
     assert native.open_handles()[1] == 0
     sized = fitcache.FitCacheDataset(root, transform=len, **cache_options)
     assert sized.__getitems__([1, 2]) == [sized[1], sized[2]] == [len(ds[1]), len(ds[2])]
+    # A batch of several chunks (a transform is applied a chunk at a time): every item, in
+    # order, and a file failing in a later chunk raises its own error.
+    long_order = (order * 8)[:3 * dataset_module._TRANSFORM_CHUNK + 5]
+    assert sized.__getitems__(long_order) == [len(ds[i]) for i in long_order]
+    late = fitcache.FitCacheDataset(root, transform=len, files=ds.files[:1] * 40 + ["no-such-file.bin"],
+                                    **cache_options)
+    with pytest.raises(FileNotFoundError):
+        late.__getitems__(list(range(41)))
     assert ds.__getitems__([]) == []
     broken = fitcache.FitCacheDataset(root, files=[ds.files[0], "no-such-file.bin"], **cache_options)
     with pytest.raises(FileNotFoundError):
