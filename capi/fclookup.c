@@ -157,7 +157,9 @@ static size_t index_len(uint32_t buckets) { return INDEX_SLOTS + (size_t)buckets
 // claim_line returns the counter line of ix that process pid adds its counts to: the one it
 // owns already (a pid used again), else a free one it claims with a compare-and-swap of the
 // owner, else, every line claimed, one whose owner is gone (taken over with its counts, which
-// stay in the server's sum), else one shared, chosen by the pid. Lines are never freed: a
+// stay in the server's sum), else one shared, chosen by the pid. A process claims one at its
+// first count in a mapping (count), not when it maps it: short-lived programs under the
+// preload shim that never hit take none. Lines are never freed: a
 // count is never lost, and a node whose readers outnumber the lines has them share, with
 // atomic adds, so that the sum stays right. (An owner in another pid namespace may look gone:
 // its line is then shared too.) Only reads of the lines and at most CLAIM_PROBES kill(pid, 0),
@@ -173,9 +175,9 @@ static uint64_t *claim_line(uint8_t *counters, pid_t pid) {
 			spare = i;
 	}
 	for (int i = spare; i >= 0 && i < FC_COUNTER_LINES; i++) {
-		uint32_t *owner = (uint32_t *)(counters + i * COUNTER_LINE), zero = 0;
-		if (__atomic_compare_exchange_n(owner, &zero, me, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-			return (uint64_t *)owner;
+		uint32_t *owner = (uint32_t *)(counters + i * COUNTER_LINE), was = 0;
+		if (__atomic_compare_exchange_n(owner, &was, me, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) || was == me)
+			return (uint64_t *)owner; // claimed, or by another thread of this process meanwhile
 	}
 	int home = (int)(me % FC_COUNTER_LINES);
 	for (int k = 0; k < CLAIM_PROBES; k++) {
@@ -226,8 +228,8 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	ix->len = index_len(buckets);
 	ix->buckets = buckets;
 	ix->counters = c;
-	ix->line_pid = getpid();
-	ix->line = claim_line(c, ix->line_pid);
+	ix->line = NULL; // claimed at the first count
+	ix->line_pid = 0;
 	ix->ino = (uint64_t)st.st_ino;
 	ix->intact_ns = 0;
 	return 0;
@@ -250,12 +252,13 @@ static int index_intact(const struct fc_tier *t, struct fc_index *ix) {
 	int intact = syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
 	             (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
 	if (intact) {
-		// A forked child holds its parent's line until here: it claims its own, at most
-		// FC_INTACT_TRUST_NS after the fork (a getpid per check, not per hit).
-		pid_t pid = getpid();
-		if (__atomic_load_n(&ix->line_pid, __ATOMIC_RELAXED) != pid) {
-			__atomic_store_n(&ix->line, claim_line(ix->counters, pid), __ATOMIC_RELAXED);
-			__atomic_store_n(&ix->line_pid, pid, __ATOMIC_RELAXED);
+		// A forked child counts on its parent's line until here, then lets go of it and
+		// claims its own at its next count: at most FC_INTACT_TRUST_NS after the fork (a
+		// getpid per check, not per hit).
+		pid_t owner = __atomic_load_n(&ix->line_pid, __ATOMIC_RELAXED);
+		if (owner != 0 && owner != getpid()) {
+			__atomic_store_n(&ix->line, NULL, __ATOMIC_RELAXED);
+			__atomic_store_n(&ix->line_pid, 0, __ATOMIC_RELAXED);
 		}
 		__atomic_store_n(&ix->intact_ns, now, __ATOMIC_RELAXED);
 	}
@@ -564,12 +567,18 @@ int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
 }
 
 // count adds one to word first of this process's counter line in t's index and bytes to the
-// next word.
+// next word, claiming the line first if the process has none in this mapping yet.
 static void count(struct fc_tier *t, int first, int64_t bytes) {
 	int saved = errno;
 	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	if (ix) {
 		uint64_t *line = __atomic_load_n(&ix->line, __ATOMIC_RELAXED);
+		if (!line) {
+			pid_t pid = getpid();
+			line = claim_line(ix->counters, pid);
+			__atomic_store_n(&ix->line_pid, pid, __ATOMIC_RELAXED);
+			__atomic_store_n(&ix->line, line, __ATOMIC_RELAXED);
+		}
 		__atomic_fetch_add(&line[first], 1, __ATOMIC_RELAXED);
 		__atomic_fetch_add(&line[first + 1], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}

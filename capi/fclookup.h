@@ -80,8 +80,10 @@ struct fc_index {
 	size_t len;
 	uint32_t buckets;   /* from the header, checked against len */
 	uint8_t *counters;  /* the counter lines (FC_COUNTER_LINES of 64 bytes), mapped writable */
-	uint64_t *line;     /* this process's line among them (atomic; see claim_line in fclookup.c) */
-	pid_t line_pid;     /* the process that claimed line (atomic): a forked child claims its own */
+	uint64_t *line;     /* this process's line among them, NULL until its first count (atomic;
+	                       see claim_line in fclookup.c) */
+	pid_t line_pid;     /* the process that claimed line, 0 for none (atomic): a forked child
+	                       claims its own */
 	uint64_t ino;       /* the index file's inode number: see index_intact in fclookup.c */
 	int64_t intact_ns;  /* CLOCK_MONOTONIC time it was last found intact (atomic) */
 	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */

@@ -39,9 +39,9 @@ import (
 //	readers map writable: a reader process adds its counts to a line of its own, so that a
 //	hit writes nothing another process writes (one shared line, written by every reader on
 //	every hit, went from core to core). The server sums the lines when asked.
-//	  0  owner  uint32   the pid of the process that claimed the line, 0 while free (readers
-//	                     claim one with a compare-and-swap when they map the index; see
-//	                     capi/fclookup.c claim_line)
+//	  0  owner  uint32   the pid of the process that claimed the line, 0 while free (a reader
+//	                     claims one with a compare-and-swap at its first count in a mapping;
+//	                     see capi/fclookup.c claim_line)
 //	  8  hits     uint64 reads that readers outside the server served from the tier
 //	  16 hitBytes uint64 their bytes (readers add to both atomically)
 //	  24 sourceRanges uint64 ranges such readers read from the source of a large file whose

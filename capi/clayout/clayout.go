@@ -61,6 +61,7 @@ static int clayout_count_as(const char *dir, pid_t pid, int n, int64_t bytes) {
 	struct fc_index *ix = clayout_open(dir, &t, &rc);
 	if (ix) {
 		ix->line = claim_line(ix->counters, pid);
+		ix->line_pid = getpid(); // so that the index checks of fc_count_hit keep it
 		for (int i = 0; i < n; i++)
 			fc_count_hit(t, bytes);
 		rc = (int)(((uint8_t *)ix->line - ix->counters) / COUNTER_LINE);
