@@ -21,6 +21,16 @@ memory tier, filled before the first round. "vs plain" is the median over rounds
 configuration's figure divided by plain-shm's of the same round (1.00: as cheap as a plain
 read).
 
+With --procs P (a list, such as 2,4,8, runs each), each reader reads its files once untimed,
+then forks P - 1 children, as a DataLoader forks its workers, and all P read every file
+--passes times at once: the figures are then the CPU time (user + system) of all P processes
+per file read, and the wall time of the whole per file read. Several processes hitting the
+same warm files at once show what they share: on a hit, a reader writes only its own line of
+the index's counters (tiers/index.go), where it once wrote one line shared by all.
+
+  .venv/bin/python bench/bench_open_cost.py --files 2000 --rounds 9 --passes 5 --procs 2,4,8 \\
+      --variant old=... --variant new=...
+
 With --strace, one more reader per configuration runs under `strace -f` for one pass, and
 the system calls of that pass are counted per file, by name.
 
@@ -58,6 +68,8 @@ def reader(args):
     for p in paths:
         with open(p, "rb") as f:
             cached += any(os.readlink(f"/proc/self/fd/{f.fileno()}").startswith(t + "/") for t in args.tier)
+    if args.procs > 1:
+        return concurrent(args, paths, cached)
     walls, cpus = [], []
     for _ in range(args.passes):
         if args.mark:
@@ -72,6 +84,45 @@ def reader(args):
         walls.append((t1 - t0) / len(paths) * 1e6)
         cpus.append((c1 - c0) / len(paths) * 1e6)
     json.dump({"wall_us": statistics.median(walls), "cpu_us": statistics.median(cpus), "cached": cached}, sys.stdout)
+
+
+def concurrent(args, paths, cached):
+    """--procs P: the reader, warm, forks P - 1 children (as a DataLoader forks its workers);
+    all P read every file --passes times at once, released together. Prints the CPU time
+    (user + system) of the P processes per file read, and the wall time of the whole per file
+    read (all processes' reads counted)."""
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    kids = []
+
+    def passes():
+        c0 = time.process_time()
+        for _ in range(args.passes):
+            for p in paths:
+                with open(p, "rb") as f:
+                    f.read()
+        return time.process_time() - c0
+
+    for _ in range(args.procs - 1):
+        pid = os.fork()
+        if pid == 0:
+            os.read(go_r, 1)
+            os.write(res_w, f"{passes()!r}\n".encode())
+            os._exit(0)
+        kids.append(pid)
+    time.sleep(0.2)  # the children are waiting
+    t0 = time.perf_counter()
+    os.write(go_w, b"x" * len(kids))
+    cpu = passes()
+    for pid in kids:
+        if os.waitpid(pid, 0)[1] != 0:
+            sys.exit(f"reader child {pid} failed")
+    wall = time.perf_counter() - t0
+    os.close(res_w)
+    with os.fdopen(res_r) as f:
+        cpu += sum(float(line) for line in f)
+    n = args.procs * args.passes * len(paths)
+    json.dump({"wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6, "cached": cached}, sys.stdout)
 
 
 def make_files(root, n, size):
@@ -127,9 +178,9 @@ class Variant:
         shutil.rmtree(self.tier, ignore_errors=True)
 
 
-def run_reader(args, listfile, variant, source, strace_out=None):
+def run_reader(args, listfile, variant, source, strace_out=None, procs=1):
     cmd = [sys.executable, os.path.abspath(__file__), "--reader", "--list", listfile, "--passes",
-           "1" if strace_out else str(args.passes)]
+           "1" if strace_out else str(args.passes), "--procs", str(1 if strace_out else procs)]
     if variant:
         cmd += ["--tier", os.path.realpath(variant.tier)]
     if strace_out:
@@ -165,6 +216,9 @@ def main():
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=BIN:LIB, a fitcache binary and its preload library (LIB empty: the one "
                          "beside BIN); default: the installed package")
+    ap.add_argument("--procs", default="1",
+                    help="reader processes at once, a comma-separated list to run each (a warm reader and "
+                         "the children it forks: CPU of all of them per file)")
     ap.add_argument("--strace", action="store_true", help="count system calls per file")
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
@@ -173,7 +227,9 @@ def main():
     ap.add_argument("--mark", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reader:
+        args.procs = int(args.procs)
         return reader(args)
+    procs = [int(p) for p in args.procs.split(",")]
     if not args.variant:
         import fitcache._native
         args.variant = [f"installed={fitcache._native.server_binary()}:"]
@@ -199,15 +255,17 @@ def main():
         rows = collections.defaultdict(list)
         for rnd in range(args.rounds):
             order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
-            got = {}
-            for v in order:
-                r = run_reader(args, lists["shm" if v is None else "source"], v, source)
-                if v is not None and r["cached"] != args.files:
-                    sys.exit(f"{v.name}: {r['cached']} of {args.files} descriptors were cached copies")
-                got["plain-shm" if v is None else v.name] = r
-            for name, r in got.items():
-                rows[name].append({**r, "wall_vs_plain": r["wall_us"] / got["plain-shm"]["wall_us"],
-                                   "cpu_vs_plain": r["cpu_us"] / got["plain-shm"]["cpu_us"]})
+            for p in procs:
+                got = {}
+                for v in order:
+                    r = run_reader(args, lists["shm" if v is None else "source"], v, source, procs=p)
+                    if v is not None and r["cached"] != args.files:
+                        sys.exit(f"{v.name}: {r['cached']} of {args.files} descriptors were cached copies")
+                    got[("plain-shm" if v is None else v.name, p)] = r
+                for key, r in got.items():
+                    base = got[("plain-shm", p)]
+                    rows[key].append({**r, "wall_vs_plain": r["wall_us"] / base["wall_us"],
+                                      "cpu_vs_plain": r["cpu_us"] / base["cpu_us"]})
         syscalls = {}
         if args.strace:
             for v in configs:
@@ -216,16 +274,17 @@ def main():
                 run_reader(args, lists["shm" if v is None else "source"], v, source, strace_out=trace)
                 syscalls[name] = count_syscalls(trace, args.files)
         print(f"\n{args.files} files of {args.size} bytes, Python open().read() + close, {args.passes} passes per "
-              f"reader, {args.rounds} rounds; medians\n")
-        print("| configuration | wall us/file | vs plain | CPU us/file | vs plain | system calls/file |")
-        print("|---|---|---|---|---|---|")
+              f"reader, {args.rounds} rounds, {os.cpu_count()} cores; medians\n")
+        print("| configuration | processes | wall us/file | vs plain | CPU us/file | vs plain | system calls/file |")
+        print("|---|---|---|---|---|---|---|")
         summary = {}
-        for name, rs in rows.items():
+        for (name, p), rs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain-shm")):
             med = {k: statistics.median(r[k] for r in rs)
                    for k in ("wall_us", "wall_vs_plain", "cpu_us", "cpu_vs_plain")}
-            sc = syscalls.get(name)
-            summary[name] = {**med, "rounds": rs, "syscalls_per_file": sc}
-            print(f"| {name} | {med['wall_us']:.1f} | {med['wall_vs_plain']:.2f} | {med['cpu_us']:.1f} | "
+            sc = syscalls.get(name) if p == procs[0] else None
+            summary[name if len(procs) == 1 else f"{name}/{p}"] = {**med, "procs": p, "rounds": rs,
+                                                                    "syscalls_per_file": sc}
+            print(f"| {name} | {p} | {med['wall_us']:.1f} | {med['wall_vs_plain']:.2f} | {med['cpu_us']:.1f} | "
                   f"{med['cpu_vs_plain']:.2f} | {f'{sum(sc.values()):.2f}' if sc else '-'} |")
         if syscalls:
             print("\nSystem calls per file, by name:\n")
