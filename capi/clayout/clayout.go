@@ -70,6 +70,23 @@ static int clayout_count_as(const char *dir, pid_t pid, int n, int64_t bytes) {
 	return rc;
 }
 
+// clayout_count_loop counts n hits of 4 KiB through fc_count_hit in dir's index, on the line
+// claim_line gives process pid, in a tier of its own (a mapping of its own, as another
+// process has). Returns 0 or a negated errno.
+static int clayout_count_loop(const char *dir, pid_t pid, long n) {
+	struct fc_tier *t;
+	int rc;
+	struct fc_index *ix = clayout_open(dir, &t, &rc);
+	if (ix) {
+		ix->line = claim_line(ix->counters, pid);
+		ix->line_pid = getpid();
+		for (long i = 0; i < n; i++)
+			fc_count_hit(t, 4096);
+	}
+	clayout_close(t);
+	return rc;
+}
+
 // clayout_set_owners marks every counter line of dir's index as claimed by pid.
 static int clayout_set_owners(const char *dir, pid_t pid) {
 	struct fc_tier *t;
@@ -252,6 +269,17 @@ func SetCounterOwners(dir string, pid int) error {
 	cd := C.CString(dir)
 	defer C.free(unsafe.Pointer(cd))
 	if rc := C.clayout_set_owners(cd, C.pid_t(pid)); rc < 0 {
+		return syscall.Errno(-rc)
+	}
+	return nil
+}
+
+// CountHitsLoop counts n hits of 4 KiB each through fc_count_hit in the tier directory dir, in
+// a mapping of its own, on the counter line that C gives a process of the given pid.
+func CountHitsLoop(dir string, pid int, n int64) error {
+	cd := C.CString(dir)
+	defer C.free(unsafe.Pointer(cd))
+	if rc := C.clayout_count_loop(cd, C.pid_t(pid), C.long(n)); rc < 0 {
 		return syscall.Errno(-rc)
 	}
 	return nil

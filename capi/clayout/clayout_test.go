@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -163,16 +164,23 @@ func TestLookupsFindWhatGoPublished(t *testing.T) {
 	}
 }
 
+// memoryTier opens a tier of 16 MiB in a temporary directory, closed at the end of the test.
+func memoryTier(tb testing.TB) (string, *tiers.Tier) {
+	tb.Helper()
+	dir := filepath.Join(tb.TempDir(), "memory")
+	tier, err := tiers.New(tiers.Config{Dir: dir, Kind: tiers.Memory, Budget: "16MiB", CreateParents: true}, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { tier.Close() })
+	return dir, tier
+}
+
 // Readers count hits on a counter line per process: two processes write different cache
 // lines, one process keeps its line, a process past the free lines takes over a gone owner's
 // (its counts kept), and one past every live owner's shares a line. Go's sum sees every count.
 func TestHitCountersPerProcess(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "memory")
-	tier, err := tiers.New(tiers.Config{Dir: dir, Kind: tiers.Memory, Budget: "16MiB", CreateParents: true}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tier.Close()
+	dir, tier := memoryTier(t)
 	// Pids above pid_max belong to no process: owners that are gone.
 	raw, err := os.ReadFile("/proc/sys/kernel/pid_max")
 	if err != nil {
@@ -224,5 +232,32 @@ func TestHitCountersPerProcess(t *testing.T) {
 	shared := pidMax + 2000
 	if line := count(shared, 4, 50); line != shared%CounterLines {
 		t.Errorf("pid %d counted on line %d with every line held, want its own %d", shared, line, shared%CounterLines)
+	}
+}
+
+// BenchmarkCountHit: fc_count_hit from parallel readers, each with a mapping of its own as a
+// process has, counting on a line of its own (as now) or all on one line (as every reader
+// did before each process had its line).
+func BenchmarkCountHit(b *testing.B) {
+	dir, _ := memoryTier(b)
+	for _, shared := range []bool{false, true} {
+		name := map[bool]string{false: "own-line", true: "shared-line"}[shared]
+		b.Run(name, func(b *testing.B) {
+			var next atomic.Int64
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				pid := 1 << 30 // no process has it: a line of its own
+				if !shared {
+					pid += int(next.Add(1))
+				}
+				var n int64
+				for pb.Next() {
+					n++
+				}
+				if err := CountHitsLoop(dir, pid, n); err != nil {
+					b.Error(err)
+				}
+			})
+		})
 	}
 }
