@@ -190,7 +190,7 @@ static uint64_t *claim_line(uint8_t *counters, pid_t pid) {
 	return (uint64_t *)(counters + home * COUNTER_LINE);
 }
 
-// map_index maps the tier's index into *ix: all of it read-only, and its counter page
+// map_index maps the tier's index into *ix: all of it read-only, and its counter lines
 // writable, after checking that it is a regular file of this user whose header matches its
 // size. The geometry is read once, here: lookups use ix->buckets, never the header.
 static int map_index(int dirfd, struct fc_index *ix) {
