@@ -21,6 +21,16 @@ memory tier, filled before the first round. "vs plain" is the median over rounds
 configuration's figure divided by plain-shm's of the same round (1.00: as cheap as a plain
 read).
 
+With --procs P (a list, such as 2,4,8, runs each), each reader reads its files once untimed,
+then forks P - 1 children, as a DataLoader forks its workers, and all P read every file
+--passes times at once: the figures are then the CPU time (user + system) of all P processes
+per file read, and the wall time of the whole per file read. Several processes hitting the
+same warm files at once show what they share: on a hit, a reader writes only its own line of
+the index's counters (tiers/index.go), where it once wrote one line shared by all.
+
+  .venv/bin/python bench/bench_open_cost.py --files 2000 --rounds 9 --passes 5 --procs 2,4,8 \\
+      --variant old=... --variant new=...
+
 With --strace, one more reader per configuration runs under `strace -f` for one pass, and
 the system calls of that pass are counted per file, by name.
 

@@ -18,17 +18,19 @@
 // Index layout (tiers/index.go).
 #define INDEX_NAME "fitcache.index"
 #define INDEX_MAGIC "FCINDEX\x01"
-#define INDEX_VERSION 4
+#define INDEX_VERSION 5
 #define INDEX_WAYS 8
 #define INDEX_SLOT 80
-#define INDEX_PAGE 4096     // the header page (read-only here), then the counter page
-#define INDEX_SLOTS 8192    // offset of the first slot
+#define INDEX_SLOTS 20480   // offset of the first slot
 #define HDR_VERSION 8
 #define HDR_WAYS 12
 #define HDR_BUCKETS 16
 #define HDR_SLOT_SIZE 20
 #define HDR_RETIRED 24
-#define COUNTERS 4096       // hits, then hit bytes (uint64 each), on a page of their own
+#define COUNTERS 4096       // the counter lines, on pages of their own after the header page
+#define COUNTER_LINE 64     // bytes per line: owner pid (uint32, 0 while free), then (uint64 each)
+#define COUNTER_BYTES (FC_COUNTER_LINES * COUNTER_LINE) // hits, hit bytes, source ranges, bytes
+#define CLAIM_PROBES 8      // lines of gone owners tried before sharing one (claim_line)
 #define INDEX_MIN_BUCKETS (1u << 10) // tiers/index.go minIndexBuckets and maxIndexBuckets
 #define INDEX_MAX_BUCKETS (1u << 20)
 
@@ -152,7 +154,43 @@ static uint64_t rd64(const uint8_t *p) { return __atomic_load_n((const uint64_t 
 
 static size_t index_len(uint32_t buckets) { return INDEX_SLOTS + (size_t)buckets * INDEX_WAYS * INDEX_SLOT; }
 
-// map_index maps the tier's index into *ix: all of it read-only, and its counter page
+// claim_line returns the counter line of ix that process pid adds its counts to: the one it
+// owns already (a pid used again), else a free one it claims with a compare-and-swap of the
+// owner, else, every line claimed, one whose owner is gone (taken over with its counts, which
+// stay in the server's sum), else one shared, chosen by the pid. A process claims one at its
+// first count in a mapping (count), not when it maps it: short-lived programs under the
+// preload shim that never hit take none. Lines are never freed: a
+// count is never lost, and a node whose readers outnumber the lines has them share, with
+// atomic adds, so that the sum stays right. (An owner in another pid namespace may look gone:
+// its line is then shared too.) Only reads of the lines and at most CLAIM_PROBES kill(pid, 0),
+// once per process and mapping.
+static uint64_t *claim_line(uint8_t *counters, pid_t pid) {
+	uint32_t me = (uint32_t)pid;
+	int spare = -1;
+	for (int i = 0; i < FC_COUNTER_LINES; i++) {
+		uint32_t owner = __atomic_load_n((uint32_t *)(counters + i * COUNTER_LINE), __ATOMIC_RELAXED);
+		if (owner == me)
+			return (uint64_t *)(counters + i * COUNTER_LINE);
+		if (owner == 0 && spare < 0)
+			spare = i;
+	}
+	for (int i = spare; i >= 0 && i < FC_COUNTER_LINES; i++) {
+		uint32_t *owner = (uint32_t *)(counters + i * COUNTER_LINE), was = 0;
+		if (__atomic_compare_exchange_n(owner, &was, me, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) || was == me)
+			return (uint64_t *)owner; // claimed, or by another thread of this process meanwhile
+	}
+	int home = (int)(me % FC_COUNTER_LINES);
+	for (int k = 0; k < CLAIM_PROBES; k++) {
+		uint32_t *owner = (uint32_t *)(counters + ((home + k) % FC_COUNTER_LINES) * COUNTER_LINE);
+		uint32_t was = __atomic_load_n(owner, __ATOMIC_RELAXED);
+		if ((int32_t)was > 0 && syscall(SYS_kill, (pid_t)was, 0) != 0 && errno == ESRCH &&
+		    __atomic_compare_exchange_n(owner, &was, me, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+			return (uint64_t *)owner;
+	}
+	return (uint64_t *)(counters + home * COUNTER_LINE);
+}
+
+// map_index maps the tier's index into *ix: all of it read-only, and its counter lines
 // writable, after checking that it is a regular file of this user whose header matches its
 // size. The geometry is read once, here: lookups use ix->buckets, never the header.
 static int map_index(int dirfd, struct fc_index *ix) {
@@ -179,7 +217,7 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	if (ok)
 		m = mmap(NULL, index_len(buckets), PROT_READ, MAP_SHARED, fd, 0);
 	if (m != MAP_FAILED)
-		c = mmap(NULL, INDEX_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, COUNTERS);
+		c = mmap(NULL, COUNTER_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, COUNTERS);
 	close(fd);
 	if (c == MAP_FAILED) {
 		if (m != MAP_FAILED)
@@ -190,6 +228,8 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	ix->len = index_len(buckets);
 	ix->buckets = buckets;
 	ix->counters = c;
+	ix->line = NULL; // claimed at the first count
+	ix->line_pid = 0;
 	ix->ino = (uint64_t)st.st_ino;
 	ix->intact_ns = 0;
 	return 0;
@@ -211,8 +251,17 @@ static int index_intact(const struct fc_tier *t, struct fc_index *ix) {
 	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
 	int intact = syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
 	             (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
-	if (intact)
+	if (intact) {
+		// A forked child counts on its parent's line until here, then lets go of it and
+		// claims its own at its next count: at most FC_INTACT_TRUST_NS after the fork (a
+		// getpid per check, not per hit).
+		pid_t owner = __atomic_load_n(&ix->line_pid, __ATOMIC_RELAXED);
+		if (owner != 0 && owner != getpid()) {
+			__atomic_store_n(&ix->line, NULL, __ATOMIC_RELAXED);
+			__atomic_store_n(&ix->line_pid, 0, __ATOMIC_RELAXED);
+		}
 		__atomic_store_n(&ix->intact_ns, now, __ATOMIC_RELAXED);
+	}
 	return intact;
 }
 
@@ -220,9 +269,10 @@ static void unmap_index(struct fc_index *ix) {
 	if (!ix->base)
 		return;
 	munmap((void *)ix->base, ix->len);
-	munmap(ix->counters, INDEX_PAGE);
+	munmap(ix->counters, COUNTER_BYTES);
 	ix->base = NULL;
 	ix->counters = NULL;
+	ix->line = NULL;
 }
 
 // A thread that maps a tier's index anew is the only one doing so; one that started more than
@@ -516,22 +566,25 @@ int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino) {
 	return listed;
 }
 
-void fc_count_source(struct fc_tier *t, int64_t bytes) {
+// count adds one to word first of this process's counter line in t's index and bytes to the
+// next word, claiming the line first if the process has none in this mapping yet.
+static void count(struct fc_tier *t, int first, int64_t bytes) {
 	int saved = errno;
 	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
 	if (ix) {
-		__atomic_fetch_add(&ix->counters[2], 1, __ATOMIC_RELAXED);
-		__atomic_fetch_add(&ix->counters[3], (uint64_t)bytes, __ATOMIC_RELAXED);
+		uint64_t *line = __atomic_load_n(&ix->line, __ATOMIC_RELAXED);
+		if (!line) {
+			pid_t pid = getpid();
+			line = claim_line(ix->counters, pid);
+			__atomic_store_n(&ix->line_pid, pid, __ATOMIC_RELAXED);
+			__atomic_store_n(&ix->line, line, __ATOMIC_RELAXED);
+		}
+		__atomic_fetch_add(&line[first], 1, __ATOMIC_RELAXED);
+		__atomic_fetch_add(&line[first + 1], (uint64_t)bytes, __ATOMIC_RELAXED);
 	}
 	errno = saved;
 }
 
-void fc_count_hit(struct fc_tier *t, int64_t bytes) {
-	int saved = errno;
-	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL;
-	if (ix) {
-		__atomic_fetch_add(&ix->counters[0], 1, __ATOMIC_RELAXED);
-		__atomic_fetch_add(&ix->counters[1], (uint64_t)bytes, __ATOMIC_RELAXED);
-	}
-	errno = saved;
-}
+void fc_count_source(struct fc_tier *t, int64_t bytes) { count(t, 3, bytes); }
+
+void fc_count_hit(struct fc_tier *t, int64_t bytes) { count(t, 1, bytes); }

@@ -68,13 +68,22 @@ extern "C" {
  * persistent memory, NVMe, disk). A reader with more reads the rest through its server. */
 #define FC_MAX_TIERS 64
 
+/* Lines of hit counters in a tier's index (tiers/index.go counterLines): each reader process
+ * adds its counts to a line of its own while there are enough, so that a hit writes nothing
+ * another process writes; the server sums them. */
+#define FC_COUNTER_LINES 256
+
 /* One mapping of a tier's index, with what a lookup needs read once when it was mapped: a
  * stray write to the index file cannot make a lookup read outside the mapping. */
 struct fc_index {
 	const uint8_t *base; /* the whole index, read-only; NULL for an unused entry */
 	size_t len;
 	uint32_t buckets;   /* from the header, checked against len */
-	uint64_t *counters; /* the page of hit counters, mapped writable */
+	uint8_t *counters;  /* the counter lines (FC_COUNTER_LINES of 64 bytes), mapped writable */
+	uint64_t *line;     /* this process's line among them, NULL until its first count (atomic;
+	                       see claim_line in fclookup.c) */
+	pid_t line_pid;     /* the process that claimed line, 0 for none (atomic): a forked child
+	                       claims its own */
 	uint64_t ino;       /* the index file's inode number: see index_intact in fclookup.c */
 	int64_t intact_ns;  /* CLOCK_MONOTONIC time it was last found intact (atomic) */
 	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */
@@ -188,7 +197,9 @@ int fc_listed(struct fc_tier *t, uint64_t key, uint64_t check, uint64_t ino);
  * looks it up anew. */
 int fc_copy_intact(struct fc_tier *t, const char *path, size_t len, uint64_t ino, int64_t size, int64_t *intact_ns);
 
-/* Adds a read of bytes served from tier t to the hit counters the tier's server reports. */
+/* Adds a read of bytes served from tier t to the hit counters the tier's server reports: to
+ * this process's line of them, which no other process writes while the index has a line per
+ * reader process (see claim_line in fclookup.c). */
 void fc_count_hit(struct fc_tier *t, int64_t bytes);
 
 /* Adds a range of bytes read from the source of a large file (no block held it) to the

@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -451,3 +452,48 @@ def test_torch2_dataloader_reads_batches_through_getitems(dataset, cache_options
     got = [item for batch in loader for item in batch]
     assert calls and all(n <= 8 for n in calls), f"__getitems__ calls {calls}"
     assert [digest(v) for v in got] == [digests[f] for f in ds.files]
+
+
+def test_forked_readers_count_hits_on_lines_of_their_own(dataset, cache_options):
+    """Each reader process counts its hits on a 64-byte line of the tier index's counters that
+    no other process writes (tiers/index.go): a child forked after its parent read through the
+    cache claims its own line, and the server's hits are the sum of the lines."""
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    for i in range(len(ds)):
+        ds[i]
+    wait_published(cache_options, len(ds))
+    ds.close()
+    code = f"""
+import os, fitcache
+ds = fitcache.FitCacheDataset({root!r}, **{cache_options!r})
+for i in range(len(ds)):
+    ds[i]
+children = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        for _ in range(3):
+            for i in range(len(ds)):
+                ds[i]
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    assert os.waitpid(pid, 0)[1] == 0
+print(*children)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    children = [int(p) for p in out.stdout.split()]
+    shm = cache_options["tiers"].split(",")[0].split(":")[1]
+    with open(os.path.join(shm, "fitcache.index"), "rb") as f:
+        counters = f.read(4096 + 256 * 64)[4096:]
+    lines = {}
+    for i in range(256):
+        owner, hits = struct.unpack_from("<I4xQ", counters, i * 64)
+        if owner:
+            lines[owner] = lines.get(owner, 0) + hits
+    for pid in children:
+        assert lines.get(pid, 0) > 0, f"child {pid} counted no hit on a line of its own: {lines}"
+    stats = fitcache.server_stats(**cache_options)
+    assert stats["hits"]["memory"] >= sum(lines.values()) >= 2 * 3 * len(ds), (stats["hits"], lines)

@@ -539,7 +539,7 @@ sys.stdout.write(os.pread(fd, {n}, {off}).hex() + "\\n")
 
 def truncate_mapped(tiers_option, runtime_dir):
     """Truncates, as another process of the user could, what readers keep mapped: the index
-    of the memory tier to 4,096 bytes (its header page: the slots and the counter page are
+    of the memory tier to 4,096 bytes (its header page: the slots and the counter pages are
     cut off), the shim's heat table and the cached blocks of big.bin to nothing."""
     shm = tiers_option.split(",")[0].split(":")[1]
     os.truncate(os.path.join(shm, "fitcache.index"), 4096)

@@ -35,13 +35,23 @@ import (
 //	  24 retired  uint32   1 once a server replaced this file: readers open the index anew
 //	  28 sessions uint32   the last validation session the server began (Tier.NoteSession),
 //	                       so that a restarted server numbers its sessions on from it
-//	counters, page 1 (4096 bytes), the only part readers map writable
-//	  4096 hits     uint64 reads that readers outside the server served from the tier
-//	  4104 hitBytes uint64 their bytes (readers add to both atomically)
-//	  4112 sourceRanges uint64 ranges such readers read from the source of a large file whose
+//	counters, pages 1-4 (counterLines lines of 64 bytes from offset 4096), the only part
+//	readers map writable: a reader process adds its counts to a line of its own, so that a
+//	hit writes nothing another process writes (one shared line, written by every reader on
+//	every hit, went from core to core). The server sums the lines when asked.
+//	  0  owner  uint32   the pid of the process that claimed the line, 0 while free (a reader
+//	                     claims one with a compare-and-swap at its first count in a mapping;
+//	                     see capi/fclookup.c claim_line)
+//	  8  hits     uint64 reads that readers outside the server served from the tier
+//	  16 hitBytes uint64 their bytes (readers add to both atomically)
+//	  24 sourceRanges uint64 ranges such readers read from the source of a large file whose
 //	                       blocks were not cached (the preload shim), counted in the first tier
-//	  4120 sourceBytes  uint64 their bytes
-//	slots, 80 bytes each, from offset 8192; bucket b holds slots b*ways .. b*ways+ways-1:
+//	  32 sourceBytes  uint64 their bytes
+//	A line is never cleared: the counts of a process that exited stay in the sum, and a
+//	process that takes over its line (every line claimed, its owner gone) adds to them. With
+//	every line held by a live process, a reader shares one, chosen by its pid; the adds are
+//	atomic, so the sum is right either way.
+//	slots, 80 bytes each, from offset 20480; bucket b holds slots b*ways .. b*ways+ways-1:
 //	  0  seq      uint32   seqlock: odd while the server changes the slot
 //	  4  used     uint32   1 if the slot holds an entry
 //	  8  key      uint64   KeyOf(source path): names the data file, see RelPath
@@ -60,7 +70,7 @@ import (
 //
 // Readers read the geometry (buckets) once, when they map the index, and check it against the
 // mapping's length: a stray write to the header by a process of the same user can make them
-// miss, never read outside the mapping. The counters live on a page of their own so that the
+// miss, never read outside the mapping. The counters live on pages of their own so that the
 // header and the slots can be mapped read-only.
 //
 // The bucket of a key is (key * 0x9E3779B97F4A7C15) >> (64 - log2(buckets)): the key mixed
@@ -81,21 +91,25 @@ import (
 const (
 	indexName     = "fitcache.index"
 	indexMagic    = "FCINDEX\x01"
-	indexVersion  = 4
+	indexVersion  = 5
 	indexWays     = 8
 	indexSlotSize = 80
-	indexSlots    = 8192 // offset of the first slot, after the header and counter pages
+	indexSlots    = 20480 // offset of the first slot, after the header and counter pages
 
-	hdrVersion      = 8
-	hdrWays         = 12
-	hdrBuckets      = 16
-	hdrSlotSize     = 20
-	hdrRetired      = 24
-	hdrSessions     = 28
-	hdrHits         = 4096
-	hdrHitBytes     = 4104
-	hdrSourceRanges = 4112
-	hdrSourceBytes  = 4120
+	hdrVersion  = 8
+	hdrWays     = 12
+	hdrBuckets  = 16
+	hdrSlotSize = 20
+	hdrRetired  = 24
+	hdrSessions = 28
+
+	counterLines     = 256  // lines of counters, one per reader process while there are enough
+	counterLine      = 64   // bytes per line: a cache line
+	counterBase      = 4096 // offset of the first line
+	lineHits         = 8    // offsets within a line
+	lineHitBytes     = 16
+	lineSourceRanges = 24
+	lineSourceBytes  = 32
 )
 
 // Index geometry: about one slot per indexBytesPerSlot of budget (the number of buckets is
@@ -108,7 +122,7 @@ const (
 // of the budget, in the tier's file system.
 const (
 	indexBytesPerSlot = 16 << 10
-	minIndexBuckets   = 1 << 10 // 8,192 slots: 648 KiB
+	minIndexBuckets   = 1 << 10 // 8,192 slots: 660 KiB
 	maxIndexBuckets   = 1 << 20 // 8 Mi slots: 640 MiB
 )
 
@@ -313,15 +327,23 @@ func (ix *index) remove(id entryID) {
 // retired reports whether a server replaced this index.
 func (ix *index) retired() bool { return atomic.LoadUint32(ix.word32(hdrRetired)) != 0 }
 
-// hits returns the reads and bytes that readers outside the server served from the tier.
-func (ix *index) hits() (n, bytes int64) {
-	return int64(atomic.LoadUint64(ix.word64(hdrHits))), int64(atomic.LoadUint64(ix.word64(hdrHitBytes)))
+// sumLines returns the sums of the two counters at offsets a and b of every counter line.
+func (ix *index) sumLines(a, b int) (n, bytes int64) {
+	for i := range counterLines {
+		off := counterBase + i*counterLine
+		n += int64(atomic.LoadUint64(ix.word64(off + a)))
+		bytes += int64(atomic.LoadUint64(ix.word64(off + b)))
+	}
+	return n, bytes
 }
+
+// hits returns the reads and bytes that readers outside the server served from the tier.
+func (ix *index) hits() (n, bytes int64) { return ix.sumLines(lineHits, lineHitBytes) }
 
 // sourceReads returns the ranges and bytes that readers outside the server read from the
 // source (see the layout).
 func (ix *index) sourceReads() (n, bytes int64) {
-	return int64(atomic.LoadUint64(ix.word64(hdrSourceRanges))), int64(atomic.LoadUint64(ix.word64(hdrSourceBytes)))
+	return ix.sumLines(lineSourceRanges, lineSourceBytes)
 }
 
 func (ix *index) unmap() error { return ix.m.Unmap() }

@@ -25,6 +25,78 @@ static int clayout_rel_path(const char *path, size_t len, char *rel, size_t cap)
 	fc_hashes(path, len, &key, &check);
 	return rel_path(path, len, key, rel, cap);
 }
+
+// clayout_open opens the tier directory dir into *t (allocated here; NULL if it could not be
+// opened) and returns its index, or NULL with a negated errno in *rc. clayout_close closes
+// and frees *t.
+static struct fc_index *clayout_open(const char *dir, struct fc_tier **t, int *rc) {
+	*t = calloc(1, sizeof **t);
+	if (!*t) {
+		*rc = -ENOMEM;
+		return NULL;
+	}
+	if ((*rc = fc_tier_open(*t, dir, 0, 0)) != 0) {
+		free(*t);
+		*t = NULL;
+		return NULL;
+	}
+	struct fc_index *ix = current_index(*t);
+	if (!ix)
+		*rc = -ENOENT;
+	return ix;
+}
+
+static void clayout_close(struct fc_tier *t) {
+	if (t)
+		fc_tier_close(t);
+	free(t);
+}
+
+// clayout_count_as claims a counter line of dir's index as process pid would (claim_line),
+// and counts n hits of bytes each on it through fc_count_hit. Returns the line's number, or
+// a negated errno.
+static int clayout_count_as(const char *dir, pid_t pid, int n, int64_t bytes) {
+	struct fc_tier *t;
+	int rc;
+	struct fc_index *ix = clayout_open(dir, &t, &rc);
+	if (ix) {
+		ix->line = claim_line(ix->counters, pid);
+		ix->line_pid = getpid(); // so that the index checks of fc_count_hit keep it
+		for (int i = 0; i < n; i++)
+			fc_count_hit(t, bytes);
+		rc = (int)(((uint8_t *)ix->line - ix->counters) / COUNTER_LINE);
+	}
+	clayout_close(t);
+	return rc;
+}
+
+// clayout_count_loop counts n hits of 4 KiB through fc_count_hit in dir's index, on the line
+// claim_line gives process pid, in a tier of its own (a mapping of its own, as another
+// process has). Returns 0 or a negated errno.
+static int clayout_count_loop(const char *dir, pid_t pid, long n) {
+	struct fc_tier *t;
+	int rc;
+	struct fc_index *ix = clayout_open(dir, &t, &rc);
+	if (ix) {
+		ix->line = claim_line(ix->counters, pid);
+		ix->line_pid = getpid();
+		for (long i = 0; i < n; i++)
+			fc_count_hit(t, 4096);
+	}
+	clayout_close(t);
+	return rc;
+}
+
+// clayout_set_owners marks every counter line of dir's index as claimed by pid.
+static int clayout_set_owners(const char *dir, pid_t pid) {
+	struct fc_tier *t;
+	int rc;
+	struct fc_index *ix = clayout_open(dir, &t, &rc);
+	for (int i = 0; ix && i < FC_COUNTER_LINES; i++)
+		__atomic_store_n((uint32_t *)(ix->counters + i * COUNTER_LINE), (uint32_t)pid, __ATOMIC_RELAXED);
+	clayout_close(t);
+	return rc;
+}
 */
 import "C"
 
@@ -174,4 +246,41 @@ func cbytes(b []byte) *C.char {
 		return (*C.char)(unsafe.Pointer(&zero))
 	}
 	return (*C.char)(unsafe.Pointer(&b[0]))
+}
+
+// CounterLines is FC_COUNTER_LINES: the lines of hit counters in a tier's index.
+const CounterLines = C.FC_COUNTER_LINES
+
+// CountHitsAs counts n hits of bytes each through fc_count_hit in the tier directory dir, on
+// the counter line that C gives a process of the given pid, and returns that line's number.
+func CountHitsAs(dir string, pid, n int, bytes int64) (line int, err error) {
+	cd := C.CString(dir)
+	defer C.free(unsafe.Pointer(cd))
+	rc := C.clayout_count_as(cd, C.pid_t(pid), C.int(n), C.int64_t(bytes))
+	if rc < 0 {
+		return 0, syscall.Errno(-rc)
+	}
+	return int(rc), nil
+}
+
+// SetCounterOwners marks every counter line of the index in the tier directory dir as
+// claimed by the process pid.
+func SetCounterOwners(dir string, pid int) error {
+	cd := C.CString(dir)
+	defer C.free(unsafe.Pointer(cd))
+	if rc := C.clayout_set_owners(cd, C.pid_t(pid)); rc < 0 {
+		return syscall.Errno(-rc)
+	}
+	return nil
+}
+
+// CountHitsLoop counts n hits of 4 KiB each through fc_count_hit in the tier directory dir, in
+// a mapping of its own, on the counter line that C gives a process of the given pid.
+func CountHitsLoop(dir string, pid int, n int64) error {
+	cd := C.CString(dir)
+	defer C.free(unsafe.Pointer(cd))
+	if rc := C.clayout_count_loop(cd, C.pid_t(pid), C.long(n)); rc < 0 {
+		return syscall.Errno(-rc)
+	}
+	return nil
 }

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -159,5 +161,103 @@ func TestLookupsFindWhatGoPublished(t *testing.T) {
 	tierList[published[gone]].Forget(gone)
 	if _, err := Lookup(dirs, 0, false, gone); !errors.Is(err, syscall.ENOENT) {
 		t.Errorf("a copy Go removed: %v", err)
+	}
+}
+
+// memoryTier opens a tier of 16 MiB in a temporary directory, closed at the end of the test.
+func memoryTier(tb testing.TB) (string, *tiers.Tier) {
+	tb.Helper()
+	dir := filepath.Join(tb.TempDir(), "memory")
+	tier, err := tiers.New(tiers.Config{Dir: dir, Kind: tiers.Memory, Budget: "16MiB", CreateParents: true}, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { tier.Close() })
+	return dir, tier
+}
+
+// Readers count hits on a counter line per process: two processes write different cache
+// lines, one process keeps its line, a process past the free lines takes over a gone owner's
+// (its counts kept), and one past every live owner's shares a line. Go's sum sees every count.
+func TestHitCountersPerProcess(t *testing.T) {
+	dir, tier := memoryTier(t)
+	// Pids above pid_max belong to no process: owners that are gone.
+	raw, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pidMax, err := strconv.Atoi(strings.TrimSpace(string(raw)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wantN, wantBytes int64
+	count := func(pid, n int, bytes int64) int {
+		t.Helper()
+		line, err := CountHitsAs(dir, pid, n, bytes)
+		if err != nil {
+			t.Fatalf("pid %d: %v", pid, err)
+		}
+		wantN, wantBytes = wantN+int64(n), wantBytes+int64(n)*bytes
+		if n, bytes := tier.Hits(); n != wantN || bytes != wantBytes {
+			t.Fatalf("after pid %d: Go sums %d hits of %d bytes, C counted %d of %d", pid, n, bytes, wantN, wantBytes)
+		}
+		return line
+	}
+	a, b := count(pidMax+1, 3, 100), count(pidMax+2, 5, 1000)
+	if a == b {
+		t.Errorf("two processes count on one line (%d)", a)
+	}
+	if again := count(pidMax+1, 1, 7); again != a {
+		t.Errorf("a process counted on line %d, then on line %d", a, again)
+	}
+	used := map[int]bool{a: true, b: true}
+	for pid := pidMax + 3; len(used) < CounterLines; pid++ {
+		line := count(pid, 1, 1)
+		if used[line] {
+			t.Fatalf("pid %d took line %d, taken already, with %d of %d free", pid, line, CounterLines-len(used), CounterLines)
+		}
+		used[line] = true
+	}
+	// Every line claimed, by processes that are gone: one of them is taken over near the
+	// pid's own, its counts kept (checked by count).
+	late := pidMax + 1000
+	line := count(late, 2, 10)
+	if d := (line - late%CounterLines + CounterLines) % CounterLines; d >= 8 {
+		t.Errorf("pid %d took over line %d, %d past its own", late, line, d)
+	}
+	// Every line held by a live process (this one): a new process shares the pid's own.
+	if err := SetCounterOwners(dir, os.Getpid()); err != nil {
+		t.Fatal(err)
+	}
+	shared := pidMax + 2000
+	if line := count(shared, 4, 50); line != shared%CounterLines {
+		t.Errorf("pid %d counted on line %d with every line held, want its own %d", shared, line, shared%CounterLines)
+	}
+}
+
+// BenchmarkCountHit: fc_count_hit from parallel readers, each with a mapping of its own as a
+// process has, counting on a line of its own (as now) or all on one line (as every reader
+// did before each process had its line).
+func BenchmarkCountHit(b *testing.B) {
+	dir, _ := memoryTier(b)
+	for _, shared := range []bool{false, true} {
+		name := map[bool]string{false: "own-line", true: "shared-line"}[shared]
+		b.Run(name, func(b *testing.B) {
+			var next atomic.Int64
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				pid := 1 << 30 // no process has it: a line of its own
+				if !shared {
+					pid += int(next.Add(1))
+				}
+				var n int64
+				for pb.Next() {
+					n++
+				}
+				if err := CountHitsLoop(dir, pid, n); err != nil {
+					b.Error(err)
+				}
+			})
+		})
 	}
 }

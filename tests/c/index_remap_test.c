@@ -25,7 +25,7 @@
 #include "fclookup.h"
 
 #define BUCKETS 1024
-#define SLOTS 8192
+#define SLOTS 20480 // tiers/index.go indexSlots
 #define SLOT 80 // tiers/index.go indexSlotSize
 #define INDEX_LEN (SLOTS + BUCKETS * 8 * SLOT)
 #define RESTARTS 40
@@ -92,7 +92,7 @@ static void publish_index(const uint64_t *inos, int n) {
 	static uint8_t m[INDEX_LEN];
 	memset(m, 0, sizeof m);
 	memcpy(m, "FCINDEX\x01", 8);
-	uint32_t version = 4, ways = 8, buckets = BUCKETS, slot = SLOT;
+	uint32_t version = 5, ways = 8, buckets = BUCKETS, slot = SLOT;
 	memcpy(m + 8, &version, 4);
 	memcpy(m + 12, &ways, 4);
 	memcpy(m + 16, &buckets, 4);

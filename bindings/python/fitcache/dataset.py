@@ -187,8 +187,8 @@ class FitCacheDataset(_Base):
         # With a transform, the batch is read and transformed a chunk at a time: a transform
         # that reads every byte (a decoder, a checksum) then finds each file's bytes still in
         # the CPU's caches, where a whole batch (256 files of 110 KiB: 28 MB) read first had
-        # left them (+16 us per file, measured: docs/BENCHMARKS.md section 8c), and each chunk's
-        # buffers are released before the next is read.
+        # left them (7-8% more CPU per file, measured: docs/BENCHMARKS.md section 8d), and each
+        # chunk's buffers are released before the next is read.
         out: list[Any] = []
         for start in range(0, len(paths), _TRANSFORM_CHUNK):
             out.extend(self.transform(v) for v in self._read_batch(paths[start:start + _TRANSFORM_CHUNK]))
