@@ -163,15 +163,18 @@ struct cbuf {
 #define POOL_KEEP 256
 #define POOL_MAX_BYTES ((size_t)64 << 20)
 
-// Threads scale: a hit takes no lock and writes no line that the threads of other shards
-// take or write. Each thread belongs to one of SHARDS shards (own_shard: the threads of a
+// Threads scale: a hit takes no lock that the threads of other shards take, and writes no
+// line that they write (but the process's line of hit counters in the tier's index, see
+// fc_count_hit). Each thread belongs to one of SHARDS shards (own_shard: the threads of a
 // process take them in turn), which holds the table of the buffers it hands out, its pool of
 // free memory, and its counts of the references to each client slot and of the hits on it.
 // A buffer released by another thread goes back to the shard it came from (its handle says
 // which), so that shard's lock is the only one a release takes.
 #define SHARD_BITS 6
 #define SHARDS (1 << SHARD_BITS)
-#define SHARD_BUFS ((uint32_t)1 << 26) // buffers of a shard handed out at once, at most
+#define SLOT_BITS 26
+#define SHARD_BUFS ((uint32_t)1 << SLOT_BITS) // buffers of a shard handed out at once, at most
+_Static_assert(SHARD_BITS + SLOT_BITS <= 32, "a handle's low 32 bits hold its shard and slot");
 struct shard {
 	pthread_mutex_t mu; // protects the buffers and the pool; never held across I/O
 	struct cbuf *bufs;
@@ -201,9 +204,9 @@ static struct shard *own_shard(void) {
 	return &shards[i];
 }
 
-// A handle is FC_CBUF_BASE | gen << 32 | shard << 26 | slot.
+// A handle is FC_CBUF_BASE | gen << 32 | shard << SLOT_BITS | slot.
 static int64_t buf_handle(const struct shard *s, uint32_t slot, uint32_t gen) {
-	return FC_CBUF_BASE | ((int64_t)(gen & 0x3fffffff) << 32) | (int64_t)(s - shards) << 26 | slot;
+	return FC_CBUF_BASE | ((int64_t)(gen & 0x3fffffff) << 32) | (int64_t)(s - shards) << SLOT_BITS | slot;
 }
 
 static void lock_all(void) {
@@ -342,7 +345,7 @@ static void free_mem(void *ptr, size_t len, uint8_t kind) {
 int hit_release(int64_t h) {
 	if (h < FC_CBUF_BASE)
 		return -EBADF;
-	struct shard *s = &shards[((uint64_t)h >> 26) & (SHARDS - 1)];
+	struct shard *s = &shards[((uint64_t)h >> SLOT_BITS) & (SHARDS - 1)];
 	uint32_t slot = (uint32_t)h & (SHARD_BUFS - 1), gen = (uint32_t)((h >> 32) & 0x3fffffff);
 	pthread_mutex_lock(&s->mu);
 	if (slot >= s->nbufs || s->bufs[slot].kind == BUF_FREE || (s->bufs[slot].gen & 0x3fffffff) != gen) {
