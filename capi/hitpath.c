@@ -165,9 +165,9 @@ struct cbuf {
 
 // Threads scale: a hit takes no lock that the threads of other shards take, and writes no
 // line that they write (but the process's line of hit counters in the tier's index, see
-// fc_count_hit). Each thread belongs to one of SHARDS shards (own_shard: the threads of a
-// process take them in turn), which holds the table of the buffers it hands out, its pool of
-// free memory, and its counts of the references to each client slot and of the hits on it.
+// fc_count_hit). Each thread belongs to one of SHARDS shards (see own_shard), which holds the
+// table of the buffers it hands out, its pool of free memory, and its counts of the
+// references to each client slot and of the hits on it.
 // A buffer released by another thread goes back to the shard it came from (its handle says
 // which), so that shard's lock is the only one a release takes.
 #define SHARD_BITS 6
@@ -191,16 +191,40 @@ struct shard {
 } __attribute__((aligned(128))); // shards share no cache line, nor a pair the CPU fetches together
 
 static struct shard shards[SHARDS] = {[0 ... SHARDS - 1] = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+
+// A thread takes a shard of its own while one is free (a bit of shards_used each), and gives it
+// back when it exits (shard_key's destructor): the threads alive at once share no shard while
+// they are SHARDS at most, and threads that come and go use the same few shards and pools.
+// Past SHARDS threads, a thread shares the shard next_shard names.
+_Static_assert(SHARDS == 64, "shards_used has a bit for each shard");
+static uint64_t shards_used;     // atomic
 static unsigned next_shard;      // atomic
+static pthread_key_t shard_key;  // the shard + 1 of a thread that has it to itself
+static bool shard_key_made;      // pthread_key_create gave shard_key (else shards are not given back)
 static __thread int shard_plus1; // the calling thread's shard + 1; 0 until it has one
+
+static void shard_exit(void *v) {
+	__atomic_fetch_and(&shards_used, ~((uint64_t)1 << ((intptr_t)v - 1)), __ATOMIC_RELEASE);
+}
 
 // own_shard returns the shard of the calling thread.
 static struct shard *own_shard(void) {
 	int i = shard_plus1 - 1;
-	if (i < 0) {
-		i = (int)(__atomic_fetch_add(&next_shard, 1, __ATOMIC_RELAXED) % SHARDS);
-		shard_plus1 = i + 1;
+	if (i >= 0)
+		return &shards[i];
+	uint64_t used = __atomic_load_n(&shards_used, __ATOMIC_RELAXED);
+	while (~used != 0) {
+		i = __builtin_ctzll(~used);
+		if (__atomic_compare_exchange_n(&shards_used, &used, used | (uint64_t)1 << i, false, __ATOMIC_ACQUIRE,
+		                                __ATOMIC_RELAXED)) {
+			if (shard_key_made)
+				pthread_setspecific(shard_key, (void *)(intptr_t)(i + 1)); // else kept for good
+			shard_plus1 = i + 1;
+			return &shards[i];
+		}
 	}
+	i = (int)(__atomic_fetch_add(&next_shard, 1, __ATOMIC_RELAXED) % SHARDS);
+	shard_plus1 = i + 1;
 	return &shards[i];
 }
 
@@ -234,6 +258,10 @@ static void unlock_all(void) {
 static void reset_in_child(void) {
 	pthread_rwlock_t fresh_rw = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 	clients_lock = fresh_rw;
+	if (shard_key_made) { // the shards of the parent's other threads are free
+		intptr_t mine = (intptr_t)pthread_getspecific(shard_key);
+		__atomic_store_n(&shards_used, mine ? (uint64_t)1 << (mine - 1) : 0, __ATOMIC_RELAXED);
+	}
 	for (int i = 0; i < SHARDS; i++) {
 		pthread_mutex_init(&shards[i].mu, NULL); // held by the prepare handler
 		for (int k = 0; k < CLIENT_SLOTS; k++)
@@ -252,7 +280,10 @@ static void reset_in_child(void) {
 
 // The locks are held across fork (each only briefly by anyone else, so fork waits for no
 // read or miss), so that a child never inherits state that a thread it lacks was changing.
-__attribute__((constructor)) static void hit_init(void) { pthread_atfork(lock_all, unlock_all, reset_in_child); }
+__attribute__((constructor)) static void hit_init(void) {
+	shard_key_made = pthread_key_create(&shard_key, shard_exit) == 0;
+	pthread_atfork(lock_all, unlock_all, reset_in_child);
+}
 
 // add_buf registers a buffer in the calling thread's shard and returns its handle, or -ENOMEM.
 static int64_t add_buf(void *ptr, size_t len, uint8_t kind) {

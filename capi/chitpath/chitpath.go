@@ -297,6 +297,52 @@ static int fork_while_reading(struct loop *l, int forks) {
 	return failed;
 }
 
+// Threads that come and go, one after another (churn): each reads holds of the files from
+// the fifth on at once, releases them, and exits. churn returns how many shards they used.
+struct churner {
+	int64_t handle;
+	int holds, shard;
+};
+
+static void *churn_thread(void *arg) {
+	struct churner *c = arg;
+	const void *data;
+	int64_t size, bufs[256];
+	int n = 0;
+	for (int j = 0; j < c->holds && j < 256 && nfiles > 4; j++)
+		if (hit_read(c->handle, paths[4 + j % (nfiles - 4)], &data, &size, &bufs[n]) == 0)
+			n++;
+	for (int j = 0; j < n; j++)
+		hit_release(bufs[j]);
+	c->shard = shard_plus1 - 1;
+	return NULL;
+}
+
+static int churn(int64_t handle, int threads, int holds) {
+	uint64_t seen = 0;
+	for (int t = 0; t < threads; t++) {
+		struct churner c = {.handle = handle, .holds = holds, .shard = -1};
+		pthread_t th;
+		if (pthread_create(&th, NULL, churn_thread, &c) != 0)
+			return -1;
+		pthread_join(th, NULL);
+		if (c.shard >= 0)
+			seen |= (uint64_t)1 << c.shard;
+	}
+	return __builtin_popcountll(seen);
+}
+
+// pooled_bytes returns the bytes the shards' pools keep.
+static int64_t pooled_bytes(void) {
+	int64_t n = 0;
+	for (int i = 0; i < SHARDS; i++) {
+		pthread_mutex_lock(&shards[i].mu);
+		n += (int64_t)shards[i].pool_bytes;
+		pthread_mutex_unlock(&shards[i].mu);
+	}
+	return n;
+}
+
 // What a thread holding a reference to a client (as a read does) sees of fcHitClose.
 struct holder {
 	int64_t handle;
@@ -496,6 +542,18 @@ func (l *Loop) ForkWhileReading(n int) (int, error) {
 		return 0, fmt.Errorf("fork: %d", rc)
 	}
 	return int(rc), nil
+}
+
+// Churn runs threads threads of C one after another, each reading holds files (of the fifth
+// file of SetFiles on) at once, releasing them and exiting; it returns how many shards of the
+// hit path they used, and how many bytes the shards' pools kept more after them than before.
+func Churn(handle int64, threads, holds int) (shards int, pooled int64, err error) {
+	before := C.pooled_bytes()
+	n := C.churn(C.int64_t(handle), C.int(threads), C.int(holds))
+	if n < 0 {
+		return 0, 0, errors.New("pthread_create failed")
+	}
+	return int(n), int64(C.pooled_bytes() - before), nil
 }
 
 // CloseWhileHeld closes handle while a thread holds a reference to its client for holdMS

@@ -117,6 +117,26 @@ func TestThreadsShareNoLock(t *testing.T) {
 	checkNoBuffers(t)
 }
 
+// Threads that come and go (a loader's pool made anew each epoch) take the shard a thread
+// that exited gave back: 100 threads one after another, each holding 40 buffers of up to 8 KiB
+// at once, use one shard, and the pools keep no more than one such thread held. Shards taken
+// in turn, never given back, would have kept 64 pools of them.
+func TestThreadsThatComeAndGoReuseShards(t *testing.T) {
+	dir, _ := files(t)
+	open(t, 60, dir)
+	shards, pooled, err := Churn(60, 100, 40)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if shards != 1 {
+		t.Errorf("100 threads one after another used %d shards, want 1", shards)
+	}
+	if limit := int64(40 * 8 << 10); pooled > limit {
+		t.Errorf("the pools keep %d bytes more, want at most %d (what one thread held)", pooled, limit)
+	}
+	checkNoBuffers(t)
+}
+
 // fork() while 4 threads read and release: each child (the pthread_atfork handlers held and
 // reset the hit path's locks) reads every file and releases it, with its bytes right, and
 // hangs on no lock a thread of the parent held. The parent's readers carry on.
