@@ -95,6 +95,8 @@ static void map_heat(void) {
 // A copy the tiers no longer list is let go within this long (see range_sweep).
 #define RANGE_SWEEP_NS 1000000000LL
 
+// A client of the hit path. The references to it and its hits are counted per shard of the
+// threads that read (see struct shard), not here, so that hits do not write it.
 struct hit_client {
 	int64_t handle;
 	char root[FC_PATH_MAX];
@@ -122,8 +124,6 @@ struct hit_client {
 	                         // client, which its parent's close must not stop)
 	struct fc_tier tiers[FC_MAX_TIERS];
 	int ntiers;          // tiers in use (atomic: added under clients_lock, read without it)
-	int64_t hits, bytes; // atomic
-	int refs;            // threads using the client (atomic): see acquire
 	int64_t block_bytes; // the size of its server's blocks, 0 for none (atomic: see fcHitSetBlockBytes)
 	pthread_mutex_t ranges_mu; // protects ranges and ranges_turn; never held across a copy
 	struct range_map ranges[RANGE_SETS * RANGE_WAYS];
@@ -133,12 +133,12 @@ struct hit_client {
 	int64_t source_ranges;                      // ranges read from them (atomic)
 };
 
-// clients_lock is held shared to find a client and take a reference to it (acquire), and
-// exclusively to add or remove a client or add a tier to one; it is never held across I/O or
-// a wait for the server, so that fc_close and fork (which take it exclusively) get it at
-// once. It prefers writers, so it must never be taken twice by one thread (a writer waiting
-// in between would deadlock it): no function here calls another that takes it while holding
-// it. clients[h % CLIENT_SLOTS] holds the client of handle h.
+// clients_lock is held to add or remove a client or add a tier to one, and by fork; readers
+// take no lock (see acquire). It is never held across I/O or a wait for the server, so that
+// fc_close and fork get it at once. It prefers writers, so it must never be taken twice by
+// one thread: no function here calls another that takes it while holding it.
+// clients[h % CLIENT_SLOTS] holds the client of handle h (stored atomically: read without
+// the lock).
 static pthread_rwlock_t clients_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 static struct hit_client *clients[CLIENT_SLOTS];
 
@@ -151,25 +151,92 @@ struct cbuf {
 	uint8_t kind;
 };
 
-// bufs_lock protects bufs, nbufs, capbufs, free_slots and nfree.
-static pthread_mutex_t bufs_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct cbuf *bufs;
-static uint32_t nbufs, capbufs;
-static uint32_t *free_slots, nfree;
-static int64_t live_bufs;
+// Memory for copied hits comes from a small pool of freed buffers, by power-of-two size class:
+// a batch (fc_read_many) holds 64 or so buffers of ~100 KiB at once, and when they were given
+// back to malloc it returned the top of its heap to the kernel, so every batch faulted in (and
+// the kernel zeroed) megabytes anew: __getitems__ through a DataLoader ran at half the speed of
+// reading item by item. Each shard keeps a pool of its own, of at most POOL_KEEP buffers a
+// class and POOL_MAX_BYTES; a buffer goes back to the pool of the shard it came from, so a
+// pool never holds more than its shard's threads held at once.
+#define POOL_MIN_SHIFT 12 // 4 KiB
+#define POOL_CLASSES 8    // up to 512 KiB (FC_READ_MAX_BYTES)
+#define POOL_KEEP 256
+#define POOL_MAX_BYTES ((size_t)64 << 20)
 
-// pool_lock protects pool, pool_len and pool_bytes (see buf_alloc).
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+// Threads scale: a hit takes no lock that the threads of other shards take, and writes no
+// line that they write (but the process's line of hit counters in the tier's index, see
+// fc_count_hit). Each thread belongs to one of SHARDS shards (see own_shard), which holds the
+// table of the buffers it hands out, its pool of free memory, and its counts of the
+// references to each client slot and of the hits on it.
+// A buffer released by another thread goes back to the shard it came from (its handle says
+// which), so that shard's lock is the only one a release takes.
+#define SHARD_BITS 6
+#define SHARDS (1 << SHARD_BITS)
+#define SLOT_BITS 26
+#define SHARD_BUFS ((uint32_t)1 << SLOT_BITS) // buffers of a shard handed out at once, at most
+_Static_assert(SHARD_BITS + SLOT_BITS <= 32, "a handle's low 32 bits hold its shard and slot");
+struct shard {
+	pthread_mutex_t mu; // protects the buffers and the pool; never held across I/O
+	struct cbuf *bufs;
+	uint32_t nbufs, capbufs;
+	uint32_t *free_slots, nfree;
+	int64_t live; // buffers handed out and not released
+	void *pool[POOL_CLASSES][POOL_KEEP];
+	int pool_len[POOL_CLASSES];
+	size_t pool_bytes;
+	// Per client slot, written by the shard's threads with atomics (no lock): references
+	// taken (see acquire), and hits counted (fcHitCounts sums them over the shards).
+	int refs[CLIENT_SLOTS];
+	int64_t hits[CLIENT_SLOTS];
+} __attribute__((aligned(128))); // shards share no cache line, nor a pair the CPU fetches together
 
-// A handle is FC_CBUF_BASE | gen << 32 | slot.
-static int64_t buf_handle(uint32_t slot, uint32_t gen) {
-	return FC_CBUF_BASE | ((int64_t)(gen & 0x3fffffff) << 32) | slot;
+static struct shard shards[SHARDS] = {[0 ... SHARDS - 1] = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+
+// A thread takes a shard of its own while one is free (a bit of shards_used each), and gives it
+// back when it exits (shard_key's destructor): the threads alive at once share no shard while
+// they are SHARDS at most, and threads that come and go use the same few shards and pools.
+// Past SHARDS threads, a thread shares the shard next_shard names.
+_Static_assert(SHARDS == 64, "shards_used has a bit for each shard");
+static uint64_t shards_used;     // atomic
+static unsigned next_shard;      // atomic
+static pthread_key_t shard_key;  // the shard + 1 of a thread that has it to itself
+static bool shard_key_made;      // pthread_key_create gave shard_key (else shards are not given back)
+static __thread int shard_plus1; // the calling thread's shard + 1; 0 until it has one
+
+static void shard_exit(void *v) {
+	__atomic_fetch_and(&shards_used, ~((uint64_t)1 << ((intptr_t)v - 1)), __ATOMIC_RELEASE);
+}
+
+// own_shard returns the shard of the calling thread.
+static struct shard *own_shard(void) {
+	int i = shard_plus1 - 1;
+	if (i >= 0)
+		return &shards[i];
+	uint64_t used = __atomic_load_n(&shards_used, __ATOMIC_RELAXED);
+	while (~used != 0) {
+		i = __builtin_ctzll(~used);
+		if (__atomic_compare_exchange_n(&shards_used, &used, used | (uint64_t)1 << i, false, __ATOMIC_ACQUIRE,
+		                                __ATOMIC_RELAXED)) {
+			if (shard_key_made)
+				pthread_setspecific(shard_key, (void *)(intptr_t)(i + 1)); // else kept for good
+			shard_plus1 = i + 1;
+			return &shards[i];
+		}
+	}
+	i = (int)(__atomic_fetch_add(&next_shard, 1, __ATOMIC_RELAXED) % SHARDS);
+	shard_plus1 = i + 1;
+	return &shards[i];
+}
+
+// A handle is FC_CBUF_BASE | gen << 32 | shard << SLOT_BITS | slot.
+static int64_t buf_handle(const struct shard *s, uint32_t slot, uint32_t gen) {
+	return FC_CBUF_BASE | ((int64_t)(gen & 0x3fffffff) << 32) | (int64_t)(s - shards) << SLOT_BITS | slot;
 }
 
 static void lock_all(void) {
 	pthread_rwlock_wrlock(&clients_lock);
-	pthread_mutex_lock(&bufs_lock);
-	pthread_mutex_lock(&pool_lock);
+	for (int i = 0; i < SHARDS; i++)
+		pthread_mutex_lock(&shards[i].mu);
 	for (int i = 0; i < CLIENT_SLOTS; i++)
 		if (clients[i])
 			pthread_mutex_lock(&clients[i]->ranges_mu);
@@ -179,8 +246,8 @@ static void unlock_all(void) {
 	for (int i = 0; i < CLIENT_SLOTS; i++)
 		if (clients[i])
 			pthread_mutex_unlock(&clients[i]->ranges_mu);
-	pthread_mutex_unlock(&pool_lock);
-	pthread_mutex_unlock(&bufs_lock);
+	for (int i = SHARDS - 1; i >= 0; i--)
+		pthread_mutex_unlock(&shards[i].mu);
 	pthread_rwlock_unlock(&clients_lock);
 }
 
@@ -190,14 +257,19 @@ static void unlock_all(void) {
 // those threads do not exist in the child.
 static void reset_in_child(void) {
 	pthread_rwlock_t fresh_rw = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
-	pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
 	clients_lock = fresh_rw;
-	bufs_lock = fresh_mu;
-	pool_lock = fresh_mu;
+	if (shard_key_made) { // the shards of the parent's other threads are free
+		intptr_t mine = (intptr_t)pthread_getspecific(shard_key);
+		__atomic_store_n(&shards_used, mine ? (uint64_t)1 << (mine - 1) : 0, __ATOMIC_RELAXED);
+	}
+	for (int i = 0; i < SHARDS; i++) {
+		pthread_mutex_init(&shards[i].mu, NULL); // held by the prepare handler
+		for (int k = 0; k < CLIENT_SLOTS; k++)
+			__atomic_store_n(&shards[i].refs[k], 0, __ATOMIC_RELAXED);
+	}
 	for (int i = 0; i < CLIENT_SLOTS; i++)
 		if (clients[i]) {
 			pthread_mutex_init(&clients[i]->node_mu, NULL); // a parent's thread may have held it in a fetch
-			__atomic_store_n(&clients[i]->refs, 0, __ATOMIC_RELAXED);
 			pthread_mutex_init(&clients[i]->ranges_mu, NULL); // held by the prepare handler
 			for (int r = 0; r < RANGE_SETS * RANGE_WAYS; r++)
 				clients[i]->ranges[r].refs = 0; // the parent's readers are not here
@@ -208,51 +280,43 @@ static void reset_in_child(void) {
 
 // The locks are held across fork (each only briefly by anyone else, so fork waits for no
 // read or miss), so that a child never inherits state that a thread it lacks was changing.
-__attribute__((constructor)) static void hit_init(void) { pthread_atfork(lock_all, unlock_all, reset_in_child); }
-
-static int64_t add_buf(void *ptr, size_t len, uint8_t kind) {
-	pthread_mutex_lock(&bufs_lock);
-	uint32_t slot;
-	if (nfree > 0) {
-		slot = free_slots[--nfree];
-	} else {
-		if (nbufs == capbufs) {
-			uint32_t cap = capbufs ? 2 * capbufs : 256;
-			struct cbuf *nb = realloc(bufs, cap * sizeof *nb);
-			uint32_t *nf = nb ? realloc(free_slots, cap * sizeof *nf) : NULL;
-			if (nb)
-				bufs = nb;
-			if (!nf) {
-				pthread_mutex_unlock(&bufs_lock);
-				return -ENOMEM;
-			}
-			free_slots = nf;
-			capbufs = cap;
-		}
-		slot = nbufs++;
-		bufs[slot].gen = 0;
-	}
-	bufs[slot].ptr = ptr;
-	bufs[slot].len = len;
-	bufs[slot].kind = kind;
-	live_bufs++;
-	int64_t h = buf_handle(slot, bufs[slot].gen);
-	pthread_mutex_unlock(&bufs_lock);
-	return h;
+__attribute__((constructor)) static void hit_init(void) {
+	shard_key_made = pthread_key_create(&shard_key, shard_exit) == 0;
+	pthread_atfork(lock_all, unlock_all, reset_in_child);
 }
 
-// Memory for copied hits comes from a small pool of freed buffers, by power-of-two size class:
-// a batch (fc_read_many) holds 64 or so buffers of ~100 KiB at once, and when they were given
-// back to malloc it returned the top of its heap to the kernel, so every batch faulted in (and
-// the kernel zeroed) megabytes anew: __getitems__ through a DataLoader ran at half the speed of
-// reading item by item. The pool keeps at most POOL_MAX_BYTES per process.
-#define POOL_MIN_SHIFT 12 // 4 KiB
-#define POOL_CLASSES 8    // up to 512 KiB (FC_READ_MAX_BYTES)
-#define POOL_MAX_BYTES ((size_t)64 << 20)
-
-static void *pool[POOL_CLASSES][256];
-static int pool_len[POOL_CLASSES];
-static size_t pool_bytes;
+// add_buf registers a buffer in the calling thread's shard and returns its handle, or -ENOMEM.
+static int64_t add_buf(void *ptr, size_t len, uint8_t kind) {
+	struct shard *s = own_shard();
+	pthread_mutex_lock(&s->mu);
+	uint32_t slot;
+	if (s->nfree > 0) {
+		slot = s->free_slots[--s->nfree];
+	} else {
+		if (s->nbufs == s->capbufs) {
+			uint32_t cap = s->capbufs ? 2 * s->capbufs : 64;
+			struct cbuf *nb = cap <= SHARD_BUFS ? realloc(s->bufs, cap * sizeof *nb) : NULL;
+			uint32_t *nf = nb ? realloc(s->free_slots, cap * sizeof *nf) : NULL;
+			if (nb)
+				s->bufs = nb;
+			if (!nf) {
+				pthread_mutex_unlock(&s->mu);
+				return -ENOMEM;
+			}
+			s->free_slots = nf;
+			s->capbufs = cap;
+		}
+		slot = s->nbufs++;
+		s->bufs[slot].gen = 0;
+	}
+	s->bufs[slot].ptr = ptr;
+	s->bufs[slot].len = len;
+	s->bufs[slot].kind = kind;
+	s->live++;
+	int64_t h = buf_handle(s, slot, s->bufs[slot].gen);
+	pthread_mutex_unlock(&s->mu);
+	return h;
+}
 
 // size_class returns the class of a buffer of n bytes, or -1 for one the pool does not keep.
 static int size_class(size_t n) {
@@ -262,37 +326,44 @@ static int size_class(size_t n) {
 	return -1;
 }
 
+// pool_keep keeps p, memory from buf_alloc of n bytes, in s's pool if it has room for it
+// (s->mu held); it returns whether it did.
+static bool pool_keep(struct shard *s, void *p, size_t n) {
+	int c = size_class(n);
+	if (c < 0)
+		return false;
+	size_t sz = (size_t)1 << (POOL_MIN_SHIFT + c);
+	if (s->pool_len[c] == POOL_KEEP || s->pool_bytes + sz > POOL_MAX_BYTES)
+		return false;
+	s->pool[c][s->pool_len[c]++] = p;
+	s->pool_bytes += sz;
+	return true;
+}
+
 // buf_alloc returns memory for n bytes (n > 0).
 static void *buf_alloc(size_t n) {
 	int c = size_class(n);
 	if (c < 0)
 		return malloc(n);
-	pthread_mutex_lock(&pool_lock);
+	struct shard *s = own_shard();
+	pthread_mutex_lock(&s->mu);
 	void *p = NULL;
-	if (pool_len[c] > 0) {
-		p = pool[c][--pool_len[c]];
-		pool_bytes -= (size_t)1 << (POOL_MIN_SHIFT + c);
+	if (s->pool_len[c] > 0) {
+		p = s->pool[c][--s->pool_len[c]];
+		s->pool_bytes -= (size_t)1 << (POOL_MIN_SHIFT + c);
 	}
-	pthread_mutex_unlock(&pool_lock);
+	pthread_mutex_unlock(&s->mu);
 	return p ? p : malloc((size_t)1 << (POOL_MIN_SHIFT + c));
 }
 
-// buf_free gives back memory from buf_alloc of n bytes.
+// buf_free gives back memory from buf_alloc of n bytes, taken by the calling thread.
 static void buf_free(void *p, size_t n) {
-	int c = size_class(n);
-	if (c >= 0) {
-		size_t sz = (size_t)1 << (POOL_MIN_SHIFT + c);
-		pthread_mutex_lock(&pool_lock);
-		int kept = pool_len[c] < 256 && pool_bytes + sz <= POOL_MAX_BYTES;
-		if (kept) {
-			pool[c][pool_len[c]++] = p;
-			pool_bytes += sz;
-		}
-		pthread_mutex_unlock(&pool_lock);
-		if (kept)
-			return;
-	}
-	free(p);
+	struct shard *s = own_shard();
+	pthread_mutex_lock(&s->mu);
+	bool kept = pool_keep(s, p, n);
+	pthread_mutex_unlock(&s->mu);
+	if (!kept)
+		free(p);
 }
 
 static void free_mem(void *ptr, size_t len, uint8_t kind) {
@@ -305,27 +376,35 @@ static void free_mem(void *ptr, size_t len, uint8_t kind) {
 int hit_release(int64_t h) {
 	if (h < FC_CBUF_BASE)
 		return -EBADF;
-	uint32_t slot = (uint32_t)h, gen = (uint32_t)((h >> 32) & 0x3fffffff);
-	pthread_mutex_lock(&bufs_lock);
-	if (slot >= nbufs || bufs[slot].kind == BUF_FREE || (bufs[slot].gen & 0x3fffffff) != gen) {
-		pthread_mutex_unlock(&bufs_lock);
+	struct shard *s = &shards[((uint64_t)h >> SLOT_BITS) & (SHARDS - 1)];
+	uint32_t slot = (uint32_t)h & (SHARD_BUFS - 1), gen = (uint32_t)((h >> 32) & 0x3fffffff);
+	pthread_mutex_lock(&s->mu);
+	if (slot >= s->nbufs || s->bufs[slot].kind == BUF_FREE || (s->bufs[slot].gen & 0x3fffffff) != gen) {
+		pthread_mutex_unlock(&s->mu);
 		return -EBADF;
 	}
-	struct cbuf b = bufs[slot];
-	bufs[slot].kind = BUF_FREE;
-	bufs[slot].ptr = NULL;
-	bufs[slot].gen++;
-	free_slots[nfree++] = slot;
-	live_bufs--;
-	pthread_mutex_unlock(&bufs_lock);
-	free_mem(b.ptr, b.len, b.kind);
+	struct cbuf b = s->bufs[slot];
+	s->bufs[slot].kind = BUF_FREE;
+	s->bufs[slot].ptr = NULL;
+	s->bufs[slot].gen++;
+	s->free_slots[s->nfree++] = slot;
+	s->live--;
+	bool kept = b.kind == BUF_HEAP && pool_keep(s, b.ptr, b.len); // the pool it came from
+	pthread_mutex_unlock(&s->mu);
+	if (b.kind == BUF_HEAP && !kept)
+		free(b.ptr);
+	else if (b.kind == BUF_MAPPED)
+		munmap(b.ptr, b.len);
 	return 0;
 }
 
 int64_t hit_buffers(void) {
-	pthread_mutex_lock(&bufs_lock);
-	int64_t n = live_bufs;
-	pthread_mutex_unlock(&bufs_lock);
+	int64_t n = 0;
+	for (int i = 0; i < SHARDS; i++) {
+		pthread_mutex_lock(&shards[i].mu);
+		n += shards[i].live;
+		pthread_mutex_unlock(&shards[i].mu);
+	}
 	return n;
 }
 
@@ -336,21 +415,39 @@ static struct hit_client *client(int64_t h) {
 }
 
 // acquire returns the client of handle h with a reference taken, or NULL: the client is not
-// freed (fcHitClose waits) until the caller gives the reference back with put. A reference
-// is held across reads and misses, clients_lock only while it is taken.
+// freed (fcHitClose waits) until the caller gives the reference back with put, on the same
+// thread. A reference is held across reads and misses. It takes no lock: the thread counts
+// a reference to the client's slot in its shard, then looks the client up; fcHitClose takes
+// the client out of its slot, then waits for the slot's references in every shard to reach
+// zero. Both sides are sequentially consistent, so either the lookup here sees the client
+// gone, or fcHitClose sees the reference (a slot's reference keeps whichever client is in it).
 static struct hit_client *acquire(int64_t h) {
-	pthread_rwlock_rdlock(&clients_lock);
-	struct hit_client *c = client(h);
-	if (c)
-		__atomic_fetch_add(&c->refs, 1, __ATOMIC_RELAXED);
-	pthread_rwlock_unlock(&clients_lock);
-	return c;
+	int *refs = &own_shard()->refs[(uint64_t)h % CLIENT_SLOTS];
+	__atomic_fetch_add(refs, 1, __ATOMIC_SEQ_CST);
+	struct hit_client *c = __atomic_load_n(&clients[(uint64_t)h % CLIENT_SLOTS], __ATOMIC_SEQ_CST);
+	if (c && c->handle == h)
+		return c;
+	__atomic_fetch_sub(refs, 1, __ATOMIC_RELEASE);
+	return NULL;
 }
 
 // put gives back a reference from acquire (c may be NULL).
 static void put(struct hit_client *c) {
 	if (c)
-		__atomic_fetch_sub(&c->refs, 1, __ATOMIC_RELEASE);
+		__atomic_fetch_sub(&own_shard()->refs[(uint64_t)c->handle % CLIENT_SLOTS], 1, __ATOMIC_RELEASE);
+}
+
+// slot_refs returns the references taken to client slot i, in all shards.
+static int slot_refs(int i) {
+	int n = 0;
+	for (int k = 0; k < SHARDS; k++)
+		n += __atomic_load_n(&shards[k].refs[i], __ATOMIC_SEQ_CST);
+	return n;
+}
+
+// count_hit counts a hit on c for fcHitCounts, in the calling thread's shard.
+static void count_hit(const struct hit_client *c) {
+	__atomic_fetch_add(&own_shard()->hits[(uint64_t)c->handle % CLIENT_SLOTS], 1, __ATOMIC_RELAXED);
 }
 
 // tier_count returns the tiers of c that readers may use: fcHitAddTier fills a tier before it
@@ -382,10 +479,13 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	memcpy(c->root, root, n + 1);
 	c->rootlen = n;
 	pthread_rwlock_wrlock(&clients_lock);
-	struct hit_client **slot = &clients[(uint64_t)handle % CLIENT_SLOTS];
-	int ok = *slot == NULL;
-	if (ok)
-		*slot = c;
+	int i = (int)((uint64_t)handle % CLIENT_SLOTS);
+	int ok = clients[i] == NULL;
+	if (ok) {
+		for (int k = 0; k < SHARDS; k++) // the hits of the slot's last client
+			__atomic_store_n(&shards[k].hits[i], 0, __ATOMIC_RELAXED);
+		__atomic_store_n(&clients[i], c, __ATOMIC_SEQ_CST);
+	}
 	pthread_rwlock_unlock(&clients_lock);
 	if (!ok) {
 		if (c->real_root_fd >= 0)
@@ -433,7 +533,7 @@ void fcHitClose(int64_t handle) {
 	pthread_rwlock_wrlock(&clients_lock);
 	struct hit_client *c = client(handle);
 	if (c)
-		clients[(uint64_t)handle % CLIENT_SLOTS] = NULL;
+		__atomic_store_n(&clients[(uint64_t)handle % CLIENT_SLOTS], NULL, __ATOMIC_SEQ_CST);
 	pthread_rwlock_unlock(&clients_lock);
 	if (!c)
 		return;
@@ -444,7 +544,7 @@ void fcHitClose(int64_t handle) {
 	}
 	// No new reference can be taken now; wait for those held.
 	int64_t deadline = fc_monotonic_ns() + close_wait_ns(c);
-	while (__atomic_load_n(&c->refs, __ATOMIC_ACQUIRE) > 0) {
+	while (slot_refs((int)((uint64_t)handle % CLIENT_SLOTS)) > 0) {
 		if (fc_monotonic_ns() > deadline)
 			return; // leaked, not freed under a thread still using it
 		struct timespec pause = {.tv_nsec = CLOSE_POLL_NS};
@@ -531,7 +631,9 @@ void fcHitSetBlockBytes(int64_t handle, int64_t n) {
 
 void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct, int64_t *source_ranges) {
 	struct hit_client *c = acquire(handle);
-	*hits = c ? __atomic_load_n(&c->hits, __ATOMIC_RELAXED) : 0;
+	*hits = 0;
+	for (int k = 0; c && k < SHARDS; k++)
+		*hits += __atomic_load_n(&shards[k].hits[(uint64_t)handle % CLIENT_SLOTS], __ATOMIC_RELAXED);
 	*fetches = c ? __atomic_load_n(&c->fetches, __ATOMIC_RELAXED) : 0;
 	*direct = c ? __atomic_load_n(&c->direct, __ATOMIC_RELAXED) : 0;
 	*source_ranges = c ? __atomic_load_n(&c->source_ranges, __ATOMIC_RELAXED) : 0;
@@ -663,8 +765,7 @@ int hit_read_checked(int64_t handle, const char *path, const void **data, int64_
 	if ((rc = take(&h, &ptr, &kind)) != 0 || (rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
 		goto out;
 	fc_count_hit(&c->tiers[h.tier], h.size);
-	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
+	count_hit(c);
 out:
 	if (h.fd >= 0)
 		close(h.fd);
@@ -695,8 +796,7 @@ static int hit_read_counted(int64_t handle, const char *path, const void **data,
 	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0 || !count)
 		goto out;
 	fc_count_hit(&c->tiers[h.tier], h.size);
-	__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&c->bytes, h.size, __ATOMIC_RELAXED);
+	count_hit(c);
 out:
 	put(c);
 	errno = saved;
@@ -1093,10 +1193,8 @@ int hit_pread(int64_t handle, const char *path, void *buf, int64_t len, int64_t 
 			fc_count_hit(&c->tiers[i], served[i]);
 			hit += served[i];
 		}
-	if (hit > 0) {
-		__atomic_fetch_add(&c->hits, 1, __ATOMIC_RELAXED);
-		__atomic_fetch_add(&c->bytes, hit, __ATOMIC_RELAXED);
-	}
+	if (hit > 0)
+		count_hit(c);
 out:
 	put(c);
 	errno = saved;

@@ -10,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -497,3 +498,70 @@ print(*children)
         assert lines.get(pid, 0) > 0, f"child {pid} counted no hit on a line of its own: {lines}"
     stats = fitcache.server_stats(**cache_options)
     assert stats["hits"]["memory"] >= sum(lines.values()) >= 2 * 3 * len(ds), (stats["hits"], lines)
+
+
+class _CountingLock:
+    """A lock that counts its acquisitions."""
+
+    def __init__(self):
+        self.lock, self.taken = threading.Lock(), 0
+
+    def __enter__(self):
+        self.taken += 1
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_threads_open_one_client_and_read_without_a_lock(dataset, cache_options, monkeypatch):
+    """Eight threads of a loader read a fresh dataset at once: they open one client between
+    them (the opening takes a while: the threads overlap in it), and once it is open, reads
+    take no Python lock. Before, each thread that came first opened a client of its own."""
+    root, digests = dataset
+    opened = []
+    real_client = fitcache._native.Client
+
+    def slow_client(*args, **kwargs):
+        client = real_client(*args, **kwargs)
+        opened.append(client)
+        time.sleep(0.2)  # the other threads come in meanwhile
+        return client
+
+    monkeypatch.setattr(fitcache._native, "Client", slow_client)
+    counting = _CountingLock()
+    monkeypatch.setattr(dataset_module, "_open_lock", counting, raising=False)
+    ds = fitcache.FitCacheDataset(root, prefetch=False, **cache_options)
+    start = threading.Barrier(8)
+    errors = []
+
+    def read():
+        start.wait()
+        try:
+            for i in range(len(ds)):
+                assert digest(ds[i]) == digests[ds.files[i]]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(opened) == 1, f"8 threads opened {len(opened)} clients"
+    taken = counting.taken
+    for i in range(len(ds)):
+        ds[i]
+    assert counting.taken == taken, "reads took the dataset's lock"
+    ds.close()
+
+
+def test_pid_follows_fork():
+    """The pid the bindings check per read (instead of a system call) is the child's after fork."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if fitcache._native.pid == os.getpid() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert fitcache._native.pid == os.getpid()

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import json
 import os
+import sys
 import threading
 from collections.abc import Iterable
 from types import TracebackType
@@ -25,6 +26,18 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()  # protects _lib and _lib_pid
 _lib = None
 _lib_pid = None
+
+#: This process's pid, kept across fork (os.register_at_fork), so that what runs per read
+#: needs no system call to tell a forked process from its parent.
+pid = os.getpid()
+
+
+def _forked_child():
+    global pid
+    pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 class FitCacheError(OSError):
@@ -92,12 +105,12 @@ def library() -> ctypes.CDLL:
 
 def loaded_here() -> bool:
     """True if this very process has loaded the library."""
-    return _lib is not None and _lib_pid == os.getpid()
+    return _lib is not None and _lib_pid == pid
 
 
 def forked() -> bool:
     """True if the library was loaded by a parent of this process, before it forked."""
-    return _lib is not None and _lib_pid != os.getpid()
+    return _lib is not None and _lib_pid != pid
 
 
 def _declare(lib):
@@ -158,10 +171,14 @@ def _raise(lib, rc, path=None):
     raise cls(code, msg)
 
 
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
 def _fs(path: PathArg) -> bytes:
     """The path as bytes for C. A NUL byte would end the C string early and name another file
     ("a.bin\\0.jpg" is "a.bin"), so it is refused as open() refuses it."""
-    path = os.fsencode(path)
+    # os.fsencode, without its Python-level calls for the common case of a str
+    path = path.encode(_FS_ENCODING, _FS_ERRORS) if type(path) is str else os.fsencode(path)
     if b"\0" in path:
         raise ValueError("embedded null byte")
     return path
@@ -191,6 +208,9 @@ def _array_type(size):
     return ctypes.c_ubyte * (-(-n // step) * step)
 
 
+_c_void_p, _c_int64, _byref = ctypes.c_void_p, ctypes.c_int64, ctypes.byref
+
+
 def _view(lib, address, size, buf_id):
     """A read-only memoryview of size bytes at address, owning buffer buf_id: the buffer is
     released when the last view derived from it is gone."""
@@ -210,6 +230,7 @@ class Client:
         root = _fs(root)  # ValueError for a NUL byte, before anything is loaded
         lib = library()
         self._lib = lib
+        self._fc_read = lib.fc_read
         self.root = os.fsdecode(os.path.abspath(root))
         handle = ctypes.c_int64()
         opts = json.dumps({k: str(v) for k, v in options.items() if v is not None}).encode()
@@ -221,11 +242,16 @@ class Client:
     def read(self, path: PathArg) -> memoryview:
         """Returns the whole file as a read-only memoryview; zero copy when it is cached. The
         mapping behind it lives as long as the view (or any view derived from it)."""
-        lib, data, size, buf = self._lib, ctypes.c_void_p(), ctypes.c_int64(), ctypes.c_int64()
-        rc = lib.fc_read(self._checked(), _fs(path), ctypes.byref(data), ctypes.byref(size), ctypes.byref(buf))
+        # Per read: no lock (the native call releases the GIL; the library takes no lock that
+        # other threads take on a hit), and few lookups: it runs with the GIL held.
+        handle = self._handle
+        if handle is None:
+            raise ValueError("I/O operation on a closed fitcache.Client")
+        data, size, buf = _c_void_p(), _c_int64(), _c_int64()
+        rc = self._fc_read(handle, _fs(path), _byref(data), _byref(size), _byref(buf))
         if rc < 0:
-            _raise(lib, rc, path)
-        return _view(lib, data.value, size.value, buf.value)
+            _raise(self._lib, rc, path)
+        return _view(self._lib, data.value, size.value, buf.value)
 
     def read_many(self, paths: Iterable[PathArg]) -> list[memoryview]:
         """Returns the files at paths as read-only memoryviews, like :meth:`read` for each, in

@@ -23,6 +23,18 @@ PathLike = Union[str, "os.PathLike[str]"]
 # A filter keeps a path when it is a callable returning true for it, or a suffix / tuple of suffixes.
 Filter = Union[Callable[[str], bool], str, tuple, None]
 
+# _open_lock protects the opening of a dataset's client (see _get_client). A thread of the
+# parent may hold it at fork: the child gets a new one.
+_open_lock = threading.Lock()
+
+
+def _new_open_lock():
+    global _open_lock
+    _open_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_open_lock)
+
 # What users should see (the fork fallback, a prefetch that could not start) goes to this
 # logger. No handler is added: without logging configured, Python prints warnings on stderr.
 log = logging.getLogger("fitcache")
@@ -218,11 +230,17 @@ class FitCacheDataset(_Base):
             return _read_source(path, self.root, self._real_root)
 
     def _get_client(self):
-        pid = os.getpid()
-        if self._client is not None and self._client_pid != pid and _native.forked():
-            # Forked after this client was opened: it still serves cached files (the hit path
+        # Per read: no lock and no system call (the threads of a loader read at once).
+        client = self._client
+        if client is not None and (self._client_pid == _native.pid or _native.forked()):
+            # Forked after this client was opened, it still serves cached files (the hit path
             # of the library is C); misses raise ForkedAfterLoad, read from the source here.
-            return self._client
+            return client
+        with _open_lock:  # threads reading at once open one client
+            return self._open_client()
+
+    def _open_client(self):
+        pid = _native.pid
         if self._client is None or self._client_pid != pid:
             self._client = None  # a parent's client is unusable after fork
             client = _native.Client(self.root, **self.options)

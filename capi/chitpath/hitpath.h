@@ -1,0 +1,1 @@
+../hitpath.h
