@@ -34,6 +34,9 @@ type serverConn struct {
 	// blockBytes is the size of the server's blocks (see ranges.go); 0 for a server
 	// without them.
 	blockBytes int64
+	// readerFills: the server records the fills of its node's readers (see
+	// nodesock.OpRecord).
+	readerFills bool
 }
 
 // tierView returns the tier directories of the last server that answered (none before the
@@ -163,7 +166,7 @@ func (c *Client) dial() (*serverConn, error) {
 	}
 	session := sessionOf(hello)
 	return &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session,
-		blockBytes: hello.BlockBytes}, nil
+		blockBytes: hello.BlockBytes, readerFills: hello.ReaderFills}, nil
 }
 
 // sessionOf returns the validation session a Hello reply gives the caller's job.

@@ -68,12 +68,15 @@ type EngineConfig struct {
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
 type Engine struct {
 	tiers []*tiers.Tier
-	roots []string // EngineConfig.Roots with symbolic links resolved
-	stats Stats
-	lat   latencies // request durations and bytes by kind and origin
-	log   *slog.Logger
-	mover *mover
-	pf    *prefetcher
+	// testHookBeforeSourceOpen, set by tests, is called by a fill holding the file's claim
+	// just before it opens the source.
+	testHookBeforeSourceOpen func(path string)
+	roots                    []string // EngineConfig.Roots with symbolic links resolved
+	stats                    Stats
+	lat                      latencies // request durations and bytes by kind and origin
+	log                      *slog.Logger
+	mover                    *mover
+	pf                       *prefetcher
 	// sessions number the validation sessions: a copy is served only once found to match
 	// its source in the current one (see session.go and validate).
 	sessions   *sessions
@@ -673,9 +676,21 @@ func (e *Engine) fill(f *flight, root, path string) {
 		e.finish(path, f)
 		return
 	}
+	// One reader of the source per file: a reader of this node may be reading it (see
+	// claimSource); the claim is given up once the copy is published, or failed.
+	claim, err := e.claimSource(path)
+	if errors.Is(err, errFilledByReader) {
+		f.inTier = true
+		e.finish(path, f)
+		return
+	}
+	defer claim.Release()
 	// The session is taken before the source is opened: the copy matches the source as it
 	// was then, which is all a session asks.
 	session := e.sessions.current()
+	if e.testHookBeforeSourceOpen != nil {
+		e.testHookBeforeSourceOpen(path)
+	}
 	src, err := e.openSource(root, path)
 	if err != nil {
 		f.err = err
