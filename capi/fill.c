@@ -59,7 +59,10 @@ int fc_fill_claim(const struct fc_tier *t, const char *path, size_t len, struct 
 		return -errno;
 	int fd = sys_openat(bin, f->name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, ENTRY_MODE);
 	struct stat st;
-	if (fd < 0 || fc_sys_fstat(fd, &st) != 0) {
+	// The lock says the claim's holder lives (tiers.Tier.ClaimState): the kernel drops it when
+	// this descriptor is closed (after the report) or the process dies.
+	struct flock lk = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+	if (fd < 0 || fc_sys_fstat(fd, &st) != 0 || syscall(SYS_fcntl, fd, F_OFD_SETLK, &lk) != 0) {
 		int err = errno;
 		if (fd >= 0) {
 			syscall(SYS_unlinkat, bin, f->name, 0);

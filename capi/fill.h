@@ -21,7 +21,8 @@ struct fc_fill {
 };
 
 /* Claims the source file at path (clean, len bytes) in tier t: creates its fill file (and its
- * bins where missing). Returns 0, -EEXIST when another process holds the claim, or another
+ * bins where missing), locked (an open file description lock) until fc_fill_keep or
+ * fc_fill_drop. Returns 0, -EEXIST when another process holds the claim, or another
  * negated errno; on failure f holds nothing. */
 int fc_fill_claim(const struct fc_tier *t, const char *path, size_t len, struct fc_fill *f);
 

@@ -95,9 +95,10 @@ type Engine struct {
 	closed     atomic.Bool
 	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
-	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
+	mu        sync.Mutex // protects flights, realRoots and reports, and orders startFill before Close
 	flights   map[string]*flight
 	realRoots map[string]string // dataset root -> root with symbolic links resolved
+	reports   map[string]int    // readers' fills reported and not recorded yet, by path (see NoteReport)
 }
 
 // flight is a file being read from the source or published. Readers that miss while it exists
@@ -130,7 +131,8 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string)}
+	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
+		reports: make(map[string]int)}
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}

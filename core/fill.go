@@ -26,7 +26,8 @@ type FillReport struct {
 	FillIno  uint64
 }
 
-// RecordFill records a reader's fill of the file at path (in root) as its cached copy: the
+// RecordFill records a reader's fill of the file at path (in root) as its cached copy (see
+// NoteReport for a report noted as it arrived): the
 // source is looked at once more (one stat, as a copy's check), the fill file must be what the
 // report says, and the copy takes room as a fill of the engine's own would (evicting, or in a
 // later tier). A fill that is not recorded is removed. The file counts as read from the source
@@ -40,7 +41,10 @@ func (e *Engine) RecordFill(root, path string, r FillReport) error {
 	}
 	first := e.tiers[0]
 	err := e.recordFill(first, root, path, r)
-	first.RemoveFill(path, r.FillIno) // adopted (renamed away: nothing to remove) or not
+	first.RemoveFill(path, r.FillIno) // adopted (linked into place) or not, the claim ends
+	if e.reported(path) {
+		e.recorded(path)
+	}
 	if err != nil {
 		e.stats.fillsRefused.Add(1)
 		return err
@@ -82,21 +86,24 @@ func (e *Engine) recordFill(first *tiers.Tier, root, path string, r FillReport) 
 	return e.place(0, entry, content{fill: f, fillTier: first})
 }
 
-// Bounds of claimSource's wait for a reader that holds a file's claim: it looks every
-// claimPoll, up to claimWaitMax, and takes a claim over once it is stale (tiers.StaleFill).
+// claimWaitMax bounds claimSource's wait for the holder of a file's claim: a reader that
+// holds it (locked) longer, stopped or hung, is not waited for; the source is read anyway.
+// claimPoll is how often it looks.
 const (
+	claimWaitMax = 10 * time.Second
 	claimPoll    = time.Millisecond
-	claimWaitMax = tiers.StaleFill + 2*time.Second
 )
 
 // errFilledByReader reports that a reader filled the file while a fill of the engine waited.
 var errFilledByReader = errors.New("filled by a reader")
 
 // claimSource claims the file at path before the engine reads it from the source (see
-// tiers.Claim). It returns errFilledByReader when a reader that held the claim has cached
-// the file meanwhile; a zero claim (nothing to release) when there is no tier, the claim
-// cannot be made (the tier's file system refuses a file) or no reader finished in
-// claimWaitMax: then the source is read anyway.
+// tiers.Claim). While another process holds the claim it waits: for a reader reading the
+// source (its fill file locked), or for the record of a fill it reported (NoteReport). It
+// returns errFilledByReader when the copy is cached meanwhile. A claim left by a reader that
+// neither holds it nor reported it (it died) is taken over. The claim is zero (nothing to
+// release) when there is no tier, when the tier's file system refuses the claim's file, or
+// when the holder did not finish within claimWaitMax: then the source is read anyway.
 func (e *Engine) claimSource(path string) (tiers.Claim, error) {
 	if len(e.tiers) == 0 {
 		return tiers.Claim{}, nil
@@ -117,11 +124,38 @@ func (e *Engine) claimSource(path string) (tiers.Claim, error) {
 		case e.listed(path):
 			return tiers.Claim{}, errFilledByReader
 		case time.Now().After(deadline):
+			e.log.Warn("read a file whose claim was not given up", "file", path, "after", claimWaitMax)
 			return tiers.Claim{}, nil
 		}
-		if !first.TakeStaleClaim(path) {
+		if state, _ := first.ClaimStateOf(path); state == tiers.Held || e.reported(path) ||
+			!first.TakeAbandonedClaim(path) {
 			time.Sleep(claimPoll)
 		}
+	}
+}
+
+// NoteReport notes that a reader reported its fill of the file at path, which RecordFill
+// will record: until then, its claim is not abandoned although the reader has let go of it.
+// The node socket notes each report as it reads it, before it queues it.
+func (e *Engine) NoteReport(path string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.reports[path]++
+}
+
+// reported reports whether a fill of the file at path was reported and is not recorded yet.
+func (e *Engine) reported(path string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.reports[path] > 0
+}
+
+// recorded ends what NoteReport began.
+func (e *Engine) recorded(path string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.reports[path]--; e.reports[path] <= 0 {
+		delete(e.reports, path)
 	}
 }
 

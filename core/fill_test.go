@@ -3,8 +3,10 @@ package core
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -149,15 +151,18 @@ func TestFetchWaitsForTheReaderThatClaimedTheFile(t *testing.T) {
 	}
 }
 
-// A claim whose reader stopped writing (it died) is taken over after tiers.StaleFill.
-func TestFetchTakesOverAStaleClaim(t *testing.T) {
-	root, paths := dataset(t, 20_000)
+// A claim its reader left without a report (it died: the kernel dropped its lock) is taken
+// over once tiers.AbandonedAfter has passed; one it reported is waited for.
+func TestFetchTakesOverAnAbandonedClaimAndWaitsForAReportedOne(t *testing.T) {
+	root, paths := dataset(t, 20_000, 30_000)
 	e := newEngine(t, "64MiB")
 	first := e.tiers[0]
-	if _, err := first.Claim(paths[0]); err != nil {
-		t.Fatal(err)
+	for _, p := range paths {
+		if _, err := first.Claim(p); err != nil {
+			t.Fatal(err)
+		}
 	}
-	old := time.Now().Add(-tiers.StaleFill - time.Second)
+	old := time.Now().Add(-tiers.AbandonedAfter - time.Second)
 	os.Chtimes(filepath.Join(first.Path, tiers.FillName(paths[0])), old, old)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -166,8 +171,28 @@ func TestFetchTakesOverAStaleClaim(t *testing.T) {
 	}
 	_, got := readAll(t, e, root, paths[0])
 	wantBytes(t, paths[0], got)
-	if claimed, _ := first.Claimed(paths[0]); claimed {
-		t.Error("the stale claim is still there")
+	if state, _ := first.ClaimStateOf(paths[0]); state != tiers.Unclaimed {
+		t.Errorf("the abandoned claim is still there: %v", state)
+	}
+	// Reported: the record is on its way, however old the fill file.
+	r := writeFill(t, first, paths[1])
+	e.NoteReport(paths[1])
+	os.Chtimes(filepath.Join(first.Path, tiers.FillName(paths[1])), old, old)
+	done := make(chan error, 1)
+	go func() { done <- e.Fetch(context.Background(), root, paths[1]) }()
+	select {
+	case err := <-done:
+		t.Fatalf("fetch did not wait for the reported fill: %v", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	if err := e.RecordFill(root, paths[1], r); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := e.Stats().SourceReads; n != 2 {
+		t.Errorf("%d source reads of 2 files", n)
 	}
 }
 
@@ -184,7 +209,69 @@ func TestEnginesFillHoldsTheClaim(t *testing.T) {
 	if !errors.Is(during, tiers.ErrClaimed) {
 		t.Errorf("a reader's claim during the engine's fill: %v, want ErrClaimed", during)
 	}
-	if claimed, _ := first.Claimed(paths[0]); claimed {
+	if state, _ := first.ClaimStateOf(paths[0]); state != tiers.Unclaimed {
 		t.Error("the engine's claim outlived its fill")
+	}
+}
+
+// Readers filling files and the engine's fetches of the same files at once read each file
+// from the source once: whoever claims a file reads it, the others wait for its copy.
+func TestFillsAndFetchesAtOnceReadEachFileOnce(t *testing.T) {
+	sizes := make([]int, 300)
+	for i := range sizes {
+		sizes[i] = 1000 + 37*i
+	}
+	root, paths := dataset(t, sizes...)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for g := range 6 {
+		wg.Go(func() {
+			order := rand.New(rand.NewPCG(uint64(g), 9)).Perm(len(paths))
+			for _, i := range order {
+				p := paths[i]
+				if e.listed(p) {
+					continue
+				}
+				if g%2 == 0 { // a fetch of the engine's own (a prefetch, a reader asking)
+					if err := e.Fetch(context.Background(), root, p); err != nil {
+						errs <- err
+					}
+					continue
+				}
+				c, err := first.Claim(p) // a reader's fill (capi/fill.c hit_fill)
+				if errors.Is(err, tiers.ErrClaimed) {
+					if err := e.Fetch(context.Background(), root, p); err != nil {
+						errs <- err
+					}
+					continue
+				}
+				if err != nil {
+					errs <- err
+					continue
+				}
+				if e.listed(p) {
+					c.Release()
+					continue
+				}
+				if err := e.RecordFill(root, p, writeFill(t, first, p)); err != nil {
+					errs <- err
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	st := e.Stats()
+	if st.SourceReads != int64(len(paths)) {
+		t.Errorf("%d source reads of %d files (%d by readers)", st.SourceReads, len(paths), st.ReaderFills)
+	}
+	for _, p := range paths {
+		_, got := readAll(t, e, root, p)
+		wantBytes(t, p, got)
 	}
 }

@@ -147,6 +147,8 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.Refusals += o.Refusals
 	s.SourceChecks += o.SourceChecks
 	s.StaleCopies += o.StaleCopies
+	s.ReaderFills += o.ReaderFills
+	s.FillsRefused += o.FillsRefused
 	s.ReaderSourceRanges += o.ReaderSourceRanges
 	s.ReaderSourceBytes += o.ReaderSourceBytes
 	s.Prefetch.Add(o.Prefetch)

@@ -160,8 +160,10 @@ type Config struct {
 	// FetchBlock serves OpFetchBlock and OpCacheBlock: path is a block's name (tiers.BlockName).
 	FetchBlock Fetcher
 	// Record serves OpRecord; without it the reports are read and dropped (the fill files are
-	// removed as stale claims by the next reader of the file, see tiers.TakeStaleClaim).
+	// abandoned claims, see tiers.TakeAbandonedClaim). Noted, if set, is called with each
+	// report as soon as it is read, before Record (core.Engine.NoteReport).
 	Record  Recorder
+	Noted   func(root, path string)
 	Errno   func(error) syscall.Errno // maps Fetch's errors to errno values
 	Timeout time.Duration             // bound on one fetch; 0 means 60 s
 	Log     *slog.Logger              // nil discards
@@ -336,6 +338,9 @@ func (s *Server) serve(c *net.UnixConn) {
 				s.cfg.Log.Warn("node socket: bad fill report")
 				return
 			} else if s.cfg.Record != nil {
+				if s.cfg.Noted != nil {
+					s.cfg.Noted(a.root, a.path)
+				}
 				select {
 				case s.fills <- a:
 				default:

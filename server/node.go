@@ -63,6 +63,7 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			return engine.RecordFill(root, path, core.FillReport{FillIno: r.FillIno, Mode: fs.FileMode(r.Mode),
 				Identity: tiers.Identity{Size: r.Size, MTimeNanos: r.MTimeNanos, CTimeNanos: r.CTimeNanos, Ino: r.Ino}})
 		}
+		cfg.Noted = func(_, path string) { engine.NoteReport(path) }
 	}
 	cfg.FetchBlock = func(ctx context.Context, root, name string) error {
 		touch()

@@ -100,7 +100,9 @@ def test_each_file_read_from_source_once_across_epochs_and_workers(dataset, cach
         counts = opens.counts()
     assert set(counts) == set(digests), "every file read from the source"
     assert all(n == 1 for n in counts.values()), f"files read more than once: {counts}, {ds.stats()}"
-    assert not fitcache._native.loaded_here(), "the main process should not have loaded the Go runtime"
+    # The first fork opened the client here (open_before_fork): the forked workers read with
+    # no library of their own to load.
+    assert fitcache._native.loaded_here(), "the main process should have opened its client before forking"
     stats = ds.stats()["server"]
     assert stats["source_reads"] == len(ds)
     hits = sum(stats["hits"].values())
@@ -497,3 +499,13 @@ print(*children)
         assert lines.get(pid, 0) > 0, f"child {pid} counted no hit on a line of its own: {lines}"
     stats = fitcache.server_stats(**cache_options)
     assert stats["hits"]["memory"] >= sum(lines.values()) >= 2 * 3 * len(ds), (stats["hits"], lines)
+
+
+def test_workers_forked_without_open_before_fork_load_the_library_themselves(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, open_before_fork=False, **cache_options)
+    loader = DataLoader(IndexedDigests(ds), batch_size=4, shuffle=True, num_workers=2)
+    for _ in range(2):
+        check_epoch(loader, ds, digests)
+    assert not fitcache._native.loaded_here(), "the main process should not have loaded the Go runtime"
+    assert ds.stats()["server"]["source_reads"] == len(ds)

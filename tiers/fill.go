@@ -20,20 +20,22 @@ import (
 // in the file's bin of the first tier, with O_EXCL. The kernel lets one process make it, so
 // one process reads the source per file (invariant 3); a reader that finds the claim taken
 // asks the server, which waits for the claim's holder. A reader writes the copy into the
-// fill file itself, which Adopt renames into place; the server's own fill holds it empty
-// while it writes its copy as before. The fill file's name starts with tempPrefix: a rescan
-// removes one a crash left behind, and a claim left by a reader that died (no write for
-// StaleFill) is taken over (TakeStaleClaim).
+// fill file itself, which Adopt links into place; the server's own fill holds it empty
+// while it writes its copy as before. A reader holds an open file description lock on its
+// fill file until it has reported it (ClaimState), and the kernel drops the lock when the
+// reader dies: a claim that is neither locked nor reported is abandoned, and the server takes
+// it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
+// one a crash left behind.
 //
 // capi/fill.c makes the same names: FillName and RelPath must agree with it.
 
 // fillPrefix starts the name of a fill file: ".tmp-fill-" and the file's key in 16 hex digits.
 const fillPrefix = tempPrefix + "fill-"
 
-// StaleFill is how long a claim may go without a write before it is taken for abandoned: a
-// reader writes a file it claimed within a few milliseconds (it claims only files up to the
-// hit path's copy size, capi/fill.c FILL_MAX_BYTES).
-const StaleFill = 5 * time.Second
+// AbandonedAfter is how long a claim that no process locks must have gone unwritten before
+// it is taken for abandoned: a reader unlocks its fill file right after it sent its report,
+// which the server reads within milliseconds, and so knows of (see TakeAbandonedClaim).
+const AbandonedAfter = time.Second
 
 // ErrClaimed reports that another process is reading the file from the source.
 var ErrClaimed = errors.New("claimed by another reader of the source")
@@ -120,27 +122,51 @@ func (t *Tier) inFillBin(rel string, fn func(binfd int, name string, st *unix.St
 	})
 }
 
-// Claimed reports whether the file at sourcePath is claimed, and how long ago its fill file
-// was last written.
-func (t *Tier) Claimed(sourcePath string) (claimed bool, idle time.Duration) {
-	t.inFillBin(FillName(sourcePath), func(_ int, _ string, st *unix.Stat_t) {
-		claimed, idle = true, time.Since(time.Unix(st.Mtim.Unix()))
+// ClaimState is what ClaimStateOf finds of a file's claim.
+type ClaimState int
+
+// The states of a claim.
+const (
+	Unclaimed ClaimState = iota // no fill file
+	Held                        // a live process locks it: it is reading the source or writing the copy
+	Left                        // nobody locks it: reported (waiting to be recorded), or abandoned
+)
+
+// ClaimStateOf returns the state of the claim of the file at sourcePath, and how long ago its
+// fill file was last written.
+func (t *Tier) ClaimStateOf(sourcePath string) (state ClaimState, idle time.Duration) {
+	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
+		state, idle = Left, time.Since(time.Unix(st.Mtim.Unix()))
+		if locked(binfd, name) {
+			state = Held
+		}
 	})
-	return claimed, idle
+	return state, idle
 }
 
-// TakeStaleClaim removes the claim of the file at sourcePath when its fill file has not been
-// written for StaleFill (its reader died or hangs), and reports whether it did. The reader,
-// should it still be alive, then fills a file of no name, which no record adopts.
-func (t *Tier) TakeStaleClaim(sourcePath string) bool {
+// locked reports whether a process holds a lock on the file name in the directory binfd.
+func locked(binfd int, name string) bool {
+	fd, err := unix.Openat(binfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	lk := unix.Flock_t{Type: unix.F_WRLCK, Whence: io.SeekStart}
+	return unix.FcntlFlock(uintptr(fd), unix.F_OFD_GETLK, &lk) == nil && lk.Type != unix.F_UNLCK
+}
+
+// TakeAbandonedClaim removes the claim of the file at sourcePath when no process locks its
+// fill file and it has not been written for AbandonedAfter (its reader died, or reported it
+// and the caller knows it did not), and reports whether it did.
+func (t *Tier) TakeAbandonedClaim(sourcePath string) bool {
 	taken := false
 	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
-		if time.Since(time.Unix(st.Mtim.Unix())) >= StaleFill {
+		if time.Since(time.Unix(st.Mtim.Unix())) >= AbandonedAfter && !locked(binfd, name) {
 			taken = unix.Unlinkat(binfd, name, 0) == nil
 		}
 	})
 	if taken {
-		t.log.Warn("took over a claim no reader finished", "file", sourcePath, "idle_more_than", StaleFill)
+		t.log.Warn("took over a claim its reader left", "file", sourcePath)
 	}
 	return taken
 }

@@ -7,6 +7,9 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // A claim is exclusive until released; FillName is where readers (capi/fill.c) make it.
@@ -22,10 +25,10 @@ func TestClaimIsExclusive(t *testing.T) {
 	if _, err := tier.Claim("/data/a.bin"); !errors.Is(err, ErrClaimed) {
 		t.Fatalf("second claim: %v, want ErrClaimed", err)
 	}
-	if claimed, idle := tier.Claimed("/data/a.bin"); !claimed || idle > StaleFill {
-		t.Errorf("Claimed: %v, idle %v", claimed, idle)
+	if state, idle := tier.ClaimStateOf("/data/a.bin"); state != Left || idle > AbandonedAfter {
+		t.Errorf("ClaimStateOf: %v, idle %v; want Left (unlocked), fresh", state, idle)
 	}
-	if tier.TakeStaleClaim("/data/a.bin") {
+	if tier.TakeAbandonedClaim("/data/a.bin") {
 		t.Error("a fresh claim was taken over")
 	}
 	c.Release()
@@ -119,5 +122,41 @@ func TestAdoptPublishesTheFill(t *testing.T) {
 	valid, damaged, err := Dir{Path: tier.Path, Kind: Memory}.Check()
 	if err != nil || valid != 1 || len(damaged) != 0 {
 		t.Errorf("check: %d valid, %v damaged, %v", valid, damaged, err)
+	}
+}
+
+// A claim is held while its fill file is locked (a reader reads the source: capi/fill.c locks
+// it), and taken over only once nobody locks it and it was not written for AbandonedAfter.
+func TestAClaimIsTakenOverOnlyWhenUnlockedAndOld(t *testing.T) {
+	tier := newTier(t, Memory, "1MiB")
+	if _, err := tier.Claim("/d/x"); err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(tier.Path, FillName("/d/x"))
+	old := time.Now().Add(-AbandonedAfter - time.Second)
+	os.Chtimes(p, old, old)
+	f, err := os.OpenFile(p, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lk := unix.Flock_t{Type: unix.F_WRLCK}
+	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_SETLK, &lk); err != nil {
+		t.Fatal(err)
+	}
+	if state, _ := tier.ClaimStateOf("/d/x"); state != Held {
+		t.Errorf("locked claim: state %v, want Held", state)
+	}
+	if tier.TakeAbandonedClaim("/d/x") {
+		t.Error("a locked claim was taken over")
+	}
+	f.Close() // the holder dies: the kernel drops its lock
+	if state, _ := tier.ClaimStateOf("/d/x"); state != Left {
+		t.Errorf("unlocked claim: state %v, want Left", state)
+	}
+	if !tier.TakeAbandonedClaim("/d/x") {
+		t.Error("an old unlocked claim was not taken over")
+	}
+	if state, _ := tier.ClaimStateOf("/d/x"); state != Unclaimed {
+		t.Errorf("after the take-over: state %v, want Unclaimed", state)
 	}
 }
