@@ -249,6 +249,11 @@ int fc_size(int64_t handle, const char *path, int64_t *size) {
 	return goSize(handle, (char *)path, size);
 }
 
+int fc_check_server(int64_t handle) {
+	if (forked()) return -ECHILD;
+	return goCheckServer(handle);
+}
+
 int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed) {
 	if (forked()) return -ECHILD;
 	if (!buf && len > 0) { snprintf(errmsg, sizeof errmsg, "fc_stats: NULL buffer"); return -EINVAL; }

@@ -1270,6 +1270,27 @@ static int record(struct hit_client *c, const char *path, size_t len, const stru
 	return node_tell(c, FC_NODE_OP_RECORD, field, len + 1 + FC_NODE_RECORD_BYTES);
 }
 
+// marked_full reports whether c's server marked its tiers full for c's dataset in the last
+// FULL_RECHECK_NS (tiers.MarkFull: the mark ".full-<key of the root>" in the first tier, its
+// modification time when the server last found no room); then c stops filling for as long,
+// as a server's ENOSPC answer makes it skip the server (node_fetch).
+static int marked_full(struct hit_client *c) {
+	static const char hex[] = "0123456789abcdef";
+	uint64_t key, check;
+	fc_hashes(c->root, c->rootlen, &key, &check);
+	char name[6 + 16 + 1] = ".full-";
+	for (int i = 0; i < 16; i++)
+		name[6 + i] = hex[(key >> (60 - 4 * i)) & 15];
+	name[22] = 0;
+	struct stat st;
+	struct timespec now;
+	if (syscall(SYS_newfstatat, c->tiers[0].dirfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+	    clock_gettime(CLOCK_REALTIME, &now) != 0 || ts_ns(now) - ts_ns(st.st_mtim) >= FULL_RECHECK_NS)
+		return 0;
+	__atomic_store_n(&c->full_until, fc_monotonic_ns() + FULL_RECHECK_NS, __ATOMIC_RELAXED);
+	return 1;
+}
+
 int hit_fill(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	int saved = errno;
 	char clean[FC_PATH_MAX];
@@ -1278,17 +1299,24 @@ int hit_fill(int64_t handle, const char *path, const void **data, int64_t *size,
 	struct hit_client *c = acquire(handle);
 	if (!c || !__atomic_load_n(&c->fills, __ATOMIC_RELAXED) || c->node_opens || (nt = tier_count(c)) == 0 ||
 	    fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
-	    fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED) ||
+	    fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED) || marked_full(c) ||
 	    (n = source_path(c, path, clean, sizeof clean)) < 0)
 		goto out;
 	// Whatever fails here leaves the file to the server (FC_MISS), which reads it and says why.
-	struct stat before, after;
-	fd = source_open(c, clean, (size_t)n);
-	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode) || before.st_size > read_max)
+	// A look and the claim first: a file that is too large, or that another process reads,
+	// is not opened here as well as there.
+	struct stat look, before, after;
+	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	if ((size_t)n <= c->rootlen || c->real_root_fd < 0 ||
+	    syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0) != 0 || !S_ISREG(look.st_mode) ||
+	    look.st_size > read_max)
 		goto out;
 	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, &fill) != 0)
 		goto out; // another process reads it: the server waits for it
 	claimed = 1;
+	fd = source_open(c, clean, (size_t)n);
+	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode) || before.st_size > read_max)
+		goto out;
 	struct fc_hit h;
 	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
 		close(h.fd); // recorded between the miss and the claim: the server serves it

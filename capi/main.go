@@ -475,6 +475,22 @@ func goSize(handle C.int64_t, path *C.char, size *C.int64_t) (rc C.int) {
 	return 0
 }
 
+//export goCheckServer
+func goCheckServer(handle C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	c, err := lookupClient(handle)
+	if err != nil {
+		return fail(err)
+	}
+	if err := c.CheckServer(); err != nil {
+		return fail(err)
+	}
+	if C.fcHitTiers(handle) == 0 {
+		addHitTiers(int64(handle), c)
+	}
+	return 0
+}
+
 //export goStats
 func goStats(handle C.int64_t, buf *C.char, length C.size_t, needed *C.size_t) (rc C.int) {
 	defer guard(&rc)

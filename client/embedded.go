@@ -235,6 +235,27 @@ func (c *Client) MarkUnavailable() {
 	c.tellState(false, c.backoff)
 }
 
+// CheckServer makes sure the embedded server answers: it asks the current one, and on no
+// answer connects anew as a read would, starting a server (a dead one is restarted; one
+// backing off after a failure is left alone). Readers forked from this process, which cannot
+// run Go, then find it running. Cluster clients have nothing to check here (nil).
+func (c *Client) CheckServer() error {
+	if c.node != nil || c.cluster != nil {
+		return nil
+	}
+	conn, down := c.current()
+	if conn != nil && !down {
+		ctx, cancel := context.WithTimeout(context.Background(), nodesock.ProbeTimeout)
+		_, err := conn.rpc.Hello(ctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+	}
+	_, err := c.ensureConn(conn, c.cfg.StartTimeout+c.cfg.ReadTimeout)
+	return err
+}
+
 // SetOnServerState gives the client a function to call whenever it connects to its server
 // (up) and whenever it decides to read without it for a while (it could not reach or start
 // it, or the server did not answer), with the back-off, so that callers going around the

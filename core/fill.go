@@ -42,6 +42,9 @@ func (e *Engine) RecordFill(root, path string, r FillReport) error {
 	first := e.tiers[0]
 	err := e.recordFill(first, root, path, r)
 	first.RemoveFill(path, r.FillIno) // adopted (linked into place) or not, the claim ends
+	if errors.Is(err, ErrCacheFull) || errors.Is(err, tiers.ErrNoRoom) {
+		first.MarkFull(root)
+	}
 	if e.reported(path) {
 		e.recorded(path)
 	}

@@ -275,3 +275,27 @@ func TestFillsAndFetchesAtOnceReadEachFileOnce(t *testing.T) {
 		wantBytes(t, p, got)
 	}
 }
+
+// A fill that finds the tiers full of its dataset is not recorded, and the dataset is marked
+// full (tiers.MarkFull) so that its readers stop filling for a while.
+func TestAFillWithoutRoomMarksTheDatasetFull(t *testing.T) {
+	root, paths := dataset(t, 40_000, 40_000)
+	e := newEngine(t, "48KiB") // room for one file and its record
+	if err := e.RecordFill(root, paths[0], readerFill(t, e, paths[0])); err != nil {
+		t.Fatal(err)
+	}
+	mark := filepath.Join(e.tiers[0].Path, tiers.FullMarkName(root))
+	if _, err := os.Stat(mark); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("marked full with room left: %v", err)
+	}
+	if err := e.RecordFill(root, paths[1], readerFill(t, e, paths[1])); !errors.Is(err, ErrCacheFull) && !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("a fill without room: %v, want ErrCacheFull", err)
+	}
+	st, err := os.Stat(mark)
+	if err != nil || time.Since(st.ModTime()) > time.Minute {
+		t.Fatalf("no fresh full mark: %v", err)
+	}
+	if e.tiers[0].Listed(paths[1]) || !e.tiers[0].Listed(paths[0]) {
+		t.Error("the fill without room was recorded, or the first one lost")
+	}
+}

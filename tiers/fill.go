@@ -171,6 +171,26 @@ func (t *Tier) TakeAbandonedClaim(sourcePath string) bool {
 	return taken
 }
 
+// FullMarkName returns the name, in a tier directory, of the mark that says the tiers have no
+// room left for the dataset at root (MarkFull): ".full-" and the key of the root in 16 hex
+// digits (capi/hitpath.c makes the same).
+func FullMarkName(root string) string { return fmt.Sprintf(".full-%016x", uint64(KeyOf(root))) }
+
+// MarkFull marks, for the readers of the dataset at root, that the tiers have no room left
+// for another of its files: readers then stop filling its misses for a while (they read them
+// from the source and keep them), rather than write copies the server does not record. The
+// mark's modification time is when the tiers were last found full.
+func (t *Tier) MarkFull(root string) {
+	withFd(t.dirFile, func(dirfd int) error {
+		fd, err := unix.Openat(dirfd, FullMarkName(root), unix.O_WRONLY|unix.O_CREAT|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		return unix.Futimes(fd, nil) // now
+	})
+}
+
 // ErrBadFill reports a reader's fill that does not hold what its record says.
 var ErrBadFill = errors.New("the reader's copy does not match its record")
 

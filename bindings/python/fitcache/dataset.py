@@ -247,10 +247,13 @@ class FitCacheDataset(_Base):
         class's documentation); a failure here is left to the forked readers."""
         if self._made_in != os.getpid() or _native.forked():
             return
-        if self._client is not None and self._client_pid == self._made_in:
-            return
         try:
-            self._get_client()
+            if self._client is not None and self._client_pid == self._made_in:
+                # Workers forked every epoch cannot restart a server that died (no Go after
+                # fork): it is checked here, before each fork (a Hello, about a millisecond).
+                self._client.check_server()
+            else:
+                self._get_client()
         except Exception as err:  # noqa: BLE001 -- a fork must not fail for it
             logging.getLogger("fitcache").debug("client not opened before fork: %s", err)
 
