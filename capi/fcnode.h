@@ -27,6 +27,9 @@
 #define FC_NODE_OP_FORGET 3
 #define FC_NODE_OP_FETCH_BLOCK 4 /* the path is a block's name (tiers.BlockName) */
 #define FC_NODE_OP_CACHE_BLOCK 5 /* as FETCH_BLOCK, answered with neither ack nor reply */
+#define FC_NODE_OP_RECORD 7 /* a reader's fill (capi/fill.h): the path, a NUL byte and FC_NODE_RECORD_BYTES
+                               of report; answered with neither ack nor reply */
+#define FC_NODE_RECORD_BYTES 48
 #define FC_NODE_MAX_MESSAGE 1000
 
 /* How long a client waits to connect, to send a request and for each ack (nodesock.ProbeTimeout):

@@ -86,7 +86,9 @@ static int fetch_and_read(int64_t handle, const char *path, const void **data, i
 // node's server (none listening, or no answer), a copy its tiers hold still serves once the
 // source shows the copy's version (hit_read_checked), as Go's reader does.
 static int forked_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
-	int rc = fetch_and_read(handle, path, data, size, buffer);
+	int rc = hit_fill(handle, path, data, size, buffer);
+	if (rc != FC_MISS) return rc;
+	rc = fetch_and_read(handle, path, data, size, buffer);
 	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
 	if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
 		int checked = hit_read_checked(handle, path, data, size, buffer);
@@ -96,13 +98,16 @@ static int forked_read(int64_t handle, const char *path, const void **data, int6
 	return rc == FC_MISS || rc == FC_DIRECT || rc == FC_UNAVAILABLE ? forked_miss() : rc;
 }
 
-// Misses go to the server's node socket first; Go serves what that cannot (no server yet,
-// a file no tier takes, cluster mode, a server that does not answer).
+// A miss of a small file is the reader's own fill where its server records fills
+// (hit_fill); other misses go to the server's node socket first; Go serves what that cannot
+// (no server yet, a file no tier takes, cluster mode, a server that does not answer).
 int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
 	if (!path || !data || !size || !buffer) { snprintf(errmsg, sizeof errmsg, "fc_read: NULL argument"); return -EINVAL; }
 	int rc = hit_read(handle, path, data, size, buffer);
 	if (rc != FC_MISS) return rc;
 	if (forked_after_load) return forked_read(handle, path, data, size, buffer);
+	rc = hit_fill(handle, path, data, size, buffer);
+	if (rc != FC_MISS) return rc;
 	rc = fetch_and_read(handle, path, data, size, buffer);
 	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
 	if (rc != FC_MISS && rc != FC_UNAVAILABLE) return rc;
@@ -155,6 +160,7 @@ int fc_read_many(int64_t handle, int count, const char *const *paths, const void
 	for (int i = 0; i < count; i++) {
 		data[i] = NULL; sizes[i] = 0; buffers[i] = 0;
 		int rc = hit_read(handle, paths[i], &data[i], &sizes[i], &buffers[i]);
+		if (rc == FC_MISS && !forked_after_load) rc = hit_fill(handle, paths[i], &data[i], &sizes[i], &buffers[i]);
 		results[i] = rc == FC_MISS ? -EIO : rc;
 		if (rc == FC_MISS) miss[nmiss++] = i;
 	}
@@ -241,6 +247,11 @@ int fc_size(int64_t handle, const char *path, int64_t *size) {
 	if (forked()) return -ECHILD;
 	if (!path || !size) { snprintf(errmsg, sizeof errmsg, "fc_size: NULL argument"); return -EINVAL; }
 	return goSize(handle, (char *)path, size);
+}
+
+int fc_check_server(int64_t handle) {
+	if (forked()) return -ECHILD;
+	return goCheckServer(handle);
 }
 
 int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed) {

@@ -85,6 +85,13 @@ int64_t fc_pread(int64_t handle, const char *path, void *buf, int64_t len, int64
 /* Stores the size of the file at path in *size. */
 int fc_size(int64_t handle, const char *path, int64_t *size);
 
+/* Makes sure the client's server answers: asks it, and restarts an embedded server that died,
+ * as a read would (one backing off after a failure is left alone). A process that forks
+ * readers calls it before each fork, so that they, which cannot restart it (no Go after
+ * fork), find it running. Returns 0, or a negated errno (-ECHILD in a process forked after
+ * load). */
+int fc_check_server(int64_t handle);
+
 /* Writes the client's and its server's counters as a NUL-terminated JSON object into buf.
  * If len is too small, returns -ERANGE and stores the length needed (with the NUL) in
  * *needed (when needed is not NULL). */

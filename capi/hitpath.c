@@ -20,6 +20,7 @@
 #include "fcheat.h"
 #include "fclookup.h"
 #include "fcnode.h"
+#include "fill.h"
 
 #define CLIENT_SLOTS 256 // clients open at once with a hit path; more go through Go
 #define RANGE_SETS 1024 // cached copies a client keeps mapped for ranges: RANGE_SETS sets of
@@ -110,6 +111,8 @@ struct hit_client {
 	                         // set by fcHitServerState, and for a while after a timeout
 	int64_t fetches;         // misses the server cached through the node socket (atomic)
 	int64_t direct;          // files read from the source by read_source (atomic)
+	bool fills;              // the server records this process's fills (fcHitSetFills; atomic)
+	int64_t filled;          // files this process filled (hit_fill; atomic)
 	int64_t full_until;      // CLOCK_MONOTONIC ns before which misses skip the server: it said
 	                         // it has no room for this dataset (atomic)
 	bool node_opens;         // a file no tier takes is opened by the node's server, not read
@@ -1064,7 +1067,7 @@ static int open_source(struct hit_client *c, const char *path, size_t len) {
 	return 1;
 }
 
-static void node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len);
+static int node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len);
 
 // listed_here reports whether a tier of c lists the copy named name (len bytes), checked in
 // c's session or not: a block a new job finds cached by an earlier one, which the server
@@ -1297,12 +1300,13 @@ int hit_fetch(int64_t handle, const char *path, char *msg) {
 	return rc;
 }
 
-// node_tell sends c's server a request it does not answer (FC_NODE_OP_CACHE_BLOCK), on the
-// connection kept for this process's misses, or on one of its own when another thread has
-// that one: a request without a reply leaves the kept connection ready for the next.
-static void node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len) {
+// node_tell sends c's server a request it does not answer (FC_NODE_OP_CACHE_BLOCK,
+// FC_NODE_OP_RECORD), on the connection kept for this process's misses, or on one of its own
+// when another thread has that one: a request without a reply leaves the kept connection
+// ready for the next. It returns 0 when the request was sent, else -1.
+static int node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len) {
 	if (!c->node_socket[0] || fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED))
-		return;
+		return -1;
 	int kept, fd = node_take(c, &kept), sent = 0, timed_out = 0;
 	// A kept connection the server closed (idle) fails: once more on a new one.
 	for (int attempt = 0; attempt < 2 && !sent && !timed_out; attempt++) {
@@ -1320,6 +1324,127 @@ static void node_tell(struct hit_client *c, uint32_t op, const char *name, size_
 	node_give(c, fd, kept);
 	if (timed_out) // a hung server: skip it for a while
 		__atomic_store_n(&c->node_down_until, fc_monotonic_ns() + NODE_BACKOFF_NS, __ATOMIC_RELAXED);
+	return sent ? 0 : -1;
+}
+
+void fcHitSetFills(int64_t handle, bool on) {
+	struct hit_client *c = acquire(handle);
+	if (c)
+		__atomic_store_n(&c->fills, on, __ATOMIC_RELAXED);
+	put(c);
+}
+
+int64_t fcHitFilled(int64_t handle) {
+	struct hit_client *c = acquire(handle);
+	int64_t n = c ? __atomic_load_n(&c->filled, __ATOMIC_RELAXED) : 0;
+	put(c);
+	return n;
+}
+
+// same_file reports whether two fstat results of a source show one version of one file.
+static int same_file(const struct stat *a, const struct stat *b) {
+	return a->st_size == b->st_size && a->st_ino == b->st_ino && a->st_dev == b->st_dev &&
+	       a->st_mtim.tv_sec == b->st_mtim.tv_sec && a->st_mtim.tv_nsec == b->st_mtim.tv_nsec &&
+	       a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}
+
+// record reports c's fill of the file at the clean path path (len bytes), read as st, to the
+// server (FC_NODE_OP_RECORD): 0 when sent.
+static int record(struct hit_client *c, const char *path, size_t len, const struct stat *st, uint64_t fill_ino) {
+	char field[FC_PATH_MAX + 1 + FC_NODE_RECORD_BYTES];
+	if (len + 1 + FC_NODE_RECORD_BYTES > sizeof field)
+		return -1;
+	memcpy(field, path, len);
+	uint8_t *r = (uint8_t *)field + len + 1;
+	field[len] = 0;
+	uint64_t v[5] = {(uint64_t)st->st_size, (uint64_t)ts_ns(st->st_mtim), (uint64_t)ts_ns(st->st_ctim),
+	                 (uint64_t)st->st_ino, fill_ino};
+	for (int i = 0; i < 5; i++) {
+		fc_put32(r + 8 * i, (uint32_t)v[i]);
+		fc_put32(r + 8 * i + 4, (uint32_t)(v[i] >> 32));
+	}
+	fc_put32(r + 40, (uint32_t)(st->st_mode & 07777));
+	fc_put32(r + 44, 0);
+	return node_tell(c, FC_NODE_OP_RECORD, field, len + 1 + FC_NODE_RECORD_BYTES);
+}
+
+// marked_full reports whether c's server marked its tiers full for c's dataset in the last
+// FULL_RECHECK_NS (tiers.MarkFull: the mark ".full-<key of the root>" in the first tier, its
+// modification time when the server last found no room); then c stops filling for as long,
+// as a server's ENOSPC answer makes it skip the server (node_fetch).
+static int marked_full(struct hit_client *c) {
+	static const char hex[] = "0123456789abcdef";
+	uint64_t key, check;
+	fc_hashes(c->root, c->rootlen, &key, &check);
+	char name[6 + 16 + 1] = ".full-";
+	for (int i = 0; i < 16; i++)
+		name[6 + i] = hex[(key >> (60 - 4 * i)) & 15];
+	name[22] = 0;
+	struct stat st;
+	struct timespec now;
+	if (syscall(SYS_newfstatat, c->tiers[0].dirfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+	    clock_gettime(CLOCK_REALTIME, &now) != 0 || ts_ns(now) - ts_ns(st.st_mtim) >= FULL_RECHECK_NS)
+		return 0;
+	__atomic_store_n(&c->full_until, fc_monotonic_ns() + FULL_RECHECK_NS, __ATOMIC_RELAXED);
+	return 1;
+}
+
+int hit_fill(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int saved = errno;
+	char clean[FC_PATH_MAX];
+	int n, nt, rc = FC_MISS, fd = -1, claimed = 0;
+	struct fc_fill fill;
+	struct hit_client *c = acquire(handle);
+	if (!c || !__atomic_load_n(&c->fills, __ATOMIC_RELAXED) || c->node_opens || (nt = tier_count(c)) == 0 ||
+	    fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
+	    fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED) || marked_full(c) ||
+	    (n = source_path(c, path, clean, sizeof clean)) < 0)
+		goto out;
+	// Whatever fails here leaves the file to the server (FC_MISS), which reads it and says why.
+	// A look and the claim first: a file that is too large, or that another process reads,
+	// is not opened here as well as there.
+	struct stat look, before, after;
+	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	if ((size_t)n <= c->rootlen || c->real_root_fd < 0 ||
+	    syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0) != 0 || !S_ISREG(look.st_mode) ||
+	    look.st_size > read_max)
+		goto out;
+	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, &fill) != 0)
+		goto out; // another process reads it: the server waits for it
+	claimed = 1;
+	fd = source_open(c, clean, (size_t)n);
+	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode) || before.st_size > read_max)
+		goto out;
+	struct fc_hit h;
+	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
+		close(h.fd); // recorded between the miss and the claim: the server serves it
+		goto out;
+	}
+	h = (struct fc_hit){.fd = fd, .size = before.st_size};
+	void *ptr;
+	uint8_t kind;
+	if (take(&h, &ptr, &kind) != 0)
+		goto out;
+	if (fc_sys_fstat(fd, &after) != 0 || !same_file(&before, &after)) {
+		free_mem(ptr, (size_t)h.size, kind); // changed while read: the server reads it, or says so
+		goto out;
+	}
+	// The reader has the bytes: a copy that cannot be written or reported is only not cached.
+	if (fc_fill_write(&fill, ptr, (size_t)h.size) == 0 && record(c, clean, (size_t)n, &before, fill.ino) == 0) {
+		fc_fill_keep(&fill);
+		claimed = 0;
+	}
+	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
+		goto out;
+	__atomic_fetch_add(&c->filled, 1, __ATOMIC_RELAXED);
+out:
+	if (claimed)
+		fc_fill_drop(&fill);
+	if (fd >= 0)
+		close(fd);
+	put(c);
+	errno = saved;
+	return rc;
 }
 
 // node_fetch asks c's server, over its node socket, to bring the file or block named name

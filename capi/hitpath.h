@@ -43,6 +43,20 @@
  * negated errno (out of memory). */
 int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
+/* Serves a miss of a small file (up to FC_READ_MAX_BYTES) as a reader's fill, when the
+ * client's server records fills (fcHitSetFills): the file is claimed in the server's first
+ * tier (capi/fill.h), read from the source here, its copy written into that tier and reported
+ * to the server, which records it without being waited for. Returns as hit_read: FC_MISS
+ * whenever the server should serve it instead (another process holds the claim, the source
+ * cannot be opened here or changes while read, no server). */
+int hit_fill(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+
+/* Says whether the server of a client records its readers' fills (see hit_fill). */
+void fcHitSetFills(int64_t handle, bool on);
+
+/* Returns the files the client's process filled (hit_fill). */
+int64_t fcHitFilled(int64_t handle);
+
 /* hit_read for a file the server just brought into a tier for this caller (hit_fetch, a Go
  * fetch): the same read, not counted as a hit, since the server counted the miss. */
 int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);

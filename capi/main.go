@@ -164,7 +164,7 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		var n, fetches, direct, sourceRanges C.int64_t
 		C.fcHitCounts(C.int64_t(h), &n, &fetches, &direct, &sourceRanges)
 		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct),
-			SourceRanges: int64(sourceRanges)}
+			SourceRanges: int64(sourceRanges), Fills: int64(C.fcHitFilled(C.int64_t(h)))}
 	})
 	// The hit path asks the node socket to fetch a miss into a tier and then finds it there
 	// itself (OpFetch). In cluster mode that is the socket of this node's server, which
@@ -189,6 +189,7 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 // which then serves cached files without entering Go.
 func addHitTiers(h int64, c *client.Client) {
 	C.fcHitSetBlockBytes(C.int64_t(h), C.int64_t(c.BlockBytes()))
+	C.fcHitSetFills(C.int64_t(h), C.bool(c.ReaderFills()))
 	for _, d := range c.TierDirs() {
 		dir := C.CString(d.Path)
 		if rc := C.fcHitAddTier(C.int64_t(h), dir, C.int(d.Kind), C.uint32_t(d.Session())); rc != 0 && rc != -C.int(syscall.EBADF) {
@@ -471,6 +472,22 @@ func goSize(handle C.int64_t, path *C.char, size *C.int64_t) (rc C.int) {
 		return fail(err)
 	}
 	*size = C.int64_t(n)
+	return 0
+}
+
+//export goCheckServer
+func goCheckServer(handle C.int64_t) (rc C.int) {
+	defer guard(&rc)
+	c, err := lookupClient(handle)
+	if err != nil {
+		return fail(err)
+	}
+	if err := c.CheckServer(); err != nil {
+		return fail(err)
+	}
+	if C.fcHitTiers(handle) == 0 {
+		addHitTiers(int64(handle), c)
+	}
 	return 0
 }
 

@@ -550,6 +550,18 @@ func (c *Client) TierDirs() []tiers.Dir {
 	return dirs
 }
 
+// ReaderFills reports whether this client's server records the fills of its readers: a
+// reader that misses a small file may then read it from the source itself and write its copy
+// into the server's first tier (capi/fill.c, tiers.Claim). Only the embedded server does;
+// in cluster mode the node's server opens every miss (OpOpen).
+func (c *Client) ReaderFills() bool {
+	if c.node != nil || c.cluster != nil {
+		return false
+	}
+	conn, down := c.current()
+	return conn != nil && !down && conn.readerFills
+}
+
 // localDirs returns the tier directories this client maps files from.
 func (c *Client) localDirs() []tiers.Dir {
 	if c.node != nil {

@@ -34,6 +34,9 @@ type serverConn struct {
 	// blockBytes is the size of the server's blocks (see ranges.go); 0 for a server
 	// without them.
 	blockBytes int64
+	// readerFills: the server records the fills of its node's readers (see
+	// nodesock.OpRecord).
+	readerFills bool
 }
 
 // tierView returns the tier directories of the last server that answered (none before the
@@ -163,7 +166,7 @@ func (c *Client) dial() (*serverConn, error) {
 	}
 	session := sessionOf(hello)
 	return &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session,
-		blockBytes: hello.BlockBytes}, nil
+		blockBytes: hello.BlockBytes, readerFills: hello.ReaderFills}, nil
 }
 
 // sessionOf returns the validation session a Hello reply gives the caller's job.
@@ -230,6 +233,27 @@ func (c *Client) MarkUnavailable() {
 	c.downUntil = time.Now().Add(c.backoff)
 	c.log.Warn("fitcache server did not answer; reading from the source", "retry_in", c.backoff)
 	c.tellState(false, c.backoff)
+}
+
+// CheckServer makes sure the embedded server answers: it asks the current one, and on no
+// answer connects anew as a read would, starting a server (a dead one is restarted; one
+// backing off after a failure is left alone). Readers forked from this process, which cannot
+// run Go, then find it running. Cluster clients have nothing to check here (nil).
+func (c *Client) CheckServer() error {
+	if c.node != nil || c.cluster != nil {
+		return nil
+	}
+	conn, down := c.current()
+	if conn != nil && !down {
+		ctx, cancel := context.WithTimeout(context.Background(), nodesock.ProbeTimeout)
+		_, err := conn.rpc.Hello(ctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+	}
+	_, err := c.ensureConn(conn, c.cfg.StartTimeout+c.cfg.ReadTimeout)
+	return err
 }
 
 // SetOnServerState gives the client a function to call whenever it connects to its server

@@ -25,6 +25,10 @@ type ClientStats struct {
 	LocalHits   int64 `json:"local_hits"`
 	ServerReads int64 `json:"server_reads"`
 	DirectReads int64 `json:"direct_reads"`
+	// ReaderFills are the misses this client's process read from the source itself and
+	// wrote into the server's first tier, for the server to record (see
+	// Client.ReaderFills); its server counts them as source reads.
+	ReaderFills int64 `json:"reader_fills"`
 	Connects    int64 `json:"connects"`
 	Errors      int64 `json:"errors"`
 	// Ranges of large files (ReadAt): opens of their sources by this client, and the ranges
@@ -63,6 +67,7 @@ func (c *Client) Stats() (string, error) {
 		out.Client.LocalHits += ext.Hits
 		out.Client.ServerReads += ext.Fetches
 		out.Client.DirectReads += ext.Direct
+		out.Client.ReaderFills += ext.Fills
 		out.Client.SourceRanges += ext.SourceRanges
 	}
 	if c.deadTiers != nil {
@@ -187,6 +192,7 @@ type ExternalCounts struct {
 	// SourceRanges are the ranges it read from the source of a large file whose blocks the
 	// server has no room for (see Client.DeclinedSource).
 	SourceRanges int64
+	Fills        int64 // misses it read from the source and wrote into a tier (see ReaderFills)
 }
 
 // SetExternalCounts gives the client a count of the reads served around it (see

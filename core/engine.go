@@ -68,12 +68,15 @@ type EngineConfig struct {
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
 type Engine struct {
 	tiers []*tiers.Tier
-	roots []string // EngineConfig.Roots with symbolic links resolved
-	stats Stats
-	lat   latencies // request durations and bytes by kind and origin
-	log   *slog.Logger
-	mover *mover
-	pf    *prefetcher
+	// testHookBeforeSourceOpen, set by tests, is called by a fill holding the file's claim
+	// just before it opens the source.
+	testHookBeforeSourceOpen func(path string)
+	roots                    []string // EngineConfig.Roots with symbolic links resolved
+	stats                    Stats
+	lat                      latencies // request durations and bytes by kind and origin
+	log                      *slog.Logger
+	mover                    *mover
+	pf                       *prefetcher
 	// sessions number the validation sessions: a copy is served only once found to match
 	// its source in the current one (see session.go and validate).
 	sessions   *sessions
@@ -92,9 +95,10 @@ type Engine struct {
 	closed     atomic.Bool
 	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
 
-	mu        sync.Mutex // protects flights and realRoots, and orders startFill before Close
+	mu        sync.Mutex // protects flights, realRoots and reports, and orders startFill before Close
 	flights   map[string]*flight
 	realRoots map[string]string // dataset root -> root with symbolic links resolved
+	reports   map[string]int    // readers' fills reported and not recorded yet, by path (see NoteReport)
 }
 
 // flight is a file being read from the source or published. Readers that miss while it exists
@@ -127,7 +131,8 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string)}
+	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
+		reports: make(map[string]int)}
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}
@@ -673,9 +678,21 @@ func (e *Engine) fill(f *flight, root, path string) {
 		e.finish(path, f)
 		return
 	}
+	// One reader of the source per file: a reader of this node may be reading it (see
+	// claimSource); the claim is given up once the copy is published, or failed.
+	claim, err := e.claimSource(path)
+	if errors.Is(err, errFilledByReader) {
+		f.inTier = true
+		e.finish(path, f)
+		return
+	}
+	defer claim.Release()
 	// The session is taken before the source is opened: the copy matches the source as it
 	// was then, which is all a session asks.
 	session := e.sessions.current()
+	if e.testHookBeforeSourceOpen != nil {
+		e.testHookBeforeSourceOpen(path)
+	}
 	src, err := e.openSource(root, path)
 	if err != nil {
 		f.err = err

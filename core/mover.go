@@ -2,6 +2,7 @@ package core
 
 import (
 	"errors"
+	"os"
 	"sync"
 
 	"github.com/fitcache/fitcache/tiers"
@@ -106,12 +107,17 @@ func (e *Engine) publish(j job) {
 // content is what place writes into a tier: bytes in memory, or a source file, read anew
 // for each attempt.
 type content struct {
-	data []byte
-	src  *Source // when set, data is unused: the entry's bytes are the source's from off
-	off  int64
+	data     []byte
+	src      *Source // when set, data is unused: the entry's bytes are the source's from off
+	off      int64
+	fill     *os.File    // when set, data and src are unused: a reader's fill file (see RecordFill)
+	fillTier *tiers.Tier // the tier that holds fill
 }
 
 func (c content) publish(t *tiers.Tier, entry tiers.Entry) error {
+	if c.fill != nil {
+		return publishFill(t, c.fillTier, entry, c.fill)
+	}
 	if c.src != nil {
 		return t.PublishFrom(entry, c.src.RangeReader(c.off, entry.Size))
 	}

@@ -28,6 +28,8 @@ type Stats struct {
 	refusals      atomic.Int64 // connections refused: no handshake or a wrong proof of the job token, or too many
 	sourceChecks  atomic.Int64 // cached copies compared with their source (see validate)
 	staleCopies   atomic.Int64 // of those, copies dropped: the source changed or is gone
+	readerFills   atomic.Int64 // files readers read from the source and this engine recorded (see RecordFill)
+	fillsRefused  atomic.Int64 // readers' fills not recorded: not what their reader said, or no room
 
 	mu       sync.Mutex // protects warnings
 	warnings []string   // problems the user should see (a tier skipped or moved)
@@ -59,6 +61,11 @@ type StatsSnapshot struct {
 	// had changed or was gone.
 	SourceChecks int64 `json:"source_checks"`
 	StaleCopies  int64 `json:"stale_copies"`
+	// ReaderFills counts the files that readers read from the source themselves and this
+	// server recorded as cached (see Engine.RecordFill; they are in SourceReads too),
+	// FillsRefused the fills it did not record (no room, or not what the reader said).
+	ReaderFills  int64 `json:"reader_fills"`
+	FillsRefused int64 `json:"fills_refused"`
 	// ReaderSourceRanges counts the ranges of large files that programs under `fitcache
 	// run` read from the source because no block held them (the preload shim counts them in
 	// the tiers' indexes), ReaderSourceBytes their bytes. The source reads of the API's
@@ -90,6 +97,7 @@ func (s *Stats) Snapshot() StatsSnapshot {
 		PublishErrors: s.publishErrors.Load(), ClientHits: s.clientHits.Load(), Stored: s.stored.Load(),
 		StoreRefused: s.storeRefused.Load(), Guests: s.guests.Load(), Refusals: s.refusals.Load(),
 		SourceChecks: s.sourceChecks.Load(), StaleCopies: s.staleCopies.Load(),
+		ReaderFills: s.readerFills.Load(), FillsRefused: s.fillsRefused.Load(),
 	}
 }
 
@@ -139,6 +147,8 @@ func (s *StatsSnapshot) Add(o StatsSnapshot) {
 	s.Refusals += o.Refusals
 	s.SourceChecks += o.SourceChecks
 	s.StaleCopies += o.StaleCopies
+	s.ReaderFills += o.ReaderFills
+	s.FillsRefused += o.FillsRefused
 	s.ReaderSourceRanges += o.ReaderSourceRanges
 	s.ReaderSourceBytes += o.ReaderSourceBytes
 	s.Prefetch.Add(o.Prefetch)

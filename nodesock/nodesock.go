@@ -4,7 +4,7 @@
 // Go), and the preload shim of the transparent mode (preload/), which must not run Go at
 // all.
 //
-// Five operations, one request and one reply at a time per connection (none for the last):
+// Six operations, one request and one reply at a time per connection (none for the last two):
 //
 //   - OpFetch asks the server to bring one file into its tiers; the caller then finds it
 //     there itself, through the tiers' index (capi/fclookup.c), so the file's bytes never
@@ -24,6 +24,15 @@
 //     askQueue waiting; more are dropped: the asker asks again later). The preload shim
 //     sends it for the blocks a program reads from the source (preload/ranges.c): it must
 //     not wait for them, nor hold a connection of the server while they are cached.
+//   - OpRecord reports a reader's fill (see tiers.Claim): the reader read a small file from
+//     the source itself and wrote its copy into the first tier's fill file; the server
+//     records it as the cached copy (core.Engine.RecordFill). No ack, no reply, as for
+//     OpCacheBlock: the reader has its bytes and waits for nothing. The request's path is the
+//     file's path, a NUL byte and the report (recordBytes: the source's size, modification
+//     and change times in Unix nanoseconds and inode number as the reader read them, the fill
+//     file's inode number, the source's mode bits, 4 bytes of zeros). Reports are recorded
+//     askWorkers at a time, up to askQueue waiting; with the queue full, in the connection's
+//     own turn. Only servers that say so in their Hello reply (reader_fills) get them.
 //
 // Wire format (integers little-endian):
 //
@@ -55,6 +64,7 @@
 package nodesock
 
 import (
+	"bufio"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -92,7 +102,11 @@ const (
 	OpForget     = 3
 	OpFetchBlock = 4
 	OpCacheBlock = 5
+	OpRecord     = 7
 )
+
+// recordBytes is the length of an OpRecord report, after the path and its NUL byte.
+const recordBytes = 48
 
 // The background caching of OpCacheBlock: askWorkers blocks at a time (the engine bounds its
 // block fills in all), up to askQueue asks waiting.
@@ -127,6 +141,16 @@ type Opener func(ctx context.Context, root, path string) (*os.File, uint32, erro
 // Forgetter drops the cached copies of a file.
 type Forgetter func(root, path string) error
 
+// FillReport is an OpRecord report (see the package documentation).
+type FillReport struct {
+	Size, MTimeNanos, CTimeNanos int64
+	Ino, FillIno                 uint64
+	Mode                         uint32
+}
+
+// Recorder records a reader's fill of the file at path (core.Engine.RecordFill).
+type Recorder func(root, path string, r FillReport) error
+
 // Config configures a node socket server. Operations without a function are refused
 // (ENOSYS).
 type Config struct {
@@ -135,9 +159,14 @@ type Config struct {
 	Forget Forgetter
 	// FetchBlock serves OpFetchBlock and OpCacheBlock: path is a block's name (tiers.BlockName).
 	FetchBlock Fetcher
-	Errno      func(error) syscall.Errno // maps Fetch's errors to errno values
-	Timeout    time.Duration             // bound on one fetch; 0 means 60 s
-	Log        *slog.Logger              // nil discards
+	// Record serves OpRecord; without it the reports are read and dropped (the fill files are
+	// abandoned claims, see tiers.TakeAbandonedClaim). Noted, if set, is called with each
+	// report as soon as it is read, before Record (core.Engine.NoteReport).
+	Record  Recorder
+	Noted   func(root, path string)
+	Errno   func(error) syscall.Errno // maps Fetch's errors to errno values
+	Timeout time.Duration             // bound on one fetch; 0 means 60 s
+	Log     *slog.Logger              // nil discards
 }
 
 // Server serves a node socket.
@@ -146,6 +175,7 @@ type Server struct {
 	cfg   Config
 	slots chan struct{} // one token per connection being served
 	asks  chan blockAsk // OpCacheBlock requests waiting for a worker
+	fills chan fillAsk  // OpRecord requests waiting for a worker
 	wg    sync.WaitGroup
 	ctx   context.Context
 	stop  context.CancelFunc
@@ -153,6 +183,12 @@ type Server struct {
 
 // blockAsk is an OpCacheBlock request.
 type blockAsk struct{ root, name string }
+
+// fillAsk is an OpRecord request.
+type fillAsk struct {
+	root, path string
+	report     FillReport
+}
 
 // Listen creates the socket at path (replacing a stale one), readable and writable by this
 // user only, and serves it until Close.
@@ -172,13 +208,19 @@ func Listen(path string, cfg Config) (*Server, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{ln: ln, cfg: cfg, slots: make(chan struct{}, maxConns), asks: make(chan blockAsk, askQueue)}
+	s := &Server{ln: ln, cfg: cfg, slots: make(chan struct{}, maxConns), asks: make(chan blockAsk, askQueue),
+		fills: make(chan fillAsk, askQueue)}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.accept()
 	if cfg.FetchBlock != nil {
 		for range askWorkers {
 			s.wg.Go(s.cacheBlocks)
+		}
+	}
+	if cfg.Record != nil {
+		for range askWorkers {
+			s.wg.Go(s.recordFills)
 		}
 	}
 	return s, nil
@@ -198,6 +240,26 @@ func (s *Server) cacheBlocks() {
 			}
 			cancel()
 		}
+	}
+}
+
+// recordFills records the fills of OpRecord requests until the server closes.
+func (s *Server) recordFills() {
+	for {
+		select {
+		case <-s.ctx.Done():
+			return
+		case a := <-s.fills:
+			s.record(a)
+		}
+	}
+}
+
+// record records one reader's fill; its failure reaches nobody (the next reader of the file
+// misses, and reads it again).
+func (s *Server) record(a fillAsk) {
+	if err := s.cfg.Record(a.root, a.path, a.report); err != nil {
+		s.cfg.Log.Debug("node socket: a reader's fill was not recorded", "path", a.path, "err", err)
 	}
 }
 
@@ -249,10 +311,13 @@ func (s *Server) serve(c *net.UnixConn) {
 		s.cfg.Log.Warn("node socket: refused a peer of another user", "uid", uid, "err", err)
 		return
 	}
+	// Requests are read through a buffer: a reader's reports (OpRecord) come back to back,
+	// and no request carries a descriptor that a buffered read could take with it.
+	r := bufio.NewReaderSize(c, 4096)
 	for {
 		// A connection kept idle frees its place after idleTimeout (the C side reconnects).
 		c.SetReadDeadline(time.Now().Add(idleTimeout))
-		op, root, path, err := readRequest(c)
+		op, root, path, err := readRequest(r)
 		if err != nil {
 			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, os.ErrDeadlineExceeded) {
 				s.cfg.Log.Warn("node socket: bad request", "err", err)
@@ -264,6 +329,22 @@ func (s *Server) serve(c *net.UnixConn) {
 				select {
 				case s.asks <- blockAsk{root, path}:
 				default: // asked again later, if it still matters
+				}
+			}
+			continue
+		}
+		if op == OpRecord { // no ack, no reply
+			if a, ok := parseRecord(root, path); !ok {
+				s.cfg.Log.Warn("node socket: bad fill report")
+				return
+			} else if s.cfg.Record != nil {
+				if s.cfg.Noted != nil {
+					s.cfg.Noted(a.root, a.path)
+				}
+				select {
+				case s.fills <- a:
+				default:
+					s.record(a) // the workers are behind: this connection waits its turn
 				}
 			}
 			continue
@@ -369,8 +450,9 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 	switch {
 	case string(hdr[:4]) != Magic:
 		return 0, "", "", errors.New("bad magic")
-	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock:
+	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock && op != OpRecord:
 		return 0, "", "", fmt.Errorf("unknown operation %d", op)
+	case op == OpRecord && pathLen > recordBytes+1 && pathLen <= maxPath+recordBytes+1 && rootLen > 0 && rootLen <= maxPath:
 	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPath:
 		return 0, "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)
 	}
@@ -379,6 +461,33 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 		return 0, "", "", err
 	}
 	return op, string(buf[:rootLen]), string(buf[rootLen:]), nil
+}
+
+// parseRecord splits an OpRecord request's path into the file's path and its report.
+func parseRecord(root, field string) (fillAsk, bool) {
+	n := len(field) - recordBytes - 1
+	if n <= 0 || field[n] != 0 {
+		return fillAsk{}, false
+	}
+	b, le := []byte(field[n+1:]), binary.LittleEndian
+	r := FillReport{Size: int64(le.Uint64(b[0:])), MTimeNanos: int64(le.Uint64(b[8:])),
+		CTimeNanos: int64(le.Uint64(b[16:])), Ino: le.Uint64(b[24:]), FillIno: le.Uint64(b[32:]),
+		Mode: le.Uint32(b[40:])}
+	return fillAsk{root: root, path: field[:n], report: r}, r.Size >= 0
+}
+
+// AppendRecord appends an OpRecord request to b (for tests and Go callers).
+func AppendRecord(b []byte, root, path string, r FillReport) []byte {
+	le := binary.LittleEndian
+	field := append([]byte(path), 0)
+	field = le.AppendUint64(field, uint64(r.Size))
+	field = le.AppendUint64(field, uint64(r.MTimeNanos))
+	field = le.AppendUint64(field, uint64(r.CTimeNanos))
+	field = le.AppendUint64(field, r.Ino)
+	field = le.AppendUint64(field, r.FillIno)
+	field = le.AppendUint32(field, r.Mode)
+	field = le.AppendUint32(field, 0)
+	return AppendRequest(b, OpRecord, root, string(field))
 }
 
 // AppendRequest appends a request of operation op for path under root to b (for tests and

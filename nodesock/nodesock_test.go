@@ -328,6 +328,7 @@ func TestCacheBlockNeedsNoAnswer(t *testing.T) {
 func FuzzReadRequest(f *testing.F) {
 	f.Add(AppendRequest(nil, OpOpen, "/data", "/data/a.bin"))
 	f.Add(AppendRequest(nil, OpCacheBlock, "/d", "/d/big.bin\x004194304:7"))
+	f.Add(AppendRecord(nil, "/d", "/d/a.bin", FillReport{Size: 3, FillIno: 9}))
 	f.Add([]byte("FCN2\x09\x00\x00\x00\x01\x00\x00\x00\x01\x00\x00\x00ab"))
 	f.Add([]byte("FCN1"))
 	f.Add([]byte{})
@@ -379,5 +380,48 @@ func TestServerRepeatsTheAckWhileItWorks(t *testing.T) {
 	var rest [8]byte
 	if _, err := io.ReadFull(c, rest[:]); err != nil || binary.LittleEndian.Uint32(rest[:4]) != 0 {
 		t.Errorf("reply: %v, errno %d", err, binary.LittleEndian.Uint32(rest[:4]))
+	}
+}
+
+// OpRecord is answered with nothing: its report reaches Record whole, in the background, and
+// the connection serves the next request at once. A report that is not one closes the
+// connection.
+func TestRecordReachesTheRecorderWithoutAnAnswer(t *testing.T) {
+	got := make(chan fillAsk, 4)
+	sock := startWith(t, Config{Record: func(root, path string, r FillReport) error {
+		got <- fillAsk{root, path, r}
+		return nil
+	}})
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	want := FillReport{Size: 110_000, MTimeNanos: 1_700_000_000_123_456_789, CTimeNanos: -5, Ino: 1 << 40,
+		FillIno: 77, Mode: 0o644}
+	if _, err := c.Write(AppendRecord(nil, "/d", "/d/x\x00y.bin", want)); err != nil {
+		t.Fatal(err)
+	}
+	if code, _ := askOp(t, c, OpFetch, "/d", "/d/a"); code != syscall.ENOSYS {
+		t.Errorf("a fetch after the report: errno %d, want ENOSYS (no fetcher)", code)
+	}
+	select {
+	case a := <-got:
+		if a.root != "/d" || a.path != "/d/x\x00y.bin" || a.report != want {
+			t.Errorf("recorded %q %q %+v, want /d /d/x\\x00y.bin %+v", a.root, a.path, a.report, want)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the report did not reach Record")
+	}
+	// A report without its NUL byte and fields: the connection is closed.
+	c2, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	c2.Write(AppendRequest(nil, OpRecord, "/d", "/d/a.bin"))
+	c2.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := c2.Read(make([]byte, 1)); err == nil {
+		t.Errorf("read %d bytes after a bad report, want the connection closed", n)
 	}
 }

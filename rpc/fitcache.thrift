@@ -79,6 +79,10 @@ struct HelloReply {
   // listed server whose connections are refused although the membership holds it alive died
   // moments ago, rather than still starting with the job.
   13: list<string> alive
+  // Readers on this server's node may read a small file they miss from the source themselves,
+  // write its copy into the first tier and report it on the node socket (see tiers.Claim and
+  // nodesock.OpRecord). False from a server older than that, and from cluster servers.
+  14: bool reader_fills
 }
 
 struct ReadRequest {

@@ -36,6 +36,9 @@ type ServerConfig struct {
 	// NodeSocket is the server's node socket (package nodesock), announced in Hello to
 	// clients on its node; empty for none.
 	NodeSocket string
+	// ReaderFills says in Hello that readers on the node may report their own fills on the
+	// node socket (nodesock.OpRecord): its server records them.
+	ReaderFills bool
 	// OnNewJob, if set, is called when a job begins its validation session here with a Hello
 	// of a reader (not one relayed by another server), before the Hello is answered: a
 	// cluster server passes the job on to the job's other servers, which then check their
@@ -281,7 +284,8 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 		h.cfg.OnNewJob(ctx, req.Job) // before the reply: the job's reads may go to the others
 	}
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()),
-		NodeSocket: h.cfg.NodeSocket, Session: int64(session), BlockBytes: h.engine.BlockBytes()}
+		NodeSocket: h.cfg.NodeSocket, Session: int64(session), BlockBytes: h.engine.BlockBytes(),
+		ReaderFills: h.cfg.ReaderFills && h.cfg.NodeSocket != ""}
 	// What this server holds dead, so that a new client waits for none of it (see Learn).
 	reply.MembershipVersion, reply.Dead = h.members.Since(-1)
 	if h.cfg.Members != nil {

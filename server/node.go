@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"os"
@@ -56,6 +57,14 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			return engine.Forget(root, path)
 		}}
+	if cn == nil { // a cluster server's readers open through it (OpOpen): they do not fill
+		cfg.Record = func(root, path string, r nodesock.FillReport) error {
+			touch()
+			return engine.RecordFill(root, path, core.FillReport{FillIno: r.FillIno, Mode: fs.FileMode(r.Mode),
+				Identity: tiers.Identity{Size: r.Size, MTimeNanos: r.MTimeNanos, CTimeNanos: r.CTimeNanos, Ino: r.Ino}})
+		}
+		cfg.Noted = func(_, path string) { engine.NoteReport(path) }
+	}
 	cfg.FetchBlock = func(ctx context.Context, root, name string) error {
 		touch()
 		return fetchBlock(ctx, engine, cn, root, name)

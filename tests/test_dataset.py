@@ -101,7 +101,9 @@ def test_each_file_read_from_source_once_across_epochs_and_workers(dataset, cach
         counts = opens.counts()
     assert set(counts) == set(digests), "every file read from the source"
     assert all(n == 1 for n in counts.values()), f"files read more than once: {counts}, {ds.stats()}"
-    assert not fitcache._native.loaded_here(), "the main process should not have loaded the Go runtime"
+    # The first fork opened the client here (open_before_fork): the forked workers read with
+    # no library of their own to load.
+    assert fitcache._native.loaded_here(), "the main process should have opened its client before forking"
     stats = ds.stats()["server"]
     assert stats["source_reads"] == len(ds)
     hits = sum(stats["hits"].values())
@@ -259,10 +261,12 @@ def test_killing_the_server_mid_epoch_loses_nothing(dataset, cache_options):
     assert len(seen) == len(ds)
     for i, d in seen.items():
         assert d == digests[ds.files[i]]
-    # The next reads restarted the server (or, failing that, read the source directly).
+    # The workers forked after the first fork read through the client opened then (C only),
+    # which cannot restart the server: their misses read the source. The next epoch's fork
+    # restarts it (open_before_fork checks the server before each fork).
+    check_epoch(loader, ds, digests)
     restarted = server_pid(cache_options["runtime_dir"])
     assert restarted and restarted != killed
-    check_epoch(loader, ds, digests)
 
 
 def run_python(code, **env):
@@ -346,7 +350,7 @@ def test_fork_before_load_uses_the_cache(dataset, cache_options):
     root, digests = dataset
     code = f"""
 import os, hashlib, fitcache
-ds = fitcache.FitCacheDataset({root!r}, **{cache_options!r})
+ds = fitcache.FitCacheDataset({root!r}, open_before_fork=False, **{cache_options!r})
 pid = os.fork()
 if pid == 0:
     ok = all(hashlib.sha256(ds[i]).hexdigest() == {digests!r}[ds.files[i]] for i in range(len(ds)))
@@ -565,3 +569,12 @@ def test_pid_follows_fork():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert fitcache._native.pid == os.getpid()
+
+def test_workers_forked_without_open_before_fork_load_the_library_themselves(dataset, cache_options):
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, open_before_fork=False, **cache_options)
+    loader = DataLoader(IndexedDigests(ds), batch_size=4, shuffle=True, num_workers=2)
+    for _ in range(2):
+        check_epoch(loader, ds, digests)
+    assert not fitcache._native.loaded_here(), "the main process should not have loaded the Go runtime"
+    assert ds.stats()["server"]["source_reads"] == len(ds)

@@ -673,6 +673,12 @@ var ErrShortSource = errors.New("source size differs from the entry's")
 // publish reserves room for e, writes it with fill (which writes the data and returns its
 // checksum), then lists it in the index and the FIFO order.
 func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
+	return t.publishWith(e, func(dirfd int, rel string, s stored) (stored, error) { return write(dirfd, rel, s, fill) })
+}
+
+// publishWith is publish with the entry's data file and record made by put, which returns s
+// with the data file's checksum and inode number (write, or Adopt's rename of a fill file).
+func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (stored, error)) error {
 	e.SourcePath = filepath.Clean(e.SourcePath)
 	rel := RelPath(e.SourcePath)
 	n := EntrySize(e.SourcePath, e.Size)
@@ -689,7 +695,7 @@ func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
 
 	var s stored
 	err := withFd(t.dirFile, func(dirfd int) (err error) {
-		s, err = write(dirfd, rel, stored{Entry: e, seq: seq}, fill)
+		s, err = put(dirfd, rel, stored{Entry: e, seq: seq})
 		return err
 	})
 	t.mu.Lock()
@@ -762,13 +768,18 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 	if err = unix.Renameat(binfd, tmp, binfd, name); err != nil {
 		return s, err
 	}
-	// The record is written in place, after the data: readers never read it (they use the
-	// index), and one that a crash left short or stale fails its checksum or names another
-	// inode, so a rescan removes the entry.
+	return s, writeRecord(binfd, name, s)
+}
+
+// writeRecord writes the record of the data file name in the bin binfd. The record is
+// written in place, after the data: readers never read it (they use the index), and one that
+// a crash left short or stale fails its checksum or names another inode, so a rescan removes
+// the entry. On failure the data file is removed too.
+func writeRecord(binfd int, name string, s stored) error {
 	fd, err := unix.Openat(binfd, recordPrefix+name, unix.O_WRONLY|unix.O_CREAT|unix.O_TRUNC|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
 	if err != nil {
 		unix.Unlinkat(binfd, name, 0)
-		return s, err
+		return err
 	}
 	rec := appendRecord(nil, s)
 	n, err := unix.Write(fd, rec)
@@ -782,7 +793,7 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 		unix.Unlinkat(binfd, name, 0)
 		unix.Unlinkat(binfd, recordPrefix+name, 0)
 	}
-	return s, err
+	return err
 }
 
 // finishData sets a written data file's access and modification times to the source's

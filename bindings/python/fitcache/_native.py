@@ -145,6 +145,9 @@ def _declare(lib):
     lib.fc_size.argtypes = [i64, ctypes.c_char_p, p(i64)]
     lib.fc_size.restype = ctypes.c_int
     # int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed);
+    # int fc_check_server(int64_t handle);
+    lib.fc_check_server.argtypes = [i64]
+    lib.fc_check_server.restype = ctypes.c_int
     lib.fc_stats.argtypes = [i64, ctypes.c_char_p, ctypes.c_size_t, p(ctypes.c_size_t)]
     lib.fc_stats.restype = ctypes.c_int
     # int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
@@ -347,6 +350,13 @@ class Client:
         if rc < 0:
             _raise(self._lib, rc, path)
         return size.value
+
+    def check_server(self) -> None:
+        """Makes sure the server answers, restarting an embedded server that died (see
+        fc_check_server): processes forked from this one cannot restart it themselves."""
+        rc = self._lib.fc_check_server(self._checked())
+        if rc < 0:
+            _raise(self._lib, rc)
 
     def stats(self) -> dict[str, Any]:
         """Returns this client's and its server's counters as a dict."""

@@ -13,6 +13,7 @@ import secrets
 import stat
 import subprocess
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Union
@@ -71,6 +72,15 @@ def list_files(root: PathLike, filter: Filter = None) -> list[str]:
     return out
 
 
+def _opener(ref):
+    """The before-fork hook of the dataset ref refers to (see FitCacheDataset._open_before_fork)."""
+    def hook():
+        ds = ref()
+        if ds is not None:
+            ds._open_before_fork()
+    return hook
+
+
 def _within(path, root):
     """True if the normalised absolute path is root or under it (lexically)."""
     return path == root or path.startswith(root if root.endswith("/") else root + "/")
@@ -87,6 +97,15 @@ class FitCacheDataset(_Base):
     The native library is loaded lazily in each process that reads, so the dataset pickles
     and works with DataLoader workers under fork, forkserver and spawn. Options (``tiers``,
     ``read_timeout``, ...; see the README) take precedence over FITCACHE_* variables.
+
+    Workers forked from the process that made the dataset (the DataLoader's default on
+    Linux, fresh workers every epoch) share its client: with ``open_before_fork`` (the default
+    with the embedded server), the first fork of that process opens the client there first.
+    A forked worker then reads with no library of its own to load: hits, its own fills of
+    misses and the server's answers are all C (see the README, Many cores). Loading the
+    library and opening a client cost each fresh worker about 60 ms of CPU. In cluster mode
+    (``servers``) it is off: a reader on a node without a server of the job reads its misses
+    through Go.
 
     Only files inside ``root`` are read, also after symbolic links are followed: the listing
     leaves out links that lead outside ``root`` (links inside it stay listed, links to
@@ -121,7 +140,7 @@ class FitCacheDataset(_Base):
     def __init__(self, root: PathLike, transform: Callable[[memoryview], Any] | None = None, *,
                  filter: Filter = None, files: Iterable[str] | None = None,
                  ranges: Iterable[tuple[str, int, int]] | None = None, prefetch: bool | int | None = None,
-                 **options: Any) -> None:
+                 open_before_fork: bool | None = None, **options: Any) -> None:
         root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
         root = os.path.abspath(root)
         if not os.path.exists(root):
@@ -158,6 +177,12 @@ class FitCacheDataset(_Base):
         self._client = None
         self._client_pid = None
         self._handover = None  # the thread handing the prefetch list over (see _get_client)
+        if open_before_fork is None:
+            open_before_fork = not (options.get("servers") or os.environ.get("FITCACHE_SERVERS"))
+        self._made_in = os.getpid() if open_before_fork else None
+        if open_before_fork:
+            # A weak reference: the hook cannot be removed, and must not keep the dataset.
+            os.register_at_fork(before=_opener(weakref.ref(self)))
 
     def __len__(self) -> int:
         return len(self.ranges) if self.ranges is not None else len(self.files)
@@ -228,6 +253,21 @@ class FitCacheDataset(_Base):
         except _native.ForkedAfterLoad as err:
             _warn_forked(err)
             return _read_source(path, self.root, self._real_root)
+
+    def _open_before_fork(self):
+        """Opens the client in the process that made the dataset, before it forks (see the
+        class's documentation); a failure here is left to the forked readers."""
+        if self._made_in != os.getpid() or _native.forked():
+            return
+        try:
+            if self._client is not None and self._client_pid == self._made_in:
+                # Workers forked every epoch cannot restart a server that died (no Go after
+                # fork): it is checked here, before each fork (a Hello, about a millisecond).
+                self._client.check_server()
+            else:
+                self._get_client()
+        except Exception as err:  # noqa: BLE001 -- a fork must not fail for it
+            logging.getLogger("fitcache").debug("client not opened before fork: %s", err)
 
     def _get_client(self):
         # Per read: no lock and no system call (the threads of a loader read at once).

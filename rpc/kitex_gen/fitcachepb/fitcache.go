@@ -247,6 +247,7 @@ type HelloReply struct {
 	MembershipVersion int64       `thrift:"membership_version,11" frugal:"11,default,i64" json:"membership_version"`
 	Dead              []string    `thrift:"dead,12" frugal:"12,default,list<string>" json:"dead"`
 	Alive             []string    `thrift:"alive,13" frugal:"13,default,list<string>" json:"alive"`
+	ReaderFills       bool        `thrift:"reader_fills,14" frugal:"14,default,bool" json:"reader_fills"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -303,6 +304,10 @@ func (p *HelloReply) GetDead() (v []string) {
 func (p *HelloReply) GetAlive() (v []string) {
 	return p.Alive
 }
+
+func (p *HelloReply) GetReaderFills() (v bool) {
+	return p.ReaderFills
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -339,6 +344,9 @@ func (p *HelloReply) SetDead(val []string) {
 func (p *HelloReply) SetAlive(val []string) {
 	p.Alive = val
 }
+func (p *HelloReply) SetReaderFills(val bool) {
+	p.ReaderFills = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -360,6 +368,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	11: "membership_version",
 	12: "dead",
 	13: "alive",
+	14: "reader_fills",
 }
 
 type ReadRequest struct {

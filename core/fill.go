@@ -1,0 +1,182 @@
+package core
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"time"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// Fills by readers (see tiers.Claim): a reader on this node that misses a small file reads
+// it from the source itself, writes its copy into the first tier, and reports it here
+// (RecordFill, through the node socket, without waiting for an answer). The engine checks
+// the report and records the copy; a fill of its own first claims the file as readers do, and
+// waits for a reader that holds the claim (claimSource).
+
+// FillReport is what a reader says of a file it read from the source and wrote into the first
+// tier's fill file (tiers.FillName): the source's identity as it read it (fstat of its open
+// source, unchanged after the read), the source's permission bits, and the fill file's inode.
+type FillReport struct {
+	Identity tiers.Identity
+	Mode     fs.FileMode
+	FillIno  uint64
+}
+
+// RecordFill records a reader's fill of the file at path (in root) as its cached copy (see
+// NoteReport for a report noted as it arrived): the
+// source is looked at once more (one stat, as a copy's check), the fill file must be what the
+// report says, and the copy takes room as a fill of the engine's own would (evicting, or in a
+// later tier). A fill that is not recorded is removed. The file counts as read from the source
+// once, as the engine's own fills do.
+func (e *Engine) RecordFill(root, path string, r FillReport) error {
+	if e.closed.Load() {
+		return ErrClosed
+	}
+	if len(e.tiers) == 0 {
+		return fmt.Errorf("%w: no tier", ErrTooLarge)
+	}
+	first := e.tiers[0]
+	err := e.recordFill(first, root, path, r)
+	first.RemoveFill(path, r.FillIno) // adopted (linked into place) or not, the claim ends
+	if errors.Is(err, ErrCacheFull) || errors.Is(err, tiers.ErrNoRoom) {
+		first.MarkFull(root)
+	}
+	if e.reported(path) {
+		e.recorded(path)
+	}
+	if err != nil {
+		e.stats.fillsRefused.Add(1)
+		return err
+	}
+	e.stats.readerFills.Add(1)
+	e.stats.misses.Add(1)
+	e.stats.published.Add(1)
+	e.stats.sourceReads.Add(1)
+	e.stats.sourceBytes.Add(r.Identity.Size)
+	return nil
+}
+
+func (e *Engine) recordFill(first *tiers.Tier, root, path string, r FillReport) error {
+	if err := e.checkRoot(root, path); err != nil {
+		return err
+	}
+	session := e.sessions.current()
+	now, err := e.sourceIdentity(root, path, session)
+	if err != nil {
+		return err
+	}
+	if now != r.Identity {
+		return fmt.Errorf("%w: %s changed since its reader read it", tiers.ErrBadFill, path)
+	}
+	f, err := first.OpenFill(path, r.FillIno, r.Identity.Size)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	entry := tiers.Entry{SourcePath: path, Size: r.Identity.Size, MTimeNanos: r.Identity.MTimeNanos,
+		SourceCTimeNanos: r.Identity.CTimeNanos, SourceIno: r.Identity.Ino, Session: session, Group: root,
+		Mode: r.Mode.Perm()}
+	if !e.canCache(entry) {
+		return fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
+	}
+	if e.fullFor(root) {
+		return fmt.Errorf("%w: %s", ErrCacheFull, path)
+	}
+	return e.place(0, entry, content{fill: f, fillTier: first})
+}
+
+// claimWaitMax bounds claimSource's wait for the holder of a file's claim: a reader that
+// holds it (locked) longer, stopped or hung, is not waited for; the source is read anyway.
+// claimPoll is how often it looks.
+const (
+	claimWaitMax = 10 * time.Second
+	claimPoll    = time.Millisecond
+)
+
+// errFilledByReader reports that a reader filled the file while a fill of the engine waited.
+var errFilledByReader = errors.New("filled by a reader")
+
+// claimSource claims the file at path before the engine reads it from the source (see
+// tiers.Claim). While another process holds the claim it waits: for a reader reading the
+// source (its fill file locked), or for the record of a fill it reported (NoteReport). It
+// returns errFilledByReader when the copy is cached meanwhile. A claim left by a reader that
+// neither holds it nor reported it (it died) is taken over. The claim is zero (nothing to
+// release) when there is no tier, when the tier's file system refuses the claim's file, or
+// when the holder did not finish within claimWaitMax: then the source is read anyway.
+func (e *Engine) claimSource(path string) (tiers.Claim, error) {
+	if len(e.tiers) == 0 {
+		return tiers.Claim{}, nil
+	}
+	first := e.tiers[0]
+	deadline := time.Now().Add(claimWaitMax)
+	for {
+		c, err := first.Claim(path)
+		switch {
+		case err == nil:
+			if e.listed(path) { // recorded between the caller's look and the claim
+				c.Release()
+				return tiers.Claim{}, errFilledByReader
+			}
+			return c, nil
+		case !errors.Is(err, tiers.ErrClaimed):
+			return tiers.Claim{}, nil
+		case e.listed(path):
+			return tiers.Claim{}, errFilledByReader
+		case time.Now().After(deadline):
+			e.log.Warn("read a file whose claim was not given up", "file", path, "after", claimWaitMax)
+			return tiers.Claim{}, nil
+		}
+		if state, _ := first.ClaimStateOf(path); state == tiers.Held || e.reported(path) ||
+			!first.TakeAbandonedClaim(path) {
+			time.Sleep(claimPoll)
+		}
+	}
+}
+
+// NoteReport notes that a reader reported its fill of the file at path, which RecordFill
+// will record: until then, its claim is not abandoned although the reader has let go of it.
+// The node socket notes each report as it reads it, before it queues it.
+func (e *Engine) NoteReport(path string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.reports[path]++
+}
+
+// reported reports whether a fill of the file at path was reported and is not recorded yet.
+func (e *Engine) reported(path string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.reports[path] > 0
+}
+
+// recorded ends what NoteReport began.
+func (e *Engine) recorded(path string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.reports[path]--; e.reports[path] <= 0 {
+		delete(e.reports, path)
+	}
+}
+
+// listed reports whether some tier lists the file at path.
+func (e *Engine) listed(path string) bool {
+	for _, t := range e.tiers {
+		if t.Listed(path) {
+			return true
+		}
+	}
+	return false
+}
+
+// publishFill publishes a reader's fill file f of tier from as entry into t: renamed into
+// place when t is that tier, else copied.
+func publishFill(t, from *tiers.Tier, entry tiers.Entry, f *os.File) error {
+	if t == from {
+		return t.Adopt(entry, f)
+	}
+	return t.PublishFrom(entry, io.NewSectionReader(f, 0, entry.Size+1))
+}

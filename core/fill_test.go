@@ -1,0 +1,301 @@
+package core
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fitcache/fitcache/tiers"
+)
+
+// readerFill does what a reader's fill does (capi/fill.c): it claims the file at path in e's
+// first tier, reads the source and writes it into the fill file, and returns the report the
+// reader sends. It fails the test if the claim is taken.
+func readerFill(t *testing.T, e *Engine, path string) FillReport {
+	t.Helper()
+	first := e.tiers[0]
+	if _, err := first.Claim(path); err != nil {
+		t.Fatalf("claim %s: %v", path, err)
+	}
+	return writeFill(t, first, path)
+}
+
+// writeFill writes the source at path into its claimed fill file in tier first and returns
+// the reader's report.
+func writeFill(t *testing.T, first *tiers.Tier, path string) FillReport {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill := filepath.Join(first.Path, tiers.FillName(path))
+	if err := os.WriteFile(fill, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var fst, sst syscall.Stat_t
+	if err := syscall.Stat(fill, &fst); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Stat(path, &sst); err != nil {
+		t.Fatal(err)
+	}
+	return FillReport{FillIno: fst.Ino, Mode: 0o644, Identity: tiers.Identity{Size: sst.Size,
+		MTimeNanos: sst.Mtim.Nano(), CTimeNanos: sst.Ctim.Nano(), Ino: sst.Ino}}
+}
+
+func TestRecordFillCachesTheReadersCopy(t *testing.T) {
+	root, paths := dataset(t, 100_000, 0)
+	e := newEngine(t, "64MiB")
+	for _, p := range paths {
+		if err := e.RecordFill(root, p, readerFill(t, e, p)); err != nil {
+			t.Fatalf("record %s: %v", p, err)
+		}
+		origin, got := readAll(t, e, root, p)
+		if origin != TierOrigin(tiers.Memory) {
+			t.Errorf("%s served from %v, want the memory tier", p, origin)
+		}
+		wantBytes(t, p, got)
+		if _, err := os.Lstat(filepath.Join(e.tiers[0].Path, tiers.FillName(p))); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("fill file of %s left behind: %v", p, err)
+		}
+	}
+	st := e.Stats()
+	if st.SourceReads != 2 || st.ReaderFills != 2 || st.FillsRefused != 0 {
+		t.Errorf("source reads %d, reader fills %d, refused %d; want 2, 2, 0", st.SourceReads, st.ReaderFills, st.FillsRefused)
+	}
+	// The record's checksum is the data's: verify finds nothing damaged.
+	valid, damaged, err := tiers.Dir{Path: e.tiers[0].Path, Kind: tiers.Memory}.Check()
+	if err != nil || len(damaged) != 0 || valid != 2 {
+		t.Errorf("check: %d valid, %v damaged, %v; want 2 valid", valid, damaged, err)
+	}
+}
+
+func TestRecordFillRefusesWhatTheReaderDidNotRead(t *testing.T) {
+	root, paths := dataset(t, 50_000, 50_000, 50_000)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	// A fill file is removed unless it is not the one the report names (then it may be
+	// another reader's claim, made since: it is left to become stale).
+	check := func(name, path string, r FillReport, want error) {
+		t.Helper()
+		err := e.RecordFill(root, path, r)
+		if !errors.Is(err, want) {
+			t.Errorf("%s: got %v, want %v", name, err, want)
+		}
+		if first.Listed(path) {
+			t.Errorf("%s: the copy was recorded", name)
+		}
+		_, err = os.Lstat(filepath.Join(first.Path, tiers.FillName(path)))
+		if left := err == nil; left != (name == "another inode") {
+			t.Errorf("%s: fill file left behind: %v", name, left)
+		}
+	}
+	// The source changed after the reader read it.
+	r := readerFill(t, e, paths[0])
+	os.WriteFile(paths[0], []byte("a newer version"), 0o644)
+	check("changed source", paths[0], r, tiers.ErrBadFill)
+	// The fill file is not the one the reader says it wrote.
+	r = readerFill(t, e, paths[1])
+	r.FillIno++
+	check("another inode", paths[1], r, tiers.ErrBadFill)
+	// Fewer bytes than the source has.
+	r = readerFill(t, e, paths[2])
+	os.Truncate(filepath.Join(first.Path, tiers.FillName(paths[2])), 10)
+	check("short copy", paths[2], r, tiers.ErrBadFill)
+	// A path outside the root.
+	_, otherPaths := dataset(t, 10)
+	r = readerFill(t, e, otherPaths[0])
+	check("outside the root", otherPaths[0], r, ErrOutsideRoot)
+	if got := e.Stats().FillsRefused; got != 4 {
+		t.Errorf("fills refused %d, want 4", got)
+	}
+}
+
+// A fill of the engine's own waits for a reader that holds the file's claim, and serves the
+// reader's copy: the source is read once.
+func TestFetchWaitsForTheReaderThatClaimedTheFile(t *testing.T) {
+	root, paths := dataset(t, 200_000)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	if _, err := first.Claim(paths[0]); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- e.Fetch(context.Background(), root, paths[0]) }()
+	select {
+	case err := <-done:
+		t.Fatalf("fetch returned before the reader's record: %v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	if err := e.RecordFill(root, paths[0], writeFill(t, first, paths[0])); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("fetch still waits after the reader's record")
+	}
+	_, got := readAll(t, e, root, paths[0])
+	wantBytes(t, paths[0], got)
+	if n := e.Stats().SourceReads; n != 1 {
+		t.Errorf("source read %d times, want once", n)
+	}
+}
+
+// A claim its reader left without a report (it died: the kernel dropped its lock) is taken
+// over once tiers.AbandonedAfter has passed; one it reported is waited for.
+func TestFetchTakesOverAnAbandonedClaimAndWaitsForAReportedOne(t *testing.T) {
+	root, paths := dataset(t, 20_000, 30_000)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	for _, p := range paths {
+		if _, err := first.Claim(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	old := time.Now().Add(-tiers.AbandonedAfter - time.Second)
+	os.Chtimes(filepath.Join(first.Path, tiers.FillName(paths[0])), old, old)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := e.Fetch(ctx, root, paths[0]); err != nil {
+		t.Fatal(err)
+	}
+	_, got := readAll(t, e, root, paths[0])
+	wantBytes(t, paths[0], got)
+	if state, _ := first.ClaimStateOf(paths[0]); state != tiers.Unclaimed {
+		t.Errorf("the abandoned claim is still there: %v", state)
+	}
+	// Reported: the record is on its way, however old the fill file.
+	r := writeFill(t, first, paths[1])
+	e.NoteReport(paths[1])
+	os.Chtimes(filepath.Join(first.Path, tiers.FillName(paths[1])), old, old)
+	done := make(chan error, 1)
+	go func() { done <- e.Fetch(context.Background(), root, paths[1]) }()
+	select {
+	case err := <-done:
+		t.Fatalf("fetch did not wait for the reported fill: %v", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	if err := e.RecordFill(root, paths[1], r); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := e.Stats().SourceReads; n != 2 {
+		t.Errorf("%d source reads of 2 files", n)
+	}
+}
+
+// The engine's own fill holds the claim while it reads the source: a reader cannot claim it.
+func TestEnginesFillHoldsTheClaim(t *testing.T) {
+	root, paths := dataset(t, 1<<20)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	var during error
+	e.testHookBeforeSourceOpen = func(path string) { _, during = first.Claim(path) }
+	if err := e.Fetch(context.Background(), root, paths[0]); err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(during, tiers.ErrClaimed) {
+		t.Errorf("a reader's claim during the engine's fill: %v, want ErrClaimed", during)
+	}
+	if state, _ := first.ClaimStateOf(paths[0]); state != tiers.Unclaimed {
+		t.Error("the engine's claim outlived its fill")
+	}
+}
+
+// Readers filling files and the engine's fetches of the same files at once read each file
+// from the source once: whoever claims a file reads it, the others wait for its copy.
+func TestFillsAndFetchesAtOnceReadEachFileOnce(t *testing.T) {
+	sizes := make([]int, 300)
+	for i := range sizes {
+		sizes[i] = 1000 + 37*i
+	}
+	root, paths := dataset(t, sizes...)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for g := range 6 {
+		wg.Go(func() {
+			order := rand.New(rand.NewPCG(uint64(g), 9)).Perm(len(paths))
+			for _, i := range order {
+				p := paths[i]
+				if e.listed(p) {
+					continue
+				}
+				if g%2 == 0 { // a fetch of the engine's own (a prefetch, a reader asking)
+					if err := e.Fetch(context.Background(), root, p); err != nil {
+						errs <- err
+					}
+					continue
+				}
+				c, err := first.Claim(p) // a reader's fill (capi/fill.c hit_fill)
+				if errors.Is(err, tiers.ErrClaimed) {
+					if err := e.Fetch(context.Background(), root, p); err != nil {
+						errs <- err
+					}
+					continue
+				}
+				if err != nil {
+					errs <- err
+					continue
+				}
+				if e.listed(p) {
+					c.Release()
+					continue
+				}
+				if err := e.RecordFill(root, p, writeFill(t, first, p)); err != nil {
+					errs <- err
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	st := e.Stats()
+	if st.SourceReads != int64(len(paths)) {
+		t.Errorf("%d source reads of %d files (%d by readers)", st.SourceReads, len(paths), st.ReaderFills)
+	}
+	for _, p := range paths {
+		_, got := readAll(t, e, root, p)
+		wantBytes(t, p, got)
+	}
+}
+
+// A fill that finds the tiers full of its dataset is not recorded, and the dataset is marked
+// full (tiers.MarkFull) so that its readers stop filling for a while.
+func TestAFillWithoutRoomMarksTheDatasetFull(t *testing.T) {
+	root, paths := dataset(t, 40_000, 40_000)
+	e := newEngine(t, "48KiB") // room for one file and its record
+	if err := e.RecordFill(root, paths[0], readerFill(t, e, paths[0])); err != nil {
+		t.Fatal(err)
+	}
+	mark := filepath.Join(e.tiers[0].Path, tiers.FullMarkName(root))
+	if _, err := os.Stat(mark); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("marked full with room left: %v", err)
+	}
+	if err := e.RecordFill(root, paths[1], readerFill(t, e, paths[1])); !errors.Is(err, ErrCacheFull) && !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("a fill without room: %v, want ErrCacheFull", err)
+	}
+	st, err := os.Stat(mark)
+	if err != nil || time.Since(st.ModTime()) > time.Minute {
+		t.Fatalf("no fresh full mark: %v", err)
+	}
+	if e.tiers[0].Listed(paths[1]) || !e.tiers[0].Listed(paths[0]) {
+		t.Error("the fill without room was recorded, or the first one lost")
+	}
+}

@@ -1,0 +1,277 @@
+package tiers
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Fills by readers. A reader that misses a small file reads it from the source itself (it
+// needs the bytes anyway), writes the copy into the first tier, and tells the server, which
+// only records it (Adopt): the source is read and the copy written where the cores are, in
+// the readers, and the reader waits for no server. Whoever reads a file from the source, a
+// reader or the server, first claims it: it creates the file's fill file, named by FillName
+// in the file's bin of the first tier, with O_EXCL. The kernel lets one process make it, so
+// one process reads the source per file (invariant 3); a reader that finds the claim taken
+// asks the server, which waits for the claim's holder. A reader writes the copy into the
+// fill file itself, which Adopt links into place; the server's own fill holds it empty
+// while it writes its copy as before. A reader holds an open file description lock on its
+// fill file until it has reported it (ClaimState), and the kernel drops the lock when the
+// reader dies: a claim that is neither locked nor reported is abandoned, and the server takes
+// it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
+// one a crash left behind.
+//
+// capi/fill.c makes the same names: FillName and RelPath must agree with it.
+
+// fillPrefix starts the name of a fill file: ".tmp-fill-" and the file's key in 16 hex digits.
+const fillPrefix = tempPrefix + "fill-"
+
+// AbandonedAfter is how long a claim that no process locks must have gone unwritten before
+// it is taken for abandoned: a reader unlocks its fill file right after it sent its report,
+// which the server reads within milliseconds, and so knows of (see TakeAbandonedClaim).
+const AbandonedAfter = time.Second
+
+// ErrClaimed reports that another process is reading the file from the source.
+var ErrClaimed = errors.New("claimed by another reader of the source")
+
+// FillName returns the path, relative to a tier directory, of the fill file that claims the
+// source file at sourcePath: in the bin of its copy (see RelPath).
+func FillName(sourcePath string) string {
+	k := KeyOf(sourcePath)
+	return fmt.Sprintf("%02x/%02x/%s%016x", byte(k), byte(k>>8), fillPrefix, uint64(k))
+}
+
+// A Claim is the right, held by this process, to read a file from the source (see Claim).
+type Claim struct {
+	t   *Tier
+	rel string
+	ino uint64
+}
+
+// Claim claims the file at sourcePath for a read of the source by this process. It returns
+// ErrClaimed when another process (a reader, or a fill of this server) holds it.
+func (t *Tier) Claim(sourcePath string) (Claim, error) {
+	rel := FillName(sourcePath)
+	var ino uint64
+	err := withFd(t.dirFile, func(dirfd int) error {
+		binfd, name, err := openBin(dirfd, rel, true)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(binfd)
+		fd, err := unix.Openat(binfd, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+		if errors.Is(err, unix.EEXIST) {
+			return ErrClaimed
+		}
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			unix.Unlinkat(binfd, name, 0)
+			return err
+		}
+		ino = st.Ino
+		return nil
+	})
+	if err != nil {
+		return Claim{}, err
+	}
+	return Claim{t: t, rel: rel, ino: ino}, nil
+}
+
+// Release gives a claim up: its fill file is removed, unless another has taken its name
+// since (TakeStaleClaim). A zero Claim releases nothing.
+func (c Claim) Release() {
+	if c.t != nil {
+		c.t.removeFill(c.rel, c.ino)
+	}
+}
+
+// removeFill removes the fill file rel if it is still the file with inode ino.
+func (t *Tier) removeFill(rel string, ino uint64) {
+	t.inFillBin(rel, func(binfd int, name string, st *unix.Stat_t) {
+		if st.Ino == ino {
+			unix.Unlinkat(binfd, name, 0)
+		}
+	})
+}
+
+// inFillBin calls fn with the bin of the fill file rel, the file's name there and its
+// status, if it exists.
+func (t *Tier) inFillBin(rel string, fn func(binfd int, name string, st *unix.Stat_t)) {
+	withFd(t.dirFile, func(dirfd int) error {
+		binfd, name, err := openBin(dirfd, rel, false)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(binfd)
+		var st unix.Stat_t
+		if err := unix.Fstatat(binfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return err
+		}
+		fn(binfd, name, &st)
+		return nil
+	})
+}
+
+// ClaimState is what ClaimStateOf finds of a file's claim.
+type ClaimState int
+
+// The states of a claim.
+const (
+	Unclaimed ClaimState = iota // no fill file
+	Held                        // a live process locks it: it is reading the source or writing the copy
+	Left                        // nobody locks it: reported (waiting to be recorded), or abandoned
+)
+
+// ClaimStateOf returns the state of the claim of the file at sourcePath, and how long ago its
+// fill file was last written.
+func (t *Tier) ClaimStateOf(sourcePath string) (state ClaimState, idle time.Duration) {
+	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
+		state, idle = Left, time.Since(time.Unix(st.Mtim.Unix()))
+		if locked(binfd, name) {
+			state = Held
+		}
+	})
+	return state, idle
+}
+
+// locked reports whether a process holds a lock on the file name in the directory binfd.
+func locked(binfd int, name string) bool {
+	fd, err := unix.Openat(binfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	lk := unix.Flock_t{Type: unix.F_WRLCK, Whence: io.SeekStart}
+	return unix.FcntlFlock(uintptr(fd), unix.F_OFD_GETLK, &lk) == nil && lk.Type != unix.F_UNLCK
+}
+
+// TakeAbandonedClaim removes the claim of the file at sourcePath when no process locks its
+// fill file and it has not been written for AbandonedAfter (its reader died, or reported it
+// and the caller knows it did not), and reports whether it did.
+func (t *Tier) TakeAbandonedClaim(sourcePath string) bool {
+	taken := false
+	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
+		if time.Since(time.Unix(st.Mtim.Unix())) >= AbandonedAfter && !locked(binfd, name) {
+			taken = unix.Unlinkat(binfd, name, 0) == nil
+		}
+	})
+	if taken {
+		t.log.Warn("took over a claim its reader left", "file", sourcePath)
+	}
+	return taken
+}
+
+// FullMarkName returns the name, in a tier directory, of the mark that says the tiers have no
+// room left for the dataset at root (MarkFull): ".full-" and the key of the root in 16 hex
+// digits (capi/hitpath.c makes the same).
+func FullMarkName(root string) string { return fmt.Sprintf(".full-%016x", uint64(KeyOf(root))) }
+
+// MarkFull marks, for the readers of the dataset at root, that the tiers have no room left
+// for another of its files: readers then stop filling its misses for a while (they read them
+// from the source and keep them), rather than write copies the server does not record. The
+// mark's modification time is when the tiers were last found full.
+func (t *Tier) MarkFull(root string) {
+	withFd(t.dirFile, func(dirfd int) error {
+		fd, err := unix.Openat(dirfd, FullMarkName(root), unix.O_WRONLY|unix.O_CREAT|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		return unix.Futimes(fd, nil) // now
+	})
+}
+
+// ErrBadFill reports a reader's fill that does not hold what its record says.
+var ErrBadFill = errors.New("the reader's copy does not match its record")
+
+// OpenFill opens the fill file that a reader wrote for the file at sourcePath, and checks it
+// against what the reader says it wrote: its inode ino, size bytes, a regular file of this
+// user with one name. The caller closes it, and removes it with RemoveFill if it is not
+// adopted.
+func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*os.File, error) {
+	rel := FillName(sourcePath)
+	f, err := func() (*os.File, error) {
+		var f *os.File
+		err := withFd(t.dirFile, func(dirfd int) error {
+			var err error
+			f, err = openEntry(dirfd, rel)
+			return err
+		})
+		return f, err
+	}()
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if st.Ino != ino || st.Size != size || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 ||
+		int(st.Uid) != os.Geteuid() {
+		f.Close()
+		return nil, fmt.Errorf("%w: %s (inode %d, %d bytes, mode %o, %d links, uid %d; said inode %d, %d bytes)",
+			ErrBadFill, sourcePath, st.Ino, st.Size, st.Mode, st.Nlink, st.Uid, ino, size)
+	}
+	return f, nil
+}
+
+// RemoveFill removes the fill file of the file at sourcePath if it is the file with inode ino.
+func (t *Tier) RemoveFill(sourcePath string, ino uint64) { t.removeFill(FillName(sourcePath), ino) }
+
+// Adopt publishes a reader's fill file f (see OpenFill), of this tier, as the cached copy of
+// e.SourcePath: it sets the copy's times and mode as Publish does, links it into place and
+// records it (reading it once for its checksum). The fill file keeps its name, and so the
+// file stays claimed, until the index lists the copy: a process that claims it next finds
+// it cached. The caller removes the fill file (RemoveFill). It returns ErrNoRoom as Publish
+// does.
+func (t *Tier) Adopt(e Entry, f *os.File) error {
+	fillName := FillName(e.SourcePath)
+	return t.publishWith(e, func(dirfd int, rel string, s stored) (stored, error) {
+		crc, err := checksumOf(f, e.Size)
+		if err != nil {
+			return s, err
+		}
+		s.Checksum = crc
+		if s.ino, err = finishData(f, s.MTimeNanos, s.Mode); err != nil {
+			return s, err
+		}
+		binfd, name, err := openBin(dirfd, rel, false)
+		if err != nil {
+			return s, err
+		}
+		defer unix.Close(binfd)
+		// The fill file is in the same bin (FillName and RelPath share it): checked to be f
+		// still, linked under a temporary name, then renamed over any older copy, as write
+		// does.
+		fill := fillName[strings.LastIndexByte(fillName, '/')+1:]
+		var st unix.Stat_t
+		if err := unix.Fstatat(binfd, fill, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != s.ino {
+			return s, fmt.Errorf("%w: %s was taken over", ErrBadFill, e.SourcePath)
+		}
+		tmp := fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64())
+		if err := unix.Linkat(binfd, fill, binfd, tmp, 0); err != nil {
+			return s, err
+		}
+		if err := unix.Renameat(binfd, tmp, binfd, name); err != nil {
+			unix.Unlinkat(binfd, tmp, 0)
+			return s, err
+		}
+		return s, writeRecord(binfd, name, s)
+	})
+}
+
+// checksumOf returns the CRC-32C of the n bytes of f, which must hold exactly n.
+func checksumOf(f *os.File, n int64) (uint32, error) {
+	return copyExactly(io.Discard, io.NewSectionReader(f, 0, n+1), n)
+}
