@@ -91,6 +91,7 @@ func (e *Engine) recordFill(first *tiers.Tier, root, path string, r FillReport) 
 
 // claimWaitMax bounds claimSource's wait for the holder of a file's claim: a reader that
 // holds it (locked) longer, stopped or hung, is not waited for; the source is read anyway.
+// It exceeds tiers.AbandonedAfter, so that an abandoned claim is taken over, not ignored.
 // claimPoll is how often it looks.
 const (
 	claimWaitMax = 10 * time.Second
@@ -104,7 +105,7 @@ var errFilledByReader = errors.New("filled by a reader")
 // tiers.Claim). While another process holds the claim it waits: for a reader reading the
 // source (its fill file locked), or for the record of a fill it reported (NoteReport). It
 // returns errFilledByReader when the copy is cached meanwhile. A claim left by a reader that
-// neither holds it nor reported it (it died) is taken over. The claim is zero (nothing to
+// neither holds it nor reported it for tiers.AbandonedAfter (it died) is taken over. The claim is zero (nothing to
 // release) when there is no tier, when the tier's file system refuses the claim's file, or
 // when the holder did not finish within claimWaitMax: then the source is read anyway.
 func (e *Engine) claimSource(path string) (tiers.Claim, error) {
@@ -113,6 +114,7 @@ func (e *Engine) claimSource(path string) (tiers.Claim, error) {
 	}
 	first := e.tiers[0]
 	deadline := time.Now().Add(claimWaitMax)
+	var unlockedSince time.Time // when the claim was first seen neither locked nor reported
 	for {
 		c, err := first.Claim(path)
 		switch {
@@ -130,10 +132,14 @@ func (e *Engine) claimSource(path string) (tiers.Claim, error) {
 			e.log.Warn("read a file whose claim was not given up", "file", path, "after", claimWaitMax)
 			return tiers.Claim{}, nil
 		}
-		if state, _ := first.ClaimStateOf(path); state == tiers.Held || e.reported(path) ||
-			!first.TakeAbandonedClaim(path) {
-			time.Sleep(claimPoll)
+		if state, _ := first.ClaimStateOf(path); state == tiers.Held || e.reported(path) {
+			unlockedSince = time.Time{}
+		} else if unlockedSince.IsZero() {
+			unlockedSince = time.Now()
+		} else if time.Since(unlockedSince) >= tiers.AbandonedAfter && first.TakeAbandonedClaim(path) {
+			continue
 		}
+		time.Sleep(claimPoll)
 	}
 }
 

@@ -32,10 +32,13 @@ import (
 // fillPrefix starts the name of a fill file: ".tmp-fill-" and the file's key in 16 hex digits.
 const fillPrefix = tempPrefix + "fill-"
 
-// AbandonedAfter is how long a claim that no process locks must have gone unwritten before
-// it is taken for abandoned: a reader unlocks its fill file right after it sent its report,
-// which the server reads within milliseconds, and so knows of (see TakeAbandonedClaim).
-const AbandonedAfter = time.Second
+// AbandonedAfter is how long a claim must have been seen unlocked, and not reported, before
+// it is taken for abandoned (core's claimSource): a reader unlocks its fill file only after it
+// has sent its report, which the server notes as soon as it reads it, so an unlocked claim
+// not noted that long is one whose reader died before it could report. The time is counted
+// from when the claim was first seen unlocked, not from the fill file's last write: a reader
+// descheduled between its last write and its report would look abandoned otherwise.
+const AbandonedAfter = 3 * time.Second
 
 // ErrClaimed reports that another process is reading the file from the source.
 var ErrClaimed = errors.New("claimed by another reader of the source")
@@ -88,7 +91,7 @@ func (t *Tier) Claim(sourcePath string) (Claim, error) {
 }
 
 // Release gives a claim up: its fill file is removed, unless another has taken its name
-// since (TakeStaleClaim). A zero Claim releases nothing.
+// since (TakeAbandonedClaim). A zero Claim releases nothing.
 func (c Claim) Release() {
 	if c.t != nil {
 		c.t.removeFill(c.rel, c.ino)
@@ -155,13 +158,13 @@ func locked(binfd int, name string) bool {
 	return unix.FcntlFlock(uintptr(fd), unix.F_OFD_GETLK, &lk) == nil && lk.Type != unix.F_UNLCK
 }
 
-// TakeAbandonedClaim removes the claim of the file at sourcePath when no process locks its
-// fill file and it has not been written for AbandonedAfter (its reader died, or reported it
-// and the caller knows it did not), and reports whether it did.
+// TakeAbandonedClaim removes the claim of the file at sourcePath unless a process locks its
+// fill file, and reports whether it did. The caller has seen it unlocked and not reported
+// for AbandonedAfter: its reader died.
 func (t *Tier) TakeAbandonedClaim(sourcePath string) bool {
 	taken := false
-	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
-		if time.Since(time.Unix(st.Mtim.Unix())) >= AbandonedAfter && !locked(binfd, name) {
+	t.inFillBin(FillName(sourcePath), func(binfd int, name string, _ *unix.Stat_t) {
+		if !locked(binfd, name) {
 			taken = unix.Unlinkat(binfd, name, 0) == nil
 		}
 	})

@@ -25,11 +25,8 @@ func TestClaimIsExclusive(t *testing.T) {
 	if _, err := tier.Claim("/data/a.bin"); !errors.Is(err, ErrClaimed) {
 		t.Fatalf("second claim: %v, want ErrClaimed", err)
 	}
-	if state, idle := tier.ClaimStateOf("/data/a.bin"); state != Left || idle > AbandonedAfter {
+	if state, idle := tier.ClaimStateOf("/data/a.bin"); state != Left || idle > time.Minute {
 		t.Errorf("ClaimStateOf: %v, idle %v; want Left (unlocked), fresh", state, idle)
-	}
-	if tier.TakeAbandonedClaim("/data/a.bin") {
-		t.Error("a fresh claim was taken over")
 	}
 	c.Release()
 	if _, err := tier.Claim("/data/a.bin"); err != nil {
@@ -126,15 +123,13 @@ func TestAdoptPublishesTheFill(t *testing.T) {
 }
 
 // A claim is held while its fill file is locked (a reader reads the source: capi/fill.c locks
-// it), and taken over only once nobody locks it and it was not written for AbandonedAfter.
-func TestAClaimIsTakenOverOnlyWhenUnlockedAndOld(t *testing.T) {
+// it), and taken over only once nobody locks it.
+func TestAClaimIsTakenOverOnlyWhenUnlocked(t *testing.T) {
 	tier := newTier(t, Memory, "1MiB")
 	if _, err := tier.Claim("/d/x"); err != nil {
 		t.Fatal(err)
 	}
 	p := filepath.Join(tier.Path, FillName("/d/x"))
-	old := time.Now().Add(-AbandonedAfter - time.Second)
-	os.Chtimes(p, old, old)
 	f, err := os.OpenFile(p, os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
