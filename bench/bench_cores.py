@@ -80,6 +80,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 import zlib
 from pathlib import Path
 
@@ -90,6 +91,7 @@ from bench_cluster import tree_cpu
 from bench_preload import Runner, process_cpu
 from bench_scale import (Cache, Check, EpochSampler, FitCacheCRC, PlainCRC, checkpoint, copy_tree, generate,
                          loader, log, timed_epoch, warm_page_cache)
+from privatecache import PrivateCache
 
 import fitcache
 
@@ -160,20 +162,45 @@ class Samples:
         return out
 
 
-def fold(rows, server_cpu=0.0):
+def fold(rows, server_cpu=0.0, restarted=False):
     """One round's figure from several epochs: the median seconds, CPU per epoch (all epochs'
-    CPU and server_cpu, spread over them)."""
+    CPU and server_cpu, spread over them), whether the server was replaced meanwhile."""
     return {"seconds": statistics.median(r["seconds"] for r in rows), "files": rows[0]["files"],
-            "cpu": (sum(r["cpu"] for r in rows) + server_cpu) / len(rows), "epochs": rows}
+            "cpu": (sum(r["cpu"] for r in rows) + server_cpu) / len(rows), "epochs": rows,
+            "server_restarted": restarted or any(r.get("server_restarted") for r in rows)}
 
 
-def measured(epoch, server_pid):
+class ServerCPU:
+    """CPU seconds of a cache's embedded server over a span (``with``), found by the PID in its
+    runtime directory at the start and again at the end: a server replaced in between (it
+    exited, and a reader started another over the same tiers) is counted from the new one's
+    start, and the span is marked ``restarted``. No cache: no server, 0 seconds."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.seconds, self.restarted = 0.0, False
+
+    def __enter__(self):
+        self.pid = self.cache.server_pid() if self.cache else 0
+        self.start = process_cpu(self.pid) if self.pid else 0.0
+        return self
+
+    def __exit__(self, *exc):
+        pid = self.cache.server_pid() if self.cache else 0
+        self.restarted = pid != self.pid
+        self.seconds = process_cpu(pid) - (0.0 if self.restarted else self.start) if pid else 0.0
+        if self.restarted:
+            log(f"the server was replaced during a measurement: PID {self.pid} before, {pid or 'none'} after")
+
+
+def measured(epoch, cache):
     """Runs epoch() (returning seconds and files) and adds the CPU seconds it took this process,
-    its children (DataLoader workers, alive or reaped) and the server."""
-    cpu0 = tree_cpu(os.getpid()) + (process_cpu(server_pid) if server_pid else 0.0)
-    secs, files = epoch()
-    cpu1 = tree_cpu(os.getpid()) + (process_cpu(server_pid) if server_pid else 0.0)
-    return {"seconds": secs, "files": files, "cpu": cpu1 - cpu0}
+    its children (DataLoader workers, alive or reaped) and cache's server."""
+    cpu0 = tree_cpu(os.getpid())
+    with ServerCPU(cache) as server:
+        secs, files = epoch()
+    return {"seconds": secs, "files": files, "cpu": tree_cpu(os.getpid()) - cpu0 + server.seconds,
+            "server_restarted": server.restarted}
 
 
 def in_order(pair, r):
@@ -224,12 +251,12 @@ class Bench:
             self.warm = (cache, options)
         return self.warm
 
-    def epochs(self, ds, workers, server_pid, persistent=False, batched=False):
+    def epochs(self, ds, workers, cache, persistent=False, batched=False):
         """--epochs timed warm epochs of a DataLoader over ds, folded into one round's row."""
         dl = loader(ds, self.sampler, self.args, workers, persistent=persistent, batched=batched)
         if persistent:
             timed_epoch(dl, self.sampler, 0, self.check)  # starts the workers: not counted
-        rows = [measured(lambda e=e: timed_epoch(dl, self.sampler, e, self.check)[:2], server_pid)
+        rows = [measured(lambda e=e: timed_epoch(dl, self.sampler, e, self.check)[:2], cache)
                 for e in self.warm_epochs]
         del dl  # persistent workers exit here, before the next configuration
         return fold(rows)
@@ -239,7 +266,6 @@ class Bench:
 
 def bench_warm(b, args, runner):
     cache, options = b.warm_cache()
-    pid = cache.server_pid()
     fds = FitCacheCRC(fitcache.FitCacheDataset(b.src, files=b.names, **options))
     plain = PlainCRC(b.shm, names=b.names)
     shim_cache = types.SimpleNamespace(options=options, server_pid=cache.server_pid)  # what Runner needs
@@ -248,13 +274,14 @@ def bench_warm(b, args, runner):
 
     def run_mode(mode, which, w):
         if mode != "run":
-            return b.epochs(plain if which == "plain" else fds, w, pid, persistent=mode == "persistent",
+            return b.epochs(plain if which == "plain" else fds, w, cache, persistent=mode == "persistent",
                             batched=mode == "batched")
-        res = runner.run("plain", b.shm, b.manifest_path, b.warm_epochs, w, []) if which == "plain" else \
-            runner.run("plain", b.src, b.manifest_path, b.warm_epochs, w, [], shim_cache, under_run=True)
+        with ServerCPU(cache) as server:  # the whole reader run's: Runner's own figure misses a replaced server
+            res = runner.run("plain", b.shm, b.manifest_path, b.warm_epochs, w, []) if which == "plain" else \
+                runner.run("plain", b.src, b.manifest_path, b.warm_epochs, w, [], shim_cache, under_run=True)
         b.check.bad += res["bad"]
         return fold([{"seconds": e["seconds"], "files": e["files"], "cpu": e["cpu_seconds"]} for e in res["epochs"]],
-                    res["load"]["server"])
+                    server.seconds, server.restarted)
 
     for r in range(args.repeats):
         t = time.monotonic()
@@ -264,12 +291,17 @@ def bench_warm(b, args, runner):
                     s.add(f"{w}/{mode}/{which}", run_mode(mode, which, w))
         log(f"[warm] round {r + 1}/{args.repeats} in {time.monotonic() - t:.0f} s; crc mismatches so far {b.check.bad}")
     after = (fitcache.server_stats(**cache.options) or {}).get("source_reads")
+    try:  # why a server was replaced, if one was: its log (appended to by the next)
+        with open(os.path.join(cache.run, "server.log"), errors="replace") as f:
+            log_tail = f.read()[-6000:]
+    except OSError:
+        log_tail = None
     points = {}
     for w in args.workers:
         for mode in WARM_MODES:
             points[f"{w}/{mode}/plain"] = s.summary(f"{w}/{mode}/plain")
             points[f"{w}/{mode}/fitcache"] = s.summary(f"{w}/{mode}/fitcache", f"{w}/{mode}/plain")
-    return {"points": points, "source_reads_during": None if None in (before, after) else after - before}
+    return {"points": points, "source_reads": {"after_fill": before, "after_warm": after}, "server_log_tail": log_tail}
 
 
 def bench_cold(b, args):
@@ -281,12 +313,11 @@ def bench_cold(b, args):
 
     def run(which, w):
         if which == "plain":
-            return measured(lambda: timed_epoch(loader(plain, b.sampler, args, w), b.sampler, 0, b.check)[:2], 0)
+            return measured(lambda: timed_epoch(loader(plain, b.sampler, args, w), b.sampler, 0, b.check)[:2], None)
         cache.wipe()
         starts.append(cache.start(b.src))
         ds = FitCacheCRC(fitcache.FitCacheDataset(b.src, files=b.names, **cache.options))
-        row = measured(lambda: timed_epoch(loader(ds, b.sampler, args, w), b.sampler, 0, b.check)[:2],
-                       cache.server_pid())
+        row = measured(lambda: timed_epoch(loader(ds, b.sampler, args, w), b.sampler, 0, b.check)[:2], cache)
         cache.wipe()
         return row
 
@@ -308,7 +339,7 @@ def bench_threads(b, args):
     s = Samples()
     for r in range(args.repeats):
         spec = {"src": b.src, "shm": b.shm, "manifest": b.manifest_path, "threads": args.threads,
-                "options": options, "server_pid": cache.server_pid(), "seed": args.seed, "round": r}
+                "options": options, "seed": args.seed, "round": r}
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--threads-run", json.dumps(spec)],
                              capture_output=True, text=True, timeout=THREADS_TIMEOUT)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -338,6 +369,7 @@ def threads_run(spec):
     order = EpochSampler(len(names), spec["seed"]).order(1)
     ds = fitcache.FitCacheDataset(spec["src"], files=names, prefetch=False, **spec["options"])
     client = fitcache.Client(spec["src"], **spec["options"])
+    server = PrivateCache(spec["options"]["runtime_dir"], spec["options"]["tiers"], [])  # its PID; never wiped
     paths = [os.path.join(spec["src"], rel) for rel in names]
 
     def plain(i):
@@ -357,17 +389,18 @@ def threads_run(spec):
     for t in spec["threads"]:
         k = spec["round"] % len(readers)
         for which in readers[k:] + readers[:k]:
-            cpu0, srv0 = os.times(), process_cpu(spec["server_pid"])
-            start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(t) as pool:
-                for i, (crc, size) in zip(order, pool.map(lambda i, fn=read[which]: one(fn, i), order)):
-                    if crc != check.crcs[i] or size != check.sizes[i]:
-                        check.bad += 1
-            secs = time.perf_counter() - start
-            cpu1, srv1 = os.times(), process_cpu(spec["server_pid"])
+            cpu0 = os.times()
+            with ServerCPU(server) as srv:
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(t) as pool:
+                    for i, (crc, size) in zip(order, pool.map(lambda i, fn=read[which]: one(fn, i), order)):
+                        if crc != check.crcs[i] or size != check.sizes[i]:
+                            check.bad += 1
+                secs = time.perf_counter() - start
+            cpu1 = os.times()
             rows[f"{t}/threads/{which}"] = {
-                "seconds": secs, "files": len(order),
-                "cpu": cpu1.user + cpu1.system - cpu0.user - cpu0.system + srv1 - srv0}
+                "seconds": secs, "files": len(order), "server_restarted": srv.restarted,
+                "cpu": cpu1.user + cpu1.system - cpu0.user - cpu0.system + srv.seconds}
     client.close()
     ds.close()
     print("RESULT " + json.dumps({"rows": rows, "bad": check.bad}), flush=True)
@@ -467,7 +500,9 @@ def markdown(results, args):
         for w in args.workers:
             for mode in WARM_MODES:
                 lines.append(pair_row(f"{w} | {WARM_LABELS[mode]}", pts[f"{w}/{mode}/plain"], pts[f"{w}/{mode}/fitcache"]))
-        lines += ["", f"Server source reads during the warm epochs: {secs['warm']['source_reads_during']}.", ""]
+        reads = secs["warm"]["source_reads"]
+        lines += ["", f"Server source reads: {reads['after_fill']} after the fill, {reads['after_warm']} after the warm "
+                  f"epochs (a replaced server counts from 0).", ""]
     if "cold" in secs:
         pts = secs["cold"]["points"]
         lines += ["### First epoch: plain reads of the page-cached source against FitCache from empty tiers", "",
@@ -504,7 +539,10 @@ def markdown(results, args):
                              f"{x['server_cpu_us_per_file']:.0f} + {x['cpu_us_per_file'] - x['server_cpu_us_per_file']:.0f}"
                              f" | {x['baseline_cpu_us_per_file']:.0f} |")
         lines.append("")
-    lines.append(f"crc mismatches: {results['crc_mismatches']}.")
+    replaced = sum(r.get("server_restarted", False) for sec in secs.values() for p in sec["points"].values()
+                   for r in p.get("rounds", []))
+    lines.append(f"crc mismatches: {results['crc_mismatches']}; measurements during which the embedded server "
+                 f"was replaced (its CPU counted from the new one's start): {replaced}.")
     return "\n".join(lines) + "\n"
 
 
@@ -560,6 +598,9 @@ def main():
     args = parse_args()
     if args.threads_run:
         return threads_run(json.loads(args.threads_run))
+    # More workers than cores is what the sweep measures: torch's warning about it, once per
+    # DataLoader, would bury the progress lines.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
     m = machine()
     out = args.out or str(HERE / "results" / machine_tag(m) / f"cores-{datetime.date.today()}.json")
     signal.signal(signal.SIGTERM, bench_scale._stop)
