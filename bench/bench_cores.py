@@ -603,7 +603,10 @@ def main():
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     m = machine()
     out = args.out or str(HERE / "results" / machine_tag(m) / f"cores-{datetime.date.today()}.json")
+    # Ctrl-C too sets the flag that checkpoint() tests between batches: a KeyboardInterrupt that
+    # lands in a destructor (a DataLoader's, shutting its workers down) is dropped by Python.
     signal.signal(signal.SIGTERM, bench_scale._stop)
+    signal.signal(signal.SIGINT, bench_scale._stop)
     work = f"/tmp/fitcache-cores-{os.getpid()}"
     os.makedirs(work)
     cleanup = [lambda: shutil.rmtree(work, ignore_errors=True)]
