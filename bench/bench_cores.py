@@ -57,8 +57,8 @@ cores<usable CPUs>-<short CPU model> (for example cores2-amd-epyc).
 Everything the run makes (the /dev/shm copy, tiers, runtime directories) is removed at the end,
 also on Ctrl-C or SIGTERM; only the embedded servers it started are stopped (by the PID in
 their runtime directory's server.lock), and only the processes it started are killed, by PID.
-The main process never loads libfitcache itself (its DataLoader workers and the threads
-section's process do), so that forked workers start clean.
+Whether this process loaded libfitcache (FitCacheDataset may open its client here before the
+DataLoader forks, so that its workers share it) is recorded in the JSON.
 
     python bench/bench_cores.py --quick                         # a smoke run: 1,000 files
     python bench/bench_cores.py                                 # everything, defaults
@@ -634,8 +634,7 @@ def main():
             results["sections"]["cluster"] = bench_cluster_section(args, work)
             results["sections"]["cluster"]["seconds"] = time.monotonic() - t
             results["crc_mismatches"] += results["sections"]["cluster"]["crc_mismatches"]
-        if fitcache._native.loaded_here():
-            log("warning: this process loaded libfitcache: its forked workers started with it loaded")
+        results["main_process_loaded_libfitcache"] = fitcache._native.loaded_here()
     finally:
         runner.kill()
         clean_up(cleanup)
