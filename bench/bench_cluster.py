@@ -111,8 +111,7 @@ from inotify import OpenCounter  # noqa: E402
 import fitcache  # noqa: E402
 from fitcache.dataset import server_stats  # noqa: E402
 
-LINK_PORT = 7090  # each server node's plain-TCP sender (the tcp baseline)
-IPERF_PORT = 7091
+LINK_PORT = 7090  # default port of each server node's plain-TCP sender (the tcp baseline); iperf3 the next
 PLACEMENTS = ("client", "server", "all")
 BUDGETS = ("fits", "share")
 REPLY_TIMEOUT = 1800  # seconds an agent may take for one command: every wait is bounded
@@ -596,7 +595,7 @@ class Run:
                 owner = self.owners.get(os.path.basename(names[i]))
                 if owner is not None and owner != host:
                     by_owner[owner].append(names[i])
-            cmds.append({"op": "link", "pulls": [[h, LINK_PORT, v] for h, v in by_owner.items()]})
+            cmds.append({"op": "link", "pulls": [[h, self.args.link_port, v] for h, v in by_owner.items()]})
         # The senders' CPU (where a node both sends and receives, all of it is in the reader's).
         senders = [self.agents[h].proc.pid for h in self.nodes.server_hosts if h not in hosts]
         s0 = {p: tree_cpu(p) for p in senders}
@@ -611,16 +610,16 @@ class Run:
         """Round trip client node -> server 1 (1-byte TCP ping-pong) and one iperf3 stream."""
         client = self.agent(self.nodes.client_host)
         s1 = self.nodes.server_hosts[0]
-        row = call([client], [{"op": "rtt", "host": s1, "port": LINK_PORT, "n": 500}])[0]
+        row = call([client], [{"op": "rtt", "host": s1, "port": self.args.link_port, "n": 500}])[0]
         row["loadavg"] = open("/proc/loadavg").read().split()[:3]  # the machine is shared: how busy
         if shutil.which("iperf3"):
-            srv = subprocess.Popen([*self.nodes.prefix(s1), "iperf3", "-s", "-B", s1, "-p", str(IPERF_PORT)],
+            srv = subprocess.Popen([*self.nodes.prefix(s1), "iperf3", "-s", "-B", s1, "-p", str(self.args.link_port + 1)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 for _ in range(20):  # until it listens
                     time.sleep(0.2)
                     out = subprocess.run([*self.nodes.prefix(self.nodes.client_host), "iperf3", "-c", s1, "-B",
-                                          self.nodes.client_host, "-p", str(IPERF_PORT), "-R", "-t", "3", "-J"],
+                                          self.nodes.client_host, "-p", str(self.args.link_port + 1), "-R", "-t", "3", "-J"],
                                          capture_output=True, text=True, timeout=60)
                     try:
                         bps = json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]
@@ -638,7 +637,7 @@ class Run:
     def bench(self):
         d, args = self.data, self.args
         for h in self.nodes.server_hosts:
-            call([self.agent(h)], [{"op": "serve_link", "host": h, "port": LINK_PORT, "root": d["shm"]}])
+            call([self.agent(h)], [{"op": "serve_link", "host": h, "port": self.args.link_port, "root": d["shm"]}])
         network = []
         delay0 = self.nodes.delay_cpu()
         for r in range(args.repeats):
@@ -853,6 +852,8 @@ def main():
     ap.add_argument("--delay-us", type=int, default=100, help="netns: delay of each packet a node sends (0: none)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--link-port", type=int, default=LINK_PORT,
+                    help="port of the plain-TCP senders on each node (iperf3 uses the next): runs at once need their own")
     ap.add_argument("--epochs", type=int, default=3, help="epochs per job: 1 cold, the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
     ap.add_argument("--out", help="JSON results (default bench/results/cluster-<date>.json)")
