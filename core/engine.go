@@ -383,7 +383,7 @@ func (e *Engine) read(ctx context.Context, root, path string, wantMapping bool) 
 		return res, err
 	}
 
-	f, leader := e.join(path)
+	f, leader := e.joinAsReader(path)
 	if leader {
 		e.stats.misses.Add(1)
 		if e.startFill() {
@@ -493,7 +493,7 @@ func (e *Engine) fetch(ctx context.Context, root, path string, forReader bool) (
 			return TierOrigin(t.Kind), nil, nil
 		}
 	}
-	f, leader := e.join(path)
+	f, leader := e.joinAsReader(path)
 	origin = OriginInflight
 	switch {
 	case leader && e.startFill():
@@ -646,6 +646,39 @@ func (e *Engine) startFill() bool {
 	return true
 }
 
+// joinAsReader is join for a reader, who wants the file whoever fetches it: a flight of
+// prefetch alone that it joins may now evict (noEvict), and is no longer one that prefetch
+// may give up (see giveUpIfPrefetchOnly); both under e.mu, so that no reader joins a flight
+// as it is given up.
+func (e *Engine) joinAsReader(path string) (f *flight, leader bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if f, ok := e.flights[path]; ok {
+		f.noEvict.Store(false)
+		return f, false
+	}
+	f = &flight{done: make(chan struct{}), published: make(chan struct{}), large: make(chan struct{})}
+	e.flights[path] = f
+	return f, true
+}
+
+// giveUpIfPrefetchOnly ends the flight f of path, without a source read, if prefetch alone
+// wants it (no reader joined it), and reports whether it did: prefetch need not wait for a
+// reader that fills the file itself. The flight leaves the table before any reader can join it.
+func (e *Engine) giveUpIfPrefetchOnly(path string, f *flight) bool {
+	e.mu.Lock()
+	if !f.noEvict.Load() || e.flights[path] != f {
+		e.mu.Unlock()
+		return false
+	}
+	delete(e.flights, path)
+	e.mu.Unlock()
+	f.err = errClaimedByReader
+	close(f.published)
+	close(f.done)
+	return true
+}
+
 // join returns the flight for path, creating it if there is none; leader is true for the
 // caller that created it and must fill it.
 func (e *Engine) join(path string) (f *flight, leader bool) {
@@ -680,7 +713,10 @@ func (e *Engine) fill(f *flight, root, path string) {
 	}
 	// One reader of the source per file: a reader of this node may be reading it (see
 	// claimSource); the claim is given up once the copy is published, or failed.
-	claim, err := e.claimSource(path)
+	claim, err := e.claimSource(path, f)
+	if errors.Is(err, errClaimedByReader) {
+		return // given up: prefetch alone wanted it (see giveUpIfPrefetchOnly)
+	}
 	if errors.Is(err, errFilledByReader) {
 		f.inTier = true
 		e.finish(path, f)

@@ -101,14 +101,20 @@ const (
 // errFilledByReader reports that a reader filled the file while a fill of the engine waited.
 var errFilledByReader = errors.New("filled by a reader")
 
+// errClaimedByReader ends a flight of prefetch alone that found a reader's claim: the reader
+// caches the file, and prefetch goes on to the next instead of waiting (see
+// giveUpIfPrefetchOnly).
+var errClaimedByReader = errors.New("being filled by a reader")
+
 // claimSource claims the file at path before the engine reads it from the source (see
-// tiers.Claim). While another process holds the claim it waits: for a reader reading the
+// tiers.Claim), for the flight f. A flight of prefetch alone that finds the claim taken is
+// given up (errClaimedByReader). Otherwise, while another process holds the claim it waits: for a reader reading the
 // source (its fill file locked), or for the record of a fill it reported (NoteReport). It
 // returns errFilledByReader when the copy is cached meanwhile. A claim left by a reader that
 // neither holds it nor reported it for tiers.AbandonedAfter (it died) is taken over. The claim is zero (nothing to
 // release) when there is no tier, when the tier's file system refuses the claim's file, or
 // when the holder did not finish within claimWaitMax: then the source is read anyway.
-func (e *Engine) claimSource(path string) (tiers.Claim, error) {
+func (e *Engine) claimSource(path string, f *flight) (tiers.Claim, error) {
 	if len(e.tiers) == 0 {
 		return tiers.Claim{}, nil
 	}
@@ -126,6 +132,8 @@ func (e *Engine) claimSource(path string) (tiers.Claim, error) {
 			return c, nil
 		case !errors.Is(err, tiers.ErrClaimed):
 			return tiers.Claim{}, nil
+		case e.giveUpIfPrefetchOnly(path, f):
+			return tiers.Claim{}, errClaimedByReader
 		case e.listed(path):
 			return tiers.Claim{}, errFilledByReader
 		case time.Now().After(deadline):

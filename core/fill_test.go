@@ -299,3 +299,32 @@ func TestAFillWithoutRoomMarksTheDatasetFull(t *testing.T) {
 		t.Error("the fill without room was recorded, or the first one lost")
 	}
 }
+
+// Prefetch does not wait for a file a reader is filling: it goes on to the next, and the
+// reader's record caches it. The source is read once per file.
+func TestPrefetchSkipsAFileAReaderFills(t *testing.T) {
+	root, paths := dataset(t, 5000, 6000, 7000)
+	clock := &fakeClock{t: time.Unix(1_000_000, 0)}
+	e := prefetchEngine(t, 2, clock, "64MiB")
+	first := e.tiers[0]
+	if _, err := first.Claim(paths[1]); err != nil { // a reader reads paths[1]
+		t.Fatal(err)
+	}
+	if _, err := e.Prefetch(PrefetchRequest{Root: root, Owner: "a", Paths: paths}); err != nil {
+		t.Fatal(err)
+	}
+	info := waitPrefetch(t, e, root, "a")
+	if info.Fetched != 2 || info.SkippedInflight != 1 {
+		t.Errorf("prefetch: %+v, want 2 fetched and the claimed file skipped", info)
+	}
+	if err := e.RecordFill(root, paths[1], writeFill(t, first, paths[1])); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range paths {
+		_, got := readAll(t, e, root, p)
+		wantBytes(t, p, got)
+	}
+	if n := e.Stats().SourceReads; n != 3 {
+		t.Errorf("%d source reads of 3 files", n)
+	}
+}

@@ -493,6 +493,10 @@ func (p *prefetcher) fetch(j *prefetchJob, path string) outcome {
 	e.fills.Done()
 	<-f.done
 	<-f.published
+	if errors.Is(f.err, errClaimedByReader) {
+		out.kind = skippedInflight // a reader fills it
+		return out
+	}
 	if f.err != nil {
 		out.kind, out.err = fetchFailed, f.err
 		if errors.Is(f.err, ErrTooLarge) && p.fitsSomeTier(path) {
