@@ -27,6 +27,9 @@
 #define FC_NODE_OP_FORGET 3
 #define FC_NODE_OP_FETCH_BLOCK 4 /* the path is a block's name (tiers.BlockName) */
 #define FC_NODE_OP_CACHE_BLOCK 5 /* as FETCH_BLOCK, answered with neither ack nor reply */
+#define FC_NODE_OP_OPEN_MANY 6   /* OPEN for a batch: the path field lists paths, each followed by
+                                    a NUL byte; one OPEN reply per path, in order */
+#define FC_NODE_MAX_BATCH 128    /* paths in one FC_NODE_OP_OPEN_MANY request (nodesock.MaxBatch) */
 #define FC_NODE_MAX_MESSAGE 1000
 
 /* How long a client waits to connect, to send a request and for each ack (nodesock.ProbeTimeout):

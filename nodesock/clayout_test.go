@@ -25,6 +25,8 @@ func TestCHeaderMatchesTheProtocol(t *testing.T) {
 		{"forget", clayout.NodeOpForget, OpForget},
 		{"fetch block", clayout.NodeOpFetchBlock, OpFetchBlock},
 		{"cache block", clayout.NodeOpCacheBlock, OpCacheBlock},
+		{"open many", clayout.NodeOpOpenMany, OpOpenMany},
+		{"max batch", clayout.NodeMaxBatch, MaxBatch},
 		{"source", clayout.OriginSource, uint32(core.OriginSource)},
 		{"peer", clayout.OriginPeer, uint32(core.OriginPeer)},
 		{"source while cached", clayout.OriginSourceWhileCached, uint32(core.OriginSourceWhileCached)},

@@ -4,7 +4,7 @@
 // Go), and the preload shim of the transparent mode (preload/), which must not run Go at
 // all.
 //
-// Five operations, one request and one reply at a time per connection (none for the last):
+// Six operations, one request and its reply at a time per connection (none for OpCacheBlock):
 //
 //   - OpFetch asks the server to bring one file into its tiers; the caller then finds it
 //     there itself, through the tiers' index (capi/fclookup.c), so the file's bytes never
@@ -24,6 +24,13 @@
 //     askQueue waiting; more are dropped: the asker asks again later). The preload shim
 //     sends it for the blocks a program reads from the source (preload/ranges.c): it must
 //     not wait for them, nor hold a connection of the server while they are cached.
+//   - OpOpenMany is OpOpen for the files of a batch (the misses of one fc_read_many call, at
+//     most MaxBatch): one request, and one OpOpen reply per file, in order, each with its
+//     descriptor or its own errno (a missing file is ENOENT for that file only). A cluster
+//     server fetches the files other nodes own with one ReadBatch call per owner (see
+//     client.Client.OpenManyForReader). A server older than it closes the connection
+//     without an ack (an unknown operation, or a path field longer than a path): the client
+//     then asks for each file with OpOpen (ErrUnknownOp).
 //
 // Wire format (integers little-endian):
 //
@@ -37,6 +44,10 @@
 //	         message length uint32, message bytes; on success one descriptor rides along
 //	         with the first byte (a separate write from the ack's, so that a client
 //	         reading the ack's 4 bytes never reads into it).
+//	OpOpenMany request: as any, its path field the list of paths, each followed by a NUL
+//	         byte (at most MaxBatch paths, each at most 4096 bytes; checked before the list
+//	         is allocated, by its length); its reply: after the acks, an OpOpen reply per
+//	         path, in order, each a write of its own (no ack between them).
 //
 // The ack tells a hung server from a slow answer. A server stopped with SIGSTOP (or hung)
 // still has its connections accepted by the kernel and its requests buffered, so without it a
@@ -130,9 +141,11 @@ type Forgetter func(root, path string) error
 // Config configures a node socket server. Operations without a function are refused
 // (ENOSYS).
 type Config struct {
-	Fetch  Fetcher
-	Open   Opener
-	Forget Forgetter
+	Fetch Fetcher
+	Open  Opener
+	// OpenMany serves OpOpenMany; without it, each file of a batch is opened with Open.
+	OpenMany ManyOpener
+	Forget   Forgetter
 	// FetchBlock serves OpFetchBlock and OpCacheBlock: path is a block's name (tiers.BlockName).
 	FetchBlock Fetcher
 	Errno      func(error) syscall.Errno // maps Fetch's errors to errno values
@@ -268,6 +281,12 @@ func (s *Server) serve(c *net.UnixConn) {
 			}
 			continue
 		}
+		if op == OpOpenMany {
+			if err := s.answerMany(c, root, path); err != nil {
+				return
+			}
+			continue
+		}
 		if err := s.answer(c, op, root, path); err != nil {
 			return
 		}
@@ -369,9 +388,9 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 	switch {
 	case string(hdr[:4]) != Magic:
 		return 0, "", "", errors.New("bad magic")
-	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock:
+	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock && op != OpOpenMany:
 		return 0, "", "", fmt.Errorf("unknown operation %d", op)
-	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPath:
+	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPathField(op):
 		return 0, "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)
 	}
 	buf := make([]byte, rootLen+pathLen)
@@ -379,6 +398,15 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 		return 0, "", "", err
 	}
 	return op, string(buf[:rootLen]), string(buf[rootLen:]), nil
+}
+
+// maxPathField bounds the path field of a request of operation op: a path, or the path list of
+// OpOpenMany.
+func maxPathField(op uint32) uint32 {
+	if op == OpOpenMany {
+		return maxBatchBody
+	}
+	return maxPath
 }
 
 // AppendRequest appends a request of operation op for path under root to b (for tests and

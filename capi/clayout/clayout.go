@@ -117,6 +117,9 @@ const (
 	NodeOpFetchBlock = C.FC_NODE_OP_FETCH_BLOCK
 	NodeOpCacheBlock = C.FC_NODE_OP_CACHE_BLOCK
 
+	NodeOpOpenMany = C.FC_NODE_OP_OPEN_MANY
+	NodeMaxBatch   = C.FC_NODE_MAX_BATCH
+
 	OriginSource            = C.FC_ORIGIN_SOURCE
 	OriginPeer              = C.FC_ORIGIN_PEER
 	OriginSourceWhileCached = C.FC_ORIGIN_SOURCE_WHILE_CACHED
