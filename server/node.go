@@ -74,6 +74,10 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			return cn.forget(root, path)
 		}
+		cfg.OpenMany = func(ctx context.Context, root string, paths []string) []nodesock.Opened {
+			touch()
+			return cn.openMany(ctx, root, paths)
+		}
 	}
 	if onOpen != nil {
 		open := cfg.Open
@@ -84,6 +88,18 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 				onOpen(core.Origin(origin), time.Since(start))
 			}
 			return f, origin, err
+		}
+		if openMany := cfg.OpenMany; openMany != nil {
+			cfg.OpenMany = func(ctx context.Context, root string, paths []string) []nodesock.Opened {
+				start := time.Now()
+				res := openMany(ctx, root, paths)
+				for _, r := range res {
+					if r.Err == nil {
+						onOpen(core.Origin(r.Origin), time.Since(start))
+					}
+				}
+				return res
+			}
 		}
 	}
 	return cfg
@@ -343,6 +359,39 @@ func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, co
 	}
 	defer n.engine.ReaderWaits(path)() // prefetch gives way (see core.Engine.ReaderWaits)
 	return c.OpenForReader(ctx, path)
+}
+
+// openMany answers OpOpenMany: see client.OpenManyForReader. A path outside the server's roots
+// is refused (that file only), and a root outside them before any client is made.
+func (n *clusterNode) openMany(ctx context.Context, root string, paths []string) []nodesock.Opened {
+	out := make([]nodesock.Opened, len(paths))
+	var asked []string
+	var at []int
+	for i, path := range paths {
+		if err := n.engine.CheckRoot(root, path); err != nil {
+			out[i].Err = err
+			continue
+		}
+		asked, at = append(asked, path), append(at, i)
+	}
+	if len(asked) == 0 {
+		return out
+	}
+	c, err := n.client(ctx, root)
+	if err != nil {
+		for _, i := range at {
+			out[i].Err = err
+		}
+		return out
+	}
+	for _, path := range asked { // prefetch gives way (see core.Engine.ReaderWaits)
+		done := n.engine.ReaderWaits(path)
+		defer done()
+	}
+	for k, r := range c.OpenManyForReader(ctx, asked) {
+		out[at[k]] = nodesock.Opened{File: r.File, Origin: uint32(r.Origin), Err: r.Err}
+	}
+	return out
 }
 
 // forget answers OpForget: see client.Forget (the copies of the servers a read goes to and of
