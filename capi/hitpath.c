@@ -1420,6 +1420,48 @@ static int opened_read(struct hit_client *c, int fd, int32_t err, const void **d
 	return rc;
 }
 
+// recv_batch_reply reads the reply for one file of an FC_NODE_OP_OPEN_MANY request on sock:
+// an open reply (see fc_node_recv_open) with the inline length after the message length, then
+// the message and, unless that length is FC_NODE_INLINE_NONE, that many bytes of the file,
+// read into memory the hit path hands out (*ptr, *kind; checked against FC_NODE_MAX_INLINE
+// first). Returns 0 with the server's errno in *err and *fd (or -1 for inline bytes), or -1
+// with errno set when the connection failed or the reply was malformed (nothing is held then).
+static int recv_batch_reply(int sock, int *fd, int32_t *err, void **ptr, int64_t *n, uint8_t *kind) {
+	uint8_t reply[20];
+	*ptr = NULL;
+	*n = 0;
+	*kind = BUF_EMPTY;
+	int ok = fc_node_recv_head(sock, reply, sizeof reply, fd) == 0;
+	uint32_t inline_len = ok ? fc_get32(reply + 16) : 0;
+	*err = ok ? (int32_t)fc_get32(reply + 4) : 0;
+	if (ok && (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 12) > FC_NODE_MAX_MESSAGE ||
+	           (inline_len != FC_NODE_INLINE_NONE && (inline_len > FC_NODE_MAX_INLINE || *fd >= 0 || *err != 0)) ||
+	           (inline_len == FC_NODE_INLINE_NONE && *fd < 0 && *err == 0))) { // no bytes at all
+		errno = EPROTO;
+		ok = 0;
+	}
+	char message[FC_NODE_MAX_MESSAGE];
+	if (ok && fc_recv_all(sock, message, fc_get32(reply + 12)) != 0)
+		ok = 0;
+	if (ok && inline_len != FC_NODE_INLINE_NONE) {
+		*n = inline_len;
+		*kind = inline_len ? BUF_HEAP : BUF_EMPTY;
+		if (inline_len && !(*ptr = buf_alloc(inline_len))) {
+			errno = ENOMEM;
+			ok = 0;
+		} else if (inline_len && fc_recv_all(sock, *ptr, inline_len) != 0) {
+			buf_free(*ptr, inline_len);
+			*ptr = NULL;
+			ok = 0;
+		}
+	}
+	if ((!ok || *err != 0) && *fd >= 0) {
+		close(*fd);
+		*fd = -1;
+	}
+	return ok ? 0 : -1;
+}
+
 // open_batch sends one FC_NODE_OP_OPEN_MANY request for the m paths listed in list (len bytes)
 // on *sock, the connection kept for c's misses or -1, and reads the answer for file asked[j]
 // into its slot of data, sizes, buffers and results (see opened_read). A connection that fails
@@ -1460,14 +1502,20 @@ static int open_batch(struct hit_client *c, int *sock, const char *list, size_t 
 	for (; sent == 0 && j < m; j++) {
 		int i = asked[j], fd;
 		int32_t ferr;
-		uint32_t origin; // whatever the descriptor holds, its bytes are the file's
-		if (fc_node_recv_open(*sock, &fd, &ferr, &origin) != 0) {
+		void *ptr;
+		int64_t n;
+		uint8_t kind = BUF_EMPTY;
+		if (recv_batch_reply(*sock, &fd, &ferr, &ptr, &n, &kind) != 0) {
 			err = errno;
 			close(*sock);
 			*sock = -1;
 			break;
 		}
-		results[i] = opened_read(c, fd, ferr, &data[i], &sizes[i], &buffers[i]);
+		if (ferr != 0 || fd >= 0) {
+			results[i] = opened_read(c, fd, ferr, &data[i], &sizes[i], &buffers[i]);
+		} else if ((results[i] = hand_out(ptr, n, kind, &data[i], &sizes[i], &buffers[i])) == 0) {
+			__atomic_fetch_add(&c->fetches, 1, __ATOMIC_RELAXED);
+		}
 	}
 	if (j < m)
 		rc = err == ENOSYS ? FC_DIRECT : err == EAGAIN || err == EWOULDBLOCK ? FC_UNAVAILABLE : FC_MISS;

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/fitcache/fitcache/core"
@@ -18,12 +19,15 @@ import (
 // each owner in one ReadBatch call, so a batch costs its server a call per owner, not a call
 // per file; the others are opened as OpenForReader opens them, a few at a time.
 
-// Opened is what OpenManyForReader answers for one file: its descriptor and what it holds,
-// or the file's own error.
+// Opened is what OpenManyForReader answers for one file: its descriptor and what it holds, or
+// the bytes another node's server sent (Data, core.OriginPeer), or the file's own error.
+// Release, if set, is to be called once Data is no longer used.
 type Opened struct {
-	File   *os.File
-	Origin core.Origin
-	Err    error
+	File    *os.File
+	Data    []byte
+	Origin  core.Origin
+	Err     error
+	Release func()
 }
 
 // openManyWorkers is how many files of a batch that go to no other node's server are opened
@@ -41,12 +45,14 @@ var batchBuffers = sync.Pool{New: func() any { b := make([]byte, batchBufferSize
 
 // OpenManyForReader opens the files at paths (absolute, or relative to the root) for readers
 // on this node as OpenForReader opens each, and returns one Opened per path, in order (the
-// caller closes the files). A file's error is that file's only. The files that servers on
+// caller closes the files). A file's error is that file's only. A file of at most inlineMax
+// bytes that a server on another node sends, and that this node keeps no copy of, comes as
+// its bytes (Data, with its Release) rather than as a memory file that would copy them. The files that servers on
 // other nodes own are asked of each owner in one ReadBatch call, all owners at once; an owner
 // that does not answer is counted as failing once for its batch, and its files go as a failed
 // read of each would: to the new owner once it is dead (recache), else to the source. It works
 // in cluster mode only.
-func (c *Client) OpenManyForReader(ctx context.Context, paths []string) []Opened {
+func (c *Client) OpenManyForReader(ctx context.Context, paths []string, inlineMax int) []Opened {
 	out := make([]Opened, len(paths))
 	c.life.RLock()
 	defer c.life.RUnlock()
@@ -94,7 +100,7 @@ func (c *Client) OpenManyForReader(ctx context.Context, paths []string) []Opened
 	var mu sync.Mutex // protects alone once the owners' batches run
 	for p, idx := range owners {
 		wg.Go(func() {
-			if again := c.openBatchFromPeer(ctx, p, resolved, idx, out); len(again) > 0 {
+			if again := c.openBatchFromPeer(ctx, p, resolved, idx, out, inlineMax); len(again) > 0 {
 				mu.Lock()
 				alone = append(alone, again...)
 				mu.Unlock()
@@ -124,7 +130,8 @@ func (c *Client) OpenManyForReader(ctx context.Context, paths []string) []Opened
 // OpenForReader): those whose bytes did not fit in the reply, and all of them when p did not
 // answer and is dead now (their new owner, or the source, has them) or refused the call as a
 // whole (each file then gets its own answer).
-func (c *Client) openBatchFromPeer(ctx context.Context, p *peer, paths []string, idx []int, out []Opened) (again []int) {
+func (c *Client) openBatchFromPeer(ctx context.Context, p *peer, paths []string, idx []int, out []Opened,
+	inlineMax int) (again []int) {
 	var session uint32
 	if c.own != nil {
 		session = c.own.engine.Session()
@@ -135,8 +142,16 @@ func (c *Client) openBatchFromPeer(ctx context.Context, p *peer, paths []string,
 	}
 	version, dead, alive := p.news.Take()
 	req.MembershipVersion, req.Dead, req.Alive = version, dead, alive
+	// The buffer goes back to the pool once the files handed out inline from it are released.
 	buf := batchBuffers.Get().(*[]byte)
-	defer batchBuffers.Put(buf)
+	var refs atomic.Int32
+	refs.Store(1)
+	release := func() {
+		if refs.Add(-1) == 0 {
+			batchBuffers.Put(buf)
+		}
+	}
+	defer release()
 	reply, err := p.rpc.ReadBatch(ctx, req, *buf)
 	if reply != nil {
 		c.cluster.learn(p, reply.MembershipVersion, reply.Dead)
@@ -167,8 +182,11 @@ func (c *Client) openBatchFromPeer(ctx context.Context, p *peer, paths []string,
 		err := core.NewErrnoError(r.Errno, core.Reason(r.Reason), r.Message)
 		switch {
 		case err == nil:
-			f, origin, err := c.openReplied(ctx, paths[i], r, session)
-			out[i] = Opened{File: f, Origin: origin, Err: err}
+			out[i] = c.openReplied(ctx, paths[i], r, session, inlineMax)
+			if out[i].Data != nil {
+				refs.Add(1)
+				out[i].Release = release
+			}
 		case errors.Is(err, syscall.ENOBUFS): // did not fit in the reply with the others
 			again = append(again, i)
 		case errors.Is(err, core.ErrTooLarge): // too large for the owner to cache or send
@@ -184,9 +202,10 @@ func (c *Client) openBatchFromPeer(ctx context.Context, p *peer, paths []string,
 
 // openReplied hands out the bytes of path that its owner on another node sent in reply r (as
 // openFromPeer does): copied to the servers that hold replicas when the owner read them from
-// the source, kept as a node-local copy where there is room and opened there, else a memory
-// file. session is this client's server's session taken before the owner was asked.
-func (c *Client) openReplied(ctx context.Context, path string, r *fitcachepb.ReadReply, session uint32) (*os.File, core.Origin, error) {
+// the source, kept as a node-local copy where there is room and opened there, else as they
+// are (Data) when they are inlineMax bytes or fewer, else a memory file. session is this
+// client's server's session taken before the owner was asked.
+func (c *Client) openReplied(ctx context.Context, path string, r *fitcachepb.ReadReply, session uint32, inlineMax int) Opened {
 	if rpc.OriginOf(r) == core.OriginSource {
 		if targets := c.cluster.targets(path); len(targets) > 1 {
 			c.replicate(targets[1:], path, r.Data, rpc.StampOf(r))
@@ -194,12 +213,18 @@ func (c *Client) openReplied(ctx context.Context, path string, r *fitcachepb.Rea
 	}
 	if c.own != nil && c.keepGuest(ctx, path, r, session) == nil {
 		if f, d, err := openTier(anySession(c.own.engine.TierDirs()), path); err == nil {
-			return f, core.TierOrigin(d.Kind), nil
+			return Opened{File: f, Origin: core.TierOrigin(d.Kind)}
 		}
+	}
+	if len(r.Data) <= inlineMax {
+		if r.Data == nil {
+			r.Data = []byte{}
+		}
+		return Opened{Data: r.Data, Origin: core.OriginPeer}
 	}
 	f, err := memFile(path, r.Data, r.MtimeNanos)
 	if err != nil {
-		return nil, 0, err
+		return Opened{Err: err}
 	}
-	return f, core.OriginPeer, nil
+	return Opened{File: f, Origin: core.OriginPeer}
 }

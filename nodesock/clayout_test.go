@@ -27,6 +27,8 @@ func TestCHeaderMatchesTheProtocol(t *testing.T) {
 		{"cache block", clayout.NodeOpCacheBlock, OpCacheBlock},
 		{"open many", clayout.NodeOpOpenMany, OpOpenMany},
 		{"max batch", clayout.NodeMaxBatch, MaxBatch},
+		{"max inline", clayout.NodeMaxInline, MaxInline},
+		{"no inline bytes", clayout.NodeInlineNone, inlineNone},
 		{"source", clayout.OriginSource, uint32(core.OriginSource)},
 		{"peer", clayout.OriginPeer, uint32(core.OriginPeer)},
 		{"source while cached", clayout.OriginSourceWhileCached, uint32(core.OriginSourceWhileCached)},

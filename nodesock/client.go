@@ -49,7 +49,7 @@ func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32,
 	if !ok {
 		deadline = time.Now().Add(24 * time.Hour)
 	}
-	return readOpenReply(ctx, c, path, deadline, true)
+	return readOpenReply(ctx, c, path, deadline, true, nil)
 }
 
 // dial connects to the node socket at socketPath, served by this user or root, within
@@ -73,8 +73,11 @@ func dial(ctx context.Context, socketPath string) (*net.UnixConn, error) {
 // while it works (each 4 bytes of a write of its own: reading 4 bytes at a time takes each
 // whole, and the reply's start), each a sign of life that renews the probe. The descriptor
 // rides with the reply's first bytes. It returns the descriptor and origin, an ErrnoError the
-// server answered with, or an error wrapping ErrUnavailable.
-func readOpenReply(ctx context.Context, c *net.UnixConn, path string, deadline time.Time, acks bool) (*os.File, uint32, error) {
+// server answered with, or an error wrapping ErrUnavailable. With inline not nil, the reply is
+// an OpOpenMany one (its inline length after the message length), and a file's inline bytes
+// are read into *inline.
+func readOpenReply(ctx context.Context, c *net.UnixConn, path string, deadline time.Time, acks bool,
+	inline *[]byte) (*os.File, uint32, error) {
 	var file *os.File
 	fail := func(err error) (*os.File, uint32, error) {
 		if file != nil {
@@ -82,7 +85,10 @@ func readOpenReply(ctx context.Context, c *net.UnixConn, path string, deadline t
 		}
 		return nil, 0, err
 	}
-	head := make([]byte, 16)
+	head := make([]byte, 16, 20)
+	if inline != nil {
+		head = head[:20]
+	}
 	for n := 0; n < len(Magic) || (acks && string(head[:n]) == Ack); {
 		if n == len(Ack) { // an ack: the server lives
 			n = 0
@@ -113,7 +119,19 @@ func readOpenReply(ctx context.Context, c *net.UnixConn, path string, deadline t
 	if _, err := io.ReadFull(c, msg); err != nil {
 		return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
 	}
-	if errno := syscall.Errno(int32(le.Uint32(head[4:8]))); errno != 0 {
+	errno := syscall.Errno(int32(le.Uint32(head[4:8])))
+	if inline != nil && le.Uint32(head[16:20]) != inlineNone {
+		n := le.Uint32(head[16:20])
+		if n > MaxInline || file != nil || errno != 0 {
+			return fail(fmt.Errorf("%w: a malformed reply (%d inline bytes)", ErrUnavailable, n))
+		}
+		*inline = make([]byte, n)
+		if _, err := io.ReadFull(c, *inline); err != nil {
+			return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
+		}
+		return nil, le.Uint32(head[8:12]), nil
+	}
+	if errno != 0 {
 		return fail(&ErrnoError{Errno: errno, Message: string(msg)})
 	}
 	if file == nil {

@@ -32,12 +32,37 @@ const maxBatchBody = MaxBatch * (maxPath + 1)
 // with its Opener.
 const openManyWorkers = 8
 
+// MaxInline bounds the bytes of a file sent inline in an OpOpenMany reply, in place of a
+// descriptor: the size up to which the C reader copies a file into memory rather than map it
+// (FC_READ_MAX_BYTES).
+const MaxInline = 512 << 10
+
+// inlineNone is the inline length of an OpOpenMany reply without inline bytes: a descriptor
+// rides with it, or none (an error).
+const inlineNone = ^uint32(0)
+
 // Opened is the answer for one file of an OpOpenMany request: a read-only descriptor and what
-// it holds (a core.Origin), or the file's own error.
+// it holds (a core.Origin), or the file's bytes (Data, at most MaxInline, sent inline: a file
+// held in memory, which a descriptor would have to copy into a memory file first), or the
+// file's own error. Release, if set, is called once Data is sent (or dropped).
 type Opened struct {
-	File   *os.File
-	Origin uint32
-	Err    error
+	File    *os.File
+	Data    []byte
+	Origin  uint32
+	Err     error
+	Release func()
+}
+
+// close frees what o holds.
+func (o *Opened) close() {
+	if o.File != nil {
+		o.File.Close()
+		o.File = nil
+	}
+	if o.Release != nil {
+		o.Release()
+		o.Release = nil
+	}
 }
 
 // ManyOpener opens the files at paths (each inside root) for a reader, as Opener opens one:
@@ -79,8 +104,9 @@ func splitPaths(list string) ([]string, error) {
 }
 
 // answerMany answers an OpOpenMany request: acknowledged at once and while the files are
-// opened, then one OpOpen reply per file, in order, each a write of its own with its
-// descriptor. A malformed path list ends the connection, as a malformed request does.
+// opened, then a reply per file, in order, each a write of its own with its descriptor or
+// followed by its inline bytes. A malformed path list ends the connection, as a malformed
+// request does.
 func (s *Server) answerMany(c *net.UnixConn, root, list string) error {
 	paths, err := splitPaths(list)
 	if err != nil {
@@ -95,31 +121,43 @@ func (s *Server) answerMany(c *net.UnixConn, root, list string) error {
 	acked := keepAcking(c)
 	res := s.openMany(ctx, root, paths)
 	defer func() {
-		for _, r := range res {
-			if r.File != nil {
-				r.File.Close()
-			}
+		for i := range res {
+			res[i].close()
 		}
 	}()
 	if err := acked(); err != nil { // the client is gone
 		return err
 	}
 	le := binary.LittleEndian
-	for _, r := range res {
+	for i := range res {
+		r := &res[i]
+		if r.Err == nil && r.File == nil && (r.Data == nil || len(r.Data) > MaxInline) {
+			r.Err = fmt.Errorf("%w: %s: no descriptor, and %d bytes (at most %d go inline)", syscall.EIO, paths[i],
+				len(r.Data), MaxInline)
+		}
 		errno, msg := s.errnoOf(r.Err)
-		origin := r.Origin
-		if errno != 0 {
+		origin, inline := r.Origin, inlineNone
+		switch {
+		case errno != 0:
 			origin = 0
+		case r.File == nil:
+			inline = uint32(len(r.Data))
 		}
 		reply := le.AppendUint32([]byte(Magic), uint32(int32(errno)))
 		reply = le.AppendUint32(reply, origin)
 		reply = le.AppendUint32(reply, uint32(len(msg)))
+		reply = le.AppendUint32(reply, inline)
 		reply = append(reply, msg...)
-		if errno != 0 || r.File == nil {
+		switch {
+		case errno != 0:
 			_, err = c.Write(reply)
-		} else {
+		case r.File != nil:
 			_, _, err = c.WriteMsgUnix(reply, unix.UnixRights(int(r.File.Fd())), nil)
+		default:
+			bufs := net.Buffers{reply, r.Data}
+			_, err = bufs.WriteTo(c)
 		}
+		r.close()
 		if err != nil {
 			return err
 		}
@@ -135,10 +173,8 @@ func (s *Server) openMany(ctx context.Context, root string, paths []string) []Op
 		if len(res) == len(paths) {
 			return res
 		}
-		for _, r := range res {
-			if r.File != nil {
-				r.File.Close()
-			}
+		for i := range res {
+			res[i].close()
 		}
 		res = make([]Opened, len(paths))
 		for i := range res {
@@ -191,8 +227,8 @@ func (s *Server) errnoOf(err error) (syscall.Errno, string) {
 // OpenMany asks the server at the node socket path to open the files at paths (inside root)
 // for a reader, MaxBatch at a time (OpOpenMany), waiting as Open does: ProbeTimeout for each
 // ack, until ctx's deadline for the answers. It returns one Opened per path, in order (the
-// caller closes the descriptors), each with its descriptor or the server's error for that
-// file (an ErrnoError); or an error for the whole request: ErrUnknownOp from a server older
+// caller closes the descriptors), each with its descriptor, its bytes (Data, when the server
+// sent them inline) or the server's error for that file (an ErrnoError); or an error for the whole request: ErrUnknownOp from a server older
 // than OpOpenMany, one wrapping ErrUnavailable when the server could not be asked.
 func OpenMany(ctx context.Context, socketPath, root string, paths []string) ([]Opened, error) {
 	c, err := dial(ctx, socketPath)
@@ -203,10 +239,8 @@ func OpenMany(ctx context.Context, socketPath, root string, paths []string) ([]O
 	defer context.AfterFunc(ctx, func() { c.SetReadDeadline(time.Unix(1, 0)) })()
 	out := make([]Opened, 0, len(paths))
 	fail := func(err error) ([]Opened, error) {
-		for _, o := range out {
-			if o.File != nil {
-				o.File.Close()
-			}
+		for i := range out {
+			out[i].close()
 		}
 		return nil, err
 	}
@@ -242,16 +276,15 @@ func openBatch(ctx context.Context, c *net.UnixConn, root string, paths []string
 	for i, path := range paths {
 		// The first reply comes after the acks the server repeats while it works; the others
 		// follow it at once.
-		f, origin, err := readOpenReply(ctx, c, path, deadline, i == 0)
+		var data []byte
+		f, origin, err := readOpenReply(ctx, c, path, deadline, i == 0, &data)
 		if err != nil && !errors.As(err, new(*ErrnoError)) {
-			for _, o := range out {
-				if o.File != nil {
-					o.File.Close()
-				}
+			for i := range out {
+				out[i].close()
 			}
 			return nil, err
 		}
-		out = append(out, Opened{File: f, Origin: origin, Err: err})
+		out = append(out, Opened{File: f, Data: data, Origin: origin, Err: err})
 	}
 	return out, nil
 }

@@ -54,8 +54,11 @@ func checkOpened(t *testing.T, paths []string, got []Opened) {
 			t.Errorf("%s: %v", p, o.Err)
 			continue
 		}
-		b, err := io.ReadAll(o.File)
-		o.File.Close()
+		b, err := o.Data, error(nil)
+		if o.File != nil {
+			b, err = io.ReadAll(o.File)
+			o.File.Close()
+		}
 		if want := strings.Repeat(filepath.Base(p), 100); err != nil || string(b) != want || o.Origin != uint32(core.OriginPeer) {
 			t.Errorf("%s: %q (%v), origin %d; want its bytes, origin %d", p, b, err, o.Origin, core.OriginPeer)
 		}
@@ -63,8 +66,9 @@ func checkOpened(t *testing.T, paths []string, got []Opened) {
 }
 
 // A batch is answered file by file, in order: a missing file is ENOENT for that file only.
-// A server with a ManyOpener hands it the batch; one without opens each file with its
-// Opener; a batch longer than MaxBatch goes in several requests.
+// A server with a ManyOpener hands it the batch (which answers every third file with its
+// bytes, sent inline and released once sent); one without opens each file with its Opener; a
+// batch longer than MaxBatch goes in several requests.
 func TestOpenManyAnswersEachFile(t *testing.T) {
 	dir := t.TempDir()
 	var paths []string
@@ -82,7 +86,7 @@ func TestOpenManyAnswersEachFile(t *testing.T) {
 		paths = append(paths, "/d/"+name)
 	}
 	open := fileOpener(dir)
-	var batches atomic.Int64
+	var batches, inline, released atomic.Int64
 	for name, cfg := range map[string]Config{
 		"opener": {Open: open},
 		"many opener": {OpenMany: func(ctx context.Context, root string, paths []string) []Opened {
@@ -90,6 +94,13 @@ func TestOpenManyAnswersEachFile(t *testing.T) {
 			out := make([]Opened, len(paths))
 			for i, p := range paths {
 				out[i].File, out[i].Origin, out[i].Err = open(ctx, root, p)
+				if i%3 == 0 && out[i].File != nil {
+					out[i].Data, _ = io.ReadAll(out[i].File)
+					out[i].File.Close()
+					out[i].File = nil
+					out[i].Release = func() { released.Add(1) }
+					inline.Add(1)
+				}
 			}
 			return out
 		}},
@@ -108,6 +119,9 @@ func TestOpenManyAnswersEachFile(t *testing.T) {
 	}
 	if n := batches.Load(); n != 2 {
 		t.Errorf("the ManyOpener had %d batches, want 2 (%d files, at most %d a request)", n, len(paths), MaxBatch)
+	}
+	if n, r := inline.Load(), released.Load(); n == 0 || r != n {
+		t.Errorf("%d files answered inline, %d released: want some, all released", n, r)
 	}
 }
 
@@ -229,4 +243,27 @@ func TestOpenManyFromAnOlderServer(t *testing.T) {
 		got[i].File, got[i].Origin, got[i].Err = Open(ctx, path, "/d", p)
 	}
 	checkOpened(t, paths, got)
+}
+
+// A reply whose inline length passes MaxInline, or that names inline bytes beside an error,
+// is malformed: the reader gives the server up (ErrUnavailable) without taking the bytes.
+func TestOpenManyRefusesAMalformedInlineLength(t *testing.T) {
+	le := binary.LittleEndian
+	for name, reply := range map[string][]byte{
+		"too long":   le.AppendUint32(le.AppendUint32(le.AppendUint32(le.AppendUint32([]byte(Magic), 0), 3), 0), MaxInline+1),
+		"with errno": le.AppendUint32(le.AppendUint32(le.AppendUint32(le.AppendUint32([]byte(Magic), 2), 0), 0), 4),
+	} {
+		sock := silentServer(t, filepath.Join(t.TempDir(), "bad.sock"), func(c net.Conn) {
+			if _, _, _, err := readRequest(c); err == nil {
+				c.Write([]byte(Ack))
+				c.Write(append(reply, "abcd"...))
+			}
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := OpenMany(ctx, sock, "/d", []string{"/d/a"})
+		cancel()
+		if !errors.Is(err, ErrUnavailable) {
+			t.Errorf("%s: %v, want ErrUnavailable", name, err)
+		}
+	}
 }

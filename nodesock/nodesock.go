@@ -25,10 +25,11 @@
 //     sends it for the blocks a program reads from the source (preload/ranges.c): it must
 //     not wait for them, nor hold a connection of the server while they are cached.
 //   - OpOpenMany is OpOpen for the files of a batch (the misses of one fc_read_many call, at
-//     most MaxBatch): one request, and one OpOpen reply per file, in order, each with its
-//     descriptor or its own errno (a missing file is ENOENT for that file only). A cluster
-//     server fetches the files other nodes own with one ReadBatch call per owner (see
-//     client.Client.OpenManyForReader). A server older than it closes the connection
+//     most MaxBatch): one request, and one reply per file, in order, each with its
+//     descriptor, its bytes (a file of at most MaxInline bytes the server holds in memory:
+//     another node's, which a descriptor would first copy into a memory file) or its own
+//     errno (a missing file is ENOENT for that file only). A cluster server fetches the files
+//     other nodes own with one ReadBatch call per owner (see client.Client.OpenManyForReader). A server older than it closes the connection
 //     without an ack (an unknown operation, or a path field longer than a path): the client
 //     then asks for each file with OpOpen (ErrUnknownOp).
 //
@@ -46,8 +47,11 @@
 //	         reading the ack's 4 bytes never reads into it).
 //	OpOpenMany request: as any, its path field the list of paths, each followed by a NUL
 //	         byte (at most MaxBatch paths, each at most 4096 bytes; checked before the list
-//	         is allocated, by its length); its reply: after the acks, an OpOpen reply per
-//	         path, in order, each a write of its own (no ack between them).
+//	         is allocated, by its length)
+//	OpOpenMany reply: after the acks, per path, in order, each a write of its own (no ack
+//	         between them): an OpOpen reply with an inline length uint32 after the message
+//	         length, the file's bytes after the message when it is not 0xFFFFFFFF (at most
+//	         MaxInline, checked before anything is allocated for them; no descriptor then).
 //
 // The ack tells a hung server from a slow answer. A server stopped with SIGSTOP (or hung)
 // still has its connections accepted by the kernel and its requests buffered, so without it a

@@ -388,8 +388,8 @@ func (n *clusterNode) openMany(ctx context.Context, root string, paths []string)
 		done := n.engine.ReaderWaits(path)
 		defer done()
 	}
-	for k, r := range c.OpenManyForReader(ctx, asked) {
-		out[at[k]] = nodesock.Opened{File: r.File, Origin: uint32(r.Origin), Err: r.Err}
+	for k, r := range c.OpenManyForReader(ctx, asked, nodesock.MaxInline) {
+		out[at[k]] = nodesock.Opened{File: r.File, Data: r.Data, Origin: uint32(r.Origin), Err: r.Err, Release: r.Release}
 	}
 	return out
 }

@@ -172,14 +172,17 @@ func openMany(t *testing.T, sock, root string, paths []string) []nodesock.Opened
 	return got
 }
 
-// checkBatch checks that each file of paths that want has came with its bytes, and closes
-// the descriptors.
+// checkBatch checks that each file of paths that want has came with its bytes (through its
+// descriptor, or inline), and closes the descriptors.
 func checkBatch(t *testing.T, paths []string, got []nodesock.Opened, want map[string][]byte) {
 	t.Helper()
 	for i, p := range paths {
 		o := got[i]
 		if o.File != nil {
 			defer o.File.Close()
+		}
+		if o.Release != nil {
+			defer o.Release()
 		}
 		data, ok := want[p]
 		if !ok {
@@ -189,7 +192,10 @@ func checkBatch(t *testing.T, paths []string, got []nodesock.Opened, want map[st
 			t.Errorf("%s: %v", p, o.Err)
 			continue
 		}
-		b, err := io.ReadAll(o.File)
+		b, err := o.Data, error(nil)
+		if o.File != nil {
+			b, err = io.ReadAll(o.File)
+		}
 		if err != nil || !bytes.Equal(b, data) {
 			t.Errorf("%s: %d bytes (%v), want its %d", p, len(b), err, len(data))
 		}

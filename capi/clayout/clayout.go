@@ -119,6 +119,8 @@ const (
 
 	NodeOpOpenMany = C.FC_NODE_OP_OPEN_MANY
 	NodeMaxBatch   = C.FC_NODE_MAX_BATCH
+	NodeMaxInline  = C.FC_NODE_MAX_INLINE
+	NodeInlineNone = C.FC_NODE_INLINE_NONE
 
 	OriginSource            = C.FC_ORIGIN_SOURCE
 	OriginPeer              = C.FC_ORIGIN_PEER
