@@ -96,6 +96,17 @@ static int forked_read(int64_t handle, const char *path, const void **data, int6
 	return rc == FC_MISS || rc == FC_DIRECT || rc == FC_UNAVAILABLE ? forked_miss() : rc;
 }
 
+// read_direct is hit_read_direct for fc_read: a client whose node's server opens its misses
+// (cluster mode) asks for the file as a batch of one (hit_read_open_many), so that the bytes of
+// a file another node sent come inline, not through a memory file; a server that does not know
+// batches opens it alone.
+static int read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int idx = 0, rc = FC_DIRECT;
+	if (hit_node_opens(handle))
+		hit_read_open_many(handle, &path, &idx, 1, data, size, buffer, &rc);
+	return rc == FC_DIRECT ? hit_read_direct(handle, path, data, size, buffer) : rc;
+}
+
 // Misses go to the server's node socket first; Go serves what that cannot (no server yet,
 // a file no tier takes, cluster mode, a server that does not answer).
 int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
@@ -104,7 +115,7 @@ int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, 
 	if (rc != FC_MISS) return rc;
 	if (forked_after_load) return forked_read(handle, path, data, size, buffer);
 	rc = fetch_and_read(handle, path, data, size, buffer);
-	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
+	if (rc == FC_DIRECT) rc = read_direct(handle, path, data, size, buffer);
 	if (rc != FC_MISS && rc != FC_UNAVAILABLE) return rc;
 	if (rc == FC_UNAVAILABLE) goServerUnavailable(handle);
 	rc = goRead(handle, (char *)path, (void **)data, size, buffer);

@@ -125,7 +125,7 @@ def recv_exact(s, n):
 def test_a_server_older_than_batches_is_asked_for_each_file(request, dataset, tmp_path):
     """The node's server closes a batch request unacknowledged, as one older than batches
     does: the reader asks it for each file alone (FC_NODE_OP_OPEN), gets every file's bytes
-    in C, and sends no batch again for a while."""
+    in C, and sends no batch again for a while (single reads neither)."""
     root, digests = dataset
     c = Cluster(tmp_path, root, serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
     request.addfinalizer(c.stop)
@@ -146,5 +146,7 @@ def test_a_server_older_than_batches_is_asked_for_each_file(request, dataset, tm
             through_go = [n for n, v in zip(names, views) if v.nbytes and v.obj._fitcache_owner._id < 1 << 62]
             assert not through_go, f"{len(through_go)} files were read through Go"
             del views
+        for name in names[20:24]:  # single reads ask as batches of one (inline bytes), or alone
+            assert digest(client.read(name)) == digests[name]
     assert older.batches == 1, f"{older.batches} batch requests, want 1 (then each file alone for a while)"
-    assert older.opens >= 20, f"{older.opens} files asked for alone, want each of the 20 and the missing one"
+    assert older.opens >= 24, f"{older.opens} files asked for alone, want each of the 24 and the missing one"
