@@ -163,6 +163,7 @@ static int read_misses_in_batches(int64_t handle, const char *const *paths, cons
 	for (int j = 0; j < nmiss; j++) {
 		int i = miss[j], rc = results[i];
 		if (rc == FC_DIRECT && asked_alone) {
+			results[i] = -EIO;
 			asked_alone[nalone++] = i;
 			continue;
 		}

@@ -30,9 +30,11 @@ import (
 // own per dataset root (client.OpenForReader), so that a file keeps one owner on the ring
 // whichever node opens it. Its own files come from its engine, the files of other servers
 // on its node as their tier files, those of other nodes as memory files holding the bytes
-// their owners sent over Kitex, and dead servers' files as the failure policy says. A
-// write-open of a dataset file (OpForget) drops the copies at the servers a read of the file
-// goes to and at every server on this node (client.Forget). A cluster server that does
+// their owners sent over Kitex, and dead servers' files as the failure policy says; a batch
+// (OpOpenMany) asks each owner on another node for its files in one ReadBatch call, and hands
+// the bytes of those the node keeps no copy of inline. A write-open of a dataset file
+// (OpForget) drops the copies at the servers a read of the file goes to and at every server
+// on this node (client.Forget). A cluster server that does
 // not know the job's servers has no node socket (see Start): answering with its own engine,
 // it would cache on its node every file the node reads.
 
