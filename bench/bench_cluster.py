@@ -23,7 +23,8 @@ DataLoader worker (zlib.crc32) and checked against the manifest by its reader.
 Readers (--placements, default all three), each a long-lived agent process per node (this
 script with --agent, started inside the node's namespace) that runs a torch DataLoader
 (--workers, default 2, fork) over its share of each epoch's shuffled order (rank r of W takes
-order[r::W], as DistributedSampler splits it, without padding):
+order[r::W], as DistributedSampler splits it, without padding), item by item as torch 1.13's
+DataLoader reads, or with --batched a batch per __getitems__ call as PyTorch 2's does:
 
   client     one reader on the client node (no server there): every read is remote
   server     one reader on the node of server 1: a quarter of the reads local (K=4)
@@ -243,7 +244,8 @@ class Agent:
         else:
             ds = PlainCRC(c["root"], names)
         self.check = Check(manifest)
-        self.dl = loader(ds, self.sampler, self.args, c["workers"], persistent=c["persistent"])
+        self.dl = loader(ds, self.sampler, self.args, c["workers"], persistent=c["persistent"],
+                         batched=c.get("batched", False))
         return {}
 
     def op_epoch(self, c):
@@ -506,7 +508,7 @@ class Run:
     def load(self, agents, kind, root, persistent, options=None, manifest=None):
         call(agents, [{"op": "loader", "kind": kind, "root": root, "manifest": manifest or self.data["manifest_path"],
                        "options": opts, "persistent": persistent, "rank": r, "world": len(agents),
-                       "workers": self.args.workers}
+                       "workers": self.args.workers, "batched": self.args.batched}
                       for r, opts in enumerate(options or [None] * len(agents))])
 
     def drop(self, agents):
@@ -785,7 +787,8 @@ def markdown(results, args):
     lines = []
     d = results["dataset"]
     lines += [f"{d['files']} files, {d['bytes'] / 1e9:.2f} GB, median {d['median_size'] / 1024:.0f} KiB; "
-              f"{args.servers} servers; DataLoader with {args.workers} workers, batch {args.batch_size}; "
+              f"{args.servers} servers; DataLoader with {args.workers} workers, batch {args.batch_size}"
+              f"{' (batched: __getitems__)' if args.batched else ''}; "
               f"{args.epochs} epochs (1 cold + {args.epochs - 1} warm); medians over {args.repeats} rounds.", ""]
     for name, v in results["variants"].items():
         net = v["network"]
@@ -854,6 +857,8 @@ def main():
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--link-port", type=int, default=LINK_PORT,
                     help="port of the plain-TCP senders on each node (iperf3 uses the next): runs at once need their own")
+    ap.add_argument("--batched", action="store_true",
+                    help="read each batch with one __getitems__ call (as PyTorch 2's DataLoader does), not item by item")
     ap.add_argument("--epochs", type=int, default=3, help="epochs per job: 1 cold, the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
     ap.add_argument("--out", help="JSON results (default bench/results/cluster-<date>.json)")

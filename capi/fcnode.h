@@ -27,6 +27,12 @@
 #define FC_NODE_OP_FORGET 3
 #define FC_NODE_OP_FETCH_BLOCK 4 /* the path is a block's name (tiers.BlockName) */
 #define FC_NODE_OP_CACHE_BLOCK 5 /* as FETCH_BLOCK, answered with neither ack nor reply */
+#define FC_NODE_OP_OPEN_MANY 6   /* OPEN for a batch: the path field lists paths, each followed by
+                                    a NUL byte; one OPEN reply per path, in order */
+#define FC_NODE_MAX_BATCH 128    /* paths in one FC_NODE_OP_OPEN_MANY request (nodesock.MaxBatch) */
+#define FC_NODE_MAX_INLINE (512 << 10) /* bytes of a file sent inline in an OPEN_MANY reply
+                                          (nodesock.MaxInline) */
+#define FC_NODE_INLINE_NONE 0xFFFFFFFFu /* an OPEN_MANY reply's inline length: no bytes follow */
 #define FC_NODE_OP_RECORD 7 /* a reader's fill (capi/fill.h): the path, a NUL byte and FC_NODE_RECORD_BYTES
                                of report; answered with neither ack nor reply */
 #define FC_NODE_RECORD_BYTES 48
@@ -256,19 +262,16 @@ static inline const char *fc_origin_name(uint32_t origin) {
 	return "unknown";
 }
 
-/* Reads the reply to an open request (FC_NODE_OP_OPEN) on sock: magic, errno, origin, message
- * length and message, with the descriptor riding on the first bytes. Returns 0 with the
- * server's errno in *err (0: success, and *fd holds the descriptor, close-on-exec, and *origin
- * what it holds, an FC_ORIGIN_ value), or -1 with errno set when the connection failed or the
- * reply was malformed. A descriptor that came with an error, or with a reply that could not
- * be read, is closed. */
-static inline int fc_node_recv_open(int sock, int *fd, int32_t *err, uint32_t *origin) {
-	uint8_t reply[16];
+/* Reads the n fixed bytes of a reply into head on sock, keeping in *fd the descriptor that
+ * rides on the first of them (close-on-exec; -1 for none). Returns 0 once all n are read
+ * (then *fd is the caller's), or -1 with errno set (ECONNRESET when the server closed the
+ * connection), having closed a descriptor that came. */
+static inline int fc_node_recv_head(int sock, uint8_t *head, size_t n, int *fd) {
 	union {
 		char buf[CMSG_SPACE(sizeof(int))];
 		struct cmsghdr align;
 	} control;
-	struct iovec iov = {.iov_base = reply, .iov_len = sizeof reply};
+	struct iovec iov = {.iov_base = head, .iov_len = n};
 	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
 	ssize_t got;
 	do
@@ -283,7 +286,26 @@ static inline int fc_node_recv_open(int sock, int *fd, int32_t *err, uint32_t *o
 	for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
 		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
 			memcpy(fd, CMSG_DATA(c), sizeof *fd);
-	int ok = !(msg.msg_flags & MSG_CTRUNC) && fc_recv_all(sock, reply + got, sizeof reply - (size_t)got) == 0;
+	if (msg.msg_flags & MSG_CTRUNC)
+		errno = EPROTO;
+	if ((msg.msg_flags & MSG_CTRUNC) || fc_recv_all(sock, head + got, n - (size_t)got) != 0) {
+		if (*fd >= 0)
+			close(*fd);
+		*fd = -1;
+		return -1;
+	}
+	return 0;
+}
+
+/* Reads the reply to an open request (FC_NODE_OP_OPEN) on sock: magic, errno, origin, message
+ * length and message, with the descriptor riding on the first bytes. Returns 0 with the
+ * server's errno in *err (0: success, and *fd holds the descriptor, close-on-exec, and *origin
+ * what it holds, an FC_ORIGIN_ value), or -1 with errno set when the connection failed or the
+ * reply was malformed. A descriptor that came with an error, or with a reply that could not
+ * be read, is closed. */
+static inline int fc_node_recv_open(int sock, int *fd, int32_t *err, uint32_t *origin) {
+	uint8_t reply[16];
+	int ok = fc_node_recv_head(sock, reply, sizeof reply, fd) == 0;
 	if (ok && (memcmp(reply, FC_NODE_MAGIC, 4) != 0 || fc_get32(reply + 12) > FC_NODE_MAX_MESSAGE)) {
 		errno = EPROTO;
 		ok = 0;

@@ -98,6 +98,17 @@ static int forked_read(int64_t handle, const char *path, const void **data, int6
 	return rc == FC_MISS || rc == FC_DIRECT || rc == FC_UNAVAILABLE ? forked_miss() : rc;
 }
 
+// read_direct is hit_read_direct for fc_read: a client whose node's server opens its misses
+// (cluster mode) asks for the file as a batch of one (hit_read_open_many), so that the bytes of
+// a file another node sent come inline, not through a memory file; a server that does not know
+// batches opens it alone.
+static int read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer) {
+	int idx = 0, rc = FC_DIRECT;
+	if (hit_node_opens(handle))
+		hit_read_open_many(handle, &path, &idx, 1, data, size, buffer, &rc);
+	return rc == FC_DIRECT ? hit_read_direct(handle, path, data, size, buffer) : rc;
+}
+
 // A miss of a small file is the reader's own fill where its server records fills
 // (hit_fill); other misses go to the server's node socket first; Go serves what that cannot
 // (no server yet, a file no tier takes, cluster mode, a server that does not answer).
@@ -109,7 +120,7 @@ int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, 
 	rc = hit_fill(handle, path, data, size, buffer);
 	if (rc != FC_MISS) return rc;
 	rc = fetch_and_read(handle, path, data, size, buffer);
-	if (rc == FC_DIRECT) rc = hit_read_direct(handle, path, data, size, buffer);
+	if (rc == FC_DIRECT) rc = read_direct(handle, path, data, size, buffer);
 	if (rc != FC_MISS && rc != FC_UNAVAILABLE) return rc;
 	if (rc == FC_UNAVAILABLE) goServerUnavailable(handle);
 	rc = goRead(handle, (char *)path, (void **)data, size, buffer);
@@ -143,6 +154,41 @@ static int read_misses_through_node(int64_t handle, const char *const *paths, co
 	return left;
 }
 
+// read_misses_in_batches serves the misses of fc_read_many (the indices miss[0..nmiss)) in
+// cluster mode through the node's server as read_misses_through_node does, with one request
+// for all of them (hit_read_open_many): the server asks each owner on another node for its
+// files in one call, so a batch costs a round trip per owner, not one per file. A server that
+// does not know batches is asked for each file alone. It returns how many are left to Go,
+// moved to the front of miss.
+static int read_misses_in_batches(int64_t handle, const char *const *paths, const void **data, int64_t *sizes,
+                                  int64_t *buffers, int *results, int *miss, int nmiss) {
+	int alone = hit_read_open_many(handle, paths, miss, nmiss, data, sizes, buffers, results);
+	int *asked_alone = alone > 0 ? malloc((size_t)alone * sizeof *asked_alone) : NULL;
+	int left = 0, nalone = 0, told = 0;
+	for (int j = 0; j < nmiss; j++) {
+		int i = miss[j], rc = results[i];
+		if (rc == FC_DIRECT && asked_alone) {
+			results[i] = -EIO;
+			asked_alone[nalone++] = i;
+			continue;
+		}
+		if (rc == FC_UNAVAILABLE && !told) {
+			goServerUnavailable(handle);
+			told = 1;
+		}
+		if (rc == FC_MISS || rc == FC_DIRECT || rc == FC_UNAVAILABLE) {
+			data[i] = NULL; sizes[i] = 0; buffers[i] = 0; results[i] = -EIO;
+			miss[left++] = i;
+		}
+	}
+	if (nalone > 0) {
+		memcpy(miss + left, asked_alone, (size_t)nalone * sizeof *miss);
+		left += read_misses_through_node(handle, paths, data, sizes, buffers, results, miss + left, nalone);
+	}
+	free(asked_alone);
+	return left;
+}
+
 int fc_read_many(int64_t handle, int count, const char *const *paths, const void **data, int64_t *sizes,
                  int64_t *buffers, int *results) {
 	if (count < 0 || (count > 0 && (!paths || !data || !sizes || !buffers || !results))) {
@@ -165,7 +211,7 @@ int fc_read_many(int64_t handle, int count, const char *const *paths, const void
 		if (rc == FC_MISS) miss[nmiss++] = i;
 	}
 	if (nmiss > 0 && !forked_after_load && hit_node_opens(handle))
-		nmiss = read_misses_through_node(handle, paths, data, sizes, buffers, results, miss, nmiss);
+		nmiss = read_misses_in_batches(handle, paths, data, sizes, buffers, results, miss, nmiss);
 	int rc = 0;
 	if (nmiss > 0 && forked_after_load) {
 		for (int j = 0; j < nmiss; j++) {

@@ -98,6 +98,17 @@ int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t
  * mode through the node socket): every miss is then one round trip to it in C. */
 bool hit_node_opens(int64_t handle);
 
+/* hit_read_direct for the files paths[idx[j]] (j < n) of a batch, for a client whose node's
+ * server opens them (hit_node_opens): asked of the server in one round trip per
+ * FC_NODE_MAX_BATCH files (FC_NODE_OP_OPEN_MANY). Each file's slot of data, sizes, buffers and
+ * results is set: results[i] is 0 (the file is handed out), the file's own negated errno,
+ * FC_MISS (Go reads it and says why), FC_UNAVAILABLE (the server did not answer in time: the
+ * node socket is skipped for a while), or FC_DIRECT (not asked: ask for it alone, with
+ * hit_read_direct; a server that does not know the operation is asked so for a minute).
+ * Returns how many are FC_DIRECT. */
+int hit_read_open_many(int64_t handle, const char *const *paths, const int *idx, int n, const void **data,
+                       int64_t *sizes, int64_t *buffers, int *results);
+
 /* Reads up to len bytes of path (as hit_read takes it) at off into buf from cached copies in
  * the client's tiers, through mappings of them it keeps (let go once the tiers no longer
  * list them): the blocks the range covers (tiers.BlockName, of the size fcHitSetBlockBytes

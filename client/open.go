@@ -80,6 +80,11 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 	if err != nil {
 		return nil, 0, err
 	}
+	return c.openForReader(ctx, path)
+}
+
+// openForReader is OpenForReader for a resolved path, the client's lifetime lock held.
+func (c *Client) openForReader(ctx context.Context, path string) (*os.File, core.Origin, error) {
 	// A copy the server this client runs in holds (its own, or a node-local copy of a file
 	// another server owns, also one whose owner died since) serves first, checked.
 	if c.own != nil {
@@ -92,7 +97,7 @@ func (c *Client) OpenForReader(ctx context.Context, path string) (*os.File, core
 	}
 	var f *os.File
 	var origin core.Origin
-	err = c.route(path, func(p *peer, rest []*peer) (err error) {
+	err := c.route(path, func(p *peer, rest []*peer) (err error) {
 		f, origin, err = c.openFromPeer(ctx, p, rest, path)
 		return err
 	})

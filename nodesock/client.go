@@ -31,16 +31,11 @@ var ErrUnavailable = errors.New("node socket: server unavailable")
 // ErrnoError) when it refused, or one wrapping ErrUnavailable when it could not be asked. The
 // server must run as this user or as root: its answer is read as a dataset file.
 func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32, error) {
-	d := net.Dialer{Timeout: ProbeTimeout}
-	conn, err := d.DialContext(ctx, "unix", socketPath)
+	c, err := dial(ctx, socketPath)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%w: %v", ErrUnavailable, err)
+		return nil, 0, err
 	}
-	c := conn.(*net.UnixConn)
 	defer c.Close()
-	if uid, err := peerUID(c); err != nil || (uid != os.Geteuid() && uid != 0) {
-		return nil, 0, fmt.Errorf("%w: %s is served by user %d, not this one", ErrUnavailable, socketPath, uid)
-	}
 	c.SetDeadline(time.Now().Add(ProbeTimeout))
 	if _, err := c.Write(AppendRequest(nil, OpOpen, root, path)); err != nil {
 		return nil, 0, fmt.Errorf("%w: %v", ErrUnavailable, err)
@@ -54,9 +49,35 @@ func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32,
 	if !ok {
 		deadline = time.Now().Add(24 * time.Hour)
 	}
-	// Reply: magic, errno, origin, message length, message; the descriptor rides with the
-	// first bytes. Before it, the acks the server repeats while it works, each 4 bytes of a
-	// write of its own: reading 4 bytes at a time takes each whole, and the reply's start.
+	return readOpenReply(ctx, c, path, deadline, true, nil)
+}
+
+// dial connects to the node socket at socketPath, served by this user or root, within
+// ProbeTimeout; its errors wrap ErrUnavailable.
+func dial(ctx context.Context, socketPath string) (*net.UnixConn, error) {
+	d := net.Dialer{Timeout: ProbeTimeout}
+	conn, err := d.DialContext(ctx, "unix", socketPath)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	c := conn.(*net.UnixConn)
+	if uid, err := peerUID(c); err != nil || (uid != os.Geteuid() && uid != 0) {
+		c.Close()
+		return nil, fmt.Errorf("%w: %s is served by user %d, not this one", ErrUnavailable, socketPath, uid)
+	}
+	return c, nil
+}
+
+// readOpenReply reads one OpOpen reply (for the file at path) from c, waiting ProbeTimeout
+// for its start, and no later than deadline: with acks set, the server may send acks first
+// while it works (each 4 bytes of a write of its own: reading 4 bytes at a time takes each
+// whole, and the reply's start), each a sign of life that renews the probe. The descriptor
+// rides with the reply's first bytes. It returns the descriptor and origin, an ErrnoError the
+// server answered with, or an error wrapping ErrUnavailable. With inline not nil, the reply is
+// an OpOpenMany one (its inline length after the message length), and a file's inline bytes
+// are read into *inline.
+func readOpenReply(ctx context.Context, c *net.UnixConn, path string, deadline time.Time, acks bool,
+	inline *[]byte) (*os.File, uint32, error) {
 	var file *os.File
 	fail := func(err error) (*os.File, uint32, error) {
 		if file != nil {
@@ -64,8 +85,11 @@ func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32,
 		}
 		return nil, 0, err
 	}
-	head := make([]byte, 16)
-	for n := 0; n < len(Magic) || string(head[:n]) == Ack; {
+	head := make([]byte, 16, 20)
+	if inline != nil {
+		head = head[:20]
+	}
+	for n := 0; n < len(Magic) || (acks && string(head[:n]) == Ack); {
 		if n == len(Ack) { // an ack: the server lives
 			n = 0
 		}
@@ -95,7 +119,19 @@ func Open(ctx context.Context, socketPath, root, path string) (*os.File, uint32,
 	if _, err := io.ReadFull(c, msg); err != nil {
 		return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
 	}
-	if errno := syscall.Errno(int32(le.Uint32(head[4:8]))); errno != 0 {
+	errno := syscall.Errno(int32(le.Uint32(head[4:8])))
+	if inline != nil && le.Uint32(head[16:20]) != inlineNone {
+		n := le.Uint32(head[16:20])
+		if n > MaxInline || file != nil || errno != 0 {
+			return fail(fmt.Errorf("%w: a malformed reply (%d inline bytes)", ErrUnavailable, n))
+		}
+		*inline = make([]byte, n)
+		if _, err := io.ReadFull(c, *inline); err != nil {
+			return fail(fmt.Errorf("%w: %v", ErrUnavailable, err))
+		}
+		return nil, le.Uint32(head[8:12]), nil
+	}
+	if errno != 0 {
 		return fail(&ErrnoError{Errno: errno, Message: string(msg)})
 	}
 	if file == nil {

@@ -4,7 +4,8 @@
 // Go), and the preload shim of the transparent mode (preload/), which must not run Go at
 // all.
 //
-// Six operations, one request and one reply at a time per connection (none for the last two):
+// Seven operations, one request and its reply at a time per connection (none for
+// OpCacheBlock and OpRecord):
 //
 //   - OpFetch asks the server to bring one file into its tiers; the caller then finds it
 //     there itself, through the tiers' index (capi/fclookup.c), so the file's bytes never
@@ -24,6 +25,14 @@
 //     askQueue waiting; more are dropped: the asker asks again later). The preload shim
 //     sends it for the blocks a program reads from the source (preload/ranges.c): it must
 //     not wait for them, nor hold a connection of the server while they are cached.
+//   - OpOpenMany is OpOpen for the files of a batch (the misses of one fc_read_many call, at
+//     most MaxBatch): one request, and one reply per file, in order, each with its
+//     descriptor, its bytes (a file of at most MaxInline bytes the server holds in memory:
+//     another node's, which a descriptor would first copy into a memory file) or its own
+//     errno (a missing file is ENOENT for that file only). A cluster server fetches the files
+//     other nodes own with one ReadBatch call per owner (see client.Client.OpenManyForReader). A server older than it closes the connection
+//     without an ack (an unknown operation, or a path field longer than a path): the client
+//     then asks for each file with OpOpen (ErrUnknownOp).
 //   - OpRecord reports a reader's fill (see tiers.Claim): the reader read a small file from
 //     the source itself and wrote its copy into the first tier's fill file; the server
 //     records it as the cached copy (core.Engine.RecordFill). No ack, no reply, as for
@@ -46,6 +55,13 @@
 //	         message length uint32, message bytes; on success one descriptor rides along
 //	         with the first byte (a separate write from the ack's, so that a client
 //	         reading the ack's 4 bytes never reads into it).
+//	OpOpenMany request: as any, its path field the list of paths, each followed by a NUL
+//	         byte (at most MaxBatch paths, each at most 4096 bytes; checked before the list
+//	         is allocated, by its length)
+//	OpOpenMany reply: after the acks, per path, in order, each a write of its own (no ack
+//	         between them): an OpOpen reply with an inline length uint32 after the message
+//	         length, the file's bytes after the message when it is not 0xFFFFFFFF (at most
+//	         MaxInline, checked before anything is allocated for them; no descriptor then).
 //
 // The ack tells a hung server from a slow answer. A server stopped with SIGSTOP (or hung)
 // still has its connections accepted by the kernel and its requests buffered, so without it a
@@ -154,9 +170,11 @@ type Recorder func(root, path string, r FillReport) error
 // Config configures a node socket server. Operations without a function are refused
 // (ENOSYS).
 type Config struct {
-	Fetch  Fetcher
-	Open   Opener
-	Forget Forgetter
+	Fetch Fetcher
+	Open  Opener
+	// OpenMany serves OpOpenMany; without it, each file of a batch is opened with Open.
+	OpenMany ManyOpener
+	Forget   Forgetter
 	// FetchBlock serves OpFetchBlock and OpCacheBlock: path is a block's name (tiers.BlockName).
 	FetchBlock Fetcher
 	// Record serves OpRecord; without it the reports are read and dropped (the fill files are
@@ -349,6 +367,12 @@ func (s *Server) serve(c *net.UnixConn) {
 			}
 			continue
 		}
+		if op == OpOpenMany {
+			if err := s.answerMany(c, root, path); err != nil {
+				return
+			}
+			continue
+		}
 		if err := s.answer(c, op, root, path); err != nil {
 			return
 		}
@@ -450,10 +474,10 @@ func readRequest(r io.Reader) (op uint32, root, path string, err error) {
 	switch {
 	case string(hdr[:4]) != Magic:
 		return 0, "", "", errors.New("bad magic")
-	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock && op != OpRecord:
+	case op != OpFetch && op != OpOpen && op != OpForget && op != OpFetchBlock && op != OpCacheBlock &&
+		op != OpOpenMany && op != OpRecord:
 		return 0, "", "", fmt.Errorf("unknown operation %d", op)
-	case op == OpRecord && pathLen > recordBytes+1 && pathLen <= maxPath+recordBytes+1 && rootLen > 0 && rootLen <= maxPath:
-	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPath:
+	case rootLen == 0 || rootLen > maxPath || pathLen == 0 || pathLen > maxPathField(op):
 		return 0, "", "", fmt.Errorf("bad lengths %d, %d", rootLen, pathLen)
 	}
 	buf := make([]byte, rootLen+pathLen)
@@ -488,6 +512,18 @@ func AppendRecord(b []byte, root, path string, r FillReport) []byte {
 	field = le.AppendUint32(field, r.Mode)
 	field = le.AppendUint32(field, 0)
 	return AppendRequest(b, OpRecord, root, string(field))
+}
+
+// maxPathField bounds the path field of a request of operation op: a path, the path list of
+// OpOpenMany, or a path and its report (OpRecord).
+func maxPathField(op uint32) uint32 {
+	switch op {
+	case OpOpenMany:
+		return maxBatchBody
+	case OpRecord:
+		return maxPath + 1 + recordBytes
+	}
+	return maxPath
 }
 
 // AppendRequest appends a request of operation op for path under root to b (for tests and

@@ -329,6 +329,7 @@ func FuzzReadRequest(f *testing.F) {
 	f.Add(AppendRequest(nil, OpOpen, "/data", "/data/a.bin"))
 	f.Add(AppendRequest(nil, OpCacheBlock, "/d", "/d/big.bin\x004194304:7"))
 	f.Add(AppendRecord(nil, "/d", "/d/a.bin", FillReport{Size: 3, FillIno: 9}))
+	f.Add(AppendRequest(nil, OpOpenMany, "/d", string(AppendPaths(nil, []string{"/d/a", "/d/b"}))))
 	f.Add([]byte("FCN2\x09\x00\x00\x00\x01\x00\x00\x00\x01\x00\x00\x00ab"))
 	f.Add([]byte("FCN1"))
 	f.Add([]byte{})

@@ -31,9 +31,11 @@ import (
 // own per dataset root (client.OpenForReader), so that a file keeps one owner on the ring
 // whichever node opens it. Its own files come from its engine, the files of other servers
 // on its node as their tier files, those of other nodes as memory files holding the bytes
-// their owners sent over Kitex, and dead servers' files as the failure policy says. A
-// write-open of a dataset file (OpForget) drops the copies at the servers a read of the file
-// goes to and at every server on this node (client.Forget). A cluster server that does
+// their owners sent over Kitex, and dead servers' files as the failure policy says; a batch
+// (OpOpenMany) asks each owner on another node for its files in one ReadBatch call, and hands
+// the bytes of those the node keeps no copy of inline. A write-open of a dataset file
+// (OpForget) drops the copies at the servers a read of the file goes to and at every server
+// on this node (client.Forget). A cluster server that does
 // not know the job's servers has no node socket (see Start): answering with its own engine,
 // it would cache on its node every file the node reads.
 
@@ -83,6 +85,10 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 			touch()
 			return cn.forget(root, path)
 		}
+		cfg.OpenMany = func(ctx context.Context, root string, paths []string) []nodesock.Opened {
+			touch()
+			return cn.openMany(ctx, root, paths)
+		}
 	}
 	if onOpen != nil {
 		open := cfg.Open
@@ -93,6 +99,18 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 				onOpen(core.Origin(origin), time.Since(start))
 			}
 			return f, origin, err
+		}
+		if openMany := cfg.OpenMany; openMany != nil {
+			cfg.OpenMany = func(ctx context.Context, root string, paths []string) []nodesock.Opened {
+				start := time.Now()
+				res := openMany(ctx, root, paths)
+				for _, r := range res {
+					if r.Err == nil {
+						onOpen(core.Origin(r.Origin), time.Since(start))
+					}
+				}
+				return res
+			}
 		}
 	}
 	return cfg
@@ -352,6 +370,39 @@ func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, co
 	}
 	defer n.engine.ReaderWaits(path)() // prefetch gives way (see core.Engine.ReaderWaits)
 	return c.OpenForReader(ctx, path)
+}
+
+// openMany answers OpOpenMany: see client.OpenManyForReader. A path outside the server's roots
+// is refused (that file only), and a root outside them before any client is made.
+func (n *clusterNode) openMany(ctx context.Context, root string, paths []string) []nodesock.Opened {
+	out := make([]nodesock.Opened, len(paths))
+	var asked []string
+	var at []int
+	for i, path := range paths {
+		if err := n.engine.CheckRoot(root, path); err != nil {
+			out[i].Err = err
+			continue
+		}
+		asked, at = append(asked, path), append(at, i)
+	}
+	if len(asked) == 0 {
+		return out
+	}
+	c, err := n.client(ctx, root)
+	if err != nil {
+		for _, i := range at {
+			out[i].Err = err
+		}
+		return out
+	}
+	for _, path := range asked { // prefetch gives way (see core.Engine.ReaderWaits)
+		done := n.engine.ReaderWaits(path)
+		defer done()
+	}
+	for k, r := range c.OpenManyForReader(ctx, asked, nodesock.MaxInline) {
+		out[at[k]] = nodesock.Opened{File: r.File, Data: r.Data, Origin: uint32(r.Origin), Err: r.Err, Release: r.Release}
+	}
+	return out
 }
 
 // forget answers OpForget: see client.Forget (the copies of the servers a read goes to and of

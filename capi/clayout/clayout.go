@@ -117,6 +117,14 @@ const (
 	NodeOpFetchBlock = C.FC_NODE_OP_FETCH_BLOCK
 	NodeOpCacheBlock = C.FC_NODE_OP_CACHE_BLOCK
 
+	NodeOpOpenMany = C.FC_NODE_OP_OPEN_MANY
+	NodeMaxBatch   = C.FC_NODE_MAX_BATCH
+	NodeMaxInline  = C.FC_NODE_MAX_INLINE
+	NodeInlineNone = C.FC_NODE_INLINE_NONE
+
+	NodeOpRecord    = C.FC_NODE_OP_RECORD
+	NodeRecordBytes = C.FC_NODE_RECORD_BYTES
+
 	OriginSource            = C.FC_ORIGIN_SOURCE
 	OriginPeer              = C.FC_ORIGIN_PEER
 	OriginSourceWhileCached = C.FC_ORIGIN_SOURCE_WHILE_CACHED
