@@ -1403,25 +1403,31 @@ int hit_fill(int64_t handle, const char *path, const void **data, int64_t *size,
 	    (n = source_path(c, path, clean, sizeof clean)) < 0)
 		goto out;
 	// Whatever fails here leaves the file to the server (FC_MISS), which reads it and says why.
-	// A look and the claim first: a file that is too large, or that another process reads,
-	// is not opened here as well as there.
+	// A look, the tiers and the claim first: a file that is too large, cached already, or read
+	// by another process is not opened here as well as there.
 	struct stat look, before, after;
 	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	struct fc_hit h;
 	if ((size_t)n <= c->rootlen || c->real_root_fd < 0 ||
 	    syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0) != 0 || !S_ISREG(look.st_mode) ||
 	    look.st_size > read_max)
 		goto out;
+	// A copy the tiers list but this job has not had checked yet (hit_read's miss): the
+	// server checks it (one stat), no fill.
+	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
+		close(h.fd);
+		goto out;
+	}
 	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, &fill) != 0)
 		goto out; // another process reads it: the server waits for it
 	claimed = 1;
+	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
+		close(h.fd); // recorded between the look above and the claim: the server serves it
+		goto out;
+	}
 	fd = source_open(c, clean, (size_t)n);
 	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode) || before.st_size > read_max)
 		goto out;
-	struct fc_hit h;
-	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
-		close(h.fd); // recorded between the miss and the claim: the server serves it
-		goto out;
-	}
 	h = (struct fc_hit){.fd = fd, .size = before.st_size};
 	void *ptr;
 	uint8_t kind;

@@ -121,3 +121,23 @@ def fitcache_fill_name(path):
     for b in os.path.normpath(path).encode():
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return f"{h & 0xff:02x}/{(h >> 8) & 0xff:02x}/.tmp-fill-{h:016x}"
+
+
+def test_a_new_jobs_unchecked_copies_are_not_opened_at_the_source(dataset, cache_options):
+    """A new job's first reads of cached copies are misses until the server has checked each
+    against its source (a stat): the reader must leave them to the server, not open the
+    source to fill them."""
+    from inotify import OpenCounter
+    root, digests = dataset
+    first = fitcache.FitCacheDataset(root, prefetch=False, **cache_options)
+    for i in range(len(first)):
+        first[i]
+    server(cache_options, len(digests))
+    time.sleep(0.5)  # every report recorded
+    second = fitcache.FitCacheDataset(root, prefetch=False, **cache_options)  # a new job
+    with OpenCounter(root) as opens:
+        for i in range(len(second)):
+            assert digest(second[i]) == digests[second.files[i]]
+        counts = opens.counts()
+    assert not counts, f"sources opened for copies the server only had to check: {counts}"
+    assert fitcache.server_stats(**cache_options)["source_reads"] == len(digests)
