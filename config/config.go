@@ -65,6 +65,18 @@ type Config struct {
 	// BlockBytes is the size of the blocks a server caches ranges of large files in (see
 	// core.DefaultBlockBytes); a client passes it to the embedded server it starts.
 	BlockBytes int64
+	// MemoryAtExit: what a server does with its memory tiers' copies as it exits (see
+	// core.MemoryAtExit); default the site's, else clear.
+	MemoryAtExit core.MemoryAtExit
+	// MemoryReserve: the part of the job's memory limit the memory tiers leave to the job
+	// (see core.Limits.Reserve); default the site's, else core.DefaultMemoryReserve.
+	MemoryReserve tiers.SizeOrPercent
+	// FollowCgroup sizes the memory tiers from the memory cgroup the server runs in (option
+	// memory_limit: "cgroup", the default, or "none").
+	FollowCgroup bool
+	// Site is the site's configuration for this node (see LoadSite), and SiteWarnings what
+	// was wrong with it.
+	Site Site
 
 	// Cluster mode (Servers set):
 
@@ -126,7 +138,8 @@ const (
 var configKeys = []string{"tiers", "runtime_dir", "server_bin", "idle_timeout", "read_timeout", "start_timeout",
 	"servers", "servers_per_node", "base_port", "token", "token_file", "policy", "failure_threshold",
 	"rpc_timeout", "replicas", "node", "wait_timeout", "virtual_nodes", "verify", "prefetch", "job",
-	"gossip_port_offset", "probe_interval", "topology", "block_size"}
+	"gossip_port_offset", "probe_interval", "topology", "block_size", "memory_at_exit", "memory_reserve",
+	"memory_limit"}
 
 // Load resolves options (keyword arguments from the caller, may be nil) over the
 // environment over defaults. Unknown option names are an error, so typos do not go unnoticed.
@@ -157,6 +170,17 @@ func Load(options map[string]string) (Config, error) {
 	}
 	if cfg.Node == "" {
 		cfg.Node, _ = os.Hostname()
+	}
+	if id := os.Getenv("SLURM_JOB_ID"); cfg.Job == "" && id != "" {
+		cfg.Job = "slurm-" + id // the batch job is the cache job: its copies are checked once for it
+	}
+	site, err := LoadSite(SitePath())
+	if err != nil {
+		return Config{}, err
+	}
+	cfg.Site = site
+	if err := cfg.loadMemoryOptions(get); err != nil {
+		return Config{}, err
 	}
 	if v := get("verify"); v != "" {
 		b, err := strconv.ParseBool(v)
@@ -278,8 +302,9 @@ func (c Config) TierConfigs() ([]tiers.Config, error) {
 }
 
 // DefaultTiers are the embedded server's tiers: memory under /dev/shm taking a quarter of it
-// (tmpfs there is usually half the RAM, so about an eighth of RAM), and a disk tier under the
-// user's cache directory taking a tenth of that file system, so the machine stays usable.
+// (tmpfs there is usually half the RAM, so about an eighth of RAM), and a disk tier taking a
+// tenth of its file system, so the machine stays usable: in the node-local scratch directory
+// of the batch job when it has one (see JobScratch), else under the user's cache directory.
 //
 // The memory tier's name, /dev/shm/fitcache-UID, is predictable, so another user may have
 // created it first: the server then uses a private directory with a random name instead,
@@ -291,10 +316,34 @@ func DefaultTiers(runtimeDir string) []tiers.Config {
 		mem.FallbackRecord = filepath.Join(runtimeDir, MemoryTierRecord)
 	}
 	cfgs := []tiers.Config{mem}
-	if dir, err := os.UserCacheDir(); err == nil {
+	if dir := JobScratch(); dir != "" {
+		cfgs = append(cfgs, tiers.Config{Kind: tiers.Disk, Dir: filepath.Join(dir, "fitcache"), Budget: "10%"})
+	} else if dir, err := os.UserCacheDir(); err == nil {
 		cfgs = append(cfgs, tiers.Config{Kind: tiers.Disk, Dir: filepath.Join(dir, "fitcache"), Budget: "10%", CreateParents: true})
 	}
 	return cfgs
+}
+
+// JobScratch returns the node-local scratch directory that the batch system gave the job:
+// $SLURM_TMPDIR, or inside a Slurm job $TMPDIR when it is not /tmp (sites that give each job
+// its own set it so). It returns "" outside a job, and for a directory that is missing or
+// in memory (tmpfs), which would make a "disk" tier take the job's RAM. Copies there go when
+// the batch system removes the directory at the job's end.
+func JobScratch() string {
+	dir := os.Getenv("SLURM_TMPDIR")
+	if dir == "" && os.Getenv("SLURM_JOB_ID") != "" {
+		if d := os.Getenv("TMPDIR"); d != "" && filepath.Clean(d) != "/tmp" {
+			dir = d
+		}
+	}
+	if dir == "" || !filepath.IsAbs(dir) {
+		return ""
+	}
+	fs, err := tiers.StatFS(dir)
+	if err != nil || fs.InMemory() {
+		return ""
+	}
+	return dir
 }
 
 // MemoryTierRecord is the file in the runtime directory that names the private stand-in of

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/privdir/privdirtest"
 	"github.com/fitcache/fitcache/tiers"
@@ -21,6 +22,10 @@ func clearEnv(t *testing.T) {
 	for _, k := range configKeys {
 		t.Setenv("FITCACHE_"+strings.ToUpper(k), "")
 	}
+	for _, k := range []string{"SLURM_JOB_ID", "SLURM_TMPDIR", "TMPDIR"} {
+		t.Setenv(k, "")
+	}
+	t.Setenv("FITCACHE_SITE_CONFIG", filepath.Join(t.TempDir(), "none.conf"))
 }
 
 func TestLoadDefaults(t *testing.T) {
@@ -33,7 +38,10 @@ func TestLoadDefaults(t *testing.T) {
 	want := Config{RuntimeDir: "/run/x", Policy: PolicyRecache, Node: host, PerNode: 1, BasePort: 7070,
 		FailureThreshold: 3, Replicas: 1, VirtualNodes: 100, Prefetch: 16, BlockBytes: 4 << 20,
 		IdleTimeout: 15 * time.Minute, ReadTimeout: time.Minute, StartTimeout: 15 * time.Second,
-		RPCTimeout: 5 * time.Second, WaitTimeout: time.Minute, GossipPortOffset: 1000, ProbeInterval: time.Second}
+		RPCTimeout: 5 * time.Second, WaitTimeout: time.Minute, GossipPortOffset: 1000, ProbeInterval: time.Second,
+		MemoryAtExit: core.MemoryClear, MemoryReserve: tiers.SizeOrPercent{Percent: 25}, FollowCgroup: true,
+		Site: Site{KeepFree: tiers.SizeOrPercent{Percent: 10}, MemoryReserve: tiers.SizeOrPercent{Percent: 25},
+			MemoryAtExit: core.MemoryClear, AllowKeep: true}}
 	if cfg != want {
 		t.Errorf("defaults:\n got %+v\nwant %+v", cfg, want)
 	}

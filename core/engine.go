@@ -63,6 +63,12 @@ type EngineConfig struct {
 	// client.Client.CacheBlockAtOwner): prefetch of a large file no tier takes whole (see
 	// fetchBlocks).
 	BlockOwner func(ctx context.Context, root, path string, n int64, ask bool) (mine bool, err error)
+	// Limits bound the tiers' budgets from outside their configuration (the job's memory
+	// cgroup, the site's limits, free space), followed while the engine runs; the zero value
+	// limits nothing.
+	Limits Limits
+	// MemoryAtExit says what Close does with the memory tiers' copies; "" keeps them.
+	MemoryAtExit MemoryAtExit
 }
 
 // Engine serves reads from tiers and the source. It is safe for concurrent use.
@@ -94,6 +100,8 @@ type Engine struct {
 	blockOwner func(ctx context.Context, root, path string, n int64, ask bool) (mine bool, err error)
 	closed     atomic.Bool
 	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
+	limiter    *limiter       // follows EngineConfig.Limits; nil when there are none
+	atExit     MemoryAtExit   // see EngineConfig.MemoryAtExit
 
 	mu        sync.Mutex // protects flights, realRoots and reports, and orders startFill before Close
 	flights   map[string]*flight
@@ -197,12 +205,14 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 	}
 	e.mover = startMover(e, queue)
 	e.pf = newPrefetcher(e, cfg.Prefetch)
+	e.atExit = cfg.MemoryAtExit
+	e.limiter = startLimiter(e, cfg.Limits)
 	return e, nil
 }
 
-// Close stops prefetch and the data mover after they have published what they hold, then
-// closes the tiers, releasing their locks for another server. Reads after Close fail with
-// ErrClosed.
+// Close stops prefetch and the data mover after they have published what they hold, leaves
+// the memory tiers as EngineConfig.MemoryAtExit says, then closes the tiers, releasing their
+// locks for another server. Reads after Close fail with ErrClosed.
 func (e *Engine) Close() error {
 	e.pf.stop() // its workers finish the files they hold, through the mover
 	e.mu.Lock()
@@ -210,7 +220,11 @@ func (e *Engine) Close() error {
 	e.mu.Unlock()
 	e.fills.Wait()
 	e.mover.stop()
+	e.limiter.close()
 	var errs []error
+	if err := e.leaveMemory(); err != nil {
+		errs = append(errs, err)
+	}
 	for _, t := range e.tiers {
 		if err := t.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("%s tier %s: %w", t.Kind, t.Path, err))

@@ -263,7 +263,10 @@ func spawn(cfg config.Config) (*exec.Cmd, error) {
 		"FITCACHE_IDLE_TIMEOUT="+cfg.IdleTimeout.String(),
 		"FITCACHE_VERIFY="+strconv.FormatBool(cfg.Verify),
 		"FITCACHE_PREFETCH="+strconv.Itoa(cfg.Prefetch),
-		"FITCACHE_BLOCK_SIZE="+strconv.FormatInt(cfg.BlockBytes, 10))
+		"FITCACHE_BLOCK_SIZE="+strconv.FormatInt(cfg.BlockBytes, 10),
+		"FITCACHE_MEMORY_AT_EXIT="+string(cfg.MemoryAtExit),
+		"FITCACHE_MEMORY_RESERVE="+cfg.MemoryReserve.String(),
+		"FITCACHE_MEMORY_LIMIT="+map[bool]string{true: "cgroup", false: "none"}[cfg.FollowCgroup])
 	if cfg.RuntimeDirWarning == "" {
 		// Else the runtime directory is the private stand-in for the default one: the server
 		// finds it the same way, and reports why.

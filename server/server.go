@@ -62,6 +62,11 @@ type Config struct {
 	// BlockBytes is the size of the blocks ranges of large files are cached in (0: the
 	// default, see core.EngineConfig.BlockBytes).
 	BlockBytes int64
+	// Limits bound the tiers' budgets from outside their configuration (the job's memory
+	// cgroup, the site's limits; see core.Limits); MemoryAtExit says what becomes of the
+	// memory tiers' copies when the server closes (see core.MemoryAtExit; "" keeps them).
+	Limits       core.Limits
+	MemoryAtExit core.MemoryAtExit
 	// RuntimeDir is the private directory (see embedded.PrepareDir, which makes it when it
 	// is missing) of the embedded server's lock and socket, and of a TCP server's node socket
 	// (server-HOST_PORT.node) and the record of its tiers (server-HOST_PORT.tiers, see
@@ -267,7 +272,7 @@ func (s *Server) listenMetrics() (err error) {
 func (s *Server) openEngine() (err error) {
 	ecfg := core.EngineConfig{Tiers: s.cfg.Tiers, Roots: s.cfg.Roots,
 		Verify: s.cfg.Verify, Warnings: s.cfg.Warnings, Prefetch: core.PrefetchConfig{Reads: s.cfg.Prefetch},
-		BlockBytes: s.cfg.BlockBytes, RequireTier: s.cfg.Listen != "",
+		BlockBytes: s.cfg.BlockBytes, RequireTier: s.cfg.Listen != "", Limits: s.cfg.Limits, MemoryAtExit: s.cfg.MemoryAtExit,
 		Holder: "listening on " + s.cfg.Listen + s.cfg.Socket + ", runtime dir " + s.cfg.RuntimeDir}
 	if s.cfg.Listen != "" && s.cfg.Cluster.Servers != "" {
 		// The lists of this node's readers are brought into the node through the cluster node,

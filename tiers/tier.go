@@ -58,8 +58,13 @@ type Info struct {
 	FSType   string `json:"fs_type"`
 	Capacity int64  `json:"capacity_bytes"`
 	Budget   int64  `json:"budget_bytes"`
-	Used     int64  `json:"used_bytes"`
-	Files    int    `json:"files"`
+	// ConfiguredBudget and LimitedBy, when the budget in force is lower than the configured
+	// one, give the configured budget and what lowers it (see Tier.Ceil): "cgroup memory
+	// limit", "site memory_per_user", "file system free space"...
+	ConfiguredBudget int64  `json:"configured_budget_bytes,omitempty"`
+	LimitedBy        string `json:"limited_by,omitempty"`
+	Used             int64  `json:"used_bytes"`
+	Files            int    `json:"files"`
 	// IndexEvictions counts files evicted because their bucket of the index was full (see
 	// indexBuckets): many more files than the budget's size suggests.
 	IndexEvictions int64 `json:"index_evictions"`
@@ -83,13 +88,18 @@ type Tier struct {
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
-	mu      sync.Mutex // protects budget, used, fifo, nextSeq and the index's slots
-	budget  int64
-	used    int64  // bytes of published entries, plus reservations being written
-	fifo    fifo   // the entries in publication order
-	nextSeq uint64 // publication sequence number of the next entry
-	ix      *index // the tier's index, written under mu
-	shut    bool   // set by Close under mu: ix is unmapped, nothing may write it
+	mu     sync.Mutex // protects budget, ceiling, limitedBy, used, fifo, nextSeq and the index's slots
+	budget int64      // the budget in force: the configured one, or lower (see Ceil)
+	// configured is the budget of the tier's Config, resolved at start; ceiling and
+	// limitedBy are the last Ceil's (0 and "": none).
+	configured int64
+	ceiling    int64
+	limitedBy  string
+	used       int64  // bytes of published entries, plus reservations being written
+	fifo       fifo   // the entries in publication order
+	nextSeq    uint64 // publication sequence number of the next entry
+	ix         *index // the tier's index, written under mu
+	shut       bool   // set by Close under mu: ix is unmapped, nothing may write it
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
 	// lastSession is the last validation session the index found at start recorded (see
@@ -179,6 +189,7 @@ func (t *Tier) init(size SizeOrPercent, holder string) error {
 	if t.budget <= 0 {
 		return fmt.Errorf("budget %s resolves to %d bytes", size, t.budget)
 	}
+	t.configured = t.budget
 	if (t.Kind == Memory) != (FSInfo{Type: t.fsType}).InMemory() {
 		t.log.Warn("tier kind does not match its file system: reads will not run at the expected speed",
 			"fs", t.fsType)
@@ -235,6 +246,9 @@ func (t *Tier) Info() Info {
 	defer t.mu.Unlock()
 	info := Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
 		Budget: t.budget, Used: t.used, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
+	if t.budget < t.configured {
+		info.ConfiguredBudget, info.LimitedBy = t.configured, t.limitedBy
+	}
 	for g, l := range t.fifo.groups {
 		if _, guest := groupRoot(g); guest {
 			info.Guests += l.Len()
@@ -704,7 +718,7 @@ func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (s
 		t.used -= n
 		if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 			t.log.Warn("file system full: lowering budget to current use", "budget", FormatBytes(t.used))
-			t.budget = t.used
+			t.budget, t.limitedBy = t.used, "file system full"
 			return fmt.Errorf("%w: %w", ErrNoRoom, err)
 		}
 		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)

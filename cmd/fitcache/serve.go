@@ -64,6 +64,7 @@ func serve(args []string) error {
 	maxFrame := fs.String("max-frame", "", "largest request or reply (a file larger than this cannot be served as bytes); default 64MiB with a job token (clients hold replies to 64MiB), no limit without")
 	maxConns := fs.Int("max-conns", 1024, "most connections open at once on a server with a job token; more are closed at once")
 	servers := fs.String("servers", "", "with --listen: the job's servers (host:port,..., @HOSTFILE or slurm; default FITCACHE_SERVERS), so that the node socket serves this node's readers every file of the job (see 'fitcache run')")
+	memoryAtExit := fs.String("memory-at-exit", "", "what becomes of the memory tiers' copies when the server exits: clear (the default: no RAM held after the job), disk (moved to the next tier, for at most 20 s) or keep (for the next server); default FITCACHE_MEMORY_AT_EXIT, else the site's (/etc/fitcache.conf)")
 	var prefetch optionalInt
 	fs.Var(&prefetch, "prefetch", fmt.Sprintf("prefetch runs `N` source reads at once, reading ahead of readers from the file lists they hand over; 0 turns it off (default: FITCACHE_PREFETCH, else %d)", core.DefaultPrefetch))
 	var roots stringList
@@ -79,6 +80,9 @@ func serve(args []string) error {
 	}
 	if prefetch.set {
 		opts["prefetch"] = prefetch.String()
+	}
+	if *memoryAtExit != "" {
+		opts["memory_at_exit"] = *memoryAtExit
 	}
 	cfg, err := config.Load(opts)
 	if err != nil {
@@ -127,9 +131,11 @@ func serve(args []string) error {
 	if err != nil {
 		return err
 	}
+	atExit, keepRefused := cfg.ExitPolicy()
 	s, err := server.Start(server.Config{Listen: *listen, Socket: *socket, Embedded: *asEmbedded, Token: token,
 		Roots: roots, Tiers: tierCfgs, Verify: cfg.Verify, Prefetch: cfg.Prefetch, BlockBytes: cfg.BlockBytes, RuntimeDir: cfg.RuntimeDir,
-		Warnings: warnings(cfg.RuntimeDirWarning), MetricsAddr: *metricsAddr, ReadyFile: *readyFile,
+		Limits: cfg.Limits(memoryCgroup(log)), MemoryAtExit: atExit,
+		Warnings: warnings(cfg.RuntimeDirWarning, keepRefused), MetricsAddr: *metricsAddr, ReadyFile: *readyFile,
 		IdleTimeout: idleTimeout, MaxFrameBytes: int(frame.Bytes), MaxConns: *maxConns, Cluster: cfg, Log: log})
 	if errors.Is(err, embedded.ErrAlreadyRunning) {
 		log.Info("another embedded server is running; exiting", "runtime_dir", cfg.RuntimeDir, "err", err)

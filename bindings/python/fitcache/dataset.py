@@ -131,8 +131,8 @@ class FitCacheDataset(_Base):
     are cached by the blocks read.
 
     Consistency: the dataset is one job (option ``job``, a new id per dataset object unless
-    given or set in FITCACHE_JOB), shared by every process that reads it, DataLoader workers
-    included. The server checks each cached copy against its source file (size, times, inode)
+    given or set in FITCACHE_JOB; inside a Slurm job, the batch job: ``slurm-$SLURM_JOB_ID``),
+    shared by every process that reads it, DataLoader workers included. The server checks each cached copy against its source file (size, times, inode)
     once per job, ahead of the readers, so a file rewritten since an earlier run is read anew;
     a file changed while the job runs is not noticed.
     """
@@ -159,7 +159,7 @@ class FitCacheDataset(_Base):
                 raise ValueError(f"prefetch: want True, False or a number of reads >= 0, got {prefetch!r}")
             options = {**options, "prefetch": reads}
             prefetch = reads > 0
-        if "job" not in options and not os.environ.get("FITCACHE_JOB"):
+        if "job" not in options and not os.environ.get("FITCACHE_JOB") and not os.environ.get("SLURM_JOB_ID"):
             # Workers get the id with the options (pickled, or inherited by fork): one check of
             # the cache against the source for all of them, and a new one for the next dataset.
             options = {**options, "job": "dataset-" + secrets.token_hex(12)}
