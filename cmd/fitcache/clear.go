@@ -35,16 +35,23 @@ func lsCmd(args []string) error {
 	fset := flag.NewFlagSet("ls", flag.ExitOnError)
 	asJSON := fset.Bool("json", false, "print JSON")
 	socket := fset.String("socket", "", "server socket (default: the embedded server's)")
+	nf := addNodeFlags(fset)
 	fset.Usage = func() {
-		fmt.Fprintln(fset.Output(), "usage: fitcache ls [--json] [--socket PATH]\n\n"+
+		fmt.Fprintln(fset.Output(), "usage: fitcache ls [--json] [--socket PATH]\n"+
+			"       fitcache ls --node [--dir DIR]... [--json]\n\n"+
 			"Prints what the cache holds per dataset root and tier: files and the room they take.\n"+
-			"With FITCACHE_SERVERS set (and no --socket), what every server of the job holds.")
+			"With FITCACHE_SERVERS set (and no --socket), what every server of the job holds.\n"+
+			"With --node, the memory tiers of every user on this node (fitcache-* in /dev/shm): owner,\n"+
+			"files, size, and whether a live server holds each or it was left behind.")
 		fset.PrintDefaults()
 	}
 	fset.Parse(args)
-	if fset.NArg() != 0 {
+	if fset.NArg() != 0 || (nf.node && *socket != "") || (!nf.node && nf.dirs != nil) {
 		fset.Usage()
 		os.Exit(2)
+	}
+	if nf.node {
+		return lsNode(nf, *asJSON)
 	}
 	if *socket == "" {
 		cfg, err := config.Load(nil)
@@ -224,15 +231,28 @@ func clearCmd(args []string) error {
 	dryRun := fset.Bool("dry-run", false, "remove nothing: print what would be removed")
 	asJSON := fset.Bool("json", false, "print JSON")
 	socket := fset.String("socket", "", "server socket (default: the embedded server's)")
+	nf := addNodeFlags(fset)
+	who := fset.String("user", "", "with --node: the tiers of this user (name or uid) only; as a user other than root, only your own")
 	fset.Usage = func() {
-		fmt.Fprintln(fset.Output(), "usage: fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)\n\n"+
+		fmt.Fprintln(fset.Output(), "usage: fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)\n"+
+			"       fitcache clear --node [--user NAME|UID] [--dir DIR]... [--dry-run] [--json]\n\n"+
 			"Removes from every tier the cached files of the datasets read with DIR, or a directory under it,\n"+
 			"as their root (the path they were opened with), or with --all every cached file.\n"+
-			"With FITCACHE_SERVERS set (and no --socket), from every server of the job.")
+			"With FITCACHE_SERVERS set (and no --socket), from every server of the job.\n"+
+			"With --node, removes the memory tiers on this node (fitcache-* in /dev/shm) that no live server\n"+
+			"holds: left behind by servers that were killed. For a job epilog, as root:\n"+
+			"  fitcache clear --node --user \"$SLURM_JOB_USER\"")
 		fset.PrintDefaults()
 	}
 	fset.Parse(args)
-	if fset.NArg() > 1 || (fset.NArg() == 1) == *all {
+	if nf.node {
+		if fset.NArg() != 0 || *all || *socket != "" {
+			fset.Usage()
+			os.Exit(2)
+		}
+		return clearNode(nf, *who, *dryRun, *asJSON)
+	}
+	if fset.NArg() > 1 || (fset.NArg() == 1) == *all || nf.dirs != nil || *who != "" {
 		fset.Usage()
 		os.Exit(2)
 	}

@@ -3,7 +3,9 @@
 //	fitcache serve [--embedded] [--socket PATH | --listen HOST:PORT --token-file F] [--tiers SPEC] [--root DIR]... [--prefetch N]
 //	fitcache stats [--json]
 //	fitcache ls [--json] [--socket PATH]
+//	fitcache ls --node [--dir DIR]... [--json]
 //	fitcache clear [--dry-run] [--json] [--socket PATH] (DIR | --all)
+//	fitcache clear --node [--user NAME|UID] [--dir DIR]... [--dry-run] [--json]
 //	fitcache stop [--timeout D]
 //	fitcache info  [--json]
 //	fitcache verify [--tiers SPEC]
@@ -52,8 +54,9 @@ commands:
   verify   check the checksum of every cached file; remove damaged ones (or say how)
   warmup   cache every file under a directory (a prefetch job), with progress
   prefetch hand the server a list of files (standard input) to read ahead of the readers
-  ls       what the cache holds, per dataset root and tier
-  clear    drop the cache of a dataset (DIR) or all of it (--all); --dry-run says what would go
+  ls       what the cache holds, per dataset root and tier; --node: every user's memory tiers on this node
+  clear    drop the cache of a dataset (DIR) or all of it (--all); --dry-run says what would go;
+           --node: remove the memory tiers on this node that no live server holds (a job epilog)
   stop     stop the embedded server (the cache stays in its tiers)
   run      run a program with its reads of dataset files served from the cache (LD_PRELOAD)
   preload-path  print the path of the LD_PRELOAD library (for setting LD_PRELOAD yourself)
