@@ -38,11 +38,14 @@ func SitePath() string {
 //
 // Users' options may lower these limits, never raise them.
 type Site struct {
-	Path                                      string // the file read; "" when there is none
-	MemoryPerUser, MemoryPerNode, DiskPerUser int64
-	KeepFree, MemoryReserve                   tiers.SizeOrPercent
-	MemoryAtExit                              core.MemoryAtExit
-	AllowKeep                                 bool
+	Path          string              `json:"path,omitempty"` // the file read; "" when there is none
+	MemoryPerUser int64               `json:"memory_per_user,omitempty"`
+	MemoryPerNode int64               `json:"memory_per_node,omitempty"`
+	DiskPerUser   int64               `json:"disk_per_user,omitempty"`
+	KeepFree      tiers.SizeOrPercent `json:"keep_free"`
+	MemoryReserve tiers.SizeOrPercent `json:"memory_reserve"`
+	MemoryAtExit  core.MemoryAtExit   `json:"memory_at_exit"`
+	AllowKeep     bool                `json:"allow_keep"`
 }
 
 // DefaultKeepFree is what every tier leaves free in its file system when the site says

@@ -17,8 +17,7 @@ import (
 func (t *Tier) Ceil(n int64, why string, spill func(*Mapping)) (int64, error) {
 	t.mu.Lock()
 	budget := min(max(n, 0), t.configured)
-	t.budget, t.ceiling = budget, n
-	t.limitedBy = ""
+	t.budget, t.limitedBy = budget, ""
 	if budget < t.configured {
 		t.limitedBy = why
 	}

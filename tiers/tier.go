@@ -88,12 +88,11 @@ type Tier struct {
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
-	mu     sync.Mutex // protects budget, ceiling, limitedBy, used, fifo, nextSeq and the index's slots
+	mu     sync.Mutex // protects budget, limitedBy, used, fifo, nextSeq and the index's slots
 	budget int64      // the budget in force: the configured one, or lower (see Ceil)
-	// configured is the budget of the tier's Config, resolved at start; ceiling and
-	// limitedBy are the last Ceil's (0 and "": none).
+	// configured is the budget of the tier's Config, resolved at start; limitedBy says what
+	// lowers the budget in force below it ("" when nothing does).
 	configured int64
-	ceiling    int64
 	limitedBy  string
 	used       int64  // bytes of published entries, plus reservations being written
 	fifo       fifo   // the entries in publication order

@@ -62,8 +62,9 @@ func info(args []string) error {
 		Tiers      []tierReport `json:"tiers"`
 		RuntimeDir string       `json:"runtime_dir"`
 		ServerPID  int          `json:"embedded_server_pid,omitempty"`
+		Limits     limitsReport `json:"limits"`
 		Warnings   []string     `json:"warnings,omitempty"`
-	}{Hardware: detectHardware(), RuntimeDir: cfg.RuntimeDir}
+	}{Hardware: detectHardware(), RuntimeDir: cfg.RuntimeDir, Limits: inspectLimits(cfg)}
 	if err := privdir.Inspect(cfg.RuntimeDir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		report.Warnings = append(report.Warnings, "runtime directory: "+err.Error())
 	}
@@ -92,6 +93,7 @@ func info(args []string) error {
 		fmt.Printf("tier %-6s %s: %s, %s capacity, %s free, budget %s\n", t.Kind, t.Dir, t.FSType,
 			tiers.FormatBytes(t.Capacity), tiers.FormatBytes(t.Free), tiers.FormatBytes(t.Budget))
 	}
+	printLimits(report.Limits)
 	for _, w := range report.Warnings {
 		fmt.Printf("warning  %s\n", w)
 	}

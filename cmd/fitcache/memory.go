@@ -2,10 +2,13 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 
 	"github.com/fitcache/fitcache/cgroup"
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/tiers"
 )
 
 // memoryCgroup returns the reader of the memory cgroup this server runs in (the batch job's,
@@ -32,4 +35,60 @@ func memoryCgroup(log *slog.Logger) func() (core.MemoryReading, error) {
 		}
 		return core.MemoryReading{Limit: u.Limit, Unreclaimable: u.Unreclaimable(), OOMKills: u.OOMKills}, nil
 	}
+}
+
+// limitsReport is what `fitcache info` says of the limits a server started here would keep:
+// the memory cgroup of this process (a server started by it runs in the same one) and the
+// site's configuration.
+type limitsReport struct {
+	Cgroup        string      `json:"memory_cgroup,omitempty"`
+	CgroupVersion int         `json:"memory_cgroup_version,omitempty"`
+	CgroupLimit   int64       `json:"memory_limit_bytes,omitempty"`
+	Unreclaimable int64       `json:"memory_unreclaimable_bytes,omitempty"`
+	FollowCgroup  bool        `json:"follow_cgroup"`
+	Reserve       string      `json:"memory_reserve"`
+	AtExit        string      `json:"memory_at_exit"`
+	Site          config.Site `json:"site"`
+}
+
+func inspectLimits(cfg config.Config) limitsReport {
+	atExit, _ := cfg.ExitPolicy()
+	r := limitsReport{FollowCgroup: cfg.FollowCgroup, Reserve: cfg.MemoryReserve.String(), AtExit: string(atExit), Site: cfg.Site}
+	if m, err := cgroup.Self(); err == nil {
+		r.Cgroup, r.CgroupVersion = m.Dir(), m.Version()
+		if u, err := m.Read(); err == nil && u.Limited() {
+			r.CgroupLimit, r.Unreclaimable = u.Limit, u.Unreclaimable()
+		}
+	}
+	return r
+}
+
+func printLimits(r limitsReport) {
+	switch {
+	case r.Cgroup == "":
+		fmt.Printf("limits   no memory cgroup\n")
+	case r.CgroupLimit == 0:
+		fmt.Printf("limits   memory cgroup %s (v%d), no limit\n", r.Cgroup, r.CgroupVersion)
+	default:
+		follow := fmt.Sprintf("the memory tier takes at most the limit less %s less the job's use", r.Reserve)
+		if !r.FollowCgroup {
+			follow = "not followed (memory_limit=none)"
+		}
+		fmt.Printf("limits   memory cgroup %s (v%d): limit %s, %s used besides page cache; %s\n", r.Cgroup,
+			r.CgroupVersion, tiers.FormatBytes(r.CgroupLimit), tiers.FormatBytes(r.Unreclaimable), follow)
+	}
+	s := r.Site
+	where := "no site configuration (" + config.SitePath() + ")"
+	if s.Path != "" {
+		where = "site " + s.Path
+	}
+	fmt.Printf("         %s: memory per user %s, per node %s, disk per user %s, keep free %s; memory at exit: %s\n",
+		where, orNone(s.MemoryPerUser), orNone(s.MemoryPerNode), orNone(s.DiskPerUser), s.KeepFree, r.AtExit)
+}
+
+func orNone(n int64) string {
+	if n == 0 {
+		return "no limit"
+	}
+	return tiers.FormatBytes(n)
 }

@@ -95,6 +95,9 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 	for _, t := range s.Tiers {
 		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files (%s)\n", t.Kind, t.Dir,
 			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, t.FSType)
+		if t.LimitedBy != "" {
+			fmt.Fprintf(w, "             budget lowered from %s by the %s\n", tiers.FormatBytes(t.ConfiguredBudget), t.LimitedBy)
+		}
 	}
 	for _, msg := range s.Warnings {
 		fmt.Fprintf(w, "warning      %s\n", msg)
