@@ -325,14 +325,15 @@ func DefaultTiers(runtimeDir string) []tiers.Config {
 }
 
 // JobScratch returns the node-local scratch directory that the batch system gave the job:
-// $SLURM_TMPDIR, or inside a Slurm job $TMPDIR when it is not /tmp (sites that give each job
-// its own set it so). It returns "" outside a job, and for a directory that is missing or
-// in memory (tmpfs), which would make a "disk" tier take the job's RAM. Copies there go when
-// the batch system removes the directory at the job's end.
+// $SLURM_TMPDIR, or inside a Slurm job $TMPDIR when its path names the job (sites that give
+// each job a directory of its own set it so; a user's TMPDIR on a shared file system is
+// not taken for one). It returns "" outside a job, and for a directory that is missing or in
+// memory (tmpfs), which would make a "disk" tier take the job's RAM. Copies there go when the
+// batch system removes the directory at the job's end.
 func JobScratch() string {
 	dir := os.Getenv("SLURM_TMPDIR")
-	if dir == "" && os.Getenv("SLURM_JOB_ID") != "" {
-		if d := os.Getenv("TMPDIR"); d != "" && filepath.Clean(d) != "/tmp" {
+	if id := os.Getenv("SLURM_JOB_ID"); dir == "" && id != "" {
+		if d := os.Getenv("TMPDIR"); d != "" && strings.Contains(d, id) {
 			dir = d
 		}
 	}

@@ -28,15 +28,16 @@ func SitePath() string {
 // Site is a site's configuration for FitCache on its nodes, read from a file of
 // "key = value" lines ("#" starts a comment):
 //
-//	memory_per_user = 16GiB   # the memory tiers of one user's server together
+//	memory_per_user = 16GiB   # the memory tiers of one server (a user's embedded server) together
 //	memory_per_node = 64GiB   # the memory file system (/dev/shm) in all, every user's tiers included
-//	disk_per_user   = 200GiB  # the other tiers of one user's server together
+//	disk_per_user   = 200GiB  # the other tiers of one server together
 //	keep_free       = 10%     # left free in every tier's file system (a size, or % of it)
 //	memory_reserve  = 25%     # of a job's memory limit, left to the job (a size, or %)
 //	memory_at_exit  = clear   # the default: clear, disk or keep
 //	allow_keep      = no      # may users keep memory tiers after their server exits?
 //
-// Users' options may lower these limits, never raise them.
+// Users' options may lower these limits, never raise them (a user's memory_reserve may be
+// larger than the site's, not smaller).
 type Site struct {
 	Path          string              `json:"path,omitempty"` // the file read; "" when there is none
 	MemoryPerUser int64               `json:"memory_per_user,omitempty"`
@@ -123,7 +124,10 @@ func (s *Site) set(key, value string) error {
 	case "keep_free":
 		return sizeOrPercent(&s.KeepFree)
 	case "memory_reserve":
-		return sizeOrPercent(&s.MemoryReserve)
+		if err := sizeOrPercent(&s.MemoryReserve); err != nil || s.MemoryReserve == (tiers.SizeOrPercent{}) {
+			return fmt.Errorf("want a size or a percentage above 0, got %q", value)
+		}
+		return nil
 	case "memory_at_exit":
 		m, err := core.ParseMemoryAtExit(value)
 		s.MemoryAtExit = m
@@ -157,8 +161,8 @@ func (c *Config) loadMemoryOptions(get func(string) string) error {
 	c.MemoryReserve = c.Site.MemoryReserve
 	if v := get("memory_reserve"); v != "" {
 		n, err := tiers.ParseSize(v)
-		if err != nil {
-			return fmt.Errorf("option memory_reserve: %w", err)
+		if err != nil || n == (tiers.SizeOrPercent{}) {
+			return fmt.Errorf("option memory_reserve: want a size or a percentage of the job's memory limit above 0, got %q", v)
 		}
 		c.MemoryReserve = n
 	}
@@ -176,7 +180,7 @@ func (c *Config) loadMemoryOptions(get func(string) string) error {
 // Limits returns the limits a server keeps its tiers within: the site's, and with
 // FollowCgroup the memory cgroup read by memory (nil when the server is in none).
 func (c Config) Limits(memory func() (core.MemoryReading, error)) core.Limits {
-	l := core.Limits{Reserve: c.MemoryReserve, MemoryPerUser: c.Site.MemoryPerUser,
+	l := core.Limits{Reserve: c.MemoryReserve, SiteReserve: c.Site.MemoryReserve, MemoryPerUser: c.Site.MemoryPerUser,
 		MemoryPerNode: c.Site.MemoryPerNode, DiskPerUser: c.Site.DiskPerUser, KeepFree: c.Site.KeepFree}
 	if c.FollowCgroup {
 		l.Memory = memory

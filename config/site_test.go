@@ -3,6 +3,7 @@ package config
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -92,7 +93,9 @@ func TestMemoryOptions(t *testing.T) {
 	if policy, warning := cfg.ExitPolicy(); policy != core.MemoryKeep || warning != "" {
 		t.Fatalf("keep without a site file: %q, %q", policy, warning)
 	}
-	for opt, bad := range map[string]string{"memory_limit": "8GiB", "memory_at_exit": "sometimes", "memory_reserve": "x"} {
+	for _, c := range [][2]string{{"memory_limit", "8GiB"}, {"memory_at_exit", "sometimes"}, {"memory_reserve", "x"},
+		{"memory_reserve", "0"}} {
+		opt, bad := c[0], c[1]
 		if _, err := Load(map[string]string{opt: bad}); err == nil || !strings.Contains(err.Error(), opt) {
 			t.Errorf("%s=%s: got %v, want an error naming the option", opt, bad, err)
 		}
@@ -119,20 +122,25 @@ func TestInsideASlurmJob(t *testing.T) {
 		t.Fatalf("default tiers in a job with scratch %s: %+v", scratch, tcs)
 	}
 
-	// $TMPDIR is the job's scratch inside a job, unless it is /tmp or in memory.
+	// $TMPDIR is the job's scratch inside a job when it names the job, and is not in memory.
 	t.Setenv("SLURM_TMPDIR", "")
-	t.Setenv("TMPDIR", scratch)
-	if got := JobScratch(); got != scratch {
-		t.Fatalf("JobScratch with TMPDIR=%s: %q", scratch, got)
+	jobTmp := filepath.Join(scratch, "job4242")
+	os.Mkdir(jobTmp, 0o700)
+	t.Setenv("TMPDIR", jobTmp)
+	if got := JobScratch(); got != jobTmp {
+		t.Fatalf("JobScratch with TMPDIR=%s: %q", jobTmp, got)
 	}
-	for _, d := range []string{"/tmp", "/dev/shm", "relative/dir", filepath.Join(scratch, "missing")} {
+	shmJob := filepath.Join("/dev/shm", "fitcache-test-job4242-"+strconv.Itoa(os.Getpid()))
+	os.Mkdir(shmJob, 0o700)
+	defer os.Remove(shmJob)
+	for _, d := range []string{"/tmp", scratch, shmJob, "relative/job4242", filepath.Join(scratch, "missing4242")} {
 		t.Setenv("TMPDIR", d)
 		if got := JobScratch(); got != "" {
 			t.Errorf("JobScratch with TMPDIR=%s: %q, want none", d, got)
 		}
 	}
 	t.Setenv("SLURM_JOB_ID", "")
-	t.Setenv("TMPDIR", scratch)
+	t.Setenv("TMPDIR", jobTmp)
 	if got := JobScratch(); got != "" {
 		t.Fatalf("JobScratch outside a job: %q", got)
 	}

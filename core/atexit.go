@@ -37,9 +37,10 @@ func ParseMemoryAtExit(s string) (MemoryAtExit, error) {
 	return "", fmt.Errorf("%q is none of keep, clear, disk", s)
 }
 
-// leaveMemory does with the memory tiers what e.atExit says (Close, with the mover stopped).
+// leaveMemory does with the memory tiers what e.atExit says (Close, with the mover stopped),
+// once: a second Close finds the tiers closed.
 func (e *Engine) leaveMemory() error {
-	if e.atExit == "" || e.atExit == MemoryKeep {
+	if e.atExit == "" || e.atExit == MemoryKeep || !e.leftMemory.CompareAndSwap(false, true) {
 		return nil
 	}
 	var errs []error
@@ -60,20 +61,31 @@ func (e *Engine) leaveMemory() error {
 	return errors.Join(errs...)
 }
 
-// moveOut moves the copies of tier i to the tiers after it, oldest first, until none is left
-// or MoveAtExitMax has passed.
+// moveOut moves the copies of tier i to the tiers after it, oldest first, a step of
+// moveStep bytes at a time, until none is left or MoveAtExitMax has passed (Drop removes the
+// rest).
 func (e *Engine) moveOut(i int) {
 	spill := e.spillFrom(i)
 	if spill == nil {
 		return
 	}
-	deadline := time.Now().Add(MoveAtExitMax)
-	moved := func(m *tiers.Mapping) {
-		if time.Now().Before(deadline) {
-			spill(m)
+	t := e.tiers[i]
+	for deadline := time.Now().Add(MoveAtExitMax); time.Now().Before(deadline); {
+		used := t.Info().Used
+		if used == 0 {
+			return
+		}
+		if _, err := t.Ceil(max(used-moveStep, 0), "server exiting", spill); err != nil {
+			e.log.Warn("moving the memory tier out", "tier", t.Path, "err", err)
+			return
+		}
+		if t.Info().Used >= used {
+			return // what is left is being written
 		}
 	}
-	if _, err := e.tiers[i].Ceil(0, "server exiting", moved); err != nil {
-		e.log.Warn("moving the memory tier out", "tier", e.tiers[i].Path, "err", err)
-	}
+	e.log.Warn("the memory tier was not moved out whole within the time allowed", "tier", t.Path,
+		"left", tiers.FormatBytes(t.Info().Used), "allowed", MoveAtExitMax)
 }
+
+// moveStep is what moveOut moves between two looks at the clock.
+const moveStep = 64 << 20

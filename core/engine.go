@@ -102,11 +102,13 @@ type Engine struct {
 	fills      sync.WaitGroup // source reads in progress (see fill), awaited by Close
 	limiter    *limiter       // follows EngineConfig.Limits; nil when there are none
 	atExit     MemoryAtExit   // see EngineConfig.MemoryAtExit
+	leftMemory atomic.Bool    // set once Close has done with the memory tiers as atExit says
 
-	mu        sync.Mutex // protects flights, realRoots and reports, and orders startFill before Close
+	mu        sync.Mutex // protects flights, realRoots, reports and fillRoots, and orders startFill before Close
 	flights   map[string]*flight
-	realRoots map[string]string // dataset root -> root with symbolic links resolved
-	reports   map[string]int    // readers' fills reported and not recorded yet, by path (see NoteReport)
+	realRoots map[string]string   // dataset root -> root with symbolic links resolved
+	reports   map[string]int      // readers' fills reported and not recorded yet, by path (see NoteReport)
+	fillRoots map[string]struct{} // dataset roots whose readers fill their misses (see noteFillRoot)
 }
 
 // flight is a file being read from the source or published. Readers that miss while it exists
@@ -140,7 +142,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
-		reports: make(map[string]int)}
+		reports: make(map[string]int), fillRoots: make(map[string]struct{})}
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}

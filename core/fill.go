@@ -40,9 +40,13 @@ func (e *Engine) RecordFill(root, path string, r FillReport) error {
 		return fmt.Errorf("%w: no tier", ErrTooLarge)
 	}
 	first := e.tiers[0]
+	e.noteFillRoot(root)
 	err := e.recordFill(first, root, path, r)
 	first.RemoveFill(path, r.FillIno) // adopted (linked into place) or not, the claim ends
-	if errors.Is(err, ErrCacheFull) || errors.Is(err, tiers.ErrNoRoom) {
+	if errors.Is(err, ErrCacheFull) || errors.Is(err, tiers.ErrNoRoom) || (err == nil && !first.Listed(path)) {
+		// No room in the first tier (the copy went to a later one, or nowhere): readers
+		// stop writing fill files into it for a while. Each one takes memory until it is
+		// recorded, and reports can queue up behind a slower tier's copies.
 		first.MarkFull(root)
 	}
 	if e.reported(path) {
@@ -193,4 +197,31 @@ func publishFill(t, from *tiers.Tier, entry tiers.Entry, f *os.File) error {
 		return t.Adopt(entry, f)
 	}
 	return t.PublishFrom(entry, io.NewSectionReader(f, 0, entry.Size+1))
+}
+
+// fillRootsMax bounds the dataset roots remembered for marking (see noteFillRoot).
+const fillRootsMax = 64
+
+// noteFillRoot remembers root as one whose readers fill their misses, so that the limits
+// can mark it full when the first tier's room runs out (see limiter.markFull).
+func (e *Engine) noteFillRoot(root string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.fillRoots[root]; !ok && len(e.fillRoots) < fillRootsMax {
+		e.fillRoots[root] = struct{}{}
+	}
+}
+
+// markFillRootsFull marks every dataset root whose readers fill their misses as full in the
+// first tier (tiers.Tier.MarkFull).
+func (e *Engine) markFillRootsFull() {
+	e.mu.Lock()
+	roots := make([]string, 0, len(e.fillRoots))
+	for r := range e.fillRoots {
+		roots = append(roots, r)
+	}
+	e.mu.Unlock()
+	for _, r := range roots {
+		e.tiers[0].MarkFull(r)
+	}
 }

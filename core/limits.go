@@ -28,8 +28,10 @@ type Limits struct {
 	Memory func() (MemoryReading, error)
 	// Reserve is the part of the cgroup's limit left to the job itself (its processes and
 	// their growth): the memory tiers take at most the limit, less the reserve, less what
-	// the job uses besides reclaimable page cache. Zero means DefaultMemoryReserve.
-	Reserve tiers.SizeOrPercent
+	// the job uses besides reclaimable page cache. Zero means DefaultMemoryReserve. The
+	// larger of Reserve and SiteReserve (the site's, which a user may raise, not lower) is
+	// kept.
+	Reserve, SiteReserve tiers.SizeOrPercent
 	// MemoryPerUser caps the memory tiers of this server together, MemoryPerNode what the
 	// memory file system holds in all (every user's tiers, and anything else in it), and
 	// DiskPerUser the other tiers of this server together; 0: no cap. They come from the
@@ -71,15 +73,24 @@ func (l Limits) zero() bool {
 
 // limiter applies Limits to an engine's tiers, once at start and then every Interval.
 type limiter struct {
-	e    *Engine
-	l    Limits
-	stop chan struct{}
-	done sync.WaitGroup
+	e     *Engine
+	l     Limits
+	stop  chan struct{}
+	once  sync.Once
+	done  sync.WaitGroup
+	slack int64 // hysteresis of the memory ceiling, in bytes of the last limit's reserve
 
-	mu       sync.Mutex // protects oomKills and readErr
-	oomKills uint64     // the cgroup's count at the last reading
-	readErr  bool       // the last reading of the cgroup failed (logged once per failure run)
+	// The loop's own state (apply runs in one goroutine at a time: at start, then the loop).
+	last     MemoryReading // the last reading of the cgroup that succeeded
+	haveLast bool
+	readErr  bool          // the last reading failed (logged once per run of failures)
+	budgets  map[int]int64 // the memory ceiling last set per tier, held while room is within the slack
 }
+
+// spillPerApply bounds the bytes that one reading moves to a slower tier when the job's
+// memory runs short: the rest is evicted outright, so that memory comes back at memory speed,
+// not at the disk's.
+const spillPerApply = 32 << 20
 
 // startLimiter applies l to e's tiers now and starts following it; nil when l is zero.
 func startLimiter(e *Engine, l Limits) *limiter {
@@ -95,12 +106,7 @@ func startLimiter(e *Engine, l Limits) *limiter {
 	if l.StatFS == nil {
 		l.StatFS = statFS
 	}
-	lim := &limiter{e: e, l: l, stop: make(chan struct{})}
-	if l.Memory != nil {
-		if r, err := l.Memory(); err == nil {
-			lim.oomKills = r.OOMKills
-		}
-	}
+	lim := &limiter{e: e, l: l, stop: make(chan struct{}), budgets: make(map[int]int64)}
 	lim.apply()
 	lim.done.Go(lim.loop)
 	return lim
@@ -119,44 +125,54 @@ func (lim *limiter) loop() {
 	}
 }
 
-// close stops following the limits; a nil limiter is closed already.
+// close stops following the limits; a nil limiter is closed already. It is idempotent.
 func (lim *limiter) close() {
 	if lim == nil {
 		return
 	}
-	close(lim.stop)
+	lim.once.Do(func() { close(lim.stop) })
 	lim.done.Wait()
 }
 
+// reserve returns the part of limit left to the job.
+func (l Limits) reserve(limit int64) int64 {
+	return max(l.Reserve.Resolve(limit), l.SiteReserve.Resolve(limit))
+}
+
 // apply reads the limits once and sets each tier's ceiling from them.
+//
+// The memory ceiling has a hysteresis of a quarter of the reserve (the slack): the tier is
+// cut when the job's room is gone (down to the slack below it, so that the next small rise
+// of the job's use costs nothing), grows when the room exceeds the slack, and holds its
+// budget in between. Without it, every wiggle of the job's use (a fresh DataLoader worker, the
+// allocator) evicted a few files of the dataset being read, which the next epoch read again.
 func (lim *limiter) apply() {
 	l, e := lim.l, lim.e
-	room := int64(math.MaxInt64) // what the memory tiers may still take of the job's limit
+	room, haveRoom := int64(0), false // what the memory tiers may still take of the job's limit
 	if mem, ok := lim.readMemory(); ok {
-		room = mem.Limit - l.Reserve.Resolve(mem.Limit) - mem.Unreclaimable
-	}
-	var usedMemory, usedOther int64
-	for _, t := range e.tiers {
-		if t.Kind == tiers.Memory {
-			usedMemory += t.Info().Used
-		} else {
-			usedOther += t.Info().Used
-		}
+		reserve := l.reserve(mem.Limit)
+		room, haveRoom = mem.Limit-reserve-mem.Unreclaimable, true
+		lim.slack = reserve / 4
 	}
 	for i, t := range e.tiers {
-		used := t.Info().Used
+		info := t.Info()
+		// Bytes reserved for files being written are in used but not yet in the memory the
+		// job uses: counted once, as written.
+		used := info.Used - info.Writing
 		ceil, why := int64(math.MaxInt64), ""
 		lower := func(n int64, reason string) {
 			if n < ceil {
 				ceil, why = n, reason
 			}
 		}
+		memoryCut := false
 		if t.Kind == tiers.Memory {
-			if room != math.MaxInt64 {
-				lower(used+room, "cgroup memory limit")
+			if haveRoom {
+				lower(lim.memoryCeiling(i, used, room), "cgroup memory limit")
+				memoryCut = room < 0
 			}
 			if l.MemoryPerUser > 0 {
-				lower(l.MemoryPerUser-(usedMemory-used), "site memory_per_user")
+				lower(l.MemoryPerUser-(lim.usedOf(true)-info.Used), "site memory_per_user")
 			}
 			if l.MemoryPerNode > 0 {
 				if total, free, err := l.StatFS(t.Path); err == nil {
@@ -164,46 +180,93 @@ func (lim *limiter) apply() {
 				}
 			}
 		} else if l.DiskPerUser > 0 {
-			lower(l.DiskPerUser-(usedOther-used), "site disk_per_user")
+			lower(l.DiskPerUser-(lim.usedOf(false)-info.Used), "site disk_per_user")
 		}
 		if l.KeepFree != (tiers.SizeOrPercent{}) {
 			if total, free, err := l.StatFS(t.Path); err == nil {
 				lower(used+free-l.KeepFree.Resolve(total), "file system free space")
 			}
 		}
-		budget, err := t.Ceil(ceil, why, e.spillFrom(i))
+		spill := e.spillFrom(i)
+		if memoryCut && spill != nil {
+			spill = spillUpTo(spillPerApply, spill)
+		}
+		budget, err := t.Ceil(ceil, why, spill)
 		if err != nil {
 			e.log.Warn("lowering a tier's budget", "tier", t.Path, "err", err)
 		}
-		if t.Kind == tiers.Memory && room != math.MaxInt64 {
+		if t.Kind == tiers.Memory && haveRoom {
 			room -= max(budget-used, 0) // the room this tier may grow into is not another's
+		}
+		if i == 0 && t.Kind == tiers.Memory && budget-used < fillMargin {
+			// Readers write their misses into the first tier before the server records
+			// them: they stop while it has no room (see RecordFill).
+			e.markFillRootsFull()
 		}
 	}
 }
 
-// readMemory reads the memory cgroup, if there is one with a limit, and reports OOM kills
-// in it since the last reading.
+// fillMargin is the room below which the first tier is marked full for readers' fills.
+const fillMargin = 16 << 20
+
+// memoryCeiling returns the ceiling of memory tier i, which holds used bytes, when the job's
+// memory has room left (negative: over), with the hysteresis described at apply.
+func (lim *limiter) memoryCeiling(i int, used, room int64) int64 {
+	prev, held := lim.budgets[i]
+	var ceil int64
+	switch {
+	case room < 0 || room > lim.slack || !held:
+		ceil = used + room - lim.slack
+	default: // within the slack: hold, never above what fits
+		ceil = min(prev, used+room)
+	}
+	lim.budgets[i] = ceil
+	return ceil
+}
+
+// usedOf returns the bytes held by the memory tiers (memory) or the other tiers.
+func (lim *limiter) usedOf(memory bool) int64 {
+	var n int64
+	for _, t := range lim.e.tiers {
+		if (t.Kind == tiers.Memory) == memory {
+			n += t.Info().Used
+		}
+	}
+	return n
+}
+
+// spillUpTo returns spill, doing nothing once it has been handed n bytes.
+func spillUpTo(n int64, spill func(*tiers.Mapping)) func(*tiers.Mapping) {
+	return func(m *tiers.Mapping) {
+		if n > 0 {
+			n -= int64(len(m.Bytes()))
+			spill(m)
+		}
+	}
+}
+
+// readMemory reads the memory cgroup and reports OOM kills in it since the last reading. A
+// reading that fails is replaced by the last that succeeded: the limit does not go away
+// because a file could not be read once. ok is false when there is no limit to follow.
 func (lim *limiter) readMemory() (MemoryReading, bool) {
 	if lim.l.Memory == nil {
 		return MemoryReading{}, false
 	}
 	r, err := lim.l.Memory()
-	lim.mu.Lock()
-	defer lim.mu.Unlock()
 	if err != nil {
 		if !lim.readErr {
-			lim.e.log.Warn("cannot read the memory cgroup: the memory tier keeps its budget", "err", err)
+			lim.e.log.Warn("cannot read the memory cgroup: the memory tier keeps to the last reading", "err", err)
 		}
 		lim.readErr = true
-		return MemoryReading{}, false
+		return lim.last, lim.haveLast && lim.last.Limit < math.MaxInt64
 	}
 	lim.readErr = false
-	if r.OOMKills > lim.oomKills {
+	if lim.haveLast && r.OOMKills > lim.last.OOMKills {
 		lim.e.stats.Warn("the kernel killed a process of this job for want of memory (memory cgroup OOM kill)")
-		lim.e.log.Warn("OOM kill in the server's memory cgroup", "kills", r.OOMKills-lim.oomKills, "limit", r.Limit,
+		lim.e.log.Warn("OOM kill in the server's memory cgroup", "kills", r.OOMKills-lim.last.OOMKills, "limit", r.Limit,
 			"unreclaimable", r.Unreclaimable)
 	}
-	lim.oomKills = r.OOMKills
+	lim.last, lim.haveLast = r, true
 	return r, r.Limit < math.MaxInt64
 }
 

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"golang.org/x/sys/unix"
 )
@@ -186,11 +187,17 @@ func regular(fd int) bool {
 }
 
 // holder reads what a server wrote in the lock file open at fd, "pid N, holder text", and
-// the pid.
+// the pid. The file is the tier owner's to write: anything but printable characters is
+// replaced, so that it cannot write control sequences into root's epilog log.
 func holder(fd int) (string, int) {
 	b := make([]byte, 1024)
 	n, _ := unix.Pread(fd, b, 0)
-	text := strings.TrimSpace(string(b[:max(n, 0)]))
+	text := strings.Map(func(r rune) rune {
+		if unicode.IsPrint(r) {
+			return r
+		}
+		return '?'
+	}, strings.TrimSpace(strings.ToValidUTF8(string(b[:max(n, 0)]), "?")))
 	pid := 0
 	if rest, ok := strings.CutPrefix(text, "pid "); ok {
 		digits, _, _ := strings.Cut(rest, ",")

@@ -77,12 +77,25 @@ class MemoryCgroup:
             pytest.skip(f"cannot make a memory cgroup with a limit: {e}")
         self.limit = limit
         self.started = []
+        self.children = []
 
-    def run(self, args, **kw):
-        """Runs args inside the cgroup (joined by a shell before exec) and waits for it."""
-        procs = os.path.join(self.dir, "cgroup.procs")
+    def child(self, name):
+        """Makes a cgroup inside this one, without a limit of its own (as Slurm makes a task's
+        inside its job's), and returns its name."""
+        os.mkdir(os.path.join(self.dir, name))
+        self.children.append(name)
+        return name
+
+    def start(self, args, child=None, **kw):
+        """Starts args inside the cgroup, or its child, joined by a shell before exec."""
+        procs = os.path.join(self.dir, child or "", "cgroup.procs")
         p = subprocess.Popen(["sh", "-c", f'echo $$ > {procs} && exec "$0" "$@"', *args], **kw)
         self.started.append(p.pid)
+        return p
+
+    def run(self, args, child=None, **kw):
+        """Runs args inside the cgroup (or its child) and waits for it."""
+        p = self.start(args, child, **kw)
         out, err = p.communicate(timeout=600)
         return p.returncode, out, err
 
@@ -103,6 +116,13 @@ class MemoryCgroup:
     def close(self):
         if not os.path.isdir(getattr(self, "dir", "")):
             return
+        for name in getattr(self, "children", []):
+            for _ in range(100):  # bounded: 10 s
+                try:
+                    os.rmdir(os.path.join(self.dir, name))
+                    break
+                except OSError:
+                    time.sleep(0.1)
         for _ in range(100):  # bounded: 10 s
             try:
                 os.rmdir(self.dir)
@@ -162,11 +182,11 @@ def job_setup(tmp_path):
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def run_job(cg, root, manifest, options, epochs, tmp_path):
+def run_job(cg, root, manifest, options, epochs, tmp_path, child=None):
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(manifest))
     rc, out, err = cg.run([sys.executable, "-c", JOB, root, str(path), json.dumps(options), str(epochs)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          child=child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return rc, out, err
 
 
@@ -196,9 +216,52 @@ def test_a_1gib_job_reads_1_6gb_twice_and_leaves_no_ram(tmp_path, job_setup):
         assert held > 50 * MIB, f"the memory tier held only {held} bytes"
         os.kill(server, signal.SIGTERM)  # the job ends
         assert wait_gone(server, 30)
-        assert os.listdir(shm) == ["fitcache.lock"]  # its pid line: one page
-        assert tree_bytes(shm) <= 4096
+        # The lock (a pid line) and the emptied index (its header: the slots' pages are given
+        # back) are left.
+        assert sorted(os.listdir(shm)) == ["fitcache.index", "fitcache.lock"]
+        assert tree_bytes(shm) <= 64 << 10, tree_bytes(shm)
     finally:
+        cg.close()
+
+
+# Holds size bytes of anonymous memory until its standard input closes.
+HOG = r"""
+import sys
+hog = bytearray(int(sys.argv[1]))
+for i in range(0, len(hog), 4096):
+    hog[i] = 1
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_ranks_in_task_cgroups_share_the_jobs_limit(tmp_path, job_setup):
+    """Slurm puts each task of a job (a training rank) in a cgroup of its own inside the job's,
+    with the limit on the job's: the server, in one task's cgroup, keeps its tier within what
+    the whole job leaves, not what its own task uses. Another task holds 350 MiB here; a
+    server that counted its own task alone took the job past its 1 GiB."""
+    options, shm = job_setup
+    cg = MemoryCgroup(1 << 30)
+    hog = None
+    try:
+        root = str(tmp_path / "data")
+        manifest = make_dataset(root, 8000, 110 << 10)
+        hog = cg.start([sys.executable, "-c", HOG, str(350 * MIB)], child=cg.child("task_1"),
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert hog.stdout.readline().strip() == "ready"
+        rc, out, err = run_job(cg, root, manifest, options, 1, tmp_path, child=cg.child("task_0"))
+        assert rc == 0, f"job exit status {rc} (OOM kills: {cg.oom_kills()}):\n{err[-3000:]}"
+        assert json.loads(out.strip().splitlines()[-1])["bad"] == 0
+        assert cg.oom_kills() == 0
+        assert hog.poll() is None, "the other task was killed"
+    finally:
+        if hog is not None:
+            hog.stdin.close()
+            hog.wait(timeout=30)
+        pid = server_pid(options["runtime_dir"])
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            wait_gone(pid)
         cg.close()
 
 
@@ -222,7 +285,7 @@ def test_memory_kept_or_moved_to_disk_at_the_jobs_end_when_asked(tmp_path, job_s
         if policy == "keep":
             assert after >= held > 0
         else:
-            assert after <= 4096, os.listdir(shm)
+            assert after <= 64 << 10, os.listdir(shm)
             disk = options["tiers"].split(",")[1].split(":")[1]
             assert tree_bytes(disk) >= len(manifest) * (100 << 10)
         # The next job finds them: no source read.

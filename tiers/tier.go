@@ -64,7 +64,10 @@ type Info struct {
 	ConfiguredBudget int64  `json:"configured_budget_bytes,omitempty"`
 	LimitedBy        string `json:"limited_by,omitempty"`
 	Used             int64  `json:"used_bytes"`
-	Files            int    `json:"files"`
+	// Writing is the part of Used reserved for files being written, not in the file
+	// system yet.
+	Writing int64 `json:"writing_bytes,omitempty"`
+	Files   int   `json:"files"`
 	// IndexEvictions counts files evicted because their bucket of the index was full (see
 	// indexBuckets): many more files than the budget's size suggests.
 	IndexEvictions int64 `json:"index_evictions"`
@@ -88,17 +91,20 @@ type Tier struct {
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
-	mu     sync.Mutex // protects budget, limitedBy, used, fifo, nextSeq and the index's slots
+	mu     sync.Mutex // protects budget, configured, fullCap, limitedBy, used, writing, fifo, nextSeq and the index's slots
 	budget int64      // the budget in force: the configured one, or lower (see Ceil)
-	// configured is the budget of the tier's Config, resolved at start; limitedBy says what
-	// lowers the budget in force below it ("" when nothing does).
-	configured int64
-	limitedBy  string
-	used       int64  // bytes of published entries, plus reservations being written
-	fifo       fifo   // the entries in publication order
-	nextSeq    uint64 // publication sequence number of the next entry
-	ix         *index // the tier's index, written under mu
-	shut       bool   // set by Close under mu: ix is unmapped, nothing may write it
+	// configured is the budget of the tier's Config, resolved at start; fullCap, when not
+	// 0, is what the tier held when its file system said it was full (ENOSPC, EDQUOT), which
+	// it never exceeds again; limitedBy says what lowers the budget in force below the
+	// configured one ("" when nothing does).
+	configured, fullCap int64
+	limitedBy           string
+	writing             int64  // bytes of used reserved by files being written (see publishWith)
+	used                int64  // bytes of published entries, plus reservations being written
+	fifo                fifo   // the entries in publication order
+	nextSeq             uint64 // publication sequence number of the next entry
+	ix                  *index // the tier's index, written under mu
+	shut                bool   // set by Close under mu: ix is unmapped, nothing may write it
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
 	// lastSession is the last validation session the index found at start recorded (see
@@ -244,7 +250,7 @@ func (t *Tier) Info() Info {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	info := Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
-		Budget: t.budget, Used: t.used, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
+		Budget: t.budget, Used: t.used, Writing: t.writing, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
 	if t.budget < t.configured {
 		info.ConfiguredBudget, info.LimitedBy = t.configured, t.limitedBy
 	}
@@ -697,11 +703,16 @@ func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (s
 	n := EntrySize(e.SourcePath, e.Size)
 
 	t.mu.Lock()
+	if t.shut {
+		t.mu.Unlock()
+		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, os.ErrClosed)
+	}
 	if t.used+n > t.budget {
 		t.mu.Unlock()
 		return ErrNoRoom
 	}
 	t.used += n // reserved while writing
+	t.writing += n
 	seq := t.nextSeq
 	t.nextSeq++
 	t.mu.Unlock()
@@ -713,10 +724,12 @@ func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (s
 	})
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.writing -= n
 	if err != nil {
 		t.used -= n
 		if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 			t.log.Warn("file system full: lowering budget to current use", "budget", FormatBytes(t.used))
+			t.fullCap = max(t.used, 1)
 			t.budget, t.limitedBy = t.used, "file system full"
 			return fmt.Errorf("%w: %w", ErrNoRoom, err)
 		}
