@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 )
 
@@ -23,25 +24,41 @@ const NoLimit int64 = math.MaxInt64
 const v1Unlimited = 1 << 62
 
 // Usage is one reading of a memory cgroup, in bytes except for the counters.
+//
+// It is the reading of the binding level: of the cgroup and its ancestors within the mount,
+// those with a limit are read, and the one with the least headroom (Limit less
+// Unreclaimable) is reported, since it is the one the kernel will enforce first. In a
+// Slurm job (job_J/step_S/task_N) that is usually the job, whose usage includes every
+// task's, not the task the process runs in.
 type Usage struct {
-	// Limit is the effective limit: the smallest of the cgroup's and its ancestors'
-	// (within the mount); NoLimit when there is none. On v2 both memory.max and
-	// memory.high count, since going over memory.high throttles the job.
+	// Level is the directory of the binding level: the cgroup whose limit and usage
+	// these are. Without any limit it is the process's cgroup (Memory.Dir).
+	Level string
+	// Limit is the binding level's limit, NoLimit when no level has one. On v2 it is the
+	// smaller of memory.max and memory.high, since going over memory.high throttles the
+	// job.
 	Limit int64
-	// Usage is the memory charged to the cgroup: v1 memory.usage_in_bytes, v2
-	// memory.current.
+	// Usage is the memory charged to the binding level and its descendants: v1
+	// memory.usage_in_bytes (with use_hierarchy), v2 memory.current.
 	Usage int64
 	// File is reclaimable page cache: active_file + inactive_file (v1: the total_ ones).
 	// shmem and tmpfs pages sit on the anon LRU and are not in it.
 	File int64
-	// Shmem is shmem and tmpfs pages charged to the cgroup: v1 total_shmem, v2 shmem.
+	// Shmem is shmem and tmpfs pages charged to the binding level: v1 total_shmem, v2
+	// shmem.
 	Shmem int64
-	// LimitHits counts the times this cgroup's own limit was hit: v1 memory.failcnt, v2
-	// memory.events "max". Hits of a limit set only on an ancestor are counted in the
-	// ancestor, not here.
+	// LimitHits counts the times a limit was hit within the job: v2 memory.events "max"
+	// of the outermost level with a limit (hierarchical, so a hit on any limit in its
+	// subtree counts); v1 memory.failcnt summed over the levels with a limit (v1 counts
+	// a hit only in the cgroup whose limit was hit). Without a limit, the cgroup's own.
 	LimitHits uint64
-	// OOMKills counts processes OOM-killed in the cgroup: v1 memory.oom_control
-	// "oom_kill", v2 memory.events "oom_kill". Zero on kernels that do not report it.
+	// OOMKills counts processes OOM-killed within the job: in the outermost level with a
+	// limit and all its descendants, so that a kill in a sibling task is seen. v2 reads
+	// that level's memory.events "oom_kill", which is hierarchical; v1's
+	// memory.oom_control "oom_kill" counts only kills of the cgroup's own processes, so it
+	// is summed over the subtree (and so is v2's when mounted with memory_localevents).
+	// A cgroup removed between two readings takes its kills with it. Zero on kernels that
+	// do not report it.
 	OOMKills uint64
 }
 
@@ -58,16 +75,38 @@ func (u Usage) Unreclaimable() int64 { return max(u.Usage-u.File, 0) }
 type Memory struct {
 	version int
 	dir     string
-	// v1 and v2
-	usage string // memory.usage_in_bytes or memory.current
-	stat  string // memory.stat
-	// v1
-	limit   string // memory.limit_in_bytes
-	failcnt string // memory.failcnt
-	oomCtl  string // memory.oom_control
-	// v2
-	events string   // memory.events
-	limits []string // memory.max and memory.high of dir and its ancestors within the mount
+	// levels are dir and its ancestors up to the mount root, without the hierarchy's
+	// root cgroup (which has no limit). The list is fixed for the cgroup's life; the
+	// limits are read on every Read, since they can change.
+	levels []level
+	// local: memory.oom_control (v1) or memory.events (v2 with memory_localevents) count
+	// only the cgroup's own processes, so OOM kills are summed over a subtree.
+	local bool
+}
+
+// level is one cgroup on the way up, with the files Read may read.
+type level struct {
+	dir    string
+	usage  file   // memory.usage_in_bytes or memory.current
+	stat   file   // memory.stat
+	limits []file // v1 memory.limit_in_bytes; v2 memory.max and memory.high
+	events file   // v1 memory.failcnt; v2 memory.events
+	// above: v1 at a mount root that is not the hierarchy's root (a container): limits
+	// above the mount cannot be read, but memory.stat's hierarchical_memory_limit shows
+	// them, and they count as this level's.
+	above bool
+}
+
+// file is a file's name, also NUL-terminated for open(2), so that reading it allocates
+// nothing.
+type file struct {
+	name string
+	c    []byte
+}
+
+func newFile(dir, name string) file {
+	p := filepath.Join(dir, name)
+	return file{p, append([]byte(p), 0)}
 }
 
 // Self returns the memory cgroup of this process, or an error wrapping ErrNoController
@@ -102,16 +141,16 @@ func Find(procRoot string, pid int) (*Memory, error) {
 	// v1 first: on a hybrid host the memory controller is a v1 hierarchy and the cgroup2
 	// mount has none; where both are listed, whichever has the controller wins.
 	if paths.hasV1 {
-		if dir, _, ok := resolve(mounts, "cgroup", paths.v1); ok {
-			m, err := openV1(dir)
+		if dir, mt, ok := resolve(mounts, "cgroup", paths.v1); ok {
+			m, err := openV1(dir, mt.point, mt.root == "/")
 			if !errors.Is(err, ErrNoController) {
 				return m, err
 			}
 		}
 	}
 	if paths.hasV2 {
-		if dir, point, ok := resolve(mounts, "cgroup2", paths.v2); ok {
-			m, err := openV2(dir, point)
+		if dir, mt, ok := resolve(mounts, "cgroup2", paths.v2); ok {
+			m, err := openV2(dir, mt.point, slices.Contains(mt.super, "memory_localevents"))
 			if !errors.Is(err, ErrNoController) {
 				return m, err
 			}
@@ -121,34 +160,52 @@ func Find(procRoot string, pid int) (*Memory, error) {
 }
 
 // Open returns the memory controller of the cgroup at dir, a directory in a mounted cgroup
-// fs, whichever its version. On v2 the limits of the ancestors up to the first without
-// memory.max count, as the mount root is not known here.
+// fs, whichever its version. As the mount is not known here, the levels read are dir and
+// its ancestors up to the first without memory files or below the hierarchy's root.
 func Open(dir string) (*Memory, error) {
 	if exists(filepath.Join(dir, "memory.max")) {
-		return openV2(dir, "")
+		return openV2(dir, "", false)
 	}
-	return openV1(dir)
+	return openV1(dir, "", false)
 }
 
-func openV1(dir string) (*Memory, error) {
+// openV1 opens the v1 cgroup at dir, whose levels go up to stop (the mount point; "" for
+// no bound); hierRoot says that stop is the hierarchy's root cgroup.
+func openV1(dir, stop string, hierRoot bool) (*Memory, error) {
 	if !exists(filepath.Join(dir, "memory.usage_in_bytes")) {
 		return nil, fmt.Errorf("cgroup %s: %w", dir, ErrNoController)
 	}
-	return &Memory{
-		version: 1,
-		dir:     dir,
-		usage:   filepath.Join(dir, "memory.usage_in_bytes"),
-		stat:    filepath.Join(dir, "memory.stat"),
-		limit:   filepath.Join(dir, "memory.limit_in_bytes"),
-		failcnt: filepath.Join(dir, "memory.failcnt"),
-		oomCtl:  filepath.Join(dir, "memory.oom_control"),
-	}, nil
+	m := &Memory{version: 1, dir: dir, local: true}
+	for d := dir; ; d = filepath.Dir(d) {
+		// The root cgroup (which alone has cgroup.sane_behavior) takes no limit.
+		root := (d == stop && hierRoot) || exists(filepath.Join(d, "cgroup.sane_behavior"))
+		if d != dir && root {
+			break
+		}
+		if !exists(filepath.Join(d, "memory.usage_in_bytes")) {
+			m.levels[len(m.levels)-1].above = true // a mount root within the hierarchy
+			break
+		}
+		m.levels = append(m.levels, level{
+			dir:    d,
+			usage:  newFile(d, "memory.usage_in_bytes"),
+			stat:   newFile(d, "memory.stat"),
+			limits: []file{newFile(d, "memory.limit_in_bytes")},
+			events: newFile(d, "memory.failcnt"),
+			above:  d == stop && !hierRoot,
+		})
+		if d == stop || root || filepath.Dir(d) == d {
+			break
+		}
+	}
+	return m, nil
 }
 
 // openV2 opens the nearest cgroup at or above dir, and not above stop (the mount point;
 // "" for no bound), that has the memory controller: where the controller is not enabled
-// for a cgroup, its memory is charged to that ancestor.
-func openV2(dir, stop string) (*Memory, error) {
+// for a cgroup, its memory is charged to that ancestor. local says that memory.events is
+// not hierarchical (the memory_localevents mount option).
+func openV2(dir, stop string, local bool) (*Memory, error) {
 	d := dir
 	for !exists(filepath.Join(d, "memory.max")) {
 		if d == stop || filepath.Dir(d) == d {
@@ -156,20 +213,20 @@ func openV2(dir, stop string) (*Memory, error) {
 		}
 		d = filepath.Dir(d)
 	}
-	m := &Memory{
-		version: 2,
-		dir:     d,
-		usage:   filepath.Join(d, "memory.current"),
-		stat:    filepath.Join(d, "memory.stat"),
-		events:  filepath.Join(d, "memory.events"),
-	}
-	// The ancestors are fixed for the cgroup's life; only their limits change, so the list
-	// of files is made once and the files are read on every Read.
+	m := &Memory{version: 2, dir: d, local: local}
+	// The root cgroup has no memory.max, so the walk ends below it.
 	for a := d; exists(filepath.Join(a, "memory.max")); a = filepath.Dir(a) {
-		m.limits = append(m.limits, filepath.Join(a, "memory.max"))
-		if high := filepath.Join(a, "memory.high"); exists(high) {
-			m.limits = append(m.limits, high)
+		lv := level{
+			dir:    a,
+			usage:  newFile(a, "memory.current"),
+			stat:   newFile(a, "memory.stat"),
+			limits: []file{newFile(a, "memory.max")},
+			events: newFile(a, "memory.events"),
 		}
+		if exists(filepath.Join(a, "memory.high")) {
+			lv.limits = append(lv.limits, newFile(a, "memory.high"))
+		}
+		m.levels = append(m.levels, lv)
 		if a == stop || filepath.Dir(a) == a {
 			break
 		}

@@ -2,6 +2,7 @@ package cgroup
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -107,6 +108,7 @@ func TestFindRead(t *testing.T) {
 		files   map[string]string
 		version int
 		dir     string
+		level   string // the binding level, if not dir
 		want    Usage
 	}{{
 		name:    "v1 limited",
@@ -121,6 +123,7 @@ func TestFindRead(t *testing.T) {
 		files: merge(proc("4:memory,foo:/slurm/uid_0/job_1\n",
 			mountTmpfs+"35 31 0:32 / ROOT/sys/fs/cgroup/memory rw - cgroup cgroup rw,foo,memory\n"),
 			v1Files(v1Dir, "1000000", v1None, "1073741824")),
+		// uid_0 has no memory files here: as at a mount root, hierarchical_memory_limit counts
 		version: 1, dir: v1Dir, want: with(v1Want, func(u *Usage) { u.Limit = 1 << 30 }),
 	}, {
 		name:    "v1 own limit below the hierarchical one",
@@ -155,7 +158,7 @@ func TestFindRead(t *testing.T) {
 		name: "v2 limited by an ancestor",
 		files: merge(proc(v2Cgroup, mountV2), v2Files(v2Dir, "900", "max", "max"),
 			v2Files(v2Parent, "900", "max", "max"), v2Files(v2GrandParnt, "900", "max", "1000")),
-		version: 2, dir: v2Dir, want: v2Want,
+		version: 2, dir: v2Dir, level: v2GrandParnt, want: v2Want,
 	}, {
 		name: "v2 no limit, no memory.events",
 		files: merge(proc(v2Cgroup, mountV2), v2Files(v2Dir, "900", "max", "max"), v2Files(v2Parent, "900", "max", "max"),
@@ -199,6 +202,10 @@ func TestFindRead(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Read: %v", err)
 			}
+			if tt.level == "" {
+				tt.level = tt.dir
+			}
+			tt.want.Level = filepath.Join(root, tt.level)
 			if diff := cmp.Diff(tt.want, got); diff != "" {
 				t.Errorf("Read() (-want +got):\n%s", diff)
 			}
@@ -310,10 +317,13 @@ func TestOpen(t *testing.T) {
 		version int
 		want    Usage
 	}{
-		{v2Dir, 2, Usage{Limit: 1000, Usage: 900, File: 300, Shmem: 300, LimitHits: 5, OOMKills: 1}},
+		{v2Parent, 2, Usage{Limit: 1000, Usage: 900, File: 300, Shmem: 300, LimitHits: 5, OOMKills: 1}},
 		{"v1", 1, Usage{Limit: 64 << 20, Usage: 1000000, File: 300, Shmem: 300, LimitHits: 7, OOMKills: 2}},
 	} {
-		m, err := Open(filepath.Join(root, tt.dir))
+		m, err := Open(filepath.Join(root, v2Dir))
+		if tt.version == 1 {
+			m, err = Open(filepath.Join(root, tt.dir))
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -324,6 +334,7 @@ func TestOpen(t *testing.T) {
 		if m.Version() != tt.version {
 			t.Errorf("Open(%s).Version() = %d, want %d", tt.dir, m.Version(), tt.version)
 		}
+		tt.want.Level = filepath.Join(root, tt.dir)
 		if diff := cmp.Diff(tt.want, got); diff != "" {
 			t.Errorf("Open(%s).Read() (-want +got):\n%s", tt.dir, diff)
 		}
@@ -388,6 +399,16 @@ func TestReadLargeFile(t *testing.T) {
 	}
 }
 
+// slurm1 and slurm2 are 3-level Slurm trees, job (limited), step, task, with a sibling task.
+var (
+	slurm1 = merge(proc("4:memory:/job_1/step_0/task_0\n", v1Mounts), lv1("sys/fs/cgroup/memory/job_1", 900, 100, 1000, 3, 0),
+		lv1("sys/fs/cgroup/memory/job_1/step_0", 850, 100, 0, 0, 0), lv1("sys/fs/cgroup/memory/job_1/step_0/task_0", 10, 0, 0, 0, 0),
+		lv1("sys/fs/cgroup/memory/job_1/step_0/task_1", 840, 100, 0, 0, 2))
+	slurm2 = merge(proc("0::/job_1/step_0/task_0\n", mountV2), lv2("sys/fs/cgroup/job_1", 900, 100, 1000, 0, 3, 0),
+		lv2("sys/fs/cgroup/job_1/step_0", 850, 100, 0, 0, 0, 0), lv2("sys/fs/cgroup/job_1/step_0/task_0", 10, 0, 0, 0, 0, 0),
+		lv2("sys/fs/cgroup/job_1/step_0/task_1", 840, 100, 0, 0, 0, 2))
+)
+
 func BenchmarkRead(b *testing.B) {
 	fake := func(files map[string]string) func(b *testing.B) (*Memory, error) {
 		return func(b *testing.B) (*Memory, error) {
@@ -400,6 +421,8 @@ func BenchmarkRead(b *testing.B) {
 	}{
 		{"v1", fake(merge(proc(v1Cgroup, v1Mounts), v1Files(v1Dir, "1000000", "67108864", "67108864")))},
 		{"v2", fake(merge(proc(v2Cgroup, mountV2), v2Files(v2Dir, "900", "1000", "max"), v2Files(v2Parent, "900", "max", "max")))},
+		{"v1 slurm job/step/task", fake(slurm1)},
+		{"v2 slurm job/step/task", fake(slurm2)},
 		{"self", func(*testing.B) (*Memory, error) { return Self() }},
 	} {
 		b.Run(bb.name, func(b *testing.B) {
@@ -412,6 +435,133 @@ func BenchmarkRead(b *testing.B) {
 				if _, err := m.Read(); err != nil {
 					b.Fatal(err)
 				}
+			}
+		})
+	}
+}
+
+// lv1 and lv2 are one level of a fake tree: usage and file pages in MiB, the limit in MiB
+// (0 for none), and the level's own counters.
+func lv1(dir string, usage, file, limit int64, failcnt, oomKill int) map[string]string {
+	lim := v1None
+	if limit > 0 {
+		lim = fmt.Sprint(limit * mib)
+	}
+	return map[string]string{
+		dir + "/memory.usage_in_bytes": fmt.Sprintln(usage * mib),
+		dir + "/memory.limit_in_bytes": lim + "\n",
+		dir + "/memory.stat":           stat1(v1None, fmt.Sprint(file*mib), "0", fmt.Sprint(usage*mib/2)),
+		dir + "/memory.failcnt":        fmt.Sprintln(failcnt),
+		dir + "/memory.oom_control":    fmt.Sprintf("oom_kill_disable 0\nunder_oom 0\noom_kill %d\n", oomKill),
+	}
+}
+
+func lv2(dir string, usage, file, max, high int64, maxEvents, oomKill int) map[string]string {
+	lim := func(n int64) string {
+		if n == 0 {
+			return "max\n"
+		}
+		return fmt.Sprintln(n * mib)
+	}
+	return map[string]string{
+		dir + "/memory.current": fmt.Sprintln(usage * mib),
+		dir + "/memory.max":     lim(max),
+		dir + "/memory.high":    lim(high),
+		dir + "/memory.stat":    stat2(fmt.Sprint(file*mib), "0", fmt.Sprint(usage*mib/2)),
+		dir + "/memory.events":  fmt.Sprintf("low 0\nhigh 0\nmax %d\noom 0\noom_kill %d\n", maxEvents, oomKill),
+	}
+}
+
+const mib = 1 << 20
+
+// findRead finds pid 42's cgroup in the fake tree at root and reads it.
+func findRead(t *testing.T, root string) Usage {
+	t.Helper()
+	m, err := Find(filepath.Join(root, "proc"), 42)
+	if err != nil {
+		t.Fatalf("Find: %v", err)
+	}
+	u, err := m.Read()
+	if err != nil {
+		t.Fatalf("Read: %v", err)
+	}
+	return u
+}
+
+// TestSlurmJob reads from task_0 of a Slurm job whose limit is on the job (and step)
+// cgroup, while a sibling task holds most of the memory.
+func TestSlurmJob(t *testing.T) {
+	const (
+		v1Job  = "sys/fs/cgroup/memory/slurm/uid_0/job_1"
+		v1Step = v1Job + "/step_0"
+		v2Job  = "sys/fs/cgroup/system.slice/slurmstepd.scope/job_1"
+		v2Step = v2Job + "/step_0"
+	)
+	v1Proc := proc("4:memory:/slurm/uid_0/job_1/step_0/task_0\n", v1Mounts)
+	v2Proc := proc("0::/system.slice/slurmstepd.scope/job_1/step_0/task_0\n", mountV2)
+	// Outside the job: a big host usage, no limit, counters that must not be counted.
+	v1Host := merge(lv1("sys/fs/cgroup/memory/slurm", 5000, 0, 0, 9, 9), lv1("sys/fs/cgroup/memory/slurm/uid_0", 5000, 0, 0, 9, 9),
+		lv1("sys/fs/cgroup/memory/slurm/uid_0/job_2", 500, 0, 600, 9, 9))
+	v2Host := merge(lv2("sys/fs/cgroup/system.slice", 5000, 0, 0, 0, 9, 9), lv2("sys/fs/cgroup/system.slice/slurmstepd.scope", 5000, 0, 0, 0, 9, 9))
+	tests := []struct {
+		name  string
+		files map[string]string
+		want  Usage // Level relative to the tree's root
+	}{{
+		name: "v1 job binds",
+		files: merge(v1Proc, v1Host, lv1(v1Job, 900, 100, 1000, 3, 0), lv1(v1Step, 850, 100, 1000, 1, 0),
+			lv1(v1Step+"/task_0", 10, 0, 0, 0, 0), lv1(v1Step+"/task_1", 840, 100, 0, 0, 2),
+			lv1(v1Job+"/step_batch", 5, 0, 0, 0, 0), lv1(v1Job+"/step_batch/task_0", 5, 0, 0, 0, 1)),
+		// job: 1000 - (900-100) = 200 MiB; step: 1000 - 750 = 250 MiB
+		want: Usage{Level: v1Job, Limit: 1000 * mib, Usage: 900 * mib, File: 100 * mib, Shmem: 450 * mib, LimitHits: 3 + 1, OOMKills: 3},
+	}, {
+		name: "v1 step binds",
+		files: merge(v1Proc, v1Host, lv1(v1Job, 900, 100, 1000, 3, 0), lv1(v1Step, 850, 100, 800, 1, 0),
+			lv1(v1Step+"/task_0", 10, 0, 0, 0, 0), lv1(v1Step+"/task_1", 840, 100, 0, 0, 2)),
+		// step: 800 - 750 = 50 MiB
+		want: Usage{Level: v1Step, Limit: 800 * mib, Usage: 850 * mib, File: 100 * mib, Shmem: 425 * mib, LimitHits: 3 + 1, OOMKills: 2},
+	}, {
+		name: "v1 no limit: the task's own reading",
+		files: merge(v1Proc, v1Host, lv1(v1Job, 900, 100, 0, 3, 0), lv1(v1Step, 850, 100, 0, 1, 0),
+			lv1(v1Step+"/task_0", 10, 0, 0, 0, 0), lv1(v1Step+"/task_1", 840, 100, 0, 0, 2)),
+		want: Usage{Level: v1Step + "/task_0", Limit: NoLimit, Usage: 10 * mib, Shmem: 5 * mib},
+	}, {
+		name: "v2 job binds by memory.high",
+		files: merge(v2Proc, v2Host, lv2(v2Job, 900, 100, 2000, 1000, 4, 2), lv2(v2Step, 850, 100, 0, 0, 1, 2),
+			lv2(v2Step+"/task_0", 10, 0, 0, 0, 0, 0), lv2(v2Step+"/task_1", 840, 100, 0, 0, 0, 2)),
+		want: Usage{Level: v2Job, Limit: 1000 * mib, Usage: 900 * mib, File: 100 * mib, Shmem: 450 * mib, LimitHits: 4, OOMKills: 2},
+	}, {
+		name: "v2 step binds; counters of the job",
+		files: merge(v2Proc, v2Host, lv2(v2Job, 900, 100, 1000, 0, 4, 2), lv2(v2Step, 850, 100, 800, 0, 1, 2),
+			lv2(v2Step+"/task_0", 10, 0, 0, 0, 0, 0)),
+		want: Usage{Level: v2Step, Limit: 800 * mib, Usage: 850 * mib, File: 100 * mib, Shmem: 425 * mib, LimitHits: 4, OOMKills: 2},
+	}, {
+		name: "v2 no limit",
+		files: merge(v2Proc, v2Host, lv2(v2Job, 900, 100, 0, 0, 4, 2), lv2(v2Step, 850, 100, 0, 0, 1, 2),
+			lv2(v2Step+"/task_0", 10, 0, 0, 0, 1, 1)),
+		want: Usage{Level: v2Step + "/task_0", Limit: NoLimit, Usage: 10 * mib, Shmem: 5 * mib, LimitHits: 1, OOMKills: 1},
+	}, {
+		name: "v2 memory_localevents: kills summed over the job",
+		files: merge(proc("0::/system.slice/slurmstepd.scope/job_1/step_0/task_0\n",
+			"29 23 0:26 / ROOT/sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate,memory_localevents\n"),
+			v2Host, lv2(v2Job, 900, 100, 1000, 0, 4, 0), lv2(v2Step, 850, 100, 0, 0, 0, 0),
+			lv2(v2Step+"/task_0", 10, 0, 0, 0, 0, 0), lv2(v2Step+"/task_1", 840, 100, 0, 0, 0, 2)),
+		want: Usage{Level: v2Job, Limit: 1000 * mib, Usage: 900 * mib, File: 100 * mib, Shmem: 450 * mib, LimitHits: 4, OOMKills: 2},
+	}, {
+		name: "v1 container: a limit above the mount root, seen in hierarchical_memory_limit",
+		files: merge(proc("4:memory:/docker/abc/step\n", mountTmpfs+
+			"35 31 0:32 /docker/abc ROOT/sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n"),
+			lv1("sys/fs/cgroup/memory", 300, 0, 0, 0, 0), lv1("sys/fs/cgroup/memory/step", 100, 0, 0, 0, 0),
+			map[string]string{"sys/fs/cgroup/memory/memory.stat": stat1(fmt.Sprint(512*mib), "0", "0", "0")}),
+		want: Usage{Level: "sys/fs/cgroup/memory", Limit: 512 * mib, Usage: 300 * mib},
+	}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			root := fakeTree(t, tt.files)
+			got := findRead(t, root)
+			tt.want.Level = filepath.Join(root, tt.want.Level)
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("Read() (-want +got):\n%s", diff)
 			}
 		})
 	}

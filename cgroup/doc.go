@@ -6,11 +6,15 @@
 // often, so Find does the work once (which hierarchy, which directory, which files hold the
 // limits of the cgroup and its ancestors) and Read only reads those few small files.
 //
-// Limits are read again on every Read, not cached, because they can change while a job runs
-// (scontrol update). The effective limit is the smallest of the cgroup's and its
-// ancestors' within the mounted hierarchy: v1's hierarchical_memory_limit and
-// memory.limit_in_bytes, v2's memory.max and memory.high.
-//
+// Read reports the binding level: of the cgroup and its ancestors within the mounted
+// hierarchy, those with a limit (v1 memory.limit_in_bytes; v2 memory.max or memory.high)
+// are read, and the one with the least headroom, limit less unreclaimable usage, wins. In
+// a Slurm job (job_J/step_S/task_N) the limit is on the job and the step, not on the task,
+// and the job's usage includes every task's: reading the task alone would miss its
+// siblings. OOM kills are counted over the whole subtree of the outermost limited level.
+// Limits are read again on every Read, not cached, because they can change while a job
+// runs (scontrol update).
+
 // On a hybrid host (v1 controllers beside a cgroup2 mount with no memory controller) the
 // hierarchy that actually has the memory controller is used.
 //

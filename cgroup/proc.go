@@ -93,11 +93,11 @@ func unescape(s string) string {
 func isOctal(c byte) bool { return '0' <= c && c <= '7' }
 
 // resolve returns the directory of cgroup cgPath under a mount of fstype ("cgroup" with
-// the memory controller, or "cgroup2") and that mount's point. The directory is the mount
+// the memory controller, or "cgroup2") and that mount. The directory is the mount
 // point joined with cgPath relative to the mount's root; in a container the root is often
 // the container's own cgroup and cgPath "/". Of several mounts the one with the longest
 // root holding cgPath wins.
-func resolve(mounts []mount, fstype, cgPath string) (dir, point string, ok bool) {
+func resolve(mounts []mount, fstype, cgPath string) (dir string, mt mount, ok bool) {
 	best := -1
 	for _, m := range mounts {
 		if m.fstype != fstype || (fstype == "cgroup" && !slices.Contains(m.super, "memory")) {
@@ -108,9 +108,9 @@ func resolve(mounts []mount, fstype, cgPath string) (dir, point string, ok bool)
 			continue
 		}
 		best = len(m.root)
-		dir, point, ok = filepath.Join(m.point, rel), m.point, true
+		dir, mt, ok = filepath.Join(m.point, rel), m, true
 	}
-	return dir, point, ok
+	return dir, mt, ok
 }
 
 // relative returns cgPath relative to root, and whether cgPath is at or under root.

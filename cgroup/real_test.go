@@ -185,3 +185,35 @@ func TestRealCgroup(t *testing.T) {
 		}
 	})
 }
+
+// TestRealSiblings checks that a process in child B of a limited cgroup reads the parent,
+// charged with what its sibling A wrote to tmpfs: the server in one Slurm task sees the
+// whole job.
+func TestRealSiblings(t *testing.T) {
+	var fs syscall.Statfs_t
+	if err := syscall.Statfs("/dev/shm", &fs); err != nil || fs.Type != 0x01021994 {
+		t.Skipf("/dev/shm is not a tmpfs (%v)", err)
+	}
+	parent := cgrouptest.New(t, 64*mib)
+	a, b := parent.Child("a"), parent.Child("b")
+	path := filepath.Join("/dev/shm", fmt.Sprintf("fitcache-cgroup-siblings-%d", os.Getpid()))
+	t.Cleanup(func() { os.Remove(path) })
+	runHelper(t, a, "shmem", shmemEnv+"="+path)
+	r := runHelper(t, b, "report")
+	t.Logf("helper in b: %+v", r)
+	if r.Dir != b.Dir() {
+		t.Errorf("helper's Dir = %s, want %s", r.Dir, b.Dir())
+	}
+	if r.Usage.Level != parent.Dir() {
+		t.Errorf("Level = %s, want the parent %s", r.Usage.Level, parent.Dir())
+	}
+	if r.Usage.Limit != 64*mib {
+		t.Errorf("Limit = %d, want %d", r.Usage.Limit, 64*mib)
+	}
+	if got := r.Usage.Unreclaimable(); got < 16*mib {
+		t.Errorf("Unreclaimable = %d, want at least 16 MiB (the sibling's tmpfs pages)", got)
+	}
+	if own := b.Usage(); own.Level != parent.Dir() {
+		t.Errorf("b.Usage().Level = %s, want %s", own.Level, parent.Dir())
+	}
+}

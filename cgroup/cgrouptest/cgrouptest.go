@@ -81,6 +81,30 @@ func New(t testing.TB, limitBytes int64) *Group {
 	return g
 }
 
+// Child makes a cgroup named name inside g, without a limit of its own, removed when the
+// test ends (before g). On v2 it fails the test once a process has been started in g,
+// since a v2 cgroup with processes cannot have children with controllers.
+func (g *Group) Child(name string) *Group {
+	g.t.Helper()
+	if g.mem.Version() == 2 {
+		ctl := filepath.Join(g.dir, "cgroup.subtree_control")
+		if err := os.WriteFile(ctl, []byte("+memory"), 0); err != nil {
+			g.t.Fatalf("cgrouptest: %v", err)
+		}
+	}
+	dir := filepath.Join(g.dir, name)
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		g.t.Fatalf("cgrouptest: %v", err)
+	}
+	c := &Group{t: g.t, dir: dir}
+	g.t.Cleanup(c.cleanup)
+	var err error
+	if c.mem, err = cgroup.Open(dir); err != nil {
+		g.t.Fatalf("cgrouptest: %v", err)
+	}
+	return c
+}
+
 // Dir is the cgroup's directory in the mounted cgroup fs.
 func (g *Group) Dir() string { return g.dir }
 
