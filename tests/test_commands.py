@@ -81,6 +81,7 @@ def test_ls_and_clear_through_the_server(tmp_path, dataset, cache_options):
 
 
 def test_stop_then_ls_and_clear_without_a_server(tmp_path, dataset, cache_options):
+    cache_options["memory_at_exit"] = "keep"  # the copies outlive the server
     parent, train, val, n = two_datasets(tmp_path, dataset)
     ok(cache_options, "warmup", "--quiet", train)
     ok(cache_options, "warmup", "--quiet", val)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import fitcache
-from conftest import server_pid, wait_gone
+from conftest import server_pid, wait_gone, wait_published
 from test_preload import FITCACHE_BIN, command_env, describe, fitcache_run
 
 torch = pytest.importorskip("torch")
@@ -106,9 +106,11 @@ def test_client_of_the_next_run_reads_changed_files_anew(small_dataset, cache_op
 
 def test_a_restarted_server_checks_the_copies_it_kept(small_dataset, cache_options):
     root, files = small_dataset
+    cache_options["memory_at_exit"] = "keep"  # the copies outlive the server
     options = {**cache_options, "job": "one-long-job"}  # even the same job: the server is new
     with fitcache.Client(root, **options) as c:
         assert {n: bytes(c.read(n)) for n in files} == files
+    wait_published(cache_options, len(files))  # readers' copies are recorded after their reads
     pid = server_pid(cache_options["runtime_dir"])
     os.kill(pid, signal.SIGTERM)
     assert wait_gone(pid)

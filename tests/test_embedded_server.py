@@ -58,7 +58,10 @@ def test_second_run_starts_warm(dataset, cache_options):
 
 
 def test_server_restarts_warm_after_exit(dataset, cache_options):
+    """With memory_at_exit=keep the memory tier outlives the server: the next one rescans it.
+    (By default it is emptied: tests/test_batch_job.py.)"""
     root, digests = dataset
+    cache_options["memory_at_exit"] = "keep"
     with fitcache.Client(root, **cache_options) as c:
         for name in digests:
             c.read(name)
