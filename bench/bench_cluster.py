@@ -57,8 +57,8 @@ Every epoch also records the CPU time of the server processes and of the reader 
 (utime+stime from /proc/PID/stat of the agent, its reaped children and its live descendants:
 the DataLoader workers), so that CPU per file can be compared with plain reads.
 
-With --pfs DIR (on a slow file system mounted there: the GlusterFS emulation of ../shared/pfs,
-or bench/slowfs, see bench/README.md; this script never brings one up), a last section measures the first epoch over it with every server node
+With --pfs DIR (on a slow file system mounted there: bench/slowfs, or your cluster's
+parallel file system, see bench/README.md; this script never brings one up), a last section measures the first epoch over it with every server node
 reading its share (--pfs-files files of the same kind generated under DIR), in the variant
 --pfs-variant (default netns when run, else loopback), per round:
 
@@ -68,8 +68,8 @@ reading its share (--pfs-files files of the same kind generated under DIR), in t
   pfs/fitcache-cold  FitCache on fresh servers (budget fits), every node's reader its share
 
 Source opens are counted with inotify on DIR (every open of this machine's FUSE client) and,
-with --bricks, on the dataset's directory in each brick (bricks undercount, see
-../shared/pfs/README.md). --drop-caches (root) drops the page cache before each PFS epoch.
+with --bricks, on the dataset's directory in each brick (a GlusterFS volume's bricks
+undercount). --drop-caches (root) drops the page cache before each PFS epoch.
 
 Only the processes this script starts are stopped (agents, servers, iperf3, delay programs, by
 PID); the namespaces, links, tiers, the /dev/shm copy and its work directory are removed at the

@@ -60,7 +60,7 @@ other than the reader, its workers, the embedded server, this script and the emu
 processes (/proc/stat less their own CPU time), so that noisy rounds show.
 
 With --pfs DIR, a second section measures the first epoch over a slow file system mounted
-there (the GlusterFS emulation of ../shared/pfs, or bench/slowfs: see bench/README.md; this
+there (bench/slowfs, or your cluster's parallel file system: see bench/README.md; this
 script never brings one up): --pfs-files
 (default 2,000) files generated under DIR by bench_scale's generator, then per round, each
 after dropping the page cache with --drop-caches (root; it also empties the emulated servers'
@@ -217,7 +217,7 @@ def process_cpu(pid):
         return 0.0
 
 
-PFS_PROCESSES = {"glusterfs", "glusterfsd", "nfq-delay"}  # the emulated PFS (../shared/pfs)
+PFS_PROCESSES = {"glusterfs", "glusterfsd", "nfq-delay"}  # a GlusterFS volume's processes and a delay program, where the PFS is one
 
 
 def pfs_pids():

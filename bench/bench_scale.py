@@ -45,7 +45,7 @@ baseline's median time by the configuration's. Source opens during the FitCache
 configurations are counted with inotify on the source directory (from outside the library).
 
 With --pfs DIR, a second section measures the first epoch over a slow file system mounted
-there (the GlusterFS emulation of ../shared/pfs, or bench/slowfs: see bench/README.md; this
+there (bench/slowfs, or your cluster's parallel file system: see bench/README.md; this
 script never brings one up). --pfs-files (default 2,000) files of the same kind are
 generated under DIR, then, per round:
 
@@ -56,7 +56,7 @@ generated under DIR, then, per round:
 
 Source opens are counted with inotify on DIR (on the FUSE mount: every open made on this node)
 and, with --bricks BRICK[,BRICK...], on the dataset's directory inside each brick (the
-GlusterFS client absorbs some opens, so bricks may undercount; see ../shared/pfs/README.md).
+GlusterFS client absorbs some opens, so bricks may undercount).
 --drop-caches (root) drops the page cache before each PFS configuration, which also empties
 the emulated servers' caches.
 
