@@ -19,7 +19,7 @@ import (
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/gate"
-	"github.com/fitcache/fitcache/gossip"
+	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 )
@@ -88,7 +88,7 @@ type Handler struct {
 	engine   *core.Engine
 	cfg      ServerConfig
 	keys     *jobKeys // derived from cfg.Token (also without a token: stamps then only check integrity)
-	members  gossip.View
+	members  membership.DeadView
 	refusals *gate.RateLog  // of refused connections and requests, per client host
 	guard    *guardListener // nil without a token
 	// sendFromFiles: see the variable.
@@ -182,7 +182,7 @@ func (h *Handler) Conns() int {
 
 // Membership returns the version of the ring membership this server's clients reported
 // (one per change: a server found dead or back) and the servers they report dead (see
-// package gossip).
+// membership.DeadView).
 func (h *Handler) Membership() (version int64, dead []string) { return h.members.Since(-1) }
 
 // Learn records what the servers' own membership found of a server (package membership):
