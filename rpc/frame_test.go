@@ -1,20 +1,28 @@
 package rpc
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
+	"net"
+	"os"
+	"path/filepath"
 	"reflect"
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/cloudwego/gopkg/protocol/thrift"
 	"github.com/cloudwego/kitex/pkg/remote"
 	"github.com/cloudwego/kitex/pkg/rpcinfo"
 	"github.com/cloudwego/kitex/pkg/serviceinfo"
 
+	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb/fitcache"
 )
 
@@ -287,4 +295,147 @@ func FuzzDecodeReply(f *testing.F) {
 			t.Fatalf("decoding a %s reply of %d bytes allocated %d bytes (%v)", method, len(b), n, err)
 		}
 	})
+}
+
+// hugeThriftCall returns the start of a Thrift "Read" call whose first string field claims
+// 2 GiB: framed, the frame's length prefix claims 2 GiB too.
+func hugeThriftCall(framed bool) []byte {
+	var b []byte
+	if framed {
+		b = binary.BigEndian.AppendUint32(b, 1<<31-1)
+	}
+	b = binary.BigEndian.AppendUint32(b, 0x80010001) // binary protocol version 1, CALL
+	b = binary.BigEndian.AppendUint32(b, 4)
+	b = append(b, "Read"...)
+	b = binary.BigEndian.AppendUint32(b, 1)       // sequence id
+	b = append(b, 12, 0, 1)                       // field 1: struct ReadRequest
+	b = append(b, 11, 0, 1)                       // field 1: string token
+	b = binary.BigEndian.AppendUint32(b, 1<<31-1) // of 2 GiB
+	return b
+}
+
+func heapInUse() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapInuse
+}
+
+// TestHugeRequestIsRefusedBeforeItsBody: a request claiming 2 GiB, sent by clients with and
+// without the job token, gets its connection closed at once and costs the server no memory.
+func TestHugeRequestIsRefusedBeforeItsBody(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	for _, tc := range []struct {
+		name         string
+		token        string // "" makes no handshake
+		framed, acks bool
+	}{
+		{"no handshake, framed", "", true, false},
+		{"no handshake, unframed", "", false, false},
+		{"wrong token", "guess", true, false},
+		{"job token, framed", testToken, true, true},
+		{"job token, unframed", testToken, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := heapInUse()
+			var wg sync.WaitGroup
+			for range 3 {
+				c := dialRaw(t, addr)
+				if tc.token != "" {
+					if got := authenticate(t, c, tc.token) == nil; got != tc.acks {
+						t.Fatalf("handshake passed: %v, want %v", got, tc.acks)
+					}
+				}
+				wg.Add(1)
+				go func() { // the body, until the server closes the connection
+					defer wg.Done()
+					c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+					c.Write(hugeThriftCall(tc.framed))
+					chunk := make([]byte, 1<<20)
+					for range 64 {
+						if _, err := c.Write(chunk); err != nil {
+							return
+						}
+					}
+				}()
+				if !closedWithin(c, 5*time.Second) {
+					t.Errorf("connection still open 5s after a 2 GiB request")
+				}
+				c.Close()
+			}
+			wg.Wait()
+			if grown := int64(heapInUse()) - int64(before); grown > 32<<20 {
+				t.Errorf("server heap grew by %d MiB", grown>>20)
+			}
+		})
+	}
+}
+
+// TestHugeListFrameLeavesTheServerUp: a request whose list claims 2^31-1 strings, sent after
+// the handshake, closes that connection and nothing else; the server serves on. On the main
+// branch before this change the generated decoder allocated 32 GiB for it and the server died
+// of a fatal out-of-memory error.
+func TestHugeListFrameLeavesTheServerUp(t *testing.T) {
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	root := t.TempDir()
+	path := filepath.Join(root, "f")
+	os.WriteFile(path, []byte("still here"), 0o644)
+	for _, f := range [][]byte{hugeListCall, hugeMapCall} {
+		c := dialRaw(t, addr)
+		if err := authenticate(t, c, testToken); err != nil {
+			t.Fatal(err)
+		}
+		c.Write(f)
+		if !closedWithin(c, 5*time.Second) {
+			t.Errorf("connection still open after a %d-byte frame claiming 2^31-1 elements", len(f))
+		}
+	}
+	cl, _ := Dial(addr, ClientConfig{Token: testToken})
+	defer cl.Close()
+	if r, err := cl.Read(context.Background(), root, path, false); err != nil || string(r.Data) != "still here" {
+		t.Errorf("read after the hostile frames: %v", err)
+	}
+}
+
+// TestHugeListFrameLeavesATokenlessServerUp: the same against the per-user server on a Unix
+// socket, which has no token and decodes what its user's processes send.
+func TestHugeListFrameLeavesATokenlessServerUp(t *testing.T) {
+	sock := serve(t, "")
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Write(hugeListCall)
+	if !closedWithin(c, 5*time.Second) {
+		t.Error("connection still open after a frame claiming 2^31-1 strings")
+	}
+	cl, _ := Dial(sock, ClientConfig{})
+	defer cl.Close()
+	if _, err := cl.Hello(context.Background()); err != nil {
+		t.Errorf("Hello after the hostile frame: %v", err)
+	}
+}
+
+func TestFileLargerThanAFrameIsRefused(t *testing.T) {
+	const frame = 1 << 20
+	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken, MaxFrameBytes: frame})
+	root := t.TempDir()
+	for _, tc := range []struct {
+		size int
+		want syscall.Errno
+	}{{frame / 2, 0}, {2 * frame, syscall.EFBIG}} {
+		path := filepath.Join(root, "f"+string(rune('a'+tc.size%26)))
+		want := bytes.Repeat([]byte{7}, tc.size)
+		os.WriteFile(path, want, 0o644)
+		c, _ := Dial(addr, ClientConfig{Token: testToken})
+		r, err := c.Read(context.Background(), root, path, false)
+		if got := core.Errno(err); got != tc.want {
+			t.Errorf("%d bytes: errno %v (%v), want %v", tc.size, got, err, tc.want)
+		}
+		if tc.want == 0 && !bytes.Equal(r.GetData(), want) {
+			t.Errorf("%d bytes: got %d bytes back", tc.size, len(r.GetData()))
+		}
+		c.Close()
+	}
 }

@@ -7,11 +7,16 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/fitcache/fitcache/privdir"
+	"github.com/fitcache/fitcache/privdir/privdirtest"
 )
 
 func newTier(t *testing.T, kind Kind, budget string) *Tier {
@@ -180,6 +185,68 @@ func TestPublishOpen(t *testing.T) {
 		t.Errorf("empty file: got %v, err %v", m, err)
 	}
 }
+
+func TestPublishFrom(t *testing.T) {
+	data := bytes.Repeat([]byte("0123456789abcdef"), 200_000) // 3.2 MB: several chunks
+	for _, tc := range []struct {
+		name    string
+		size    int64
+		r       io.Reader
+		wantErr error
+	}{
+		{"exact", int64(len(data)), bytes.NewReader(data), nil},
+		{"one byte at a time", 1000, iotest.OneByteReader(bytes.NewReader(data[:1000])), nil},
+		{"empty", 0, bytes.NewReader(nil), nil},
+		{"short", int64(len(data)) + 1, bytes.NewReader(data), ErrShortSource},
+		{"long", int64(len(data)) - 1, bytes.NewReader(data), ErrShortSource},
+		{"failing", 10, iotest.ErrReader(io.ErrClosedPipe), io.ErrClosedPipe},
+		{"too large", 2 << 20 * 10, bytes.NewReader(nil), ErrNoRoom},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tier := newTier(t, Disk, "16MiB")
+			err := tier.PublishFrom(Entry{SourcePath: "/d/f", Size: tc.size}, tc.r)
+			if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil) != (err == nil) {
+				t.Fatalf("got %v, want %v", err, tc.wantErr)
+			}
+			temps, _ := filepath.Glob(filepath.Join(tier.Path, "*", "*", tempPrefix+"*"))
+			if len(temps) != 0 {
+				t.Errorf("temporary files left: %v", temps)
+			}
+			m, oerr := tier.Open("/d/f")
+			if tc.wantErr != nil {
+				if oerr == nil || tier.Info().Used != 0 {
+					t.Errorf("failed publish left an entry or accounting: %v %+v", oerr, tier.Info())
+				}
+				return
+			}
+			if oerr != nil {
+				t.Fatal(oerr)
+			}
+			defer m.Release()
+			if !bytes.Equal(m.Bytes(), data[:tc.size]) || m.Checksum != crc32c(data[:tc.size]) {
+				t.Errorf("published %d bytes (checksum %#x), want %d", len(m.Bytes()), m.Checksum, tc.size)
+			}
+		})
+	}
+}
+
+func TestPublishFromBoundsMemory(t *testing.T) {
+	tier := newTier(t, Disk, "1GiB")
+	const size = 64 << 20
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	if err := tier.PublishFrom(Entry{SourcePath: "/d/big", Size: size}, io.LimitReader(zeros{}, size)); err != nil {
+		t.Fatal(err)
+	}
+	runtime.ReadMemStats(&after)
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 4<<20 {
+		t.Errorf("PublishFrom of %d MiB allocated %d bytes, want at most 4 MiB", size>>20, alloc)
+	}
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 
 // A copy opened to be sent comes mapped and open from one open: the file holds the bytes
 // mapped, even once the copy is replaced in the tier, and a damaged copy is a miss that is
@@ -466,6 +533,93 @@ func TestNewRejectsUnusableDirectory(t *testing.T) {
 	if info := tier.Info(); info.Budget != int64(float64(info.Capacity)*0.8) {
 		t.Errorf("default NVMe budget %d, want 80%% of %d", info.Budget, info.Capacity)
 	}
+}
+
+func TestPlantedTierDirectoryIsRefused(t *testing.T) {
+	shared := privdirtest.SharedDir(t)
+	planted := filepath.Join(shared, "fitcache-0")
+	privdirtest.AsNobody(t, "mkdir -m 777 "+planted)
+	src := "/data/img.jpg"
+	plantAsNobody(t, filepath.Join(planted, RelPath(src)), forged(src, []byte("forged bytes")))
+
+	if tier, err := New(Config{Dir: planted, Kind: Memory, Budget: "1MiB"}, nil); !errors.Is(err, privdir.ErrNotPrivate) ||
+		!strings.Contains(err.Error(), "nobody") {
+		if tier != nil {
+			tier.Close()
+		}
+		t.Fatalf("New on nobody's directory: got %v, want ErrNotPrivate naming nobody", err)
+	}
+	if d, err := OpenDir(planted, Memory); !errors.Is(err, privdir.ErrNotPrivate) {
+		d.Close()
+		t.Fatalf("OpenDir of nobody's directory: got %v, want ErrNotPrivate", err)
+	}
+
+	// With a fallback record (the default memory tier), a private stand-in is used instead
+	// and the user is told why.
+	record := filepath.Join(t.TempDir(), "memory-tier")
+	tier, err := New(Config{Dir: planted, Kind: Memory, Budget: "1MiB", FallbackRecord: record}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	if tier.Path == planted || !strings.Contains(tier.Warning(), "nobody") || !strings.Contains(tier.Warning(), tier.Path) {
+		t.Errorf("stand-in %s, warning %q: want another directory and a warning naming nobody and it", tier.Path, tier.Warning())
+	}
+	if _, err := tier.Open(src); !errors.Is(err, ErrNotCached) {
+		t.Errorf("stand-in serves %s: %v", src, err)
+	}
+}
+
+func TestTierPathLinkTargetIsUntouched(t *testing.T) {
+	base := t.TempDir()
+	target := filepath.Join(base, "target")
+	os.Mkdir(target, 0o755)
+	leftover := filepath.Join(target, tempPrefix+"precious")
+	os.WriteFile(leftover, []byte("x"), 0o644)
+	link := filepath.Join(base, "tier")
+	os.Symlink(target, link)
+	if tier, err := New(Config{Dir: link, Kind: Disk, Budget: "1MiB"}, nil); !errors.Is(err, privdir.ErrNotPrivate) {
+		if tier != nil {
+			tier.Close()
+		}
+		t.Fatalf("New on a link: got %v, want ErrNotPrivate", err)
+	}
+	if fi, _ := os.Stat(target); fi.Mode().Perm() != 0o755 {
+		t.Errorf("link target chmodded to %v", fi.Mode().Perm())
+	}
+	if _, err := os.Stat(leftover); err != nil {
+		t.Errorf("file in the link's target removed: %v", err)
+	}
+}
+
+// A memory tier directory planted by another user with mode 0700, which this user cannot even
+// open, is refused as not private, and with a fallback record (the default memory tier) a
+// private stand-in is used, as for a planted directory this user can open. Run as nobody,
+// with root's directory. Before, New failed with EACCES, and the user had no memory tier.
+func TestClosedTierDirectoryFallsBack(t *testing.T) {
+	if planted, ok := privdirtest.Victim(); ok {
+		if tier, err := New(Config{Dir: planted, Kind: Memory, Budget: "1MiB"}, nil); !errors.Is(err, privdir.ErrNotPrivate) {
+			if tier != nil {
+				tier.Close()
+			}
+			t.Fatalf("New on root's closed directory: got %v, want ErrNotPrivate", err)
+		}
+		record := filepath.Join(t.TempDir(), "memory-tier")
+		tier, err := New(Config{Dir: planted, Kind: Memory, Budget: "1MiB", FallbackRecord: record}, nil)
+		if err != nil {
+			t.Fatalf("New with a fallback record: %v", err)
+		}
+		defer tier.Close()
+		if tier.Path == planted || !strings.Contains(tier.Warning(), "root") {
+			t.Errorf("stand-in %s, warning %q: want another directory and a warning naming root", tier.Path, tier.Warning())
+		}
+		return
+	}
+	planted := filepath.Join(privdirtest.SharedDir(t), "fitcache-65534")
+	if err := os.Mkdir(planted, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	privdirtest.RunAsNobody(t, planted)
 }
 
 func TestMakeRoomSparesTheGroupBeingRead(t *testing.T) {

@@ -2,48 +2,21 @@ package membership
 
 import (
 	"bytes"
-	"context"
 	"encoding/binary"
 	"errors"
 	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
-	"net/netip"
 	"os"
 	"runtime"
 	"runtime/metrics"
-	"strconv"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fitcache/fitcache/gate"
 )
-
-// warnings is a slog handler that counts warnings (and worse).
-type warnings struct{ n atomic.Int64 }
-
-func (w *warnings) Enabled(context.Context, slog.Level) bool { return true }
-func (w *warnings) Handle(_ context.Context, r slog.Record) error {
-	if r.Level >= slog.LevelWarn {
-		w.n.Add(1)
-	}
-	return nil
-}
-func (w *warnings) WithAttrs([]slog.Attr) slog.Handler { return w }
-func (w *warnings) WithGroup(string) slog.Handler      { return w }
-
-func gossipAddr(t *testing.T, id string) string {
-	t.Helper()
-	a, err := GossipAddr(id, DefaultPortOffset)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
-}
 
 // heapObjects returns the bytes of live heap objects, after a collection.
 func heapObjects() uint64 {
@@ -206,20 +179,6 @@ func TestJunkPacketsAreLoggedOncePerHostPerInterval(t *testing.T) {
 	}
 }
 
-// Memberlist's own warnings of a kind (differing only in addresses and numbers) are written
-// at most once per interval, with the number left out.
-func TestMemberlistWarningsAreRateLimited(t *testing.T) {
-	var logs warnings
-	w := &logWriter{log: slog.New(&logs), lines: gate.RateLog{Every: time.Hour}}
-	for i := range 100 {
-		w.Write([]byte("[WARN] memberlist: Got ping for unexpected node from=10.0.0." + string(rune('0'+i%10)) + ":8070\n"))
-	}
-	w.Write([]byte("[ERR] memberlist: Failed to send something else\n"))
-	if got := logs.n.Load(); got != 2 {
-		t.Errorf("got %d lines, want 2 (one per kind)", got)
-	}
-}
-
 // Gossip recorded on its way to a member and played again to it, at once or later (here 31 s
 // later, as every member's clock is moved on), is dropped and changes nothing: the news of a
 // server's reads that a healthy member is dead, which took that member out again each time
@@ -282,110 +241,5 @@ func TestReplayedGossipIsDroppedAndTakesNoHealthyMemberOut(t *testing.T) {
 	}
 	if got := len(ms[1].Alive()); got != 3 {
 		t.Errorf("member 1 sees %d members alive, want 3", got)
-	}
-}
-
-// A gossip port that another socket holds fails Start once BindWait has passed, with an error
-// that names the port and its holder; one freed meanwhile is taken. Before, Start failed at
-// once, and the server ran without its membership.
-func TestATakenGossipPortFailsStart(t *testing.T) {
-	ids := names(t, 1)
-	addr := gossipAddr(t, ids[0])
-	taken, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer taken.Close()
-	cfg := Config{Self: ids[0], Servers: ids, Token: "token", PortOffset: DefaultPortOffset, ProbeInterval: probe,
-		BindWait: 300 * time.Millisecond, Log: slog.New(slog.DiscardHandler)}
-	if m, err := Start(cfg); err == nil {
-		m.Close()
-		t.Fatal("Start on a taken port")
-	} else if !errors.Is(err, ErrPortInUse) || !strings.Contains(err.Error(), addr) ||
-		!strings.Contains(err.Error(), "held by uid "+strconv.Itoa(os.Getuid())) {
-		t.Errorf("got %v, want ErrPortInUse naming %s and uid %d", err, addr, os.Getuid())
-	}
-
-	cfg.BindWait = 10 * time.Second
-	freed := time.AfterFunc(200*time.Millisecond, func() { taken.Close() })
-	defer freed.Stop()
-	m, err := Start(cfg)
-	if err != nil {
-		t.Fatalf("Start on a port freed within BindWait: %v", err)
-	}
-	m.Close()
-}
-
-// Members named by host name (as a job's server list names them) gossip on the address the
-// name resolves to. Before, memberlist took the name for an address it could not parse, and
-// no member started.
-func TestMembersNamedByHostNameJoin(t *testing.T) {
-	ips, err := net.DefaultResolver.LookupNetIP(t.Context(), "ip4", "localhost")
-	if err != nil || len(ips) == 0 || !ips[0].IsLoopback() {
-		t.Skipf("localhost does not resolve to a loopback IPv4 address here: %v %v", ips, err)
-	}
-	ids := names(t, 2)
-	for i, id := range ids {
-		ids[i] = strings.Replace(id, "127.0.0.1", "localhost", 1)
-	}
-	recs := []*recorder{{}, {}}
-	a := start(t, ids[0], ids, "token", recs[0])
-	defer a.Close()
-	b := start(t, ids[1], ids, "token", recs[1])
-	defer b.Close()
-	waitFor(t, "both members alive at both", func() bool { return recs[0].is(ids[1], true) && recs[1].is(ids[0], true) })
-}
-
-// A member named by a host name of two families (::1 and 127.0.0.1) holds its gossip port on
-// both, so that no other user can take it on the one left free and meet the members that
-// resolve the name to it; a port already taken on either fails the start. Before, the member
-// bound the first IPv4 address alone.
-func TestANameOfTwoFamiliesIsHeldOnBoth(t *testing.T) {
-	if ln, err := net.Listen("tcp", "[::1]:0"); err != nil {
-		t.Skipf("no IPv6 loopback here: %v", err)
-	} else {
-		ln.Close()
-	}
-	lookupHost = func(context.Context, string) ([]netip.Addr, error) {
-		return []netip.Addr{netip.MustParseAddr("::1"), netip.MustParseAddr("127.0.0.1")}, nil
-	}
-	defer func() { lookupHost = nil }()
-	ids := names(t, 2)
-	for i, id := range ids {
-		ids[i] = strings.Replace(id, "127.0.0.1", "twofamilies.invalid", 1)
-	}
-	recs := []*recorder{{}, {}}
-	a := start(t, ids[0], ids, "token", recs[0])
-	defer a.Close()
-	_, port, _ := net.SplitHostPort(gossipAddr(t, ids[0]))
-	v6 := net.JoinHostPort("::1", port)
-	if ln, err := net.Listen("tcp", v6); err == nil {
-		ln.Close()
-		t.Errorf("another socket bound %s (TCP), the member's gossip port on the name's IPv6 address", v6)
-	}
-	if c, err := net.ListenPacket("udp", v6); err == nil {
-		c.Close()
-		t.Errorf("another socket bound %s (UDP), the member's gossip port on the name's IPv6 address", v6)
-	}
-	b := start(t, ids[1], ids, "token", recs[1])
-	defer b.Close()
-	waitFor(t, "both members alive at both", func() bool { return recs[0].is(ids[1], true) && recs[1].is(ids[0], true) })
-
-	// A third member whose port another socket holds on the IPv6 address does not start.
-	third := names(t, 1)[0]
-	third = strings.Replace(third, "127.0.0.1", "twofamilies.invalid", 1)
-	_, tport, _ := net.SplitHostPort(gossipAddr(t, third))
-	squatter, err := net.ListenPacket("udp", net.JoinHostPort("::1", tport))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer squatter.Close()
-	cfg := Config{Self: third, Servers: append(ids, third), Token: "token", PortOffset: DefaultPortOffset,
-		ProbeInterval: probe, BindWait: 300 * time.Millisecond, Log: slog.New(slog.DiscardHandler)}
-	if m, err := Start(cfg); err == nil {
-		m.Close()
-		t.Error("Start while another socket holds the gossip port on the name's IPv6 address")
-	} else if !errors.Is(err, ErrPortInUse) || !strings.Contains(err.Error(), "[::1]:"+tport) {
-		t.Errorf("got %v, want ErrPortInUse naming [::1]:%s", err, tport)
 	}
 }
