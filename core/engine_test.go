@@ -441,7 +441,7 @@ func heapGrowth(t *testing.T, f func()) uint64 {
 }
 
 // A file larger than every tier is refused before it is read: the caller reads the source.
-// On the main branch before this change the engine read it whole into memory (10 GiB). The
+// In a build without it, the engine read it whole into memory (10 GiB). The
 // refusal is counted as an uncached file, not as a failed read.
 func TestFileLargerThanTiersIsNotReadIntoMemory(t *testing.T) {
 	root := t.TempDir()

@@ -12,7 +12,7 @@ import (
 
 // An entry overwritten in place is not spilled to a slower tier when evicted: the slower
 // tier would record a fresh checksum of the damaged bytes, and verification could no longer
-// find them. On the main branch before this change it was spilled.
+// find them. In a build without it, it was spilled.
 func TestDamagedEntryIsNotSpilled(t *testing.T) {
 	// Three datasets: a full tier never evicts a file of the dataset being read to make room
 	// for another of its files (see tiers.Tier.MakeRoom).

@@ -12,7 +12,7 @@ import (
 )
 
 // A source file that changes while it is read is neither served nor cached; once it is
-// stable, its new bytes are. On the main branch before this change a same-size rewrite
+// stable, its new bytes are. In a build without it, a same-size rewrite
 // during the first read was cached as a mix of both versions.
 func TestSourceChangedDuringReadIsNotCached(t *testing.T) {
 	for _, size := range []int{4096, 3 << 20} { // read into memory; copied into a tier
@@ -133,7 +133,7 @@ func TestSymlinkSwapRaceNeverEscapes(t *testing.T) {
 
 // A link out of the dataset is refused before the file it points to is opened (opening can
 // have effects: a device, a FIFO, a file's access time); an absolute link to another file of
-// the dataset still reads. On the main branch before this change the outside file was opened
+// the dataset still reads. In a build without it, the outside file was opened
 // and only then refused.
 func TestLinkOutOfTheRootIsNotOpened(t *testing.T) {
 	root, outside := t.TempDir(), t.TempDir()

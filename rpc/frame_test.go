@@ -372,8 +372,7 @@ func TestHugeRequestIsRefusedBeforeItsBody(t *testing.T) {
 }
 
 // TestHugeListFrameLeavesTheServerUp: a request whose list claims 2^31-1 strings, sent after
-// the handshake, closes that connection and nothing else; the server serves on. On the main
-// branch before this change the generated decoder allocated 32 GiB for it and the server died
+// the handshake, closes that connection and nothing else; the server serves on. In a build without it, the generated decoder allocated 32 GiB for it and the server died
 // of a fatal out-of-memory error.
 func TestHugeListFrameLeavesTheServerUp(t *testing.T) {
 	addr, _, _ := serveTCP(t, ServerConfig{Token: testToken})

@@ -107,7 +107,7 @@ func (s *squatter) received() [][]byte {
 
 // TestSquatterGetsNothingAndIsDown: a listener at a server's address that does not know the
 // token gets no token, no request, and is taken for a server that is down (refused), not for
-// a slow one that stays in the ring. On the main branch before this change the client sent
+// a slow one that stays in the ring. In a build without it, the client sent
 // it the job token in clear ("FCT1", its length, the token) and took a wrong answer for a
 // refused token.
 func TestSquatterGetsNothingAndIsDown(t *testing.T) {
@@ -140,8 +140,7 @@ func TestSquatterGetsNothingAndIsDown(t *testing.T) {
 
 // TestRelayedConnectionIsRefused: a listener at a dead server's address that relays the
 // exchange to a live server of the job (the relay knows no token) gets no working connection:
-// the server's proof covers the relay's connection, not the client's. On the main branch
-// before this change the relay passed the token on, read it, and had the client served.
+// the server's proof covers the relay's connection, not the client's. In a build without it, the relay passed the token on, read it, and had the client served.
 func TestRelayedConnectionIsRefused(t *testing.T) {
 	const token = "the-job-token-0123456789"
 	addr, _, e := serveTCP(t, ServerConfig{Token: token})

@@ -168,7 +168,7 @@ func TestServerAtItsCapIsNotRefused(t *testing.T) {
 }
 
 // Connections that do not authenticate take only the few places of their own host: a client
-// of another host still gets in. On the main branch before this change connections still
+// of another host still gets in. In a build without it, connections still
 // authenticating counted towards the one cap, so anyone reaching the port could fill it.
 // (Peers on this host are counted by user, see TestAnotherUsersFloodLeavesTheJobItsPlaces:
 // here every peer is taken for a host of its own address.)
@@ -277,8 +277,7 @@ func TestFloodHelper(t *testing.T) {
 // TestAnotherUsersFloodLeavesTheJobItsPlaces: another user of the node fills the places of
 // connections still authenticating with half-sent handshakes, and a client of the job on the
 // same node still connects and reads: the kernel says which user each connection is from,
-// and a user's half-open connections only take that user's places. On the main branch before
-// this change the places were counted per host, and the flood took all of 127.0.0.1's.
+// and a user's half-open connections only take that user's places. In a build without it, the places were counted per host, and the flood took all of 127.0.0.1's.
 func TestAnotherUsersFloodLeavesTheJobItsPlaces(t *testing.T) {
 	if os.Getuid() != 0 {
 		t.Skip("needs root to run the flood as another user (nobody, uid 65534)")

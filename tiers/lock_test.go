@@ -45,7 +45,7 @@ func TestSecondServerIsLockedOut(t *testing.T) {
 }
 
 // A tier whose lock someone holds for a moment (fitcache info reading the holder) is still
-// taken by a starting server. On the main branch before this change the server skipped the
+// taken by a starting server. In a build without it, the server skipped the
 // tier for its whole life.
 func TestTierLockWaitsForABriefHolder(t *testing.T) {
 	dir := t.TempDir()
