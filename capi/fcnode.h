@@ -1,8 +1,8 @@
 /*
  * fcnode.h -- the client side of the node socket protocol (nodesock/nodesock.go), shared by
- * the hit path of libfitcache (capi/hitpath.c) and the preload shim (preload/): constants
- * and the small helpers both need. Header-only (static functions), so that each library
- * keeps its own private copy.
+ * the hit path of libfitcache (capi/nodesock.c, openmany.c, miss.c) and the preload shim
+ * (preload/): constants and the small helpers both need. Header-only (static functions), so
+ * that each library keeps its own private copy.
  */
 #ifndef FITCACHE_NODE_H
 #define FITCACHE_NODE_H
