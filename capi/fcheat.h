@@ -1,6 +1,6 @@
 /*
  * fcheat.h -- when a reader asks for a block of a large file to be cached: the heat of
- * blocks, shared by the hit path of libfitcache (capi/hitpath.c, in processes forked after
+ * blocks, shared by the hit path of libfitcache (capi/hitranges.c, in processes forked after
  * load) and the preload shim (preload/ranges.c). Header-only (static functions), as fcnode.h.
  *
  * A range of a block not cached is read from the source at once; the block is asked for

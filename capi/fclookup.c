@@ -200,7 +200,7 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	struct stat st;
 	uint8_t hdr[32];
 	int ok = fc_sys_fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && st.st_size >= INDEX_SLOTS &&
-	         pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
+	         fc_sys_pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
 	uint32_t buckets = 0;
 	if (ok) {
 		uint32_t version, ways, slot;
@@ -218,7 +218,7 @@ static int map_index(int dirfd, struct fc_index *ix) {
 		m = mmap(NULL, index_len(buckets), PROT_READ, MAP_SHARED, fd, 0);
 	if (m != MAP_FAILED)
 		c = mmap(NULL, COUNTER_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, COUNTERS);
-	close(fd);
+	fc_sys_close(fd);
 	if (c == MAP_FAILED) {
 		if (m != MAP_FAILED)
 			munmap(m, index_len(buckets));
@@ -346,7 +346,7 @@ int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session)
 	}
 	struct stat st;
 	if (fc_sys_fstat(fd, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
-		close(fd);
+		fc_sys_close(fd);
 		errno = saved;
 		return -EPERM;
 	}
@@ -374,7 +374,7 @@ void fc_tier_close(struct fc_tier *t) {
 		munmap(rec, sizeof *rec);
 	}
 	if (t->dirfd >= 0)
-		close(t->dirfd);
+		fc_sys_close(t->dirfd);
 	t->dirfd = -1;
 	errno = saved;
 }
@@ -444,11 +444,11 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 	part[0] = rel[3];
 	part[1] = rel[4];
 	int b = sys_openat(a, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-	close(a);
+	fc_sys_close(a);
 	if (b < 0)
 		return -1;
 	int fd = sys_openat(b, rel + 6, O_RDONLY | O_NOFOLLOW | oflags);
-	close(b);
+	fc_sys_close(b);
 	return fd;
 }
 
@@ -501,7 +501,7 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 			errno = saved;
 			return 0;
 		}
-		close(fd); // replaced behind the index's back: the server removes it when it meets it
+		fc_sys_close(fd); // replaced behind the index's back: the server removes it when it meets it
 	}
 	errno = saved;
 	return -ENOENT;

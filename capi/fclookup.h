@@ -49,6 +49,24 @@ static inline int fc_sys_fstat(int fd, struct stat *st) {
 #endif
 }
 
+/* The kernel's close and pread, called on purpose. This code is compiled into the preload
+ * shim too (preload/Makefile builds capi/fclookup.c into it, and the shim includes
+ * fcnode.h), where the names close and pread are the shim's own wrappers: a call by name
+ * would go round through them (a circle: they look the descriptor up in the shim's tables
+ * before they call the C library). The descriptors closed and read here are this code's own
+ * (tier directories, index files, sockets, copies it opened with system calls), never one the
+ * shim tracks, so nothing is lost by going to the kernel straight; in libfitcache.so the same
+ * calls behave as the C library's. (pread64 is the system call's name on 64-bit Linux, where
+ * the offset is one register; elsewhere, the C library's pread.) */
+static inline int fc_sys_close(int fd) { return (int)syscall(SYS_close, fd); }
+static inline ssize_t fc_sys_pread(int fd, void *buf, size_t n, off_t off) {
+#if defined(SYS_pread64) && __SIZEOF_LONG__ == 8
+	return (ssize_t)syscall(SYS_pread64, fd, buf, n, off);
+#else
+	return pread(fd, buf, n, off);
+#endif
+}
+
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -1,8 +1,8 @@
 /*
  * fcnode.h -- the client side of the node socket protocol (nodesock/nodesock.go), shared by
- * the hit path of libfitcache (capi/hitpath.c) and the preload shim (preload/): constants
- * and the small helpers both need. Header-only (static functions), so that each library
- * keeps its own private copy.
+ * the hit path of libfitcache (capi/nodesock.c, openmany.c, miss.c) and the preload shim
+ * (preload/): constants and the small helpers both need. Header-only (static functions), so
+ * that each library keeps its own private copy.
  */
 #ifndef FITCACHE_NODE_H
 #define FITCACHE_NODE_H
@@ -18,6 +18,8 @@
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "fclookup.h" /* fc_sys_close */
 
 #define FC_NODE_MAGIC "FCN3"
 #define FC_NODE_ACK "FCA3" /* sent by the server as soon as it has read a request, then every
@@ -235,7 +237,7 @@ static inline int fc_node_connect(const struct sockaddr_un *addr, int64_t timeou
 	else if (cred.uid != geteuid() && cred.uid != 0)
 		err = EPERM;
 	if (err) {
-		close(fd);
+		fc_sys_close(fd);
 		errno = err;
 		return -1;
 	}
@@ -290,7 +292,7 @@ static inline int fc_node_recv_head(int sock, uint8_t *head, size_t n, int *fd) 
 		errno = EPROTO;
 	if ((msg.msg_flags & MSG_CTRUNC) || fc_recv_all(sock, head + got, n - (size_t)got) != 0) {
 		if (*fd >= 0)
-			close(*fd);
+			fc_sys_close(*fd);
 		*fd = -1;
 		return -1;
 	}
@@ -316,7 +318,7 @@ static inline int fc_node_recv_open(int sock, int *fd, int32_t *err, uint32_t *o
 	*err = ok ? (int32_t)fc_get32(reply + 4) : 0;
 	*origin = ok ? fc_get32(reply + 8) : 0;
 	if ((!ok || *err != 0) && *fd >= 0) {
-		close(*fd);
+		fc_sys_close(*fd);
 		*fd = -1;
 	}
 	return ok ? 0 : -1;

@@ -2,8 +2,9 @@
  * hitpath.h -- the hit path of libfitcache: reads of cached files served in C, without Go.
  *
  * Go (capi/main.go) registers each client handle with its dataset root, the tier directories
- * of its server and its node socket; fc_read and fc_read_many (fitcache.c) then try hit_read first
- * and enter Go only on a miss. Buffers served here live in a C registry whose handles are
+ * of its server and its node socket; fc_read and fc_read_many (fitcache.c) then try hit_read first,
+ * then hit_miss, and enter Go only for what that leaves. The files that implement it, by job, are
+ * listed in hitclient.h. Buffers served here live in a C registry whose handles are
  * disjoint from Go's (FC_CBUF_BASE and up), so fc_release can tell them apart.
  *
  * Everything here also works in a process forked after the library was loaded: descriptors
@@ -24,12 +25,10 @@
 /* hit_read's result when the file is not cached (or this handle has no hit path). */
 #define FC_MISS 1
 
-/* hit_fetch's result when the server did not answer (in time): read without it. */
+/* hit_miss's result when the node's server did not answer (in time): Go reads the file
+ * (goServerUnavailable first). */
 #define FC_UNAVAILABLE 2
 
-/* hit_fetch's result when no tier takes the file (too large, or no room left for its
- * dataset): read it from the source (hit_read_source). */
-#define FC_DIRECT 3
 
 /* Files up to this size are read into memory the caller owns (one copy, like read());
  * larger ones are mapped (no copy). Measured (bench/bench_crossover.py, docs/BENCHMARKS.md):
@@ -43,71 +42,45 @@
  * negated errno (out of memory). */
 int hit_read(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
-/* Serves a miss of a small file (up to FC_READ_MAX_BYTES) as a reader's fill, when the
- * client's server records fills (fcHitSetFills): the file is claimed in the server's first
- * tier (capi/fill.h), read from the source here, its copy written into that tier and reported
- * to the server, which records it without being waited for. Returns as hit_read: FC_MISS
- * whenever the server should serve it instead (another process holds the claim, the source
- * cannot be opened here or changes while read, no server). */
-int hit_fill(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
-
-/* Says whether the server of a client records its readers' fills (see hit_fill). */
+/* Says whether the server of a client records its readers' fills (see hit_miss). */
 void fcHitSetFills(int64_t handle, bool on);
 
-/* Returns the files the client's process filled (hit_fill). */
+/* Returns the files the client's process filled (hit_miss). */
 int64_t fcHitFilled(int64_t handle);
 
-/* hit_read for a file the server just brought into a tier for this caller (hit_fetch, a Go
- * fetch): the same read, not counted as a hit, since the server counted the miss. */
+/* hit_read for a file the server just brought into a tier for this caller (a Go fetch): the
+ * same read, not counted as a hit, since the server counted the miss. */
 int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
 
-/* hit_read for a client whose node's server does not answer (a process forked after load
- * cannot ask Go): a copy is served whatever validation session its server last checked it in,
- * once one stat of the source shows the version the copy's index slot names (size,
- * modification and change times, inode; the last two where the slot knows them). No server
- * checks copies while it is dead, so the reader does, at each such read. Returns as hit_read. */
-int hit_read_checked(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
+/* Serves a miss of path (hit_read said FC_MISS) without Go where it can, deciding once, with
+ * the client held once, how (capi/miss.c): the reader's own fill of a small file where its
+ * server records fills (fcHitSetFills); else the node's server over its node socket: an open
+ * answered with a descriptor or the bytes (cluster mode, fcHitOpen's node_opens), or a fetch
+ * into its tiers, then read there (a file no tier takes: read from the source). With forked
+ * (a process forked after load, which cannot enter Go), what the server cannot serve is
+ * served from a copy the tiers hold once one stat of the source shows the version the copy's
+ * index slot names (no server checks copies while it is dead, so the reader does), and, when
+ * the server did not answer, from the source. Returns 0 with *data, *size and *buffer set as
+ * fc_read sets them, the file's own negated errno (with the server's message in msg, when it
+ * gave one: FC_FETCH_MESSAGE bytes, always terminated), FC_MISS for Go to serve (it says
+ * why), or FC_UNAVAILABLE when the server did not answer in time (the client then skips the
+ * node socket for a while; Go serves it). */
+int hit_miss(int64_t handle, const char *path, bool forked, const void **data, int64_t *size, int64_t *buffer,
+             char *msg);
 
-/* Asks the server of a client, over its node socket (package nodesock), to bring path into its
- * tiers, waiting a second at most for the server to acknowledge the request and no longer
- * than the client's read timeout for its answer. A client whose node's server opens files
- * for it (fcHitOpen's node_opens) is not asked: FC_DIRECT sends it to hit_read_direct, one
- * round trip (OpOpen) instead of two. Returns 0 when the file is cached
- * now (hit_read finds it), FC_DIRECT when no tier takes the file (after the server said it
- * has no room for the dataset, misses are FC_DIRECT without asking for a second), FC_MISS
- * when there is no node socket or no server listening, FC_UNAVAILABLE when the server did not
- * answer in time (the client then skips the node socket for a while), or the file's own negated errno (-ENOENT...), with the
- * server's message in msg (FC_FETCH_MESSAGE bytes, always terminated). Misses
- * take this way first: it needs no Go, so it also serves processes forked after load. */
-int hit_fetch(int64_t handle, const char *path, char *msg);
-
-/* The size of the message buffer hit_fetch fills (the server's message for an error). */
+/* The size of the message buffer hit_miss fills (the server's message for an error). */
 #define FC_FETCH_MESSAGE 1001
 
-/* Reads path from the source, as fc_read hands files out, when that is safe without Go (see
- * hitpath.c); returns FC_MISS for anything it leaves to Go (errors included). */
-int hit_read_source(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
-
-/* Reads a file no tier takes (hit_fetch said FC_DIRECT): from the source (hit_read_source), or,
- * for a client whose node's server opens such files (cluster mode: fcHitOpen's node_opens),
- * through a descriptor that server answers with, so that the source is still read once for the
- * job. Returns as hit_read_source, or FC_UNAVAILABLE, or the file's own negated errno. */
-int hit_read_direct(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);
-
-/* Whether the node's server of the client opens the files no tier of the node takes (cluster
- * mode through the node socket): every miss is then one round trip to it in C. */
-bool hit_node_opens(int64_t handle);
-
-/* hit_read_direct for the files paths[idx[j]] (j < n) of a batch, for a client whose node's
- * server opens them (hit_node_opens): asked of the server in one round trip per
- * FC_NODE_MAX_BATCH files (FC_NODE_OP_OPEN_MANY). Each file's slot of data, sizes, buffers and
- * results is set: results[i] is 0 (the file is handed out), the file's own negated errno,
- * FC_MISS (Go reads it and says why), FC_UNAVAILABLE (the server did not answer in time: the
- * node socket is skipped for a while), or FC_DIRECT (not asked: ask for it alone, with
- * hit_read_direct; a server that does not know the operation is asked so for a minute).
- * Returns how many are FC_DIRECT. */
-int hit_read_open_many(int64_t handle, const char *const *paths, const int *idx, int n, const void **data,
-                       int64_t *sizes, int64_t *buffers, int *results);
+/* hit_miss for the misses paths[miss[j]] (j < nmiss) of a batch (fc_read_many), the client
+ * held once for all of them: each file's slot of data, sizes, buffers and results is set for
+ * the files served (results[i] 0 or the file's own negated errno). Without forked, only the
+ * readers' fills are tried file by file, and, in cluster mode, the rest are asked of the
+ * node's server in one round trip per FC_NODE_MAX_BATCH files (FC_NODE_OP_OPEN_MANY); Go
+ * serves the others at once, concurrently. Returns how many are left to Go (results -EIO),
+ * moved to the front of miss; *unavailable says whether the server did not answer in time
+ * for one of them, msg as hit_miss. */
+int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss, bool forked, const void **data,
+                  int64_t *sizes, int64_t *buffers, int *results, bool *unavailable, char *msg);
 
 /* Reads up to len bytes of path (as hit_read takes it) at off into buf from cached copies in
  * the client's tiers, through mappings of them it keeps (let go once the tiers no longer
@@ -141,7 +114,7 @@ int64_t hit_buffers(void);
 
 /* Called from Go. Registers a client handle with its dataset root (absolute, clean) and its
  * real path, the node socket of its server ("" for none), its read timeout, and whether that
- * server opens the files no tier takes (node_opens: cluster mode, see hit_read_direct); 0 or
+ * server opens its misses (node_opens: cluster mode, see hit_miss); 0 or
  * -1 when the hit path cannot take it (the client still works, through Go). */
 int fcHitOpen(int64_t handle, const char *root, const char *real_root, const char *node_socket, int64_t timeout_ms,
               bool node_opens);
@@ -162,6 +135,6 @@ int fcHitTiers(int64_t handle);
 void fcHitClose(int64_t handle);
 /* Reads served by the hit path for a handle, the misses it had the server cache through the
  * node socket, and the files it read from the source. */
-void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *direct, int64_t *source_ranges);
+void fcHitCounts(int64_t handle, int64_t *hits, int64_t *fetches, int64_t *source_files, int64_t *source_ranges);
 
 #endif /* FITCACHE_HITPATH_H */

@@ -48,14 +48,14 @@
 #include <unistd.h>
 
 #include "../capi/fcheat.h"
+#include "../capi/fclimits.h"
 #include "../capi/fcnode.h"
 #include "shim.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
-// Files of at least this many bytes are read through blocks: core.ReadNowBytes, below which
+// Files of at least FC_READ_NOW_BYTES (capi/fclimits.h) are read through blocks: below it,
 // the server copies a file whole before the open returns (and never hands over its source).
-#define FC_RANGED_MIN ((int64_t)8 << 20)
 
 // The block sizes a server accepts (core.MinBlockBytes and core.MaxBlockBytes).
 #define BLOCK_MIN ((int64_t)64 << 10)
@@ -126,7 +126,7 @@ static int marked_files;            // entries taken (atomic)
 static void sweep_kept(void);
 
 void ranged_open(int fd, int ask, const struct root *r, const char *key, size_t len, const struct stat *st) {
-	if (block_bytes == 0 || fd < 0 || fd >= RANGED_FDS || st->st_size < FC_RANGED_MIN || len >= FC_PATH_MAX)
+	if (block_bytes == 0 || fd < 0 || fd >= RANGED_FDS || st->st_size < FC_READ_NOW_BYTES || len >= FC_PATH_MAX)
 		return;
 	heats(); // mapped before the program forks its workers, which then share it
 	for (int i = 0; i < RANGED_FILES; i++) {

@@ -1,4 +1,5 @@
-// Package chitpath gives Go tests the hit path of libfitcache (capi/hitpath.c), compiled here
+// Package chitpath gives Go tests the hit path of libfitcache (capi/hitpath.c and the files
+// hitclient.h lists), compiled here
 // with capi/fclookup.c as the library compiles them, and driven from threads of C: many
 // threads of one process read and release cached files at once, across fork and fc_close.
 // The locks the hit path takes are recorded per thread, so that a test can tell whether
@@ -54,9 +55,17 @@ static int rec_wrlock(pthread_rwlock_t *l) {
 #define pthread_mutex_lock rec_mutex_lock
 #define pthread_rwlock_rdlock rec_rdlock
 #define pthread_rwlock_wrlock rec_wrlock
-// hitpath_c.h is ../hitpath.c (see capi/clayout for why a link): static functions such as
-// acquire and put are reached from here.
+// The files of the hit path, each included through a link (hitpath_c.h is ../hitpath.c; see
+// capi/clayout for why a link), so that the locks they take are recorded and their static
+// functions are reached from here.
+#include "clients_c.h"
+#include "buffers_c.h"
 #include "hitpath_c.h"
+#include "hitranges_c.h"
+#include "source_c.h"
+#include "nodesock_c.h"
+#include "openmany_c.h"
+#include "miss_c.h"
 #undef pthread_mutex_lock
 #undef pthread_rwlock_rdlock
 #undef pthread_rwlock_wrlock

@@ -18,6 +18,7 @@ package clayout
 // builds from a checkout of the repository only, which is where its tests run.
 #include "fclookup_c.h"
 #include "fcnode.h"
+#include "fclimits.h"
 
 // rel_path is static in fclookup.c: this file includes it to reach it.
 static int clayout_rel_path(const char *path, size_t len, char *rel, size_t cap) {
@@ -129,6 +130,13 @@ const (
 	OriginPeer              = C.FC_ORIGIN_PEER
 	OriginSourceWhileCached = C.FC_ORIGIN_SOURCE_WHILE_CACHED
 	OriginTierFirst         = C.FC_ORIGIN_TIER_FIRST
+)
+
+// The limits capi/fclimits.h gives the C code (the hit path, the preload shim), which must be
+// the Go side's: core.ReadNowBytes and client.sourceKeep.
+const (
+	ReadNowBytes = C.FC_READ_NOW_BYTES
+	SourceKeepMs = C.FC_SOURCE_KEEP_MS
 )
 
 // OriginName is fc_origin_name: the name C code gives an origin in its diagnostics.

@@ -1,0 +1,1 @@
+../buffers.c

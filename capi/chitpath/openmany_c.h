@@ -1,0 +1,1 @@
+../openmany.c

@@ -1,0 +1,251 @@
+// The miss decision: what hit_read did not find is served here without Go where it can be,
+// decided once for each miss (see hit_miss): the reader's own fill, the node's server
+// (an open, or a fetch into its tiers), or the source.
+#define _GNU_SOURCE
+#include "hitclient.h"
+
+#include "fcnode.h"
+#include "fill.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// same_file reports whether two fstat results of a source show one version of one file.
+static int same_file(const struct stat *a, const struct stat *b) {
+	return a->st_size == b->st_size && a->st_ino == b->st_ino && a->st_dev == b->st_dev &&
+	       a->st_mtim.tv_sec == b->st_mtim.tv_sec && a->st_mtim.tv_nsec == b->st_mtim.tv_nsec &&
+	       a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}
+
+// record reports c's fill of the file at the clean path path (len bytes), read as st, to the
+// server (FC_NODE_OP_RECORD): 0 when sent.
+static int record(struct hit_client *c, const char *path, size_t len, const struct stat *st, uint64_t fill_ino) {
+	char field[FC_PATH_MAX + 1 + FC_NODE_RECORD_BYTES];
+	if (len + 1 + FC_NODE_RECORD_BYTES > sizeof field)
+		return -1;
+	memcpy(field, path, len);
+	uint8_t *r = (uint8_t *)field + len + 1;
+	field[len] = 0;
+	uint64_t v[5] = {(uint64_t)st->st_size, (uint64_t)ts_ns(st->st_mtim), (uint64_t)ts_ns(st->st_ctim),
+	                 (uint64_t)st->st_ino, fill_ino};
+	for (int i = 0; i < 5; i++) {
+		fc_put32(r + 8 * i, (uint32_t)v[i]);
+		fc_put32(r + 8 * i + 4, (uint32_t)(v[i] >> 32));
+	}
+	fc_put32(r + 40, (uint32_t)(st->st_mode & 07777));
+	fc_put32(r + 44, 0);
+	return node_tell(c, FC_NODE_OP_RECORD, field, len + 1 + FC_NODE_RECORD_BYTES);
+}
+
+// marked_full reports whether c's server marked its tiers full for c's dataset in the last
+// FULL_RECHECK_NS (tiers.MarkFull: the mark ".full-<key of the root>" in the first tier, its
+// modification time when the server last found no room); then c stops filling for as long,
+// as a server's ENOSPC answer makes it skip the server (node_fetch).
+static int marked_full(struct hit_client *c) {
+	static const char hex[] = "0123456789abcdef";
+	uint64_t key, check;
+	fc_hashes(c->root, c->rootlen, &key, &check);
+	char name[6 + 16 + 1] = ".full-";
+	for (int i = 0; i < 16; i++)
+		name[6 + i] = hex[(key >> (60 - 4 * i)) & 15];
+	name[22] = 0;
+	struct stat st;
+	struct timespec now;
+	if (syscall(SYS_newfstatat, c->tiers[0].dirfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+	    clock_gettime(CLOCK_REALTIME, &now) != 0 || ts_ns(now) - ts_ns(st.st_mtim) >= FULL_RECHECK_NS)
+		return 0;
+	__atomic_store_n(&c->full_until, fc_monotonic_ns() + FULL_RECHECK_NS, __ATOMIC_RELAXED);
+	return 1;
+}
+
+// fill_read serves a miss of a small file (up to read_max) as the reader's own fill, when
+// c's server records fills (fcHitSetFills): the file is claimed in the server's first tier
+// (capi/fill.h), read from the source here, its copy written into that tier and reported to
+// the server, which records it without being waited for. Returns as hit_read: FC_MISS
+// whenever the server should serve it instead (another process holds the claim, the source
+// cannot be opened here or changes while read, no server).
+static int fill_read(struct hit_client *c, const char *clean, size_t n, const void **data, int64_t *size,
+                     int64_t *buffer) {
+	int saved = errno;
+	int nt, rc = FC_MISS, fd = -1, claimed = 0;
+	struct fc_fill fill;
+	if (!__atomic_load_n(&c->fills, __ATOMIC_RELAXED) || c->node_opens || (nt = tier_count(c)) == 0 ||
+	    fc_monotonic_ns() < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
+	    fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED) || marked_full(c))
+		goto out;
+	// Whatever fails here leaves the file to the server (FC_MISS), which reads it and says why.
+	// A look, the tiers and the claim first: a file that is too large, cached already, or read
+	// by another process is not opened here as well as there.
+	struct stat look, before, after;
+	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
+	struct fc_hit h;
+	if ((size_t)n <= c->rootlen || c->real_root_fd < 0 ||
+	    syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0) != 0 || !S_ISREG(look.st_mode) ||
+	    look.st_size > read_max)
+		goto out;
+	// A copy the tiers list but this job has not had checked yet (hit_read's miss): the
+	// server checks it (one stat), no fill.
+	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
+		close(h.fd);
+		goto out;
+	}
+	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, &fill) != 0)
+		goto out; // another process reads it: the server waits for it
+	claimed = 1;
+	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
+		close(h.fd); // recorded between the look above and the claim: the server serves it
+		goto out;
+	}
+	fd = open_beneath_root(c, clean, (size_t)n);
+	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode) || before.st_size > read_max)
+		goto out;
+	h = (struct fc_hit){.fd = fd, .size = before.st_size};
+	void *ptr;
+	uint8_t kind;
+	if (take(&h, &ptr, &kind) != 0)
+		goto out;
+	if (fc_sys_fstat(fd, &after) != 0 || !same_file(&before, &after)) {
+		free_mem(ptr, (size_t)h.size, kind); // changed while read: the server reads it, or says so
+		goto out;
+	}
+	// The reader has the bytes: a copy that cannot be written or reported is only not cached.
+	if (fc_fill_write(&fill, ptr, (size_t)h.size) == 0 && record(c, clean, (size_t)n, &before, fill.ino) == 0) {
+		fc_fill_keep(&fill);
+		claimed = 0;
+	}
+	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
+		goto out;
+	__atomic_fetch_add(&c->filled, 1, __ATOMIC_RELAXED);
+out:
+	if (claimed)
+		fc_fill_drop(&fill);
+	if (fd >= 0)
+		close(fd);
+	errno = saved;
+	return rc;
+}
+
+// ask_node serves a miss of the clean path clean (n bytes) through c's node's server, or
+// returns FC_MISS when c has none up. A server that opens files for its clients (cluster
+// mode: c->node_opens) answers with a descriptor (OpOpen) in one round trip, its tier's copy
+// or the bytes another node sent: asking it to fetch first (OpFetch) and then finding the
+// file would cost a second round trip, and a second transfer of a file it has no room to
+// keep. Unless alone, that file is asked for as a batch of one (node_open_many), so that the
+// bytes of a file another node sent come inline, not through a memory file; a server that
+// does not know batches opens it alone. Any other server is asked to fetch the file into its
+// tiers, which are then read; a file no tier takes is read from the source.
+static int ask_node(struct hit_client *c, const char *clean, size_t n, bool alone, const void **data,
+                    int64_t *size, int64_t *buffer, char *msg) {
+	if (!node_up(c))
+		return FC_MISS;
+	if (c->node_opens) {
+		int rc = FC_ASK_ALONE, idx = 0;
+		if (!alone)
+			node_open_many(c, &clean, &idx, 1, data, size, buffer, &rc);
+		return rc == FC_ASK_ALONE ? node_open_read(c, clean, n, data, size, buffer) : rc;
+	}
+	char said[FC_FETCH_MESSAGE] = "";
+	int rc = node_fetch(c, FC_NODE_OP_FETCH, clean, n, said);
+	if (rc == 0)
+		return read_cached(c, clean, n, data, size, buffer, 0); // the server counted the miss
+	if (rc == FC_NO_TIER)
+		return read_source(c, clean, n, data, size, buffer);
+	if (rc < 0) // msg is written for errors only: that of a batch's last error stays
+		snprintf(msg, FC_FETCH_MESSAGE, "%s", said[0] ? said : strerror(-rc));
+	return rc;
+}
+
+// decide serves a miss of the clean path clean (n bytes) of c: the reader's own fill, else
+// the node's server. In a process forked after load, which cannot enter Go, what the server
+// cannot serve (none listening, or no answer) is served from a copy the tiers hold once the
+// source shows the copy's version (read_checked), as Go's reader does, and, when the server
+// did not answer, from the source. Returns as hit_miss.
+static int decide(struct hit_client *c, const char *clean, size_t n, bool forked, const void **data,
+                  int64_t *size, int64_t *buffer, char *msg) {
+	int rc = fill_read(c, clean, n, data, size, buffer);
+	if (rc == FC_MISS)
+		rc = ask_node(c, clean, n, forked, data, size, buffer, msg);
+	if (forked && (rc == FC_MISS || rc == FC_UNAVAILABLE)) {
+		int checked = read_checked(c, clean, n, data, size, buffer);
+		if (checked != FC_MISS)
+			rc = checked;
+		else if (rc == FC_UNAVAILABLE)
+			rc = read_source(c, clean, n, data, size, buffer);
+	}
+	return rc;
+}
+
+int hit_miss(int64_t handle, const char *path, bool forked, const void **data, int64_t *size, int64_t *buffer,
+             char *msg) {
+	msg[0] = 0;
+	// A reference is held through the miss, so that the client cannot go meanwhile
+	// (fcHitClose waits for it); no lock is held while the server is waited for.
+	struct hit_client *c = acquire(handle);
+	char clean[FC_PATH_MAX];
+	int n, rc = FC_MISS;
+	if (c && (n = source_path(c, path, clean, sizeof clean)) >= 0)
+		rc = decide(c, clean, (size_t)n, forked, data, size, buffer, msg);
+	put(c);
+	return rc;
+}
+
+// open_in_batches serves the misses miss[0..nmiss) of hit_miss_many through c's node's
+// server, which opens them (c->node_opens), with one request for all of them
+// (node_open_many): the server asks each owner on another node for its files in one call, so
+// a batch costs a round trip per owner, not one per file. A server that does not know
+// batches is asked for each file alone. Returns how many are left to Go, moved to the front
+// of miss. In Go, each would cost a connection to the server, a Go buffer and a second copy,
+// and the reader's garbage collection (a third of a DataLoader worker's CPU time when most of
+// a node's reads are of other nodes' files: perf of bench/bench_cluster.py's share case).
+static int open_in_batches(struct hit_client *c, const char *const *paths, int *miss, int nmiss, const void **data,
+                           int64_t *sizes, int64_t *buffers, int *results, bool *unavailable, char *msg) {
+	node_open_many(c, paths, miss, nmiss, data, sizes, buffers, results);
+	int left = 0;
+	for (int j = 0; j < nmiss; j++) {
+		int i = miss[j], rc = results[i], k;
+		char clean[FC_PATH_MAX];
+		if (rc == FC_ASK_ALONE)
+			rc = (k = source_path(c, paths[i], clean, sizeof clean)) < 0
+			         ? FC_MISS
+			         : ask_node(c, clean, (size_t)k, true, &data[i], &sizes[i], &buffers[i], msg);
+		if (rc == FC_UNAVAILABLE)
+			*unavailable = true;
+		if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
+			data[i] = NULL; sizes[i] = 0; buffers[i] = 0; results[i] = -EIO;
+			miss[left++] = i;
+			continue;
+		}
+		results[i] = rc;
+	}
+	return left;
+}
+
+int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss, bool forked, const void **data,
+                  int64_t *sizes, int64_t *buffers, int *results, bool *unavailable, char *msg) {
+	msg[0] = 0;
+	*unavailable = false;
+	struct hit_client *c = acquire(handle);
+	int left = 0;
+	for (int j = 0; j < nmiss; j++) {
+		int i = miss[j], rc = FC_MISS, n;
+		char clean[FC_PATH_MAX];
+		if (c && (n = source_path(c, paths[i], clean, sizeof clean)) >= 0)
+			rc = forked ? decide(c, clean, (size_t)n, true, &data[i], &sizes[i], &buffers[i], msg)
+			            : fill_read(c, clean, (size_t)n, &data[i], &sizes[i], &buffers[i]);
+		if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
+			data[i] = NULL; sizes[i] = 0; buffers[i] = 0; results[i] = -EIO;
+			miss[left++] = i;
+			continue;
+		}
+		results[i] = rc;
+	}
+	if (c && !forked && left > 0 && c->node_opens && c->node_socket[0])
+		left = open_in_batches(c, paths, miss, left, data, sizes, buffers, results, unavailable, msg);
+	put(c);
+	return left;
+}
