@@ -185,7 +185,7 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 	return 0
 }
 
-// addHitTiers hands the tier directories of a client's server to the hit path (hitpath.c),
+// addHitTiers hands the tier directories of a client's server to the hit path (capi/clients.c),
 // which then serves cached files without entering Go.
 func addHitTiers(h int64, c *client.Client) {
 	C.fcHitSetBlockBytes(C.int64_t(h), C.int64_t(c.BlockBytes()))

@@ -240,7 +240,7 @@ func TestFillsAndFetchesAtOnceReadEachFileOnce(t *testing.T) {
 					}
 					continue
 				}
-				c, err := first.Claim(p) // a reader's fill (capi/fill.c hit_fill)
+				c, err := first.Claim(p) // a reader's fill (capi/miss.c fill_read)
 				if errors.Is(err, tiers.ErrClaimed) {
 					if err := e.Fetch(context.Background(), root, p); err != nil {
 						errs <- err

@@ -19,7 +19,7 @@
 //   - OpFetchBlock is OpFetch for one block of a large file (core.Engine.ReadBlock): the
 //     request's path is the block's name (tiers.BlockName: the file's path, a NUL byte, the
 //     block size and the block's number). A process forked after it loaded libfitcache
-//     asks it for the blocks its ranges miss (capi/hitpath.c, hit_pread).
+//     asks it for the blocks its ranges miss (capi/hitranges.c, hit_pread).
 //   - OpCacheBlock asks for a block to be cached, and nothing more: the server sends neither
 //     ack nor reply, and caches the block in the background (askWorkers at a time, up to
 //     askQueue waiting; more are dropped: the asker asks again later). The preload shim

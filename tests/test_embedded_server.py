@@ -65,6 +65,7 @@ def test_server_restarts_warm_after_exit(dataset, cache_options):
     with fitcache.Client(root, **cache_options) as c:
         for name in digests:
             c.read(name)
+    wait_published(cache_options, len(digests))  # readers' copies are recorded after their reads
     pid = server_pid(cache_options["runtime_dir"])
     os.kill(pid, 15)
     deadline = time.time() + 10

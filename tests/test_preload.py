@@ -1132,7 +1132,7 @@ def wait_dead(pid, timeout=10):
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
             return True
         time.sleep(0.02)
     return False

@@ -176,7 +176,7 @@ func (t *Tier) TakeAbandonedClaim(sourcePath string) bool {
 
 // FullMarkName returns the name, in a tier directory, of the mark that says the tiers have no
 // room left for the dataset at root (MarkFull): ".full-" and the key of the root in 16 hex
-// digits (capi/hitpath.c makes the same).
+// digits (capi/miss.c makes the same).
 func FullMarkName(root string) string { return fmt.Sprintf(".full-%016x", uint64(KeyOf(root))) }
 
 // MarkFull marks, for the readers of the dataset at root, that the tiers have no room left
