@@ -190,7 +190,9 @@ func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 			// waited for it (it was starting, not dead): take the node's path after all.
 			if !cfg.Direct && c.cluster.LocalAnswered() {
 				if node, err := newNodeRouter(cfg, log, members, token); err == nil && node != nil {
-					c.cluster.Close()
+					if err := c.cluster.Close(); err != nil {
+						log.Warn("closing the direct path's connections", "err", err)
+					}
 					c.cluster, c.node = nil, node
 				}
 			}
@@ -558,10 +560,10 @@ func (c *Client) Close() error {
 		errs = append(errs, routing.CloseDirs(v.dirs))
 	}
 	if c.cluster != nil {
-		c.cluster.Close()
+		errs = append(errs, c.cluster.Close())
 	}
 	if c.node != nil {
-		c.node.close()
+		errs = append(errs, c.node.close())
 	}
 	if c.deadTiers != nil {
 		errs = append(errs, c.deadTiers.close())

@@ -290,14 +290,20 @@ func (r *nodeRouter) stats() map[string]json.RawMessage {
 	return out
 }
 
-func (r *nodeRouter) close() {
+// close frees the connections and the mapped tier indexes, and returns what they could not
+// be closed with.
+func (r *nodeRouter) close() error {
+	var errs []error
 	for _, s := range r.servers {
-		s.rpc.Close()
+		if err := s.rpc.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("connection to %s: %w", s.id, err))
+		}
 		s.mu.Lock()
-		routing.CloseDirs(s.dirs)
+		errs = append(errs, routing.CloseDirs(s.dirs))
 		s.dirs = nil
 		s.mu.Unlock()
 	}
+	return errors.Join(errs...)
 }
 
 // readNode serves a read on a node with servers of the job: from their tiers, else through the

@@ -462,18 +462,22 @@ func (r *Router) probeLoop() {
 }
 
 // Close stops probing, waits for the replica copies in flight and frees the connections and
-// the mapped tier indexes. Call it once.
-func (r *Router) Close() {
+// the mapped tier indexes. It returns what they could not be closed with. Call it once.
+func (r *Router) Close() error {
 	close(r.stop)
 	<-r.stopped
 	r.replicas.Wait()
+	var errs []error
 	for _, p := range r.peers {
-		p.rpc.Close()
+		if err := p.rpc.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("connection to %s: %w", p.member.ID, err))
+		}
 		p.mu.Lock()
-		CloseDirs(p.dirs)
+		errs = append(errs, CloseDirs(p.dirs))
 		p.dirs = nil
 		p.mu.Unlock()
 	}
+	return errors.Join(errs...)
 }
 
 // Peers returns the job's servers, by id. The map is the router's: do not change it.

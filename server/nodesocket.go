@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
 	"log/slog"
@@ -530,11 +531,14 @@ func (n *clusterNode) peerClients() []*rpc.Client {
 	return out
 }
 
-// Close closes the readers of each root, after their requests in progress.
-func (n *clusterNode) Close() {
+// Close leaves the servers' membership and closes the readers of each root, after their
+// requests in progress, and the connections to the job's other servers. It returns what they
+// could not be closed with.
+func (n *clusterNode) Close() error {
+	var errs []error
 	if n.watch != nil {
 		if err := n.watch.Close(); err != nil {
-			n.log.Warn("leaving the servers' membership", "err", err)
+			errs = append(errs, fmt.Errorf("leave the servers' membership: %w", err))
 		}
 	}
 	n.mu.Lock()
@@ -542,15 +546,20 @@ func (n *clusterNode) Close() {
 	clients, peers := n.clients, n.peers
 	n.clients, n.peers = nil, nil
 	n.mu.Unlock()
-	for _, rc := range clients {
+	for root, rc := range clients {
 		<-rc.ready
 		if rc.c != nil {
-			rc.c.close()
+			if err := rc.c.close(); err != nil {
+				errs = append(errs, fmt.Errorf("the readers of %s: %w", root, err))
+			}
 		}
 	}
-	for _, c := range peers {
-		c.Close()
+	for id, c := range peers {
+		if err := c.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("connection to %s: %w", id, err))
+		}
 	}
+	return errors.Join(errs...)
 }
 
 // fetchBlock brings the block named name (tiers.BlockName) into a tier of engine, for

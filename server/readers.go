@@ -96,13 +96,13 @@ func newJobID() string {
 func (c *rootReader) resolve(path string) (string, error) { return core.ResolveIn(c.root, path) }
 
 // close waits for the requests in progress and closes the router. It is idempotent.
-func (c *rootReader) close() {
+func (c *rootReader) close() error {
 	if c.closed.Swap(true) {
-		return
+		return nil
 	}
 	c.life.Lock()
 	defer c.life.Unlock()
-	c.cluster.Close()
+	return c.cluster.Close()
 }
 
 // owner returns the id of the server a read of path goes to first (see

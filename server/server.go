@@ -619,7 +619,7 @@ func (s *Server) close() error {
 		fail("close node socket", s.node.Close())
 	}
 	if s.cluster != nil {
-		s.cluster.Close()
+		fail("close the cluster node", s.cluster.Close())
 	}
 	if s.ln != nil {
 		// Closed before Kitex's Stop, which does nothing until its Run has set the server
