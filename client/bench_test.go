@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/tiers"
 )
 
@@ -132,52 +131,6 @@ func BenchmarkHit(b *testing.B) {
 			i++
 		}
 	})
-}
-
-// BenchmarkOpenForReaderRemote measures what a cluster server does for a reader of its node
-// that misses a file another node owns and the node has no room to keep (the data plane of a
-// dataset larger than the node's share): the remote read over Kitex and the memory file.
-func BenchmarkOpenForReaderRemote(b *testing.B) {
-	root := b.TempDir()
-	self := startClusterServerWithBudget(b, "127.0.0.1", root, "1MiB")
-	remote := startClusterServerWithBudget(b, "127.0.0.2", root, "256MiB")
-	cfg, err := config.Load(map[string]string{"servers": self.addr + "," + remote.addr, "token": "tok",
-		"node": "127.0.0.1", "wait_timeout": "5", "rpc_timeout": "5"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.Direct = true
-	c, err := Open(root, cfg, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
-	c.SetOwnServer(self.addr, self.engine)
-	var names []string
-	for i := 0; len(names) < 64; i++ {
-		name := fmt.Sprintf("f%04d.bin", i)
-		if c.Owner(name) == remote.addr {
-			os.WriteFile(filepath.Join(root, name), make([]byte, 110<<10), 0o644)
-			names = append(names, name)
-		}
-	}
-	ctx := context.Background()
-	for _, n := range names { // cached at the owner
-		f, _, err := c.OpenForReader(ctx, n)
-		if err != nil {
-			b.Fatal(err)
-		}
-		f.Close()
-	}
-	b.SetBytes(110 << 10)
-	b.ResetTimer()
-	for i := range b.N {
-		f, _, err := c.OpenForReader(ctx, names[i%len(names)])
-		if err != nil {
-			b.Fatal(err)
-		}
-		f.Close()
-	}
 }
 
 // BenchmarkRangesOfCachedBlocks reads random 64 KiB ranges of a 64 MiB file whose blocks

@@ -12,8 +12,8 @@
 //     cache failure never fails a read.
 //
 // With no servers configured the server is the per-user embedded server (package embedded),
-// started on demand. In cluster mode a cluster server also uses a Client to answer the
-// preload shim's misses for files other servers own ([Client.OpenForReader]).
+// started on demand. In cluster mode a reader on a node with servers of the job reads through
+// their node socket; elsewhere it routes over the ring itself (package routing).
 //
 // Usage:
 //
@@ -37,10 +37,8 @@ import (
 	"math"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 
-	"golang.org/x/sync/singleflight"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -50,6 +48,7 @@ import (
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
+	"github.com/fitcache/fitcache/routing"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 	"github.com/fitcache/fitcache/tiers"
@@ -113,19 +112,14 @@ type Client struct {
 	// served from the tiers without waiting for it.
 	view atomic.Pointer[serverConn]
 
-	cluster *clusterRouter // set in cluster mode (Config.Servers) on a node without a server of the job
-	node    *nodeRouter    // set in cluster mode on a node with servers of the job (see node.go)
-	own     *ownServer     // the cluster server this client runs in, if any (see SetOwnServer)
+	cluster *routing.Router // set in cluster mode (Config.Servers) on a node without a server of the job
+	node    *nodeRouter     // set in cluster mode on a node with servers of the job (see noderouter.go)
 	// deadTiers serves copies from the tiers of this node's servers while they do not answer
 	// (cluster mode; see deadtiers.go).
 	deadTiers *deadTiers
-	// guestsFullUntil (Unix ns): before then, no node-local copy is kept (see keepGuest).
-	guestsFullUntil atomic.Int64
-	// bringing: the large files being brought to this node in the background (see
-	// openLargeNow), path -> struct{}.
-	bringing sync.Map
-	// notLarge: files openLargeNow found too small, path -> struct{}, at most notLargeMax
-	// (notLargeCount counts the attempts to add one).
+
+	// notLarge: files found under core.ReadNowBytes (read whole, see source), path ->
+	// struct{}, at most notLargeMax (notLargeCount counts the attempts to add one).
 	notLarge      sync.Map
 	notLargeCount atomic.Int64
 
@@ -135,7 +129,6 @@ type Client struct {
 	pending  hitReport                                            // local hits not yet reported to the server
 	pf       prefetchJobs                                         // prefetch jobs to renew (see Prefetch)
 	ranges   rangeFiles                                           // files kept open for ReadAt (see ranges.go)
-	forwards singleflight.Group                                   // blocks being forwarded (see ForwardBlock)
 	brings   blockBrings                                          // blocks being cached for ReadAt
 	closed   atomic.Bool
 	stop     chan struct{}
@@ -163,26 +156,11 @@ type counters struct {
 // Open returns a client for the dataset under root, connecting to (and if needed starting)
 // the embedded server. A server that cannot be started is not an error: reads then go to the
 // source until it can be.
-func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Client, error) {
-	var o options
-	for _, opt := range opts {
-		opt(&o)
-	}
+func Open(root string, cfg config.Config, log *slog.Logger) (*Client, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	abs, err := filepath.Abs(root)
-	if err != nil {
-		return nil, err
-	}
-	fi, err := os.Stat(abs)
-	if err != nil {
-		return nil, err
-	}
-	if !fi.IsDir() {
-		return nil, &os.PathError{Op: "open dataset", Path: abs, Err: syscall.ENOTDIR}
-	}
-	real, err := filepath.EvalSymlinks(abs)
+	abs, real, err := core.DatasetRoot(root)
 	if err != nil {
 		return nil, err
 	}
@@ -205,14 +183,16 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 			}
 		}
 		if c.node == nil {
-			if c.cluster, err = newClusterRouter(cfg, log, members, token, o); err != nil {
+			if c.cluster, err = routing.New(cfg, log, members, token, routing.Options{}); err != nil {
 				return nil, err
 			}
 			// The node's server did not answer the node router's hello but the direct path
 			// waited for it (it was starting, not dead): take the node's path after all.
-			if !cfg.Direct && c.cluster.localAnswered() {
+			if !cfg.Direct && c.cluster.LocalAnswered() {
 				if node, err := newNodeRouter(cfg, log, members, token); err == nil && node != nil {
-					c.cluster.close()
+					if err := c.cluster.Close(); err != nil {
+						log.Warn("closing the direct path's connections", "err", err)
+					}
 					c.cluster, c.node = nil, node
 				}
 			}
@@ -222,33 +202,6 @@ func Open(root string, cfg config.Config, log *slog.Logger, opts ...Option) (*Cl
 	}
 	go c.reportLoop()
 	return c, nil
-}
-
-// An Option changes how Open opens a client.
-type Option func(*options)
-
-type options struct {
-	dead   map[string]bool // see KnownDead
-	onDead func(id string) // see OnServerDead
-}
-
-// OnServerDead gives a cluster client a function to call when its own calls find a server
-// dead (a refused connection, FailureThreshold calls without an answer): a server passes it
-// on to the job's other servers (package membership).
-func OnServerDead(f func(id string)) Option { return func(o *options) { o.onDead = f } }
-
-// KnownDead tells a cluster client the servers the job's servers know to be dead (see
-// package membership): it starts with them dead, says no hello to them and waits for none of
-// them (it still asks them every second whether they are back).
-func KnownDead(ids []string) Option {
-	return func(o *options) {
-		if o.dead == nil {
-			o.dead = map[string]bool{}
-		}
-		for _, id := range ids {
-			o.dead[id] = true
-		}
-	}
 }
 
 // NewJobID returns a new random job id (see config.Config.Job).
@@ -271,17 +224,7 @@ func (c *Client) RealRoot() string { return c.realRoot }
 // Resolve turns a path relative to the root, or absolute, into a clean absolute path inside
 // the root, or reports why it is not one.
 func (c *Client) Resolve(path string) (string, error) {
-	if strings.IndexByte(path, 0) >= 0 {
-		return "", fmt.Errorf("%w: %q has a NUL byte", core.ErrBadPath, path)
-	}
-	if !filepath.IsAbs(path) {
-		path = filepath.Join(c.root, path)
-	}
-	path = filepath.Clean(path)
-	if !core.Within(path, c.root) {
-		return "", fmt.Errorf("%w: %s is not under %s", core.ErrOutsideRoot, path, c.root)
-	}
-	return path, nil
+	return core.ResolveIn(c.root, path)
 }
 
 // Read returns the whole file at path (absolute, or relative to the root).
@@ -465,7 +408,7 @@ func watchServer(ctx context.Context, server *rpc.Client, cancel context.CancelF
 // asked for again, as bytes.
 func (c *Client) replyBuffer(ctx context.Context, server *rpc.Client, reply *fitcachepb.ReadReply, dirs []tiers.Dir, path string) (Buffer, error) {
 	if reply.CachedPath != "" {
-		if m, err := tiers.Probe(anySession(dirs), path); err == nil {
+		if m, err := tiers.Probe(routing.AnySession(dirs), path); err == nil {
 			return m, nil
 		}
 		var err error
@@ -543,7 +486,7 @@ func (c *Client) Size(path string) (int64, error) {
 func (c *Client) TierDirs() []tiers.Dir {
 	dirs := c.localDirs()
 	if c.cluster != nil && c.deadTiers != nil {
-		for _, d := range c.deadTiers.of(c.cluster.deadLocal()) {
+		for _, d := range c.deadTiers.of(c.cluster.DeadLocal()) {
 			dirs = append(dirs, d.WithSession(math.MaxUint32))
 		}
 	}
@@ -568,7 +511,7 @@ func (c *Client) localDirs() []tiers.Dir {
 		return c.node.dirs()
 	}
 	if c.cluster != nil {
-		return c.cluster.localDirs()
+		return c.cluster.LocalDirs()
 	}
 	return c.tierView()
 }
@@ -614,13 +557,13 @@ func (c *Client) Close() error {
 		}
 	}
 	if v := c.view.Swap(nil); v != nil {
-		errs = append(errs, closeDirs(v.dirs))
+		errs = append(errs, routing.CloseDirs(v.dirs))
 	}
 	if c.cluster != nil {
-		c.cluster.close()
+		errs = append(errs, c.cluster.Close())
 	}
 	if c.node != nil {
-		c.node.close()
+		errs = append(errs, c.node.close())
 	}
 	if c.deadTiers != nil {
 		errs = append(errs, c.deadTiers.close())

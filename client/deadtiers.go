@@ -3,6 +3,7 @@ package client
 import (
 	"errors"
 	"fmt"
+	"github.com/fitcache/fitcache/routing"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -197,7 +198,7 @@ func (t *deadTiers) close() error {
 	t.closed = true
 	var errs []error
 	for _, dirs := range t.dirs {
-		errs = append(errs, closeDirs(dirs))
+		errs = append(errs, routing.CloseDirs(dirs))
 	}
 	t.dirs = nil
 	return errors.Join(errs...)

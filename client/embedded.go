@@ -5,10 +5,8 @@ package client
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"log/slog"
-	"math"
+	"github.com/fitcache/fitcache/routing"
 	"time"
 
 	"github.com/fitcache/fitcache/core"
@@ -123,14 +121,14 @@ func (c *Client) connect(a *connectAttempt) {
 	c.mu.Lock()
 	if err == nil && c.closed.Load() {
 		conn.rpc.Close()
-		closeDirs(conn.dirs)
+		routing.CloseDirs(conn.dirs)
 		err = core.ErrClosed
 	}
 	if err == nil {
 		c.conn, c.downUntil, c.backoff = conn, time.Time{}, 0
 		c.tellState(true, 0)
 		if old := c.view.Swap(conn); old != nil {
-			closeDirs(old.dirs) // safe while readers use them: a closed directory gives misses
+			routing.CloseDirs(old.dirs) // safe while readers use them: a closed directory gives misses
 		}
 	} else {
 		c.backoff = min(max(2*c.backoff, minBackoff), maxBackoff)
@@ -164,60 +162,9 @@ func (c *Client) dial() (*serverConn, error) {
 		server.Close()
 		return nil, fmt.Errorf("%w: %w", rpc.ErrUnavailable, err)
 	}
-	session := sessionOf(hello)
-	return &serverConn{rpc: server, dirs: tierDirs(hello.Tiers, session, c.log), session: session,
+	session := routing.SessionOf(hello)
+	return &serverConn{rpc: server, dirs: routing.TierDirs(hello.Tiers, session, c.log), session: session,
 		blockBytes: hello.BlockBytes, readerFills: hello.ReaderFills}, nil
-}
-
-// sessionOf returns the validation session a Hello reply gives the caller's job.
-func sessionOf(hello *fitcachepb.HelloReply) uint32 {
-	if hello.Session < 0 || hello.Session > math.MaxUint32 {
-		return math.MaxUint32 // no copy is served without asking: safe, if slow
-	}
-	return uint32(hello.Session)
-}
-
-// tierDirs opens the tiers of a Hello reply as directories to read (held open and checked
-// once, see tiers.OpenDir) for a reader of validation session, skipping with a log line a
-// tier of an unknown kind or one that cannot be used. Close them with closeDirs.
-func tierDirs(infos []*fitcachepb.TierInfo, session uint32, log *slog.Logger) []tiers.Dir {
-	var dirs []tiers.Dir
-	for _, t := range infos {
-		kind, err := tiers.ParseKind(t.Kind)
-		var d tiers.Dir
-		if err == nil {
-			d, err = tiers.OpenDir(t.Dir, kind)
-		}
-		if err != nil {
-			log.Warn("ignoring a tier of the server", "dir", t.Dir, "err", err)
-			continue
-		}
-		dirs = append(dirs, d.WithSession(session))
-	}
-	return dirs
-}
-
-// anySession returns dirs for reading a copy that a server has just said it holds: it checked
-// the copy against its source before it said so, so the copy's mark need not be our
-// session's (a restarted server numbers its sessions anew).
-func anySession(dirs []tiers.Dir) []tiers.Dir {
-	out := make([]tiers.Dir, len(dirs))
-	for i, d := range dirs {
-		out[i] = d.WithSession(0)
-	}
-	return out
-}
-
-// closeDirs closes directories from tierDirs; readers still using them get misses. It
-// returns what the closes failed with.
-func closeDirs(dirs []tiers.Dir) error {
-	var errs []error
-	for _, d := range dirs {
-		if err := d.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("tier %s: %w", d.Path, err))
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // MarkUnavailable tells the client that its server did not answer a caller that went around
@@ -293,7 +240,7 @@ func (c *Client) NodeSocket() string {
 		return c.node.socket()
 	}
 	if c.cluster != nil {
-		return c.cluster.nodeSocket()
+		return c.cluster.NodeSocket()
 	}
 	return nodesock.PathFor(embedded.SocketPath(c.cfg.RuntimeDir))
 }

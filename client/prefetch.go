@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/fitcache/fitcache/routing"
 	"sync"
 	"time"
 
@@ -147,10 +148,8 @@ func (c *Client) PrefetchEpochs(paths []string, thisEpoch int) error {
 		// The files the tiers of this node's dead servers hold are read from there (see
 		// deadTiers): their new owners would read them from the source ahead of readers that
 		// never ask them for them.
-		for p, owned := range c.cluster.owners(c.deadTiers.unlisted(c.cluster.deadLocal(), abs)) {
-			p.mu.Lock()
-			groups[target{p.rpc, p.session}] = owned
-			p.mu.Unlock()
+		for p, owned := range owners(c.cluster, c.deadTiers.unlisted(c.cluster.DeadLocal(), abs)) {
+			groups[target{p.RPC(), p.Session()}] = owned
 		}
 	} else {
 		conn, err := c.ensureConn(nil, c.cfg.ReadTimeout)
@@ -270,10 +269,10 @@ func (c *Client) PrefetchStatus() core.PrefetchInfo {
 // owners splits paths by the server that owns each (the first live server on the ring for
 // it, the one reads go to), keeping their order; files no live server owns are left out
 // (they are read from the source).
-func (r *clusterRouter) owners(paths []string) map[*peer][]string {
-	out := map[*peer][]string{}
+func owners(r *routing.Router, paths []string) map[*routing.Peer][]string {
+	out := map[*routing.Peer][]string{}
 	for _, p := range paths {
-		if t := r.targets(p); len(t) > 0 {
+		if t := r.Targets(p); len(t) > 0 {
 			out[t[0]] = append(out[t[0]], p)
 		}
 	}

@@ -176,7 +176,7 @@ func TestPrefetchClusterEachServerItsOwn(t *testing.T) {
 	}
 	owned := map[string]int64{}
 	for _, name := range names {
-		owned[c.cluster.targets(filepath.Join(root, name))[0].member.ID]++
+		owned[c.cluster.Targets(filepath.Join(root, name))[0].ID()]++
 	}
 	for addr, e := range engines {
 		if s := e.Stats(); s.SourceReads != owned[addr] || s.Prefetch.Fetched != owned[addr] {

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/fitcache/fitcache/routing"
 	"io"
 	"os"
 	"sync"
@@ -226,7 +227,7 @@ type blockPlan struct {
 func (c *Client) blockPlan() *blockPlan {
 	switch {
 	case c.cluster != nil:
-		return c.cluster.blockPlan(c)
+		return c.clusterBlockPlan()
 	case c.node != nil:
 		return c.node.blockPlan(c)
 	}
@@ -289,19 +290,19 @@ func (r *nodeRouter) blockPlan(c *Client) *blockPlan {
 		}}
 }
 
-// blockPlan is the plan of a reader that routes over the ring itself.
-func (r *clusterRouter) blockPlan(c *Client) *blockPlan {
-	bb := r.blockBytes.Load()
+// clusterBlockPlan is the plan of a reader that routes over the ring itself.
+func (c *Client) clusterBlockPlan() *blockPlan {
+	bb := c.cluster.BlockBytes()
 	if bb <= 0 {
 		return nil
 	}
 	return &blockPlan{bytes: bb,
 		ask: func(ctx context.Context, path string, n int64) error {
-			_, _, err := c.askOwner(ctx, bb, path, n, 0, 0, false)
+			_, _, err := c.cluster.AskBlock(ctx, c.root, path, bb, n, 0, 0, false)
 			return err
 		},
 		fetch: func(ctx context.Context, path string, n, off int64, p []byte) (int, version, error) {
-			reply, _, err := c.askOwner(ctx, bb, path, n, off, int64(len(p)), false)
+			reply, _, err := c.cluster.AskBlock(ctx, c.root, path, bb, n, off, int64(len(p)), false)
 			if err != nil {
 				return 0, version{}, err
 			}
@@ -314,116 +315,9 @@ func versionOfReply(r *fitcachepb.ReadReply) version {
 	return version{known: true, mtime: r.MtimeNanos, ctime: r.CtimeNanos, ino: uint64(r.Inode)}
 }
 
-// askOwner asks the server that owns block n (of bb bytes) of the file at path on the ring
-// (the next live one if it is dead) for length bytes of it at off, caching the block there
-// (a length of 0 only caches it); with whole, for the whole block. fromOtherNode says that
-// the server that answered is on another node. A server asked this way never forwards the
-// request again.
-func (c *Client) askOwner(ctx context.Context, bb int64, path string, n, off, length int64, whole bool) (
-	reply *fitcachepb.ReadReply, fromOtherNode bool, err error) {
-	if whole {
-		off, length = 0, bb
-	}
-	err = c.route(tiers.BlockName(path, bb, n), func(p *peer, _ []*peer) error {
-		fromOtherNode = !p.local
-		var err error
-		reply, err = p.rpc.ReadBlockRange(ctx, c.root, path, bb, n, off, length, false)
-		return err
-	})
-	return reply, fromOtherNode, err
-}
-
-// CacheBlockAtOwner has block n of the file at path cached by the server that owns it on the
-// ring (the next live one if it is dead), for a cluster server's prefetch of a large file
-// (core.EngineConfig.BlockOwner): mine reports that self, this server's id, owns it, and is
-// to cache it itself; else, with ask, the owner is asked to cache it, and sends none of it.
-func (c *Client) CacheBlockAtOwner(ctx context.Context, self, path string, n int64, ask bool) (mine bool, err error) {
-	c.life.RLock()
-	defer c.life.RUnlock()
-	if c.closed.Load() {
-		return false, core.ErrClosed
-	}
-	if c.cluster == nil {
-		return false, fmt.Errorf("client CacheBlockAtOwner outside cluster mode: %w", errors.ErrUnsupported)
-	}
-	bb := c.cluster.blockBytes.Load()
-	if bb <= 0 {
-		return false, fmt.Errorf("%w: the servers' block size is not known yet", rpc.ErrUnavailable)
-	}
-	if targets := c.cluster.targets(tiers.BlockName(path, bb, n)); len(targets) > 0 && targets[0].member.ID == self {
-		return true, nil
-	}
-	if !ask {
-		return false, nil
-	}
-	_, _, err = c.askOwner(ctx, bb, path, n, 0, 0, false)
-	return false, err
-}
-
-// guestBlockMax bounds the blocks a server keeps copies of for its node (ForwardBlock): a
-// larger block travels by ranges only, and is never held whole in memory.
-const guestBlockMax = 16 << 20
-
-// ForwardBlock serves, for a cluster server, a ranged request for a block from a reader of
-// its node (rpc.ServerConfig.ForwardBlock): the range as the block's owner on the ring sends
-// it, or ok false when self (this server's id) owns the block or this server holds it, and
-// serves it itself. The block is numbered in this server's block size (an owner of another
-// refuses it). When the owner is on another node, the whole block comes, once however many
-// readers ask for it at once, and is kept on this node (a guest copy) where there is room,
-// so that the readers of this node read it from its tiers from then on. A block nobody can
-// serve (its owner declined it, or is dead under the pfs policy) fails with ErrTooLarge:
-// the reader reads the source, and this server never caches a block it does not own.
-func (c *Client) ForwardBlock(ctx context.Context, self, path string, n, off, length int64) ([]byte, bool, error) {
-	c.life.RLock()
-	defer c.life.RUnlock()
-	if c.closed.Load() {
-		return nil, false, core.ErrClosed
-	}
-	if c.cluster == nil || c.own == nil {
-		return nil, false, nil
-	}
-	bb := c.own.engine.BlockBytes()
-	name := tiers.BlockName(path, bb, n)
-	if targets := c.cluster.targets(name); len(targets) > 0 && targets[0].member.ID == self ||
-		c.own.engine.HoldsBlock(path, n) {
-		return nil, false, nil // served here
-	}
-	// keep: the whole block comes, once for all the readers asking at once (the key is the
-	// block's), and each takes its range of it; else each its range.
-	keep := bb <= guestBlockMax && !c.guestsFull()
-	key := name
-	if !keep {
-		key = fmt.Sprintf("%s|%d|%d", name, off, length)
-	}
-	v, err, _ := c.forwards.Do(key, func() (any, error) {
-		session := c.own.engine.Session() // before the request: see core.GuestCopy.Session
-		reply, otherNode, err := c.askOwner(ctx, bb, path, n, off, length, keep)
-		if err != nil {
-			return nil, err
-		}
-		if keep && otherNode && len(reply.Data) > 0 {
-			err := c.own.engine.StoreGuest(ctx, core.GuestCopy{Root: c.root, Path: path, IsBlock: true, Block: n,
-				Data: reply.Data, Session: session, Source: tiers.Identity{Size: int64(len(reply.Data)),
-					MTimeNanos: reply.MtimeNanos, CTimeNanos: reply.CtimeNanos, Ino: uint64(reply.Inode)}})
-			if errors.Is(err, core.ErrCacheFull) {
-				c.guestsFullUntil.Store(time.Now().Add(guestsFullRecheck).UnixNano()) // as keepGuest does
-			}
-		}
-		return reply.Data, nil
-	})
-	if errors.Is(err, errReadSource) {
-		return nil, false, fmt.Errorf("%w: no server serves block %d of %s", core.ErrTooLarge, n, path)
-	}
-	if err != nil {
-		return nil, false, err
-	}
-	data := v.([]byte)
-	if keep { // the whole block: this caller's range of it
-		lo := min(off, int64(len(data)))
-		data = data[lo : lo+min(length, int64(len(data))-lo)]
-	}
-	return data, true, nil
-}
+// notLargeMax bounds the files a client remembers as read whole (about 100 bytes each);
+// past it, the others are stat'ed at each open.
+const notLargeMax = 1 << 20
 
 // errNotLarge reports a file read through whole copies (see source).
 var errNotLarge = errors.New("not a large file")
@@ -478,8 +372,8 @@ func (c *Client) readBlockRange(plan *blockPlan, dirs []tiers.Dir, src *rangeFil
 	}
 	ctx, cancel := c.readContext(time.Now().Add(c.cfg.ReadTimeout))
 	defer cancel()
-	if plan.check != nil && tiers.Listed(anySession(dirs), name) && plan.check(ctx, path, n) {
-		if k, v, ok, err := c.readCopy(anySession(dirs), name, name, p, within); ok {
+	if plan.check != nil && tiers.Listed(routing.AnySession(dirs), name) && plan.check(ctx, path, n) {
+		if k, v, ok, err := c.readCopy(routing.AnySession(dirs), name, name, p, within); ok {
 			return k, v, err
 		}
 	}
@@ -700,7 +594,7 @@ func (c *Client) bringBlocks() {
 			b.mu.Unlock()
 		}
 		if err != nil && !errors.Is(err, core.ErrTooLarge) && !errors.Is(err, core.ErrCacheFull) &&
-			!errors.Is(err, errReadSource) && ctx.Err() == nil {
+			!errors.Is(err, routing.ErrReadSource) && ctx.Err() == nil {
 			c.log.Warn("caching a block", "path", ask.path, "block", ask.n, "err", err)
 		}
 	}

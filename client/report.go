@@ -74,12 +74,13 @@ func (c *Client) Stats() (string, error) {
 		out.Client.DeadServerHits, out.Client.SourceChecks = c.deadTiers.hits.Load(), c.deadTiers.checks.Load()
 	}
 	if c.cluster != nil {
-		out.Client.ServersDead, out.Client.ServersRejoined = c.cluster.deaths.Load(), c.cluster.rejoins.Load()
-		out.Client.ServersGossiped, out.Client.ServerFailures = c.cluster.gossiped.Load(), c.cluster.failures.Load()
+		n := c.cluster.Counts()
+		out.Client.ServersDead, out.Client.ServersRejoined = n.Deaths, n.Rejoins
+		out.Client.ServersGossiped, out.Client.ServerFailures = n.Gossiped, n.Failures
 		if server := c.reportTo(); server != nil {
 			c.flushHits(server)
 		}
-		out.Servers = c.cluster.stats()
+		out.Servers = c.cluster.Stats()
 		b, err := json.Marshal(out)
 		return string(b), err
 	}
@@ -176,7 +177,7 @@ func (c *Client) reportTo() *rpc.Client {
 		return nil
 	}
 	if c.cluster != nil {
-		return c.cluster.localServer()
+		return c.cluster.LocalServer()
 	}
 	if conn, _ := c.current(); conn != nil {
 		return conn.rpc

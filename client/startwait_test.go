@@ -87,7 +87,7 @@ func TestFreshClientWaitsForNoServerTheJobKnowsDead(t *testing.T) {
 			if c.cluster == nil {
 				t.Fatal("no direct path: want the ring, the node's server being dead")
 			}
-			if got := c.cluster.gossiped.Load(); got != 1 && !tc.lately {
+			if got := c.cluster.Counts().Gossiped; got != 1 && !tc.lately {
 				t.Errorf("servers taken for dead on the servers' word: %d, want 1", got)
 			}
 		})
@@ -155,7 +155,7 @@ func TestNodeServerStartingAMomentLateIsWaitedFor(t *testing.T) {
 	defer o.c.Close()
 	// In-process servers serve no node socket: the reader takes the direct path, with the
 	// node's server alive on it.
-	if _, dead := o.c.cluster.peers[late.addr].state(); dead {
+	if _, dead := o.c.cluster.Peers()[late.addr].State(); dead {
 		t.Errorf("the node's server, started a moment late, was taken for dead")
 	}
 }

@@ -60,7 +60,7 @@ type EngineConfig struct {
 	NodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	// BlockOwner, in a cluster server, reports whether this server owns block n of the file
 	// at path on the ring (mine), and else, with ask, has its owner cache it (see
-	// client.Client.CacheBlockAtOwner): prefetch of a large file no tier takes whole (see
+	// the cacheBlockAtOwner of package server, readers.go): prefetch of a large file no tier takes whole (see
 	// fetchBlocks).
 	BlockOwner func(ctx context.Context, root, path string, n int64, ask bool) (mine bool, err error)
 	// Limits bound the tiers' budgets from outside their configuration (the job's memory

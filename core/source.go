@@ -25,6 +25,44 @@ func Within(path, root string) bool {
 	return path == root || strings.HasPrefix(path, root+"/")
 }
 
+// DatasetRoot returns the directory root absolute and clean, and with its symbolic links
+// resolved (real, for opens of its sources beneath it), for a reader of the dataset under it.
+func DatasetRoot(root string) (abs, real string, err error) {
+	abs, err = filepath.Abs(root)
+	if err != nil {
+		return "", "", err
+	}
+	fi, err := os.Stat(abs)
+	if err != nil {
+		return "", "", err
+	}
+	if !fi.IsDir() {
+		return "", "", &os.PathError{Op: "open dataset", Path: abs, Err: syscall.ENOTDIR}
+	}
+	real, err = filepath.EvalSymlinks(abs)
+	if err != nil {
+		return "", "", err
+	}
+	return abs, real, nil
+}
+
+// ResolveIn returns path (absolute, or relative to root, which is absolute and clean) absolute
+// and clean, or an error wrapping ErrOutsideRoot for a path outside root (ErrBadPath for one
+// with a NUL byte).
+func ResolveIn(root, path string) (string, error) {
+	if strings.IndexByte(path, 0) >= 0 {
+		return "", fmt.Errorf("%w: %q has a NUL byte", ErrBadPath, path)
+	}
+	if !filepath.IsAbs(path) {
+		path = filepath.Join(root, path)
+	}
+	path = filepath.Clean(path)
+	if !Within(path, root) {
+		return "", fmt.Errorf("%w: %s is not under %s", ErrOutsideRoot, path, root)
+	}
+	return path, nil
+}
+
 // CheckPath validates a request: root and path absolute and clean, without a NUL byte (no
 // file name has one, and a cached block's name does: see tiers.BlockName), path inside root.
 func CheckPath(root, path string) error {

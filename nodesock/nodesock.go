@@ -14,7 +14,7 @@
 //     SCM_RIGHTS): its cached copy, or the source itself when no tier takes it (see
 //     core.Engine.OpenForReader); a cluster server answers for every file of the job, with a
 //     memory file holding the bytes of a file another node owns (see
-//     client.Client.OpenForReader). The preload shim returns it from open().
+//     package server, readers.go). The preload shim returns it from open().
 //   - OpForget drops the cached copies of a file whose source is being written.
 //   - OpFetchBlock is OpFetch for one block of a large file (core.Engine.ReadBlock): the
 //     request's path is the block's name (tiers.BlockName: the file's path, a NUL byte, the
@@ -30,7 +30,7 @@
 //     descriptor, its bytes (a file of at most MaxInline bytes the server holds in memory:
 //     another node's, which a descriptor would first copy into a memory file) or its own
 //     errno (a missing file is ENOENT for that file only). A cluster server fetches the files
-//     other nodes own with one ReadBatch call per owner (see client.Client.OpenManyForReader). A server older than it closes the connection
+//     other nodes own with one ReadBatch call per owner (see package server, readers.go). A server older than it closes the connection
 //     without an ack (an unknown operation, or a path field longer than a path): the client
 //     then asks for each file with OpOpen (ErrUnknownOp).
 //   - OpRecord reports a reader's fill (see tiers.Claim): the reader read a small file from

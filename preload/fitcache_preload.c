@@ -21,7 +21,7 @@
  *     large file's source are then served from its cached blocks, see ranges.c). In cluster mode
  *     the tiers are those of the job's servers on this node, and the server asked answers
  *     for every file of the job from its owner: a file of another node comes as a sealed
- *     memory file holding the bytes the owner sent (see client.Client.OpenForReader).
+ *     memory file holding the bytes the owner sent (see server/readers.go, rootReader.open).
  *   - A write-open of a dataset file (O_WRONLY, O_RDWR, O_CREAT, O_TRUNC, O_APPEND) goes to
  *     the source, after the server dropped the cached copy (OpForget); the copy is dropped
  *     again when the descriptor is closed (or the process exits), in case a reader cached

@@ -379,7 +379,7 @@ func (h *Handler) readBlockRange(ctx context.Context, req *fitcachepb.ReadReques
 	data := bytes.Clone(b[lo : lo+min(length, int64(len(b))-lo)])
 	h.engine.CountSent(int64(len(data)))
 	// The identity of the source version the block copies, for a node-local copy of it (see
-	// client.Client.ForwardBlock).
+	// the forwardBlock of package server, readers.go).
 	reply := &fitcachepb.ReadReply{Size: int64(len(data)), Data: data, MembershipVersion: version,
 		Dead: dead, MtimeNanos: res.MTimeNanos, CtimeNanos: res.CTimeNanos, Inode: int64(res.Ino)}
 	setOrigin(reply, res.Origin)

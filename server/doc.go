@@ -3,7 +3,7 @@
 // where this node's C readers ask for misses, the Prometheus metrics (package metrics), a
 // ready file for launchers, and, for the per-user embedded server, its lock (package
 // embedded). In cluster mode, its node socket answers for every file of the job through a
-// cluster client per dataset root (node.go).
+// reader per dataset root that routes over the ring (nodesocket.go, readers.go).
 //
 // Start opens all of it in order and closes what it opened when a step fails; Close owns
 // the shutdown order. `fitcache serve` parses flags into a Config and handles signals; tests

@@ -91,7 +91,7 @@ type Config struct {
 	// Cluster is the job's configuration (servers, failure policy, timeouts, this node's
 	// name) for the node socket of a TCP server: with Cluster.Servers set, the node socket
 	// answers this node's readers for every file of the job, each from its owner (see
-	// node.go); without, a TCP server has no node socket. Its token is Token.
+	// nodesocket.go); without, a TCP server has no node socket. Its token is Token.
 	Cluster config.Config
 	// ID names the server in replies and logs; default HOST:PID.
 	ID string
@@ -324,7 +324,7 @@ func (s *Server) listenUnix() (err error) {
 }
 
 // openNodeSocket opens the node socket, where C code on this node without Go (libfitcache
-// after fork, the preload shim) asks for misses (see node.go). A cluster server has one only
+// after fork, the preload shim) asks for misses (see nodesocket.go). A cluster server has one only
 // when it knows the job's servers, so that it serves every file from its owner; the RPC
 // server announces its path in its hello. A node socket that cannot be opened is logged, not
 // fatal; the servers' membership, which starts here with the cluster node, fails the start
@@ -619,7 +619,7 @@ func (s *Server) close() error {
 		fail("close node socket", s.node.Close())
 	}
 	if s.cluster != nil {
-		s.cluster.Close()
+		fail("close the cluster node", s.cluster.Close())
 	}
 	if s.ln != nil {
 		// Closed before Kitex's Stop, which does nothing until its Run has set the server

@@ -216,7 +216,7 @@ def test_several_servers_on_one_node_share_its_readers(request, dataset, tmp_pat
     remote = cached_names(c, c.addrs[2]) | cached_names(c, c.addrs[3])
     assert remote and remote <= first | second, f"files of other nodes without a copy on this node: {remote - first - second}"
     guests = sorted(server_stats_of(c, a)["guests"] for a in c.addrs[:2])
-    # The readers' misses go to one of the two (see client/node.go, home): it keeps the copies.
+    # The readers' misses go to one of the two (see client/noderouter.go, home): it keeps the copies.
     assert guests == [0, len(remote)], guests
 
 

@@ -36,7 +36,7 @@ import (
 // In cluster mode (FITCACHE_SERVERS set) it starts no server: the job's servers on this node
 // (config.Config.Node) give the shim their tier directories, where it finds the files they
 // hold, and one of them its node socket, which answers the shim's misses for every file of
-// the job (see server/node.go): the servers must know the job's servers themselves (serve
+// the job (see server/nodesocket.go): the servers must know the job's servers themselves (serve
 // --servers, or FITCACHE_SERVERS in their environment). The companion hands each server
 // the files it owns to prefetch (client.Client.Prefetch).
 //

@@ -5,7 +5,7 @@
 // rest:
 //
 //   - A refused connection (nothing listens there) is a dead server at once when another
-//     server of the job answered: it is asked again every second (probeLoop) and rejoins
+//     server of the job answered: it is asked again every second (Router.probeLoop) and rejoins
 //     when it answers. A server on the reader's own node is given the start grace first,
 //     unless an answering server's membership holds it alive (it was up moments ago: it
 //     died): a job's readers often start with its servers (srun), and the node's server is
@@ -19,7 +19,7 @@
 //     seconds, for servers started with the readers) with an error that names every address
 //     and why it gave no answer.
 
-package client
+package routing
 
 import (
 	"context"
@@ -43,36 +43,38 @@ const startGrace = 5 * time.Second
 // their view of the dead grows as the membership finds deaths.
 const askAgainEvery = time.Second
 
-// waitGives is why a client stopped waiting for a server at start.
-type waitGives int
+// WaitGives is why a client stopped waiting for a server at start.
+type WaitGives int
 
+// What Decide gives.
 const (
-	waitOn    waitGives = iota // still waited for
-	waitNamed                  // an answering server named it dead
-	waitDead                   // refused (or not the job's) while others answered
-	waitGone                   // no answer within wait_timeout (or the grace)
+	WaitOn    WaitGives = iota // still waited for
+	WaitNamed                  // an answering server named it dead
+	WaitDead                   // refused (or not the job's) while others answered
+	WaitGone                   // no answer within wait_timeout (or the grace)
 )
 
-// startWait holds what a client learned while waiting for the job's servers at start. It is
+// StartWait holds what a client learned while waiting for the job's servers at start. It is
 // used by one goroutine.
-type startWait struct {
+type StartWait struct {
 	begun    time.Time
 	grace    time.Time         // see startGrace
 	deadline time.Time         // see config.Config.WaitTimeout
-	named    map[string]string // server -> the server that named it dead
+	Named    map[string]string // server -> the server that named it dead
 	joined   map[string]bool   // servers an answering server's membership holds alive
-	errs     map[string]error  // server -> why its last hello failed
+	Errs     map[string]error  // server -> why its last hello failed
 	asked    time.Time         // when the servers that answered were last asked again
 }
 
-func newStartWait(waitTimeout time.Duration) *startWait {
+// NewStartWait begins a wait at start that gives up on a server after waitTimeout.
+func NewStartWait(waitTimeout time.Duration) *StartWait {
 	now := time.Now()
-	return &startWait{begun: now, grace: now.Add(min(waitTimeout, startGrace)), deadline: now.Add(waitTimeout),
-		named: map[string]string{}, joined: map[string]bool{}, errs: map[string]error{}}
+	return &StartWait{begun: now, grace: now.Add(min(waitTimeout, startGrace)), deadline: now.Add(waitTimeout),
+		Named: map[string]string{}, joined: map[string]bool{}, Errs: map[string]error{}}
 }
 
-// askAgain reports whether the servers that answered are due to be asked again.
-func (w *startWait) askAgain() bool {
+// AskAgain reports whether the servers that answered are due to be asked again.
+func (w *StartWait) AskAgain() bool {
 	if time.Since(w.asked) < askAgainEvery {
 		return false
 	}
@@ -80,56 +82,56 @@ func (w *startWait) askAgain() bool {
 	return true
 }
 
-// answered records a server's hello reply: the servers it holds dead, other than those that
+// Answered records a server's hello reply: the servers it holds dead, other than those that
 // answered this client themselves (its view may lag behind), and those its membership holds
 // alive (joined).
-func (w *startWait) answered(id string, dead, joined []string, alive func(id string) bool) {
-	delete(w.errs, id)
+func (w *StartWait) Answered(id string, dead, joined []string, alive func(id string) bool) {
+	delete(w.Errs, id)
 	for _, j := range joined {
 		w.joined[j] = true
 	}
 	for _, d := range dead {
 		if d != id && !alive(d) {
-			if _, ok := w.named[d]; !ok {
-				w.named[d] = id
+			if _, ok := w.Named[d]; !ok {
+				w.Named[d] = id
 			}
 		}
 	}
 }
 
-// decide says whether to go on waiting for a server that has not answered, given whether
+// Decide says whether to go on waiting for a server that has not answered, given whether
 // any server of the job answered and whether the server is on the reader's node.
-func (w *startWait) decide(id string, anyAnswered, local bool) waitGives {
-	if _, ok := w.named[id]; ok {
-		return waitNamed
+func (w *StartWait) Decide(id string, anyAnswered, local bool) WaitGives {
+	if _, ok := w.Named[id]; ok {
+		return WaitNamed
 	}
 	now := time.Now()
-	err := w.errs[id]
+	err := w.Errs[id]
 	switch {
 	case !anyAnswered:
 		if now.After(w.grace) {
-			return waitGone
+			return WaitGone
 		}
 	case rpc.IsRefused(err) && (!local || w.joined[id] || now.After(w.grace)):
-		return waitDead
+		return WaitDead
 	case now.After(w.deadline):
-		return waitGone
+		return WaitGone
 	}
-	return waitOn
+	return WaitOn
 }
 
-// refusedBy reports a server that refused this client (its uid is not allowed): no point
+// RefusedBy reports a server that refused this client (its uid is not allowed): no point
 // waiting for the others.
-func refusedBy(err error) bool { return errors.Is(err, fs.ErrPermission) }
+func RefusedBy(err error) bool { return errors.Is(err, fs.ErrPermission) }
 
-// noServerError is the error of a client that no server of the job answered within the
+// NoServerError is the error of a client that no server of the job answered within the
 // start grace: every address, and why each gave no answer.
-func (w *startWait) noServerError(ids []string) error {
+func (w *StartWait) NoServerError(ids []string) error {
 	sort.Strings(ids)
 	parts := make([]string, len(ids))
 	var last error
 	for i, id := range ids {
-		err := w.errs[id]
+		err := w.Errs[id]
 		parts[i] = id + ": " + whyNoAnswer(err)
 		if err != nil {
 			last = err

@@ -3,7 +3,7 @@
 // mapped indexes, no round trip), and hands everything else to one of them over its node
 // socket (package nodesock), which answers for every file of the job: its own, another local
 // server's, or a file another node owns, which it fetches from the owner and keeps as a
-// node-local copy where it has room (see FetchForReader, OpenForReader). Only servers talk to
+// node-local copy where it has room (see package server, readers.go). Only servers talk to
 // other servers: a reader makes no connection to another node, says hello to its node's
 // servers only (at once, not one after another), and routing, failure detection and gossip
 // live in the servers. The C hit path of libfitcache reads the same way without Go, also in a
@@ -11,7 +11,7 @@
 //
 // A node that runs no server of the job (a login node), or whose servers' node sockets this
 // user cannot use (servers run by another user), keeps the direct path: the reader routes over
-// the ring and reads from the servers itself (routing.go).
+// the ring and reads from the servers itself (direct.go, package routing).
 
 package client
 
@@ -20,6 +20,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/fitcache/fitcache/routing"
 	"io"
 	"log/slog"
 	"os"
@@ -92,18 +93,18 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 		return nil, nil
 	}
 	sort.Slice(r.servers, func(i, j int) bool { return r.servers[i].id < r.servers[j].id })
-	w := newStartWait(cfg.WaitTimeout)
-	w.askAgain() // the first round asks everyone
+	w := routing.NewStartWait(cfg.WaitTimeout)
+	w.AskAgain() // the first round asks everyone
 	byID := map[string]*localServer{}
 	for _, s := range r.servers {
 		byID[s.id] = s
 	}
 	alive := func(id string) bool { s, ok := byID[id]; return ok && s.hasAnswered() }
 	for {
-		again := w.askAgain()
+		again := w.AskAgain()
 		var asked []*localServer
 		for _, s := range r.servers {
-			if _, named := w.named[s.id]; !named && (again || !s.hasAnswered()) {
+			if _, named := w.Named[s.id]; !named && (again || !s.hasAnswered()) {
 				asked = append(asked, s)
 			}
 		}
@@ -121,11 +122,11 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 		unproven := 0
 		for i, err := range errs {
 			if err == nil {
-				w.answered(asked[i].id, replies[i].Dead, replies[i].Alive, alive)
+				w.Answered(asked[i].id, replies[i].Dead, replies[i].Alive, alive)
 				continue
 			}
-			w.errs[asked[i].id] = err
-			if refusedBy(err) {
+			w.Errs[asked[i].id] = err
+			if routing.RefusedBy(err) {
 				r.close()
 				return nil, fmt.Errorf("the fitcache servers of this node refused this client: %w", err)
 			}
@@ -135,14 +136,14 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 		}
 		if unproven == len(r.servers) {
 			r.close()
-			return nil, tokenRefused(errs[0])
+			return nil, routing.TokenRefused(errs[0])
 		}
 		var answered, waiting []string
 		for _, s := range r.servers {
 			switch {
 			case s.hasAnswered():
 				answered = append(answered, s.id)
-			case w.decide(s.id, true, true) == waitOn:
+			case w.Decide(s.id, true, true) == routing.WaitOn:
 				waiting = append(waiting, s.id)
 			}
 		}
@@ -175,12 +176,12 @@ func (s *localServer) hello(cfg config.Config, log *slog.Logger) (*fitcachepb.He
 	if err != nil {
 		return nil, err
 	}
-	session := sessionOf(reply)
-	dirs := tierDirs(reply.Tiers, session, log)
+	session := routing.SessionOf(reply)
+	dirs := routing.TierDirs(reply.Tiers, session, log)
 	s.blockBytes.Store(reply.BlockBytes)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	closeDirs(s.dirs)
+	routing.CloseDirs(s.dirs)
 	s.dirs, s.session, s.nodeSocket, s.answered = dirs, session, reply.NodeSocket, true
 	return reply, nil
 }
@@ -207,7 +208,7 @@ func (r *nodeRouter) home() *localServer {
 		s.mu.Lock()
 		path := s.nodeSocket
 		s.mu.Unlock()
-		if path != "" && ownSocket(path) {
+		if path != "" && routing.OwnSocket(path) {
 			return s
 		}
 	}
@@ -289,14 +290,20 @@ func (r *nodeRouter) stats() map[string]json.RawMessage {
 	return out
 }
 
-func (r *nodeRouter) close() {
+// close frees the connections and the mapped tier indexes, and returns what they could not
+// be closed with.
+func (r *nodeRouter) close() error {
+	var errs []error
 	for _, s := range r.servers {
-		s.rpc.Close()
+		if err := s.rpc.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("connection to %s: %w", s.id, err))
+		}
 		s.mu.Lock()
-		closeDirs(s.dirs)
+		errs = append(errs, routing.CloseDirs(s.dirs))
 		s.dirs = nil
 		s.mu.Unlock()
 	}
+	return errors.Join(errs...)
 }
 
 // readNode serves a read on a node with servers of the job: from their tiers, else through the

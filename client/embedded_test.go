@@ -3,12 +3,10 @@ package client
 import (
 	"bytes"
 	"fmt"
-	"log/slog"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,9 +14,7 @@ import (
 	"time"
 
 	"github.com/fitcache/fitcache/config"
-	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/embedded"
-	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/rpctest"
 )
 
@@ -230,151 +226,3 @@ func TestSpawnedServerExitEndsTheWait(t *testing.T) {
 		t.Errorf("open and read took %s with a server that exits at once; want well under the 20s start timeout", d)
 	}
 }
-
-func openFDs(t *testing.T) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Skip("no /proc")
-	}
-	return len(ents)
-}
-
-func mappedIndexes(t *testing.T) int {
-	t.Helper()
-	b, err := os.ReadFile("/proc/self/maps")
-	if err != nil {
-		t.Skip("no /proc")
-	}
-	return strings.Count(string(b), "fitcache.index")
-}
-
-// Opening and closing clients leaks neither sockets nor mappings (of the tiers' indexes, which
-// each client maps). Each cycle once leaked a socket and a mapping (EMFILE after 259 cycles
-// under ulimit -n 128).
-func TestOpenCloseLeaksNothing(t *testing.T) {
-	cfg, _ := startServer(t)
-	root := t.TempDir()
-	writeFile(t, root, "a", []byte("a"))
-	cycle := func() {
-		c, err := Open(root, cfg, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		readBytes(t, c, "a")
-		c.Close()
-	}
-	cycle() // warm up what Kitex keeps per process
-	runtime.GC()
-	fds, indexes := openFDs(t), mappedIndexes(t)
-	for range 300 {
-		cycle()
-	}
-	// The server in this process closes its ends of the connections asynchronously.
-	deadline := time.Now().Add(5 * time.Second)
-	for openFDs(t) > fds+5 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if got := openFDs(t); got > fds+5 {
-		t.Errorf("open descriptors: %d before 300 open/close cycles, %d after", fds, got)
-	}
-	if got := mappedIndexes(t); got > indexes {
-		t.Errorf("mappings of the tiers' indexes: %d before 300 open/close cycles, %d after", indexes, got)
-	}
-}
-
-// A file too large for the tiers is mapped from the source, never copied into memory, both
-// when the server says so and when the client reads the source without a server. On the main
-// branch before this change the server read a 10 GiB file into memory (and was OOM-killed),
-// and so did the client's direct read.
-func TestLargeFilesAreMappedNotCopied(t *testing.T) {
-	cfg, stop := startServerWithBudget(t, "64MiB")
-	root := t.TempDir()
-	huge := filepath.Join(root, "huge.bin")
-	f, err := os.Create(huge)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.Truncate(10 << 30)
-	f.WriteAt([]byte("tail"), 10<<30-4)
-	f.Close()
-	c, err := Open(root, cfg, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	check := func(when string) {
-		t.Helper()
-		runtime.GC()
-		var before, after runtime.MemStats
-		runtime.ReadMemStats(&before)
-		buf, err := c.Read("huge.bin")
-		if err != nil {
-			t.Fatalf("%s: %v", when, err)
-		}
-		defer buf.Release()
-		runtime.ReadMemStats(&after)
-		b := buf.Bytes()
-		if !IsMapped(buf) || len(b) != 10<<30 || string(b[len(b)-4:]) != "tail" || b[5<<30] != 0 {
-			t.Errorf("%s: got %T of %d bytes; want a mapping of the 10 GiB file", when, buf, len(b))
-		}
-		if grew := int64(after.TotalAlloc - before.TotalAlloc); grew > 64<<20 {
-			t.Errorf("%s: reading a 10 GiB file allocated %d MiB", when, grew>>20)
-		}
-		p := make([]byte, 4)
-		if n, err := c.ReadAt("huge.bin", p, 10<<30-4); n != 4 || err != nil || string(p) != "tail" {
-			t.Errorf("%s: ReadAt at the end: %d %v %q", when, n, err, p)
-		}
-	}
-	check("with the server")
-	stop()
-	check("without a server")
-}
-
-// Replica copies are bounded: a file over the size limit is not copied, and Close waits for
-// the copies in flight. On the main branch before this change every replica was an untracked
-// goroutine holding a whole copy of the file.
-func TestReplicaCopiesAreBoundedAndAwaited(t *testing.T) {
-	e, err := core.NewEngine(core.EngineConfig{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, _, _ := rpc.Serve(e, ln, rpc.ServerConfig{Token: "t"})
-	defer srv.Stop()
-	rc, err := rpc.Dial(ln.Addr().String(), rpc.ClientConfig{Token: "t"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &clusterRouter{stop: make(chan struct{}), stopped: make(chan struct{}), peers: map[string]*peer{}}
-	p := &peer{rpc: rc}
-	r.peers["replica"] = p
-	close(r.stopped)
-	root := t.TempDir()
-	c := &Client{root: root, cluster: r, log: nil}
-	c.log = discardLogger()
-	small := filepath.Join(root, "small")
-	if err := os.WriteFile(small, []byte("small"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	fi, _ := os.Stat(small)
-	stamp := rpc.NewStamper("t").Stamp(small, core.Result{Data: []byte("small"), MTimeNanos: fi.ModTime().UnixNano()})
-	c.replicate([]*peer{p}, filepath.Join(root, "big"), make([]byte, replicaMaxFile+1), rpc.Stamp{})
-	c.replicate([]*peer{p}, small, []byte("small"), stamp)
-	r.close() // waits for the copy in flight
-	if got := r.replicasSkipped.Load(); got != 1 {
-		t.Errorf("replica copies skipped: %d, want 1 (the file over %d bytes)", got, replicaMaxFile)
-	}
-	if got := e.Stats().Stored; got != 1 {
-		t.Errorf("replica copies stored once Close returned: %d, want 1", got)
-	}
-	if got := r.replicaBytes.Load(); got != 0 {
-		t.Errorf("replica bytes in flight after Close: %d", got)
-	}
-}
-
-func discardLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }

@@ -171,7 +171,7 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	}
 	owned := map[string]int{}
 	for p, data := range want {
-		owner := c.Owner(p)
+		owner := c.owner(p)
 		owned[owner]++
 		// The other node's files come from this server's tier too: it keeps a node-local
 		// copy of what their owner sends (it has room), and OpFetch promises the file there.
@@ -197,7 +197,7 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	// A write-open (OpForget) of a file the other node owns drops the copy there.
 	var written string
 	for p, data := range want {
-		if c.Owner(p) == other && len(data) > 0 {
+		if c.owner(p) == other && len(data) > 0 {
 			written = p
 		}
 	}

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
 	"log/slog"
@@ -12,13 +13,13 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fitcache/fitcache/client"
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
 	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/ring"
+	"github.com/fitcache/fitcache/routing"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -27,16 +28,15 @@ import (
 // transparent mode, and the hit path of libfitcache in forked processes, on the server's
 // node. A per-user server answers with its own engine. A cluster server (Config.Listen)
 // given the job's servers (Config.Cluster: `fitcache serve --servers` or FITCACHE_SERVERS,
-// with the other cluster options from FITCACHE_*) answers for every file of the job: it reads through a cluster client of its
-// own per dataset root (client.OpenForReader), so that a file keeps one owner on the ring
-// whichever node opens it. Its own files come from its engine, the files of other servers
+// with the other cluster options from FITCACHE_*) answers for every file of the job: it routes
+// each dataset root's requests over the ring (rootReader, readers.go; package routing), so
+// that a file keeps one owner on the ring whichever node opens it. Its own files come from its engine, the files of other servers
 // on its node as their tier files, those of other nodes as memory files holding the bytes
 // their owners sent over Kitex, and dead servers' files as the failure policy says; a batch
 // (OpOpenMany) asks each owner on another node for its files in one ReadBatch call, and hands
 // the bytes of those the node keeps no copy of inline. A write-open of a dataset file
 // (OpForget) drops the copies at the servers a read of the file goes to and at every server
-// on this node (client.Forget). A cluster server that does
-// not know the job's servers has no node socket (see Start): answering with its own engine,
+// on this node (rootReader.forget). A cluster server that does not know the job's servers has no node socket (see Start): answering with its own engine,
 // it would cache on its node every file the node reads.
 
 // nodeServer returns the node socket configuration of a server: routed through the cluster
@@ -152,10 +152,11 @@ type clusterNode struct {
 	closed  bool
 }
 
-// rootClient is the cluster client of one dataset root, made by the first request for it.
+// rootClient is the reader of one dataset root (see rootReader), made by the first request
+// for it.
 type rootClient struct {
 	ready chan struct{} // closed when c, err and made are set
-	c     *client.Client
+	c     *rootReader
 	err   error
 	made  time.Time
 }
@@ -250,7 +251,7 @@ func (n *clusterNode) relayTo(f func(id string, alive bool)) {
 func (n *clusterNode) told(id string, alive bool) {
 	n.mu.Lock()
 	relay := n.relay
-	var clients []*client.Client
+	var clients []*rootReader
 	for _, rc := range n.clients {
 		select {
 		case <-rc.ready:
@@ -262,7 +263,7 @@ func (n *clusterNode) told(id string, alive bool) {
 	}
 	n.mu.Unlock()
 	for _, c := range clients {
-		c.SetServerState(id, alive)
+		c.cluster.Told(id, alive)
 	}
 	if relay != nil {
 		relay(id, alive)
@@ -300,7 +301,7 @@ func selfMember(members []ring.Member, listen, node string) (ring.Member, bool) 
 }
 
 // client returns the cluster client of root, making it on first use.
-func (n *clusterNode) client(ctx context.Context, root string) (*client.Client, error) {
+func (n *clusterNode) client(ctx context.Context, root string) (*rootReader, error) {
 	n.mu.Lock()
 	rc := n.clients[root]
 	if rc != nil {
@@ -334,13 +335,11 @@ func (n *clusterNode) client(ctx context.Context, root string) (*client.Client, 
 		if n.watch != nil {
 			dead = n.watch.Dead() // not waited for at start
 		}
-		rc.c, rc.err = client.Open(root, n.cfg, n.log, client.KnownDead(dead), client.OnServerDead(n.foundDead))
-		if rc.err == nil && n.self != "" {
-			rc.c.SetOwnServer(n.self, n.engine)
-		}
+		rc.c, rc.err = newRootReader(root, n.cfg, n.log, n.engine, n.self,
+			routing.Options{Dead: dead, OnDead: n.foundDead})
 		if rc.err == nil && n.watch != nil {
 			for _, id := range n.watch.Dead() { // found while the client started
-				rc.c.SetServerState(id, false)
+				rc.c.cluster.Told(id, false)
 			}
 		}
 		if rc.err != nil {
@@ -358,7 +357,7 @@ func (n *clusterNode) client(ctx context.Context, root string) (*client.Client, 
 	}
 }
 
-// open answers OpOpen: see client.OpenForReader. Roots outside the server's are refused
+// open answers OpOpen: see rootReader.open. Roots outside the server's are refused
 // before any client is made.
 func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, core.Origin, error) {
 	if err := n.engine.CheckRoot(root, path); err != nil {
@@ -369,10 +368,10 @@ func (n *clusterNode) open(ctx context.Context, root, path string) (*os.File, co
 		return nil, 0, err
 	}
 	defer n.engine.ReaderWaits(path)() // prefetch gives way (see core.Engine.ReaderWaits)
-	return c.OpenForReader(ctx, path)
+	return c.open(ctx, path)
 }
 
-// openMany answers OpOpenMany: see client.OpenManyForReader. A path outside the server's roots
+// openMany answers OpOpenMany: see rootReader.openMany. A path outside the server's roots
 // is refused (that file only), and a root outside them before any client is made.
 func (n *clusterNode) openMany(ctx context.Context, root string, paths []string) []nodesock.Opened {
 	out := make([]nodesock.Opened, len(paths))
@@ -399,13 +398,13 @@ func (n *clusterNode) openMany(ctx context.Context, root string, paths []string)
 		done := n.engine.ReaderWaits(path)
 		defer done()
 	}
-	for k, r := range c.OpenManyForReader(ctx, asked, nodesock.MaxInline) {
+	for k, r := range c.openMany(ctx, asked, nodesock.MaxInline) {
 		out[at[k]] = nodesock.Opened{File: r.File, Data: r.Data, Origin: uint32(r.Origin), Err: r.Err, Release: r.Release}
 	}
 	return out
 }
 
-// forget answers OpForget: see client.Forget (the copies of the servers a read goes to and of
+// forget answers OpForget: see rootReader.forget (the copies of the servers a read goes to and of
 // every server on this node). Roots outside the server's are refused before any client is
 // made.
 func (n *clusterNode) forget(root, path string) error {
@@ -418,7 +417,7 @@ func (n *clusterNode) forget(root, path string) error {
 	if err != nil {
 		return err
 	}
-	return c.Forget(ctx, path)
+	return c.forget(ctx, path)
 }
 
 // forwardBlock serves a ranged request for a block from a reader of this node (see
@@ -436,7 +435,7 @@ func (n *clusterNode) forwardBlock(ctx context.Context, root, path string, block
 	if err != nil {
 		return nil, false, nil
 	}
-	return c.ForwardBlock(ctx, n.self, path, block, off, length)
+	return c.forwardBlock(ctx, path, block, off, length)
 }
 
 // cacheBlockAtOwner has block n of the file at path cached by the server that owns it on the
@@ -453,11 +452,11 @@ func (n *clusterNode) cacheBlockAtOwner(ctx context.Context, root, path string, 
 	if err != nil {
 		return false, err
 	}
-	return c.CacheBlockAtOwner(ctx, n.self, path, block, ask)
+	return c.cacheBlockAtOwner(ctx, path, block, ask)
 }
 
 // fetch answers OpFetch, which promises the caller the file in a tier of this node (see
-// client.FetchForReader): this server's own, another server's of this node, or a node-local
+// rootReader.fetch): this server's own, another server's of this node, or a node-local
 // copy of a file another node owns. When no tier of the node takes it, the error (ENOSPC or
 // EFBIG) sends the caller to OpOpen.
 func (n *clusterNode) fetch(ctx context.Context, root, path string) error {
@@ -474,7 +473,7 @@ func (n *clusterNode) bring(ctx context.Context, root, path string) error {
 	if err != nil {
 		return err
 	}
-	return c.FetchForReader(ctx, path)
+	return c.fetch(ctx, path)
 }
 
 // fetchForPrefetch brings a file of a node's readers' list into a tier of this node (see
@@ -532,11 +531,14 @@ func (n *clusterNode) peerClients() []*rpc.Client {
 	return out
 }
 
-// Close closes the clients, after their reads in progress.
-func (n *clusterNode) Close() {
+// Close leaves the servers' membership and closes the readers of each root, after their
+// requests in progress, and the connections to the job's other servers. It returns what they
+// could not be closed with.
+func (n *clusterNode) Close() error {
+	var errs []error
 	if n.watch != nil {
 		if err := n.watch.Close(); err != nil {
-			n.log.Warn("leaving the servers' membership", "err", err)
+			errs = append(errs, fmt.Errorf("leave the servers' membership: %w", err))
 		}
 	}
 	n.mu.Lock()
@@ -544,15 +546,20 @@ func (n *clusterNode) Close() {
 	clients, peers := n.clients, n.peers
 	n.clients, n.peers = nil, nil
 	n.mu.Unlock()
-	for _, rc := range clients {
+	for root, rc := range clients {
 		<-rc.ready
 		if rc.c != nil {
-			rc.c.Close()
+			if err := rc.c.close(); err != nil {
+				errs = append(errs, fmt.Errorf("the readers of %s: %w", root, err))
+			}
 		}
 	}
-	for _, c := range peers {
-		c.Close()
+	for id, c := range peers {
+		if err := c.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("connection to %s: %w", id, err))
+		}
 	}
+	return errors.Join(errs...)
 }
 
 // fetchBlock brings the block named name (tiers.BlockName) into a tier of engine, for

@@ -107,7 +107,7 @@ func TestClusterNodeSocketOpensABatchWithACallPerOwner(t *testing.T) {
 	}
 	owned := map[string]int{}
 	for _, p := range first {
-		owned[c.Owner(p)]++
+		owned[c.owner(p)]++
 	}
 	for _, o := range others {
 		if owned[o.addr] == 0 {
@@ -142,7 +142,7 @@ func TestClusterNodeSocketOpensABatchWithACallPerOwner(t *testing.T) {
 	dead := others[2]
 	n := 0
 	for _, p := range second {
-		if c.Owner(p) == dead.addr {
+		if c.owner(p) == dead.addr {
 			n++
 		}
 	}
@@ -153,7 +153,7 @@ func TestClusterNodeSocketOpensABatchWithACallPerOwner(t *testing.T) {
 	got = openMany(t, sock, root, second)
 	checkBatch(t, second, got, want)
 	for _, p := range second {
-		if c.Owner(p) == dead.addr {
+		if c.owner(p) == dead.addr {
 			t.Errorf("%s is still placed on the dead server %s", p, dead.addr)
 			break
 		}

@@ -1,4 +1,4 @@
-package client
+package routing
 
 import (
 	"fmt"
@@ -14,19 +14,19 @@ import (
 // whose deaths the tests set, to check placement under each policy and the failure threshold.
 
 // testRouter returns a router over servers given as id -> node, all alive.
-func testRouter(t *testing.T, policy string, replicas int, servers map[string]string) *clusterRouter {
+func testRouter(t *testing.T, policy string, replicas int, servers map[string]string) *Router {
 	t.Helper()
-	r := &clusterRouter{cfg: config.Config{Policy: policy, Replicas: replicas, FailureThreshold: 3},
-		log: slog.New(slog.DiscardHandler), ring: ring.New(100, nil), peers: map[string]*peer{}}
+	r := &Router{cfg: config.Config{Policy: policy, Replicas: replicas, FailureThreshold: 3},
+		log: slog.New(slog.DiscardHandler), ring: ring.New(100, nil), peers: map[string]*Peer{}}
 	for id, node := range servers {
 		m := ring.Member{ID: id, Node: node}
 		r.ring.Add(m)
-		r.peers[id] = &peer{member: m}
+		r.peers[id] = &Peer{member: m}
 	}
 	return r
 }
 
-func ids(ps []*peer) []string {
+func ids(ps []*Peer) []string {
 	var out []string
 	for _, p := range ps {
 		out = append(out, p.member.ID)
@@ -59,7 +59,7 @@ func TestPlacementWhenAServerDies(t *testing.T) {
 			r := testRouter(t, tc.policy, 1, fourNodes)
 			before := map[string]string{}
 			for _, k := range keys() {
-				before[k] = ids(r.targets(k))[0]
+				before[k] = ids(r.Targets(k))[0]
 			}
 			r.peers["b:1"].dead = true
 			without := ring.New(100, nil) // the ring as if b were removed
@@ -70,7 +70,7 @@ func TestPlacementWhenAServerDies(t *testing.T) {
 			}
 			moved := 0
 			for _, k := range keys() {
-				got := ids(r.targets(k))
+				got := ids(r.Targets(k))
 				switch {
 				case before[k] != "b:1":
 					if len(got) != 1 || got[0] != before[k] {
@@ -95,7 +95,7 @@ func TestPlacementWhenAServerDies(t *testing.T) {
 			// Rejoin: placement is what it was.
 			r.peers["b:1"].dead = false
 			for _, k := range keys() {
-				if got := ids(r.targets(k)); len(got) != 1 || got[0] != before[k] {
+				if got := ids(r.Targets(k)); len(got) != 1 || got[0] != before[k] {
 					t.Fatalf("after rejoin %s went to %v, want %s", k, got, before[k])
 				}
 			}
@@ -107,7 +107,7 @@ func TestReplicasGoToDistinctNodes(t *testing.T) {
 	servers := map[string]string{"a:1": "a", "a:2": "a", "b:1": "b", "c:1": "c"}
 	r := testRouter(t, config.PolicyRecache, 2, servers)
 	for _, k := range keys() {
-		got := ids(r.targets(k))
+		got := ids(r.Targets(k))
 		if len(got) != 2 || servers[got[0]] == servers[got[1]] {
 			t.Fatalf("%s: targets %v, want 2 servers on distinct nodes", k, got)
 		}
@@ -115,7 +115,7 @@ func TestReplicasGoToDistinctNodes(t *testing.T) {
 	// With two of three nodes dead, under recache every file goes to the one left.
 	r.peers["a:1"].dead, r.peers["a:2"].dead, r.peers["b:1"].dead = true, true, true
 	for _, k := range keys() {
-		if got := ids(r.targets(k)); len(got) != 1 || got[0] != "c:1" {
+		if got := ids(r.Targets(k)); len(got) != 1 || got[0] != "c:1" {
 			t.Fatalf("%s: targets %v, want only c:1", k, got)
 		}
 	}
@@ -136,12 +136,12 @@ func TestReplicasWhenAServerDies(t *testing.T) {
 			r := testRouter(t, tc.policy, 2, fourNodes)
 			before := map[string][]string{}
 			for _, k := range keys() {
-				before[k] = ids(r.targets(k))
+				before[k] = ids(r.Targets(k))
 			}
 			r.peers["b:1"].dead = true
 			moved := 0
 			for _, k := range keys() {
-				got := ids(r.targets(k))
+				got := ids(r.Targets(k))
 				if before[k][0] != "b:1" {
 					continue
 				}
@@ -168,17 +168,17 @@ func TestFailureThreshold(t *testing.T) {
 	r := testRouter(t, config.PolicyRecache, 1, fourNodes)
 	p := r.peers["a:1"]
 	for i := 1; i < r.cfg.FailureThreshold; i++ {
-		if r.failed(p, timeoutErr{}) {
+		if r.Failed(p, timeoutErr{}) {
 			t.Fatalf("dead after %d timeouts, threshold %d", i, r.cfg.FailureThreshold)
 		}
 	}
-	r.succeeded(p) // an answer resets the count
+	r.Succeeded(p) // an answer resets the count
 	for i := 1; i < r.cfg.FailureThreshold; i++ {
-		if r.failed(p, timeoutErr{}) {
+		if r.Failed(p, timeoutErr{}) {
 			t.Fatalf("dead after %d timeouts following a success", i)
 		}
 	}
-	if !r.failed(p, timeoutErr{}) {
+	if !r.Failed(p, timeoutErr{}) {
 		t.Fatalf("alive after %d timeouts in a row", r.cfg.FailureThreshold)
 	}
 	// The others hear of it.
@@ -186,7 +186,7 @@ func TestFailureThreshold(t *testing.T) {
 		t.Errorf("b:1 is to be told dead %v, want [a:1]", dead)
 	}
 	// A refused connection is death at once.
-	if !r.failed(r.peers["c:1"], fmt.Errorf("dial: %w", syscall.ECONNREFUSED)) {
+	if !r.Failed(r.peers["c:1"], fmt.Errorf("dial: %w", syscall.ECONNREFUSED)) {
 		t.Error("a refused connection did not declare the server dead")
 	}
 	if got := r.deaths.Load(); got != 2 {
@@ -197,12 +197,12 @@ func TestFailureThreshold(t *testing.T) {
 func TestDeathsLearnedFromAServer(t *testing.T) {
 	r := testRouter(t, config.PolicyRecache, 1, fourNodes)
 	r.learn(r.peers["a:1"], 1, []string{"c:1"})
-	if _, dead := r.peers["c:1"].state(); !dead {
+	if _, dead := r.peers["c:1"].State(); !dead {
 		t.Error("c:1 alive after a:1 said its clients found it dead")
 	}
 	r.peers["c:1"].dead = false
 	r.learn(r.peers["a:1"], 1, []string{"c:1"}) // the same version again: old news
-	if _, dead := r.peers["c:1"].state(); dead {
+	if _, dead := r.peers["c:1"].State(); dead {
 		t.Error("old news declared c:1 dead again")
 	}
 }
@@ -214,18 +214,18 @@ func BenchmarkTargets(b *testing.B) {
 	for i := 0; i < 64; i++ {
 		servers[fmt.Sprintf("n%02d:1", i/2)+fmt.Sprint(i%2)] = fmt.Sprintf("n%02d", i/2)
 	}
-	r := &clusterRouter{cfg: config.Config{Policy: config.PolicyRecache, Replicas: 2},
-		ring: ring.New(100, nil), peers: map[string]*peer{}}
+	r := &Router{cfg: config.Config{Policy: config.PolicyRecache, Replicas: 2},
+		ring: ring.New(100, nil), peers: map[string]*Peer{}}
 	for id, node := range servers {
 		m := ring.Member{ID: id, Node: node}
 		r.ring.Add(m)
-		r.peers[id] = &peer{member: m}
+		r.peers[id] = &Peer{member: m}
 	}
 	ks := keys()
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		if len(r.targets(ks[i%len(ks)])) != 2 {
+		if len(r.Targets(ks[i%len(ks)])) != 2 {
 			b.Fatal("want 2 targets")
 		}
 	}
