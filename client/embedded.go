@@ -234,7 +234,7 @@ func (c *Client) ServerUp() bool {
 // NodeSocket returns the node socket (see package nodesock) where C code on this node
 // without Go asks for the files it misses: the embedded server's or, in cluster mode, that
 // of the first live server on this node (by address) that announced one in its hello, which
-// answers opens for every file of the job (see OpenForReader); "" when there is none.
+// answers opens for every file of the job (see server/readers.go); "" when there is none.
 func (c *Client) NodeSocket() string {
 	if c.node != nil {
 		return c.node.socket()

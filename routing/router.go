@@ -16,7 +16,7 @@ import (
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
-	"github.com/fitcache/fitcache/gossip"
+	"github.com/fitcache/fitcache/membership"
 	"github.com/fitcache/fitcache/ring"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -31,8 +31,9 @@ type Peer struct {
 	member ring.Member
 	rpc    *rpc.Client
 	local  bool // on this node: its tier files can be mapped
-	// news is the membership gossip with this server (see package gossip); it locks itself.
-	news gossip.Outbox
+	// news is what this reader tells this server of the others, and heard from it (see
+	// membership.Outbox); it locks itself.
+	news membership.Outbox
 
 	mu          sync.Mutex // protects dirs, session, nodeSocket, failedCalls and dead
 	dirs        []tiers.Dir
