@@ -176,7 +176,7 @@ func (lim *limiter) apply() {
 			}
 			if l.MemoryPerNode > 0 {
 				if total, free, err := l.StatFS(t.Path); err == nil {
-					lower(used+l.MemoryPerNode-(total-free), "site memory_per_node")
+					lower(used+shared(l.MemoryPerNode-(total-free)), "site memory_per_node")
 				}
 			}
 		} else if l.DiskPerUser > 0 {
@@ -184,7 +184,7 @@ func (lim *limiter) apply() {
 		}
 		if l.KeepFree != (tiers.SizeOrPercent{}) {
 			if total, free, err := l.StatFS(t.Path); err == nil {
-				lower(used+free-l.KeepFree.Resolve(total), "file system free space")
+				lower(used+shared(free-l.KeepFree.Resolve(total)), "file system free space")
 			}
 		}
 		spill := e.spillFrom(i)
@@ -204,6 +204,17 @@ func (lim *limiter) apply() {
 			e.markFillRootsFull()
 		}
 	}
+}
+
+// shared returns the part of room left in a file system that this server may grow into
+// before its next reading: half of it. The other users' servers read the same room and do not
+// know of each other: each taking all of it, two would together take it twice over before
+// either read again. Room already gone (negative) is given back whole.
+func shared(room int64) int64 {
+	if room > 0 {
+		return room / 2
+	}
+	return room
 }
 
 // fillMargin is the room below which the first tier is marked full for readers' fills.
