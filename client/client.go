@@ -1,5 +1,5 @@
 // Package client reads dataset files through FitCache. It is what the C ABI and the Python
-// package use for what the C hit path of libfitcache (capi/hitpath.c) does not do itself:
+// package use for what the C hit path of libfitcache (capi/hitpath.c, capi/miss.c) does not do itself:
 // reaching and restarting the server, cluster mode, reads while the server is down.
 //
 // A [Client] serves a read from the first place that has the file:

@@ -2,8 +2,8 @@
 // hash ring (package ring) gives each file, and each block of a large file, an owner and its
 // replicas on distinct nodes; a [Router] connects to every server, waits for them at start
 // (but not for those the job's servers know dead), declares dead a server whose calls fail,
-// probes the dead every second until they rejoin, exchanges membership gossip (package
-// gossip) with each server on every read, and applies the failure policy (recache: a dead
+// probes the dead every second until they rejoin, exchanges news of dead servers (membership.Outbox)
+// with each server on every read, and applies the failure policy (recache: a dead
 // server's files go to the next live one; pfs: they are read from the source).
 //
 // Both sides of the cluster use it: a reader that routes itself (package client, on a node
