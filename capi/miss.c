@@ -185,12 +185,14 @@ int hit_miss(int64_t handle, const char *path, bool forked, const void **data, i
 	msg[0] = 0;
 	// A reference is held through the miss, so that the client cannot go meanwhile
 	// (fcHitClose waits for it); no lock is held while the server is waited for.
+	int saved = errno; // a miss served answers without touching the caller's errno
 	struct hit_client *c = acquire(handle);
 	char clean[FC_PATH_MAX];
 	int n, rc = FC_MISS;
 	if (c && (n = source_path(c, path, clean, sizeof clean)) >= 0)
 		rc = decide(c, clean, (size_t)n, forked, data, size, buffer, msg);
 	put(c);
+	errno = saved;
 	return rc;
 }
 
@@ -229,6 +231,7 @@ int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss
                   int64_t *sizes, int64_t *buffers, int *results, bool *unavailable, char *msg) {
 	msg[0] = 0;
 	*unavailable = false;
+	int saved = errno; // as hit_miss
 	struct hit_client *c = acquire(handle);
 	int left = 0;
 	for (int j = 0; j < nmiss; j++) {
@@ -247,5 +250,6 @@ int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss
 	if (c && !forked && left > 0 && c->node_opens && c->node_socket[0])
 		left = open_in_batches(c, paths, miss, left, data, sizes, buffers, results, unavailable, msg);
 	put(c);
+	errno = saved;
 	return left;
 }

@@ -482,7 +482,7 @@ func (c *Client) Size(path string) (int64, error) {
 // In cluster mode they include the tiers of this node's servers that were dead when the
 // client started, for a session no copy is checked in: a reader serves copies from them
 // only once it has checked their source itself (see deadTiers; the C hit path of a process
-// forked after load, hit_read_checked).
+// forked after load, read_checked).
 func (c *Client) TierDirs() []tiers.Dir {
 	dirs := c.localDirs()
 	if c.cluster != nil && c.deadTiers != nil {

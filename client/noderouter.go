@@ -72,7 +72,7 @@ type localServer struct {
 // router, or nil when there is no server of the job on this node, none of them answered the
 // first hello, or none serves a node socket of this user's: the caller then takes the direct
 // path, whose start asks the job's other servers whether the node's are dead and waits for
-// them if they may still be starting (see startwait.go; Open comes back here if they answer).
+// them if they may still be starting (see routing/startwait.go; Open comes back here if they answer).
 // The node's servers that did not answer while others did are waited for as the direct path
 // waits. It fails only when the servers refused the client or could not prove the job token.
 func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*nodeRouter, error) {

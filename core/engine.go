@@ -55,7 +55,7 @@ type EngineConfig struct {
 	// Engine.Prefetch); the zero value turns it off.
 	Prefetch PrefetchConfig
 	// NodeFetch, in a cluster server, brings a file into a tier of this node for its readers,
-	// whichever server of the job owns it (see client.Client.FetchForReader), and reports
+	// whichever server of the job owns it (see the server's rootReader.fetch, server/readers.go), and reports
 	// whether it was there already: prefetch uses it for the lists of PrefetchRequest.ForNode.
 	NodeFetch func(ctx context.Context, root, path string) (cached bool, err error)
 	// BlockOwner, in a cluster server, reports whether this server owns block n of the file

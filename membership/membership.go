@@ -26,9 +26,9 @@
 // server's own either (confirmDead), the server's reads skip it (see OnChange). A
 // member that answers again, or a server started later at an address of the list, rejoins.
 // What a server's reads learn at once (a refused connection, replies past their deadline:
-// see client's routing) it tells the others (Tell), who act on it without waiting for the
+// see package routing) it tells the others (Tell), who act on it without waiting for the
 // protocol's own probes; a server wrongly taken for dead that way is asked again within a
-// second by each (client's probe loop).
+// second by each (routing's probe loop).
 package membership
 
 import (

@@ -57,7 +57,8 @@
 // Files of at least FC_READ_NOW_BYTES (capi/fclimits.h) are read through blocks: below it,
 // the server copies a file whole before the open returns (and never hands over its source).
 
-// The block sizes a server accepts (core.MinBlockBytes and core.MaxBlockBytes).
+// The block sizes a server accepts (the option block_size: config's blockBytesMin and
+// blockBytesMax).
 #define BLOCK_MIN ((int64_t)64 << 10)
 #define BLOCK_MAX ((int64_t)256 << 20)
 

@@ -105,19 +105,6 @@ func (c *rootReader) close() error {
 	return c.cluster.Close()
 }
 
-// owner returns the id of the server a read of path goes to first (see
-// routing.Router.Targets), or "".
-func (c *rootReader) owner(path string) string {
-	path, err := c.resolve(path)
-	if err != nil {
-		return ""
-	}
-	if t := c.cluster.Targets(path); len(t) > 0 {
-		return t[0].ID()
-	}
-	return ""
-}
-
 // open returns a read-only descriptor holding the bytes of the file at path (absolute, or
 // relative to the root) for a reader on this node that has no client of its own: a miss of
 // the preload shim, which this server answers through its node socket (OpOpen). The file's

@@ -152,7 +152,7 @@ def test_a_killed_server_costs_what_the_policy_says(request, dataset, tmp_path, 
                 assert targets[rel].startswith(tier_dir(cluster, cluster.addrs[0]) + os.sep), (rel, targets[rel])
         counts = opens.counts()
     # The program's node kept copies of the victim's files: its death costs no source read,
-    # under either policy (what each policy does without such copies: client/open_test.go).
+    # under either policy (what each policy does without such copies: server/readers_test.go).
     assert set(counts) == set(digests)
     again = {rel: n for rel, n in counts.items() if n != 1}
     assert not again, f"{policy}: source files read again after the kill, though this node kept copies: {again}"
