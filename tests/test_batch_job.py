@@ -129,6 +129,8 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.1)
+        left = _read(os.path.join(self.dir, "cgroup.procs")).split()
+        raise AssertionError(f"cgroup {self.dir} not removed: processes {left} are still in it")
 
 
 def _read(path):
@@ -167,6 +169,14 @@ def make_dataset(root, files, size, seed=3):
     return manifest
 
 
+def stop_server(options):
+    """Stops the server the test's jobs left (by its pid), so that its cgroup can go."""
+    pid = server_pid(options["runtime_dir"])
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        wait_gone(pid, 30)
+
+
 @pytest.fixture
 def job_setup(tmp_path):
     """A runtime directory and tiers as the embedded defaults make them (memory: a quarter of
@@ -175,10 +185,7 @@ def job_setup(tmp_path):
     options = {"runtime_dir": str(tmp_path / "run"), "tiers": f"memory:{shm}:25%,disk:{tmp_path / 'disk'}:4GiB",
                "idle_timeout": "300"}
     yield options, shm
-    pid = server_pid(options["runtime_dir"])
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        wait_gone(pid)
+    stop_server(options)
     shutil.rmtree(shm, ignore_errors=True)
 
 
@@ -221,6 +228,7 @@ def test_a_1gib_job_reads_1_6gb_twice_and_leaves_no_ram(tmp_path, job_setup):
         assert sorted(os.listdir(shm)) == ["fitcache.index", "fitcache.lock"]
         assert tree_bytes(shm) <= 64 << 10, tree_bytes(shm)
     finally:
+        stop_server(options)  # a server in the cgroup keeps it from being removed
         cg.close()
 
 
@@ -258,10 +266,7 @@ def test_ranks_in_task_cgroups_share_the_jobs_limit(tmp_path, job_setup):
         if hog is not None:
             hog.stdin.close()
             hog.wait(timeout=30)
-        pid = server_pid(options["runtime_dir"])
-        if pid:
-            os.kill(pid, signal.SIGTERM)
-            wait_gone(pid)
+        stop_server(options)
         cg.close()
 
 
@@ -295,6 +300,7 @@ def test_memory_kept_or_moved_to_disk_at_the_jobs_end_when_asked(tmp_path, job_s
         stats = fitcache.server_stats(**{k: options[k] for k in ("runtime_dir", "tiers")})
         assert stats["source_reads"] == 0, stats
     finally:
+        stop_server(options)  # a server in the cgroup keeps it from being removed
         cg.close()
 
 
