@@ -103,12 +103,15 @@ type Engine struct {
 	limiter    *limiter       // follows EngineConfig.Limits; nil when there are none
 	atExit     MemoryAtExit   // see EngineConfig.MemoryAtExit
 	leftMemory atomic.Bool    // set once Close has done with the memory tiers as atExit says
+	// fillRoots holds the dataset roots whose readers fill their misses (see noteFillRoot),
+	// as map keys; fillRootsN counts them. Looked up lock-free on every recorded fill.
+	fillRoots  sync.Map
+	fillRootsN atomic.Int32
 
-	mu        sync.Mutex // protects flights, realRoots, reports and fillRoots, and orders startFill before Close
+	mu        sync.Mutex // protects flights, realRoots and reports, and orders startFill before Close
 	flights   map[string]*flight
-	realRoots map[string]string   // dataset root -> root with symbolic links resolved
-	reports   map[string]int      // readers' fills reported and not recorded yet, by path (see NoteReport)
-	fillRoots map[string]struct{} // dataset roots whose readers fill their misses (see noteFillRoot)
+	realRoots map[string]string // dataset root -> root with symbolic links resolved
+	reports   map[string]int    // readers' fills reported and not recorded yet, by path (see NoteReport)
 }
 
 // flight is a file being read from the source or published. Readers that miss while it exists
@@ -142,7 +145,7 @@ func NewEngine(cfg EngineConfig, log *slog.Logger) (*Engine, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	e := &Engine{log: log, flights: make(map[string]*flight), realRoots: make(map[string]string),
-		reports: make(map[string]int), fillRoots: make(map[string]struct{})}
+		reports: make(map[string]int)}
 	for _, w := range cfg.Warnings {
 		e.stats.Warn(w)
 	}

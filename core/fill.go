@@ -205,23 +205,19 @@ const fillRootsMax = 64
 // noteFillRoot remembers root as one whose readers fill their misses, so that the limits
 // can mark it full when the first tier's room runs out (see limiter.markFull).
 func (e *Engine) noteFillRoot(root string) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if _, ok := e.fillRoots[root]; !ok && len(e.fillRoots) < fillRootsMax {
-		e.fillRoots[root] = struct{}{}
+	if _, ok := e.fillRoots.Load(root); ok || e.fillRootsN.Load() >= fillRootsMax {
+		return
+	}
+	if _, had := e.fillRoots.LoadOrStore(root, struct{}{}); !had {
+		e.fillRootsN.Add(1)
 	}
 }
 
 // markFillRootsFull marks every dataset root whose readers fill their misses as full in the
 // first tier (tiers.Tier.MarkFull).
 func (e *Engine) markFillRootsFull() {
-	e.mu.Lock()
-	roots := make([]string, 0, len(e.fillRoots))
-	for r := range e.fillRoots {
-		roots = append(roots, r)
-	}
-	e.mu.Unlock()
-	for _, r := range roots {
-		e.tiers[0].MarkFull(r)
-	}
+	e.fillRoots.Range(func(r, _ any) bool {
+		e.tiers[0].MarkFull(r.(string))
+		return true
+	})
 }
