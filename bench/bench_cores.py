@@ -36,7 +36,10 @@ against the manifest. Sections (--sections, default all four):
            server's node, tiers that hold the dataset on every node ("fits") and tiers that
            hold a node's share and 10% ("share"), cold and warm epochs against plain reads of
            the source and of a /dev/shm copy in the same run (--cluster-files files, default
-           5,000; --cluster-repeats rounds; two epochs per job: one cold, one warm).
+           5,000; --cluster-repeats rounds; two epochs per job: one cold, one warm), for each
+           way of reading of --cluster-reads (default both): "item", item by item as torch
+           1.13's DataLoader reads, and "batched", a batch per __getitems__ call as PyTorch 2's
+           DataLoader reads any dataset that has one (FitCacheDataset does).
 
 Figures per point: files/s from the median seconds over --repeats rounds (each round runs
 --epochs timed epochs per configuration, their median), "vs plain" the median over rounds of
@@ -433,15 +436,16 @@ def bench_cluster_section(args, work):
     """bench_cluster.py per worker count, in a session of its own (a Ctrl-C here reaches it as
     one SIGTERM from this script, which it cleans up after); its rows, as it reports them."""
     points, raw = {}, {}
-    for w in args.cluster_workers:
-        out = os.path.join(work, f"cluster-{w}.json")
+    for w, reads in [(w, r) for w in args.cluster_workers for r in args.cluster_reads]:
+        run = f"{w}" if reads == "item" else f"{w}-{reads}"
+        out = os.path.join(work, f"cluster-{run}.json")
         port = free_port_pair([f"127.0.0.{i}" for i in range(1, 6)])  # its client node and 4 server nodes
         cmd = [sys.executable, str(HERE / "bench_cluster.py"), "--variants", "loopback", "--placements", "server",
                "--link-port", str(port), "--workers", str(w), "--files", str(args.cluster_files), "--repeats", str(args.cluster_repeats),
                "--epochs", "2", "--seed", str(args.seed), "--data", args.data, "--batch-size", str(args.batch_size),
-               "--out", out]
+               "--out", out] + (["--batched"] if reads == "batched" else [])
         t = time.monotonic()
-        with open(os.path.join(work, f"cluster-{w}.stdout"), "w") as table:
+        with open(os.path.join(work, f"cluster-{run}.stdout"), "w") as table:
             proc = subprocess.Popen(cmd, stdout=table, start_new_session=True)
             try:
                 rc = proc.wait(timeout=CLUSTER_TIMEOUT)
@@ -454,22 +458,22 @@ def bench_cluster_section(args, work):
                         proc.kill()
                         proc.wait(timeout=30)
         if rc not in (0, 1) or not os.path.exists(out):  # 1 with results: crc mismatches, counted below
-            raise SystemExit(f"bench_cluster.py --workers {w} failed ({rc}): see its messages above")
+            raise SystemExit(f"bench_cluster.py --workers {w} ({reads}) failed ({rc}): see its messages above")
         with open(out) as f:
             res = json.load(f)
         v = res["variants"]["loopback"]
-        raw[str(w)] = {"configs": v["configs"], "crc_mismatches": v["crc_mismatches"], "dataset": res["dataset"],
+        raw[run] = {"configs": v["configs"], "crc_mismatches": v["crc_mismatches"], "dataset": res["dataset"],
                        "seconds": res["seconds"]}
         c = v["configs"]
         for what, base in CLUSTER_ROWS:
             x, y = c[f"server/{what}"], c[f"server/{base}"]
-            points[f"{w}/{what}"] = {
+            points[f"{run}/{what}"] = {
                 "baseline": base, "files_per_s": x["files_per_s"], "ratio": y["seconds_median"] / x["seconds_median"],
                 "cpu_us_per_file": x.get("server_cpu_us_per_file", 0) + x.get("client_cpu_us_per_file", 0),
                 "server_cpu_us_per_file": x.get("server_cpu_us_per_file", 0),
                 "baseline_files_per_s": y["files_per_s"],
                 "baseline_cpu_us_per_file": y.get("server_cpu_us_per_file", 0) + y.get("client_cpu_us_per_file", 0)}
-        log(f"[cluster] {w} workers in {time.monotonic() - t:.0f} s, crc mismatches {v['crc_mismatches']}")
+        log(f"[cluster] {w} workers, {reads} reads, in {time.monotonic() - t:.0f} s, crc mismatches {v['crc_mismatches']}")
     return {"points": points, "runs": raw, "crc_mismatches": sum(x["crc_mismatches"] for x in raw.values())}
 
 
@@ -530,12 +534,13 @@ def markdown(results, args):
                   f"{args.cluster_files} files; {args.cluster_repeats} rounds; one cold and one warm epoch per job; "
                   f"ratios of medians against the plain configuration of the same run; CPU µs per file of the "
                   f"servers + the reader and its workers; crc mismatches: {secs['cluster']['crc_mismatches']}.", "",
-                  "| workers | configuration | files/s | vs plain | plain | CPU µs/file servers + reader | plain |",
-                  "|---|---|---|---|---|---|---|"]
-        for w in args.cluster_workers:
+                  "| workers | reads | configuration | files/s | vs plain | plain | CPU µs/file servers + reader | plain |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for w, reads in [(w, r) for w in args.cluster_workers for r in args.cluster_reads]:
+            run = f"{w}" if reads == "item" else f"{w}-{reads}"
             for what, base in CLUSTER_ROWS:
-                x = pts[f"{w}/{what}"]
-                lines.append(f"| {w} | {what} | {x['files_per_s']:.0f} | {x['ratio']:.2f}x | {base} | "
+                x = pts[f"{run}/{what}"]
+                lines.append(f"| {w} | {reads} | {what} | {x['files_per_s']:.0f} | {x['ratio']:.2f}x | {base} | "
                              f"{x['server_cpu_us_per_file']:.0f} + {x['cpu_us_per_file'] - x['server_cpu_us_per_file']:.0f}"
                              f" | {x['baseline_cpu_us_per_file']:.0f} |")
         lines.append("")
@@ -564,6 +569,8 @@ def parse_args():
     ap.add_argument("--cluster-workers", help=f"worker counts of the cluster section (default {DEFAULTS['cluster_workers']})")
     ap.add_argument("--cluster-files", type=int, help=f"files of the cluster section (default {DEFAULTS['cluster_files']})")
     ap.add_argument("--cluster-repeats", type=int, help="rounds of the cluster section (default --repeats)")
+    ap.add_argument("--cluster-reads", default="item,batched",
+                    help="how the cluster section's readers read: item (item by item), batched (__getitems__)")
     ap.add_argument("--data", default="/var/tmp/fitcache-bench-scale", help="where generated datasets are kept")
     ap.add_argument("--seed", type=int, default=1, help="seed of the dataset and of the epochs' orders")
     ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
@@ -582,6 +589,9 @@ def parse_args():
         ap.error(f"--sections takes {', '.join(SECTIONS)}; --epochs and --repeats at least 1")
     args.workers, args.threads = counts(args.workers), counts(args.threads)
     args.cluster_workers = counts(args.cluster_workers)
+    args.cluster_reads = [x for x in args.cluster_reads.split(",") if x]
+    if set(args.cluster_reads) - {"item", "batched"}:
+        ap.error("--cluster-reads takes item, batched")
     return args
 
 
