@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# bench_cores.py's sweep in one call on a borrowed many-core machine with no network (the
+# project's device machine: python3 with PyTorch, no pip index): the wheel of
+# scripts/wheel.sh goes into a folder of its own on PYTHONPATH (that python3 is itself a
+# virtualenv, so a virtualenv over it would not see its torch), the datasets are generated
+# first, then each section runs under its own time limit and writes its own JSON and log
+# lines under $OUT, so that a section that overruns leaves the others' results.
+#
+#   bash scripts/wheel.sh .device && cp bench/device_sweep.sh .device/   # here; .device ignored
+#   OUT=/tmp/out bash .device/device_sweep.sh [quick]                       # there
+#
+# Sizes and limits come from the environment: FILES (20000), WORKERS (1,2,4,8,16,32,64),
+# THREADS (1,2,4,8,16), CWORKERS (8), CFILES (10000), CREADS (item,batched), REPEATS (2),
+# LWARM, LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+t0=$(date +%s)
+py=${PYTHON:-python3}
+$py -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target /tmp/fcsite \
+    ${WHEEL:-.device/fitcache-*.whl} || exit 1
+export PYTHONPATH=/tmp/fcsite
+{ nproc; $py -c 'import torch, fitcache, sys; print(sys.version, torch.__version__, fitcache.__file__)'
+  df -h /dev/shm /tmp /var/tmp; head -3 /proc/meminfo; cat /proc/self/cgroup; } 2>&1 | tee "$OUT/machine.txt"
+if [ "${1:-}" = quick ]; then
+    size="--quick"; W=1,2; T=1,2; CW=2; R=1; CF=500
+else
+    size="--files ${FILES:-20000}"; W=${WORKERS:-1,2,4,8,16,32,64}; T=${THREADS:-1,2,4,8,16}
+    CW=${CWORKERS:-8}; R=${REPEATS:-2}; CF=${CFILES:-10000}
+fi
+timeout 180 $py -c "import sys; sys.path.insert(0, 'bench'); import bench_scale as b
+b.generate('/var/tmp/fitcache-bench-scale', ${FILES:-20000}, 1); b.generate('/var/tmp/fitcache-bench-scale', $CF, 1)"
+echo "datasets ready at $(( $(date +%s) - t0 )) s"
+section() { # name, limit in seconds, bench_cores.py arguments
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit $limit s) at $(( $(date +%s) - t0 )) s"
+    timeout -s TERM -k 20 "$limit" $py bench/bench_cores.py $size --repeats $R --out "$OUT/$name.json" "$@" 2>&1 |
+        tee -a "$OUT/all.log" | grep -v '^\s*$'
+}
+section warm "${LWARM:-230}" --sections warm --workers $W
+section cold "${LCOLD:-100}" --sections cold --workers $W
+section threads "${LTHREADS:-40}" --sections threads --threads $T
+section cluster "${LCLUSTER:-110}" --sections cluster --cluster-workers $CW --cluster-files $CF --cluster-repeats 1 \
+    --cluster-reads "${CREADS:-item,batched}"
+echo "== done at $(( $(date +%s) - t0 )) s"
