@@ -10,16 +10,21 @@
 #   OUT=/tmp/out bash .device/device_sweep.sh [quick]                       # there
 #
 # Sizes and limits come from the environment: FILES (20000), WORKERS (1,2,4,8,16,32,64),
-# THREADS (1,2,4,8,16), CWORKERS (8), CFILES (10000), CREADS (item,batched), REPEATS (2),
-# LWARM, LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
+# THREADS (1,2,4,8,16), CWORKERS (8), CFILES (10000), CREADS (item,batched), REPEATS (2; per
+# section WARM_REPEATS, COLD_REPEATS), LWARM, LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL
+# (.device/fitcache-*.whl), PYTHON (python3). With OLD_WHEEL, the cold section runs again
+# over that wheel (an older build, for a before/after in the same run) at OLD_WORKERS.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 t0=$(date +%s)
 py=${PYTHON:-python3}
-$py -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target /tmp/fcsite \
-    ${WHEEL:-.device/fitcache-*.whl} || exit 1
+install() { # wheel, folder
+    $py -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$2" $1 || exit 1
+}
+install "${WHEEL:-.device/fitcache-*.whl}" /tmp/fcsite
+[ -n "${OLD_WHEEL:-}" ] && install "$OLD_WHEEL" /tmp/fcsite-old
 export PYTHONPATH=/tmp/fcsite
 { nproc; $py -c 'import torch, fitcache, sys; print(sys.version, torch.__version__, fitcache.__file__)'
   df -h /dev/shm /tmp /var/tmp; head -3 /proc/meminfo; cat /proc/self/cgroup; } 2>&1 | tee "$OUT/machine.txt"
@@ -39,8 +44,12 @@ section() { # name, limit in seconds, bench_cores.py arguments
     timeout -s TERM -k 20 "$limit" $py bench/bench_cores.py $size --repeats $R --out "$OUT/$name.json" "$@" 2>&1 |
         tee -a "$OUT/all.log" | grep -v '^\s*$'
 }
-section warm "${LWARM:-230}" --sections warm --workers $W
-section cold "${LCOLD:-100}" --sections cold --workers $W
+section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEATS:-$R}
+section cold "${LCOLD:-100}" --sections cold --workers $W --repeats ${COLD_REPEATS:-$R}
+if [ -n "${OLD_WHEEL:-}" ]; then
+    PYTHONPATH=/tmp/fcsite-old section cold-old "${LCOLD:-100}" --sections cold --workers ${OLD_WORKERS:-$W} \
+        --repeats ${COLD_REPEATS:-$R}
+fi
 section threads "${LTHREADS:-40}" --sections threads --threads $T
 section cluster "${LCLUSTER:-110}" --sections cluster --cluster-workers $CW --cluster-files $CF --cluster-repeats 1 \
     --cluster-reads "${CREADS:-item,batched}"
