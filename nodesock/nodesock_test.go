@@ -399,7 +399,7 @@ func TestRecordReachesTheRecorderWithoutAnAnswer(t *testing.T) {
 	}
 	defer c.Close()
 	want := FillReport{Size: 110_000, MTimeNanos: 1_700_000_000_123_456_789, CTimeNanos: -5, Ino: 1 << 40,
-		FillIno: 77, Mode: 0o644}
+		FillIno: 77, Mode: 0o644 | RecordHasChecksum, Checksum: 0xdeadbeef}
 	if _, err := c.Write(AppendRecord(nil, "/d", "/d/x\x00y.bin", want)); err != nil {
 		t.Fatal(err)
 	}

@@ -197,31 +197,44 @@ func (t *Tier) MarkFull(root string) {
 // ErrBadFill reports a reader's fill that does not hold what its record says.
 var ErrBadFill = errors.New("the reader's copy does not match its record")
 
+// A Fill is a reader's fill file, opened and checked by OpenFill, for Adopt. It is not safe
+// for concurrent use.
+type Fill struct {
+	fd      int
+	st      unix.Stat_t // as OpenFill found it
+	adopted bool        // Adopt published it and ended its claim
+
+	// Checksum is the CRC-32C of the bytes the reader wrote into the fill file, as it
+	// computed them while writing them, when HasChecksum: Adopt records it as the copy's
+	// checksum instead of reading the copy. A wrong one is a copy that fails its check
+	// (Verify) and is removed, as one whose bytes changed: the reader runs as this user,
+	// who could write any bytes into the copy as well.
+	Checksum    uint32
+	HasChecksum bool
+}
+
+// euid is this process's effective user id: fill files are its own.
+var euid = os.Geteuid()
+
 // OpenFill opens the fill file that a reader wrote for the file at sourcePath, and checks it
 // against what the reader says it wrote: its inode ino, size bytes, a regular file of this
-// user with one name. The caller closes it, and removes it with RemoveFill if it is not
-// adopted.
-func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*os.File, error) {
-	rel := FillName(sourcePath)
-	f, err := func() (*os.File, error) {
-		var f *os.File
-		err := withFd(t.dirFile, func(dirfd int) error {
-			var err error
-			f, err = openEntry(dirfd, rel)
-			return err
-		})
-		return f, err
-	}()
+// user with one name. The caller closes it, and removes it with RemoveFill unless Adopt
+// published it (Adopted).
+func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*Fill, error) {
+	f := &Fill{fd: -1}
+	err := withFd(t.dirFile, func(dirfd int) (err error) {
+		f.fd, err = openEntryFd(dirfd, FillName(sourcePath))
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+	st := &f.st
+	if err := unix.Fstat(f.fd, st); err != nil {
 		f.Close()
 		return nil, err
 	}
-	if st.Ino != ino || st.Size != size || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 ||
-		int(st.Uid) != os.Geteuid() {
+	if st.Ino != ino || st.Size != size || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 || int(st.Uid) != euid {
 		f.Close()
 		return nil, fmt.Errorf("%w: %s (inode %d, %d bytes, mode %o, %d links, uid %d; said inode %d, %d bytes)",
 			ErrBadFill, sourcePath, st.Ino, st.Size, st.Mode, st.Nlink, st.Uid, ino, size)
@@ -229,52 +242,109 @@ func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*os.File, er
 	return f, nil
 }
 
+// ReadAt reads the fill file's bytes at off (io.ReaderAt).
+func (f *Fill) ReadAt(p []byte, off int64) (int, error) {
+	n := 0
+	for n < len(p) {
+		k, err := unix.Pread(f.fd, p[n:], off+int64(n))
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if k == 0 {
+			return n, io.EOF
+		}
+		n += k
+	}
+	return n, nil
+}
+
+// Close closes the fill file; it is idempotent.
+func (f *Fill) Close() error {
+	if f.fd < 0 {
+		return nil
+	}
+	err := unix.Close(f.fd)
+	f.fd = -1
+	return err
+}
+
+// Adopted reports whether Adopt published the fill file and ended its claim: there is
+// nothing left to remove.
+func (f *Fill) Adopted() bool { return f.adopted }
+
 // RemoveFill removes the fill file of the file at sourcePath if it is the file with inode ino.
 func (t *Tier) RemoveFill(sourcePath string, ino uint64) { t.removeFill(FillName(sourcePath), ino) }
 
 // Adopt publishes a reader's fill file f (see OpenFill), of this tier, as the cached copy of
-// e.SourcePath: it sets the copy's times and mode as Publish does, links it into place and
-// records it (reading it once for its checksum). The fill file keeps its name, and so the
-// file stays claimed, until the index lists the copy: a process that claims it next finds
-// it cached. The caller removes the fill file (RemoveFill). It returns ErrNoRoom as Publish
-// does.
-func (t *Tier) Adopt(e Entry, f *os.File) error {
-	fillName := FillName(e.SourcePath)
-	return t.publishWith(e, func(dirfd int, rel string, s stored) (stored, error) {
-		crc, err := checksumOf(f, e.Size)
-		if err != nil {
+// e.SourcePath: the copy's checksum is the one its reader reported (f.HasChecksum), else
+// read from it; its times and mode are set as Publish sets them, unless its reader set them
+// already (OpenFill's fstat shows them); it is linked into place and recorded. The fill file
+// keeps its name, and so the file stays claimed, until the index lists the copy: a process
+// that claims it next finds it cached. Then Adopt removes that name, ending the claim
+// (Adopted); on failure the caller removes the fill file (RemoveFill). It returns ErrNoRoom
+// as Publish does.
+func (t *Tier) Adopt(e Entry, f *Fill) error {
+	fill := FillName(e.SourcePath)
+	fill = fill[strings.LastIndexByte(fill, '/')+1:]
+	binfd := -1
+	defer func() {
+		if binfd >= 0 {
+			unix.Close(binfd)
+		}
+	}()
+	err := t.publishWith(e, func(dirfd int, rel string, s stored) (stored, error) {
+		var err error
+		if s.Checksum = f.Checksum; !f.HasChecksum {
+			if s.Checksum, err = checksumOf(f, e.Size); err != nil {
+				return s, err
+			}
+		}
+		if s.ino = f.st.Ino; !finished(&f.st, s.MTimeNanos, s.Mode) {
+			if s.ino, err = finishData(f.fd, s.MTimeNanos, s.Mode); err != nil {
+				return s, err
+			}
+		}
+		var name string
+		if binfd, name, err = openBin(dirfd, rel, false); err != nil {
 			return s, err
 		}
-		s.Checksum = crc
-		if s.ino, err = finishData(f, s.MTimeNanos, s.Mode); err != nil {
-			return s, err
-		}
-		binfd, name, err := openBin(dirfd, rel, false)
-		if err != nil {
-			return s, err
-		}
-		defer unix.Close(binfd)
 		// The fill file is in the same bin (FillName and RelPath share it): checked to be f
-		// still, linked under a temporary name, then renamed over any older copy, as write
-		// does.
-		fill := fillName[strings.LastIndexByte(fillName, '/')+1:]
+		// still, then linked into place; over an older copy, it is linked under a temporary
+		// name and renamed, as write does.
 		var st unix.Stat_t
 		if err := unix.Fstatat(binfd, fill, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != s.ino {
 			return s, fmt.Errorf("%w: %s was taken over", ErrBadFill, e.SourcePath)
 		}
-		tmp := fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64())
-		if err := unix.Linkat(binfd, fill, binfd, tmp, 0); err != nil {
-			return s, err
-		}
-		if err := unix.Renameat(binfd, tmp, binfd, name); err != nil {
-			unix.Unlinkat(binfd, tmp, 0)
+		if err := unix.Linkat(binfd, fill, binfd, name, 0); errors.Is(err, unix.EEXIST) {
+			tmp := fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64())
+			if err := unix.Linkat(binfd, fill, binfd, tmp, 0); err != nil {
+				return s, err
+			}
+			if err := unix.Renameat(binfd, tmp, binfd, name); err != nil {
+				unix.Unlinkat(binfd, tmp, 0)
+				return s, err
+			}
+		} else if err != nil {
 			return s, err
 		}
 		return s, writeRecord(binfd, name, s)
 	})
+	if err != nil {
+		return err
+	}
+	// Listed: the claim ends, in the bin still open, if the name is still f's.
+	var st unix.Stat_t
+	if unix.Fstatat(binfd, fill, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino == f.st.Ino {
+		unix.Unlinkat(binfd, fill, 0)
+	}
+	f.adopted = true
+	return nil
 }
 
 // checksumOf returns the CRC-32C of the n bytes of f, which must hold exactly n.
-func checksumOf(f *os.File, n int64) (uint32, error) {
+func checksumOf(f *Fill, n int64) (uint32, error) {
 	return copyExactly(io.Discard, io.NewSectionReader(f, 0, n+1), n)
 }
