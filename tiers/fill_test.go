@@ -109,9 +109,9 @@ func writeReaderFill(t *testing.T, tier *Tier, sourcePath string, data []byte, f
 }
 
 // Adopt publishes the fill file's bytes as the copy, with its checksum: the one its reader
-// reported, or read from it for a reader that reported none. Its mode and times are the
-// source's, whether its reader set them or not. The fill file keeps its name, so the file
-// stays claimed, until the copy is listed; then Adopt removes it.
+// reported (the copy is not read), or read from it for a reader that reported none. Its mode
+// and times are the source's, whether its reader set them or not. The fill file keeps its
+// name, so the file stays claimed, until the copy is listed; then Adopt removes it.
 func TestAdoptPublishesTheFill(t *testing.T) {
 	data := bytes.Repeat([]byte("fitcache"), 1000)
 	const mtime, mode = int64(1_700_000_000_123_456_789), 0o644
@@ -142,6 +142,11 @@ func TestAdoptPublishesTheFill(t *testing.T) {
 			}
 			if !tier.Listed("/d/a") || !f.Adopted() {
 				t.Fatalf("after Adopt: listed %v, adopted %v; want both", tier.Listed("/d/a"), f.Adopted())
+			}
+			// The copy is opened (to be read, or its mode and times set) only where its
+			// reader left something to do.
+			if opened, want := f.fd >= 0, !tc.hasChecksum || !tc.finish; opened != want {
+				t.Errorf("the fill file opened by Adopt: %v, want %v", opened, want)
 			}
 			if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("the fill file after Adopt: %v, want it removed (the claim ended)", err)

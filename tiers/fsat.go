@@ -68,31 +68,26 @@ var openat2 = unix.Openat2
 // openEntry opens rel below dirfd read-only, following no link at any level: with one
 // openat2 (RESOLVE_NO_SYMLINKS) where the kernel has it, else one openat per level.
 func openEntry(dirfd int, rel string) (*os.File, error) {
-	fd, err := openEntryFd(dirfd, rel)
-	if err != nil {
-		return nil, err
-	}
-	return os.NewFile(uintptr(fd), rel), nil
-}
-
-// openEntryFd is openEntry returning the descriptor alone (no fcntl for os.NewFile).
-func openEntryFd(dirfd int, rel string) (int, error) {
 	fd, err := openat2(dirfd, rel, &unix.OpenHow{
 		Flags:   unix.O_RDONLY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
 		Resolve: unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_BENEATH,
 	})
 	if err == nil {
-		return fd, nil
+		return os.NewFile(uintptr(fd), rel), nil
 	}
 	if !errors.Is(err, unix.ENOSYS) && !errors.Is(err, unix.EPERM) { // EPERM: a seccomp filter
-		return -1, err
+		return nil, err
 	}
 	binfd, name, err := openBin(dirfd, rel, false)
 	if err != nil {
-		return -1, err
+		return nil, err
 	}
 	defer unix.Close(binfd)
-	return unix.Openat(binfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err = unix.Openat(binfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), rel), nil
 }
 
 // createTemp creates a new temporary file (0600, O_EXCL, not through a link) in the
