@@ -3,11 +3,11 @@
  * instruction at once (its latency is three times its throughput) over consecutive parts of
  * the bytes and joins their CRCs with tables that shift a CRC past a part's length of zeros,
  * as Mark Adler's crc32c.c does; the portable way takes eight bytes a step from tables
- * (slicing by 8). The tables are made at first use.
+ * (slicing by 8). The tables are made, and the CPU asked, when the library is loaded: no
+ * first-use check or lock on the way of a fill, and nothing half made in a forked child.
  */
 #include "crc32c.h"
 
-#include <pthread.h>
 #include <string.h>
 
 #define POLY 0x82f63b78u /* Castagnoli, reflected */
@@ -19,7 +19,9 @@
 static uint32_t slice[8][256];      // slice[k][b]: the CRC of byte b followed by k zero bytes
 static uint32_t long_shift[4][256]; // shift_by(long_shift, crc): crc past LONG zero bytes
 static uint32_t short_shift[4][256];
-static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+#if defined(__x86_64__)
+static int hw; // whether the CPU has the crc32 instruction
+#endif
 
 // gf2_times returns the 32x32 matrix over GF(2) mat (its columns) times the vector v.
 static uint32_t gf2_times(const uint32_t *mat, uint32_t v) {
@@ -60,7 +62,7 @@ static uint32_t shift_by(uint32_t t[4][256], uint32_t crc) {
 	return t[0][crc & 0xff] ^ t[1][(crc >> 8) & 0xff] ^ t[2][(crc >> 16) & 0xff] ^ t[3][crc >> 24];
 }
 
-static void make_tables(void) {
+__attribute__((constructor)) static void make_tables(void) {
 	for (uint32_t b = 0; b < 256; b++) {
 		uint32_t c = b;
 		for (int k = 0; k < 8; k++)
@@ -72,6 +74,10 @@ static void make_tables(void) {
 			slice[k][b] = (slice[k - 1][b] >> 8) ^ slice[0][slice[k - 1][b] & 0xff];
 	make_shift(long_shift, LONG);
 	make_shift(short_shift, SHORT);
+#if defined(__x86_64__)
+	__builtin_cpu_init();
+	hw = __builtin_cpu_supports("sse4.2") != 0;
+#endif
 }
 
 static uint64_t load64(const unsigned char *p) {
@@ -81,7 +87,6 @@ static uint64_t load64(const unsigned char *p) {
 }
 
 uint32_t fc_crc32c_portable(uint32_t crc, const void *buf, size_t n) {
-	pthread_once(&tables_once, make_tables);
 	const unsigned char *p = buf;
 	uint32_t c = ~crc;
 	for (; n >= 8; n -= 8, p += 8) {
@@ -98,8 +103,8 @@ uint32_t fc_crc32c_portable(uint32_t crc, const void *buf, size_t n) {
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 
-// three_way runs the crc32 instruction over three consecutive parts of len bytes from *p,
-// joined into *c, for as long as n holds three parts.
+// THREE_WAY runs the crc32 instruction over three consecutive parts of len bytes from p,
+// their CRCs joined into c, for as long as n holds three parts.
 #define THREE_WAY(len, shift)                                                                          \
 	while (n >= 3 * (len)) {                                                                       \
 		uint64_t c0 = c, c1 = 0, c2 = 0;                                                       \
@@ -114,7 +119,6 @@ uint32_t fc_crc32c_portable(uint32_t crc, const void *buf, size_t n) {
 	}
 
 __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const void *buf, size_t n) {
-	pthread_once(&tables_once, make_tables);
 	const unsigned char *p = buf;
 	uint64_t c = ~crc;
 	for (; n > 0 && ((uintptr_t)p & 7); n--)
@@ -129,14 +133,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
 }
 
 uint32_t fc_crc32c(uint32_t crc, const void *p, size_t n) {
-	static int hw = -1; // whether the CPU has the instruction; the same answer in every thread
-	int h = __atomic_load_n(&hw, __ATOMIC_RELAXED);
-	if (h < 0) {
-		__builtin_cpu_init();
-		h = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-		__atomic_store_n(&hw, h, __ATOMIC_RELAXED);
-	}
-	return h ? crc32c_hw(crc, p, n) : fc_crc32c_portable(crc, p, n);
+	return hw ? crc32c_hw(crc, p, n) : fc_crc32c_portable(crc, p, n);
 }
 #else
 uint32_t fc_crc32c(uint32_t crc, const void *p, size_t n) { return fc_crc32c_portable(crc, p, n); }

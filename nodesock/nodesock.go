@@ -42,9 +42,11 @@
 //     file's inode number, a uint32 of the source's mode bits (RecordModeBits) and flags, and
 //     the CRC-32C of the copy when the flag RecordHasChecksum says so, else 4 bytes of
 //     zeros). With the checksum the server records the copy without reading it; without it
-//     (an older reader) it reads the copy once for it. Reports are recorded
-//     askWorkers at a time, up to askQueue waiting; with the queue full, in the connection's
-//     own turn. Only servers that say so in their Hello reply (reader_fills) get them.
+//     (an older reader) it reads the copy once for it. A report is recorded by
+//     the connection that read it while fewer than askWorkers are being recorded (no worker
+//     to wake: a reader's reports come one at a time), else by one of askWorkers workers, up
+//     to askQueue waiting; with the queue full, in the connection's own turn. Only servers
+//     that say so in their Hello reply (reader_fills) get them.
 //
 // Wire format (integers little-endian):
 //
@@ -212,9 +214,12 @@ type Server struct {
 	slots chan struct{} // one token per connection being served
 	asks  chan blockAsk // OpCacheBlock requests waiting for a worker
 	fills chan fillAsk  // OpRecord requests waiting for a worker
-	wg    sync.WaitGroup
-	ctx   context.Context
-	stop  context.CancelFunc
+	// recording holds a token per OpRecord report being recorded (askWorkers), by a worker or
+	// by the connection that read it
+	recording chan struct{}
+	wg        sync.WaitGroup
+	ctx       context.Context
+	stop      context.CancelFunc
 }
 
 // blockAsk is an OpCacheBlock request.
@@ -245,7 +250,7 @@ func Listen(path string, cfg Config) (*Server, error) {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{ln: ln, cfg: cfg, slots: make(chan struct{}, maxConns), asks: make(chan blockAsk, askQueue),
-		fills: make(chan fillAsk, askQueue)}
+		fills: make(chan fillAsk, askQueue), recording: make(chan struct{}, askWorkers)}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.accept()
@@ -286,7 +291,9 @@ func (s *Server) recordFills() {
 		case <-s.ctx.Done():
 			return
 		case a := <-s.fills:
+			s.recording <- struct{}{}
 			s.record(a)
+			<-s.recording
 		}
 	}
 }
@@ -376,6 +383,15 @@ func (s *Server) serve(c *net.UnixConn) {
 			} else if s.cfg.Record != nil {
 				if s.cfg.Noted != nil {
 					s.cfg.Noted(a.root, a.path)
+				}
+				select {
+				case s.recording <- struct{}{}:
+					// Recorded here, while fewer than askWorkers are: a worker would have
+					// to be woken for it.
+					s.record(a)
+					<-s.recording
+					continue
+				default:
 				}
 				select {
 				case s.fills <- a:
