@@ -23,10 +23,10 @@ import (
 // fill file itself, computing its CRC-32C as it writes it, gives it the copy's mode and
 // times, and reports the checksum with the fill (nodesock.RecordHasChecksum); Adopt links
 // the file into place and records it without reading it (a Fill). The server's own fill
-// holds the fill file empty while it writes its copy as before. A reader holds an open file description lock on its
-// fill file until it has reported it (ClaimState), and the kernel drops the lock when the
-// reader dies: a claim that is neither locked nor reported is abandoned, and the server takes
-// it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
+// holds the fill file empty while it writes its copy as before. A reader holds an open file
+// description lock on its fill file until it has reported it (ClaimState), and the kernel
+// drops the lock when the reader dies: a claim that is neither locked nor reported is
+// abandoned, and the server takes it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
 // one a crash left behind.
 //
 // capi/fill.c makes the same names: FillName and RelPath must agree with it.
@@ -138,8 +138,8 @@ const (
 )
 
 // ClaimStateOf returns the state of the claim of the file at sourcePath, and how long ago its
-// fill file was last written (by the time a reader gives it once written, the source's
-// modification time, a reported fill looks long idle: the state alone counts).
+// fill file was last modified: a reader that has written its copy gives it the source's
+// modification time (capi/fill.c fc_fill_finish), so only the state tells a live claim.
 func (t *Tier) ClaimStateOf(sourcePath string) (state ClaimState, idle time.Duration) {
 	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
 		state, idle = Left, time.Since(time.Unix(st.Mtim.Unix()))
