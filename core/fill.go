@@ -3,7 +3,6 @@ package core
 import (
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"time"
 
@@ -199,13 +198,13 @@ func (e *Engine) listed(path string) bool {
 	return false
 }
 
-// publishFill publishes a reader's fill file f of tier from as entry into t: renamed into
-// place when t is that tier, else copied.
+// publishFill publishes a reader's fill file f of tier from as entry into t: linked into
+// place when t is that tier, else copied (and checked against the reported checksum).
 func publishFill(t, from *tiers.Tier, entry tiers.Entry, f *tiers.Fill) error {
 	if t == from {
 		return t.Adopt(entry, f)
 	}
-	return t.PublishFrom(entry, io.NewSectionReader(f, 0, entry.Size+1))
+	return t.PublishFill(entry, f)
 }
 
 // fillRootsMax bounds the dataset roots remembered for marking (see noteFillRoot).

@@ -391,3 +391,31 @@ func TestPrefetchSkipsAFileAReaderFills(t *testing.T) {
 		t.Errorf("%d source reads of 3 files", n)
 	}
 }
+
+// A reader's fill that only a later tier has room for is copied there, checked against the
+// checksum its reader reported: a fill file whose bytes do not have it is refused and
+// removed, not published.
+func TestAFillCopiedToALaterTierIsChecked(t *testing.T) {
+	root, paths := dataset(t, 40_000, 40_000)
+	e := newEngine(t, "16KiB", "1MiB") // the first tier cannot hold a file
+	first, later := e.tiers[0], e.tiers[1]
+	if err := e.RecordFill(root, paths[0], withChecksum(t, readerFill(t, e, paths[0]), paths[0])); err != nil {
+		t.Fatal(err)
+	}
+	if !later.Listed(paths[0]) || first.Listed(paths[0]) {
+		t.Errorf("listed in the first tier %v, the later one %v; want the later one only", first.Listed(paths[0]), later.Listed(paths[0]))
+	}
+	r := withChecksum(t, readerFill(t, e, paths[1]), paths[1])
+	r.Checksum ^= 1
+	if err := e.RecordFill(root, paths[1], r); !errors.Is(err, tiers.ErrBadFill) {
+		t.Errorf("a fill whose bytes do not have the reported checksum: %v, want ErrBadFill", err)
+	}
+	if later.Listed(paths[1]) {
+		t.Error("a fill whose bytes do not have the reported checksum was published")
+	}
+	for _, p := range paths {
+		if _, err := os.Lstat(filepath.Join(first.Path, tiers.FillName(p))); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("fill file of %s left behind: %v", p, err)
+		}
+	}
+}

@@ -369,6 +369,19 @@ func (t *Tier) Adopt(e Entry, f *Fill) error {
 	return nil
 }
 
+// PublishFill publishes a reader's fill file f of another tier (see OpenFill) as the cached
+// copy of e.SourcePath in this one, as PublishFrom does: copied. A copy whose bytes do not
+// have the checksum its reader reported (f.HasChecksum) is not published: ErrBadFill.
+func (t *Tier) PublishFill(e Entry, f *Fill) error {
+	return t.publish(e, func(w io.Writer) (uint32, error) {
+		crc, err := copyExactly(w, io.NewSectionReader(f, 0, e.Size+1), e.Size)
+		if err == nil && f.HasChecksum && crc != f.Checksum {
+			return 0, fmt.Errorf("%w: %s: its bytes' checksum is %08x, its reader's %08x", ErrBadFill, e.SourcePath, crc, f.Checksum)
+		}
+		return crc, err
+	})
+}
+
 // checksumOf returns the CRC-32C of the n bytes of f, which must hold exactly n.
 func checksumOf(f *Fill, n int64) (uint32, error) {
 	return copyExactly(io.Discard, io.NewSectionReader(f, 0, n+1), n)

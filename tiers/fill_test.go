@@ -258,3 +258,36 @@ func TestAClaimIsTakenOverOnlyWhenUnlocked(t *testing.T) {
 		t.Errorf("after the take-over: state %v, want Unclaimed", state)
 	}
 }
+
+// A fill placed in another tier is copied there, checked against the checksum its reader
+// reported: a copy of other bytes is not published.
+func TestPublishFillChecksTheReportedChecksum(t *testing.T) {
+	first, next := newTier(t, Memory, "1MiB"), newTier(t, Disk, "1MiB")
+	data := []byte("the bytes the reader read")
+	for _, tc := range []struct {
+		name     string
+		checksum uint32
+		want     error
+	}{
+		{"its checksum", crc32c(data), nil},
+		{"another checksum", crc32c(data) ^ 1, ErrBadFill},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := "/d/" + tc.name
+			_, ino := writeReaderFill(t, first, src, data, true, 0o600, 1)
+			f, err := first.OpenFill(src, ino, int64(len(data)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			f.Checksum, f.HasChecksum = tc.checksum, true
+			err = next.PublishFill(Entry{SourcePath: src, Size: int64(len(data)), MTimeNanos: 1}, f)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("PublishFill: %v, want %v", err, tc.want)
+			}
+			if listed := next.Listed(src); listed != (tc.want == nil) {
+				t.Errorf("listed: %v, want %v", listed, tc.want == nil)
+			}
+		})
+	}
+}
