@@ -38,6 +38,10 @@
 #define FC_NODE_OP_RECORD 7 /* a reader's fill (capi/fill.h): the path, a NUL byte and FC_NODE_RECORD_BYTES
                                of report; answered with neither ack nor reply */
 #define FC_NODE_RECORD_BYTES 48
+/* The report's mode field (offset 40): the source's mode bits, and flags. */
+#define FC_NODE_RECORD_MODE_BITS 07777
+#define FC_NODE_RECORD_HAS_CRC (1u << 16) /* the report's last 4 bytes hold the copy's CRC-32C */
+#define FC_NODE_RECORD_CRC_OFFSET 44
 #define FC_NODE_MAX_MESSAGE 1000
 
 /* How long a client waits to connect, to send a request and for each ack (nodesock.ProbeTimeout):

@@ -5,6 +5,8 @@
 #define _GNU_SOURCE
 #include "fill.h"
 
+#include "crc32c.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -43,11 +45,17 @@ static int open_bin(int dirfd, uint64_t key) {
 	return bin;
 }
 
-int fc_fill_claim(const struct fc_tier *t, const char *path, size_t len, struct fc_fill *f) {
+// data_perm returns the permission bits of the copy of a source of mode mode (tiers/tier.go
+// dataPerm of the report's mode's permission bits): the source's, with read permission for
+// its owner added; ENTRY_MODE for none.
+static mode_t data_perm(uint32_t mode) { return (mode & 0777) == 0 ? ENTRY_MODE : (mode & 0777) | 0400; }
+
+int fc_fill_claim(const struct fc_tier *t, const char *path, size_t len, uint32_t mode, struct fc_fill *f) {
 	static const char hex[] = "0123456789abcdef";
 	uint64_t key, check;
 	fc_hashes(path, len, &key, &check);
 	f->bin = f->fd = -1;
+	f->crc = 0;
 	memcpy(f->name, ".tmp-fill-", 10);
 	for (int i = 0; i < 16; i++)
 		f->name[10 + i] = hex[(key >> (60 - 4 * i)) & 15];
@@ -57,7 +65,9 @@ int fc_fill_claim(const struct fc_tier *t, const char *path, size_t len, struct 
 	int bin = open_bin(t->dirfd, key);
 	if (bin < 0)
 		return -errno;
-	int fd = sys_openat(bin, f->name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, ENTRY_MODE);
+	// Made with O_EXCL: written here whatever its mode (the owner can read it: the server's
+	// lock probe, tiers' locked, opens it for reading).
+	int fd = sys_openat(bin, f->name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, data_perm(mode));
 	struct stat st;
 	// The lock says the claim's holder lives (tiers.Tier.ClaimState): the kernel drops it when
 	// this descriptor is closed (after the report) or the process dies.
@@ -85,10 +95,16 @@ int fc_fill_write(struct fc_fill *f, const void *p, size_t n) {
 			continue;
 		if (k <= 0)
 			return k < 0 ? -errno : -EIO;
+		f->crc = fc_crc32c(f->crc, b, (size_t)k);
 		b += k;
 		n -= (size_t)k;
 	}
 	return 0;
+}
+
+void fc_fill_finish(struct fc_fill *f, struct timespec mtime) {
+	struct timespec ts[2] = {mtime, mtime};
+	syscall(SYS_utimensat, f->fd, NULL, ts, 0);
 }
 
 void fc_fill_keep(struct fc_fill *f) {

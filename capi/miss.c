@@ -22,9 +22,9 @@ static int same_file(const struct stat *a, const struct stat *b) {
 	       a->st_ctim.tv_sec == b->st_ctim.tv_sec && a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
 }
 
-// record reports c's fill of the file at the clean path path (len bytes), read as st, to the
-// server (FC_NODE_OP_RECORD): 0 when sent.
-static int record(struct hit_client *c, const char *path, size_t len, const struct stat *st, uint64_t fill_ino) {
+// record reports c's fill f of the file at the clean path path (len bytes), read as st, to
+// the server (FC_NODE_OP_RECORD), with the CRC-32C of the bytes written: 0 when sent.
+static int record(struct hit_client *c, const char *path, size_t len, const struct stat *st, const struct fc_fill *f) {
 	char field[FC_PATH_MAX + 1 + FC_NODE_RECORD_BYTES];
 	if (len + 1 + FC_NODE_RECORD_BYTES > sizeof field)
 		return -1;
@@ -32,13 +32,13 @@ static int record(struct hit_client *c, const char *path, size_t len, const stru
 	uint8_t *r = (uint8_t *)field + len + 1;
 	field[len] = 0;
 	uint64_t v[5] = {(uint64_t)st->st_size, (uint64_t)ts_ns(st->st_mtim), (uint64_t)ts_ns(st->st_ctim),
-	                 (uint64_t)st->st_ino, fill_ino};
+	                 (uint64_t)st->st_ino, f->ino};
 	for (int i = 0; i < 5; i++) {
 		fc_put32(r + 8 * i, (uint32_t)v[i]);
 		fc_put32(r + 8 * i + 4, (uint32_t)(v[i] >> 32));
 	}
-	fc_put32(r + 40, (uint32_t)(st->st_mode & 07777));
-	fc_put32(r + 44, 0);
+	fc_put32(r + 40, ((uint32_t)st->st_mode & FC_NODE_RECORD_MODE_BITS) | FC_NODE_RECORD_HAS_CRC);
+	fc_put32(r + FC_NODE_RECORD_CRC_OFFSET, f->crc);
 	return node_tell(c, FC_NODE_OP_RECORD, field, len + 1 + FC_NODE_RECORD_BYTES);
 }
 
@@ -94,7 +94,7 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 		close(h.fd);
 		goto out;
 	}
-	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, &fill) != 0)
+	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, (uint32_t)look.st_mode, &fill) != 0)
 		goto out; // another process reads it: the server waits for it
 	claimed = 1;
 	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
@@ -114,9 +114,14 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 		goto out;
 	}
 	// The reader has the bytes: a copy that cannot be written or reported is only not cached.
-	if (fc_fill_write(&fill, ptr, (size_t)h.size) == 0 && record(c, clean, (size_t)n, &before, fill.ino) == 0) {
-		fc_fill_keep(&fill);
-		claimed = 0;
+	// The copy is made what the server would make it (its checksum, its times and mode, see
+	// capi/fill.h) so that the server only records it.
+	if (fc_fill_write(&fill, ptr, (size_t)h.size) == 0) {
+		fc_fill_finish(&fill, before.st_mtim);
+		if (record(c, clean, (size_t)n, &before, &fill) == 0) {
+			fc_fill_keep(&fill);
+			claimed = 0;
+		}
 	}
 	if ((rc = hand_out(ptr, h.size, kind, data, size, buffer)) != 0)
 		goto out;

@@ -3,9 +3,7 @@ package core
 import (
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
-	"os"
 	"time"
 
 	"github.com/fitcache/fitcache/tiers"
@@ -19,18 +17,22 @@ import (
 
 // FillReport is what a reader says of a file it read from the source and wrote into the first
 // tier's fill file (tiers.FillName): the source's identity as it read it (fstat of its open
-// source, unchanged after the read), the source's permission bits, and the fill file's inode.
+// source, unchanged after the read), the source's permission bits, the fill file's inode,
+// and, from a reader that computed it, the CRC-32C of the bytes it wrote there.
 type FillReport struct {
-	Identity tiers.Identity
-	Mode     fs.FileMode
-	FillIno  uint64
+	Identity    tiers.Identity
+	Mode        fs.FileMode
+	FillIno     uint64
+	Checksum    uint32 // when HasChecksum (see tiers.Fill)
+	HasChecksum bool
 }
 
 // RecordFill records a reader's fill of the file at path (in root) as its cached copy (see
 // NoteReport for a report noted as it arrived): the
 // source is looked at once more (one stat, as a copy's check), the fill file must be what the
 // report says, and the copy takes room as a fill of the engine's own would (evicting, or in a
-// later tier). A fill that is not recorded is removed. The file counts as read from the source
+// later tier). Its checksum is the one reported, when it is (the copy is not read again, see
+// tiers.Fill). A fill that is not recorded is removed. The file counts as read from the source
 // once, as the engine's own fills do.
 func (e *Engine) RecordFill(root, path string, r FillReport) error {
 	if e.closed.Load() {
@@ -41,8 +43,10 @@ func (e *Engine) RecordFill(root, path string, r FillReport) error {
 	}
 	first := e.tiers[0]
 	e.noteFillRoot(root)
-	err := e.recordFill(first, root, path, r)
-	first.RemoveFill(path, r.FillIno) // adopted (linked into place) or not, the claim ends
+	adopted, err := e.recordFill(first, root, path, r)
+	if !adopted { // else Adopt ended the claim
+		first.RemoveFill(path, r.FillIno)
+	}
 	if errors.Is(err, ErrCacheFull) || errors.Is(err, tiers.ErrNoRoom) || (err == nil && !first.Listed(path)) {
 		// No room in the first tier (the copy went to a later one, or nowhere): readers
 		// stop writing fill files into it for a while. Each one takes memory until it is
@@ -64,33 +68,37 @@ func (e *Engine) RecordFill(root, path string, r FillReport) error {
 	return nil
 }
 
-func (e *Engine) recordFill(first *tiers.Tier, root, path string, r FillReport) error {
+// recordFill is RecordFill but for the claim's end: adopted says whether the fill file was
+// published as it is, its claim ended (tiers.Tier.Adopt).
+func (e *Engine) recordFill(first *tiers.Tier, root, path string, r FillReport) (adopted bool, err error) {
 	if err := e.checkRoot(root, path); err != nil {
-		return err
+		return false, err
 	}
 	session := e.sessions.current()
 	now, err := e.sourceIdentity(root, path, session)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if now != r.Identity {
-		return fmt.Errorf("%w: %s changed since its reader read it", tiers.ErrBadFill, path)
+		return false, fmt.Errorf("%w: %s changed since its reader read it", tiers.ErrBadFill, path)
 	}
 	f, err := first.OpenFill(path, r.FillIno, r.Identity.Size)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer f.Close()
+	f.Checksum, f.HasChecksum = r.Checksum, r.HasChecksum
 	entry := tiers.Entry{SourcePath: path, Size: r.Identity.Size, MTimeNanos: r.Identity.MTimeNanos,
 		SourceCTimeNanos: r.Identity.CTimeNanos, SourceIno: r.Identity.Ino, Session: session, Group: root,
 		Mode: r.Mode.Perm()}
 	if !e.canCache(entry) {
-		return fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
+		return false, fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
 	}
 	if e.fullFor(root) {
-		return fmt.Errorf("%w: %s", ErrCacheFull, path)
+		return false, fmt.Errorf("%w: %s", ErrCacheFull, path)
 	}
-	return e.place(0, entry, content{fill: f, fillTier: first})
+	err = e.place(0, entry, content{fill: f, fillTier: first})
+	return f.Adopted(), err
 }
 
 // claimWaitMax bounds claimSource's wait for the holder of a file's claim: a reader that
@@ -190,13 +198,13 @@ func (e *Engine) listed(path string) bool {
 	return false
 }
 
-// publishFill publishes a reader's fill file f of tier from as entry into t: renamed into
-// place when t is that tier, else copied.
-func publishFill(t, from *tiers.Tier, entry tiers.Entry, f *os.File) error {
+// publishFill publishes a reader's fill file f of tier from as entry into t: linked into
+// place when t is that tier, else copied (and checked against the reported checksum).
+func publishFill(t, from *tiers.Tier, entry tiers.Entry, f *tiers.Fill) error {
 	if t == from {
 		return t.Adopt(entry, f)
 	}
-	return t.PublishFrom(entry, io.NewSectionReader(f, 0, entry.Size+1))
+	return t.PublishFill(entry, f)
 }
 
 // fillRootsMax bounds the dataset roots remembered for marking (see noteFillRoot).

@@ -3,6 +3,7 @@ package core
 import (
 	"context"
 	"errors"
+	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -49,11 +50,29 @@ func writeFill(t *testing.T, first *tiers.Tier, path string) FillReport {
 		MTimeNanos: sst.Mtim.Nano(), CTimeNanos: sst.Ctim.Nano(), Ino: sst.Ino}}
 }
 
+// withChecksum returns r with the CRC-32C of the source at path, as a reader that computed it
+// reports it.
+func withChecksum(t *testing.T, r FillReport, path string) FillReport {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Checksum, r.HasChecksum = crc32.Checksum(data, castagnoli), true
+	return r
+}
+
+// A reader's fill is recorded, with the checksum it reported or, from an older reader that
+// reports none, the one read from the copy.
 func TestRecordFillCachesTheReadersCopy(t *testing.T) {
-	root, paths := dataset(t, 100_000, 0)
+	root, paths := dataset(t, 100_000, 0, 5)
 	e := newEngine(t, "64MiB")
-	for _, p := range paths {
-		if err := e.RecordFill(root, p, readerFill(t, e, p)); err != nil {
+	for i, p := range paths {
+		r := readerFill(t, e, p)
+		if i > 0 {
+			r = withChecksum(t, r, p)
+		}
+		if err := e.RecordFill(root, p, r); err != nil {
 			t.Fatalf("record %s: %v", p, err)
 		}
 		origin, got := readAll(t, e, root, p)
@@ -66,13 +85,57 @@ func TestRecordFillCachesTheReadersCopy(t *testing.T) {
 		}
 	}
 	st := e.Stats()
-	if st.SourceReads != 2 || st.ReaderFills != 2 || st.FillsRefused != 0 {
-		t.Errorf("source reads %d, reader fills %d, refused %d; want 2, 2, 0", st.SourceReads, st.ReaderFills, st.FillsRefused)
+	if st.SourceReads != 3 || st.ReaderFills != 3 || st.FillsRefused != 0 {
+		t.Errorf("source reads %d, reader fills %d, refused %d; want 3, 3, 0", st.SourceReads, st.ReaderFills, st.FillsRefused)
 	}
 	// The record's checksum is the data's: verify finds nothing damaged.
 	valid, damaged, err := tiers.Dir{Path: e.tiers[0].Path, Kind: tiers.Memory}.Check()
-	if err != nil || len(damaged) != 0 || valid != 2 {
-		t.Errorf("check: %d valid, %v damaged, %v; want 2 valid", valid, damaged, err)
+	if err != nil || len(damaged) != 0 || valid != 3 {
+		t.Errorf("check: %d valid, %v damaged, %v; want 3 valid", valid, damaged, err)
+	}
+}
+
+// The checksum a reader reports is recorded without the copy being read (the server trusts
+// its own user's readers, who could write any bytes into a copy anyway), and it is the
+// checksum the copy is checked against: a copy whose bytes are not those the reader
+// computed it of (garbled on the way to the fill file, say) fails its check and is removed
+// by a verifying start, where a checksum computed by the server from those bytes would have
+// hidden the damage.
+func TestAReportedChecksumIsWhatTheCopyIsCheckedAgainst(t *testing.T) {
+	root, paths := dataset(t, 20_000)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	r := withChecksum(t, readerFill(t, e, paths[0]), paths[0])
+	fill := filepath.Join(first.Path, tiers.FillName(paths[0]))
+	f, err := os.OpenFile(fill, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte("garbled"), 100)
+	f.Close()
+	if err := e.RecordFill(root, paths[0], r); err != nil {
+		t.Fatal(err)
+	}
+	m, err := first.Open(paths[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Entry.Checksum != r.Checksum {
+		t.Errorf("recorded checksum %08x, want the reported %08x", m.Entry.Checksum, r.Checksum)
+	}
+	m.Release()
+	valid, damaged, err := tiers.Dir{Path: first.Path, Kind: tiers.Memory}.Check()
+	if err != nil || valid != 0 || len(damaged) != 1 {
+		t.Fatalf("check: %d valid, %v damaged, %v; want the copy damaged", valid, damaged, err)
+	}
+	dir := first.Path
+	e.Close()
+	report, err := tiers.Verify(tiers.Config{Dir: dir, Kind: tiers.Memory, Budget: "64MiB"}, nil)
+	if err != nil || !report.Removed || len(report.Damaged) != 1 || report.Valid != 0 {
+		t.Fatalf("verify: %+v, %v; want the copy found damaged and removed", report, err)
+	}
+	if valid, damaged, err := (tiers.Dir{Path: dir, Kind: tiers.Memory}).Check(); err != nil || valid != 0 || len(damaged) != 0 {
+		t.Errorf("after verify: %d valid, %v damaged, %v; want nothing left", valid, damaged, err)
 	}
 }
 
@@ -326,5 +389,33 @@ func TestPrefetchSkipsAFileAReaderFills(t *testing.T) {
 	}
 	if n := e.Stats().SourceReads; n != 3 {
 		t.Errorf("%d source reads of 3 files", n)
+	}
+}
+
+// A reader's fill that only a later tier has room for is copied there, checked against the
+// checksum its reader reported: a fill file whose bytes do not have it is refused and
+// removed, not published.
+func TestAFillCopiedToALaterTierIsChecked(t *testing.T) {
+	root, paths := dataset(t, 40_000, 40_000)
+	e := newEngine(t, "16KiB", "1MiB") // the first tier cannot hold a file
+	first, later := e.tiers[0], e.tiers[1]
+	if err := e.RecordFill(root, paths[0], withChecksum(t, readerFill(t, e, paths[0]), paths[0])); err != nil {
+		t.Fatal(err)
+	}
+	if !later.Listed(paths[0]) || first.Listed(paths[0]) {
+		t.Errorf("listed in the first tier %v, the later one %v; want the later one only", first.Listed(paths[0]), later.Listed(paths[0]))
+	}
+	r := withChecksum(t, readerFill(t, e, paths[1]), paths[1])
+	r.Checksum ^= 1
+	if err := e.RecordFill(root, paths[1], r); !errors.Is(err, tiers.ErrBadFill) {
+		t.Errorf("a fill whose bytes do not have the reported checksum: %v, want ErrBadFill", err)
+	}
+	if later.Listed(paths[1]) {
+		t.Error("a fill whose bytes do not have the reported checksum was published")
+	}
+	for _, p := range paths {
+		if _, err := os.Lstat(filepath.Join(first.Path, tiers.FillName(p))); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("fill file of %s left behind: %v", p, err)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package core
 
 import (
 	"errors"
-	"os"
 	"sync"
 
 	"github.com/fitcache/fitcache/tiers"
@@ -110,7 +109,7 @@ type content struct {
 	data     []byte
 	src      *Source // when set, data is unused: the entry's bytes are the source's from off
 	off      int64
-	fill     *os.File    // when set, data and src are unused: a reader's fill file (see RecordFill)
+	fill     *tiers.Fill // when set, data and src are unused: a reader's fill file (see RecordFill)
 	fillTier *tiers.Tier // the tier that holds fill
 }
 

@@ -39,9 +39,14 @@
 //     OpCacheBlock: the reader has its bytes and waits for nothing. The request's path is the
 //     file's path, a NUL byte and the report (recordBytes: the source's size, modification
 //     and change times in Unix nanoseconds and inode number as the reader read them, the fill
-//     file's inode number, the source's mode bits, 4 bytes of zeros). Reports are recorded
-//     askWorkers at a time, up to askQueue waiting; with the queue full, in the connection's
-//     own turn. Only servers that say so in their Hello reply (reader_fills) get them.
+//     file's inode number, a uint32 of the source's mode bits (RecordModeBits) and flags, and
+//     the CRC-32C of the copy when the flag RecordHasChecksum says so, else 4 bytes of
+//     zeros). With the checksum the server records the copy without reading it; without it
+//     (an older reader) it reads the copy once for it. A report is recorded by
+//     the connection that read it while fewer than askWorkers are being recorded (no worker
+//     to wake: a reader's reports come one at a time), else by one of askWorkers workers, up
+//     to askQueue waiting; with the queue full, in the connection's own turn. Only servers
+//     that say so in their Hello reply (reader_fills) get them.
 //
 // Wire format (integers little-endian):
 //
@@ -121,8 +126,22 @@ const (
 	OpRecord     = 7
 )
 
-// recordBytes is the length of an OpRecord report, after the path and its NUL byte.
-const recordBytes = 48
+// recordBytes is the length of an OpRecord report, after the path and its NUL byte;
+// recordChecksum is where its checksum starts.
+const (
+	recordBytes    = 48
+	recordChecksum = 44
+)
+
+// The mode field of an OpRecord report (FillReport.Mode): the source's mode bits, and flags.
+// A server older than the flags takes the permission bits alone.
+const (
+	RecordModeBits = 0o7777
+	// RecordHasChecksum says that the report's last 4 bytes hold the CRC-32C of the bytes the
+	// reader wrote into its fill file (FillReport.Checksum), which the server records as the
+	// copy's checksum instead of reading the copy to compute it.
+	RecordHasChecksum = 1 << 16
+)
 
 // The background caching of OpCacheBlock: askWorkers blocks at a time (the engine bounds its
 // block fills in all), up to askQueue asks waiting.
@@ -161,7 +180,8 @@ type Forgetter func(root, path string) error
 type FillReport struct {
 	Size, MTimeNanos, CTimeNanos int64
 	Ino, FillIno                 uint64
-	Mode                         uint32
+	Mode                         uint32 // the source's mode bits (RecordModeBits) and flags
+	Checksum                     uint32 // the copy's CRC-32C, with RecordHasChecksum in Mode
 }
 
 // Recorder records a reader's fill of the file at path (core.Engine.RecordFill).
@@ -194,9 +214,12 @@ type Server struct {
 	slots chan struct{} // one token per connection being served
 	asks  chan blockAsk // OpCacheBlock requests waiting for a worker
 	fills chan fillAsk  // OpRecord requests waiting for a worker
-	wg    sync.WaitGroup
-	ctx   context.Context
-	stop  context.CancelFunc
+	// recording holds a token per OpRecord report being recorded (askWorkers), by a worker or
+	// by the connection that read it
+	recording chan struct{}
+	wg        sync.WaitGroup
+	ctx       context.Context
+	stop      context.CancelFunc
 }
 
 // blockAsk is an OpCacheBlock request.
@@ -227,7 +250,7 @@ func Listen(path string, cfg Config) (*Server, error) {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{ln: ln, cfg: cfg, slots: make(chan struct{}, maxConns), asks: make(chan blockAsk, askQueue),
-		fills: make(chan fillAsk, askQueue)}
+		fills: make(chan fillAsk, askQueue), recording: make(chan struct{}, askWorkers)}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.accept()
@@ -268,7 +291,9 @@ func (s *Server) recordFills() {
 		case <-s.ctx.Done():
 			return
 		case a := <-s.fills:
+			s.recording <- struct{}{}
 			s.record(a)
+			<-s.recording
 		}
 	}
 }
@@ -358,6 +383,15 @@ func (s *Server) serve(c *net.UnixConn) {
 			} else if s.cfg.Record != nil {
 				if s.cfg.Noted != nil {
 					s.cfg.Noted(a.root, a.path)
+				}
+				select {
+				case s.recording <- struct{}{}:
+					// Recorded here, while fewer than askWorkers are: a worker would have
+					// to be woken for it.
+					s.record(a)
+					<-s.recording
+					continue
+				default:
 				}
 				select {
 				case s.fills <- a:
@@ -496,7 +530,7 @@ func parseRecord(root, field string) (fillAsk, bool) {
 	b, le := []byte(field[n+1:]), binary.LittleEndian
 	r := FillReport{Size: int64(le.Uint64(b[0:])), MTimeNanos: int64(le.Uint64(b[8:])),
 		CTimeNanos: int64(le.Uint64(b[16:])), Ino: le.Uint64(b[24:]), FillIno: le.Uint64(b[32:]),
-		Mode: le.Uint32(b[40:])}
+		Mode: le.Uint32(b[40:]), Checksum: le.Uint32(b[recordChecksum:])}
 	return fillAsk{root: root, path: field[:n], report: r}, r.Size >= 0
 }
 
@@ -510,7 +544,7 @@ func AppendRecord(b []byte, root, path string, r FillReport) []byte {
 	field = le.AppendUint64(field, r.Ino)
 	field = le.AppendUint64(field, r.FillIno)
 	field = le.AppendUint32(field, r.Mode)
-	field = le.AppendUint32(field, 0)
+	field = le.AppendUint32(field, r.Checksum)
 	return AppendRequest(b, OpRecord, root, string(field))
 }
 

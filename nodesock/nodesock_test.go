@@ -5,11 +5,13 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -399,7 +401,7 @@ func TestRecordReachesTheRecorderWithoutAnAnswer(t *testing.T) {
 	}
 	defer c.Close()
 	want := FillReport{Size: 110_000, MTimeNanos: 1_700_000_000_123_456_789, CTimeNanos: -5, Ino: 1 << 40,
-		FillIno: 77, Mode: 0o644}
+		FillIno: 77, Mode: 0o644 | RecordHasChecksum, Checksum: 0xdeadbeef}
 	if _, err := c.Write(AppendRecord(nil, "/d", "/d/x\x00y.bin", want)); err != nil {
 		t.Fatal(err)
 	}
@@ -424,5 +426,76 @@ func TestRecordReachesTheRecorderWithoutAnAnswer(t *testing.T) {
 	c2.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, err := c2.Read(make([]byte, 1)); err == nil {
 		t.Errorf("read %d bytes after a bad report, want the connection closed", n)
+	}
+}
+
+// Reports are recorded askWorkers at a time: by the connection that read one while fewer are
+// being recorded, else queued for the workers, and a connection whose report is queued serves
+// its next request at once.
+func TestReportsAreRecordedAskWorkersAtATime(t *testing.T) {
+	release := make(chan struct{})
+	var mu sync.Mutex // protects in, most, done
+	in, most, done := 0, 0, 0
+	sock := startWith(t, Config{Record: func(root, path string, r FillReport) error {
+		mu.Lock()
+		in++
+		most = max(most, in)
+		mu.Unlock()
+		<-release
+		mu.Lock()
+		in--
+		done++
+		mu.Unlock()
+		return nil
+	}})
+	dial := func() net.Conn {
+		t.Helper()
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	report := func(c net.Conn, i int) {
+		t.Helper()
+		if _, err := c.Write(AppendRecord(nil, "/d", fmt.Sprintf("/d/%d", i), FillReport{Size: 1, FillIno: 1})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range askWorkers {
+		report(dial(), i)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		mu.Lock()
+		n := in
+		mu.Unlock()
+		if n == askWorkers {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d reports being recorded, want %d", n, askWorkers)
+		}
+	}
+	c := dial()
+	report(c, askWorkers)
+	report(c, askWorkers+1)
+	if code, _ := askOp(t, c, OpFetch, "/d", "/d/a"); code != syscall.ENOSYS {
+		t.Errorf("a fetch after queued reports: errno %d, want ENOSYS (no fetcher)", code)
+	}
+	close(release)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		mu.Lock()
+		d, m := done, most
+		mu.Unlock()
+		if d == askWorkers+2 {
+			if m != askWorkers {
+				t.Errorf("at most %d reports recorded at once, want %d", m, askWorkers)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d reports recorded, want %d", d, askWorkers+2)
+		}
 	}
 }

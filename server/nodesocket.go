@@ -62,7 +62,9 @@ func nodeServer(engine *core.Engine, cn *clusterNode, log *slog.Logger, touch fu
 	if cn == nil { // a cluster server's readers open through it (OpOpen): they do not fill
 		cfg.Record = func(root, path string, r nodesock.FillReport) error {
 			touch()
-			return engine.RecordFill(root, path, core.FillReport{FillIno: r.FillIno, Mode: fs.FileMode(r.Mode),
+			return engine.RecordFill(root, path, core.FillReport{FillIno: r.FillIno,
+				Mode:     fs.FileMode(r.Mode & nodesock.RecordModeBits),
+				Checksum: r.Checksum, HasChecksum: r.Mode&nodesock.RecordHasChecksum != 0,
 				Identity: tiers.Identity{Size: r.Size, MTimeNanos: r.MTimeNanos, CTimeNanos: r.CTimeNanos, Ino: r.Ino}})
 		}
 		cfg.Noted = func(_, path string) { engine.NoteReport(path) }

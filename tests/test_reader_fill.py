@@ -141,3 +141,39 @@ def test_a_new_jobs_unchecked_copies_are_not_opened_at_the_source(dataset, cache
         counts = opens.counts()
     assert not counts, f"sources opened for copies the server only had to check: {counts}"
     assert fitcache.server_stats(**cache_options)["source_reads"] == len(digests)
+
+
+def test_a_readers_copy_is_recorded_as_it_wrote_it(tmp_path, cache_options):
+    """The reader computes its copy's checksum and sets its mode and times itself (the server
+    records the copy without reading it, capi/fill.c): the copies then hold the source's mode
+    (read permission for the owner added) and modification time, and every one passes the
+    checksum check of `fitcache verify`."""
+    root = tmp_path / "modes"
+    root.mkdir()
+    files = {}
+    for i, (size, mode) in enumerate([(1, 0o644), (7, 0o444), (4096, 0o755), ((110 << 10) + 3, 0o600),
+                                      (8, 0o640), (65537, 0o604)]):
+        name = f"f{i}.bin"
+        path = root / name
+        path.write_bytes(os.urandom(size))
+        os.chmod(path, mode)
+        mtime_ns = 1_700_000_000_000_000_000 + i * 1_000_000_007
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+        files[name] = (hashlib.sha256(path.read_bytes()).hexdigest(), mode, mtime_ns)
+    with fitcache.Client(str(root), **cache_options) as c:
+        for name, (want, _, _) in files.items():
+            assert hashlib.sha256(c.read(name)).hexdigest() == want, name
+        assert c.stats()["client"]["reader_fills"] == len(files)
+    stats = server(cache_options, len(files))
+    assert stats["reader_fills"] == len(files) and stats["fills_refused"] == 0, stats
+    memory = cache_options["tiers"].split(",")[0].split(":")[1]
+    for name, (_, mode, mtime_ns) in files.items():
+        copies = glob.glob(os.path.join(memory, "*", "*", "*-" + name))
+        assert len(copies) == 1, (name, copies)
+        st = os.stat(copies[0])
+        assert (st.st_mode & 0o7777, st.st_mtime_ns) == (mode | 0o400, mtime_ns), name
+    assert not leftover_fills(cache_options)
+    verify = subprocess.run([sys.executable, "-m", "fitcache", "verify", "--tiers", cache_options["tiers"]],
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"{len(files)} entries valid, 0 damaged" in verify.stdout, verify.stdout

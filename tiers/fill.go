@@ -20,11 +20,13 @@ import (
 // in the file's bin of the first tier, with O_EXCL. The kernel lets one process make it, so
 // one process reads the source per file (invariant 3); a reader that finds the claim taken
 // asks the server, which waits for the claim's holder. A reader writes the copy into the
-// fill file itself, which Adopt links into place; the server's own fill holds it empty
-// while it writes its copy as before. A reader holds an open file description lock on its
-// fill file until it has reported it (ClaimState), and the kernel drops the lock when the
-// reader dies: a claim that is neither locked nor reported is abandoned, and the server takes
-// it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
+// fill file itself, computing its CRC-32C as it writes it, gives it the copy's mode and
+// times, and reports the checksum with the fill (nodesock.RecordHasChecksum); Adopt links
+// the file into place and records it without reading it (a Fill). The server's own fill
+// holds the fill file empty while it writes its copy as before. A reader holds an open file
+// description lock on its fill file until it has reported it (ClaimState), and the kernel
+// drops the lock when the reader dies: a claim that is neither locked nor reported is
+// abandoned, and the server takes it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
 // one a crash left behind.
 //
 // capi/fill.c makes the same names: FillName and RelPath must agree with it.
@@ -136,7 +138,8 @@ const (
 )
 
 // ClaimStateOf returns the state of the claim of the file at sourcePath, and how long ago its
-// fill file was last written.
+// fill file was last modified: a reader that has written its copy gives it the source's
+// modification time (capi/fill.c fc_fill_finish), so only the state tells a live claim.
 func (t *Tier) ClaimStateOf(sourcePath string) (state ClaimState, idle time.Duration) {
 	t.inFillBin(FillName(sourcePath), func(binfd int, name string, st *unix.Stat_t) {
 		state, idle = Left, time.Since(time.Unix(st.Mtim.Unix()))
@@ -197,31 +200,47 @@ func (t *Tier) MarkFull(root string) {
 // ErrBadFill reports a reader's fill that does not hold what its record says.
 var ErrBadFill = errors.New("the reader's copy does not match its record")
 
-// OpenFill opens the fill file that a reader wrote for the file at sourcePath, and checks it
+// A Fill is a reader's fill file, found and checked by OpenFill, for Adopt. It is not safe
+// for concurrent use.
+type Fill struct {
+	binfd   int         // the fill file's bin, open until Close
+	name    string      // the fill file's name in it
+	st      unix.Stat_t // the fill file's status as OpenFill found it
+	fd      int         // the fill file, opened for reading only where needed (open), or -1
+	adopted bool        // Adopt published it and ended its claim
+
+	// Checksum is the CRC-32C of the bytes the reader wrote into the fill file, as it
+	// computed them while writing them, when HasChecksum: Adopt records it as the copy's
+	// checksum instead of reading the copy. A wrong one is a copy that fails its check
+	// (Verify) and is removed, as one whose bytes changed: the reader runs as this user,
+	// who could write any bytes into the copy as well.
+	Checksum    uint32
+	HasChecksum bool
+}
+
+// euid is this process's effective user id: fill files are its own.
+var euid = os.Geteuid()
+
+// OpenFill finds the fill file that a reader wrote for the file at sourcePath, and checks it
 // against what the reader says it wrote: its inode ino, size bytes, a regular file of this
-// user with one name. The caller closes it, and removes it with RemoveFill if it is not
-// adopted.
-func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*os.File, error) {
-	rel := FillName(sourcePath)
-	f, err := func() (*os.File, error) {
-		var f *os.File
-		err := withFd(t.dirFile, func(dirfd int) error {
-			var err error
-			f, err = openEntry(dirfd, rel)
-			return err
-		})
-		return f, err
-	}()
+// user with one name (not a link to one). The file is opened only if it must be read (a
+// report without a checksum, a copy placed in another tier). The caller closes the Fill, and
+// removes the fill file with RemoveFill unless Adopt published it (Adopted).
+func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*Fill, error) {
+	f := &Fill{binfd: -1, fd: -1}
+	err := withFd(t.dirFile, func(dirfd int) (err error) {
+		f.binfd, f.name, err = openBin(dirfd, FillName(sourcePath), false)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+	st := &f.st
+	if err := unix.Fstatat(f.binfd, f.name, st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		f.Close()
 		return nil, err
 	}
-	if st.Ino != ino || st.Size != size || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 ||
-		int(st.Uid) != os.Geteuid() {
+	if st.Ino != ino || st.Size != size || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 || int(st.Uid) != euid {
 		f.Close()
 		return nil, fmt.Errorf("%w: %s (inode %d, %d bytes, mode %o, %d links, uid %d; said inode %d, %d bytes)",
 			ErrBadFill, sourcePath, st.Ino, st.Size, st.Mode, st.Nlink, st.Uid, ino, size)
@@ -229,52 +248,141 @@ func (t *Tier) OpenFill(sourcePath string, ino uint64, size int64) (*os.File, er
 	return f, nil
 }
 
+// open opens the fill file for reading, once, and checks that it is the file OpenFill found.
+func (f *Fill) open() error {
+	if f.fd >= 0 {
+		return nil
+	}
+	fd, err := unix.Openat(f.binfd, f.name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Ino != f.st.Ino || st.Size != f.st.Size {
+		unix.Close(fd)
+		return fmt.Errorf("%w: %s was replaced", ErrBadFill, f.name)
+	}
+	f.fd = fd
+	return nil
+}
+
+// ReadAt reads the fill file's bytes at off (io.ReaderAt).
+func (f *Fill) ReadAt(p []byte, off int64) (int, error) {
+	if err := f.open(); err != nil {
+		return 0, err
+	}
+	n := 0
+	for n < len(p) {
+		k, err := unix.Pread(f.fd, p[n:], off+int64(n))
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if k == 0 {
+			return n, io.EOF
+		}
+		n += k
+	}
+	return n, nil
+}
+
+// Close closes what the Fill holds open; it is idempotent.
+func (f *Fill) Close() error {
+	var err error
+	if f.fd >= 0 {
+		err = unix.Close(f.fd)
+	}
+	if f.binfd >= 0 {
+		unix.Close(f.binfd)
+	}
+	f.fd, f.binfd = -1, -1
+	return err
+}
+
+// Adopted reports whether Adopt published the fill file and ended its claim: there is
+// nothing left to remove.
+func (f *Fill) Adopted() bool { return f.adopted }
+
 // RemoveFill removes the fill file of the file at sourcePath if it is the file with inode ino.
 func (t *Tier) RemoveFill(sourcePath string, ino uint64) { t.removeFill(FillName(sourcePath), ino) }
 
 // Adopt publishes a reader's fill file f (see OpenFill), of this tier, as the cached copy of
-// e.SourcePath: it sets the copy's times and mode as Publish does, links it into place and
-// records it (reading it once for its checksum). The fill file keeps its name, and so the
+// e.SourcePath: the copy's checksum is the one its reader reported (f.HasChecksum), else
+// read from it; its times and mode are set as Publish sets them, unless its reader set them
+// already (OpenFill's look shows them); it is linked into place, in the bin OpenFill opened
+// (FillName and RelPath share it), and recorded. The fill file keeps its name, and so the
 // file stays claimed, until the index lists the copy: a process that claims it next finds
-// it cached. The caller removes the fill file (RemoveFill). It returns ErrNoRoom as Publish
-// does.
-func (t *Tier) Adopt(e Entry, f *os.File) error {
-	fillName := FillName(e.SourcePath)
-	return t.publishWith(e, func(dirfd int, rel string, s stored) (stored, error) {
-		crc, err := checksumOf(f, e.Size)
-		if err != nil {
-			return s, err
+// it cached. Then Adopt removes that name, ending the claim (Adopted); on failure the
+// caller removes the fill file (RemoveFill). It returns ErrNoRoom as Publish does.
+func (t *Tier) Adopt(e Entry, f *Fill) error {
+	err := t.publishWith(e, func(_ int, rel string, s stored) (stored, error) {
+		var err error
+		if s.Checksum = f.Checksum; !f.HasChecksum {
+			if s.Checksum, err = checksumOf(f, e.Size); err != nil {
+				return s, err
+			}
 		}
-		s.Checksum = crc
-		if s.ino, err = finishData(f, s.MTimeNanos, s.Mode); err != nil {
-			return s, err
+		if s.ino = f.st.Ino; !finished(&f.st, s.MTimeNanos, s.Mode) {
+			if err := f.open(); err != nil {
+				return s, err
+			}
+			if _, err := finishData(f.fd, s.MTimeNanos, s.Mode); err != nil {
+				return s, err
+			}
 		}
-		binfd, name, err := openBin(dirfd, rel, false)
-		if err != nil {
-			return s, err
+		binfd, name := f.binfd, rel[strings.LastIndexByte(rel, '/')+1:]
+		if f.fd >= 0 {
+			// Read or changed through a descriptor: the name must still be that file's (it
+			// was when OpenFill looked, which is all a copy not opened needs).
+			var st unix.Stat_t
+			if err := unix.Fstatat(binfd, f.name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != s.ino {
+				return s, fmt.Errorf("%w: %s was taken over", ErrBadFill, e.SourcePath)
+			}
 		}
-		defer unix.Close(binfd)
-		// The fill file is in the same bin (FillName and RelPath share it): checked to be f
-		// still, linked under a temporary name, then renamed over any older copy, as write
-		// does.
-		fill := fillName[strings.LastIndexByte(fillName, '/')+1:]
-		var st unix.Stat_t
-		if err := unix.Fstatat(binfd, fill, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != s.ino {
-			return s, fmt.Errorf("%w: %s was taken over", ErrBadFill, e.SourcePath)
-		}
-		tmp := fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64())
-		if err := unix.Linkat(binfd, fill, binfd, tmp, 0); err != nil {
-			return s, err
-		}
-		if err := unix.Renameat(binfd, tmp, binfd, name); err != nil {
-			unix.Unlinkat(binfd, tmp, 0)
+		// Linked into place; over an older copy, linked under a temporary name and renamed,
+		// as write does.
+		if err := unix.Linkat(binfd, f.name, binfd, name, 0); errors.Is(err, unix.EEXIST) {
+			tmp := fmt.Sprintf("%s%016x", tempPrefix, rand.Uint64())
+			if err := unix.Linkat(binfd, f.name, binfd, tmp, 0); err != nil {
+				return s, err
+			}
+			if err := unix.Renameat(binfd, tmp, binfd, name); err != nil {
+				unix.Unlinkat(binfd, tmp, 0)
+				return s, err
+			}
+		} else if err != nil {
 			return s, err
 		}
 		return s, writeRecord(binfd, name, s)
 	})
+	if err != nil {
+		return err
+	}
+	// Listed: the claim ends, if the name is still the fill's.
+	var st unix.Stat_t
+	if unix.Fstatat(f.binfd, f.name, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino == f.st.Ino {
+		unix.Unlinkat(f.binfd, f.name, 0)
+	}
+	f.adopted = true
+	return nil
+}
+
+// PublishFill publishes a reader's fill file f of another tier (see OpenFill) as the cached
+// copy of e.SourcePath in this one, as PublishFrom does: copied. A copy whose bytes do not
+// have the checksum its reader reported (f.HasChecksum) is not published: ErrBadFill.
+func (t *Tier) PublishFill(e Entry, f *Fill) error {
+	return t.publish(e, func(w io.Writer) (uint32, error) {
+		crc, err := copyExactly(w, io.NewSectionReader(f, 0, e.Size+1), e.Size)
+		if err == nil && f.HasChecksum && crc != f.Checksum {
+			return 0, fmt.Errorf("%w: %s: its bytes' checksum is %08x, its reader's %08x", ErrBadFill, e.SourcePath, crc, f.Checksum)
+		}
+		return crc, err
+	})
 }
 
 // checksumOf returns the CRC-32C of the n bytes of f, which must hold exactly n.
-func checksumOf(f *os.File, n int64) (uint32, error) {
+func checksumOf(f *Fill, n int64) (uint32, error) {
 	return copyExactly(io.Discard, io.NewSectionReader(f, 0, n+1), n)
 }

@@ -81,44 +81,147 @@ func TestOpenFillChecksTheReadersFile(t *testing.T) {
 	}
 }
 
-// Adopt publishes the fill file's bytes as the copy, with its checksum, and leaves the fill
-// file for the caller to remove: the file stays claimed until it is listed.
-func TestAdoptPublishesTheFill(t *testing.T) {
-	tier := newTier(t, Memory, "1MiB")
-	data := bytes.Repeat([]byte("fitcache"), 1000)
-	if _, err := tier.Claim("/d/a"); err != nil {
+// writeReaderFill claims sourcePath in tier and writes data into its fill file as a reader
+// does (capi/fill.c), and, with finish, the mode and times the copy of a source of mode
+// mode and modification time mtime gets. It returns the fill file's path and inode.
+func writeReaderFill(t *testing.T, tier *Tier, sourcePath string, data []byte, finish bool, mode uint32, mtime int64) (string, uint64) {
+	t.Helper()
+	if _, err := tier.Claim(sourcePath); err != nil {
 		t.Fatal(err)
 	}
-	p := filepath.Join(tier.Path, FillName("/d/a"))
-	os.WriteFile(p, data, 0o600)
+	p := filepath.Join(tier.Path, FillName(sourcePath))
+	if err := os.WriteFile(p, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if finish {
+		if err := os.Chmod(p, os.FileMode(mode)); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(p, time.Unix(0, mtime), time.Unix(0, mtime)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	var st syscall.Stat_t
-	syscall.Stat(p, &st)
-	f, err := tier.OpenFill("/d/a", st.Ino, int64(len(data)))
+	if err := syscall.Stat(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	return p, st.Ino
+}
+
+// Adopt publishes the fill file's bytes as the copy, with its checksum: the one its reader
+// reported (the copy is not read), or read from it for a reader that reported none. Its mode
+// and times are the source's, whether its reader set them or not. The fill file keeps its
+// name, so the file stays claimed, until the copy is listed; then Adopt removes it.
+func TestAdoptPublishesTheFill(t *testing.T) {
+	data := bytes.Repeat([]byte("fitcache"), 1000)
+	const mtime, mode = int64(1_700_000_000_123_456_789), 0o644
+	for _, tc := range []struct {
+		name        string
+		hasChecksum bool
+		finish      bool
+	}{
+		{"reader's checksum, mode and times", true, true},
+		{"reader's checksum only", true, false},
+		{"an older reader's fill", false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tier := newTier(t, Memory, "1MiB")
+			p, ino := writeReaderFill(t, tier, "/d/a", data, tc.finish, mode, mtime)
+			f, err := tier.OpenFill("/d/a", ino, int64(len(data)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			// An older reader's report has zeros where the checksum goes: not taken.
+			f.Checksum, f.HasChecksum = 0, tc.hasChecksum
+			if tc.hasChecksum {
+				f.Checksum = crc32c(data)
+			}
+			if err := tier.Adopt(Entry{SourcePath: "/d/a", Size: int64(len(data)), MTimeNanos: mtime, Mode: mode}, f); err != nil {
+				t.Fatal(err)
+			}
+			if !tier.Listed("/d/a") || !f.Adopted() {
+				t.Fatalf("after Adopt: listed %v, adopted %v; want both", tier.Listed("/d/a"), f.Adopted())
+			}
+			// The copy is opened (to be read, or its mode and times set) only where its
+			// reader left something to do.
+			if opened, want := f.fd >= 0, !tc.hasChecksum || !tc.finish; opened != want {
+				t.Errorf("the fill file opened by Adopt: %v, want %v", opened, want)
+			}
+			if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("the fill file after Adopt: %v, want it removed (the claim ended)", err)
+			}
+			m, err := tier.Open("/d/a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Release()
+			if !bytes.Equal(m.Bytes(), data) {
+				t.Error("the copy's bytes differ from the fill's")
+			}
+			if m.Entry.Checksum != crc32c(data) {
+				t.Errorf("checksum %08x, want %08x", m.Entry.Checksum, crc32c(data))
+			}
+			var st syscall.Stat_t
+			if err := syscall.Stat(tier.CachedPath("/d/a"), &st); err != nil {
+				t.Fatal(err)
+			}
+			if st.Mode&0o7777 != mode|0o400 || st.Mtim.Nano() != mtime || st.Nlink != 1 {
+				t.Errorf("the copy: mode %o, mtime %d, %d links; want %o, %d, 1", st.Mode&0o7777, st.Mtim.Nano(), st.Nlink, mode|0o400, mtime)
+			}
+			valid, damaged, err := Dir{Path: tier.Path, Kind: Memory}.Check()
+			if err != nil || valid != 1 || len(damaged) != 0 {
+				t.Errorf("check: %d valid, %v damaged, %v", valid, damaged, err)
+			}
+		})
+	}
+}
+
+// A reported checksum is recorded as it is, the copy not read: one that does not match the
+// bytes (a reader's bug, or bytes that changed after it computed it) is not the copy's
+// checksum, so the copy fails its check (Verify) and is removed, never served as valid.
+func TestAWrongReportedChecksumFailsTheCopysCheck(t *testing.T) {
+	dir := t.TempDir()
+	cfg := Config{Dir: dir, Kind: Disk, Budget: "1MiB"}
+	tier, err := New(cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	if err := tier.Adopt(Entry{SourcePath: "/d/a", Size: int64(len(data)), MTimeNanos: 1e18}, f); err != nil {
+	defer func() { tier.Close() }()
+	data := []byte("the bytes the reader wrote")
+	_, ino := writeReaderFill(t, tier, "/d/a", data, true, 0o600, 1)
+	f, err := tier.OpenFill("/d/a", ino, int64(len(data)))
+	if err != nil {
 		t.Fatal(err)
 	}
-	if !tier.Listed("/d/a") {
-		t.Fatal("not listed after Adopt")
+	f.Checksum, f.HasChecksum = crc32c(data)^1, true
+	err = tier.Adopt(Entry{SourcePath: "/d/a", Size: int64(len(data)), MTimeNanos: 1, Mode: 0o600}, f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, err := tier.Claim("/d/a"); !errors.Is(err, ErrClaimed) {
-		t.Errorf("claim before the fill file is removed: %v, want ErrClaimed", err)
-	}
-	tier.RemoveFill("/d/a", st.Ino)
 	m, err := tier.Open("/d/a")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Release()
-	if !bytes.Equal(m.Bytes(), data) {
-		t.Error("the copy's bytes differ from the fill's")
+	if m.Entry.Checksum != crc32c(data)^1 {
+		t.Errorf("the index's checksum is %08x, want the reported %08x (the copy read again?)", m.Entry.Checksum, crc32c(data)^1)
 	}
-	valid, damaged, err := Dir{Path: tier.Path, Kind: Memory}.Check()
-	if err != nil || valid != 1 || len(damaged) != 0 {
-		t.Errorf("check: %d valid, %v damaged, %v", valid, damaged, err)
+	m.Release()
+	valid, damaged, err := Dir{Path: dir, Kind: Disk}.Check()
+	if err != nil || valid != 0 || len(damaged) != 1 || !errors.Is(damaged[0].Err, ErrDamaged) {
+		t.Fatalf("Check: %d valid, %v damaged, %v; want the copy damaged", valid, damaged, err)
+	}
+	tier.Close()
+	cfg.Verify = true
+	if tier, err = New(cfg, nil); err != nil {
+		t.Fatal(err)
+	}
+	if tier.Listed("/d/a") {
+		t.Error("the copy is listed after a verifying start")
+	}
+	if _, err := tier.Open("/d/a"); err == nil {
+		t.Error("the copy was served after a verifying start")
 	}
 }
 
@@ -153,5 +256,38 @@ func TestAClaimIsTakenOverOnlyWhenUnlocked(t *testing.T) {
 	}
 	if state, _ := tier.ClaimStateOf("/d/x"); state != Unclaimed {
 		t.Errorf("after the take-over: state %v, want Unclaimed", state)
+	}
+}
+
+// A fill placed in another tier is copied there, checked against the checksum its reader
+// reported: a copy of other bytes is not published.
+func TestPublishFillChecksTheReportedChecksum(t *testing.T) {
+	first, next := newTier(t, Memory, "1MiB"), newTier(t, Disk, "1MiB")
+	data := []byte("the bytes the reader read")
+	for _, tc := range []struct {
+		name     string
+		checksum uint32
+		want     error
+	}{
+		{"its checksum", crc32c(data), nil},
+		{"another checksum", crc32c(data) ^ 1, ErrBadFill},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := "/d/" + tc.name
+			_, ino := writeReaderFill(t, first, src, data, true, 0o600, 1)
+			f, err := first.OpenFill(src, ino, int64(len(data)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			f.Checksum, f.HasChecksum = tc.checksum, true
+			err = next.PublishFill(Entry{SourcePath: src, Size: int64(len(data)), MTimeNanos: 1}, f)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("PublishFill: %v, want %v", err, tc.want)
+			}
+			if listed := next.Listed(src); listed != (tc.want == nil) {
+				t.Errorf("listed: %v, want %v", listed, tc.want == nil)
+			}
+		})
 	}
 }

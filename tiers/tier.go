@@ -782,7 +782,7 @@ func write(dirfd int, rel string, s stored, fill func(io.Writer) (uint32, error)
 	}
 	s.Checksum, err = fill(f)
 	if err == nil {
-		s.ino, err = finishData(f, s.MTimeNanos, s.Mode)
+		s.ino, err = finishData(int(f.Fd()), s.MTimeNanos, s.Mode)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -826,10 +826,9 @@ func writeRecord(binfd int, name string, s stored) error {
 // modification time and its permission bits to the source's (so that fstat of the cached
 // copy agrees with stat of the source; the tier directory keeps it private whatever its
 // mode) and returns its inode number.
-func finishData(f *os.File, mtimeNanos int64, mode fs.FileMode) (ino uint64, err error) {
+func finishData(fd int, mtimeNanos int64, mode fs.FileMode) (ino uint64, err error) {
 	ts := unix.NsecToTimespec(mtimeNanos)
-	fd := int(f.Fd())
-	if perm := uint32(mode.Perm()) | 0o400; mode != 0 && perm != entryMode {
+	if perm := dataPerm(mode); perm != entryMode { // created with entryMode
 		if err := unix.Fchmod(fd, perm); err != nil {
 			return 0, fmt.Errorf("set mode: %w", err)
 		}
@@ -844,6 +843,22 @@ func finishData(f *os.File, mtimeNanos int64, mode fs.FileMode) (ino uint64, err
 		return 0, err
 	}
 	return st.Ino, nil
+}
+
+// dataPerm returns the permission bits finishData gives a data file of a source with mode:
+// the source's, with read permission for its owner added; entryMode for a mode of 0.
+func dataPerm(mode fs.FileMode) uint32 {
+	if mode == 0 {
+		return entryMode
+	}
+	return uint32(mode.Perm()) | 0o400
+}
+
+// finished reports whether a data file whose status is st has the modification time and
+// permission bits finishData would give it (a reader's fill file whose reader set them:
+// capi/fill.c fc_fill_finish).
+func finished(st *unix.Stat_t, mtimeNanos int64, mode fs.FileMode) bool {
+	return st.Mtim.Nano() == mtimeNanos && uint32(st.Mode)&0o7777 == dataPerm(mode)
 }
 
 // remove deletes a cached entry and its accounting.

@@ -19,6 +19,7 @@ package clayout
 #include "fclookup_c.h"
 #include "fcnode.h"
 #include "fclimits.h"
+#include "crc32c.h" // crc32c.c, a link too, is compiled as this package's own
 
 // rel_path is static in fclookup.c: this file includes it to reach it.
 static int clayout_rel_path(const char *path, size_t len, char *rel, size_t cap) {
@@ -123,8 +124,11 @@ const (
 	NodeMaxInline  = C.FC_NODE_MAX_INLINE
 	NodeInlineNone = C.FC_NODE_INLINE_NONE
 
-	NodeOpRecord    = C.FC_NODE_OP_RECORD
-	NodeRecordBytes = C.FC_NODE_RECORD_BYTES
+	NodeOpRecord        = C.FC_NODE_OP_RECORD
+	NodeRecordBytes     = C.FC_NODE_RECORD_BYTES
+	NodeRecordModeBits  = C.FC_NODE_RECORD_MODE_BITS
+	NodeRecordHasCRC    = C.FC_NODE_RECORD_HAS_CRC
+	NodeRecordCRCOffset = C.FC_NODE_RECORD_CRC_OFFSET
 
 	OriginSource            = C.FC_ORIGIN_SOURCE
 	OriginPeer              = C.FC_ORIGIN_PEER
@@ -142,6 +146,15 @@ const (
 // OriginName is fc_origin_name: the name C code gives an origin in its diagnostics.
 func OriginName(origin uint32) string {
 	return C.GoString(C.fc_origin_name(C.uint32_t(origin)))
+}
+
+// CRC32C is fc_crc32c (capi/crc32c.c) of b following bytes whose CRC-32C is crc: the
+// hardware way where the CPU has it, or with portable the tables alone.
+func CRC32C(crc uint32, b []byte, portable bool) uint32 {
+	if portable {
+		return uint32(C.fc_crc32c_portable(C.uint32_t(crc), unsafe.Pointer(cbytes(b)), C.size_t(len(b))))
+	}
+	return uint32(C.fc_crc32c(C.uint32_t(crc), unsafe.Pointer(cbytes(b)), C.size_t(len(b))))
 }
 
 // CleanPath is fc_clean_path: the lexically cleaned form of the absolute path in, and false
