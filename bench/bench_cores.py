@@ -36,7 +36,7 @@ against the manifest. Sections (--sections, default all four):
            server's node, tiers that hold the dataset on every node ("fits") and tiers that
            hold a node's share and 10% ("share"), cold and warm epochs against plain reads of
            the source and of a /dev/shm copy in the same run (--cluster-files files, default
-           5,000; --cluster-repeats rounds; two epochs per job: one cold, one warm), for each
+           10,000; --cluster-repeats rounds; two epochs per job: one cold, one warm), for each
            way of reading of --cluster-reads (default both): "item", item by item as torch
            1.13's DataLoader reads, and "batched", a batch per __getitems__ call as PyTorch 2's
            DataLoader reads any dataset that has one (FitCacheDataset does).
@@ -105,7 +105,7 @@ THREAD_READERS = ("plain", "dataset", "client")
 QUICK = {"files": 1000, "workers": "1,2", "threads": "1,2", "repeats": 1, "cluster_workers": "2",
          "cluster_files": 500, "cluster_repeats": 1}
 DEFAULTS = {"files": 20000, "workers": "1,2,4,8,16,32,64", "threads": "1,2,4,8,16", "repeats": 3,
-            "cluster_workers": "2,8,32", "cluster_files": 5000, "cluster_repeats": None}
+            "cluster_workers": "2,8,32", "cluster_files": 10000, "cluster_repeats": None}
 CLUSTER_TIMEOUT = 3600  # seconds one bench_cluster.py run may take
 THREADS_TIMEOUT = 1800  # seconds the threads section's process may take per round
 

@@ -9,11 +9,16 @@
 #   bash scripts/wheel.sh .device && cp bench/device_sweep.sh .device/   # here; .device ignored
 #   OUT=/tmp/out bash .device/device_sweep.sh [quick]                       # there
 #
+# The run of 2026-11-28 (bench/results/cores16-intel-xeon/cores-2026-11-28-ba34d04-*):
+#   OLD_WHEEL=.device/old/fitcache-*.whl OLD_WORKERS=2,16,64 REPEATS=1 COLD_REPEATS=2 WARM_EPOCHS=2 \
+#   LWARM=230 LCOLD=110 LTHREADS=40 LCLUSTER=120 bash .device/device_sweep.sh   (379 s)
+#
 # Sizes and limits come from the environment: FILES (20000), WORKERS (1,2,4,8,16,32,64),
 # THREADS (1,2,4,8,16), CWORKERS (8), CFILES (10000), CREADS (item,batched), REPEATS (2; per
-# section WARM_REPEATS, COLD_REPEATS), LWARM, LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL
-# (.device/fitcache-*.whl), PYTHON (python3). With OLD_WHEEL, the cold section runs again
-# over that wheel (an older build, for a before/after in the same run) at OLD_WORKERS.
+# section WARM_REPEATS, COLD_REPEATS), WARM_EPOCHS (1: timed warm epochs per round), LWARM,
+# LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
+# With OLD_WHEEL, the cold section runs again over that wheel (an older build, for a
+# before/after in the same run) at OLD_WORKERS.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -44,7 +49,7 @@ section() { # name, limit in seconds, bench_cores.py arguments
     timeout -s TERM -k 20 "$limit" $py bench/bench_cores.py $size --repeats $R --out "$OUT/$name.json" "$@" 2>&1 |
         tee -a "$OUT/all.log" | grep -v '^\s*$'
 }
-section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEATS:-$R}
+section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEATS:-$R} --epochs ${WARM_EPOCHS:-1}
 section cold "${LCOLD:-100}" --sections cold --workers $W --repeats ${COLD_REPEATS:-$R}
 if [ -n "${OLD_WHEEL:-}" ]; then
     PYTHONPATH=/tmp/fcsite-old section cold-old "${LCOLD:-100}" --sections cold --workers ${OLD_WORKERS:-$W} \
