@@ -790,7 +790,7 @@ func (e *Engine) fill(f *flight, root, path string) {
 		return
 	}
 	f.inTier = true
-	f.err = e.fillFromSource(src, entry, 0)
+	f.err = e.fillWhole(claim, src, entry)
 	e.dropIfForgotten(f, path)
 	if errors.Is(f.err, ErrCacheFull) && bytesWanted && entry.Size <= uncachedReadMax {
 		// Less room than this file needs, and nothing to evict: served from memory.
@@ -837,7 +837,14 @@ func (e *Engine) finish(path string, f *flight) {
 // one of its blocks) into the fastest tier that takes them. It returns ErrTooLarge when no
 // tier takes them, so that the caller reads the source itself.
 func (e *Engine) fillFromSource(src *Source, entry tiers.Entry, off int64) error {
-	err := e.place(0, entry, content{src: src, off: off})
+	return e.placed(src, entry, e.place(0, entry, content{src: src, off: off}))
+}
+
+// placed ends a fill of entry from src whose copy's placement returned err: it counts it, and
+// returns the error the flight's readers get (nil once published; ErrTooLarge or
+// ErrCacheFull when no tier took it, so that the caller reads the source itself; the
+// source's change when it changed).
+func (e *Engine) placed(src *Source, entry tiers.Entry, err error) error {
 	if err != nil {
 		if cerr := src.Unchanged(); cerr != nil {
 			return cerr // whatever the tier made of the error it was given

@@ -207,6 +207,32 @@ func publishFill(t, from *tiers.Tier, entry tiers.Entry, f *tiers.Fill) error {
 	return t.PublishFill(entry, f)
 }
 
+// fillWhole copies the whole source file src into the tiers. A small one (under ReadNowBytes,
+// the readers' limit: capi/fclimits.h) is written into its claim's fill file, with its
+// checksum computed on the way, and placed as RecordFill places a reader's (adopted into the
+// first tier: linked into place, no second file, no second copy). The first tier's room for
+// it is reserved before a byte is written (tiers.Claim.Fill): without room there now, or
+// without a fill file (a tier that refused the claim), or for a larger file, the copy goes
+// the way fillFromSource takes it, which evicts or writes into a later tier.
+func (e *Engine) fillWhole(claim tiers.Claim, src *Source, entry tiers.Entry) error {
+	if entry.Size >= ReadNowBytes {
+		return e.fillFromSource(src, entry, 0)
+	}
+	fill, err := claim.Fill(entry, src.RangeReader(0, entry.Size))
+	if errors.Is(err, tiers.ErrNoClaimFile) || errors.Is(err, tiers.ErrNoRoom) {
+		return e.fillFromSource(src, entry, 0)
+	}
+	if err == nil {
+		e.stats.serverFills.Add(1)
+		first := e.tiers[0]
+		err = first.Adopt(entry, fill)
+		if errors.Is(err, tiers.ErrNoRoom) && len(e.tiers) > 1 { // the first tier closed meanwhile
+			err = e.place(1, entry, content{fill: fill, fillTier: first})
+		}
+	}
+	return e.placed(src, entry, err)
+}
+
 // fillRootsMax bounds the dataset roots remembered for marking (see noteFillRoot).
 const fillRootsMax = 64
 

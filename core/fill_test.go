@@ -419,3 +419,123 @@ func TestAFillCopiedToALaterTierIsChecked(t *testing.T) {
 		}
 	}
 }
+
+// The engine's fill of a small file goes the readers' way: the source is read into the
+// claim's fill file, which becomes the copy (same inode, no second file), with the checksum
+// of the bytes read from the source, and counts as a fill of the engine's own did.
+func TestEnginesFillOfASmallFileIsItsClaimsFillFile(t *testing.T) {
+	root, paths := dataset(t, 110_000)
+	e := newEngine(t, "64MiB")
+	first := e.tiers[0]
+	var fillIno uint64
+	testHookSourceRead = func(path string) { // read, before the copy is placed
+		testHookSourceRead = nil
+		var st syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(first.Path, tiers.FillName(path)), &st); err != nil {
+			t.Errorf("no fill file while the engine fills %s: %v", path, err)
+		}
+		fillIno = st.Ino
+	}
+	defer func() { testHookSourceRead = nil }()
+	if err := e.Fetch(context.Background(), root, paths[0]); err != nil {
+		t.Fatal(err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(first.CachedPath(paths[0]), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Ino != fillIno || e.stats.serverFills.Load() != 1 {
+		t.Errorf("the copy: inode %d, %d fills through the fill file; want the fill file's inode %d, 1",
+			st.Ino, e.stats.serverFills.Load(), fillIno)
+	}
+	data, err := os.ReadFile(paths[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := first.Open(paths[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	if m.Entry.Checksum != crc32.Checksum(data, castagnoli) {
+		t.Errorf("recorded checksum %08x, want the source's %08x", m.Entry.Checksum, crc32.Checksum(data, castagnoli))
+	}
+	if s := e.Stats(); s.Published != 1 || s.SourceReads != 1 || s.SourceBytes != int64(len(data)) || s.Misses != 1 {
+		t.Errorf("stats: published %d, source reads %d (%d bytes), misses %d; want 1, 1 (%d), 1",
+			s.Published, s.SourceReads, s.SourceBytes, s.Misses, len(data))
+	}
+	if state, _ := first.ClaimStateOf(paths[0]); state != tiers.Unclaimed {
+		t.Errorf("claim after the fill: %v, want Unclaimed", state)
+	}
+	if info := first.Info(); info.Writing != 0 || info.Used != tiers.EntrySize(paths[0], int64(len(data))) {
+		t.Errorf("first tier: used %d, writing %d; want %d, 0", info.Used, info.Writing, tiers.EntrySize(paths[0], int64(len(data))))
+	}
+}
+
+// A source that changes while the engine reads it into the fill file is not cached, and
+// neither the fill file nor its reservation outlives the fill.
+func TestASourceChangedDuringTheEnginesFillIsNotCached(t *testing.T) {
+	root, paths := dataset(t, 100_000)
+	e := newEngine(t, "64MiB")
+	testHookSourceRead = func(path string) {
+		testHookSourceRead = nil
+		time.Sleep(20 * time.Millisecond) // a new clock tick for the times (see TestSourceChangedDuringReadIsNotCached)
+		if err := os.WriteFile(path, make([]byte, 100_000), 0o644); err != nil {
+			t.Error(err)
+		}
+	}
+	defer func() { testHookSourceRead = nil }()
+	if err := e.Fetch(context.Background(), root, paths[0]); !errors.Is(err, ErrChanged) {
+		t.Fatalf("fetch during a rewrite: %v, want ErrChanged", err)
+	}
+	first := e.tiers[0]
+	if s := e.Stats(); s.Published != 0 || first.Listed(paths[0]) {
+		t.Errorf("%d published, listed %v; want 0, false", s.Published, first.Listed(paths[0]))
+	}
+	if info := first.Info(); info.Used != 0 || info.Writing != 0 {
+		t.Errorf("first tier after the failed fill: used %d, writing %d; want 0", info.Used, info.Writing)
+	}
+	if state, _ := first.ClaimStateOf(paths[0]); state != tiers.Unclaimed {
+		t.Errorf("claim after the failed fill: %v, want Unclaimed", state)
+	}
+}
+
+// A first tier without room for the file now takes no fill file beyond its budget: the file
+// goes the old way (here into the next tier, since the first holds only its own dataset),
+// and the first tier's budget holds throughout.
+func TestAFirstTierWithoutRoomTakesTheOldPath(t *testing.T) {
+	root, paths := dataset(t, 40_000, 40_000)
+	e := newEngine(t, "48KiB", "64MiB") // room for one file and its record in the first
+	first, budget := e.tiers[0], e.tiers[0].Info().Budget
+	over := false
+	testHookSourceRead = func(string) {
+		if info := first.Info(); info.Used > budget {
+			over = true
+		}
+	}
+	defer func() { testHookSourceRead = nil }()
+	for _, p := range paths {
+		if err := e.Fetch(context.Background(), root, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if over {
+		t.Error("the first tier's use went beyond its budget during a fill")
+	}
+	if !first.Listed(paths[0]) || !e.tiers[1].Listed(paths[1]) {
+		t.Errorf("first file in the first tier: %v, second in the next: %v; want both", first.Listed(paths[0]), e.tiers[1].Listed(paths[1]))
+	}
+	if n := e.stats.serverFills.Load(); n != 1 {
+		t.Errorf("%d fills through the fill file, want 1 (the second had no room in the first tier)", n)
+	}
+	if s := e.Stats(); s.Published != 2 || s.SourceReads != 2 {
+		t.Errorf("published %d, source reads %d; want 2, 2", s.Published, s.SourceReads)
+	}
+	if state, _ := first.ClaimStateOf(paths[1]); state != tiers.Unclaimed {
+		t.Errorf("claim after the fill: %v, want Unclaimed", state)
+	}
+	for i, p := range paths {
+		_, got := readAll(t, e, root, p)
+		wantBytes(t, paths[i], got)
+	}
+}

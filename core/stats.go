@@ -30,6 +30,7 @@ type Stats struct {
 	staleCopies   atomic.Int64 // of those, copies dropped: the source changed or is gone
 	readerFills   atomic.Int64 // files readers read from the source and this engine recorded (see RecordFill)
 	fillsRefused  atomic.Int64 // readers' fills not recorded: not what their reader said, or no room
+	serverFills   atomic.Int64 // files this engine read into their claim's fill file (see fillWhole); tests read it
 
 	mu       sync.Mutex // protects warnings
 	warnings []string   // problems the user should see (a tier skipped or moved)

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -22,8 +23,11 @@ import (
 // asks the server, which waits for the claim's holder. A reader writes the copy into the
 // fill file itself, computing its CRC-32C as it writes it, gives it the copy's mode and
 // times, and reports the checksum with the fill (nodesock.RecordHasChecksum); Adopt links
-// the file into place and records it without reading it (a Fill). The server's own fill
-// holds the fill file empty while it writes its copy as before. A reader holds an open file
+// the file into place and records it without reading it (a Fill). The server's own fill of
+// a small file goes the same way (Claim.Fill, then Adopt): it keeps its fill file open,
+// reserves the copy's room in the tier, writes the source's bytes into it with their
+// checksum, and links it into place; a larger file, or one the tier has no room for now, is
+// written as before (Publish), and the fill file only holds the claim. A reader holds an open file
 // description lock on its fill file until it has reported it (ClaimState), and the kernel
 // drops the lock when the reader dies: a claim that is neither locked nor reported is
 // abandoned, and the server takes it over (TakeAbandonedClaim). The fill file's name starts with tempPrefix: a rescan removes
@@ -53,51 +57,123 @@ func FillName(sourcePath string) string {
 }
 
 // A Claim is the right, held by this process, to read a file from the source (see Claim).
+// It keeps the claim's fill file open, so that the server can write its own copy into it
+// (Claim.Fill) as a reader does. It is not safe for concurrent use.
 type Claim struct {
-	t   *Tier
-	rel string
-	ino uint64
+	t    *Tier
+	fill *Fill // the fill file, open for reading and writing, and its bin, until Release
 }
 
 // Claim claims the file at sourcePath for a read of the source by this process. It returns
 // ErrClaimed when another process (a reader, or a fill of this server) holds it.
 func (t *Tier) Claim(sourcePath string) (Claim, error) {
 	rel := FillName(sourcePath)
-	var ino uint64
-	err := withFd(t.dirFile, func(dirfd int) error {
-		binfd, name, err := openBin(dirfd, rel, true)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(binfd)
-		fd, err := unix.Openat(binfd, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
-		if errors.Is(err, unix.EEXIST) {
-			return ErrClaimed
-		}
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil {
-			unix.Unlinkat(binfd, name, 0)
-			return err
-		}
-		ino = st.Ino
-		return nil
+	f := &Fill{binfd: -1, fd: -1}
+	err := withFd(t.dirFile, func(dirfd int) (err error) {
+		f.binfd, f.name, err = openBin(dirfd, rel, true)
+		return err
 	})
 	if err != nil {
 		return Claim{}, err
 	}
-	return Claim{t: t, rel: rel, ino: ino}, nil
+	fd, err := unix.Openat(f.binfd, f.name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, entryMode)
+	if err != nil {
+		f.Close()
+		if errors.Is(err, unix.EEXIST) {
+			return Claim{}, ErrClaimed
+		}
+		return Claim{}, err
+	}
+	f.fd = fd
+	if err := unix.Fstat(fd, &f.st); err != nil {
+		unix.Unlinkat(f.binfd, f.name, 0)
+		f.Close()
+		return Claim{}, err
+	}
+	return Claim{t: t, fill: f}, nil
 }
 
-// Release gives a claim up: its fill file is removed, unless another has taken its name
-// since (TakeAbandonedClaim). A zero Claim releases nothing.
+// Release gives a claim up: its fill file is removed, unless Adopt published it or another
+// has taken its name since (TakeAbandonedClaim), and the room Fill reserved for it is given
+// back. A zero Claim releases nothing.
 func (c Claim) Release() {
-	if c.t != nil {
-		c.t.removeFill(c.rel, c.ino)
+	f := c.fill
+	if f == nil {
+		return
 	}
+	if !f.adopted {
+		var st unix.Stat_t
+		if unix.Fstatat(f.binfd, f.name, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino == f.st.Ino {
+			unix.Unlinkat(f.binfd, f.name, 0)
+		}
+	}
+	if f.reserved > 0 {
+		c.t.unreserve(f.reserved)
+		f.reserved = 0
+	}
+	f.Close()
+}
+
+// ErrNoClaimFile reports a Fill of a zero Claim: there is no fill file to write into.
+var ErrNoClaimFile = errors.New("no fill file claimed")
+
+// Fill writes the copy of e.SourcePath into the claim's fill file, as a reader writes its
+// own (see the package comment on fills): the e.Size bytes that r gives (exactly; see
+// PublishFrom), their CRC-32C computed on the way, then the mode and times Publish gives a
+// copy. The tier's room for the copy is reserved first, as Publish reserves it, so that the
+// fill file never takes memory beyond the budget: without room now, Fill writes nothing and
+// returns ErrNoRoom (a full file system too, as Publish does). The Fill it returns is for
+// Adopt in this tier (which uses the reservation) or PublishFill in another; it belongs to
+// the claim, and Release closes it and gives back a reservation Adopt did not use.
+func (c Claim) Fill(e Entry, r io.Reader) (*Fill, error) {
+	f := c.fill
+	if f == nil {
+		return nil, ErrNoClaimFile
+	}
+	if f.reserved > 0 || f.HasChecksum {
+		return nil, fmt.Errorf("fill %s: written already", e.SourcePath)
+	}
+	n := EntrySize(filepath.Clean(e.SourcePath), e.Size)
+	if !c.t.reserve(n) {
+		return nil, ErrNoRoom
+	}
+	f.reserved = n
+	crc, err := copyExactly(fdWriter(f.fd), r, e.Size)
+	if err == nil {
+		_, err = finishData(f.fd, e.MTimeNanos, e.Mode)
+	}
+	if err == nil {
+		err = unix.Fstat(f.fd, &f.st)
+	}
+	if err != nil {
+		c.t.unreserve(n)
+		f.reserved = 0
+		if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT) {
+			c.t.noSpace()
+			return nil, fmt.Errorf("%w: %w", ErrNoRoom, err)
+		}
+		return nil, fmt.Errorf("fill %s in %s: %w", e.SourcePath, c.t.Path, err)
+	}
+	f.Checksum, f.HasChecksum = crc, true
+	return f, nil
+}
+
+// fdWriter writes to a file descriptor (io.Writer), all of each buffer.
+type fdWriter int
+
+func (w fdWriter) Write(p []byte) (int, error) {
+	n := 0
+	for n < len(p) {
+		k, err := unix.Write(int(w), p[n:])
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		n += k
+	}
+	return n, nil
 }
 
 // removeFill removes the fill file rel if it is still the file with inode ino.
@@ -208,6 +284,9 @@ type Fill struct {
 	st      unix.Stat_t // the fill file's status as OpenFill found it
 	fd      int         // the fill file, opened for reading only where needed (open), or -1
 	adopted bool        // Adopt published it and ended its claim
+	// reserved is the room of the tier that Claim.Fill reserved for the copy, which Adopt
+	// takes over: it is 0 for a reader's fill, which Adopt reserves for.
+	reserved int64
 
 	// Checksum is the CRC-32C of the bytes the reader wrote into the fill file, as it
 	// computed them while writing them, when HasChecksum: Adopt records it as the copy's
@@ -317,7 +396,9 @@ func (t *Tier) RemoveFill(sourcePath string, ino uint64) { t.removeFill(FillName
 // it cached. Then Adopt removes that name, ending the claim (Adopted); on failure the
 // caller removes the fill file (RemoveFill). It returns ErrNoRoom as Publish does.
 func (t *Tier) Adopt(e Entry, f *Fill) error {
-	err := t.publishWith(e, func(_ int, rel string, s stored) (stored, error) {
+	reserved := f.reserved
+	f.reserved = 0 // publishWith takes it over, used or given back
+	err := t.publishWith(e, reserved, func(_ int, rel string, s stored) (stored, error) {
 		var err error
 		if s.Checksum = f.Checksum; !f.HasChecksum {
 			if s.Checksum, err = checksumOf(f, e.Size); err != nil {

@@ -291,3 +291,120 @@ func TestPublishFillChecksTheReportedChecksum(t *testing.T) {
 		})
 	}
 }
+
+// The server's own fill writes the copy into its claim's fill file (Claim.Fill), with the
+// room reserved first, and Adopt links that file into place: the copy is the fill file (same
+// inode), its checksum the bytes', and the reservation becomes the copy's room.
+func TestClaimFillWritesTheCopyIntoTheFillFile(t *testing.T) {
+	data := bytes.Repeat([]byte("server's fill "), 5000)
+	const mtime, mode = int64(1_700_000_000_123_456_789), 0o640
+	e := Entry{SourcePath: "/d/a", Size: int64(len(data)), MTimeNanos: mtime, Mode: mode}
+	need := EntrySize("/d/a", e.Size)
+	tier := newTier(t, Memory, "1MiB")
+	c, err := tier.Claim("/d/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Release()
+	f, err := c.Fill(e, bytes.NewReader(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info := tier.Info(); info.Used != need || info.Writing != need {
+		t.Errorf("after Fill: used %d, writing %d; want both %d (reserved)", info.Used, info.Writing, need)
+	}
+	if !f.HasChecksum || f.Checksum != crc32c(data) {
+		t.Errorf("fill's checksum %08x (%v), want %08x", f.Checksum, f.HasChecksum, crc32c(data))
+	}
+	var fst syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(tier.Path, FillName("/d/a")), &fst); err != nil {
+		t.Fatal(err)
+	}
+	if err := tier.Adopt(e, f); err != nil {
+		t.Fatal(err)
+	}
+	if info := tier.Info(); info.Used != need || info.Writing != 0 || info.Files != 1 {
+		t.Errorf("after Adopt: used %d, writing %d, %d files; want %d, 0, 1", info.Used, info.Writing, info.Files, need)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(tier.CachedPath("/d/a"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Ino != fst.Ino || st.Mode&0o7777 != mode|0o400 || st.Mtim.Nano() != mtime || st.Nlink != 1 {
+		t.Errorf("the copy: inode %d, mode %o, mtime %d, %d links; want inode %d (the fill file's), %o, %d, 1",
+			st.Ino, st.Mode&0o7777, st.Mtim.Nano(), st.Nlink, fst.Ino, mode|0o400, mtime)
+	}
+	m, err := tier.Open("/d/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release()
+	if !bytes.Equal(m.Bytes(), data) || m.Entry.Checksum != crc32c(data) {
+		t.Errorf("the copy: bytes equal %v, checksum %08x; want true, %08x", bytes.Equal(m.Bytes(), data), m.Entry.Checksum, crc32c(data))
+	}
+	c.Release()
+	if info := tier.Info(); info.Used != need || !tier.Listed("/d/a") {
+		t.Errorf("after Release: used %d, listed %v; want %d, true", info.Used, tier.Listed("/d/a"), need)
+	}
+	if state, _ := tier.ClaimStateOf("/d/a"); state != Unclaimed {
+		t.Errorf("claim after Adopt and Release: %v, want Unclaimed", state)
+	}
+}
+
+// Claim.Fill writes nothing into a tier without room for the copy (ErrNoRoom), fails on a
+// source of another size than the entry's, and a claim released unpublished gives back its
+// reservation and removes its fill file.
+func TestClaimFillKeepsTheBudget(t *testing.T) {
+	data := bytes.Repeat([]byte{7}, 40_000)
+	e := Entry{SourcePath: "/d/a", Size: int64(len(data))}
+	tier := newTier(t, Memory, "64KiB")
+	publish(t, tier, "/d/other", bytes.Repeat([]byte{1}, 30_000)) // leaves less than the copy needs
+	used := tier.Info().Used
+	c, err := tier.Claim("/d/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Fill(e, bytes.NewReader(data)); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("Fill without room: %v, want ErrNoRoom", err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(tier.Path, FillName("/d/a")), &st); err != nil || st.Size != 0 {
+		t.Errorf("fill file after a Fill without room: %d bytes (%v), want 0", st.Size, err)
+	}
+	if got := tier.Info().Used; got != used {
+		t.Errorf("used %d after a Fill without room, want %d", got, used)
+	}
+	c.Release()
+
+	tier = newTier(t, Memory, "1MiB")
+	for _, src := range [][]byte{data[:100], append(data, 1)} {
+		c, err := tier.Claim("/d/a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Fill(e, bytes.NewReader(src)); !errors.Is(err, ErrShortSource) {
+			t.Errorf("Fill from %d bytes for %d: %v, want ErrShortSource", len(src), len(data), err)
+		}
+		c.Release()
+		if info := tier.Info(); info.Used != 0 || info.Writing != 0 {
+			t.Errorf("after a failed Fill: used %d, writing %d; want 0", info.Used, info.Writing)
+		}
+		if state, _ := tier.ClaimStateOf("/d/a"); state != Unclaimed {
+			t.Errorf("claim after Release: %v, want Unclaimed", state)
+		}
+	}
+	c, err = tier.Claim("/d/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Fill(e, bytes.NewReader(data)); err != nil {
+		t.Fatal(err)
+	}
+	c.Release() // never adopted
+	if info := tier.Info(); info.Used != 0 || info.Writing != 0 || tier.Listed("/d/a") {
+		t.Errorf("a fill released unpublished: used %d, writing %d, listed %v; want 0, 0, false", info.Used, info.Writing, tier.Listed("/d/a"))
+	}
+	if state, _ := tier.ClaimStateOf("/d/a"); state != Unclaimed {
+		t.Errorf("claim after Release: %v, want Unclaimed", state)
+	}
+}

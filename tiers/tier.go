@@ -692,27 +692,38 @@ var ErrShortSource = errors.New("source size differs from the entry's")
 // publish reserves room for e, writes it with fill (which writes the data and returns its
 // checksum), then lists it in the index and the FIFO order.
 func (t *Tier) publish(e Entry, fill func(io.Writer) (uint32, error)) error {
-	return t.publishWith(e, func(dirfd int, rel string, s stored) (stored, error) { return write(dirfd, rel, s, fill) })
+	return t.publishWith(e, 0, func(dirfd int, rel string, s stored) (stored, error) { return write(dirfd, rel, s, fill) })
 }
 
 // publishWith is publish with the entry's data file and record made by put, which returns s
 // with the data file's checksum and inode number (write, or Adopt's rename of a fill file).
-func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (stored, error)) error {
+// reserved is the room reserved for the entry already (see reserve: Claim.Fill), or 0; it is
+// taken over, kept for the entry or given back.
+func (t *Tier) publishWith(e Entry, reserved int64, put func(dirfd int, rel string, s stored) (stored, error)) error {
 	e.SourcePath = filepath.Clean(e.SourcePath)
 	rel := RelPath(e.SourcePath)
 	n := EntrySize(e.SourcePath, e.Size)
 
 	t.mu.Lock()
+	if reserved > 0 && reserved != n { // the reservation of another size: given back
+		t.used -= reserved
+		t.writing -= reserved
+		reserved = 0
+	}
 	if t.shut {
+		t.used -= reserved
+		t.writing -= reserved
 		t.mu.Unlock()
 		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, os.ErrClosed)
 	}
-	if t.used+n > t.budget {
+	if reserved == 0 && t.used+n > t.budget {
 		t.mu.Unlock()
 		return ErrNoRoom
 	}
-	t.used += n // reserved while writing
-	t.writing += n
+	if reserved == 0 {
+		t.used += n // reserved while writing
+		t.writing += n
+	}
 	seq := t.nextSeq
 	t.nextSeq++
 	t.mu.Unlock()
@@ -728,9 +739,7 @@ func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (s
 	if err != nil {
 		t.used -= n
 		if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
-			t.log.Warn("file system full: lowering budget to current use", "budget", FormatBytes(t.used))
-			t.fullCap = max(t.used, 1)
-			t.budget, t.limitedBy = t.used, "file system full"
+			t.lowerToUse()
 			return fmt.Errorf("%w: %w", ErrNoRoom, err)
 		}
 		return fmt.Errorf("publish %s in %s: %w", e.SourcePath, t.Path, err)
@@ -747,6 +756,41 @@ func (t *Tier) publishWith(e Entry, put func(dirfd int, rel string, s stored) (s
 		source: e.Identity()}).setBlock(e.SourcePath))
 	t.index(s, id)
 	return nil
+}
+
+// lowerToUse lowers the budget to what the tier holds (t.mu held): its file system is full.
+func (t *Tier) lowerToUse() {
+	t.log.Warn("file system full: lowering budget to current use", "budget", FormatBytes(t.used))
+	t.fullCap = max(t.used, 1)
+	t.budget, t.limitedBy = t.used, "file system full"
+}
+
+// noSpace is lowerToUse for a caller that does not hold t.mu.
+func (t *Tier) noSpace() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.lowerToUse()
+}
+
+// reserve reserves n bytes of the budget for a file about to be written outside publish (a
+// fill file: Claim.Fill), as publishWith reserves them, and reports whether they fit.
+func (t *Tier) reserve(n int64) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.shut || t.used+n > t.budget {
+		return false
+	}
+	t.used += n
+	t.writing += n
+	return true
+}
+
+// unreserve gives back what reserve reserved.
+func (t *Tier) unreserve(n int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.used -= n
+	t.writing -= n
 }
 
 // index lists an entry in the index (t.mu held). When the entry's bucket is full, the
