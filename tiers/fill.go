@@ -84,12 +84,7 @@ func (t *Tier) Claim(sourcePath string) (Claim, error) {
 		}
 		return Claim{}, err
 	}
-	f.fd = fd
-	if err := unix.Fstat(fd, &f.st); err != nil {
-		unix.Unlinkat(f.binfd, f.name, 0)
-		f.Close()
-		return Claim{}, err
-	}
+	f.fd, f.own = fd, true
 	return Claim{t: t, fill: f}, nil
 }
 
@@ -101,7 +96,7 @@ func (c Claim) Release() {
 	if f == nil {
 		return
 	}
-	if !f.adopted {
+	if !f.adopted && (f.st.Ino != 0 || unix.Fstat(f.fd, &f.st) == nil) {
 		var st unix.Stat_t
 		if unix.Fstatat(f.binfd, f.name, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino == f.st.Ino {
 			unix.Unlinkat(f.binfd, f.name, 0)
@@ -140,10 +135,7 @@ func (c Claim) Fill(e Entry, r io.Reader) (*Fill, error) {
 	f.reserved = n
 	crc, err := copyExactly(fdWriter(f.fd), r, e.Size)
 	if err == nil {
-		_, err = finishData(f.fd, e.MTimeNanos, e.Mode)
-	}
-	if err == nil {
-		err = unix.Fstat(f.fd, &f.st)
+		err = finishDataStat(f.fd, e.MTimeNanos, e.Mode, &f.st)
 	}
 	if err != nil {
 		c.t.unreserve(n)
@@ -287,6 +279,11 @@ type Fill struct {
 	// reserved is the room of the tier that Claim.Fill reserved for the copy, which Adopt
 	// takes over: it is 0 for a reader's fill, which Adopt reserves for.
 	reserved int64
+	// own says that this process made the fill file (Claim) and holds it open: nobody takes
+	// its name over (only the server takes a claim over, in a fill of the file, and it runs
+	// one fill of a file at a time), so Adopt does not look whether the name is still the
+	// file's.
+	own bool
 
 	// Checksum is the CRC-32C of the bytes the reader wrote into the fill file, as it
 	// computed them while writing them, when HasChecksum: Adopt records it as the copy's
@@ -414,7 +411,7 @@ func (t *Tier) Adopt(e Entry, f *Fill) error {
 			}
 		}
 		binfd, name := f.binfd, rel[strings.LastIndexByte(rel, '/')+1:]
-		if f.fd >= 0 {
+		if f.fd >= 0 && !f.own {
 			// Read or changed through a descriptor: the name must still be that file's (it
 			// was when OpenFill looked, which is all a copy not opened needs).
 			var st unix.Stat_t
@@ -443,7 +440,7 @@ func (t *Tier) Adopt(e Entry, f *Fill) error {
 	}
 	// Listed: the claim ends, if the name is still the fill's.
 	var st unix.Stat_t
-	if unix.Fstatat(f.binfd, f.name, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino == f.st.Ino {
+	if f.own || unix.Fstatat(f.binfd, f.name, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Ino == f.st.Ino {
 		unix.Unlinkat(f.binfd, f.name, 0)
 	}
 	f.adopted = true

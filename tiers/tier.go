@@ -871,22 +871,25 @@ func writeRecord(binfd int, name string, s stored) error {
 // copy agrees with stat of the source; the tier directory keeps it private whatever its
 // mode) and returns its inode number.
 func finishData(fd int, mtimeNanos int64, mode fs.FileMode) (ino uint64, err error) {
+	var st unix.Stat_t
+	err = finishDataStat(fd, mtimeNanos, mode, &st)
+	return st.Ino, err
+}
+
+// finishDataStat is finishData returning the data file's whole status in st.
+func finishDataStat(fd int, mtimeNanos int64, mode fs.FileMode, st *unix.Stat_t) error {
 	ts := unix.NsecToTimespec(mtimeNanos)
 	if perm := dataPerm(mode); perm != entryMode { // created with entryMode
 		if err := unix.Fchmod(fd, perm); err != nil {
-			return 0, fmt.Errorf("set mode: %w", err)
+			return fmt.Errorf("set mode: %w", err)
 		}
 	}
 	if err := unix.UtimesNanoAt(fd, "", []unix.Timespec{ts, ts}, unix.AT_EMPTY_PATH); err != nil {
 		if err := unix.Futimes(fd, []unix.Timeval{unix.NsecToTimeval(mtimeNanos), unix.NsecToTimeval(mtimeNanos)}); err != nil {
-			return 0, fmt.Errorf("set times: %w", err)
+			return fmt.Errorf("set times: %w", err)
 		}
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return 0, err
-	}
-	return st.Ino, nil
+	return unix.Fstat(fd, st)
 }
 
 // dataPerm returns the permission bits finishData gives a data file of a source with mode:
