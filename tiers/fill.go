@@ -138,6 +138,7 @@ func (c Claim) Fill(e Entry, r io.Reader) (*Fill, error) {
 		err = finishDataStat(f.fd, e.MTimeNanos, e.Mode, &f.st)
 	}
 	if err != nil {
+		unix.Ftruncate(f.fd, 0) // its memory goes back with its reservation; Release removes it
 		c.t.unreserve(n)
 		f.reserved = 0
 		if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT) {

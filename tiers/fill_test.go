@@ -385,6 +385,10 @@ func TestClaimFillKeepsTheBudget(t *testing.T) {
 		if _, err := c.Fill(e, bytes.NewReader(src)); !errors.Is(err, ErrShortSource) {
 			t.Errorf("Fill from %d bytes for %d: %v, want ErrShortSource", len(src), len(data), err)
 		}
+		var st syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(tier.Path, FillName("/d/a")), &st); err != nil || st.Size != 0 {
+			t.Errorf("fill file after a failed Fill: %d bytes (%v), want 0 (its reservation given back)", st.Size, err)
+		}
 		c.Release()
 		if info := tier.Info(); info.Used != 0 || info.Writing != 0 {
 			t.Errorf("after a failed Fill: used %d, writing %d; want 0", info.Used, info.Writing)
