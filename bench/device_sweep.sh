@@ -18,7 +18,8 @@
 # section WARM_REPEATS, COLD_REPEATS), WARM_EPOCHS (1: timed warm epochs per round), LWARM,
 # LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
 # With OLD_WHEEL, the cold section runs again over that wheel (an older build, for a
-# before/after in the same run) at OLD_WORKERS.
+# before/after in the same run) at OLD_WORKERS. PERF_SECTIONS (say warm,threads) runs those
+# sections under perf (see perf_start below).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -42,12 +43,37 @@ fi
 timeout 180 $py -c "import sys; sys.path.insert(0, 'bench'); import bench_scale as b
 b.generate('/var/tmp/fitcache-bench-scale', ${FILES:-20000}, 1); b.generate('/var/tmp/fitcache-bench-scale', $CF, 1)"
 echo "datasets ready at $(( $(date +%s) - t0 )) s"
+# perf of the whole machine while a section of PERF_SECTIONS runs, from the kit of
+# bench/perf_kit.sh (PERF_KIT, default .device/perf): its libraries for perf alone, never for
+# what it watches. The reports (by process and library, and by process and symbol) go to
+# $OUT/profile.txt; the recordings stay on the machine.
+kit=${PERF_KIT:-.device/perf}
+perf_start() { # section
+    case ",${PERF_SECTIONS:-}," in *",$1,"*) ;; *) return 0 ;; esac
+    [ -x "$kit/perf" ] || { echo "no perf kit at $kit" >&2; return 0; }
+    LD_LIBRARY_PATH="$kit/lib" "$kit/perf" record -a -g -F 499 -o "/tmp/perf-$1.data" >/dev/null 2>&1 &
+    perf_pid=$!
+    sleep 1
+}
+perf_stop() { # section
+    [ -n "${perf_pid:-}" ] || return 0
+    kill -INT "$perf_pid"
+    wait "$perf_pid"
+    perf_pid=
+    for sort in comm,dso comm,dso,sym; do
+        echo "== $1: perf report --sort $sort" >>"$OUT/profile.txt"
+        LD_LIBRARY_PATH="$kit/lib" "$kit/perf" report -i "/tmp/perf-$1.data" --no-children --sort $sort \
+            --stdio -g none --percent-limit 0.2 2>/dev/null | grep -v '^#' | grep -v '^$' | head -250 >>"$OUT/profile.txt"
+    done
+}
 section() { # name, limit in seconds, bench_cores.py arguments
     local name=$1 limit=$2
     shift 2
     echo "== $name (limit $limit s) at $(( $(date +%s) - t0 )) s"
+    perf_start "$name"
     timeout -s TERM -k 20 "$limit" $py bench/bench_cores.py $size --repeats $R --out "$OUT/$name.json" "$@" 2>&1 |
         tee -a "$OUT/all.log" | grep -v '^\s*$'
+    perf_stop "$name"
 }
 section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEATS:-$R} --epochs ${WARM_EPOCHS:-1}
 section cold "${LCOLD:-100}" --sections cold --workers $W --repeats ${COLD_REPEATS:-$R}
