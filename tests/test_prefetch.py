@@ -3,6 +3,7 @@ from the source once (opens counted with inotify, outside FitCache), and the rea
 follow are all hits."""
 
 import os
+import pickle
 import random
 import subprocess
 import time
@@ -62,6 +63,27 @@ def test_prefetch_in_sampler_order_reads_only_those_files(dataset, cache_options
     with pytest.raises(IndexError):
         ds.prefetch([len(ds)])
     assert ds.prefetch([]) is None
+
+
+def test_prefetch_order_is_encoded_where_the_workers_fork(dataset, cache_options):
+    """ds.prefetch(order), called in the process that forks the DataLoader's workers, encodes
+    the list there, once: every fresh worker then hands it over with no work per path."""
+    root, digests = dataset
+    ds = fitcache.FitCacheDataset(root, **cache_options)
+    order = random.Random(5).sample(range(len(ds)), len(ds))
+    ds.prefetch(order, wait=True)
+    assert not fitcache._native.loaded_here()
+    encoded, this_epoch = ds._prefetch_encoded
+    assert encoded.paths == [os.fsencode(ds.path(i)) for i in order] and this_epoch == 0
+    assert pickle.loads(pickle.dumps(encoded)).paths == encoded.paths  # spawned workers
+    with OpenCounter(root) as opens:
+        assert digest(ds[order[0]]) == digests[ds.files[order[0]]]  # opens a client: hands it over
+        stats = wait_prefetch_idle(ds)
+        assert stats["jobs"] == 1, "the reader's list did not join the one handed over first"
+        assert not opens.counts(), "files read again from the source"
+    with pytest.raises(PermissionError):
+        ds._get_client().prefetch(fitcache._native.PathList(["/etc/passwd"]))
+    ds.close()
 
 
 def test_dataset_hands_its_list_over_at_first_read(dataset, cache_options):

@@ -322,7 +322,8 @@ class FitCacheDataset(_Base):
                     raise IndexError(f"prefetch: index {i} out of range for {n} items")
                 order.append(i % n)
             self._prefetch_order = order
-            self._prefetch_encoded = None
+            # Encoded here, in the process that forks the workers, which then inherit it.
+            self._prefetch_encoded = self._encode_prefetch_list()
         self._prefetch = True
         if not wait:
             if self._client is not None and self._client_pid == os.getpid():
@@ -354,10 +355,11 @@ class FitCacheDataset(_Base):
         return paths, 0
 
     def _encode_prefetch_list(self):
-        """The prefetch list as bytes paths (a file name cannot hold a NUL byte), and how many
-        of them are read in this epoch."""
+        """The prefetch list as the native library takes it (a _native.PathList: encoded once,
+        here, for every process forked from this one), and how many of its paths are read in
+        this epoch."""
         paths, this_epoch = self._prefetch_paths()
-        return [os.fsencode(p) for p in paths], this_epoch
+        return _native.PathList(paths), this_epoch
 
     def _send_prefetch(self, client):
         """Hands the list over through client; a failure is a warning, never a failed read."""
