@@ -21,14 +21,20 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 	if b, ok := c.fromDeadTiers(c.cluster.DeadLocal(), path); ok {
 		return b, nil
 	}
+	return c.readOverRing(c.cluster, path)
+}
+
+// readOverRing reads the file at path from the servers that r's ring gives, in turn, or from
+// the source when r says so (a large file, or no live server for it under the pfs policy).
+func (c *Client) readOverRing(r *routing.Router, path string) (Buffer, error) {
 	var buf Buffer
-	err := c.cluster.Route(path, func(p *routing.Peer, rest []*routing.Peer) error {
-		b, reply, err := c.readFromPeer(p, path)
+	err := r.Route(path, func(p *routing.Peer, rest []*routing.Peer) error {
+		b, reply, err := c.readFromPeer(r, p, path)
 		if err != nil {
 			return err
 		}
 		if reply != nil && reply.Origin == core.OriginSource && len(rest) > 0 {
-			c.cluster.Replicate(rest, c.root, path, b.Bytes(), reply.Stamp)
+			r.Replicate(rest, c.root, path, b.Bytes(), reply.Stamp)
 		}
 		buf = b
 		return nil
@@ -39,9 +45,9 @@ func (c *Client) readCluster(path string) (Buffer, error) {
 	return buf, err
 }
 
-// readFromPeer reads from one server: from its tier files directly when it is on this node
-// and has the file, else over RPC. reply is nil for a local hit.
-func (c *Client) readFromPeer(p *routing.Peer, path string) (Buffer, *readReply, error) {
+// readFromPeer reads from one server of r: from its tier files directly when it is on this
+// node and has the file, else over RPC. reply is nil for a local hit.
+func (c *Client) readFromPeer(r *routing.Router, p *routing.Peer, path string) (Buffer, *readReply, error) {
 	dirs, _ := p.State()
 	if p.Local() {
 		if m, err := tiers.Probe(dirs, path); err == nil {
@@ -49,7 +55,7 @@ func (c *Client) readFromPeer(p *routing.Peer, path string) (Buffer, *readReply,
 			return m, nil, nil
 		}
 	}
-	reply, err := c.askPeer(context.Background(), p, path)
+	reply, err := c.askPeer(context.Background(), r, p, path)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -60,9 +66,9 @@ func (c *Client) readFromPeer(p *routing.Peer, path string) (Buffer, *readReply,
 	return buf, &readReply{Origin: rpc.OriginOf(reply), Stamp: rpc.StampOf(reply)}, nil
 }
 
-// askPeer asks one server for a file over RPC (see routing.Router.Ask).
-func (c *Client) askPeer(ctx context.Context, p *routing.Peer, path string) (*fitcachepb.ReadReply, error) {
-	reply, err := c.cluster.Ask(ctx, p, c.root, path, nil)
+// askPeer asks one server of r for a file over RPC (see routing.Router.Ask).
+func (c *Client) askPeer(ctx context.Context, r *routing.Router, p *routing.Peer, path string) (*fitcachepb.ReadReply, error) {
+	reply, err := r.Ask(ctx, p, c.root, path, nil)
 	if err == nil {
 		c.counts.serverReads.Add(1)
 	}

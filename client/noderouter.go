@@ -50,8 +50,12 @@ type nodeRouter struct {
 	servers []*localServer // the job's servers on this node, by address
 
 	mu        sync.Mutex    // protects downUntil and backoff
-	downUntil time.Time     // before then, misses read the source: the node's server did not answer
+	downUntil time.Time     // before then, misses go around the node's server: it did not answer
 	backoff   time.Duration // the next back-off
+
+	ringMu    sync.Mutex      // protects ring and ringRetry
+	ring      *routing.Router // the job's other servers, for reads around the node's (see overRing)
+	ringRetry time.Time       // before then, no new attempt to make ring
 }
 
 // localServer is a server of the job on the reader's node, as its hello described it.
@@ -244,14 +248,42 @@ func (r *nodeRouter) down() bool {
 	return time.Now().Before(r.downUntil)
 }
 
-// markDown makes misses read the source for a back-off that doubles while the server stays
-// unusable.
+// markDown makes misses go around the node's server (see Client.readAround) for a back-off
+// that doubles while the server stays unusable.
 func (r *nodeRouter) markDown(err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.backoff = min(max(2*r.backoff, minBackoff), maxBackoff)
 	r.downUntil = time.Now().Add(r.backoff)
-	r.log.Warn("the fitcache server of this node did not answer; reading from the source", "err", err, "retry_in", r.backoff)
+	r.log.Warn("the fitcache server of this node did not answer; reading from the job's other servers", "err", err, "retry_in", r.backoff)
+}
+
+// ringRetryAfter is how long a reader whose node's servers do not answer waits before it
+// tries again to reach the job's other servers, after no other server answered either.
+const ringRetryAfter = 10 * time.Second
+
+// overRing returns a router over the job's servers that starts with the node's servers dead,
+// for the reads that go around them while they do not answer (see Client.readAround): made at
+// the first such read, so that a reader whose node's server died (a long-lived reader: a
+// persistent DataLoader worker, a process that forks its workers) reads the other nodes'
+// files from their servers, as a reader that starts after the death does, instead of from
+// the source. nil when no other server answered (the source is read, and the router is
+// tried again after ringRetryAfter). The router keeps probing the node's servers, and
+// routes to them again over RPC once they answer.
+func (r *nodeRouter) overRing() *routing.Router {
+	r.ringMu.Lock()
+	defer r.ringMu.Unlock()
+	if r.ring != nil || time.Now().Before(r.ringRetry) {
+		return r.ring
+	}
+	ring, err := routing.New(r.cfg, r.log, r.members, r.token, routing.Options{Dead: r.ids()})
+	if err != nil {
+		r.ringRetry = time.Now().Add(ringRetryAfter)
+		r.log.Warn("no server of the job answered either; reading from the source", "err", err, "retry_in", ringRetryAfter)
+		return nil
+	}
+	r.ring = ring
+	return ring
 }
 
 // up resets the back-off after the node's server answered.
@@ -294,6 +326,12 @@ func (r *nodeRouter) stats() map[string]json.RawMessage {
 // be closed with.
 func (r *nodeRouter) close() error {
 	var errs []error
+	r.ringMu.Lock()
+	if r.ring != nil {
+		errs = append(errs, r.ring.Close())
+	}
+	r.ring, r.ringRetry = nil, time.Now().Add(ringRetryAfter) // the client is closing: no new router
+	r.ringMu.Unlock()
 	for _, s := range r.servers {
 		if err := s.rpc.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("connection to %s: %w", s.id, err))
@@ -343,11 +381,14 @@ func (c *Client) readNode(path string, mapTiers bool) (Buffer, error) {
 
 // readAround serves a read that the node's server does not answer: from its tiers when
 // they hold the file as it is now at the source (the reader checks it itself, see
-// deadTiers), else from the source. Copies that the reader's session allows were looked for
-// already.
+// deadTiers), else from the job's other servers over the ring (see nodeRouter.overRing), else
+// from the source. Copies that the reader's session allows were looked for already.
 func (c *Client) readAround(path string) (Buffer, error) {
 	if b, ok := c.fromDeadTiers(c.node.ids(), path); ok {
 		return b, nil
+	}
+	if r := c.node.overRing(); r != nil {
+		return c.readOverRing(r, path)
 	}
 	return c.readDirect(path)
 }

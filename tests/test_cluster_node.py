@@ -101,6 +101,26 @@ def test_a_killed_owners_files_come_from_the_nodes_copies(node_cluster, dataset)
         f"{ {k: n for k, n in counts.items() if n != 1} }")
 
 
+def test_a_reader_whose_nodes_server_died_reads_from_the_other_servers(node_cluster, dataset):
+    """A reader that lives on after its node's server died (a persistent DataLoader worker, a
+    process that forks its workers) reads the other nodes' files from their servers, as a
+    reader that starts after the death does: the files are read twice, and each is opened
+    at the source once (by its owner, or the killed server's files by their new owners)."""
+    root, digests = dataset
+    names = sorted(digests)
+    with fitcache.Client(root, **node_cluster.options()) as c:
+        node_cluster.kill(node_cluster.addrs[0])  # before any read: its tier holds nothing
+        with OpenCounter(root) as opens:
+            for _ in range(2):
+                for name in names:
+                    assert digest(c.read(name)) == digests[name]
+            counts = opens.counts()
+        direct = c.stats()["client"]["direct_reads"]
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    assert direct == 0, f"{direct} reads from the source by the reader itself"
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_fresh_workers_read_the_tiers_of_their_nodes_killed_server(node_cluster, dataset, tmp_path, prefetch):
     """The reader's own node server killed between two epochs: the next epoch's DataLoader
