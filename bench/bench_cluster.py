@@ -554,8 +554,8 @@ class Run:
         cluster, job = self.cluster(d["src"], budget)
         servers = [p.pid for p in cluster.procs.values()]
         agents, hosts = self.readers(placement)
-        options = [{**cluster.options(node=h), "job": job, "runtime_dir": os.path.join(self.work, "run")}
-                   for h in hosts]
+        options = [{**cluster.options(node=h), "job": job, "runtime_dir": os.path.join(self.work, "run"),
+                    **self.args.dataset_options} for h in hosts]
         key = f"{placement}/{budget}"
         try:
             with OpenCounter(d["src"]) as opens:
@@ -859,6 +859,9 @@ def main():
                     help="port of the plain-TCP senders on each node (iperf3 uses the next): runs at once need their own")
     ap.add_argument("--batched", action="store_true",
                     help="read each batch with one __getitems__ call (as PyTorch 2's DataLoader does), not item by item")
+    ap.add_argument("--open-before-fork", choices=["default", "off"], default="default",
+                    help="FitCacheDataset's open_before_fork: its default, or off (each fresh worker opens "
+                         "a client of its own, as before the stand-in node socket)")
     ap.add_argument("--epochs", type=int, default=3, help="epochs per job: 1 cold, the rest warm (at least 2)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians over rounds")
     ap.add_argument("--out", help="JSON results (default bench/results/cluster-<date>.json)")
@@ -875,6 +878,7 @@ def main():
         return Agent(args.seed, args.batch_size).serve()
     if args.epochs < 2:
         ap.error("--epochs must be at least 2 (one cold, then warm)")
+    args.dataset_options = {"open_before_fork": False} if args.open_before_fork == "off" else {}
     args.variants = [v for v in args.variants.split(",") if v]
     args.placements = [p for p in args.placements.split(",") if p]
     if set(args.variants) - {"loopback", "netns"} or set(args.placements) - set(PLACEMENTS):

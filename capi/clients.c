@@ -188,6 +188,7 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	c->real_root_fd = (int)syscall(SYS_openat2, AT_FDCWD, real_root, &how_root, sizeof how_root); // -1: Go reads
 	if (strlen(node_socket) < sizeof c->node_socket)
 		strcpy(c->node_socket, node_socket);
+	c->node_path = c->node_socket;
 	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
 	c->node_opens = node_opens;
 	c->node_down_until = INT64_MAX; // until the Go client reports its server up
@@ -319,6 +320,28 @@ int64_t fcHitFilled(int64_t handle) {
 	int64_t n = c ? __atomic_load_n(&c->filled, __ATOMIC_RELAXED) : 0;
 	put(c);
 	return n;
+}
+
+int fcHitUseStandIn(int64_t handle, const char *path) {
+	struct hit_client *c = acquire(handle);
+	int rc = -1;
+	if (!c)
+		goto out;
+	pthread_mutex_lock(&c->node_mu); // no miss of this process is on the kept connection
+	if (path && !c->standin_socket[0] && strlen(path) < sizeof c->standin_socket)
+		strcpy(c->standin_socket, path); // before it is published, never changed after
+	if (!path || (c->standin_socket[0] && strcmp(path, c->standin_socket) == 0)) {
+		__atomic_store_n(&c->node_path, path ? c->standin_socket : c->node_socket, __ATOMIC_RELEASE);
+		if (c->node_fd >= 0) // a connection to the other socket
+			close(c->node_fd);
+		c->node_fd = -1;
+		__atomic_store_n(&c->node_down_until, 0, __ATOMIC_RELAXED);
+		rc = 0;
+	}
+	pthread_mutex_unlock(&c->node_mu);
+out:
+	put(c);
+	return rc;
 }
 
 void fcHitServerState(int64_t handle, bool up, int64_t ms) {

@@ -88,8 +88,11 @@ int fc_size(int64_t handle, const char *path, int64_t *size);
 /* Makes sure the client's server answers: asks it, and restarts an embedded server that died,
  * as a read would (one backing off after a failure is left alone). A process that forks
  * readers calls it before each fork, so that they, which cannot restart it (no Go after
- * fork), find it running. Returns 0, or a negated errno (-ECHILD in a process forked after
- * load). */
+ * fork), find it running. In cluster mode, when no server of the job on this node answers
+ * (a node without one, or one whose servers died), this process starts serving a node socket
+ * of its own (a stand-in, until the client closes) through which the readers it forks next
+ * read as its client reads: the other nodes' files from their servers. Returns 0, or a
+ * negated errno (-ECHILD in a process forked after load). */
 int fc_check_server(int64_t handle);
 
 /* Writes the client's and its server's counters as a NUL-terminated JSON object into buf.

@@ -84,6 +84,11 @@ struct hit_client {
 	                             // to be a directory reached through no link: sources are opened
 	                             // beneath it, so a root swapped for a link later leads nowhere
 	char node_socket[sizeof(((struct sockaddr_un *)0)->sun_path)]; // "" for none
+	// standin_socket: the node socket that the process that opened the client serves while
+	// the node's servers are dead (fcHitUseStandIn), written once; node_path points at the one
+	// misses go to, node_socket or standin_socket (atomic; read it with node_path()).
+	char standin_socket[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	const char *node_path;
 	int64_t timeout_ms;
 	int64_t node_down_until; // CLOCK_MONOTONIC ns before which the node socket is skipped (atomic):
 	                         // set by fcHitServerState, and for a while after a timeout
@@ -222,6 +227,11 @@ int read_source(struct hit_client *c, const char *clean, size_t n, const void **
 
 /* nodesock.c */
 bool node_up(const struct hit_client *c);
+// node_path returns the node socket c's misses go to ("" for none): its node's server's, or
+// the stand-in of fcHitUseStandIn.
+static inline const char *node_path(const struct hit_client *c) {
+	return __atomic_load_n(&c->node_path, __ATOMIC_ACQUIRE);
+}
 int node_take(struct hit_client *c, int *kept);
 void node_give(struct hit_client *c, int fd, int kept);
 int node_connect(const char *socket_path, int64_t timeout_ms);

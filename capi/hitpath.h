@@ -127,6 +127,11 @@ int fcHitAddTier(int64_t handle, const char *dir, int kind, uint32_t session);
  * answer). Misses use the node socket only while the client is up: a server that holds its
  * lock but is stopped still accepts connections, and would make every miss wait. */
 void fcHitServerState(int64_t handle, bool up, int64_t ms);
+/* Sends the misses of a handle to the node socket at path, which the process that opened it
+ * serves while its node's servers are dead (client.StandIn), and back to the node's server's
+ * with NULL; processes forked later inherit the choice. A handle has one stand-in: the first
+ * path given. Returns 0, or -1 for an unknown handle or another path. */
+int fcHitUseStandIn(int64_t handle, const char *path);
 /* Number of tiers the hit path has for a handle. */
 int fcHitTiers(int64_t handle);
 /* Forgets a client handle, closing its tiers once the reads and misses in progress on it have

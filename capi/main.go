@@ -488,6 +488,20 @@ func goCheckServer(handle C.int64_t) (rc C.int) {
 	if C.fcHitTiers(handle) == 0 {
 		addHitTiers(int64(handle), c)
 	}
+	// In cluster mode, the processes forked next ask the node's server for what the tiers do
+	// not hold while one answers, else the client's stand-in (client/standin.go).
+	socket, inCluster, err := c.ForkedReaders()
+	switch {
+	case err != nil:
+		log.Warn("no fitcache server of this node answers, and no stand-in: readers forked from this process "+
+			"read the source for what the tiers do not hold", "err", err)
+	case inCluster && socket == "":
+		C.fcHitUseStandIn(handle, nil)
+	case inCluster:
+		path := C.CString(socket)
+		defer C.free(unsafe.Pointer(path))
+		C.fcHitUseStandIn(handle, path)
+	}
 	return 0
 }
 

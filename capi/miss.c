@@ -165,23 +165,29 @@ static int ask_node(struct hit_client *c, const char *clean, size_t n, bool alon
 	return rc;
 }
 
+// around_node serves, in a process forked after load (which cannot enter Go), a miss of the
+// clean path clean (n bytes) of c that the node's server did not serve (rc: FC_MISS, or
+// FC_UNAVAILABLE when none listened or it did not answer): from a copy the tiers hold once
+// the source shows the copy's version (read_checked), as Go's reader does, else, when the
+// server did not answer, from the source. Returns as hit_miss.
+static int around_node(struct hit_client *c, const char *clean, size_t n, int rc, const void **data,
+                       int64_t *size, int64_t *buffer) {
+	int checked = read_checked(c, clean, n, data, size, buffer);
+	if (checked != FC_MISS)
+		return checked;
+	return rc == FC_UNAVAILABLE ? read_source(c, clean, n, data, size, buffer) : rc;
+}
+
 // decide serves a miss of the clean path clean (n bytes) of c: the reader's own fill, else
-// the node's server. In a process forked after load, which cannot enter Go, what the server
-// cannot serve (none listening, or no answer) is served from a copy the tiers hold once the
-// source shows the copy's version (read_checked), as Go's reader does, and, when the server
-// did not answer, from the source. Returns as hit_miss.
+// the node's server, else, in a process forked after load, around it (around_node).
+// Returns as hit_miss.
 static int decide(struct hit_client *c, const char *clean, size_t n, bool forked, const void **data,
                   int64_t *size, int64_t *buffer, char *msg) {
 	int rc = fill_read(c, clean, n, data, size, buffer);
 	if (rc == FC_MISS)
-		rc = ask_node(c, clean, n, forked, data, size, buffer, msg);
-	if (forked && (rc == FC_MISS || rc == FC_UNAVAILABLE)) {
-		int checked = read_checked(c, clean, n, data, size, buffer);
-		if (checked != FC_MISS)
-			rc = checked;
-		else if (rc == FC_UNAVAILABLE)
-			rc = read_source(c, clean, n, data, size, buffer);
-	}
+		rc = ask_node(c, clean, n, false, data, size, buffer, msg);
+	if (forked && (rc == FC_MISS || rc == FC_UNAVAILABLE))
+		rc = around_node(c, clean, n, rc, data, size, buffer);
 	return rc;
 }
 
@@ -238,13 +244,17 @@ int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss
 	*unavailable = false;
 	int saved = errno; // as hit_miss
 	struct hit_client *c = acquire(handle);
+	// A server that opens files for its clients (cluster mode) is asked for a batch's misses
+	// at once, also by a process forked after load (DataLoader workers forked from the process
+	// that opened the client), which then serves what it did not around it.
+	bool batches = c && c->node_opens;
 	int left = 0;
 	for (int j = 0; j < nmiss; j++) {
 		int i = miss[j], rc = FC_MISS, n;
 		char clean[FC_PATH_MAX];
 		if (c && (n = source_path(c, paths[i], clean, sizeof clean)) >= 0)
-			rc = forked ? decide(c, clean, (size_t)n, true, &data[i], &sizes[i], &buffers[i], msg)
-			            : fill_read(c, clean, (size_t)n, &data[i], &sizes[i], &buffers[i]);
+			rc = forked && !batches ? decide(c, clean, (size_t)n, true, &data[i], &sizes[i], &buffers[i], msg)
+			                        : fill_read(c, clean, (size_t)n, &data[i], &sizes[i], &buffers[i]);
 		if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
 			data[i] = NULL; sizes[i] = 0; buffers[i] = 0; results[i] = -EIO;
 			miss[left++] = i;
@@ -252,8 +262,25 @@ int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss
 		}
 		results[i] = rc;
 	}
-	if (c && !forked && left > 0 && c->node_opens && c->node_socket[0])
+	if (batches && left > 0 && node_path(c)[0])
 		left = open_in_batches(c, paths, miss, left, data, sizes, buffers, results, unavailable, msg);
+	if (batches && forked && left > 0) {
+		int around = 0;
+		for (int j = 0; j < left; j++) {
+			int i = miss[j], rc = FC_MISS, n;
+			char clean[FC_PATH_MAX];
+			if ((n = source_path(c, paths[i], clean, sizeof clean)) >= 0)
+				rc = around_node(c, clean, (size_t)n, *unavailable ? FC_UNAVAILABLE : FC_MISS, &data[i], &sizes[i],
+				                 &buffers[i]);
+			if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
+				data[i] = NULL; sizes[i] = 0; buffers[i] = 0; results[i] = -EIO;
+				miss[around++] = i;
+				continue;
+			}
+			results[i] = rc;
+		}
+		left = around;
+	}
 	put(c);
 	errno = saved;
 	return left;

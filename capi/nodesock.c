@@ -23,7 +23,7 @@ int node_connect(const char *socket_path, int64_t timeout_ms) {
 
 // node_up reports whether c has a node socket that is not being skipped (node_down_until).
 bool node_up(const struct hit_client *c) {
-	return c->node_socket[0] && fc_monotonic_ns() >= __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED);
+	return node_path(c)[0] && fc_monotonic_ns() >= __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED);
 }
 
 // node_take returns the connection to the node socket that c keeps for this process's misses
@@ -88,7 +88,7 @@ int node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len) {
 	int kept, fd = node_take(c, &kept), sent = 0, timed_out = 0;
 	// A kept connection the server closed (idle) fails: once more on a new one.
 	for (int attempt = 0; attempt < 2 && !sent && !timed_out; attempt++) {
-		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0) {
+		if (fd < 0 && (fd = node_connect(node_path(c), c->timeout_ms)) < 0) {
 			timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
 			break;
 		}
@@ -128,7 +128,7 @@ int node_fetch(struct hit_client *c, uint32_t op, const char *name, size_t len, 
 	int32_t err = 0;
 	int asked = -1, timed_out = 0, canceled = 0;
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out && !canceled; attempt++) {
-		if (fd < 0 && (fd = node_connect(c->node_socket, c->timeout_ms)) < 0)
+		if (fd < 0 && (fd = node_connect(node_path(c), c->timeout_ms)) < 0)
 			break; // no server listening: Go starts one
 		asked = node_ask(fd, op, c->root, c->rootlen, name, len, c->timeout_ms, closing(c), &err, msg);
 		if (asked != 0) {
@@ -165,7 +165,7 @@ int node_open_read(struct hit_client *c, const char *clean, size_t n, const void
                    int64_t *buffer) {
 	int saved = errno;
 	int rc = FC_MISS, sock = -1, fd = -1;
-	if (!c->node_socket[0])
+	if (!node_path(c)[0])
 		goto out;
 	// On the connection kept for this process's misses, as node_fetch asks (a connection per
 	// open cost the server an accepted connection and a new goroutine per file, and the
@@ -175,7 +175,7 @@ int node_open_read(struct hit_client *c, const char *clean, size_t n, const void
 	uint32_t origin; // whatever the descriptor holds, its bytes are the file's
 	sock = node_take(c, &kept);
 	for (int attempt = 0; attempt < 2 && asked != 0 && !timed_out && !canceled; attempt++) {
-		if (sock < 0 && (sock = node_connect(c->node_socket, c->timeout_ms)) < 0)
+		if (sock < 0 && (sock = node_connect(node_path(c), c->timeout_ms)) < 0)
 			break;
 		asked = fc_node_request(sock, FC_NODE_OP_OPEN, c->root, c->rootlen, clean, n, c->timeout_ms,
 		                        closing(c)) == 0 &&

@@ -92,7 +92,7 @@ static int open_batch(struct hit_client *c, int *sock, const char *list, size_t 
 	int sent = -1, err = 0, rc = 0, j = 0;
 	for (int attempt = 0; attempt < 2 && sent != 0; attempt++) {
 		int fresh = *sock < 0, acked = 0;
-		if (*sock < 0 && (*sock = node_connect(c->node_socket, c->timeout_ms)) < 0) {
+		if (*sock < 0 && (*sock = node_connect(node_path(c), c->timeout_ms)) < 0) {
 			err = errno;
 			break;
 		}
@@ -163,7 +163,7 @@ int node_open_many(struct hit_client *c, const char *const *paths, const int *id
 	// The paths of a request, each clean, under the root and followed by a NUL byte.
 	size_t cap = (size_t)(n < FC_NODE_MAX_BATCH ? n : FC_NODE_MAX_BATCH) * (FC_PATH_MAX + 1);
 	char *list = NULL;
-	if (!c->node_opens || !c->node_socket[0] || now < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
+	if (!c->node_opens || !node_path(c)[0] || now < __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED) ||
 	    now < __atomic_load_n(&c->batch_off_until, __ATOMIC_RELAXED) || !(list = malloc(cap))) {
 		errno = saved;
 		return n;

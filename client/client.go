@@ -101,6 +101,10 @@ type Client struct {
 	// in progress (each bounded by the read timeout) before it frees what they use.
 	life sync.RWMutex
 
+	// standIn serves readers forked from this process when no server of the node answers
+	// (see standin.go).
+	standIn standIn
+
 	mu        sync.Mutex    // protects conn, downUntil, backoff and attempt; never held while waiting
 	conn      *serverConn   // the embedded server, or nil while not connected
 	downUntil time.Time     // before then, read the source directly
@@ -543,6 +547,11 @@ func (c *Client) Close() error {
 	if attempt != nil {
 		<-attempt.done
 	}
+	var errs []error // what Close could not release cleanly (as bbolt's DB.Close joins them)
+	// The stand-in's reads hold life: it is stopped before life is taken.
+	if err := c.standIn.close(); err != nil {
+		errs = append(errs, fmt.Errorf("stand-in node socket: %w", err))
+	}
 	c.life.Lock() // no read is in progress from here on
 	defer c.life.Unlock()
 	c.brings.stop() // no read asks for a block any more; each ask under way ends at once
@@ -550,7 +559,6 @@ func (c *Client) Close() error {
 	conn := c.conn
 	c.conn = nil
 	c.mu.Unlock()
-	var errs []error // what Close could not release cleanly (as bbolt's DB.Close joins them)
 	if conn != nil {
 		if err := conn.rpc.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("connection to the server: %w", err))

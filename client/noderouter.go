@@ -286,6 +286,26 @@ func (r *nodeRouter) overRing() *routing.Router {
 	return ring
 }
 
+// answering reports whether a server of the node answers a hello within
+// nodesock.ProbeTimeout (they are asked at once).
+func (r *nodeRouter) answering() bool {
+	ctx, cancel := context.WithTimeout(context.Background(), nodesock.ProbeTimeout)
+	defer cancel()
+	answers := make(chan bool, len(r.servers))
+	for _, s := range r.servers {
+		go func() {
+			_, err := s.rpc.Hello(ctx)
+			answers <- err == nil
+		}()
+	}
+	for range r.servers {
+		if <-answers {
+			return true
+		}
+	}
+	return false
+}
+
 // up resets the back-off after the node's server answered.
 func (r *nodeRouter) up() {
 	r.mu.Lock()

@@ -189,22 +189,30 @@ func (s *Server) openMany(ctx context.Context, root string, paths []string) []Op
 		}
 		return res
 	}
-	next := make(chan int, len(paths))
-	for i := range paths {
+	Each(len(paths), openManyWorkers, func(i int) {
+		f, origin, err := s.cfg.Open(ctx, root, paths[i])
+		res[i] = Opened{File: f, Origin: origin, Err: err}
+	})
+	return res
+}
+
+// Each calls f(i) for every i in [0, n), at most workers at a time, and returns when all have
+// returned: how the files of a batch are opened at once.
+func Each(n, workers int, f func(i int)) {
+	next := make(chan int, n) // filled up front: a worker that stops early blocks no one
+	for i := range n {
 		next <- i
 	}
 	close(next)
 	var wg sync.WaitGroup
-	for range min(len(paths), openManyWorkers) {
+	for range min(n, workers) {
 		wg.Go(func() {
 			for i := range next {
-				f, origin, err := s.cfg.Open(ctx, root, paths[i])
-				res[i] = Opened{File: f, Origin: origin, Err: err}
+				f(i)
 			}
 		})
 	}
 	wg.Wait()
-	return res
 }
 
 // errnoOf returns the errno and message a reply carries for err: 0 and none for nil, EIO for

@@ -6,21 +6,19 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sync/singleflight"
-	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/discovery"
+	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/routing"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
@@ -276,7 +274,7 @@ func (c *rootReader) openFromPeer(ctx context.Context, p *routing.Peer, rest []*
 			}
 		}
 	}
-	f, err := memFile(path, data, reply.MtimeNanos)
+	f, err := nodesock.MemFile(path, data, reply.MtimeNanos)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -429,51 +427,6 @@ func (c *rootReader) openSource(path string) (*os.File, core.Origin, error) {
 		return nil, 0, err
 	}
 	return f, core.OriginSource, nil
-}
-
-// memfdName bounds the name of a memory file (the kernel takes 249 bytes).
-const memfdName = 200
-
-// memFile returns a memory file (memfd) holding data, named after path (a reader sees
-// /memfd:fitcache:NAME in /proc/self/fd), read-only to everyone it is handed to: it is
-// sealed against writes and size changes, and its mode is 0444. Its modification time is
-// the source's when known, so that fstat agrees with the source on size and time. Closing
-// the last descriptor frees it.
-func memFile(path string, data []byte, mtimeNanos int64) (*os.File, error) {
-	name := "fitcache:" + filepath.Base(path)
-	if len(name) > memfdName {
-		name = name[:memfdName]
-	}
-	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
-	if err != nil {
-		return nil, fmt.Errorf("memory file for %s: %w", path, err)
-	}
-	f := os.NewFile(uintptr(fd), "memfd:"+name)
-	if err := fillMemFile(f, data, mtimeNanos); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("memory file for %s: %w", path, err)
-	}
-	return f, nil
-}
-
-func fillMemFile(f *os.File, data []byte, mtimeNanos int64) error {
-	fd := int(f.Fd())
-	if _, err := f.Write(data); err != nil {
-		return err
-	}
-	if err := unix.Fchmod(fd, 0o444); err != nil {
-		return err
-	}
-	if mtimeNanos != 0 {
-		ts := unix.NsecToTimespec(mtimeNanos)
-		unix.UtimesNanoAt(fd, "", []unix.Timespec{ts, ts}, unix.AT_EMPTY_PATH) // best effort
-	}
-	seals := unix.F_SEAL_SEAL | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
-		return err
-	}
-	_, err := f.Seek(0, io.SeekStart) // the reader shares the offset: it starts at 0
-	return err
 }
 
 // forget drops the cached copies of the file at path (absolute, or relative to the root)
@@ -710,7 +663,7 @@ func (c *rootReader) openReplied(ctx context.Context, path string, r *fitcachepb
 		}
 		return opened{Data: r.Data, Origin: core.OriginPeer}
 	}
-	f, err := memFile(path, r.Data, r.MtimeNanos)
+	f, err := nodesock.MemFile(path, r.Data, r.MtimeNanos)
 	if err != nil {
 		return opened{Err: err}
 	}

@@ -48,8 +48,9 @@ def node_cluster(request, dataset, tmp_path):
     return c
 
 
-def epoch(ds, context):
-    loader = DataLoader(Indexed(ds), batch_size=None, num_workers=2, multiprocessing_context=context)
+def epoch(ds, context, indices=None):
+    loader = DataLoader(Indexed(ds), batch_size=None, num_workers=2, multiprocessing_context=context,
+                        sampler=indices)
     return {ds.files[i]: d for i, d in loader}
 
 
@@ -131,7 +132,7 @@ def test_fresh_workers_read_the_tiers_of_their_nodes_killed_server(node_cluster,
     workers hand over does not make the new owners read those files ahead either."""
     root, digests = dataset
     opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
-    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=prefetch, **opts)
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=prefetch, open_before_fork=False, **opts)
     assert epoch(ds, "fork") == digests
     victim = node_cluster.addrs[0]
     node_cluster.kill(victim)
@@ -147,18 +148,23 @@ def test_fresh_workers_read_the_tiers_of_their_nodes_killed_server(node_cluster,
 
 def test_workers_forked_after_load_read_the_tiers_of_their_nodes_killed_server(node_cluster, dataset, tmp_path):
     """As above, with the main process loading the library after the kill (it reads an item)
-    before the DataLoader forks its workers, which cannot enter Go: their hit path serves the
-    killed server's copies once a stat of the source shows the version each copy holds. A
-    file rewritten in place after the kill (same size, its modification time put back) is
-    read anew, not served stale."""
+    before the DataLoader forks its workers, which cannot enter Go: they read through the
+    main process's stand-in node socket, which serves the killed server's copies once a stat
+    of the source shows the version each copy holds. A file the killed server owned,
+    rewritten in place after the kill (same size, its modification time put back), is read
+    anew, not served stale. (A file a live server holds is served as that server checked it
+    for the job: a file changed while the job runs is not noticed, see the README.)"""
     root, digests = dataset
     opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
+    before = fitcache.FitCacheDataset(root, Digest(), prefetch=False, open_before_fork=False, **opts)
+    assert epoch(before, "fork") == digests  # this process does not load the library
     ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
-    assert epoch(ds, "fork") == digests
     victim = node_cluster.addrs[0]
     node_cluster.kill(victim)
     held = cached_names(node_cluster, victim)
-    changed = next(k for k in sorted(digests) if os.path.basename(k) in held and os.path.getsize(os.path.join(root, k)) > 0)
+    others = set().union(*(cached_names(node_cluster, a) for a in node_cluster.addrs[1:]))
+    changed = next(k for k in sorted(digests) if os.path.basename(k) in held - others
+                   and os.path.getsize(os.path.join(root, k)) > 0)
     path = os.path.join(root, changed)
     st = os.stat(path)
     with open(path, "r+b") as f:
@@ -174,6 +180,54 @@ def test_workers_forked_after_load_read_the_tiers_of_their_nodes_killed_server(n
     again = sorted(k for k in counts if os.path.basename(k) in held and k != changed)
     assert not again, (f"{len(again)} of the {len(held)} files the killed server held were read from the source "
                        f"again, though its tier kept them: {again}")
+
+
+def test_workers_forked_after_their_nodes_server_died_read_through_the_stand_in(node_cluster, dataset, tmp_path):
+    """The default: the main process opens its client before the DataLoader's first fork, and
+    its workers read through the node's server. That server killed between two epochs, the
+    main process finds before the next fork that no server of its node answers and serves
+    the workers a node socket of its own: they read the other nodes' files from their
+    servers (which cache them), not from the source. The first epoch reads half the files, so
+    that the node's tier does not hold the others: after the kill, each of those is read from
+    the source once (by its owner) over two epochs, and every byte is right."""
+    root, digests = dataset
+    opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
+    half = list(range(0, len(ds), 2))
+    assert epoch(ds, "fork", half) == {ds.files[i]: digests[ds.files[i]] for i in half}
+    assert fitcache._native.loaded_here(), "the client was not opened before the fork"
+    node_cluster.kill(node_cluster.addrs[0])
+    before = ds.stats()["client"]
+    with OpenCounter(root) as opens:
+        for e in range(2):
+            assert epoch(ds, "fork") == digests, f"epoch {e} after the kill: wrong bytes"
+        counts = opens.counts()
+    unread = {ds.files[i] for i in range(len(ds)) if i % 2}
+    again = {k: n for k, n in counts.items() if n != 1 or k not in unread}
+    assert set(counts) == unread and not again, f"source opens after the kill: {again or sorted(counts)}"
+    served = ds.stats()["client"]["server_reads"] - before["server_reads"]
+    assert served >= len(unread), f"the workers did not read through this process's stand-in: {served} reads"
+    assert any(n.startswith("standin-") for n in os.listdir(tmp_path / "run")), "no stand-in socket"
+    ds.close()
+    assert not any(n.startswith("standin-") for n in os.listdir(tmp_path / "run")), "the stand-in outlived its client"
+
+
+def test_workers_forked_on_a_node_without_a_server_read_through_the_stand_in(node_cluster, dataset, tmp_path):
+    """A reader on a node that runs no server of the job (a login node): its main process
+    opens the client (the direct path, over the ring) before the DataLoader's first fork and
+    serves its workers a node socket of its own, through which they read from the servers:
+    every byte right, each file read from the source once for the job."""
+    root, digests = dataset
+    opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), node="login-node")
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
+    with OpenCounter(root) as opens:
+        for e in range(2):
+            assert epoch(ds, "fork") == digests, f"epoch {e}: wrong bytes"
+        counts = opens.counts()
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    assert ds.stats()["client"]["server_reads"] >= 2 * len(digests), "the workers did not read through the stand-in"
+    ds.close()
 
 
 def test_a_batchs_misses_are_read_without_go(node_cluster, dataset):

@@ -372,7 +372,10 @@ class Client:
 
     def check_server(self) -> None:
         """Makes sure the server answers, restarting an embedded server that died (see
-        fc_check_server): processes forked from this one cannot restart it themselves."""
+        fc_check_server): processes forked from this one cannot restart it themselves. In
+        cluster mode, when no server of the job on this node answers, this process serves the
+        processes it forks next a node socket of its own (a stand-in), which reads for them as
+        this client reads."""
         rc = self._lib.fc_check_server(self._checked())
         if rc < 0:
             _raise(self._lib, rc)

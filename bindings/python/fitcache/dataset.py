@@ -99,13 +99,14 @@ class FitCacheDataset(_Base):
     ``read_timeout``, ...; see the README) take precedence over FITCACHE_* variables.
 
     Workers forked from the process that made the dataset (the DataLoader's default on
-    Linux, fresh workers every epoch) share its client: with ``open_before_fork`` (the default
-    with the embedded server), the first fork of that process opens the client there first.
-    A forked worker then reads with no library of its own to load: hits, its own fills of
-    misses and the server's answers are all C (see the README, Many cores). Loading the
-    library and opening a client cost each fresh worker about 60 ms of CPU. In cluster mode
-    (``servers``) it is off: a reader on a node without a server of the job reads its misses
-    through Go.
+    Linux, fresh workers every epoch) share its client: with ``open_before_fork`` (the
+    default), the first fork of that process opens the client there first. A forked worker
+    then reads with no library of its own to load: hits, its own fills of misses and the
+    server's answers are all C (see the README, Many cores). Loading the library and opening
+    a client cost each fresh worker 20-40 ms of CPU on a 2-core machine, about 100 ms on a
+    16-core one. In cluster mode, when no server of the job on the node answers before a fork
+    (a node without one, or one whose server died), the process serves its workers a node
+    socket of its own, through which they read the other nodes' files from their servers.
 
     Only files inside ``root`` are read, also after symbolic links are followed: the listing
     leaves out links that lead outside ``root`` (links inside it stay listed, links to
@@ -178,7 +179,7 @@ class FitCacheDataset(_Base):
         self._client_pid = None
         self._handover = None  # the thread handing the prefetch list over (see _get_client)
         if open_before_fork is None:
-            open_before_fork = not (options.get("servers") or os.environ.get("FITCACHE_SERVERS"))
+            open_before_fork = True
         self._made_in = os.getpid() if open_before_fork else None
         if open_before_fork:
             # A weak reference: the hook cannot be removed, and must not keep the dataset.
@@ -260,13 +261,12 @@ class FitCacheDataset(_Base):
         if self._made_in != os.getpid() or _native.forked():
             return
         try:
-            if self._client is not None and self._client_pid == self._made_in:
-                # Workers forked every epoch cannot restart a server that died (no Go after
-                # fork): it is checked here, before each fork (a Hello: well under a
-                # millisecond, against the 5-20 ms a fork of a PyTorch process takes).
-                self._client.check_server()
-            else:
-                self._get_client()
+            # Workers forked every epoch cannot restart a server that died, nor route around
+            # one (no Go after fork): it is checked here, before each fork (a Hello: well
+            # under a millisecond, against the 5-20 ms a fork of a PyTorch process takes). In
+            # cluster mode, when no server of this node answers, this process then serves the
+            # workers a node socket of its own (see _native.Client.check_server).
+            self._get_client().check_server()
         except Exception as err:  # noqa: BLE001 -- a fork must not fail for it
             logging.getLogger("fitcache").debug("client not opened before fork: %s", err)
 
