@@ -16,6 +16,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -70,6 +71,7 @@ func (s *standIn) serve(c *Client) (string, error) {
 	if err := embedded.PrepareDir(c.cfg.RuntimeDir); err != nil {
 		return "", err
 	}
+	removeStaleStandIns(c.cfg.RuntimeDir)
 	var b [6]byte
 	rand.Read(b[:])
 	path := filepath.Join(c.cfg.RuntimeDir, fmt.Sprintf("standin-%d-%s.node", os.Getpid(), hex.EncodeToString(b[:])))
@@ -85,6 +87,22 @@ func (s *standIn) serve(c *Client) (string, error) {
 		"socket", path)
 	s.server, s.path = server, path
 	return path, nil
+}
+
+// removeStaleStandIns removes the stand-in sockets in dir that processes which are gone left
+// (killed before their client closed, which removes its socket).
+func removeStaleStandIns(dir string) {
+	names, _ := filepath.Glob(filepath.Join(dir, "standin-*.node"))
+	for _, name := range names {
+		var pid int
+		var rest string
+		if n, _ := fmt.Sscanf(filepath.Base(name), "standin-%d-%s", &pid, &rest); n != 2 || pid <= 0 {
+			continue
+		}
+		if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
+			os.Remove(name)
+		}
+	}
 }
 
 // close stops the stand-in, waiting for the requests in progress; none starts after it.
