@@ -91,7 +91,7 @@ def run(case, kill, root, manifest, args, work):
         # The servers' runtime directory, as the readers of a node share it by default: there
         # the readers find the tiers of the node's servers, also of one that died.
         ds = fitcache.FitCacheDataset(root, CRC(), servers=",".join(cluster.addrs), token_file=cluster.token_file,
-                                      node=node, runtime_dir=str(cluster.tmp / "run"))
+                                      node=node, runtime_dir=str(cluster.tmp / "run"), **args.dataset_options)
         rows = []
         for e in range(args.epochs):
             if kill and e == args.kill_after:
@@ -112,8 +112,12 @@ def main():
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--kill-after", type=int, default=2, help="epochs before the kill")
     ap.add_argument("--cases", default="login,own")
+    ap.add_argument("--open-before-fork", choices=["default", "off"], default="default",
+                    help="FitCacheDataset's open_before_fork: its default, or off (each fresh worker opens "
+                         "a client of its own, as before the stand-in node socket)")
     ap.add_argument("--out", help="JSON results")
     args = ap.parse_args()
+    args.dataset_options = {"open_before_fork": False} if args.open_before_fork == "off" else {}
     work = tempfile.mkdtemp(prefix="fitcache-startwait-")
     root = os.path.join(work, "data")
     manifest = generate(root, args.files, args.seed)
