@@ -18,6 +18,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"sync"
@@ -89,17 +90,19 @@ func (s *standIn) serve(c *Client) (string, error) {
 	return path, nil
 }
 
-// removeStaleStandIns removes the stand-in sockets in dir that processes which are gone left
-// (killed before their client closed, which removes its socket).
+// removeStaleStandIns removes the stand-in sockets in dir that nothing listens on any more
+// (their process was killed before its client closed, which removes its socket). A socket
+// is stale when a connection to it is refused, not when its name's process id is free: the
+// runtime directory may be shared by processes of other PID namespaces.
 func removeStaleStandIns(dir string) {
 	names, _ := filepath.Glob(filepath.Join(dir, "standin-*.node"))
 	for _, name := range names {
-		var pid int
-		var rest string
-		if n, _ := fmt.Sscanf(filepath.Base(name), "standin-%d-%s", &pid, &rest); n != 2 || pid <= 0 {
+		conn, err := net.DialTimeout("unix", name, nodesock.ProbeTimeout)
+		if err == nil {
+			conn.Close()
 			continue
 		}
-		if err := syscall.Kill(pid, 0); errors.Is(err, syscall.ESRCH) {
+		if errors.Is(err, syscall.ECONNREFUSED) {
 			os.Remove(name)
 		}
 	}

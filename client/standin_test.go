@@ -4,10 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"io"
+	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"syscall"
 	"testing"
@@ -87,26 +86,28 @@ func TestStandInServesForkedReaders(t *testing.T) {
 	}
 }
 
-// TestStaleStandInsAreRemoved: the socket of a stand-in whose process is gone is removed when
-// another starts; a live process's is kept.
+// TestStaleStandInsAreRemoved: a stand-in socket that nothing listens on any more (its
+// process was killed) is removed when another stand-in starts; one that is listened on is kept.
 func TestStaleStandInsAreRemoved(t *testing.T) {
 	dir := t.TempDir()
-	gone := exec.Command("true")
-	if err := gone.Run(); err != nil {
+	stale := filepath.Join(dir, "standin-1-0a0b.node")
+	live := filepath.Join(dir, "standin-2-0c0d.node")
+	dead, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	if err != nil {
 		t.Fatal(err)
 	}
-	stale := filepath.Join(dir, fmt.Sprintf("standin-%d-0a0b.node", gone.Process.Pid))
-	live := filepath.Join(dir, fmt.Sprintf("standin-%d-0c0d.node", os.Getpid()))
-	for _, p := range []string{stale, live} {
-		if err := os.WriteFile(p, nil, 0o600); err != nil {
-			t.Fatal(err)
-		}
+	dead.SetUnlinkOnClose(false) // as a killed process leaves it
+	dead.Close()
+	ln, err := net.Listen("unix", live)
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer ln.Close()
 	removeStaleStandIns(dir)
 	if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("the socket of a process that is gone was kept: %v", err)
+		t.Errorf("a socket nothing listens on was kept: %v", err)
 	}
 	if _, err := os.Stat(live); err != nil {
-		t.Errorf("the socket of a live process was removed: %v", err)
+		t.Errorf("a socket that is listened on was removed: %v", err)
 	}
 }
