@@ -359,7 +359,9 @@ class FitCacheDataset(_Base):
         here, for every process forked from this one), and how many of its paths are read in
         this epoch."""
         paths, this_epoch = self._prefetch_paths()
-        return _native.PathList(paths), this_epoch
+        # A path with a NUL byte names no file (reading its item raises ValueError): it is
+        # left out of the list, not made to fail the dataset's construction.
+        return _native.PathList(p for p in paths if "\0" not in p), this_epoch
 
     def _send_prefetch(self, client):
         """Hands the list over through client; a failure is a warning, never a failed read."""
