@@ -286,24 +286,17 @@ func (r *nodeRouter) overRing() *routing.Router {
 	return ring
 }
 
-// answering reports whether a server of the node answers a hello within
-// nodesock.ProbeTimeout (they are asked at once).
+// answering reports whether the node's server whose node socket readers use (home) answers
+// a hello within nodesock.ProbeTimeout: the C hit path sends its misses to that socket.
 func (r *nodeRouter) answering() bool {
+	s := r.home()
+	if s == nil {
+		return false
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), nodesock.ProbeTimeout)
 	defer cancel()
-	answers := make(chan bool, len(r.servers))
-	for _, s := range r.servers {
-		go func() {
-			_, err := s.rpc.Hello(ctx)
-			answers <- err == nil
-		}()
-	}
-	for range r.servers {
-		if <-answers {
-			return true
-		}
-	}
-	return false
+	_, err := s.rpc.Hello(ctx)
+	return err == nil
 }
 
 // up resets the back-off after the node's server answered.

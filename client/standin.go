@@ -45,8 +45,9 @@ const standInReads = 16
 const sunPathMax = 107
 
 // ForkedReaders returns the node socket that readers forked from this process are to ask for
-// what the tiers do not hold (see fcHitUseStandIn): "" for the socket of the node's server
-// when one answers, else the client's stand-in, started now if need be. inCluster is false
+// what the tiers do not hold (see fcHitUseStandIn): "" for the node socket of the node's
+// server that the client's readers use, when it answers, else the client's stand-in,
+// started now if need be. inCluster is false
 // outside cluster mode (the embedded server: nothing to choose).
 func (c *Client) ForkedReaders() (socket string, inCluster bool, err error) {
 	if c.node == nil && c.cluster == nil {

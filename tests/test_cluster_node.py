@@ -294,6 +294,33 @@ def test_several_servers_on_one_node_share_its_readers(request, dataset, tmp_pat
     assert guests == [0, len(remote)], guests
 
 
+def test_workers_read_through_the_stand_in_when_the_local_server_they_asked_died(request, dataset, tmp_path):
+    """Two servers on the reader's node: the one whose node socket its readers use killed
+    between epochs, the other alive. The workers forked next read through the main
+    process's stand-in (their node socket's server is dead, whichever other answers): every
+    byte right, no file read from the source after the kill but the killed server's own
+    files, each once, by their new owners."""
+    root, digests = dataset
+    local = "127.0.0.1"
+    c = Cluster(tmp_path, root, nodes=[local, local, "127.0.0.2", "127.0.0.3"],
+                serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    request.addfinalizer(c.stop)
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **c.options(runtime_dir=str(tmp_path / "run")))
+    half = list(range(0, len(ds), 2))
+    assert epoch(ds, "fork", half) == {ds.files[i]: digests[ds.files[i]] for i in half}
+    guests = [server_stats_of(c, a)["guests"] for a in c.addrs[:2]]
+    home = c.addrs[0] if guests[0] else c.addrs[1]  # the readers' misses go to one of the two
+    c.kill(home)
+    with OpenCounter(root) as opens:
+        for e in range(2):
+            assert epoch(ds, "fork") == digests, f"epoch {e} after the kill: wrong bytes"
+        counts = opens.counts()
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert not again, f"files read from the source more than once after the kill: {again}"
+    assert any(n.startswith("standin-") for n in os.listdir(tmp_path / "run")), "no stand-in socket"
+    ds.close()
+
+
 def test_a_reader_finds_the_files_of_many_servers_on_its_node_itself(request, dataset, tmp_path):
     """Ten servers on the reader's node (the FITCACHE paper runs up to 16 per node): once the
     files are cached, the reader finds every one in its node's tiers itself, whichever
