@@ -6,7 +6,7 @@
 // node without a server of the job, or one whose servers died), the process serves a node
 // socket of its own, the stand-in: it reads what the readers ask for as the client reads it
 // (other nodes' files from their servers over the ring, the tiers of the node's dead servers
-// once checked), so that the forked readers fail over as a reader with its own client does
+// once checked, or the node's server after all if it answers again), so that the forked readers fail over as a reader with its own client does
 // instead of reading the source. The socket is in the user's private runtime directory, and
 // answers processes of this user only (see nodesock.Listen).
 
@@ -151,7 +151,10 @@ func (c *Client) standInOpen(path string) nodesock.Opened {
 	if c.closed.Load() {
 		return nodesock.Opened{Err: core.ErrClosed}
 	}
-	buf, err := c.readAroundNode(path)
+	// As the client reads: through the node's server when it answers after all (a hello
+	// that timed out under load makes a stand-in too, which must then cost a hop, not
+	// source reads), else around it.
+	buf, err := c.read(path)
 	if err != nil {
 		c.counts.errors.Add(1)
 		return nodesock.Opened{Err: err}
@@ -169,18 +172,4 @@ func (c *Client) standInOpen(path string) nodesock.Opened {
 		return nodesock.Opened{Err: err}
 	}
 	return nodesock.Opened{File: f, Origin: uint32(core.OriginPeer)}
-}
-
-// readAroundNode reads the file at path (absolute, or relative to the root) without the
-// node's servers: as the direct path reads it, or as a reader whose node's server does not
-// answer does (readAround).
-func (c *Client) readAroundNode(path string) (Buffer, error) {
-	path, err := c.Resolve(path)
-	if err != nil {
-		return nil, err
-	}
-	if c.node != nil {
-		return c.readAround(path)
-	}
-	return c.readCluster(path)
 }

@@ -8,6 +8,7 @@ counted from outside with inotify: once per file for the whole job, also when a 
 owns files is killed after the node kept copies of them."""
 
 import os
+import signal
 
 import pytest
 
@@ -210,6 +211,35 @@ def test_workers_forked_after_their_nodes_server_died_read_through_the_stand_in(
     assert any(n.startswith("standin-") for n in os.listdir(tmp_path / "run")), "no stand-in socket"
     ds.close()
     assert not any(n.startswith("standin-") for n in os.listdir(tmp_path / "run")), "the stand-in outlived its client"
+
+
+def test_a_node_server_slow_to_answer_at_a_fork_costs_a_hop_not_source_reads(node_cluster, dataset, tmp_path):
+    """The node's server stopped (SIGSTOP) while the DataLoader forks, so that its hello times
+    out and the main process serves its workers a stand-in, then continued: the stand-in reads
+    through the node's server, which answers again (not around it, which would have the
+    next server on the ring cache the node's server's files), so over that epoch and the
+    next, through the node's server again, each file is read from the source once, and every
+    byte is right."""
+    root, digests = dataset
+    opts = node_cluster.options(runtime_dir=str(tmp_path / "run"))
+    ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
+    half = list(range(0, len(ds), 2))
+    with OpenCounter(root) as opens:
+        assert epoch(ds, "fork", half) == {ds.files[i]: digests[ds.files[i]] for i in half}
+        server = node_cluster.procs[node_cluster.addrs[0]]
+        loader = DataLoader(Indexed(ds), batch_size=None, num_workers=2, multiprocessing_context="fork")
+        server.send_signal(signal.SIGSTOP)
+        try:
+            it = iter(loader)  # forks: the hello before it gets no answer
+        finally:
+            server.send_signal(signal.SIGCONT)
+        assert {ds.files[i]: d for i, d in it} == digests, "wrong bytes"
+        assert any(n.startswith("standin-") for n in os.listdir(tmp_path / "run")), "no stand-in was served"
+        assert epoch(ds, "fork") == digests, "the next epoch, through the node's server again: wrong bytes"
+        counts = opens.counts()
+    again = {k: n for k, n in counts.items() if n != 1}
+    assert len(counts) == len(digests) and not again, f"source opens per file: {again or counts}"
+    ds.close()
 
 
 def test_workers_forked_on_a_node_without_a_server_read_through_the_stand_in(node_cluster, dataset, tmp_path):
