@@ -141,7 +141,7 @@ class FitCacheDataset(_Base):
     def __init__(self, root: PathLike, transform: Callable[[memoryview], Any] | None = None, *,
                  filter: Filter = None, files: Iterable[str] | None = None,
                  ranges: Iterable[tuple[str, int, int]] | None = None, prefetch: bool | int | None = None,
-                 open_before_fork: bool | None = None, **options: Any) -> None:
+                 open_before_fork: bool | None = True, **options: Any) -> None:
         root = os.fsdecode(_native._fs(root))  # ValueError for a NUL byte, as open() raises
         root = os.path.abspath(root)
         if not os.path.exists(root):
@@ -178,7 +178,7 @@ class FitCacheDataset(_Base):
         self._client = None
         self._client_pid = None
         self._handover = None  # the thread handing the prefetch list over (see _get_client)
-        if open_before_fork is None:
+        if open_before_fork is None:  # the default's spelling before cluster mode shared it too
             open_before_fork = True
         self._made_in = os.getpid() if open_before_fork else None
         if open_before_fork:
