@@ -36,7 +36,7 @@ func TestLoadDefaults(t *testing.T) {
 	}
 	host, _ := os.Hostname()
 	want := Config{RuntimeDir: "/run/x", Policy: PolicyRecache, Node: host, PerNode: 1, BasePort: 7070,
-		FailureThreshold: 3, Replicas: 1, VirtualNodes: 100, Prefetch: 16, BlockBytes: 4 << 20,
+		FailureThreshold: 3, Replicas: 1, Prefetch: 16, BlockBytes: 4 << 20,
 		IdleTimeout: 15 * time.Minute, ReadTimeout: time.Minute, StartTimeout: 15 * time.Second,
 		RPCTimeout: 5 * time.Second, WaitTimeout: time.Minute, GossipPortOffset: 1000, ProbeInterval: time.Second,
 		MemoryAtExit: core.MemoryClear, MemoryReserve: tiers.SizeOrPercent{Percent: 25}, FollowCgroup: true,
@@ -63,6 +63,17 @@ func TestLoadPrecedence(t *testing.T) {
 	}
 }
 
+// virtual_nodes is auto (0: the ring's own choice for the job's size) unless a number is set.
+func TestLoadVirtualNodes(t *testing.T) {
+	clearEnv(t)
+	for value, want := range map[string]int{"": 0, "auto": 0, "100": 100, "2000": 2000} {
+		cfg, err := Load(map[string]string{"runtime_dir": "/run/x", "virtual_nodes": value})
+		if err != nil || cfg.VirtualNodes != want {
+			t.Errorf("virtual_nodes=%q: got %d (%v), want %d", value, cfg.VirtualNodes, err, want)
+		}
+	}
+}
+
 func TestLoadRefusesBadOptions(t *testing.T) {
 	clearEnv(t)
 	for _, tc := range []struct {
@@ -72,6 +83,9 @@ func TestLoadRefusesBadOptions(t *testing.T) {
 		{"policy", "drop", "neither"},
 		{"replicas", "0", "positive whole number"},
 		{"base_port", "7k", "positive whole number"},
+		{"virtual_nodes", "0", "auto or a whole number from 1 to 10000"},
+		{"virtual_nodes", "lots", "auto or a whole number from 1 to 10000"},
+		{"virtual_nodes", "10001", "auto or a whole number from 1 to 10000"},
 		{"prefetch", "-1", "from 0 (off) to 1024"},
 		{"prefetch", "1025", "from 0 (off) to 1024"},
 		{"block_size", "1KiB", "from 64KiB to 256MiB"},

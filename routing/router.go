@@ -131,7 +131,11 @@ func New(cfg config.Config, log *slog.Logger, members []ring.Member, token strin
 	for _, id := range o.Dead {
 		known[id] = true
 	}
-	r := &Router{cfg: cfg, log: log, ring: ring.New(cfg.VirtualNodes, nil), peers: map[string]*Peer{},
+	vnodes := cfg.VirtualNodes
+	if vnodes <= 0 { // auto: the same in every client and server, which list the same servers
+		vnodes = ring.VirtualNodesFor(len(members))
+	}
+	r := &Router{cfg: cfg, log: log, ring: ring.New(vnodes, nil), peers: map[string]*Peer{},
 		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}), onDead: o.OnDead}
 	r.ring.Add(members...)
 	// On failure, what was opened is closed: the connections dialled, the tiers of the
