@@ -301,3 +301,20 @@ func Choose[T any](r *Ring, key string, n int, distinctNodes bool, judge func(Me
 	}
 	return out
 }
+
+// Fingerprint names the ring that vnodes points per member and members make, whatever their
+// order: two rings with the same fingerprint place every key alike. Clients and servers of a
+// job compare theirs (a server's hello carries it), since a client on another ring than its
+// servers (another virtual_nodes, another list of servers) has files cached twice.
+func Fingerprint(vnodes int, members []Member) string {
+	if vnodes <= 0 {
+		vnodes = DefaultVirtualNodes
+	}
+	ids := make([]string, len(members))
+	for i, m := range members {
+		ids[i] = m.ID
+	}
+	slices.Sort(ids)
+	ids = slices.Compact(ids)
+	return fmt.Sprintf("virtual_nodes=%d servers=%d ids=%016x", vnodes, len(ids), DefaultHash(strings.Join(ids, "\x00")))
+}

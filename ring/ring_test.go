@@ -3,6 +3,8 @@ package ring
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -370,4 +372,30 @@ func TestDefaultVirtualNodesSpreadFilesEvenly(t *testing.T) {
 		t.Errorf("the busiest server held %.3fx an even share, want at most 1.15x", worst)
 	}
 	t.Logf("busiest server: %.3fx an even share", worst)
+}
+
+// A ring's fingerprint depends on its points per member and its members, not on their order.
+func TestFingerprintNamesTheRing(t *testing.T) {
+	ms := servers(16, 1)
+	reversed := slices.Clone(ms)
+	slices.Reverse(reversed)
+	base := Fingerprint(1000, ms)
+	if got := Fingerprint(1000, reversed); got != base {
+		t.Errorf("members in another order: %s, want %s", got, base)
+	}
+	if got := Fingerprint(1000, append(slices.Clone(ms), ms[3])); got != base {
+		t.Errorf("a member listed twice: %s, want %s", got, base)
+	}
+	for name, other := range map[string]string{
+		"another number of virtual nodes": Fingerprint(100, ms),
+		"a member fewer":                  Fingerprint(1000, ms[1:]),
+		"another member":                  Fingerprint(1000, append(slices.Clone(ms[1:]), Member{ID: "other:7070"})),
+	} {
+		if other == base {
+			t.Errorf("%s: the same fingerprint %s", name, base)
+		}
+	}
+	if !strings.Contains(base, "virtual_nodes=1000 servers=16") {
+		t.Errorf("fingerprint %s does not say its virtual nodes and servers", base)
+	}
 }

@@ -106,6 +106,10 @@ type Router struct {
 	onDead func(id string)
 	// blockBytes is the size of the servers' blocks, as the last hello said (0: none).
 	blockBytes atomic.Int64
+	// fingerprint names this router's ring (ring.Fingerprint), which the servers' hellos
+	// name theirs beside; ringWarned is set once a server's differed (said once).
+	fingerprint string
+	ringWarned  atomic.Bool
 }
 
 // Options are the replaceable parts of a Router; the zero value is usable.
@@ -131,12 +135,10 @@ func New(cfg config.Config, log *slog.Logger, members []ring.Member, token strin
 	for _, id := range o.Dead {
 		known[id] = true
 	}
-	vnodes := cfg.VirtualNodes
-	if vnodes <= 0 { // auto: the same in every client and server, which list the same servers
-		vnodes = ring.VirtualNodesFor(len(members))
-	}
-	r := &Router{cfg: cfg, log: log, ring: ring.New(vnodes, nil), peers: map[string]*Peer{},
-		stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}), onDead: o.OnDead}
+	vnodes := VirtualNodes(cfg, len(members))
+	r := &Router{cfg: cfg, log: log, ring: ring.New(vnodes, nil), fingerprint: ring.Fingerprint(vnodes, members),
+		peers: map[string]*Peer{}, stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}),
+		onDead: o.OnDead}
 	r.ring.Add(members...)
 	// On failure, what was opened is closed: the connections dialled, the tiers of the
 	// servers that answered.
@@ -310,6 +312,16 @@ func TokenRefused(last error) error {
 		"addresses is not the job's servers): %v", last)}
 }
 
+// VirtualNodes is the number of points per server on the ring of a job of servers servers
+// that cfg describes: its virtual_nodes, else (auto) ring.VirtualNodesFor the job's size,
+// the same in every client and server, which list the same servers.
+func VirtualNodes(cfg config.Config, servers int) int {
+	if cfg.VirtualNodes > 0 {
+		return cfg.VirtualNodes
+	}
+	return ring.VirtualNodesFor(servers)
+}
+
 // hello asks a server to describe itself and marks it alive if it answers.
 func (r *Router) hello(p *Peer) error {
 	_, err := r.helloReply(p)
@@ -325,6 +337,11 @@ func (r *Router) helloReply(p *Peer) (*fitcachepb.HelloReply, error) {
 		return nil, err
 	}
 	session := SessionOf(reply)
+	if reply.Ring != "" && reply.Ring != r.fingerprint && r.ringWarned.CompareAndSwap(false, true) {
+		r.log.Warn("fitcache server places files on another ring than this client: its files are cached "+
+			"twice and read from the source more often; give every client and server of the job the same "+
+			"servers and virtual_nodes", "server", p.member.ID, "server_ring", reply.Ring, "client_ring", r.fingerprint)
+	}
 	if reply.BlockBytes > 0 {
 		r.blockBytes.Store(reply.BlockBytes)
 	}

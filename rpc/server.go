@@ -39,6 +39,10 @@ type ServerConfig struct {
 	// ReaderFills says in Hello that readers on the node may report their own fills on the
 	// node socket (nodesock.OpRecord): its server records them.
 	ReaderFills bool
+	// Ring is the fingerprint of the ring the server's cluster places files on
+	// (ring.Fingerprint), said in Hello so that clients on another ring are told; empty for
+	// a server that does not know the job's list.
+	Ring string
 	// OnNewJob, if set, is called when a job begins its validation session here with a Hello
 	// of a reader (not one relayed by another server), before the Hello is answered: a
 	// cluster server passes the job on to the job's other servers, which then check their
@@ -285,7 +289,7 @@ func (h *Handler) Hello(ctx context.Context, req *fitcachepb.HelloRequest) (*fit
 	}
 	reply := &fitcachepb.HelloReply{ServerId: h.cfg.ID, Pid: int32(os.Getpid()),
 		NodeSocket: h.cfg.NodeSocket, Session: int64(session), BlockBytes: h.engine.BlockBytes(),
-		ReaderFills: h.cfg.ReaderFills && h.cfg.NodeSocket != ""}
+		ReaderFills: h.cfg.ReaderFills && h.cfg.NodeSocket != "", Ring: h.cfg.Ring}
 	// What this server holds dead, so that a new client waits for none of it (see Learn).
 	reply.MembershipVersion, reply.Dead = h.members.Since(-1)
 	if h.cfg.Members != nil {

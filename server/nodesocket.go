@@ -189,6 +189,15 @@ func newClusterNode(engine *core.Engine, cfg config.Config, token, listen string
 	return cn, nil
 }
 
+// ring returns the fingerprint of the job's ring (ring.Fingerprint), as this server's clients
+// build it; "" without a cluster.
+func (n *clusterNode) ring() string {
+	if n == nil {
+		return ""
+	}
+	return ring.Fingerprint(routing.VirtualNodes(n.cfg, len(n.members)), n.members)
+}
+
 // startMembership makes this server a member of the servers' membership (gossip_port_offset
 // not 0, and the server among the job's): the servers watch each other, and a server found
 // dead is skipped by this node's reads at once, whether they read it or not. A membership

@@ -382,7 +382,8 @@ func (s *Server) serveRPC() error {
 		onRead = s.metrics.ObserveRead
 	}
 	srv, handler, done := rpc.Serve(s.engine, s.ln, rpc.ServerConfig{ID: s.cfg.ID, Log: s.log, Token: s.cfg.Token,
-		NodeSocket: s.nodePath, ReaderFills: s.cluster == nil, MaxFrameBytes: s.cfg.MaxFrameBytes, MaxConns: s.cfg.MaxConns,
+		NodeSocket: s.nodePath, ReaderFills: s.cluster == nil, Ring: s.cluster.ring(),
+		MaxFrameBytes: s.cfg.MaxFrameBytes, MaxConns: s.cfg.MaxConns,
 		OnRequest: s.touch, OnRead: onRead, OnNewJob: s.announceJob, Members: s.cluster.Members,
 		OnReportedDead: s.cluster.reportedDead, ForwardBlock: s.cluster.forwardBlock})
 	s.cluster.relayTo(handler.Learn)

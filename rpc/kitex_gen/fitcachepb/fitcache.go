@@ -248,6 +248,7 @@ type HelloReply struct {
 	Dead              []string    `thrift:"dead,12" frugal:"12,default,list<string>" json:"dead"`
 	Alive             []string    `thrift:"alive,13" frugal:"13,default,list<string>" json:"alive"`
 	ReaderFills       bool        `thrift:"reader_fills,14" frugal:"14,default,bool" json:"reader_fills"`
+	Ring              string      `thrift:"ring,15" frugal:"15,default,string" json:"ring"`
 }
 
 func NewHelloReply() *HelloReply {
@@ -308,6 +309,10 @@ func (p *HelloReply) GetAlive() (v []string) {
 func (p *HelloReply) GetReaderFills() (v bool) {
 	return p.ReaderFills
 }
+
+func (p *HelloReply) GetRing() (v string) {
+	return p.Ring
+}
 func (p *HelloReply) SetErrno(val int32) {
 	p.Errno = val
 }
@@ -347,6 +352,9 @@ func (p *HelloReply) SetAlive(val []string) {
 func (p *HelloReply) SetReaderFills(val bool) {
 	p.ReaderFills = val
 }
+func (p *HelloReply) SetRing(val string) {
+	p.Ring = val
+}
 
 func (p *HelloReply) String() string {
 	if p == nil {
@@ -369,6 +377,7 @@ var fieldIDToName_HelloReply = map[int16]string{
 	12: "dead",
 	13: "alive",
 	14: "reader_fills",
+	15: "ring",
 }
 
 type ReadRequest struct {
