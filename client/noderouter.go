@@ -53,6 +53,11 @@ type nodeRouter struct {
 	downUntil time.Time     // before then, misses go around the node's server: it did not answer
 	backoff   time.Duration // the next back-off
 
+	// fingerprint names the job's ring as this reader builds it (ring.Fingerprint), which
+	// the servers' hellos name theirs beside; ringWarned is set once one differed.
+	fingerprint string
+	ringWarned  atomic.Bool
+
 	ringMu    sync.Mutex      // protects ring and ringRetry
 	ring      *routing.Router // the job's other servers, for reads around the node's (see overRing)
 	ringRetry time.Time       // before then, no new attempt to make ring
@@ -80,7 +85,8 @@ type localServer struct {
 // The node's servers that did not answer while others did are waited for as the direct path
 // waits. It fails only when the servers refused the client or could not prove the job token.
 func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*nodeRouter, error) {
-	r := &nodeRouter{cfg: cfg, log: log, members: members, token: token}
+	r := &nodeRouter{cfg: cfg, log: log, members: members, token: token,
+		fingerprint: ring.Fingerprint(routing.VirtualNodes(cfg, len(members)), members)}
 	for _, m := range members {
 		if m.Node != cfg.Node {
 			continue
@@ -127,6 +133,9 @@ func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, t
 		for i, err := range errs {
 			if err == nil {
 				w.Answered(asked[i].id, replies[i].Dead, replies[i].Alive, alive)
+				// Its reads go through the node's server, but around it over the ring when
+				// that server dies (overRing): the rings must agree.
+				routing.WarnOtherRing(log, &r.ringWarned, asked[i].id, replies[i].Ring, r.fingerprint)
 				continue
 			}
 			w.Errs[asked[i].id] = err

@@ -15,8 +15,9 @@ import (
 )
 
 // A client whose ring differs from its servers' (virtual_nodes set on the client only, or
-// another list of servers) is told so once, by the first hello that names another ring; one
-// on the same ring is told nothing. It reads either way.
+// another list of servers) is told so once, by the first hello that names another ring, on a
+// node with servers of the job or without; one on the same ring is told nothing. It reads
+// either way.
 func TestAClientOnAnotherRingThanItsServersIsTold(t *testing.T) {
 	root := t.TempDir()
 	if err := os.WriteFile(filepath.Join(root, "f.bin"), []byte("data"), 0o644); err != nil {
@@ -34,6 +35,11 @@ func TestAClientOnAnotherRingThanItsServersIsTold(t *testing.T) {
 			warned: "virtual_nodes=100 servers=2"},
 		{name: "a server missing from the client's list", options: map[string]string{"servers": j.addrs[0]},
 			warned: "virtual_nodes=1000 servers=1"},
+		// It reads through its node's server, but over the ring when that server dies.
+		{name: "on a server's node, the same ring", options: map[string]string{"node": "127.0.0.1",
+			"runtime_dir": j.runDirs[0]}},
+		{name: "on a server's node, virtual_nodes set on the client only", options: map[string]string{
+			"node": "127.0.0.1", "runtime_dir": j.runDirs[0], "virtual_nodes": "100"}, warned: "virtual_nodes=100 servers=2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o := map[string]string{"servers": strings.Join(j.addrs[:], ","), "token": "tok", "node": "elsewhere",

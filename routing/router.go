@@ -312,6 +312,19 @@ func TokenRefused(last error) error {
 		"addresses is not the job's servers): %v", last)}
 }
 
+// WarnOtherRing logs, once for warned, that the server id places files on another ring
+// (theirs, as its hello named it) than the client's (mine, see ring.Fingerprint): the client
+// still reads correctly, but files are cached twice and read from the source more often.
+// Nothing when the rings agree or the server names none.
+func WarnOtherRing(log *slog.Logger, warned *atomic.Bool, id, theirs, mine string) {
+	if theirs == "" || theirs == mine || !warned.CompareAndSwap(false, true) {
+		return
+	}
+	log.Warn("fitcache server places files on another ring than this client: its files are cached "+
+		"twice and read from the source more often; give every client and server of the job the same "+
+		"servers and virtual_nodes", "server", id, "server_ring", theirs, "client_ring", mine)
+}
+
 // VirtualNodes is the number of points per server on the ring of a job of servers servers
 // that cfg describes: its virtual_nodes, else (auto) ring.VirtualNodesFor the job's size,
 // the same in every client and server, which list the same servers.
@@ -337,11 +350,7 @@ func (r *Router) helloReply(p *Peer) (*fitcachepb.HelloReply, error) {
 		return nil, err
 	}
 	session := SessionOf(reply)
-	if reply.Ring != "" && reply.Ring != r.fingerprint && r.ringWarned.CompareAndSwap(false, true) {
-		r.log.Warn("fitcache server places files on another ring than this client: its files are cached "+
-			"twice and read from the source more often; give every client and server of the job the same "+
-			"servers and virtual_nodes", "server", p.member.ID, "server_ring", reply.Ring, "client_ring", r.fingerprint)
-	}
+	WarnOtherRing(r.log, &r.ringWarned, p.member.ID, reply.Ring, r.fingerprint)
 	if reply.BlockBytes > 0 {
 		r.blockBytes.Store(reply.BlockBytes)
 	}
