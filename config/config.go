@@ -212,7 +212,7 @@ func Load(options map[string]string) (Config, error) {
 			*n.dst = i
 		}
 	}
-	if v := get("virtual_nodes"); v != "" && v != "auto" {
+	if v := get("virtual_nodes"); v != "" && !strings.EqualFold(v, "auto") {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 || n > maxVirtualNodes {
 			return Config{}, fmt.Errorf("option virtual_nodes: want auto or a whole number from 1 to %d, got %q", maxVirtualNodes, v)

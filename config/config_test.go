@@ -66,7 +66,7 @@ func TestLoadPrecedence(t *testing.T) {
 // virtual_nodes is auto (0: the ring's own choice for the job's size) unless a number is set.
 func TestLoadVirtualNodes(t *testing.T) {
 	clearEnv(t)
-	for value, want := range map[string]int{"": 0, "auto": 0, "100": 100, "2000": 2000} {
+	for value, want := range map[string]int{"": 0, "auto": 0, "Auto": 0, "100": 100, "2000": 2000} {
 		cfg, err := Load(map[string]string{"runtime_dir": "/run/x", "virtual_nodes": value})
 		if err != nil || cfg.VirtualNodes != want {
 			t.Errorf("virtual_nodes=%q: got %d (%v), want %d", value, cfg.VirtualNodes, err, want)

@@ -39,8 +39,7 @@ const (
 	maxAutoPoints       = 1 << 18
 )
 
-// Hash maps a key to a point on the ring. It must not keep the string it is given (the
-// ring hashes its virtual-node keys from a buffer it reuses).
+// Hash maps a key to a point on the ring.
 type Hash func(string) uint64
 
 // Member is a ring member: a server, and the node (host) it runs on, so that replicas can be
@@ -63,23 +62,28 @@ type point struct {
 
 // Ring is a consistent hash ring. The zero value is not usable; call New.
 type Ring struct {
-	vnodes  int
-	hash    Hash
+	vnodes int
+	hash   Hash
+	// inPlace: the hash is DefaultHash, which keeps nothing of its key, so virtual-node keys
+	// are hashed from a buffer reused for every point (see Add).
+	inPlace bool
 	members []Member       // by insertion; removed members are compacted away
 	byID    map[string]int // member id -> index in members
 	points  []point        // sorted by (hash, member id, index)
 }
 
-// New returns an empty ring with vnodes points per member (DefaultVirtualNodes if <= 0) and
-// the given hash (nil: 64-bit FNV-1a followed by a mixing finalizer).
+// New returns an empty ring with vnodes points per member (DefaultVirtualNodes if <= 0: not
+// a job's default, which is VirtualNodesFor its size, see routing.VirtualNodes) and the given
+// hash (nil: 64-bit FNV-1a followed by a mixing finalizer).
 func New(vnodes int, hash Hash) *Ring {
 	if vnodes <= 0 {
 		vnodes = DefaultVirtualNodes
 	}
+	r := &Ring{vnodes: vnodes, hash: hash, byID: make(map[string]int)}
 	if hash == nil {
-		hash = DefaultHash
+		r.hash, r.inPlace = DefaultHash, true
 	}
-	return &Ring{vnodes: vnodes, hash: hash, byID: make(map[string]int)}
+	return r
 }
 
 // DefaultHash is FNV-1a 64 with the MurmurHash3 finalizer: FNV alone spreads keys that
@@ -125,10 +129,14 @@ func (r *Ring) Add(ms ...Member) {
 		key := append(make([]byte, 0, len(m.ID)+5), m.ID...)
 		key = append(key, 0)
 		for i := 0; i < r.vnodes; i++ {
-			// The key of VirtualNodeKey, built in place: a ring of a large job has a million
-			// points, and a string each was half of its build time.
+			// The key of VirtualNodeKey, built in place for the default hash: a ring of a
+			// large job has a million points, and a string each was half of its build time.
 			key = binary.BigEndian.AppendUint32(key[:len(m.ID)+1], uint32(i))
-			r.points = append(r.points, point{hash: r.hash(unsafe.String(&key[0], len(key))), member: idx, index: uint32(i)})
+			k := unsafe.String(&key[0], len(key))
+			if !r.inPlace {
+				k = string(key) // a hash of the caller's may keep it
+			}
+			r.points = append(r.points, point{hash: r.hash(k), member: idx, index: uint32(i)})
 		}
 		added = true
 	}
@@ -302,10 +310,12 @@ func Choose[T any](r *Ring, key string, n int, distinctNodes bool, judge func(Me
 	return out
 }
 
-// Fingerprint names the ring that vnodes points per member and members make, whatever their
-// order: two rings with the same fingerprint place every key alike. Clients and servers of a
-// job compare theirs (a server's hello carries it), since a client on another ring than its
-// servers (another virtual_nodes, another list of servers) has files cached twice.
+// Fingerprint names the ring that vnodes points per member and members make with the default
+// hash, whatever their order: two rings with the same fingerprint give every key the same
+// owner (replicas also depend on the members' nodes and domains, and on how many are asked,
+// which it leaves out). Clients and servers of a job compare theirs (a server's hello
+// carries it), since a client on another ring than its servers (another virtual_nodes,
+// another list of servers) has files cached twice.
 func Fingerprint(vnodes int, members []Member) string {
 	if vnodes <= 0 {
 		vnodes = DefaultVirtualNodes

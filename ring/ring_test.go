@@ -399,3 +399,23 @@ func TestFingerprintNamesTheRing(t *testing.T) {
 		t.Errorf("fingerprint %s does not say its virtual nodes and servers", base)
 	}
 }
+
+// A hash of the caller's may keep the keys it is given: each virtual-node key it sees is a
+// string of its own, not the buffer the default hash is given.
+func TestACallersHashMayKeepItsKeys(t *testing.T) {
+	var kept []string
+	r := New(3, func(s string) uint64 {
+		kept = append(kept, s)
+		return DefaultHash(s)
+	})
+	r.Add(Member{ID: "a:1"}, Member{ID: "b:2"})
+	var want []string
+	for _, id := range []string{"a:1", "b:2"} {
+		for i := range uint32(3) {
+			want = append(want, VirtualNodeKey(id, i))
+		}
+	}
+	if diff := cmp.Diff(want, kept); diff != "" {
+		t.Errorf("keys the hash kept (-want +got):\n%s", diff)
+	}
+}

@@ -135,7 +135,7 @@ func New(cfg config.Config, log *slog.Logger, members []ring.Member, token strin
 	for _, id := range o.Dead {
 		known[id] = true
 	}
-	vnodes := VirtualNodes(cfg, len(members))
+	vnodes := VirtualNodes(cfg, members)
 	r := &Router{cfg: cfg, log: log, ring: ring.New(vnodes, nil), fingerprint: ring.Fingerprint(vnodes, members),
 		peers: map[string]*Peer{}, stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}),
 		onDead: o.OnDead}
@@ -325,14 +325,19 @@ func WarnOtherRing(log *slog.Logger, warned *atomic.Bool, id, theirs, mine strin
 		"servers and virtual_nodes", "server", id, "server_ring", theirs, "client_ring", mine)
 }
 
-// VirtualNodes is the number of points per server on the ring of a job of servers servers
-// that cfg describes: its virtual_nodes, else (auto) ring.VirtualNodesFor the job's size,
-// the same in every client and server, which list the same servers.
-func VirtualNodes(cfg config.Config, servers int) int {
+// VirtualNodes is the number of points per server on the ring of the job of members that cfg
+// describes: its virtual_nodes, else (auto) ring.VirtualNodesFor the job's number of servers
+// (distinct ids, as the ring counts them), the same in every client and server, which list
+// the same servers.
+func VirtualNodes(cfg config.Config, members []ring.Member) int {
 	if cfg.VirtualNodes > 0 {
 		return cfg.VirtualNodes
 	}
-	return ring.VirtualNodesFor(servers)
+	ids := make(map[string]struct{}, len(members))
+	for _, m := range members {
+		ids[m.ID] = struct{}{}
+	}
+	return ring.VirtualNodesFor(len(ids))
 }
 
 // hello asks a server to describe itself and marks it alive if it answers.

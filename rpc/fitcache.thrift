@@ -83,10 +83,10 @@ struct HelloReply {
   // write its copy into the first tier and report it on the node socket (see tiers.Claim and
   // nodesock.OpRecord). False from a server older than that, and from cluster servers.
   14: bool reader_fills
-  // The ring this server's cluster places files on (ring.Fingerprint: its virtual nodes and
-  // the job's servers), so that a client on another ring (another virtual_nodes, another
-  // list of servers) is told rather than caching files twice. Empty from a server that does
-  // not know the job's list, and from a server older than that.
+  // The ring this server's cluster places files' owners on (ring.Fingerprint: its virtual
+  // nodes and the job's servers), so that a client on another ring (another virtual_nodes,
+  // another list of servers) is told rather than caching files twice. Empty from a server
+  // that does not know the job's list, and from a server older than that.
   15: string ring
 }
 
