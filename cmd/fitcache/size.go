@@ -6,15 +6,21 @@ import (
 	"fmt"
 	"io/fs"
 	"math"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/discovery"
+	"github.com/fitcache/fitcache/ring"
+	"github.com/fitcache/fitcache/routing"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -36,6 +42,7 @@ func size(args []string) error {
 	readers := fset.Int("readers", 4, "concurrent readers driving the server")
 	sample := fset.Int("sample", 256, "dataset files used for the measurement (at most 1 GiB)")
 	volumeFlag := fset.String("volume", "", "per-epoch data volume V_epoch (e.g. 2TB) instead of the size of DATASET_DIR, whose files are then only the measurement's sample")
+	serversFlag := fset.String("servers", "", "the job's servers (as the option servers: a list, @hostfile or slurm), or their number, for each server's share of the dataset; default: the option's, else S")
 	fset.Parse(args)
 	if fset.NArg() != 1 || *compute <= 0 || *eta <= 0 || *eta > 1 || *beta <= 0 {
 		return fmt.Errorf("usage: fitcache size --compute-time DURATION [--eta 0.75] [--beta 1] DATASET_DIR")
@@ -70,7 +77,87 @@ func size(args []string) error {
 	fmt.Printf("budget    T_budget = beta x T_comp = %.2f x %s = %.1fs, eta = %.2f\n", *beta, *compute, budget, *eta)
 	fmt.Printf("servers   S = ceil(V_epoch / (eta x B_srv x T_budget)) = ceil(%.3f) = %d\n",
 		float64(volume)/(*eta*bsrv*budget), int(math.Max(s, 1)))
-	return nil
+	if *volumeFlag != "" {
+		fmt.Printf("tiers     not estimated: the files under %s are only the measurement's sample (--volume)\n", root)
+		return nil
+	}
+	out, err := tierShares(files, *serversFlag, int(math.Max(s, 1)))
+	fmt.Print(out)
+	return err
+}
+
+// tierShares says what each server's tiers must hold for the whole dataset to stay cached:
+// the share of the busiest server, which the ring makes larger than an even share (a
+// server's excess is read from the source every epoch). With the job's servers (spec, else
+// the option servers) it is that ring's exact share; with a number of servers (spec a
+// number, else n), the median and the 90th percentile over typical jobs of that many servers
+// named at random, as the ring depends on the names.
+func tierShares(files []sizedFile, spec string, n int) (string, error) {
+	if k, err := strconv.Atoi(spec); err == nil && k > 0 {
+		spec, n = "", k
+	}
+	cfg, err := config.Load(map[string]string{"servers": spec})
+	if err != nil {
+		return "", err
+	}
+	var total int64
+	for _, f := range files {
+		total += f.size
+	}
+	if cfg.Servers != "" {
+		members, err := discovery.Discover(cfg.ServerSpec())
+		if err != nil {
+			return "", err
+		}
+		vnodes := routing.VirtualNodes(cfg, members)
+		most := busiestShare(files, members, vnodes)
+		return fmt.Sprintf("tiers     %d servers, %d virtual nodes each: the busiest owns %s, %.2fx an even share (%s); give each\n"+
+			"          server's tiers at least that, and room for node-local copies of other nodes' files beside it\n",
+			len(members), vnodes, tiers.FormatBytes(most),
+			float64(most)/(float64(total)/float64(len(members))), tiers.FormatBytes(total/int64(len(members)))), nil
+	}
+	if n == 1 {
+		return fmt.Sprintf("tiers     one server owns the whole dataset: %s (--servers N: the share of each of N)\n",
+			tiers.FormatBytes(total)), nil
+	}
+	// Enough jobs for a median and a 90th percentile, at most about 20 million lookups.
+	jobs := max(10, min(100, 20_000_000/len(files)))
+	rng := rand.New(rand.NewPCG(uint64(len(files)), uint64(n)))
+	var over []float64
+	vnodes := ring.VirtualNodesFor(n)
+	for range jobs {
+		members := make([]ring.Member, n)
+		first, port := rng.IntN(10000), 7000+rng.IntN(1000)
+		for i := range members {
+			node := fmt.Sprintf("node%05d", first+i)
+			members[i] = ring.Member{ID: node + ":" + strconv.Itoa(port), Node: node}
+		}
+		over = append(over, float64(busiestShare(files, members, vnodes))/(float64(total)/float64(n)))
+	}
+	sort.Float64s(over)
+	even := float64(total) / float64(n)
+	return fmt.Sprintf("tiers     %d servers (name them with --servers for this job's exact figure), %d virtual nodes each: the\n"+
+		"          busiest owns %.2fx an even share (%s) in the median of %d jobs, %.2fx (%s) in 9 of 10; give each\n"+
+		"          server's tiers at least that, and room for node-local copies of other nodes' files beside it\n",
+		n, vnodes, over[len(over)/2], tiers.FormatBytes(int64(even*over[len(over)/2])), jobs,
+		over[len(over)*9/10], tiers.FormatBytes(int64(even*over[len(over)*9/10]))), nil
+}
+
+// busiestShare is the bytes of files that the busiest of members owns on their ring (keys are
+// the files' absolute paths, as readers route them).
+func busiestShare(files []sizedFile, members []ring.Member, vnodes int) int64 {
+	r := ring.New(vnodes, nil)
+	r.Add(members...)
+	owned := map[string]int64{}
+	for _, f := range files {
+		m, _ := r.Lookup(f.path)
+		owned[m.ID] += f.size
+	}
+	var most int64
+	for _, b := range owned {
+		most = max(most, b)
+	}
+	return most
 }
 
 type sizedFile struct {
