@@ -14,7 +14,7 @@
 //	fitcache run --data DIR [--data DIR]... [--prefetch N] [--prefetch-only P]... [--prefetch-exclude P]... -- CMD [ARGS...]
 //	fitcache preload-path
 //	fitcache token FILE
-//	fitcache size --compute-time T [--eta E] [--beta B] DATASET_DIR
+//	fitcache size --compute-time T [--eta E] [--beta B] [--servers LIST|N] DATASET_DIR
 //
 // Configuration comes from flags, then FITCACHE_* environment variables, then defaults (see
 // config.Load). The Python package installs this program as its `fitcache` command.
@@ -61,7 +61,7 @@ commands:
   run      run a program with its reads of dataset files served from the cache (LD_PRELOAD)
   preload-path  print the path of the LD_PRELOAD library (for setting LD_PRELOAD yourself)
   token    create a job token file (0600) for the servers and clients of a cluster job
-  size     how many servers a job needs: the sizing rule of FITCACHE with a measured server
+  size     how many servers a job needs (the sizing rule of FITCACHE with a measured server), and their tiers
 
 Run 'fitcache <command> -h' for a command's flags.
 `)

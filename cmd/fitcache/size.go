@@ -45,7 +45,7 @@ func size(args []string) error {
 	serversFlag := fset.String("servers", "", "the job's servers (as the option servers: a list, @hostfile or slurm), or their number, for each server's share of the dataset; default: the option's, else S")
 	fset.Parse(args)
 	if fset.NArg() != 1 || *compute <= 0 || *eta <= 0 || *eta > 1 || *beta <= 0 {
-		return fmt.Errorf("usage: fitcache size --compute-time DURATION [--eta 0.75] [--beta 1] DATASET_DIR")
+		return fmt.Errorf("usage: fitcache size --compute-time DURATION [--eta 0.75] [--beta 1] [--volume V] [--servers LIST|N] DATASET_DIR")
 	}
 	root, err := filepath.Abs(fset.Arg(0))
 	if err != nil {
