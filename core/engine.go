@@ -81,6 +81,7 @@ type Engine struct {
 	stats                    Stats
 	lat                      latencies // request durations and bytes by kind and origin
 	log                      *slog.Logger
+	fullWarned               sync.Map // dataset roots whose tiers were full, root -> struct{} (see warnFull)
 	mover                    *mover
 	pf                       *prefetcher
 	// sessions number the validation sessions: a copy is served only once found to match
@@ -721,6 +722,9 @@ func (e *Engine) join(path string) (f *flight, leader bool) {
 // its publication and the client reads the published file, one copy from the page cache.
 func (e *Engine) fill(f *flight, root, path string) {
 	full := e.fullFor(root)
+	if full {
+		e.warnFull(root)
+	}
 	// Nobody waits for the bytes in memory when a client reads the source itself (fetchOnly)
 	// or prefetch alone wants the file (noEvict): a file no tier takes is then not read.
 	bytesWanted := !f.fetchOnly && !f.noEvict.Load()
@@ -761,7 +765,10 @@ func (e *Engine) fill(f *flight, root, path string) {
 	f.size = entry.Size
 	// A file some tier could hold but none has room for, without evicting files of its own
 	// dataset (which a dataset never does), is not cached either: as if the tiers were full.
-	full = full || (e.canCache(entry) && !e.roomFor(root, tiers.EntrySize(path, entry.Size)))
+	if !full && e.canCache(entry) && !e.roomFor(root, tiers.EntrySize(path, entry.Size)) {
+		full = true
+		e.warnFull(root)
+	}
 	if entry.Size >= ReadNowBytes || !e.canCache(entry) {
 		f.declined = full || !e.canCache(entry) // the reader reads it by blocks
 		e.handOver(f, src)
@@ -801,6 +808,22 @@ func (e *Engine) fill(f *flight, root, path string) {
 		}
 	}
 	e.finish(path, f)
+}
+
+// warnFull tells the user, once per dataset root, that the tiers are full of root's files:
+// those that do not fit are read from the source at every read, epoch after epoch. That is
+// by design (a dataset never evicts its own files), but a user sizing the cache must hear
+// of it: in cluster mode the busiest server holds more than an even share (fitcache size
+// --servers says how much).
+func (e *Engine) warnFull(root string) {
+	if _, warned := e.fullWarned.LoadOrStore(root, struct{}{}); warned {
+		return
+	}
+	msg := fmt.Sprintf("the tiers are full of the dataset %s: its files that do not fit are read from the source "+
+		"at every read; give the tiers more room (in cluster mode each server its share of the dataset, which "+
+		"`fitcache size --servers` tells)", root)
+	e.log.Warn(msg)
+	e.stats.Warn(msg)
 }
 
 // uncachedReadMax is the largest file an engine reads into memory when no tier can take
@@ -854,6 +877,7 @@ func (e *Engine) placed(src *Source, entry tiers.Entry, err error) error {
 	case err == nil:
 		e.stats.published.Add(1)
 	case errors.Is(err, tiers.ErrNoRoom) && e.canCache(entry):
+		e.warnFull(entry.Group)
 		e.stats.uncached.Add(1)
 		return fmt.Errorf("%w: %s (%d bytes)", ErrCacheFull, entry.SourcePath, entry.Size)
 	case errors.Is(err, tiers.ErrNoRoom):

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -387,6 +388,37 @@ func TestDatasetLargerThanTheCacheDoesNotThrash(t *testing.T) {
 	}
 	if reads := e.Stats().SourceReads - before.SourceReads; reads != 0 {
 		t.Errorf("fetches of files without room read %d files, want 0", reads)
+	}
+}
+
+// A dataset that stops fitting is said once, in the log and in the stats' warnings: its
+// files that do not fit are read from the source at every read, which a user sizing the
+// cache must hear of. A dataset that fits says nothing.
+func TestADatasetThatDoesNotFitIsSaidOnce(t *testing.T) {
+	root, paths := dataset(t, 3000, 3000, 3000, 3000, 3000)
+	e := newEngine(t, fmt.Sprint(2*tiers.EntrySize(paths[0], 3000)))
+	full := func() (n int) {
+		for _, w := range e.Stats().Warnings {
+			if strings.Contains(w, "full of the dataset "+root) {
+				n++
+			}
+		}
+		return n
+	}
+	for _, p := range paths[:2] {
+		readAll(t, e, root, p)
+	}
+	if n := full(); n != 0 {
+		t.Fatalf("%d warnings of a dataset that fits", n)
+	}
+	for range 2 {
+		for _, p := range paths {
+			_, got := readAll(t, e, root, p)
+			wantBytes(t, p, got)
+		}
+	}
+	if n := full(); n != 1 {
+		t.Errorf("%d warnings of a dataset that does not fit, want 1: %q", n, e.Stats().Warnings)
 	}
 }
 

@@ -95,6 +95,7 @@ func (e *Engine) recordFill(first *tiers.Tier, root, path string, r FillReport) 
 		return false, fmt.Errorf("%w: %s (%d bytes) fits in no tier", ErrTooLarge, path, entry.Size)
 	}
 	if e.fullFor(root) {
+		e.warnFull(root)
 		return false, fmt.Errorf("%w: %s", ErrCacheFull, path)
 	}
 	err = e.place(0, entry, content{fill: f, fillTier: first})
