@@ -53,6 +53,9 @@ func (e *Engine) RecordFill(root, path string, r FillReport) error {
 		// recorded, and reports can queue up behind a slower tier's copies.
 		first.MarkFull(root)
 	}
+	if errors.Is(err, ErrCacheFull) || errors.Is(err, tiers.ErrNoRoom) {
+		e.warnFull(root) // no tier took it
+	}
 	if e.reported(path) {
 		e.recorded(path)
 	}

@@ -177,3 +177,25 @@ def test_a_readers_copy_is_recorded_as_it_wrote_it(tmp_path, cache_options):
                             capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"{len(files)} entries valid, 0 damaged" in verify.stdout, verify.stdout
+
+
+def test_a_dataset_that_stops_fitting_is_said_once(tmp_path, cache_options):
+    """Readers fill a memory tier of 1 MiB with a dataset of 4 MB: the server says once, in
+    its stats' warnings, that the dataset does not fit (its other files are read from the
+    source every epoch), and every read is right."""
+    root = tmp_path / "data"
+    root.mkdir()
+    want = {}
+    for i in range(40):
+        data = os.urandom(100_000)
+        (root / f"f{i:02d}").write_bytes(data)
+        want[f"f{i:02d}"] = data
+    shm = cache_options["tiers"].split(",")[0].rsplit(":", 1)[0]
+    options = dict(cache_options, tiers=f"{shm}:1MiB")
+    with fitcache.Client(str(root), **options) as c:
+        for _ in range(2):
+            for name, data in want.items():
+                assert bytes(c.read(name)) == data, name
+        warnings = c.stats()["server"].get("warnings", [])
+    full = [w for w in warnings if "full of the dataset " + str(root) in w]
+    assert len(full) == 1, warnings
