@@ -86,7 +86,7 @@ type localServer struct {
 // waits. It fails only when the servers refused the client or could not prove the job token.
 func newNodeRouter(cfg config.Config, log *slog.Logger, members []ring.Member, token string) (*nodeRouter, error) {
 	r := &nodeRouter{cfg: cfg, log: log, members: members, token: token,
-		fingerprint: ring.Fingerprint(routing.VirtualNodes(cfg, members), members)}
+		fingerprint: routing.RingFingerprint(cfg, members)}
 	for _, m := range members {
 		if m.Node != cfg.Node {
 			continue

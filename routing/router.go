@@ -136,7 +136,7 @@ func New(cfg config.Config, log *slog.Logger, members []ring.Member, token strin
 		known[id] = true
 	}
 	vnodes := VirtualNodes(cfg, members)
-	r := &Router{cfg: cfg, log: log, ring: ring.New(vnodes, nil), fingerprint: ring.Fingerprint(vnodes, members),
+	r := &Router{cfg: cfg, log: log, ring: ring.New(vnodes, nil), fingerprint: RingFingerprint(cfg, members),
 		peers: map[string]*Peer{}, stamper: rpc.NewStamper(token), stop: make(chan struct{}), stopped: make(chan struct{}),
 		onDead: o.OnDead}
 	r.ring.Add(members...)
@@ -323,6 +323,12 @@ func WarnOtherRing(log *slog.Logger, warned *atomic.Bool, id, theirs, mine strin
 	log.Warn("fitcache server places files on another ring than this client: its files are cached "+
 		"twice and read from the source more often; give every client and server of the job the same "+
 		"servers and virtual_nodes", "server", id, "server_ring", theirs, "client_ring", mine)
+}
+
+// RingFingerprint names the ring of the job of members that cfg describes (ring.Fingerprint
+// at VirtualNodes): what a server's hello says, and what its clients compare with it.
+func RingFingerprint(cfg config.Config, members []ring.Member) string {
+	return ring.Fingerprint(VirtualNodes(cfg, members), members)
 }
 
 // VirtualNodes is the number of points per server on the ring of the job of members that cfg

@@ -195,7 +195,7 @@ func (n *clusterNode) ring() string {
 	if n == nil {
 		return ""
 	}
-	return ring.Fingerprint(routing.VirtualNodes(n.cfg, n.members), n.members)
+	return routing.RingFingerprint(n.cfg, n.members)
 }
 
 // startMembership makes this server a member of the servers' membership (gossip_port_offset
