@@ -539,3 +539,26 @@ func TestAFirstTierWithoutRoomTakesTheOldPath(t *testing.T) {
 		wantBytes(t, paths[i], got)
 	}
 }
+
+// A fill looks at its source once after reading it (Source.Unchanged: an fstat and a stat
+// by path): the copy's writer reads on to see the source's end, which is no second look.
+func TestAFillLooksAtItsSourceOnce(t *testing.T) {
+	root, paths := dataset(t, 40_000, 3_000_000) // a fill file's, and a copy written as before
+	e := newEngine(t, "64MiB")
+	looks := 0
+	testHookSourceRead = func(string) { looks++ }
+	defer func() { testHookSourceRead = nil }()
+	for _, p := range paths {
+		looks = 0
+		if err := e.Fetch(context.Background(), root, p); err != nil {
+			t.Fatal(err)
+		}
+		if looks != 1 {
+			t.Errorf("%s: the source was looked at %d times after it was read, want 1", p, looks)
+		}
+	}
+	for i, p := range paths {
+		_, got := readAll(t, e, root, p)
+		wantBytes(t, paths[i], got)
+	}
+}

@@ -283,11 +283,12 @@ func (s *Source) RangeReader(off, n int64) io.Reader {
 }
 
 type checkedReader struct {
-	s    *Source
-	r    *io.SectionReader
-	want int64 // bytes to deliver
-	n    int64 // bytes delivered
-	err  error // the change found after the last byte, returned by every later Read
+	s       *Source
+	r       *io.SectionReader
+	want    int64 // bytes to deliver
+	n       int64 // bytes delivered
+	checked bool  // the file was checked after the last byte
+	err     error // the change found after the last byte, returned by every later Read
 }
 
 func (c *checkedReader) Read(p []byte) (int, error) {
@@ -299,7 +300,10 @@ func (c *checkedReader) Read(p []byte) (int, error) {
 	if err == io.EOF && c.n < c.want {
 		return n, fmt.Errorf("%w: %s shrank while being read", ErrChanged, c.s.path)
 	}
-	if c.n == c.want && (err == nil || err == io.EOF) {
+	// Checked once: a caller that reads on to see the end (tiers' copyExactly does) gets
+	// io.EOF, not a second look at the source (an fstat and a stat by path per file).
+	if c.n == c.want && !c.checked && (err == nil || err == io.EOF) {
+		c.checked = true
 		if testHookSourceRead != nil {
 			testHookSourceRead(c.s.path)
 		}
