@@ -1,12 +1,13 @@
 package cgroup
 
 import (
-	"bytes"
 	"fmt"
 	"path"
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/fitcache/fitcache/internal/mountinfo"
 )
 
 // procPaths are a process's cgroup paths from /proc/PID/cgroup.
@@ -46,51 +47,20 @@ type mount struct {
 	super  []string // super options: a v1 hierarchy's controllers
 }
 
-// parseMountinfo returns the cgroup and cgroup2 mounts in mountinfo: lines "ID PARENT
-// MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER".
+// parseMountinfo returns the cgroup and cgroup2 mounts in mountinfo.
 func parseMountinfo(data []byte) ([]mount, error) {
+	all, err := mountinfo.Parse(data)
+	if err != nil {
+		return nil, err
+	}
 	var mounts []mount
-	for i, line := range bytes.Split(data, []byte("\n")) {
-		if len(line) == 0 {
-			continue
+	for _, m := range all {
+		if m.FSType == "cgroup" || m.FSType == "cgroup2" {
+			mounts = append(mounts, mount{root: m.Root, point: m.Point, fstype: m.FSType, super: m.Super})
 		}
-		f := strings.Fields(string(line))
-		sep := slices.Index(f, "-")
-		if sep < 6 || len(f) < sep+4 {
-			return nil, fmt.Errorf("line %d: malformed %q", i+1, line)
-		}
-		fstype := f[sep+1]
-		if fstype != "cgroup" && fstype != "cgroup2" {
-			continue
-		}
-		mounts = append(mounts, mount{
-			root:   unescape(f[3]),
-			point:  unescape(f[4]),
-			fstype: fstype,
-			super:  strings.Split(f[sep+3], ","),
-		})
 	}
 	return mounts, nil
 }
-
-// unescape undoes mountinfo's octal escapes (\040 for a space, \011, \012, \134).
-func unescape(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) && isOctal(s[i+1]) && isOctal(s[i+2]) && isOctal(s[i+3]) {
-			b.WriteByte((s[i+1]-'0')<<6 | (s[i+2]-'0')<<3 | (s[i+3] - '0'))
-			i += 3
-			continue
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
-
-func isOctal(c byte) bool { return '0' <= c && c <= '7' }
 
 // resolve returns the directory of cgroup cgPath under a mount of fstype ("cgroup" with
 // the memory controller, or "cgroup2") and that mount. The directory is the mount

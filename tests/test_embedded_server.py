@@ -113,6 +113,14 @@ def test_stats_and_info_commands(dataset, cache_options):
     report = json.loads(info.stdout)
     assert report["hardware"]["logical_cpus"] >= 1 and report["hardware"]["cpu"]
     assert [t["kind"] for t in report["tiers"]] == ["memory", "disk"]
+    # The memory tier's tmpfs says whether it has huge pages, as /proc/self/mountinfo does.
+    shm_huge = "never"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == "/dev/shm":
+                shm_huge = next((o.split("=", 1)[1] for o in fields[-1].split(",") if o.startswith("huge=")), "never")
+    assert report["tiers"][0]["tmpfs_huge"] == shm_huge and "tmpfs_huge" not in report["tiers"][1]
     assert report["embedded_server_pid"] == server_pid(cache_options["runtime_dir"])
     bad = fitcache_cli(cache_options, "frobnicate")
     assert bad.returncode == 2 and "unknown command" in bad.stderr

@@ -16,6 +16,7 @@ import (
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/embedded"
+	"github.com/fitcache/fitcache/internal/mountinfo"
 	"github.com/fitcache/fitcache/privdir"
 	"github.com/fitcache/fitcache/tiers"
 )
@@ -30,6 +31,9 @@ type tierReport struct {
 	Capacity int64  `json:"capacity_bytes,omitempty"`
 	Free     int64  `json:"free_bytes,omitempty"`
 	Budget   int64  `json:"budget_bytes,omitempty"`
+	// HugePages is a memory tier's tmpfs's huge= mount option, "never" without one: with
+	// one, copies are written into large pages (Linux 6.14 and later for small files).
+	HugePages string `json:"tmpfs_huge,omitempty"`
 	// Warning: the directory is not private (a server uses a stand-in or skips it) or
 	// another server holds it.
 	Warning string `json:"warning,omitempty"`
@@ -90,7 +94,11 @@ func info(args []string) error {
 			fmt.Printf("tier %-6s %s: skipped (%s)\n", t.Kind, t.Dir, t.Problem)
 			continue
 		}
-		fmt.Printf("tier %-6s %s: %s, %s capacity, %s free, budget %s\n", t.Kind, t.Dir, t.FSType,
+		fs := t.FSType
+		if t.HugePages != "" {
+			fs += " (huge=" + t.HugePages + ")"
+		}
+		fmt.Printf("tier %-6s %s: %s, %s capacity, %s free, budget %s\n", t.Kind, t.Dir, fs,
 			tiers.FormatBytes(t.Capacity), tiers.FormatBytes(t.Free), tiers.FormatBytes(t.Budget))
 	}
 	printLimits(report.Limits)
@@ -136,7 +144,23 @@ func inspectTier(tc tiers.Config) tierReport {
 	r.Usable = r.Problem == ""
 	r.FSType, r.Capacity, r.Free, r.Budget = fsi.Type, fsi.Capacity, fsi.Free, size.Resolve(fsi.Capacity)
 	r.Warning = privacyWarning(tc)
+	if fsi.Type == "tmpfs" {
+		r.HugePages = hugeOption(dir)
+	}
 	return r
+}
+
+// hugeOption returns the huge= option of the tmpfs that holds dir ("never" without one), or
+// "" when the mount cannot be found.
+func hugeOption(dir string) string {
+	m, err := mountinfo.Holding(dir)
+	if err != nil || m.FSType != "tmpfs" {
+		return ""
+	}
+	if v, ok := m.Option("huge"); ok {
+		return v
+	}
+	return "never"
 }
 
 // privacyWarning says what a server will do about a tier directory that is not private
