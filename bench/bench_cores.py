@@ -57,6 +57,10 @@ process may run on), CPU model, memory, torch version and load average. Results 
 --out, by default bench/results/<machine tag>/cores-<date>.json, the tag being
 cores<usable CPUs>-<short CPU model> (for example cores2-amd-epyc).
 
+--tier-parent puts the memory tiers of the warm and cold sections on another tmpfs (say one
+mounted with huge=within_size); the plain copy stays on /dev/shm, and the tables name the
+tier's mount options.
+
 Everything the run makes (the /dev/shm copy, tiers, runtime directories) is removed at the end,
 also on Ctrl-C or SIGTERM; only the embedded servers it started are stopped (by the PID in
 their runtime directory's server.lock), and only the processes it started are killed, by PID.
@@ -239,7 +243,7 @@ class Bench:
         """A private cache holding every file, filled by one prefetch under a job id that every
         warm reader shares (the source checks happen here, not in the timed epochs)."""
         if self.warm is None:
-            cache = Cache(self.work, "warm", self.bytes)
+            cache = Cache(self.work, "warm", self.bytes, parent=self.args.tier_parent)
             self.cleanup.append(cache.wipe)
             cache.wipe()
             self.server_starts.append(cache.start(self.src))
@@ -308,7 +312,7 @@ def bench_warm(b, args, runner):
 
 
 def bench_cold(b, args):
-    cache = Cache(b.work, "cold", b.bytes)
+    cache = Cache(b.work, "cold", b.bytes, parent=args.tier_parent)
     b.cleanup.append(cache.wipe)
     plain = PlainCRC(b.src, b.names)
     s = Samples()
@@ -491,6 +495,8 @@ def markdown(results, args):
     about = (f"{d['files']} files, {d['bytes'] / 1e9:.2f} GB; batch {args.batch_size}; medians over "
              f"{args.repeats} rounds; vs plain: the median over rounds of plain's seconds / FitCache's in the same "
              f"round; CPU: every process (reader, workers, server) per file.")
+    if args.tier_parent != "/dev/shm":
+        about += f" FitCache's memory tier on {args.tier_parent} ({tmpfs_options(args.tier_parent)})."
 
     def pair_row(first, p, f):
         return (f"| {first} | {p['files_per_s']:.0f} | {f['files_per_s']:.0f} | {f['ratio']:.2f}x | "
@@ -553,6 +559,18 @@ def markdown(results, args):
 
 # ---- main ----
 
+def tmpfs_options(path):
+    """The mount options of the file system that holds path, from /proc/self/mounts."""
+    best, opts = "", "?"
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, where, _, options = line.split()[:4]
+            if (real == where or real.startswith(where.rstrip("/") + "/")) and len(where) > len(best):
+                best, opts = where, options
+    return opts
+
+
 def counts(text):
     return [int(x) for x in text.split(",") if x]
 
@@ -572,6 +590,8 @@ def parse_args():
     ap.add_argument("--cluster-reads", default="item,batched",
                     help="how the cluster section's readers read: item (item by item), batched (__getitems__)")
     ap.add_argument("--data", default="/var/tmp/fitcache-bench-scale", help="where generated datasets are kept")
+    ap.add_argument("--tier-parent", default="/dev/shm",
+                    help="the tmpfs where the memory tiers of the warm and cold sections are made (the plain copy stays on /dev/shm)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the dataset and of the epochs' orders")
     ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     ap.add_argument("--out", help="JSON results (default bench/results/<machine tag>/cores-<date>.json)")

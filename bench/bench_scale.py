@@ -302,8 +302,8 @@ class Cache(PrivateCache):
     """A private runtime directory and memory tier sized to hold the dataset, with the
     server started apart from the timed epochs."""
 
-    def __init__(self, work, name, budget_bytes, exact=False):
-        tier = f"/dev/shm/fitcache-scale-{os.getpid()}-{name}"
+    def __init__(self, work, name, budget_bytes, exact=False, parent="/dev/shm"):
+        tier = os.path.join(parent, f"fitcache-scale-{os.getpid()}-{name}")
         budget_mib = int(budget_bytes / 2**20) if exact else int(budget_bytes * 1.1 / 2**20) + 64
         super().__init__(os.path.join(work, name, "run"), f"memory:{tier}:{budget_mib}MiB", [tier])
         self.tier = tier

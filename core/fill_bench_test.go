@@ -1,6 +1,7 @@
 package core
 
 import (
+	"cmp"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -41,7 +42,7 @@ func BenchmarkFill(b *testing.B) {
 		}
 	})
 	b.Run("fill", func(b *testing.B) {
-		shm, err := os.MkdirTemp("/dev/shm", "fitcache-bench-") // a real memory tier (tmpfs)
+		shm, err := os.MkdirTemp(cmp.Or(os.Getenv("FITCACHE_BENCH_TIER_PARENT"), "/dev/shm"), "fitcache-bench-")
 		if err != nil {
 			b.Skip("no /dev/shm:", err)
 		}
