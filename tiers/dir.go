@@ -240,7 +240,7 @@ func openChecked(dirfd int, d Dir, sourcePath string) (*os.File, slot, uint64, e
 	case st.Ino != s.ino:
 		f.Close()
 		return nil, s, 0, ErrNotCached // replaced or evicted since the lookup
-	case st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size != s.size:
+	case st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != euid || st.Size != s.size:
 		f.Close()
 		return nil, s, 0, fmt.Errorf("%w: %w: %s is not the file the index describes (%d bytes, want %d)",
 			ErrNotCached, errDamaged, path, st.Size, s.size)
@@ -248,19 +248,17 @@ func openChecked(dirfd int, d Dir, sourcePath string) (*os.File, slot, uint64, e
 	return f, s, st.Ino, nil
 }
 
-// mapData maps the data of the cached file f, at path, described by e.
+// mapData maps the data of the cached file f, at path, described by e; the caller has
+// checked that f has e.Size bytes (an fstat of f: a file truncated since is what every
+// mapping guards against, see Mapping.CopyAt).
 func mapData(f *os.File, path string, kind Kind, e Entry, ino uint64) (*Mapping, error) {
 	m := &Mapping{Entry: e, Tier: kind, Path: path, ino: ino}
 	if e.Size == 0 {
 		return m, nil // nothing to map
 	}
-	mm, err := mapFile(f)
+	mm, err := mapFirst(f, e.Size)
 	if err != nil {
 		return nil, fmt.Errorf("%w: map %s: %w", ErrNotCached, path, err)
-	}
-	if int64(len(mm)) != e.Size {
-		mm.Unmap()
-		return nil, fmt.Errorf("%w: %w: %s changed size while mapped", ErrNotCached, errDamaged, path)
 	}
 	m.m = mm
 	return m, nil

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -294,9 +293,6 @@ type Fill struct {
 	Checksum    uint32
 	HasChecksum bool
 }
-
-// euid is this process's effective user id: fill files are its own.
-var euid = os.Geteuid()
 
 // OpenFill finds the fill file that a reader wrote for the file at sourcePath, and checks it
 // against what the reader says it wrote: its inode ino, size bytes, a regular file of this

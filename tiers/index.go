@@ -426,7 +426,7 @@ func openIndex(dirfd int) (*index, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("%w: %w", errNoIndex, err)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size < indexSlots {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != euid || st.Size < indexSlots {
 		return nil, fmt.Errorf("%w: not a regular file of this user, or too short", errNoIndex)
 	}
 	m, err := mmap.Map(f, mmap.RDONLY, 0)

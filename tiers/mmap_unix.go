@@ -15,6 +15,12 @@ func mapFile(f *os.File) (mmap.MMap, error) {
 	return mmap.Map(f, mmap.RDONLY, 0)
 }
 
+// mapFirst maps the first n bytes of f as mapFile maps it all, for a caller that has just
+// checked f's size (mapFile learns it with an fstat of its own).
+func mapFirst(f *os.File, n int64) (mmap.MMap, error) {
+	return mmap.MapRegion(f, int(n), mmap.RDONLY, 0, 0)
+}
+
 // statFile returns the inode number and size of the file at path (of a link itself, not
 // of what it points to).
 func statFile(path string) (ino uint64, size int64, err error) {

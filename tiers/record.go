@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io/fs"
-	"os"
 
 	"golang.org/x/sys/unix"
 )
@@ -193,7 +192,7 @@ func readRecord(binfd int, name string) (stored, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return stored{}, fmt.Errorf("%w: record: %w", errDamaged, err)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size > maxRecordBytes {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != euid || st.Size > maxRecordBytes {
 		return stored{}, fmt.Errorf("%w: record is not a regular file of this user, or too large", errDamaged)
 	}
 	b := make([]byte, st.Size)

@@ -102,7 +102,7 @@ func (s *scan) bin(parent int, rel, name string, st *unix.Stat_t, depth int) err
 	case st.Mode&unix.S_IFMT != unix.S_IFDIR:
 		s.bad(parent, rel, name, errors.New("a bin that is not a directory (a symbolic link?)"))
 		return nil
-	case int(st.Uid) != os.Geteuid():
+	case int(st.Uid) != euid:
 		err := &privdir.NotPrivateError{Path: filepath.Join(s.root, rel), Reason: "(a bin) belongs to uid " + strconv.Itoa(int(st.Uid)), Owner: int(st.Uid)}
 		if s.fix {
 			return err
@@ -125,7 +125,7 @@ func (s *scan) entry(binfd int, rel, name string, st *unix.Stat_t) {
 	case st.Mode&unix.S_IFMT != unix.S_IFREG:
 		s.bad(binfd, rel, name, fmt.Errorf("%w: not a regular file (a symbolic link?)", errDamaged))
 		return
-	case int(st.Uid) != os.Geteuid():
+	case int(st.Uid) != euid:
 		s.bad(binfd, rel, name, fmt.Errorf("%w: belongs to uid %d", errDamaged, st.Uid))
 		return
 	}

@@ -101,7 +101,7 @@ func OpenServed(runtimeDir, name string) ([]Dir, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, &os.PathError{Op: "stat", Path: path, Err: err}
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Mode&0o022 != 0 || st.Size > servedMax {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != euid || st.Mode&0o022 != 0 || st.Size > servedMax {
 		return nil, fmt.Errorf("%s: not a regular file of this user that only this user may write, of at most %d bytes",
 			path, servedMax)
 	}

@@ -18,6 +18,11 @@ import (
 	"github.com/fitcache/fitcache/privdir"
 )
 
+// euid is this process's effective user id, which owns every file of its tiers (a server
+// never changes it): read once, as os.Geteuid is a system call and copies are opened at
+// every read.
+var euid = os.Geteuid()
+
 // ErrNoRoom reports that a file does not fit in a tier without eviction (Publish), or at all.
 var ErrNoRoom = errors.New("no room in tier")
 
