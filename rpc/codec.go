@@ -244,6 +244,10 @@ func (c framedCodec) Name() string { return "fitcache-framed" }
 // hundred bytes.
 const readWindow = 4 << 10
 
+// firstReadWindow is the window looked at first: it holds the fields before a Read reply's
+// data but for a long message.
+const firstReadWindow = 512
+
 // dataField returns the field of the reply struct that holds the files' bytes in the reply
 // msg a client awaits (Read: data, 5; ReadBatch: data, 7), or 0 for other replies.
 func dataField(msg remote.Message) uint16 {
@@ -265,11 +269,20 @@ func dataField(msg remote.Message) uint16 {
 func (c framedCodec) decodeRead(ctx context.Context, msg remote.Message, in *buffer, field uint16) (bool, error) {
 	size := msg.PayloadLen()
 	dest := bulkDestOf(ctx)
-	win, err := in.Peek(min(size, readWindow+dest.window))
-	if err != nil {
-		return true, perrors.NewProtocolErrorWithErrMsg(err, "fitcache: reading a frame: "+err.Error())
+	// The fields before the data are looked at in a small window first, a larger one only
+	// when they do not fit in it: what is peeked at beyond them is data read into the
+	// connection's buffer, which is copied a second time (see replyReadAhead).
+	var at, n int
+	ok := false
+	for _, w := range []int{firstReadWindow, readWindow} {
+		win, err := in.Peek(min(size, w+dest.window))
+		if err != nil {
+			return true, perrors.NewProtocolErrorWithErrMsg(err, "fitcache: reading a frame: "+err.Error())
+		}
+		if at, n, ok = findData(win, msg.RPCInfo().Invocation().MethodName(), field); ok || len(win) == size {
+			break
+		}
 	}
-	at, n, ok := findData(win, msg.RPCInfo().Invocation().MethodName(), field)
 	if !ok {
 		return false, nil
 	}

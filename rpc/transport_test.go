@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/cloudwego/gopkg/protocol/thrift"
 	"github.com/cloudwego/kitex/pkg/remote"
@@ -225,6 +226,11 @@ func (c memConn) SetWriteDeadline(time.Time) error { return nil }
 // decodeReadReply decodes f, a framed reply to a Read call with sequence id 1, as a client
 // of this transport does, into buf when its data fits.
 func decodeReadReply(f, buf []byte) (*fitcachepb.ReadReply, error) {
+	return decodeReadReplyOn(newConn(memConn{r: bytes.NewReader(f)}, 0), buf)
+}
+
+// decodeReadReplyOn decodes the next reply on c as decodeReadReply does.
+func decodeReadReplyOn(c *conn, buf []byte) (*fitcachepb.ReadReply, error) {
 	m := fuzzService.Methods["Read"]
 	ink := rpcinfo.NewInvocation("FitCache", "Read")
 	ink.SetSeqID(1)
@@ -233,11 +239,47 @@ func decodeReadReply(f, buf []byte) (*fitcachepb.ReadReply, error) {
 		rpcinfo.NewRPCStats())
 	res := m.NewResult().(*fitcachepb.FitCacheReadResult)
 	msg := remote.NewMessage(res, ri, remote.Reply, remote.Client)
-	in := newBuffer(newConn(memConn{r: bytes.NewReader(f)}), remote.BitReadable, nil)
+	in := newBuffer(c, remote.BitReadable, nil)
 	defer in.Release(nil)
 	ctx := context.WithValue(context.Background(), bulkDestKey{}, newBulkDest(buf))
 	err := newFramedCodec(DefaultMaxFrameBytes).Decode(ctx, msg, in)
 	return res.Success, err
+}
+
+// directConn is a memConn that counts the bytes read straight into dest.
+type directConn struct {
+	memConn
+	dest   []byte
+	direct *int
+}
+
+func (c directConn) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	at, lo := uintptr(unsafe.Pointer(unsafe.SliceData(p))), uintptr(unsafe.Pointer(unsafe.SliceData(c.dest)))
+	if len(p) > 0 && at >= lo && at < lo+uintptr(len(c.dest)) {
+		*c.direct += n
+	}
+	return n, err
+}
+
+// A client's connection reads a Read reply's data straight into the caller's buffer: at most
+// replyReadAhead bytes of it come through the connection's own buffer (and are copied
+// twice), also when whole replies have arrived at once, one after another.
+func TestAReplysDataSkipsTheConnectionsBuffer(t *testing.T) {
+	data := pattern(110<<10, 5)
+	f, _ := readReply(data, "")
+	buf := make([]byte, len(data))
+	direct := 0
+	c := newConn(directConn{memConn{r: bytes.NewReader(bytes.Repeat(f, 3))}, buf, &direct}, replyReadAhead)
+	for i := range 3 {
+		r, err := decodeReadReplyOn(c, buf)
+		if err != nil || !bytes.Equal(r.Data, data) || &r.Data[0] != &buf[0] {
+			t.Fatalf("reply %d: %v", i, err)
+		}
+	}
+	if want := 3 * (len(data) - replyReadAhead); direct < want {
+		t.Errorf("%d bytes of the data read straight into the caller's buffer, want %d or more", direct, want)
+	}
 }
 
 // readReply returns a framed Read reply with data, and the offset of data in its payload.
