@@ -301,6 +301,14 @@ func (r Result) Bytes() []byte {
 	return r.Data
 }
 
+// Size returns the file's size, without mapping a Mapping not made yet (see ReadToSend).
+func (r Result) Size() int64 {
+	if r.Mapping != nil {
+		return r.Mapping.Size
+	}
+	return int64(len(r.Data))
+}
+
 // Release releases the mapping and closes the file, if any.
 func (r Result) Release() {
 	if r.Mapping != nil {
@@ -339,7 +347,9 @@ func (e *Engine) Read(ctx context.Context, root, path string, wantMapping bool) 
 // ReadToSend is Read for a caller that sends the file's bytes elsewhere (a server answering
 // a reader on another node) and cannot map tier files: a file served from a tier also comes
 // with its cached file open (Result.File), to be sent from the file (sendfile) rather than
-// through this process's memory. The mapping stays valid, and is released with the file.
+// through this process's memory. A hit's Mapping is made only when its bytes are asked for
+// (tiers.Mapping.Map), which a caller does before it closes the file; it is released with
+// the file (Release).
 func (e *Engine) ReadToSend(ctx context.Context, root, path string) (Result, error) {
 	if res, ok := e.probeToSend(root, path); ok {
 		return res, nil

@@ -3,6 +3,7 @@ package rpc
 import (
 	"context"
 	"fmt"
+	"os"
 	"syscall"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
+	"github.com/fitcache/fitcache/tiers"
 )
 
 // ReadBatch reads several files in one call: a DataLoader batch that another node's server
@@ -20,6 +22,43 @@ import (
 
 func (t typedClient) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest, opts ...callopt.Option) (*fitcachepb.ReadBatchReply, error) {
 	return invoke(ctx, t, "ReadBatch", &fitcachepb.FitCacheReadBatchArgs{Req: req}, &fitcachepb.FitCacheReadBatchResult{}, opts)
+}
+
+// batchPart is one file's bytes in a ReadBatch reply: n bytes in memory (data), or, over this
+// package's transport, of an open cached file (file) and its mapping, which is made only if
+// the bytes cannot be sent from the file (see buffer.writePart).
+type batchPart struct {
+	n       int
+	data    []byte
+	file    *os.File
+	mapping *tiers.Mapping
+}
+
+// bytes returns the part's bytes in memory, its mapping made now if it was not.
+func (p batchPart) bytes() ([]byte, error) {
+	if p.mapping == nil {
+		return p.data, nil
+	}
+	if err := p.mapping.Map(); err != nil {
+		return nil, err
+	}
+	b := p.mapping.Bytes()
+	if len(b) != p.n {
+		return nil, fmt.Errorf("rpc: %s: %d bytes mapped of %d", p.mapping.Path, len(b), p.n)
+	}
+	return b, nil
+}
+
+// batchPart returns the part of a ReadBatch reply for res. Over this package's transport a
+// file in a tier stays in its cached file, to be sent from it, and res is released once the
+// reply is out; otherwise its bytes are taken as replyBytes takes them.
+func (h *Handler) batchPart(ctx context.Context, res core.Result) batchPart {
+	r := requestOf(ctx)
+	if r == nil || res.Mapping == nil {
+		return batchPart{n: int(res.Size()), data: h.replyBytes(ctx, res)}
+	}
+	r.afterReply(res.Release) // closes its file too
+	return batchPart{n: int(res.Size()), file: res.File, mapping: res.Mapping}
 }
 
 // replyOverhead bounds what a file's reply in a batch takes in the frame beside its bytes
@@ -36,13 +75,13 @@ func (h *Handler) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchReques
 	reply := &fitcachepb.ReadBatchReply{MembershipVersion: version, Dead: dead,
 		Replies: make([]*fitcachepb.ReadReply, len(req.Paths))}
 	room := int64(h.cfg.MaxFrameBytes) - frameSlack - int64(len(req.Paths))*replyOverhead
-	var data [][]byte
+	var parts []batchPart
 	for i, path := range req.Paths {
 		start := time.Now()
 		r := &fitcachepb.ReadReply{}
 		reply.Replies[i] = r
 		res, err := h.read(ctx, req.Root, path, false)
-		n := len(res.Bytes())
+		n := int(res.Size())
 		switch {
 		case err != nil:
 		case h.tooLarge(n):
@@ -60,17 +99,17 @@ func (h *Handler) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchReques
 		r.Size, r.MtimeNanos = int64(n), res.MTimeNanos
 		setOrigin(r, res.Origin)
 		h.stampReply(path, res, r)
-		data = append(data, h.replyBytes(ctx, res))
+		parts = append(parts, h.batchPart(ctx, res))
 		if h.cfg.OnRead != nil {
 			h.cfg.OnRead(false, res.Origin, time.Since(start), int64(n))
 		}
 	}
 	if rq := requestOf(ctx); rq != nil {
-		rq.batch = data // written after the reply's other fields (see encodeBatch)
+		rq.batch = parts // written after the reply's other fields (see encodeBatch)
 	} else {
 		reply.Data = []byte{}
-		for _, b := range data {
-			reply.Data = append(reply.Data, b...)
+		for _, p := range parts {
+			reply.Data = append(reply.Data, p.data...)
 		}
 	}
 	return reply, nil

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"sync"
 
 	"github.com/cloudwego/kitex/pkg/remote"
@@ -186,17 +187,39 @@ func (b *buffer) Write(p []byte) (int, error) { return b.WriteBinary(p) }
 // request.sendFrom): the bytes written so far are sent first.
 func (b *buffer) writeBulk(p []byte) error {
 	f, ok := b.req.fileOf(p)
-	if !ok || !b.c.canSendFile() || len(p) >= sendFileMax {
+	if !ok || !b.sendsFiles(len(p)) {
 		_, err := b.WriteBinary(p)
 		return err
 	}
+	return b.sendFile(f, len(p))
+}
+
+// writePart writes a ReadBatch reply's part: from its cached file where the connection sends
+// files, else from memory (a file's mapping made now).
+func (b *buffer) writePart(p batchPart) error {
+	if p.file != nil && b.sendsFiles(p.n) {
+		return b.sendFile(p.file, p.n)
+	}
+	data, err := p.bytes()
+	if err != nil {
+		return err
+	}
+	_, err = b.WriteBinary(data)
+	return err
+}
+
+// sendsFiles reports whether n bytes of a file are sent from the file (see sendFileMax).
+func (b *buffer) sendsFiles(n int) bool { return b.c.canSendFile() && n < sendFileMax }
+
+// sendFile sends n bytes of f, after the bytes written so far.
+func (b *buffer) sendFile(f *os.File, n int) error {
 	// The frame's first bytes, the file's and the last ones leave in as few segments as
 	// they fill, and wake the reader once (see Flush).
 	b.corked = b.corked || b.c.cork(true)
 	if err := b.c.w.Flush(); err != nil {
 		return err
 	}
-	return b.c.sendFile(f, int64(len(p)))
+	return b.c.sendFile(f, int64(n))
 }
 
 // sendFileMax is the size from which a file's bytes are written from its mapping rather than

@@ -142,8 +142,8 @@ func (c framedCodec) encodeBatch(msg remote.Message, out *buffer) error {
 	body := msg.Data().(*fitcachepb.FitCacheReadBatchResult)
 	method := inv.MethodName()
 	total := 0
-	for _, b := range out.req.batch {
-		total += len(b)
+	for _, p := range out.req.batch {
+		total += p.n
 	}
 	data := thrift.Binary.FieldBeginLength() + thrift.Binary.BinaryLengthNocopy(nil) // its header and length
 	size := thrift.Binary.MessageBeginLength(method) + body.BLength() + data + total
@@ -166,8 +166,8 @@ func (c framedCodec) encodeBatch(msg remote.Message, out *buffer) error {
 	if _, err := out.WriteBinary(head[:n+4]); err != nil {
 		return err
 	}
-	for _, b := range out.req.batch {
-		if err := out.writeBulk(b); err != nil {
+	for _, p := range out.req.batch {
+		if err := out.writePart(p); err != nil {
 			return err
 		}
 	}

@@ -321,11 +321,18 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 		return reply, nil
 	}
 	res, err := h.readWhat(ctx, req)
+	if err == nil && res.Mapping != nil && !req.Local {
+		// The reply carries the bytes (a slice, for Thrift): a mapping not made yet (see
+		// core.Engine.ReadToSend) is made now.
+		if err = res.Mapping.Map(); err != nil {
+			res.Release()
+		}
+	}
 	if err != nil {
 		errno, msg, reason := errnoOf(err)
 		return &fitcachepb.ReadReply{Errno: errno, Message: msg, Reason: reason, MembershipVersion: version, Dead: dead}, nil
 	}
-	reply := &fitcachepb.ReadReply{Size: int64(len(res.Bytes())), MtimeNanos: res.MTimeNanos,
+	reply := &fitcachepb.ReadReply{Size: res.Size(), MtimeNanos: res.MTimeNanos,
 		MembershipVersion: version, Dead: dead}
 	setOrigin(reply, res.Origin)
 	if !req.IsSetBlock() { // a block's bytes are no copy of the file a replica may take
@@ -335,9 +342,9 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	case req.Local && res.Mapping != nil:
 		reply.CachedPath = res.Mapping.Path
 		res.Release()
-	case h.tooLarge(len(res.Bytes())):
+	case h.tooLarge(int(res.Size())):
 		res.Release()
-		errno, msg, reason := errnoOf(h.errTooLarge(req.Path, len(res.Bytes())))
+		errno, msg, reason := errnoOf(h.errTooLarge(req.Path, int(res.Size())))
 		return &fitcachepb.ReadReply{Errno: errno, Reason: reason, Message: msg, MembershipVersion: version, Dead: dead}, nil
 	default:
 		reply.Data = h.replyBytes(ctx, res)

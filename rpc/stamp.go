@@ -57,7 +57,7 @@ func (k *jobKeys) resultStamp(path string, res core.Result) Stamp {
 		c.Checksum = crc32.Checksum(res.Data, castagnoli)
 	}
 	return Stamp{MTimeNanos: c.MTimeNanos, CTimeNanos: c.CTimeNanos, Ino: c.Ino, Checksum: c.Checksum,
-		MAC: k.stamp(path, int64(len(res.Bytes())), c)}
+		MAC: k.stamp(path, res.Size(), c)}
 }
 
 // stampReply sets the checksum, the source's identity and the stamp of a successful read's

@@ -235,7 +235,7 @@ type requestKey struct{}
 type request struct {
 	release []func()
 	files   map[*byte]sendable // bytes of a reply that may be sent from a file instead
-	batch   [][]byte           // the data of a ReadBatch reply, in order (see encodeBatch)
+	batch   []batchPart        // the data of a ReadBatch reply, in order (see encodeBatch)
 }
 
 // sendable is a file whose bytes are the same as some bytes in memory (its mapping).

@@ -406,3 +406,39 @@ func TestReadBatch(t *testing.T) {
 		}
 	}
 }
+
+// A batch's cached files that cannot be sent with sendfile (over a Unix socket; from 1 MiB
+// up, where the mapping costs less) are sent from their mappings, made as the reply is
+// written: the bytes are the files', in order, cached or not yet.
+func TestReadBatchSendsFromMappingsMadeWhenWritten(t *testing.T) {
+	unixAddr, _ := serveEngine(t, testToken)
+	tcpAddr, _, _ := serveTCP(t, ServerConfig{Token: testToken})
+	root := t.TempDir()
+	sizes := []int{100 << 10, sendFileMax + 4096, 7, 300 << 10}
+	var paths []string
+	want := map[string][]byte{}
+	for i, size := range sizes {
+		p := filepath.Join(root, fmt.Sprintf("f%d", i))
+		paths = append(paths, p)
+		want[p] = pattern(size, byte(i+1))
+		os.WriteFile(p, want[p], 0o644)
+	}
+	for _, addr := range []string{unixAddr, tcpAddr} {
+		c, err := Dial(addr, ClientConfig{Token: testToken})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		for round := range 2 { // the source's bytes, then the cached copies'
+			r, err := c.ReadBatch(context.Background(), &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}, nil)
+			if err != nil {
+				t.Fatalf("%s, round %d: %v", addr, round, err)
+			}
+			for i, f := range r.Replies {
+				if f.Errno != 0 || !bytes.Equal(f.Data, want[paths[i]]) {
+					t.Errorf("%s, round %d, file %d: errno %d, %d bytes, want the file's %d", addr, round, i, f.Errno, len(f.Data), sizes[i])
+				}
+			}
+		}
+	}
+}

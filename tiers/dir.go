@@ -96,15 +96,25 @@ func (d Dir) Open(sourcePath string) (*Mapping, error) {
 }
 
 // OpenToSend is Open for a caller that sends the copy's bytes elsewhere (a server answering
-// another node): it also returns the cached file, open, for sendfile. Both come from one
-// open, so the file is the one mapped, and a reply costs one open of the copy instead of
-// two. The caller closes the file and releases the mapping.
+// another node): it returns the cached file, open, for sendfile, and a mapping of it that is
+// made only when its bytes are asked for (Mapping.Map), while the file is open: a reply sent
+// with sendfile maps nothing. The caller closes the file once done with the mapping, and
+// releases the mapping.
 func (d Dir) OpenToSend(sourcePath string) (*Mapping, *os.File, error) {
 	var m *Mapping
 	var f *os.File
-	err := d.withEntry(sourcePath, func(dirfd int, p string) (err error) {
-		m, f, err = openMapped(dirfd, d, p)
-		return err
+	err := d.withEntry(sourcePath, func(dirfd int, p string) error {
+		var s slot
+		var ino uint64
+		var err error
+		if f, s, ino, err = openChecked(dirfd, d, p); err != nil {
+			return err
+		}
+		m = &Mapping{Entry: s.entry(p), Tier: d.Kind, Path: filepath.Join(d.Path, RelPath(p)), ino: ino}
+		if m.Size > 0 {
+			m.lazy = f
+		}
+		return nil
 	})
 	return m, f, err
 }

@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"fmt"
+	"os"
 	"sync"
 
 	"github.com/edsrzf/mmap-go"
@@ -14,8 +15,9 @@ type Mapping struct {
 	Tier  Kind   // the tier the file was mapped from
 	Path  string // the cached file mapped
 
-	mu       sync.Mutex // protects m and released
-	m        mmap.MMap  // the whole file; nil for an empty file or once released
+	mu       sync.Mutex // protects m, lazy and released
+	m        mmap.MMap  // the whole file; nil for an empty file, before a lazy mapping is made, or once released
+	lazy     *os.File   // the open file to map at the first Map (see Dir.OpenToSend); not this mapping's to close
 	released bool
 
 	ino uint64 // inode of the file mapped, for Unchanged
@@ -33,11 +35,39 @@ func (m *Mapping) Unchanged() bool {
 }
 
 // Bytes returns the file's data: exactly Entry.Size bytes of read-only memory. Writing to it
-// faults. It must not be used after Release.
+// faults. It must not be used after Release. A mapping not made yet (see Map) is made now,
+// and Bytes returns nil if that fails: a caller of such a mapping calls Map first.
 func (m *Mapping) Bytes() []byte {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.mapLazy()
 	return m.m
+}
+
+// Map makes the mapping of a file opened to be sent (Dir.OpenToSend), which maps it only
+// when its bytes are asked for: a server that sends a file with sendfile needs no mapping of
+// it, and each mapping of a many-threaded process costs an mmap and an munmap, whose TLB
+// flush interrupts every core running one of its threads. The file it was opened with must
+// still be open. Map is a no-op for any other mapping.
+func (m *Mapping) Map() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.mapLazy()
+}
+
+// mapLazy is Map with m.mu held.
+func (m *Mapping) mapLazy() error {
+	f := m.lazy
+	if f == nil || m.released {
+		return nil
+	}
+	m.lazy = nil
+	mm, err := mapFirst(f, m.Size)
+	if err != nil {
+		return fmt.Errorf("%w: map %s: %w", ErrNotCached, m.Path, err)
+	}
+	m.m = mm
+	return nil
 }
 
 // CopyAt copies the file's bytes from off into p and returns how many it copied (0 at or
@@ -61,6 +91,7 @@ func (m *Mapping) CopyAt(p []byte, off int64) (int, error) {
 func (m *Mapping) Release() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.lazy = nil
 	if m.released || m.m == nil {
 		m.released = true
 		return nil

@@ -248,10 +248,11 @@ type zeros struct{}
 
 func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 
-// A copy opened to be sent comes mapped and open from one open: the file holds the bytes
-// mapped, even once the copy is replaced in the tier, and a damaged copy is a miss that is
+// A copy opened to be sent comes open, with a mapping of that file made only when its bytes
+// are asked for: the file and the mapping hold the same bytes, even once the copy is replaced
+// in the tier; a mapping released unmade maps nothing; a damaged copy is a miss that is
 // removed, as Open's.
-func TestOpenToSendGivesTheFileMapped(t *testing.T) {
+func TestOpenToSendGivesTheFileAndMapsItWhenAsked(t *testing.T) {
 	tier := newTier(t, Memory, "1MiB")
 	publish(t, tier, "/data/a", []byte("first bytes"))
 	m, f, err := tier.OpenToSend("/data/a")
@@ -260,14 +261,26 @@ func TestOpenToSendGivesTheFileMapped(t *testing.T) {
 	}
 	defer m.Release()
 	defer f.Close()
+	if m.m != nil || m.Size != int64(len("first bytes")) {
+		t.Errorf("opened to send: mapped %v, size %d; want unmapped, %d", m.m != nil, m.Size, len("first bytes"))
+	}
 	publish(t, tier, "/data/a", []byte("other bytes, longer"))
 	got, err := io.ReadAll(f)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if string(got) != "first bytes" || string(m.Bytes()) != "first bytes" {
-		t.Errorf("file %q, mapping %q: want both %q", got, m.Bytes(), "first bytes")
+	if err := m.Map(); err != nil || string(got) != "first bytes" || string(m.Bytes()) != "first bytes" {
+		t.Errorf("file %q, mapping %q (%v): want both %q", got, m.Bytes(), err, "first bytes")
 	}
+	unmade, f2, err := tier.OpenToSend("/data/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unmade.Release()
+	if err := unmade.Map(); err != nil || unmade.m != nil {
+		t.Errorf("a mapping released before it was made: Map %v, mapped %v; want a no-op", err, unmade.m != nil)
+	}
+	f2.Close()
 	if _, _, err := tier.OpenToSend("/data/b"); !errors.Is(err, ErrNotCached) {
 		t.Errorf("open of an uncached file: got %v, want ErrNotCached", err)
 	}
