@@ -421,9 +421,7 @@ static int index_find(const struct fc_index *ix, uint64_t key, uint64_t check, s
 // Whether the kernel has openat2 (0 unknown, 1 yes, -1 no); accessed atomically.
 static int have_openat2;
 
-// open_beneath opens rel below dirfd read-only with the extra flags oflags, following no
-// link at any level.
-static int open_beneath(int dirfd, const char *rel, int oflags) {
+int fc_openat2_beneath(int dirfd, const char *rel, int oflags) {
 	if (__atomic_load_n(&have_openat2, __ATOMIC_RELAXED) >= 0) {
 		struct open_how how = {
 			.flags = (uint64_t)(O_RDONLY | O_NOFOLLOW | oflags),
@@ -436,6 +434,16 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 		}
 		__atomic_store_n(&have_openat2, -1, __ATOMIC_RELAXED); // EPERM: a seccomp filter refuses it
 	}
+	errno = ENOSYS;
+	return -1;
+}
+
+// open_beneath opens rel below dirfd read-only with the extra flags oflags, following no
+// link at any level.
+static int open_beneath(int dirfd, const char *rel, int oflags) {
+	int fd = fc_openat2_beneath(dirfd, rel, oflags);
+	if (fd >= 0 || errno != ENOSYS)
+		return fd;
 	// One level at a time: "ab", "cd", name.
 	char part[3] = {rel[0], rel[1], 0};
 	int a = sys_openat(dirfd, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -447,7 +455,7 @@ static int open_beneath(int dirfd, const char *rel, int oflags) {
 	fc_sys_close(a);
 	if (b < 0)
 		return -1;
-	int fd = sys_openat(b, rel + 6, O_RDONLY | O_NOFOLLOW | oflags);
+	fd = sys_openat(b, rel + 6, O_RDONLY | O_NOFOLLOW | oflags);
 	fc_sys_close(b);
 	return fd;
 }

@@ -25,18 +25,31 @@ static int sys_openat(int dirfd, const char *path, int flags, mode_t mode) {
 }
 
 // open_bin opens (making it where missing) the bin "ab/cd" of key below the tier directory
-// dirfd, following no link: a descriptor, or -1 with errno set.
+// dirfd, following no link: a descriptor, or -1 with errno set. As tiers' openBin: a bin that
+// exists is opened with one openat2, else one level at a time; when the kernel said that one is
+// missing, it is nearly always the inner one (65,536 of them, 256 outer ones), which is then
+// made before it is opened.
 static int open_bin(int dirfd, uint64_t key) {
 	static const char hex[] = "0123456789abcdef";
 	char outer[3] = {hex[(key >> 4) & 15], hex[key & 15], 0};
 	char inner[3] = {hex[(key >> 12) & 15], hex[(key >> 8) & 15], 0};
+	const char both[6] = {outer[0], outer[1], '/', inner[0], inner[1], 0};
 	const int flags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
-	int fd = sys_openat(dirfd, outer, flags, 0);
+	int fd = fc_openat2_beneath(dirfd, both, O_DIRECTORY | O_CLOEXEC);
+	if (fd >= 0)
+		return fd;
+	int missing = errno == ENOENT;
+	if (!missing && errno != ENOSYS)
+		return -1;
+	fd = sys_openat(dirfd, outer, flags, 0);
 	if (fd < 0 && errno == ENOENT && (syscall(SYS_mkdirat, dirfd, outer, BIN_MODE) == 0 || errno == EEXIST))
 		fd = sys_openat(dirfd, outer, flags, 0);
 	if (fd < 0)
 		return -1;
-	int bin = sys_openat(fd, inner, flags, 0);
+	int bin = -1;
+	errno = ENOENT;
+	if (!missing)
+		bin = sys_openat(fd, inner, flags, 0);
 	if (bin < 0 && errno == ENOENT && (syscall(SYS_mkdirat, fd, inner, BIN_MODE) == 0 || errno == EEXIST))
 		bin = sys_openat(fd, inner, flags, 0);
 	int saved = errno;

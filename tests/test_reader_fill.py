@@ -123,6 +123,24 @@ def fitcache_fill_name(path):
     return f"{h & 0xff:02x}/{(h >> 8) & 0xff:02x}/.tmp-fill-{h:016x}"
 
 
+def test_a_reader_fills_into_bins_that_exist(dataset, cache_options):
+    """A reader's fill opens its bin ("ab/cd" of the first tier) with one openat2 where it
+    exists (capi/fill.c open_bin), and makes it where it does not: with every bin made
+    beforehand, each miss is still the reader's own fill."""
+    root, digests = dataset
+    memory = cache_options["tiers"].split(",")[0].split(":")[1]
+    with fitcache.Client(root, **cache_options) as c:
+        names = sorted(n for n in digests if 0 < os.path.getsize(os.path.join(root, n)) < 1_000_000)
+        for name in names:
+            bin_dir = os.path.dirname(os.path.join(memory, fitcache_fill_name(os.path.join(root, name))))
+            os.makedirs(bin_dir, mode=0o700, exist_ok=True)
+        for name in names:
+            assert digest(c.read(name)) == digests[name], name
+        assert c.stats()["client"]["reader_fills"] == len(names)
+    assert server(cache_options, len(names))["reader_fills"] == len(names)
+    assert not leftover_fills(cache_options)
+
+
 def test_a_new_jobs_unchecked_copies_are_not_opened_at_the_source(dataset, cache_options):
     """A new job's first reads of cached copies are misses until the server has checked each
     against its source (a stat): the reader must leave them to the server, not open the
