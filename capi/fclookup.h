@@ -129,13 +129,13 @@ struct fc_tier {
  * miss for fc_lookup with require_session, so that the server checks it first; 0 serves
  * every copy, UINT32_MAX none without asking. Returns 0, or a negated errno (-EPERM for a
  * directory that is not private). */
+int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session);
+
 /* Opens rel below dirfd read-only with the extra flags oflags in one openat2 system call,
  * following no link at any level. Returns the descriptor, or -1 with errno set: ENOSYS where
  * the kernel has no openat2 (or a seccomp filter refuses it), for a caller that then opens
  * one level at a time. */
 int fc_openat2_beneath(int dirfd, const char *rel, int oflags);
-
-int fc_tier_open(struct fc_tier *t, const char *dir, int kind, uint32_t session);
 
 /* Closes a tier opened by fc_tier_open. No lookup may run on it meanwhile. */
 void fc_tier_close(struct fc_tier *t);

@@ -323,9 +323,12 @@ func (h *Handler) Read(ctx context.Context, req *fitcachepb.ReadRequest) (*fitca
 	res, err := h.readWhat(ctx, req)
 	if err == nil && res.Mapping != nil && !req.Local {
 		// The reply carries the bytes (a slice, for Thrift): a mapping not made yet (see
-		// core.Engine.ReadToSend) is made now.
-		if err = res.Mapping.Map(); err != nil {
+		// core.Engine.ReadToSend) is made now. Where it cannot be (no address space left for
+		// it), the file is read as it would be without sendfile: from another tier or the
+		// source.
+		if res.Mapping.Map() != nil {
 			res.Release()
+			res, err = h.engine.Read(ctx, req.Root, req.Path, false)
 		}
 	}
 	if err != nil {

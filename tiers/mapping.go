@@ -18,6 +18,7 @@ type Mapping struct {
 	mu       sync.Mutex // protects m, lazy and released
 	m        mmap.MMap  // the whole file; nil for an empty file, before a lazy mapping is made, or once released
 	lazy     *os.File   // the open file to map at the first Map (see Dir.OpenToSend); not this mapping's to close
+	lazyErr  error      // why that mapping could not be made, returned by every later Map
 	released bool
 
 	ino uint64 // inode of the file mapped, for Unchanged
@@ -59,12 +60,13 @@ func (m *Mapping) Map() error {
 func (m *Mapping) mapLazy() error {
 	f := m.lazy
 	if f == nil || m.released {
-		return nil
+		return m.lazyErr
 	}
 	m.lazy = nil
 	mm, err := mapFirst(f, m.Size)
 	if err != nil {
-		return fmt.Errorf("%w: map %s: %w", ErrNotCached, m.Path, err)
+		m.lazyErr = fmt.Errorf("%w: map %s: %w", ErrNotCached, m.Path, err)
+		return m.lazyErr
 	}
 	m.m = mm
 	return nil

@@ -250,8 +250,8 @@ func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 
 // A copy opened to be sent comes open, with a mapping of that file made only when its bytes
 // are asked for: the file and the mapping hold the same bytes, even once the copy is replaced
-// in the tier; a mapping released unmade maps nothing; a damaged copy is a miss that is
-// removed, as Open's.
+// in the tier; a mapping released unmade maps nothing, one that cannot be made says so at
+// every Map; a damaged copy is a miss that is removed, as Open's.
 func TestOpenToSendGivesTheFileAndMapsItWhenAsked(t *testing.T) {
 	tier := newTier(t, Memory, "1MiB")
 	publish(t, tier, "/data/a", []byte("first bytes"))
@@ -281,6 +281,16 @@ func TestOpenToSendGivesTheFileAndMapsItWhenAsked(t *testing.T) {
 		t.Errorf("a mapping released before it was made: Map %v, mapped %v; want a no-op", err, unmade.m != nil)
 	}
 	f2.Close()
+	failed, f3, err := tier.OpenToSend("/data/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f3.Close() // the file it is to be mapped from, closed too early
+	if first, again := failed.Map(), failed.Map(); first == nil || again == nil || failed.Bytes() != nil {
+		t.Errorf("a mapping that cannot be made: Map %v, then %v, bytes %v; want an error each time and no bytes",
+			first, again, failed.Bytes() != nil)
+	}
+	failed.Release()
 	if _, _, err := tier.OpenToSend("/data/b"); !errors.Is(err, ErrNotCached) {
 		t.Errorf("open of an uncached file: got %v, want ErrNotCached", err)
 	}
