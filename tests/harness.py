@@ -131,20 +131,28 @@ class NetnsNodes:
 GOSSIP_OFFSET = 1000  # membership.DefaultPortOffset
 
 
+def _ports_no_connection_takes(gossip_offset):
+    """Ports below the kernel's ephemeral range, gossip port included: every outgoing
+    connection on the machine (this suite's clients make thousands) binds a local port from
+    that range, so a port picked there and checked free could be taken before its server
+    starts, which then does not start. Above 10000, clear of the well-known services."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    return range(10000, low - gossip_offset)
+
+
 def free_port(host, gossip_offset=0):
-    """A TCP port free on host a moment ago; with gossip_offset, one whose gossip port (port +
-    gossip_offset) was free too, TCP and UDP: a cluster server whose gossip port is taken does
-    not start."""
+    """A TCP port free on host a moment ago, below the ephemeral range; with gossip_offset,
+    one whose gossip port (port + gossip_offset) was free too, TCP and UDP: a cluster server
+    whose gossip port is taken does not start."""
+    ports = _ports_no_connection_takes(gossip_offset)
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if not gossip_offset:
-            return port
+        port = secrets.choice(ports)  # not random.choice: a test may seed that one
         try:
-            with socket.socket() as t, socket.socket(type=socket.SOCK_DGRAM) as u:
-                t.bind((host, port + gossip_offset))
-                u.bind((host, port + gossip_offset))
+            for p in {port, port + gossip_offset}:
+                with socket.socket() as t, socket.socket(type=socket.SOCK_DGRAM) as u:
+                    t.bind((host, p))
+                    u.bind((host, p))
             return port
         except OSError:
             continue

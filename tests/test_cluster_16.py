@@ -2,10 +2,11 @@
 reader on the first node reads 2,000 files with a DataLoader of 2 forked workers for five
 shuffled epochs, and in the middle of the third two servers of other nodes are killed
 (SIGKILL) and a third is hung (SIGSTOP, resumed only at the end). Every item's bytes are
-checked, no read fails, each file is opened on the source once plus once for each file the
-failed servers held (policy recache), and the epochs after the faults take about what the
-epochs before them took: the servers' membership finds the hung one dead, so that nothing
-waits on it again (it took 12 times longer before the servers watched each other)."""
+checked, no read fails, each file is opened on the source once, and again only if a failed
+server held it (policy recache; about once more per such file), and the epochs after the
+faults take about what the epochs before them took: the servers' membership finds the hung
+one dead, so that nothing waits on it again (it took 12 times longer before the servers
+watched each other)."""
 
 import hashlib
 import os
@@ -74,10 +75,17 @@ def test_sixteen_servers_lose_three_during_an_epoch(request, tmp_path):
             assert got == digests, f"epoch {epoch + 1}: wrong bytes"
         counts = opens.counts()
     # A failed server's file is read again by the server that takes it over (recache), and
-    # may have been read from the source once more by a read that the failure met.
+    # may have been read from the source once more by a read that the failure met. A file can
+    # meet two of the failures: a killed server's file taken over by the server that hangs
+    # next (which read it, then hung with it, before its own taker reads it again) is opened
+    # up to five times. That is seldom: in four runs beside two busy loops, 3-6 files of
+    # 2,000 were opened 3 times and none 4 times; one CI run saw a file opened 4 times. Over
+    # all files, about one open more per file the failed servers held (363-375 for 371-381).
     again = {os.path.basename(k) for k, n in counts.items() if n > 1}
     assert set(counts) == set(digests), "files never opened on the source"
     assert again <= lost, f"files opened more than once that no failed server held: {sorted(again - lost)[:10]}"
-    assert max(counts.values()) <= 3, f"a file opened {max(counts.values())} times"
+    assert max(counts.values()) <= 5, f"a file opened {max(counts.values())} times"
+    more = sum(n - 1 for n in counts.values())
+    assert more <= 2 * len(lost), f"{more} opens more than once per file, for {len(lost)} files the failed servers held"
     warm = seconds[1]
     assert max(seconds[3:]) < 3 * warm + 5, f"epochs after the faults took {seconds[3:]} s, before {seconds[:3]} s"
