@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/fitcache/fitcache/internal/splice"
 )
 
 // OpOpenMany opens the files of a batch (the misses of one fc_read_many call) in one request:
@@ -43,11 +45,13 @@ const inlineNone = ^uint32(0)
 
 // Opened is the answer for one file of an OpOpenMany request: a read-only descriptor and what
 // it holds (a core.Origin), or the file's bytes (Data, at most MaxInline, sent inline: a file
-// held in memory, which a descriptor would have to copy into a memory file first), or the
+// held in memory, which a descriptor would have to copy into a memory file first; or Pipe,
+// bytes another server sent, sent on inline from the pipe they were spliced into), or the
 // file's own error. Release, if set, is called once Data is sent (or dropped).
 type Opened struct {
 	File    *os.File
 	Data    []byte
+	Pipe    *splice.Pipe
 	Origin  uint32
 	Err     error
 	Release func()
@@ -58,6 +62,10 @@ func (o *Opened) close() {
 	if o.File != nil {
 		o.File.Close()
 		o.File = nil
+	}
+	if o.Pipe != nil {
+		splice.Put(o.Pipe)
+		o.Pipe = nil
 	}
 	if o.Release != nil {
 		o.Release()
@@ -131,7 +139,7 @@ func (s *Server) answerMany(c *net.UnixConn, root, list string) error {
 	le := binary.LittleEndian
 	for i := range res {
 		r := &res[i]
-		if r.Err == nil && r.File == nil && (r.Data == nil || len(r.Data) > MaxInline) {
+		if r.Err == nil && r.File == nil && r.Pipe == nil && (r.Data == nil || len(r.Data) > MaxInline) {
 			r.Err = fmt.Errorf("%w: %s: no descriptor, and %d bytes (at most %d go inline)", syscall.EIO, paths[i],
 				len(r.Data), MaxInline)
 		}
@@ -140,6 +148,8 @@ func (s *Server) answerMany(c *net.UnixConn, root, list string) error {
 		switch {
 		case errno != 0:
 			origin = 0
+		case r.Pipe != nil:
+			inline = uint32(r.Pipe.Len())
 		case r.File == nil:
 			inline = uint32(len(r.Data))
 		}
@@ -153,6 +163,8 @@ func (s *Server) answerMany(c *net.UnixConn, root, list string) error {
 			_, err = c.Write(reply)
 		case r.File != nil:
 			_, _, err = c.WriteMsgUnix(reply, unix.UnixRights(int(r.File.Fd())), nil)
+		case r.Pipe != nil:
+			err = sendPiped(c, reply, r.Pipe)
 		default:
 			bufs := net.Buffers{reply, r.Data}
 			_, err = bufs.WriteTo(c)
@@ -163,6 +175,18 @@ func (s *Server) answerMany(c *net.UnixConn, root, list string) error {
 		}
 	}
 	return nil
+}
+
+// sendPiped writes the reply head and then the bytes the pipe p holds on c.
+func sendPiped(c *net.UnixConn, head []byte, p *splice.Pipe) error {
+	if _, err := c.Write(head); err != nil {
+		return err
+	}
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	return p.WriteTo(rc)
 }
 
 // openMany opens the files of a batch: with the ManyOpener, else with the Opener a few at a

@@ -69,13 +69,14 @@ func (r *Router) Ask(ctx context.Context, p *Peer, root, path string, buf []byte
 }
 
 // AskBatch asks one server for the files of req in one ReadBatch call (see
-// rpc.Client.ReadBatch, which reads the reply into buf), exchanging membership gossip with it
+// rpc.Client.ReadBatch, which reads the reply into buf, and into sink's pipes when sink is
+// not nil), exchanging membership gossip with it
 // as Ask does. It neither counts a failure nor a success: the caller says (Failed, Succeeded).
-func (r *Router) AskBatch(ctx context.Context, p *Peer, req *fitcachepb.ReadBatchRequest, buf []byte) (
-	*fitcachepb.ReadBatchReply, error) {
+func (r *Router) AskBatch(ctx context.Context, p *Peer, req *fitcachepb.ReadBatchRequest, buf []byte,
+	sink *rpc.PipeSink) (*fitcachepb.ReadBatchReply, error) {
 	version, dead, alive := p.news.Take()
 	req.MembershipVersion, req.Dead, req.Alive = version, dead, alive
-	reply, err := p.rpc.ReadBatch(ctx, req, buf)
+	reply, err := p.rpc.ReadBatch(ctx, req, buf, sink)
 	if reply != nil {
 		r.learn(p, reply.MembershipVersion, reply.Dead)
 	}

@@ -397,6 +397,10 @@ func (r *Router) Targets(key string) []*Peer {
 	})
 }
 
+// Replicas returns how many servers hold each file (the option replicas): its owner, and
+// those a copy read from the source is sent to.
+func (r *Router) Replicas() int { return r.cfg.Replicas }
+
 // Failed records a failed call; it reports whether the server is now dead.
 func (r *Router) Failed(p *Peer, err error) bool {
 	r.failures.Add(1)

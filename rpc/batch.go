@@ -117,12 +117,16 @@ func (h *Handler) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchReques
 
 // ReadBatch reads the files of req in one call, into buf when they fit in it (else into a new
 // buffer): the reply has a reply per path, in order, with its errno (see core.NewErrnoError)
-// or its Data, a slice of that buffer. A file with errno ENOBUFS did not fit in the reply
-// with the others: read it alone. The error is the call's (the server not reached, or the
-// request refused as a whole).
-func (c *Client) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest, buf []byte) (*fitcachepb.ReadBatchReply, error) {
+// or its Data, a slice of that buffer. With sink not nil, the files that fit in a pipe are
+// in one instead, their Data nil: the caller takes each (sink.Take) and closes the sink
+// (whatever the call returned). A file with errno ENOBUFS did not fit in the reply with the
+// others: read it alone. The error is the call's (the server not reached, or the request
+// refused as a whole).
+func (c *Client) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest, buf []byte, sink *PipeSink) (
+	*fitcachepb.ReadBatchReply, error) {
 	dest := newBulkDest(buf)
 	dest.window = 2 * len(req.Paths) * replyOverhead // the files' replies (and messages) come before their data
+	dest.sink = sink
 	var r *fitcachepb.ReadBatchReply
 	err := c.call(ctx, c.cfg.ReadTimeout, func(ctx context.Context) (err error) {
 		r, err = c.kc.ReadBatch(context.WithValue(ctx, bulkDestKey{}, dest), req, c.target())
@@ -139,8 +143,8 @@ func (c *Client) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest
 		return nil, c.failed(fmt.Errorf("%w: %d replies to a batch of %d files", errBadFrame, len(r.Replies), len(req.Paths)))
 	}
 	at := int64(0)
-	for _, f := range r.Replies {
-		if f == nil || f.Errno != 0 {
+	for i, f := range r.Replies {
+		if f == nil || f.Errno != 0 || sink.Piped(i) {
 			continue
 		}
 		if f.Size < 0 || f.Size > int64(len(r.Data))-at {

@@ -78,14 +78,14 @@ func BenchmarkRemoteReadBatch(b *testing.B) {
 			ctx := context.Background()
 			req := &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}
 			buf := make([]byte, files*size)
-			if _, err := c.ReadBatch(ctx, req, buf); err != nil { // cached from now on
+			if _, err := c.ReadBatch(ctx, req, buf, nil); err != nil { // cached from now on
 				b.Fatal(err)
 			}
 			b.SetBytes(int64(files * size))
 			cpu0 := processCPU()
 			b.ResetTimer()
 			for b.Loop() {
-				if r, err := c.ReadBatch(ctx, req, buf); err != nil || len(r.Data) != files*size {
+				if r, err := c.ReadBatch(ctx, req, buf, nil); err != nil || len(r.Data) != files*size {
 					b.Fatal(err)
 				}
 			}

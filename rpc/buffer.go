@@ -8,6 +8,8 @@ import (
 	"sync"
 
 	"github.com/cloudwego/kitex/pkg/remote"
+
+	"github.com/fitcache/fitcache/internal/splice"
 )
 
 // buffer is the remote.ByteBuffer of one message on a conn of this transport (transport.go):
@@ -155,6 +157,34 @@ func (b *buffer) readDirect(p []byte) error {
 	m, err := io.ReadFull(b.c.Conn, p[n:])
 	b.rn += m
 	return err
+}
+
+// readDirectPipe moves the connection's next n bytes into the pipe p, as readDirect reads
+// them into memory: those its reader holds are written into the pipe, the rest spliced
+// from the socket, without entering this process.
+func (b *buffer) readDirectPipe(p *splice.Pipe, n int) error {
+	if err := b.readable(); err != nil {
+		return err
+	}
+	if b.c.sock == nil {
+		return errors.New("rpc: a pipe for the bytes of a connection without a socket")
+	}
+	held, err := b.c.r.Next(min(n, b.c.r.Buffered()))
+	if err != nil {
+		return err
+	}
+	if err := p.Write(held); err != nil {
+		return err
+	}
+	rc, err := b.c.sock.SyscallConn()
+	if err != nil {
+		return err
+	}
+	if err := p.ReadFrom(rc, n-len(held)); err != nil {
+		return err
+	}
+	b.rn += n - len(held)
+	return nil
 }
 
 // Malloc implements remote.ByteBuffer.

@@ -255,10 +255,13 @@ func dataField(msg remote.Message) uint16 {
 	case *fitcachepb.FitCacheReadResult:
 		return 5
 	case *fitcachepb.FitCacheReadBatchResult:
-		return 7
+		return batchDataField
 	}
 	return 0
 }
+
+// batchDataField is the field of a ReadBatch reply that holds its files' bytes.
+const batchDataField = 7
 
 // decodeRead decodes a Read or ReadBatch reply on a client, its data (the binary field of
 // the reply struct given) straight from the socket into the buffer of the call (see
@@ -297,9 +300,14 @@ func (c framedCodec) decodeRead(ctx context.Context, msg remote.Message, in *buf
 	frame := make([]byte, at, size-n)
 	copy(frame, head)
 	binary.BigEndian.PutUint32(frame[at-4:], 0)
-	data := dest.take(n)
-	err = in.readDirect(data)
-	dest.give()
+	var data []byte
+	if dest.sink != nil && field == batchDataField && in.c.sock != nil {
+		data, err = dest.sink.read(in, frame, n, dest)
+	} else {
+		data = dest.take(n)
+		err = in.readDirect(data)
+		dest.give()
+	}
 	if err != nil {
 		return true, perrors.NewProtocolErrorWithErrMsg(err, "fitcache: reading a file's bytes: "+err.Error())
 	}
@@ -383,6 +391,7 @@ type bulkDestKey struct{}
 // (the connection's deadline ends it).
 type bulkDest struct {
 	window int        // bytes to look at for the data's place beyond readWindow (a batch's replies)
+	sink   *PipeSink  // where a batch's files go into pipes, if not nil
 	mu     sync.Mutex // protects state and done
 	buf    []byte
 	state  int           // destFree, destLent, destDone

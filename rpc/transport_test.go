@@ -20,8 +20,10 @@ import (
 	"github.com/cloudwego/gopkg/protocol/thrift"
 	"github.com/cloudwego/kitex/pkg/remote"
 	"github.com/cloudwego/kitex/pkg/rpcinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/internal/splice"
 	"github.com/fitcache/fitcache/rpc/kitex_gen/fitcachepb"
 )
 
@@ -354,7 +356,8 @@ func FuzzDecodeReadReply(f *testing.F) {
 
 // TestReadBatch: a batch's files come back in order, each with its bytes or its error (a
 // missing file, one too large for any reply, ones that no longer fit in this reply), into the
-// caller's buffer or a new one, sent from the cached files or from their mappings.
+// caller's buffer, a new one, or pipes (those of at most splice.Max bytes, the others in
+// the buffer), sent from the cached files or from their mappings.
 func TestReadBatch(t *testing.T) {
 	const frame = 1 << 20
 	for _, fromFiles := range []bool{true, false} {
@@ -378,12 +381,16 @@ func TestReadBatch(t *testing.T) {
 		// 200 KiB and two of 300 KiB fit in the 1 MiB reply (with its slack); the third 300 KiB no longer.
 		wantErr := map[int]syscall.Errno{4: syscall.ENOENT, 5: syscall.EFBIG, 8: syscall.ENOBUFS}
 		for round := range 2 {
-			for _, into := range []bool{false, true} {
+			for _, into := range []string{"new buffer", "caller's buffer", "pipes"} {
 				var buf []byte
-				if into {
+				if into != "new buffer" {
 					buf = make([]byte, 1<<20)
 				}
-				r, err := c.ReadBatch(context.Background(), &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}, buf)
+				var sink *PipeSink
+				if into == "pipes" {
+					sink = &PipeSink{}
+				}
+				r, err := c.ReadBatch(context.Background(), &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}, buf, sink)
 				if err != nil {
 					t.Fatalf("files %v, round %d: %v", fromFiles, round, err)
 				}
@@ -392,6 +399,11 @@ func TestReadBatch(t *testing.T) {
 					if got := core.Errno(err); got != wantErr[i] {
 						t.Errorf("files %v, round %d, file %d: errno %v (%v), want %v", fromFiles, round, i, got, err, wantErr[i])
 					}
+					if piped := sink.Piped(i); piped != (into == "pipes" && err == nil && sizes[i] > 0 && sizes[i] <= splice.Max) {
+						t.Errorf("files %v, round %d, into %s, file %d of %d bytes: in a pipe %v", fromFiles, round, into, i, sizes[i], piped)
+					} else if piped {
+						f.Data = drain(t, sink.Take(i))
+					}
 					if err == nil && !bytes.Equal(f.Data, want[paths[i]]) {
 						t.Errorf("files %v, round %d, file %d: %d bytes, not the file's %d", fromFiles, round, i, len(f.Data), sizes[i])
 					}
@@ -399,12 +411,40 @@ func TestReadBatch(t *testing.T) {
 						t.Errorf("file %d: its data reaches into the next file's (capacity %d)", i, cap(f.Data))
 					}
 				}
-				if into && len(r.Data) > 0 && &r.Data[0] != &buf[0] {
+				if into != "new buffer" && len(r.Data) > 0 && &r.Data[0] != &buf[0] {
 					t.Errorf("files %v, round %d: the batch's bytes were not read into the caller's buffer", fromFiles, round)
 				}
+				sink.Close()
 			}
 		}
 	}
+}
+
+// drain returns the bytes of the pipe p, sent through a socket pair, and gives p back.
+func drain(t *testing.T, p *splice.Pipe) []byte {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, in := os.NewFile(uintptr(fds[0]), "out"), os.NewFile(uintptr(fds[1]), "in")
+	defer in.Close()
+	got := make(chan []byte, 1)
+	go func() {
+		b, _ := io.ReadAll(in)
+		got <- b
+	}()
+	rc, err := out.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.WriteTo(rc); err != nil {
+		t.Fatal(err)
+	}
+	out.Close()
+	splice.Put(p)
+	b := <-got
+	return b[:len(b):len(b)]
 }
 
 // A batch's cached files that cannot be sent with sendfile (over a Unix socket; from 1 MiB
@@ -430,7 +470,7 @@ func TestReadBatchSendsFromMappingsMadeWhenWritten(t *testing.T) {
 		}
 		defer c.Close()
 		for round := range 2 { // the source's bytes, then the cached copies'
-			r, err := c.ReadBatch(context.Background(), &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}, nil)
+			r, err := c.ReadBatch(context.Background(), &fitcachepb.ReadBatchRequest{Root: root, Paths: paths}, nil, nil)
 			if err != nil {
 				t.Fatalf("%s, round %d: %v", addr, round, err)
 			}

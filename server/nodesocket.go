@@ -410,7 +410,8 @@ func (n *clusterNode) openMany(ctx context.Context, root string, paths []string)
 		defer done()
 	}
 	for k, r := range c.openMany(ctx, asked, nodesock.MaxInline) {
-		out[at[k]] = nodesock.Opened{File: r.File, Data: r.Data, Origin: uint32(r.Origin), Err: r.Err, Release: r.Release}
+		out[at[k]] = nodesock.Opened{File: r.File, Data: r.Data, Pipe: r.Pipe, Origin: uint32(r.Origin), Err: r.Err,
+			Release: r.Release}
 	}
 	return out
 }

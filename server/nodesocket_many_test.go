@@ -17,6 +17,7 @@ import (
 
 	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
+	"github.com/fitcache/fitcache/internal/splice"
 	"github.com/fitcache/fitcache/nodesock"
 	"github.com/fitcache/fitcache/rpc"
 	"github.com/fitcache/fitcache/tiers"
@@ -199,5 +200,63 @@ func checkBatch(t *testing.T, paths []string, got []nodesock.Opened, want map[st
 		if err != nil || !bytes.Equal(b, data) {
 			t.Errorf("%s: %d bytes (%v), want its %d", p, len(b), err, len(data))
 		}
+	}
+}
+
+// A node without room for node-local copies relays the files that servers on other nodes
+// send through pipes (package splice), never holding their bytes: each file comes with its
+// bytes, whether it fits in a pipe or not, and every pipe is back once the batch is answered.
+func TestClusterNodeSocketRelaysOtherNodesFilesThroughPipes(t *testing.T) {
+	root := t.TempDir()
+	want := map[string][]byte{}
+	var paths []string
+	for i := range 48 {
+		p := filepath.Join(root, fmt.Sprintf("f%03d", i))
+		size := 1 + i*5000
+		if i%12 == 11 {
+			size = splice.Max + 1000*i // larger than a pipe: through memory
+		}
+		want[p] = bytes.Repeat([]byte{byte(i), byte(i >> 8), 7}, size/3+1)[:size]
+		if err := os.WriteFile(p, want[p], 0o644); err != nil {
+			t.Fatal(err)
+		}
+		paths = append(paths, p)
+	}
+	self, engine := startEngineServerWithBudget(t, "127.0.0.1", root, "256KiB")
+	servers := self
+	for _, host := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		servers += "," + startCountedServer(t, host, root).addr
+	}
+	cfg, err := config.Load(map[string]string{"servers": servers, "node": "127.0.0.1", "wait_timeout": "5",
+		"rpc_timeout": "5"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cn, err := newClusterNode(engine, cfg, "tok", self, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cn.Close()
+	sock := filepath.Join(t.TempDir(), "s.node")
+	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+
+	// The first batch fills the node's tier with what its copies can take.
+	checkBatch(t, paths, openMany(t, sock, root, paths), want)
+	before, _ := splice.Counts()
+	checkBatch(t, paths, openMany(t, sock, root, paths), want)
+	got, _ := splice.Counts()
+	if got == before {
+		t.Error("no file of the second batch went through a pipe")
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for _, inUse := splice.Counts(); inUse != 0; _, inUse = splice.Counts() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pipes not given back after the batch", inUse)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -49,7 +49,13 @@ func TestSelfMemberFindsTheServerByItsListenAddress(t *testing.T) {
 // node), with the job token "tok".
 func startEngineServer(t *testing.T, host, root string) (string, *core.Engine) {
 	t.Helper()
-	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: "64MiB"}},
+	return startEngineServerWithBudget(t, host, root, "64MiB")
+}
+
+// startEngineServerWithBudget is startEngineServer with a memory tier of budget.
+func startEngineServerWithBudget(t *testing.T, host, root, budget string) (string, *core.Engine) {
+	t.Helper()
+	e, err := core.NewEngine(core.EngineConfig{Tiers: []tiers.Config{{Dir: t.TempDir(), Kind: tiers.Memory, Budget: budget}},
 		Roots: []string{root}}, nil)
 	if err != nil {
 		t.Fatal(err)

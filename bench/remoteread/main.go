@@ -491,7 +491,7 @@ func (f fitcacheReader) readBatch(size, k int) batchFunc {
 		for i := first; i < first+k; i++ {
 			req.Paths = append(req.Paths, paths[i%len(paths)])
 		}
-		r, err := f.c.ReadBatch(context.Background(), req, buf)
+		r, err := f.c.ReadBatch(context.Background(), req, buf, nil)
 		if err != nil {
 			return 0, err
 		}
