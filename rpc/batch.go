@@ -144,7 +144,13 @@ func (c *Client) ReadBatch(ctx context.Context, req *fitcachepb.ReadBatchRequest
 	}
 	at := int64(0)
 	for i, f := range r.Replies {
-		if f == nil || f.Errno != 0 || sink.Piped(i) {
+		if f == nil || f.Errno != 0 {
+			continue
+		}
+		if sink.Piped(i) {
+			if f.Size != int64(sink.pipes[i].Len()) {
+				return nil, c.failed(fmt.Errorf("%w: a file of %d bytes, %d in its pipe", errBadFrame, f.Size, sink.pipes[i].Len()))
+			}
 			continue
 		}
 		if f.Size < 0 || f.Size > int64(len(r.Data))-at {

@@ -264,8 +264,8 @@ func dataField(msg remote.Message) uint16 {
 const batchDataField = 7
 
 // decodeRead decodes a Read or ReadBatch reply on a client, its data (the binary field of
-// the reply struct given) straight from the socket into the buffer of the call (see
-// bulkDest): the frame's other bytes are set aside, checked as any frame (checkFrame, with
+// the reply struct given) straight from the socket into the buffer of the call, or a
+// batch's files into the call's pipes (see bulkDest): the frame's other bytes are set aside, checked as any frame (checkFrame, with
 // the data's length as 0) and decoded by Kitex's codec. It reads nothing and reports false
 // when the data does not start within readWindow bytes (the caller decodes the frame as any
 // other).
@@ -384,8 +384,9 @@ func findData(b []byte, method string, field uint16) (at, n int, ok bool) {
 type bulkDestKey struct{}
 
 // bulkDest is where a Read call wants the file's bytes: in the caller's buffer, when they
-// fit, else in a new one. The buffer is lent to one decode at a time, and the caller takes
-// it back (abandon) once no decode writes to it: calls run in the caller's goroutine (see
+// fit, else in a new one; for a ReadBatch with a sink, the files that fit in pipes in pipes
+// (see PipeSink). The buffer (and the sink) is lent to one decode at a time, and the caller
+// takes it back (abandon) once no decode writes to it: calls run in the caller's goroutine (see
 // Client.call), so a decode has ended when its call returns, and should Kitex ever leave
 // one running past its call (as it did with an RPC timeout of its own), abandon waits for it
 // (the connection's deadline ends it).
@@ -412,6 +413,19 @@ func bulkDestOf(ctx context.Context) *bulkDest {
 		return d
 	}
 	return &bulkDest{state: destDone}
+}
+
+// lendAll lends the call's sink and buffer (which may be too small, or nil) to one decode, as
+// take lends the buffer; false once the caller took them back (abandon): the decode then
+// uses neither. give ends the loan.
+func (d *bulkDest) lendAll() ([]byte, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.state != destFree {
+		return nil, false
+	}
+	d.state, d.done = destLent, make(chan struct{})
+	return d.buf, true
 }
 
 // take returns a buffer of n bytes: the caller's if it is free and large enough.

@@ -18,8 +18,8 @@ type PipeSink struct {
 	pipes []*splice.Pipe // by reply; nil: the file's bytes are in the reply's Data (or it has none)
 }
 
-// Take returns the pipe holding the bytes of the file of the reply's i-th file, or nil when
-// they are in the reply's Data (or it has none). The caller owns the pipe (splice.Put).
+// Take returns the pipe holding the bytes of the reply's i-th file, or nil when they are in
+// the reply's Data (or it has none). The caller owns the pipe (splice.Put).
 func (s *PipeSink) Take(i int) *splice.Pipe {
 	if !s.Piped(i) {
 		return nil
@@ -55,11 +55,15 @@ func (s *PipeSink) read(in *buffer, frame []byte, n int, dest *bulkDest) ([]byte
 	if err != nil {
 		return nil, err
 	}
-	s.Close()
+	buf, lent := dest.lendAll()
+	if !lent { // the caller is gone, with its sink: the bytes are read to be dropped
+		data := make([]byte, n)
+		return data, in.readDirect(data)
+	}
+	defer dest.give()
 	s.pipes = make([]*splice.Pipe, len(sizes))
-	total, inMemory := 0, 0
+	inMemory := 0
 	for i, size := range sizes {
-		total += size
 		if size > 0 && size <= splice.Max {
 			if p, err := splice.Get(); err == nil {
 				s.pipes[i] = p
@@ -68,12 +72,11 @@ func (s *PipeSink) read(in *buffer, frame []byte, n int, dest *bulkDest) ([]byte
 		}
 		inMemory += size
 	}
-	if total != n {
-		s.Close()
-		return nil, fmt.Errorf("%w: the batch's data holds %d bytes, its files %d", errBadFrame, n, total)
+	data := buf[:0]
+	if cap(buf) < inMemory {
+		data = make([]byte, 0, inMemory)
 	}
-	data := dest.take(inMemory)
-	defer dest.give()
+	data = data[:inMemory]
 	at := 0
 	for i, size := range sizes {
 		if p := s.pipes[i]; p != nil {
@@ -117,7 +120,7 @@ func batchSizes(frame []byte, n int) ([]int, error) {
 	if result.Success == nil {
 		return nil, fmt.Errorf("%w: a batch's data without its replies", errBadFrame)
 	}
-	sizes := make([]int, len(result.Success.Replies))
+	sizes, total := make([]int, len(result.Success.Replies)), 0
 	for i, r := range result.Success.Replies {
 		if r == nil || r.Errno != 0 {
 			continue
@@ -126,6 +129,10 @@ func batchSizes(frame []byte, n int) ([]int, error) {
 			return nil, fmt.Errorf("%w: a file of %d bytes in a batch", errBadFrame, r.Size)
 		}
 		sizes[i] = int(r.Size)
+		total += sizes[i]
+	}
+	if total != n {
+		return nil, fmt.Errorf("%w: the batch's data holds %d bytes, its files %d", errBadFrame, n, total)
 	}
 	return sizes, nil
 }

@@ -478,8 +478,9 @@ func (c *rootReader) forget(ctx context.Context, path string) error {
 // per file; the others are opened as open opens them, a few at a time.
 
 // opened is what openMany answers for one file: its descriptor and what it holds, or
-// the bytes another node's server sent (Data, core.OriginPeer), or the file's own error.
-// Release, if set, is to be called once Data is no longer used.
+// the bytes another node's server sent (Data, or Pipe: core.OriginPeer), or the file's own
+// error. Release, if set, is to be called once Data is no longer used; a Pipe goes back with
+// splice.Put once sent (nodesock.Opened does that).
 type opened struct {
 	File    *os.File
 	Data    []byte
@@ -506,7 +507,8 @@ var batchBuffers = sync.Pool{New: func() any { b := make([]byte, batchBufferSize
 // node as open opens each, and returns one opened per path, in order (the
 // caller closes the files). A file's error is that file's only. A file of at most inlineMax
 // bytes that a server on another node sends, and that this node keeps no copy of, comes as
-// its bytes (Data, with its Release) rather than as a memory file that would copy them. The files that servers on
+// its bytes (Data, with its Release, or in a Pipe: see openBatchFromPeer) rather than as a
+// memory file that would copy them. The files that servers on
 // other nodes own are asked of each owner in one ReadBatch call, all owners at once; an owner
 // that does not answer is counted as failing once for its batch, and its files go as a failed
 // read of each would: to the new owner once it is dead (recache), else to the source.

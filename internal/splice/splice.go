@@ -3,7 +3,7 @@
 // (over TCP) to the readers on its node (over its node socket) this way. Read into memory and
 // written out again, each file was copied twice by the relaying server; spliced, the pipe
 // takes references to the pages that hold the received bytes, and the Unix socket takes
-// them from the pipe (Linux 6.5 and later; an older kernel copies them once, in the kernel).
+// them from the pipe, by reference too: the reader's read is their one copy.
 //
 // A Pipe holds the bytes of one file at most Max long, taken in whole before any is sent
 // on, so that the connection they came on is free for its next reply whatever the reader
@@ -78,7 +78,14 @@ func refused(err error) bool {
 // reads the bytes into memory.
 func Get() (*Pipe, error) {
 	if off.Load() {
-		return nil, errOff
+		for { // none will be used again
+			select {
+			case p := <-idle:
+				p.close()
+			default:
+				return nil, errOff
+			}
+		}
 	}
 	select {
 	case p := <-idle:
@@ -113,10 +120,11 @@ func Put(p *Pipe) {
 	if p == nil {
 		return
 	}
-	if p.n != 0 || len(p.spill) != 0 {
+	if p.n != 0 || len(p.spill) != 0 || off.Load() {
 		p.close()
 		return
 	}
+	p.spill = nil
 	select {
 	case idle <- p:
 	default:
@@ -176,12 +184,15 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 				switch {
 				case err == unix.EINTR:
 					continue
-				case err == unix.EAGAIN:
+				case err == unix.EAGAIN: // no bytes on the socket, or no slot left in the pipe
 					err = nil
-					if waiting, _ := unix.IoctlGetInt(int(fd), unix.SIOCINQ); waiting == 0 {
-						return false // the socket has no bytes yet
+					var b [1]byte
+					if _, _, perr := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT); perr == unix.EAGAIN {
+						return false // no bytes: wait for them
 					}
-					inMemory = true // the pipe has no slot left
+					// Bytes, the connection's end, or its error: the pipe has no slot left for
+					// them, and a read into memory takes or reports them.
+					inMemory = true
 					return true
 				case refused(err):
 					err, inMemory = nil, true
@@ -269,6 +280,9 @@ func (p *Pipe) WriteTo(conn syscall.RawConn) error {
 				}
 				continue
 			case err != nil:
+				return true
+			case k == 0:
+				err = fmt.Errorf("splice: a pipe said to hold %d bytes gave none", p.n)
 				return true
 			}
 			p.n -= int(k)

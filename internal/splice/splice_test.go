@@ -2,6 +2,7 @@ package splice
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -245,6 +246,43 @@ func TestRefusedSpliceFallsBackToMemory(t *testing.T) {
 			if q, err := Get(); err == nil {
 				Put(q)
 				t.Error("a pipe was handed out after splice was refused")
+			}
+		})
+	}
+}
+
+// A connection that ends in a file's bytes fails the read at once, not at its deadline,
+// whether its bytes came in one piece or in more packets than the pipe has slots.
+func TestAConnectionEndingInAFileFailsTheReadAtOnce(t *testing.T) {
+	for _, chunk := range []int{0, 100} {
+		t.Run(fmt.Sprintf("packets of %d bytes", chunk), func(t *testing.T) {
+			send, recv := tcpPair(t)
+			send.SetNoDelay(true)
+			sent := bytes.Repeat([]byte("x"), 40<<10)
+			go func() {
+				for b := sent; len(b) > 0; {
+					k := len(b)
+					if chunk > 0 {
+						k = min(k, chunk)
+						time.Sleep(20 * time.Microsecond)
+					}
+					send.Write(b[:k])
+					b = b[k:]
+				}
+				send.Close()
+			}()
+			p, err := Get()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer Put(p)
+			recv.SetReadDeadline(time.Now().Add(30 * time.Second))
+			start := time.Now()
+			if err := p.ReadFrom(raw(t, recv), len(sent)+1000); err == nil {
+				t.Fatal("a read past the connection's end succeeded")
+			}
+			if d := time.Since(start); d > 10*time.Second {
+				t.Fatalf("the read failed after %v", d)
 			}
 		})
 	}
