@@ -63,14 +63,11 @@ var spliceCall = unix.Splice
 // through memory.
 var off atomic.Bool
 
-// refused reports whether err says that splice cannot be used here at all, and if so says
-// so to Get.
-func refused(err error) bool {
-	if err != unix.EINVAL && err != unix.ENOSYS && err != unix.EOPNOTSUPP && err != unix.EPERM {
-		return false
+// refused turns splice off (see Get) when err says that it cannot be used here at all.
+func refused(err error) {
+	if err == unix.EINVAL || err == unix.ENOSYS || err == unix.EOPNOTSUPP || err == unix.EPERM {
+		off.Store(true)
 	}
-	off.Store(true)
-	return true
 }
 
 // Get returns an empty pipe with room for Max bytes, or an error when none can be had
@@ -169,7 +166,7 @@ func (p *Pipe) Write(b []byte) error {
 // them as a read of conn does (its read deadline holds). A pipe has a slot per page of its
 // room, and a socket's bytes arrive in pieces (packets) that take a slot each however small:
 // when its slots are taken before its room, the rest of the bytes are read into memory, as
-// they are all where splice is refused.
+// they are where splice fails (a read then reports the socket's own error, if it was one).
 func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 	if n < 0 || p.Len()+n > Max {
 		return fmt.Errorf("splice: %d bytes more in a pipe holding %d of %d", n, p.Len(), Max)
@@ -194,10 +191,11 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 					// them, and a read into memory takes or reports them.
 					inMemory = true
 					return true
-				case refused(err):
-					err, inMemory = nil, true
-					return true
 				case err != nil:
+					// Refused, or failed on either end: a read into memory goes on, and
+					// reports the socket's error if it was the socket's.
+					refused(err)
+					err, inMemory = nil, true
 					return true
 				case k == 0:
 					err = errors.New("splice: the connection ended in a file's bytes")
@@ -274,13 +272,14 @@ func (p *Pipe) WriteTo(conn syscall.RawConn) error {
 			case err == unix.EAGAIN: // the socket has no room (the pipe has bytes)
 				err = nil
 				return false
-			case refused(err): // the pipe's bytes are read out and written
+			case err != nil:
+				// Refused, or failed on either end: the pipe's bytes are read out and
+				// written, which reports the socket's error if it was the socket's.
+				refused(err)
 				if err = p.unpipe(); err != nil {
 					return true
 				}
 				continue
-			case err != nil:
-				return true
 			case k == 0:
 				err = fmt.Errorf("splice: a pipe said to hold %d bytes gave none", p.n)
 				return true

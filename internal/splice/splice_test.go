@@ -203,51 +203,57 @@ func TestAReadEndsAtTheDeadline(t *testing.T) {
 
 func osFile(fd int) *os.File { return os.NewFile(uintptr(fd), "socket") }
 
-// Where the kernel (or a sandbox) refuses splice, a file's bytes still arrive whole, through
-// memory, whichever splice was refused, and no pipe is handed out afterwards.
-func TestRefusedSpliceFallsBackToMemory(t *testing.T) {
-	for _, refuse := range []string{"from the socket", "to the socket"} {
-		t.Run(refuse, func(t *testing.T) {
-			t.Cleanup(func() { spliceCall = unix.Splice; off.Store(false) })
-			send, recv := tcpPair(t)
-			out, in := unixPair(t)
-			want := bytes.Repeat([]byte("refused "), 20000)
-			go send.Write(want)
-			p, err := Get()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer Put(p)
-			spliceCall = func(rfd int, roff *int64, wfd int, woff *int64, n int, flags int) (int64, error) {
-				if (refuse == "from the socket") == (wfd == p.w) {
-					return 0, unix.EINVAL
+// Where the kernel (or a sandbox) refuses splice, or a splice fails for want of memory, a
+// file's bytes still arrive whole, through memory, whichever splice failed; once refused,
+// no pipe is handed out any more.
+func TestAFailedSpliceFallsBackToMemory(t *testing.T) {
+	for _, errno := range []unix.Errno{unix.EINVAL, unix.ENOMEM} {
+		for _, failing := range []string{"from the socket", "to the socket"} {
+			t.Run(fmt.Sprintf("%v %s", errno, failing), func(t *testing.T) {
+				t.Cleanup(func() { spliceCall = unix.Splice; off.Store(false) })
+				send, recv := tcpPair(t)
+				out, in := unixPair(t)
+				want := bytes.Repeat([]byte("refused "), 20000)
+				go send.Write(want)
+				p, err := Get()
+				if err != nil {
+					t.Fatal(err)
 				}
-				return unix.Splice(rfd, roff, wfd, woff, n, flags)
-			}
-			recv.SetReadDeadline(time.Now().Add(10 * time.Second))
-			if err := p.ReadFrom(raw(t, recv), len(want)/2); err != nil {
-				t.Fatal(err)
-			}
-			if err := p.ReadFrom(raw(t, recv), len(want)-len(want)/2); err != nil {
-				t.Fatal(err)
-			}
-			got := make(chan []byte, 1)
-			go func() {
-				b := make([]byte, len(want))
-				io.ReadFull(in, b)
-				got <- b
-			}()
-			if err := p.WriteTo(raw(t, out)); err != nil {
-				t.Fatal(err)
-			}
-			if !bytes.Equal(<-got, want) {
-				t.Fatal("the bytes read differ from those sent")
-			}
-			if q, err := Get(); err == nil {
-				Put(q)
-				t.Error("a pipe was handed out after splice was refused")
-			}
-		})
+				defer Put(p)
+				spliceCall = func(rfd int, roff *int64, wfd int, woff *int64, n int, flags int) (int64, error) {
+					if (failing == "from the socket") == (wfd == p.w) {
+						return 0, errno
+					}
+					return unix.Splice(rfd, roff, wfd, woff, n, flags)
+				}
+				recv.SetReadDeadline(time.Now().Add(10 * time.Second))
+				if err := p.ReadFrom(raw(t, recv), len(want)/2); err != nil {
+					t.Fatal(err)
+				}
+				if err := p.ReadFrom(raw(t, recv), len(want)-len(want)/2); err != nil {
+					t.Fatal(err)
+				}
+				got := make(chan []byte, 1)
+				go func() {
+					b := make([]byte, len(want))
+					io.ReadFull(in, b)
+					got <- b
+				}()
+				if err := p.WriteTo(raw(t, out)); err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(<-got, want) {
+					t.Fatal("the bytes read differ from those sent")
+				}
+				q, err := Get()
+				if err == nil {
+					Put(q)
+				}
+				if refusedNow := err != nil; refusedNow != (errno == unix.EINVAL) {
+					t.Errorf("after %v, pipes refused: %v", errno, refusedNow)
+				}
+			})
+		}
 	}
 }
 
