@@ -7,7 +7,9 @@ child pays for the pages of Python's own state it touches first, whichever it is
 times two plain reads of the /dev/shm copy (open(p, 'rb').read()) and two ds[i] of files it
 has not read, the two kinds in an order that alternates from child to child. Other children
 read one file of either kind, or nothing, and report their CPU time (user + system, from
-wait4) and minor page faults. Medians over the children.
+wait4) and minor page faults. Last, children that each read --reads files of one kind, as a
+fresh worker reads its share of an epoch, report the time and minor page faults of their
+reads after the first. Medians over the children.
 
 "fitcache first - second" is what the first FitCache read of a fresh worker costs beyond a
 later one: spread over the files a worker reads in an epoch, the per-file price of fresh
@@ -18,11 +20,14 @@ workers that the issue's 16-core runs showed.
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import tempfile
 import time
 import zlib
+
+from privatecache import PrivateCache
 
 
 def main():
@@ -30,9 +35,12 @@ def main():
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--size", type=int, default=110 << 10, help="bytes per file")
     ap.add_argument("--children", type=int, default=40)
+    ap.add_argument("--reads", type=int, default=300, help="files a worker reads (the last table)")
+    ap.add_argument("--budget", help="the memory tier's budget, which sizes its index (default: twice the dataset)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
 
+    cache = None
     work = tempfile.mkdtemp(prefix="fc-bench-first-")
     shm = tempfile.mkdtemp(prefix="fc-bench-first-", dir="/dev/shm")
     try:
@@ -43,11 +51,14 @@ def main():
             with open(os.path.join(src, n), "wb") as f:
                 f.write(os.urandom(args.size))
             shutil.copy(os.path.join(src, n), os.path.join(shm, n))
-        os.environ.update({"FITCACHE_RUNTIME_DIR": os.path.join(work, "run"),
-                           "FITCACHE_TIERS": f"memory:{os.path.join(shm, 'tier')}:{2 * args.files * args.size}"})
+        # Options, not FITCACHE_* set here: the library's Go runtime reads the environment the
+        # process started with, not what Python sets after.
+        budget = args.budget or str(2 * args.files * args.size)
+        cache = PrivateCache(os.path.join(work, "run"), f"memory:{os.path.join(shm, 'tier')}:{budget}",
+                             [os.path.join(shm, "tier")])
         import fitcache
 
-        ds = fitcache.FitCacheDataset(src, files=names, prefetch=False)
+        ds = fitcache.FitCacheDataset(src, files=names, prefetch=False, **cache.options)
         for i in range(len(ds)):  # cached, and the main process's client open
             zlib.crc32(ds[i])
 
@@ -106,13 +117,34 @@ def main():
                 cpu[what].append(c)
                 faults[what].append(f)
 
+        # A worker's reads after its first: time and minor faults per read.
+        def worker(fn, start):
+            fn(start)
+            ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            for j in range(1, args.reads):
+                fn(start + j)
+            t, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+            return [t / (args.reads - 1), (ru1.ru_minflt - ru0.ru_minflt) / (args.reads - 1)]
+
+        per_read = {"plain": [], "fitcache": []}
+        for k in range(args.children):
+            for kind, fn in (("plain", plain), ("fitcache", cached)):
+                out, _, _ = in_child(lambda: worker(fn, 97 * k))
+                per_read[kind].append(out)
+
         med = statistics.median
+        index = os.path.getsize(os.path.join(shm, "tier", "fitcache.index"))
         result = {"cores": os.cpu_count(), "files": args.files, "size": args.size, "children": args.children,
+                  "budget": budget, "index_bytes": index,
                   "first_read_us": {k: med(v) * 1e6 for k, v in firsts.items()},
                   "second_read_us": {k: med(v) * 1e6 for k, v in seconds.items()},
                   "child_cpu_ms": {k: med(v) * 1e3 for k, v in cpu.items()},
-                  "child_minor_faults": {k: med(v) for k, v in faults.items()}}
-        print(f"{os.cpu_count()} cores, {args.files} files of {args.size} bytes, {args.children} forked children; medians\n")
+                  "child_minor_faults": {k: med(v) for k, v in faults.items()},
+                  "reads": args.reads,
+                  "later_read_us": {k: med(x[0] for x in v) * 1e6 for k, v in per_read.items()},
+                  "later_read_faults": {k: med(x[1] for x in v) for k, v in per_read.items()}}
+        print(f"{os.cpu_count()} cores, {args.files} files of {args.size} bytes, {args.children} forked children, "
+              f"a memory tier of {budget} (its index {index / 2**20:.1f} MiB); medians\n")
         print("| read in a fresh child | first read, µs | second read, µs | first - second |")
         print("|---|---|---|---|")
         for k in ("plain", "fitcache"):
@@ -123,10 +155,16 @@ def main():
         for k in ("nothing", "plain", "fitcache"):
             print(f"| {'one file, ' + k if k != 'nothing' else 'nothing'} | {result['child_cpu_ms'][k]:.2f} | "
                   f"{result['child_minor_faults'][k]:.0f} |")
+        print(f"\n| a worker's reads 2 to {args.reads} | µs per read | minor faults per read |")
+        print("|---|---|---|")
+        for k in ("plain", "fitcache"):
+            print(f"| {k} | {result['later_read_us'][k]:.1f} | {result['later_read_faults'][k]:.2f} |")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
     finally:
+        if cache is not None:
+            cache.wipe()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 

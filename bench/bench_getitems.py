@@ -25,6 +25,8 @@ import tempfile
 import time
 import zlib
 
+from privatecache import PrivateCache
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,6 +37,7 @@ def main():
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
 
+    cache = None
     work = tempfile.mkdtemp(prefix="fc-bench-getitems-")
     shm = tempfile.mkdtemp(prefix="fc-bench-getitems-", dir="/dev/shm")
     try:
@@ -45,11 +48,13 @@ def main():
             with open(os.path.join(src, n), "wb") as f:
                 f.write(os.urandom(args.size))
             shutil.copy(os.path.join(src, n), os.path.join(shm, n))
-        os.environ.update({"FITCACHE_RUNTIME_DIR": os.path.join(work, "run"),
-                           "FITCACHE_TIERS": f"memory:{os.path.join(shm, 'tier')}:{2 * args.files * args.size}"})
+        # Options, not FITCACHE_* set here: the library's Go runtime reads the environment the
+        # process started with, not what Python sets after.
+        cache = PrivateCache(os.path.join(work, "run"), f"memory:{os.path.join(shm, 'tier')}:{2 * args.files * args.size}",
+                             [os.path.join(shm, "tier")])
         import fitcache
 
-        ds = fitcache.FitCacheDataset(src, transform=zlib.crc32, files=names, prefetch=False)
+        ds = fitcache.FitCacheDataset(src, transform=zlib.crc32, files=names, prefetch=False, **cache.options)
         client = ds._get_client()
         batches = [list(range(s, min(args.files, s + args.batch))) for s in range(0, args.files, args.batch)]
         plain_paths = [os.path.join(shm, n) for n in names]
@@ -104,7 +109,8 @@ def main():
                 json.dump(result, f, indent=1)
         client.close()
     finally:
-        os.system(f"{sys.executable} -m fitcache stop >/dev/null 2>&1")
+        if cache is not None:
+            cache.wipe()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
