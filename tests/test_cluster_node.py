@@ -157,15 +157,22 @@ def test_workers_forked_after_load_read_the_tiers_of_their_nodes_killed_server(n
     for the job: a file changed while the job runs is not noticed, see the README.)"""
     root, digests = dataset
     opts = node_cluster.options(runtime_dir=str(tmp_path / "run"), wait_timeout="1")
-    before = fitcache.FitCacheDataset(root, Digest(), prefetch=False, open_before_fork=False, **opts)
+    # The epoch before the kill waits long for a server: one taken for dead under a loaded
+    # machine would have its files cached by the next server too (recache), and the test
+    # needs a file that the killed server alone holds.
+    before = fitcache.FitCacheDataset(root, Digest(), prefetch=False, open_before_fork=False,
+                                      **{**opts, "rpc_timeout": "10"})
     assert epoch(before, "fork") == digests  # this process does not load the library
     ds = fitcache.FitCacheDataset(root, Digest(), prefetch=False, **opts)
     victim = node_cluster.addrs[0]
     node_cluster.kill(victim)
     held = cached_names(node_cluster, victim)
     others = set().union(*(cached_names(node_cluster, a) for a in node_cluster.addrs[1:]))
-    changed = next(k for k in sorted(digests) if os.path.basename(k) in held - others
-                   and os.path.getsize(os.path.join(root, k)) > 0)
+    alone = [k for k in sorted(digests) if os.path.basename(k) in held - others
+             and os.path.getsize(os.path.join(root, k)) > 0]
+    assert alone, (f"no file held by {victim} alone: it holds {len(held)}, the others {len(others)}, "
+                   f"both {len(held & others)}")
+    changed = alone[0]
     path = os.path.join(root, changed)
     st = os.stat(path)
     with open(path, "r+b") as f:
