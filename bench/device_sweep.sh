@@ -16,7 +16,8 @@
 # Sizes and limits come from the environment: FILES (20000), WORKERS (1,2,4,8,16,32,64),
 # THREADS (1,2,4,8,16), CWORKERS (8), CFILES (10000), CREADS (item,batched), REPEATS (2; per
 # section WARM_REPEATS, COLD_REPEATS), WARM_EPOCHS (1: timed warm epochs per round), LWARM,
-# LCOLD, LTHREADS, LCLUSTER (seconds), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
+# LCOLD, LTHREADS, LCLUSTER, LFIRST (seconds), FIRST_BUDGET (16GiB: bench_first_read.py's
+# second tier), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
 # With OLD_WHEEL, the cold section runs again over that wheel (an older build, for a
 # before/after in the same run) at OLD_WORKERS. PERF_SECTIONS (say warm,threads) runs those
 # sections under perf (see perf_start below).
@@ -84,4 +85,14 @@ fi
 section threads "${LTHREADS:-40}" --sections threads --threads $T
 section cluster "${LCLUSTER:-110}" --sections cluster --cluster-workers $CW --cluster-files $CF --cluster-repeats 1 \
     --cluster-reads "${CREADS:-item,batched}"
+# A fresh worker's first and later reads (bench_first_read.py), on a tier of twice the
+# dataset and on one of FIRST_BUDGET, whose index is sized by that budget: whether a
+# budget-sized index's page faults are part of what warm hits cost here beyond plain reads.
+first() { # budget, or nothing for the default
+    echo "== first-read ${1:-default} (limit ${LFIRST:-60} s) at $(( $(date +%s) - t0 )) s"
+    timeout -s TERM -k 20 "${LFIRST:-60}" $py bench/bench_first_read.py --files 2000 --children 16 \
+        ${1:+--budget "$1"} --out "$OUT/first-read-${1:-default}.json" 2>&1 | tee -a "$OUT/all.log" | grep -v '^\s*$'
+}
+first
+first "${FIRST_BUDGET:-16GiB}"
 echo "== done at $(( $(date +%s) - t0 )) s"
