@@ -21,13 +21,11 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
-import tempfile
 import time
 import zlib
 
-from privatecache import PrivateCache
+from privatecache import WarmFiles
 
 
 def main():
@@ -40,22 +38,10 @@ def main():
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
 
-    cache = None
-    work = tempfile.mkdtemp(prefix="fc-bench-first-")
-    shm = tempfile.mkdtemp(prefix="fc-bench-first-", dir="/dev/shm")
+    warm = WarmFiles("fc-bench-first-", args.files, args.size, args.budget)
+    src, shm, names, cache = warm.src, warm.shm, warm.names, warm.cache
     try:
-        src = os.path.join(work, "src")
-        os.makedirs(src)
-        names = [f"f{i:06d}.bin" for i in range(args.files)]
-        for n in names:
-            with open(os.path.join(src, n), "wb") as f:
-                f.write(os.urandom(args.size))
-            shutil.copy(os.path.join(src, n), os.path.join(shm, n))
-        # Options, not FITCACHE_* set here: the library's Go runtime reads the environment the
-        # process started with, not what Python sets after.
-        budget = args.budget or str(2 * args.files * args.size)
-        cache = PrivateCache(os.path.join(work, "run"), f"memory:{os.path.join(shm, 'tier')}:{budget}",
-                             [os.path.join(shm, "tier")])
+        budget = warm.budget
         import fitcache
 
         ds = fitcache.FitCacheDataset(src, files=names, prefetch=False, **cache.options)
@@ -163,10 +149,7 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
     finally:
-        if cache is not None:
-            cache.wipe()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        warm.remove()
 
 
 if __name__ == "__main__":

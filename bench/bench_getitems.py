@@ -18,14 +18,12 @@ system of this process; the server does no work on a warm hit) per file, median 
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 
-from privatecache import PrivateCache
+from privatecache import WarmFiles
 
 
 def main():
@@ -37,21 +35,9 @@ def main():
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
 
-    cache = None
-    work = tempfile.mkdtemp(prefix="fc-bench-getitems-")
-    shm = tempfile.mkdtemp(prefix="fc-bench-getitems-", dir="/dev/shm")
+    warm = WarmFiles("fc-bench-getitems-", args.files, args.size)
+    src, shm, names, cache = warm.src, warm.shm, warm.names, warm.cache
     try:
-        src = os.path.join(work, "src")
-        os.makedirs(src)
-        names = [f"f{i:06d}.bin" for i in range(args.files)]
-        for n in names:
-            with open(os.path.join(src, n), "wb") as f:
-                f.write(os.urandom(args.size))
-            shutil.copy(os.path.join(src, n), os.path.join(shm, n))
-        # Options, not FITCACHE_* set here: the library's Go runtime reads the environment the
-        # process started with, not what Python sets after.
-        cache = PrivateCache(os.path.join(work, "run"), f"memory:{os.path.join(shm, 'tier')}:{2 * args.files * args.size}",
-                             [os.path.join(shm, "tier")])
         import fitcache
 
         ds = fitcache.FitCacheDataset(src, transform=zlib.crc32, files=names, prefetch=False, **cache.options)
@@ -109,10 +95,7 @@ def main():
                 json.dump(result, f, indent=1)
         client.close()
     finally:
-        if cache is not None:
-            cache.wipe()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        warm.remove()
 
 
 if __name__ == "__main__":

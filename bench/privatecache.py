@@ -5,6 +5,7 @@ in its runtime directory's server.lock) and removes everything between rounds.""
 import os
 import shutil
 import signal
+import tempfile
 import time
 
 
@@ -44,3 +45,33 @@ class PrivateCache:
                     break
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+class WarmFiles:
+    """A dataset of files random files of size bytes under a temporary directory (src, their
+    names in names), their copy on /dev/shm (shm: what plain reads read), and a PrivateCache
+    (cache) whose memory tier of budget (twice the dataset by default) sits beside that copy;
+    remove() stops its server and removes all of it. The cache's options go to FitCacheDataset
+    or Client: FITCACHE_* set from Python after start would not reach the library (its Go
+    runtime reads the environment the process started with)."""
+
+    def __init__(self, prefix, files, size, budget=None):
+        self.work = tempfile.mkdtemp(prefix=prefix)
+        self.shm = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
+        self.cache = None
+        self.src = os.path.join(self.work, "src")
+        os.makedirs(self.src)
+        self.names = [f"f{i:06d}.bin" for i in range(files)]
+        for n in self.names:
+            with open(os.path.join(self.src, n), "wb") as f:
+                f.write(os.urandom(size))
+            shutil.copy(os.path.join(self.src, n), os.path.join(self.shm, n))
+        self.budget = budget or str(2 * files * size)
+        tier = os.path.join(self.shm, "tier")
+        self.cache = PrivateCache(os.path.join(self.work, "run"), f"memory:{tier}:{self.budget}", [tier])
+
+    def remove(self):
+        if self.cache is not None:
+            self.cache.wipe()
+        shutil.rmtree(self.work, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)

@@ -72,11 +72,10 @@ func (s *PipeSink) read(in *buffer, frame []byte, n int, dest *bulkDest) ([]byte
 		}
 		inMemory += size
 	}
-	data := buf[:0]
 	if cap(buf) < inMemory {
-		data = make([]byte, 0, inMemory)
+		buf = make([]byte, inMemory)
 	}
-	data = data[:inMemory]
+	data := buf[:inMemory]
 	at := 0
 	for i, size := range sizes {
 		if p := s.pipes[i]; p != nil {

@@ -610,8 +610,8 @@ func (c *rootReader) openBatchFromPeer(ctx context.Context, p *routing.Peer, pat
 	defer release()
 	// Where this node keeps no copy of them, the files' bytes go from the owner's connection
 	// through pipes to the reader's socket (package splice), never into this server's memory:
-	// that saves copying each file in and out again (a fifth of the CPU this server spent on
-	// a file of another node, bench/bench_cluster.py's share case). A node with room for
+	// that saves copying each file in and out again (the servers' CPU per file of
+	// bench/bench_cluster.py's share case fell 7-23%, docs/BENCHMARKS.md section 26). A node with room for
 	// node-local copies, or a job with replicas (a file the owner read from the source is
 	// copied to them), takes them into memory.
 	var sink *rpc.PipeSink

@@ -13,6 +13,7 @@ package splice
 import (
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -213,24 +214,9 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 		p.spill = slices.Grow(p.spill, n)
 		want := len(p.spill) + n
 		if rerr := conn.Read(func(fd uintptr) bool {
-			for len(p.spill) < want {
-				var k int
-				k, err = unix.Read(int(fd), p.spill[len(p.spill):want])
-				switch {
-				case err == unix.EINTR:
-					continue
-				case err == unix.EAGAIN:
-					err = nil
-					return false
-				case err != nil:
-					return true
-				case k == 0:
-					err = errors.New("splice: the connection ended in a file's bytes")
-					return true
-				}
-				p.spill = p.spill[:len(p.spill)+k]
-			}
-			return true
+			k, done, e := moveAll(int(fd), p.spill[len(p.spill):want], unix.Read)
+			p.spill, err = p.spill[:len(p.spill)+k], e
+			return done
 		}); rerr != nil {
 			return rerr
 		}
@@ -244,18 +230,33 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 // unpipe moves the bytes in the pipe into memory, before those already there.
 func (p *Pipe) unpipe() error {
 	b := make([]byte, p.n, p.n+len(p.spill))
-	for at := 0; at < len(b); {
-		k, err := unix.Read(p.r, b[at:])
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil || k == 0 {
-			return fmt.Errorf("splice: reading a pipe back: %d of %d bytes (%v)", at, len(b), err)
-		}
-		at += k
+	if k, _, err := moveAll(p.r, b, unix.Read); k < len(b) {
+		return fmt.Errorf("splice: reading a pipe back: %d of %d bytes (%v)", k, len(b), err)
 	}
 	p.spill, p.n = append(b, p.spill...), 0
 	return nil
+}
+
+// moveAll calls op, a read or write of the non-blocking descriptor fd, until all of b has
+// moved (n), within a syscall.RawConn callback: done is what the callback returns, false when
+// fd has no bytes or no room yet (the poller waits for it). An error is op's, or
+// io.ErrUnexpectedEOF when a read finds the connection's end.
+func moveAll(fd int, b []byte, op func(int, []byte) (int, error)) (n int, done bool, err error) {
+	for n < len(b) {
+		k, err := op(fd, b[n:])
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			return n, false, nil
+		case err != nil:
+			return n, true, err
+		case k == 0:
+			return n, true, io.ErrUnexpectedEOF
+		}
+		n += k
+	}
+	return n, true, nil
 }
 
 // WriteTo sends every byte p holds on the socket conn, waiting for room as a write of conn
@@ -286,21 +287,9 @@ func (p *Pipe) WriteTo(conn syscall.RawConn) error {
 			}
 			p.n -= int(k)
 		}
-		for len(p.spill) > 0 {
-			var k int
-			k, err = unix.Write(int(fd), p.spill)
-			switch {
-			case err == unix.EINTR:
-				continue
-			case err == unix.EAGAIN:
-				err = nil
-				return false
-			case err != nil:
-				return true
-			}
-			p.spill = p.spill[k:]
-		}
-		return true
+		k, done, e := moveAll(int(fd), p.spill, unix.Write)
+		p.spill, err = p.spill[k:], e
+		return done
 	})
 	if werr != nil {
 		return werr
