@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fitcache/fitcache/config"
 	"github.com/fitcache/fitcache/core"
 	"github.com/fitcache/fitcache/internal/splice"
 	"github.com/fitcache/fitcache/nodesock"
@@ -85,16 +84,8 @@ func TestClusterNodeSocketOpensABatchWithACallPerOwner(t *testing.T) {
 	for _, o := range others {
 		servers += "," + o.addr
 	}
-	cfg, err := config.Load(map[string]string{"servers": servers, "node": "127.0.0.1", "wait_timeout": "5",
-		"rpc_timeout": "2", "policy": "recache"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cn, err := newClusterNode(engine, cfg, "tok", self, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cn.Close()
+	cn := startClusterNode(t, engine, self, map[string]string{"servers": servers, "node": "127.0.0.1",
+		"wait_timeout": "5", "rpc_timeout": "2", "policy": "recache"})
 	sock := filepath.Join(t.TempDir(), "s.node")
 	var opens atomic.Int64
 	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, func(core.Origin, time.Duration) { opens.Add(1) }))
@@ -227,16 +218,8 @@ func TestClusterNodeSocketRelaysOtherNodesFilesThroughPipes(t *testing.T) {
 	for _, host := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
 		servers += "," + startCountedServer(t, host, root).addr
 	}
-	cfg, err := config.Load(map[string]string{"servers": servers, "node": "127.0.0.1", "wait_timeout": "5",
-		"rpc_timeout": "5"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cn, err := newClusterNode(engine, cfg, "tok", self, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cn.Close()
+	cn := startClusterNode(t, engine, self, map[string]string{"servers": servers, "node": "127.0.0.1",
+		"wait_timeout": "5", "rpc_timeout": "5"})
 	sock := filepath.Join(t.TempDir(), "s.node")
 	ns, err := nodesock.Listen(sock, nodeServer(engine, cn, nil, func() {}, nil))
 	if err != nil {

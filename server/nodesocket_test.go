@@ -69,6 +69,22 @@ func startEngineServerWithBudget(t *testing.T, host, root, budget string) (strin
 	return ln.Addr().String(), e
 }
 
+// startClusterNode returns the cluster side of the server self with engine, configured by
+// options (config.Load's), closed when the test ends.
+func startClusterNode(t *testing.T, engine *core.Engine, self string, options map[string]string) *clusterNode {
+	t.Helper()
+	cfg, err := config.Load(options)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cn, err := newClusterNode(engine, cfg, "tok", self, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cn.Close() })
+	return cn
+}
+
 // nodeOp sends one node socket request and returns the reply's errno, the origin of an
 // OpOpen reply and the descriptor it carried.
 func nodeOp(t *testing.T, sock string, op uint32, root, path string) (syscall.Errno, core.Origin, *os.File) {
@@ -145,16 +161,8 @@ func TestClusterNodeSocketServesEveryFileFromItsOwner(t *testing.T) {
 	os.WriteFile(filepath.Join(outside, "secret"), []byte("no"), 0o644)
 	self, engine := startEngineServer(t, "127.0.0.1", root)
 	other, otherEngine := startEngineServer(t, "127.0.0.2", root)
-	cfg, err := config.Load(map[string]string{"servers": self + "," + other, "node": "not-this-one",
+	cn := startClusterNode(t, engine, self, map[string]string{"servers": self + "," + other, "node": "not-this-one",
 		"wait_timeout": "5", "rpc_timeout": "2"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cn, err := newClusterNode(engine, cfg, "tok", self, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cn.Close()
 	if cn.self != self || cn.cfg.Node != "127.0.0.1" {
 		t.Fatalf("the server found itself as %q on node %q, want %q on 127.0.0.1", cn.self, cn.cfg.Node, self)
 	}
