@@ -81,7 +81,9 @@ import (
 // A reader takes a slot only if seq is even and unchanged across its reads of the slot, and
 // serves the data file only if the file it opened (following no link, below the tier) is a
 // regular file of this user with the slot's inode number and size. Anything else is a miss.
-// A full bucket makes the server evict its oldest entry, so the index never refuses a file.
+// A full bucket makes the server grow the index (a new file of twice the buckets, renamed over
+// this one, which it marks retired), and at its ceiling evict the bucket's oldest entry, so
+// the index never refuses a file.
 //
 // srcIno and srcCtime repeat the record's identity of the source version the copy holds
 // (record.go), for the preload shim: fstat of a descriptor it opened as a hit reports the
@@ -112,14 +114,29 @@ const (
 	lineSourceBytes  = 32
 )
 
-// Index geometry: about one slot per indexBytesPerSlot of budget (the number of buckets is
-// rounded up to a power of two), within these bounds. A bucket that overflows evicts its
-// oldest entry, and the evicted file, read again, evicts another: with one slot per 32 KiB,
-// 30,000 files of 110 KiB (16,384 buckets, 1.8 entries per bucket) overflowed 2 buckets,
-// which churned through 20 evictions and 25-38 source reads over warm epochs. At 16 KiB a
-// bucket holds 0.9 entries on average and overflows about never; a tier full of files much
-// smaller than that still does (Info.IndexEvictions counts it). The index costs about 0.5%
-// of the budget, in the tier's file system.
+// Index geometry. An index starts small and doubles when an entry's bucket is full, up to a
+// ceiling of one slot per indexBytesPerSlot of the tier's budget: its size follows the files
+// the tier holds, not the budget. Every reader process maps the index and faults in each page
+// its lookups touch: with a dataset's lookups spread over an index sized by the budget alone,
+// most hits of a fresh DataLoader worker took a page fault, and each page a lookup touched
+// took memory from the tier's file system, outside the budget. 16 processes looking up 1,250
+// of 20,000 files each (bench/index_faults.c, 2-core VM): 0.27 faults and 1.3-1.5 µs of CPU per
+// lookup in the 20 MiB index of a budget of 1.1 times the dataset, 0.83 and 3.1-3.8 µs in the
+// 160 MiB of half a 128 GiB node's /dev/shm, against 0.08-0.14 and 0.4-1.0 µs in the 5-10 MiB
+// these files grow their index to (BENCHMARKS section 28).
+//
+// A server's index starts with enough buckets for the entries it finds at its start, one per
+// bucket (minIndexBuckets at least), and grows when a bucket first overflows: Fibonacci
+// hashing spreads keys at random over the buckets, and the first of 16,384 buckets of 8
+// overflowed at 1.4 to 1.9 entries per bucket on average, the first of 1,024 at 1.5 to 2.6
+// (TestIndexBucketsOverflowNearTheLoadsTheDocsGive). Doubling splits each bucket in two (the
+// top bits of a mixed key name its bucket, so one more bit splits it), and the index holds
+// 0.7 to 1.3 entries per bucket again: about 0.5 to 1 KiB of index per file.
+//
+// At the ceiling a full bucket evicts its oldest entry, as every bucket did before indexes
+// grew (Info.IndexEvictions counts it): with one slot per 16 KiB of budget a bucket holds 0.9
+// entries on average once the budget is full of files of 110 KiB, and overflows about never;
+// a tier full of files much smaller than that still does.
 const (
 	indexBytesPerSlot = 16 << 10
 	minIndexBuckets   = 1 << 10 // 8,192 slots: 660 KiB
@@ -131,11 +148,16 @@ func indexLen(buckets uint32) int64 {
 	return indexSlots + int64(buckets)*indexWays*indexSlotSize
 }
 
-// indexBuckets returns the number of buckets for a tier budget.
-func indexBuckets(budget int64) uint32 {
-	want := budget / indexBytesPerSlot / indexWays
+// indexCeiling returns the most buckets the index of a tier of the given budget grows to.
+func indexCeiling(budget int64) uint32 {
+	return bucketsFor(budget/indexBytesPerSlot/indexWays, maxIndexBuckets)
+}
+
+// bucketsFor returns the buckets of an index that starts with n entries, one per bucket: the
+// power of two at or above n, within minIndexBuckets and ceiling.
+func bucketsFor(n int64, ceiling uint32) uint32 {
 	b := uint32(minIndexBuckets)
-	for int64(b) < want && b < maxIndexBuckets {
+	for int64(b) < n && b < ceiling {
 		b *= 2
 	}
 	return b
@@ -276,19 +298,21 @@ func (ix *index) put(s slot) (victim slot, evicted bool) {
 	first := ix.bucketOf(s.id.key) * indexWays
 	free, oldest := -1, -1
 	var oldestSeq uint64
-	for i := first; i < first+indexWays; i++ {
+	for i := first; i < first+indexWays; i++ { // only the words it decides on: growing puts every entry
 		off := slotOffset(i)
-		cur, used := ix.read(off)
+		used := atomic.LoadUint32(ix.word32(off+4)) == 1
 		switch {
-		case used && cur.id == s.id:
+		case used && ix.holds(off, s.id):
 			ix.write(off, s, true)
 			return slot{}, false
 		case !used:
 			if free < 0 {
 				free = off
 			}
-		case oldest < 0 || cur.pubSeq < oldestSeq:
-			oldest, oldestSeq = off, cur.pubSeq
+		default:
+			if seq := atomic.LoadUint64(ix.word64(off + 56)); oldest < 0 || seq < oldestSeq {
+				oldest, oldestSeq = off, seq
+			}
 		}
 	}
 	if free >= 0 {
@@ -298,6 +322,35 @@ func (ix *index) put(s slot) (victim slot, evicted bool) {
 	victim, _ = ix.read(oldest)
 	ix.write(oldest, s, true)
 	return victim, true
+}
+
+// holds reports whether the slot at off names id (its used flag read already).
+func (ix *index) holds(off int, id entryID) bool {
+	return atomic.LoadUint64(ix.word64(off+8)) == uint64(id.key) && atomic.LoadUint64(ix.word64(off+16)) == id.check
+}
+
+// fits reports whether put of an entry for id would evict none: its bucket holds it already
+// or has a free slot.
+func (ix *index) fits(id entryID) bool {
+	first := ix.bucketOf(id.key) * indexWays
+	for i := first; i < first+indexWays; i++ {
+		if off := slotOffset(i); atomic.LoadUint32(ix.word32(off+4)) != 1 || ix.holds(off, id) {
+			return true
+		}
+	}
+	return false
+}
+
+// copyTo puts every entry of ix into to (writer only, with no writes to ix meanwhile). An
+// index of twice the buckets never evicts one: each of its buckets takes entries of one
+// bucket of ix.
+func (ix *index) copyTo(to *index) {
+	for i := range ix.buckets * indexWays {
+		if off := slotOffset(i); atomic.LoadUint32(ix.word32(off+4)) == 1 {
+			s, _ := ix.read(off)
+			to.put(s)
+		}
+	}
 }
 
 // mark records in the slot holding id, if any, that its copy was found to match the source in
@@ -348,12 +401,12 @@ func (ix *index) sourceReads() (n, bytes int64) {
 
 func (ix *index) unmap() error { return ix.m.Unmap() }
 
-// createIndex builds a new, empty index for budget in the tier directory dirfd: written in
-// a temporary file, then renamed over the old one, which is then marked retired so that its
-// readers move to the new one. Entries are added with put. It also returns the last session
-// the old index recorded (0 for none).
-func createIndex(dirfd int, budget int64) (*index, uint32, error) {
-	buckets := indexBuckets(budget)
+// createIndex builds a new index of the given buckets in the tier directory dirfd: written
+// in a temporary file, filled by fill (nil for none) with the entries it must list from the
+// start, renamed over the old one, which is then marked retired so that its readers move to
+// the new one. More entries are added with put. It also returns the last session the old
+// index recorded (0 for none), which the new one records too.
+func createIndex(dirfd int, buckets uint32, fill func(*index)) (*index, uint32, error) {
 	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
 	if err != nil {
 		return nil, 0, err
@@ -369,12 +422,19 @@ func createIndex(dirfd int, budget int64) (*index, uint32, error) {
 		unix.Unlinkat(dirfd, tmp, 0)
 		return nil, 0, fmt.Errorf("map index: %w", err)
 	}
+	// Its pages allocated and mapped in one call, not a fault at a time as puts touch them:
+	// a server grows its index with its lock held (see Tier.growIndex). Older kernels lack
+	// the call, and then fault as before.
+	unix.Madvise(m, unix.MADV_POPULATE_WRITE)
 	ix := &index{m: m, buckets: buckets}
 	copy(m, indexMagic)
 	*ix.word32(hdrVersion) = indexVersion
 	*ix.word32(hdrWays) = indexWays
 	*ix.word32(hdrBuckets) = buckets
 	*ix.word32(hdrSlotSize) = indexSlotSize
+	if fill != nil {
+		fill(ix)
+	}
 	oldFd, oldErr := unix.Openat(dirfd, indexName, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if oldErr == nil {
 		defer unix.Close(oldFd)
@@ -387,6 +447,7 @@ func createIndex(dirfd int, budget int64) (*index, uint32, error) {
 	var sessions uint32
 	if oldErr == nil {
 		sessions = retire(oldFd)
+		ix.noteSession(sessions)
 	}
 	return ix, sessions, nil
 }
@@ -445,14 +506,16 @@ func openIndex(dirfd int) (*index, error) {
 }
 
 // indexView is a reader's current index of a tier directory. It opens the index again when
-// the server replaced it (a restart rebuilt it), or when there was none yet, at most every
-// indexRetry. Replaced mappings stay mapped until close, because lookups in other goroutines
-// may still be reading them; a server replaces its index once per start.
+// the server replaced it (a restart rebuilt it, or it grew), at once, or when there was none
+// yet or it could not be opened, at most every indexRetry. Replaced mappings stay mapped
+// until close, because lookups in other goroutines may still be reading them; a server
+// replaces its index once per start and once per doubling (a few times as a dataset is
+// first read).
 type indexView struct {
-	mu     sync.RWMutex // held shared by lookups; protects cur, old, tried and closed
+	mu     sync.RWMutex // held shared by lookups; protects cur, old, failed and closed
 	cur    *index       // nil until an index could be opened
 	old    []*index     // replaced indexes, unmapped by close
-	tried  time.Time    // when opening was last tried
+	failed time.Time    // when opening last failed
 	closed bool
 }
 
@@ -512,7 +575,7 @@ func (v *indexView) drop(ix *index) {
 	defer v.mu.Unlock()
 	if v.cur == ix {
 		v.old = append(v.old, ix)
-		v.cur, v.tried = nil, time.Time{}
+		v.cur, v.failed = nil, time.Time{}
 	}
 }
 
@@ -528,12 +591,12 @@ func (v *indexView) reopen(dirfd int) (ok bool) {
 	if cur := v.cur; cur != nil && readMapped(func() { retired = cur.retired() }) && !retired {
 		return true // another goroutine reopened it
 	}
-	if time.Since(v.tried) < indexRetry {
+	if time.Since(v.failed) < indexRetry {
 		return v.cur != nil
 	}
-	v.tried = time.Now()
 	ix, err := openIndex(dirfd)
 	if err != nil {
+		v.failed = time.Now()
 		return v.cur != nil
 	}
 	if v.cur != nil {
@@ -543,25 +606,43 @@ func (v *indexView) reopen(dirfd int) (ok bool) {
 	return true
 }
 
-// hits returns the hit counters of the current index (0 once closed).
-func (v *indexView) hits() (n, bytes int64) {
-	v.mu.RLock()
-	defer v.mu.RUnlock()
-	if v.closed || v.cur == nil {
-		return 0, 0
+// replace makes ix, which the view's writer made in place of the current index, current
+// (the server's own view, whose index grew).
+func (v *indexView) replace(ix *index) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.cur != nil {
+		v.old = append(v.old, v.cur)
 	}
-	readMapped(func() { n, bytes = v.cur.hits() })
-	return n, bytes
+	v.cur = ix
 }
 
-// sourceReads returns the source read counters of the current index (0 once closed).
+// hits returns the hit counters of the view's indexes, the current one and those it
+// replaced (0 once closed): readers count on the index they mapped, which may be one that
+// has grown since. The server's view holds the indexes of its own start and growth only.
+func (v *indexView) hits() (n, bytes int64) {
+	return v.sum((*index).hits)
+}
+
+// sourceReads returns the source read counters of the view's indexes (see hits).
 func (v *indexView) sourceReads() (n, bytes int64) {
+	return v.sum((*index).sourceReads)
+}
+
+func (v *indexView) sum(counts func(*index) (int64, int64)) (n, bytes int64) {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
-	if v.closed || v.cur == nil {
+	if v.closed {
 		return 0, 0
 	}
-	readMapped(func() { n, bytes = v.cur.sourceReads() })
+	for _, ix := range append([]*index{v.cur}, v.old...) {
+		if ix != nil {
+			readMapped(func() {
+				a, b := counts(ix)
+				n, bytes = n+a, bytes+b
+			})
+		}
+	}
 	return n, bytes
 }
 

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -73,9 +74,13 @@ type Info struct {
 	// system yet.
 	Writing int64 `json:"writing_bytes,omitempty"`
 	Files   int   `json:"files"`
-	// IndexEvictions counts files evicted because their bucket of the index was full (see
-	// indexBuckets): many more files than the budget's size suggests.
+	// IndexEvictions counts files evicted because their bucket of the index was full and the
+	// index had grown to its ceiling (see indexBytesPerSlot): many more files than the
+	// budget's size suggests.
 	IndexEvictions int64 `json:"index_evictions"`
+	// IndexBytes is the size of the tier's index file, outside the budget: it grows with the
+	// files the tier holds (see indexBytesPerSlot).
+	IndexBytes int64 `json:"index_bytes"`
 	// Guests and GuestBytes are the node-local copies of other servers' files it holds
 	// (see guest.go), included in Files and Used.
 	Guests     int   `json:"guests,omitempty"`
@@ -112,6 +117,8 @@ type Tier struct {
 	shut                bool   // set by Close under mu: ix is unmapped, nothing may write it
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
+	// growRetry: the index does not try to grow again before then (a growth failed).
+	growRetry time.Time
 	// lastSession is the last validation session the index found at start recorded (see
 	// LastSession).
 	lastSession uint32
@@ -256,6 +263,9 @@ func (t *Tier) Info() Info {
 	defer t.mu.Unlock()
 	info := Info{Dir: t.Path, Kind: t.Kind.String(), FSType: t.fsType, Capacity: t.capacity,
 		Budget: t.budget, Used: t.used, Writing: t.writing, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
+	if t.ix != nil {
+		info.IndexBytes = indexLen(t.ix.buckets)
+	}
 	if t.budget < t.configured {
 		info.ConfiguredBudget, info.LimitedBy = t.configured, t.limitedBy
 	}
@@ -270,7 +280,7 @@ func (t *Tier) Info() Info {
 
 // EntrySize returns the bytes a source file of dataSize bytes takes in a tier: its data and
 // its record, each rounded up to whole 4 KiB blocks, as tmpfs and disk file systems store
-// them. (The tier's index is outside the budget: see indexBuckets.)
+// them. (The tier's index is outside the budget: see indexBytesPerSlot.)
 func EntrySize(sourcePath string, dataSize int64) int64 {
 	return blocks(dataSize) + blocks(recordSize(Entry{SourcePath: filepath.Clean(sourcePath)}))
 }
@@ -798,9 +808,17 @@ func (t *Tier) unreserve(n int64) {
 	t.writing -= n
 }
 
-// index lists an entry in the index (t.mu held). When the entry's bucket is full, the
-// bucket's oldest entry is evicted to make way.
+// index lists an entry in the index (t.mu held). When the entry's bucket is full, the index
+// grows (see indexBytesPerSlot); at its ceiling, the bucket's oldest entry is evicted to make
+// way.
 func (t *Tier) index(s stored, id entryID) {
+	for !t.ix.fits(id) && t.ix.buckets < indexCeiling(t.budget) && time.Now().After(t.growRetry) {
+		if err := t.growIndex(); err != nil {
+			t.growRetry = time.Now().Add(growRetry)
+			t.log.Warn("could not grow the tier's index: a full bucket evicts its oldest file", "err", err,
+				"buckets", t.ix.buckets, "retry_in", growRetry)
+		}
+	}
 	victim, evicted := t.ix.put(slot{id: id, size: s.Size, mtime: s.MTimeNanos, ino: s.ino,
 		checksum: s.Checksum, checked: s.Session, pubSeq: s.seq, srcIno: s.SourceIno, srcCtime: s.SourceCTimeNanos})
 	if !evicted {
@@ -813,6 +831,33 @@ func (t *Tier) index(s stored, id entryID) {
 	t.used -= rec.size
 	t.indexEvictions++
 	t.unlink(rec.rel, rec.ino)
+}
+
+// growRetry is how long a tier whose index could not grow (its file system full, say) waits
+// before it tries again; meanwhile full buckets evict.
+const growRetry = time.Minute
+
+// growIndex replaces the index by one of twice the buckets listing the same entries (t.mu
+// held, so that nothing is published meanwhile). Readers move to it as they do to a
+// restarted server's (see createIndex); until they do, the old one still lists every copy it
+// listed, as the new one does. Publishing waits meanwhile: on the 2-core VM, 15-20 ms to grow
+// an index of 16,384 entries, 0.5 s for 524,288 (most of it the new file's memory), once per
+// doubling.
+func (t *Tier) growIndex() error {
+	old := t.ix
+	var ix *index
+	err := withFd(t.dirFile, func(dirfd int) error {
+		var err error
+		ix, _, err = createIndex(dirfd, old.buckets*2, old.copyTo)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	t.ix = ix
+	t.view.replace(ix)
+	t.log.Debug("tier index grew", "buckets", ix.buckets, "files", t.fifo.len())
+	return nil
 }
 
 // write creates the entry rel below dirfd: the data into a new temporary file (0600,
@@ -941,7 +986,7 @@ func (t *Tier) rescan() error {
 			return err
 		}
 		var err error
-		t.ix, t.lastSession, err = createIndex(dirfd, t.budget)
+		t.ix, t.lastSession, err = createIndex(dirfd, bucketsFor(int64(len(s.found)), indexCeiling(t.budget)), nil)
 		return err
 	})
 	if err != nil {

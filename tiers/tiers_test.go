@@ -700,7 +700,7 @@ func TestMakeRoomSparesTheGroupBeingRead(t *testing.T) {
 // the index rather than in the budget.
 func TestIndexBucketsSpreadSequentialNames(t *testing.T) {
 	const n = 30000
-	ix := &index{buckets: indexBuckets(n * 110 << 10)}
+	ix := &index{buckets: indexCeiling(n * 110 << 10)}
 	for _, format := range []string{"/data/train/f%d", "/data/train/%08d", "/data/c%03d/img_%06d.jpg"} {
 		counts := map[uint32]int{}
 		for i := range n {

@@ -211,17 +211,51 @@ type Hit struct {
 	SrcCTimeNano int64
 }
 
-// Lookup is fc_lookup of the clean path in the tier directories dirs (fastest first), each
-// opened for session (see fc_tier_open), with or without requiring a copy checked in it:
-// the hit, or an error wrapping syscall.ENOENT for a miss.
-func Lookup(dirs []string, session uint32, requireSession bool, path string) (Hit, error) {
+// Tiers are tier directories opened by the C code, as a reader holds them: its mappings of
+// their indexes follow the servers' indexes for as long as it is open.
+type Tiers struct {
+	c *C.struct_fc_tier
+	n int
+}
+
+// OpenTiers opens the tier directories dirs (fastest first) for session (see fc_tier_open).
+// Close it when done.
+func OpenTiers(dirs []string, session uint32) (*Tiers, error) {
+	ts := &Tiers{c: (*C.struct_fc_tier)(C.calloc(C.size_t(len(dirs)), C.sizeof_struct_fc_tier))}
+	all := unsafe.Slice(ts.c, len(dirs))
+	for i, d := range dirs {
+		cd := C.CString(d)
+		rc := C.fc_tier_open(&all[i], cd, C.int(i), C.uint32_t(session))
+		C.free(unsafe.Pointer(cd))
+		if rc != 0 {
+			ts.Close()
+			return nil, syscall.Errno(-rc)
+		}
+		ts.n++
+	}
+	return ts, nil
+}
+
+// Close closes the tiers.
+func (ts *Tiers) Close() {
+	all := unsafe.Slice(ts.c, ts.n)
+	for i := range all {
+		C.fc_tier_close(&all[i])
+	}
+	C.free(unsafe.Pointer(ts.c))
+	ts.c, ts.n = nil, 0
+}
+
+// Lookup is fc_lookup of the clean path in the tiers, with or without requiring a copy
+// checked in their session: the hit, or an error wrapping syscall.ENOENT for a miss.
+func (ts *Tiers) Lookup(requireSession bool, path string) (Hit, error) {
 	req := C.int(0)
 	if requireSession {
 		req = 1
 	}
 	p := []byte(path)
-	return withTiers(dirs, session, func(tiers *C.struct_fc_tier, hit *C.struct_fc_hit) C.int {
-		rc := C.fc_lookup(tiers, C.int(len(dirs)), cbytes(p), C.size_t(len(p)), C.O_CLOEXEC, req, hit)
+	return ts.look(func(hit *C.struct_fc_hit) C.int {
+		rc := C.fc_lookup(ts.c, C.int(ts.n), cbytes(p), C.size_t(len(p)), C.O_CLOEXEC, req, hit)
 		if rc == 0 {
 			syscall.Close(int(hit.fd))
 		}
@@ -229,42 +263,44 @@ func Lookup(dirs []string, session uint32, requireSession bool, path string) (Hi
 	})
 }
 
-// LookupFd is fc_lookup_fd: whether fd is the copy of the clean path that the index of one
-// of the tier directories dirs lists (the hit), or an error wrapping syscall.ENOENT.
-func LookupFd(dirs []string, path string, fd int) (Hit, error) {
-	p := []byte(path)
-	return withTiers(dirs, 0, func(tiers *C.struct_fc_tier, hit *C.struct_fc_hit) C.int {
-		return C.fc_lookup_fd(tiers, C.int(len(dirs)), cbytes(p), C.size_t(len(p)), C.int(fd), hit)
-	})
-}
+// CountHit is fc_count_hit of a hit of n bytes in the first tier.
+func (ts *Tiers) CountHit(n int64) { C.fc_count_hit(ts.c, C.int64_t(n)) }
 
-// withTiers opens the tier directories dirs for session, calls look with them and a hit to
-// fill, closes them, and returns the hit, or the error of the negated errno look returned.
-func withTiers(dirs []string, session uint32, look func(*C.struct_fc_tier, *C.struct_fc_hit) C.int) (Hit, error) {
-	tiers := (*C.struct_fc_tier)(C.calloc(C.size_t(len(dirs)), C.sizeof_struct_fc_tier))
-	defer C.free(unsafe.Pointer(tiers))
-	all := unsafe.Slice(tiers, len(dirs))
-	opened := 0
-	defer func() {
-		for i := range opened {
-			C.fc_tier_close(&all[i])
-		}
-	}()
-	for i, d := range dirs {
-		cd := C.CString(d)
-		rc := C.fc_tier_open(&all[i], cd, C.int(i), C.uint32_t(session))
-		C.free(unsafe.Pointer(cd))
-		if rc != 0 {
-			return Hit{}, syscall.Errno(-rc)
-		}
-		opened++
-	}
+// look calls fn with a hit to fill and returns the hit, or the error of the negated errno fn
+// returned.
+func (ts *Tiers) look(fn func(*C.struct_fc_hit) C.int) (Hit, error) {
 	var hit C.struct_fc_hit
-	if rc := look(tiers, &hit); rc != 0 {
+	if rc := fn(&hit); rc != 0 {
 		return Hit{}, syscall.Errno(-rc)
 	}
 	return Hit{Tier: int(hit.tier), Size: int64(hit.size), MTimeNano: int64(hit.mtime_ns), Ino: uint64(hit.ino),
 		Dev: uint64(hit.dev), SrcIno: uint64(hit.src_ino), SrcCTimeNano: int64(hit.src_ctime_ns)}, nil
+}
+
+// Lookup is fc_lookup of the clean path in the tier directories dirs (fastest first), each
+// opened for session (see fc_tier_open), with or without requiring a copy checked in it:
+// the hit, or an error wrapping syscall.ENOENT for a miss.
+func Lookup(dirs []string, session uint32, requireSession bool, path string) (Hit, error) {
+	ts, err := OpenTiers(dirs, session)
+	if err != nil {
+		return Hit{}, err
+	}
+	defer ts.Close()
+	return ts.Lookup(requireSession, path)
+}
+
+// LookupFd is fc_lookup_fd: whether fd is the copy of the clean path that the index of one
+// of the tier directories dirs lists (the hit), or an error wrapping syscall.ENOENT.
+func LookupFd(dirs []string, path string, fd int) (Hit, error) {
+	ts, err := OpenTiers(dirs, 0)
+	if err != nil {
+		return Hit{}, err
+	}
+	defer ts.Close()
+	p := []byte(path)
+	return ts.look(func(hit *C.struct_fc_hit) C.int {
+		return C.fc_lookup_fd(ts.c, C.int(ts.n), cbytes(p), C.size_t(len(p)), C.int(fd), hit)
+	})
 }
 
 // cbytes points C at b's bytes (no terminator: every function here takes a length), or at a

@@ -2,6 +2,7 @@ package clayout
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -259,5 +260,50 @@ func BenchmarkCountHit(b *testing.B) {
 				}
 			})
 		})
+	}
+}
+
+// A reader's tiers opened over a small index follow it as it grows: C finds every copy
+// published since, and the hits it counted on the index before it grew stay in the server's
+// sum.
+func TestLookupsFollowTheIndexAsItGrows(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "memory")
+	tier, err := tiers.New(tiers.Config{Dir: dir, Kind: tiers.Memory, Budget: "1GiB", CreateParents: true}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	ts, err := OpenTiers([]string{dir}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ts.Close()
+	publish := func(i int) string {
+		p := fmt.Sprintf("/data/f%d", i)
+		if err := tier.Publish(tiers.Entry{SourcePath: p, Size: 1, MTimeNanos: 1}, []byte{1}); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	if _, err := ts.Lookup(false, publish(0)); err != nil {
+		t.Fatalf("the first file: %v", err)
+	}
+	ts.CountHit(100) // on the first index
+	small := tier.Info().IndexBytes
+	const n = 5000
+	for i := 1; i < n; i++ {
+		publish(i)
+	}
+	if grown := tier.Info().IndexBytes; grown <= small {
+		t.Fatalf("%d files: the index stayed at %d bytes", n, grown)
+	}
+	for i := range n {
+		if _, err := ts.Lookup(false, fmt.Sprintf("/data/f%d", i)); err != nil {
+			t.Fatalf("file %d of %d, after the index grew: %v", i, n, err)
+		}
+	}
+	ts.CountHit(10) // on the last
+	if hits, bytes := tier.Hits(); hits != 2 || bytes != 110 {
+		t.Errorf("the server's sum: %d hits of %d bytes, want 2 of 110", hits, bytes)
 	}
 }

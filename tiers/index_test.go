@@ -1,0 +1,127 @@
+package tiers
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// publishTiny publishes n one-byte files /data/f<from> .. /data/f<from+n-1>.
+func publishTiny(t *testing.T, tier *Tier, from, n int) {
+	t.Helper()
+	for i := from; i < from+n; i++ {
+		publish(t, tier, fmt.Sprintf("/data/f%d", i), []byte{byte(i)})
+	}
+}
+
+// The index starts small and grows with the files the tier holds, never evicting one below
+// its ceiling; a reader that mapped it before it grew finds every copy, and so does the
+// server's own view; the index file on disk is the size Info reports.
+func TestIndexGrowsWithItsFiles(t *testing.T) {
+	tier := newTier(t, Disk, "1GiB") // ceiling: 8,192 buckets
+	if got, want := tier.Info().IndexBytes, indexLen(minIndexBuckets); got != want {
+		t.Fatalf("an empty tier's index takes %d bytes, want %d", got, want)
+	}
+	reader, err := OpenDir(tier.Path, Disk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Close()
+	const n = 6000
+	publishTiny(t, tier, 0, n)
+	info := tier.Info()
+	if info.Files != n || info.IndexEvictions != 0 {
+		t.Fatalf("after %d files: %d files, %d evicted for the index", n, info.Files, info.IndexEvictions)
+	}
+	if info.IndexBytes < indexLen(4096) || info.IndexBytes >= indexLen(indexCeiling(1<<30)) {
+		t.Errorf("the index of %d files takes %d bytes, want %d (4,096 buckets) up to less than its ceiling's %d",
+			n, info.IndexBytes, indexLen(4096), indexLen(indexCeiling(1<<30)))
+	}
+	st, err := os.Stat(filepath.Join(tier.Path, indexName))
+	if err != nil || st.Size() != info.IndexBytes {
+		t.Errorf("the index file: %v (%v), Info says %d bytes", st, err, info.IndexBytes)
+	}
+	for i := range n {
+		p := fmt.Sprintf("/data/f%d", i)
+		for who, d := range map[string]Dir{"a reader opened before the index grew": reader, "the server": tier.Dir} {
+			m, err := d.Open(p)
+			if err != nil {
+				t.Fatalf("%s misses %s: %v", who, p, err)
+			}
+			if b := m.Bytes(); len(b) != 1 || b[0] != byte(i) {
+				t.Fatalf("%s reads %v for %s", who, b, p)
+			}
+			m.Release()
+		}
+	}
+}
+
+// A server started over a tier sizes the index for the files it finds, and keeps the last
+// validation session through the index's growth.
+func TestIndexOfARestartedServerFitsItsFiles(t *testing.T) {
+	dir := t.TempDir()
+	tier, err := New(Config{Dir: dir, Kind: Disk, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tier.NoteSession(7)
+	publishTiny(t, tier, 0, 3000) // grows at least once
+	grown := tier.Info().IndexBytes
+	tier.Close()
+	again, err := New(Config{Dir: dir, Kind: Disk, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	if got := again.LastSession(); got != 7 {
+		t.Errorf("the restarted server's last session: %d, want 7", got)
+	}
+	if info := again.Info(); info.Files != 3000 || info.IndexBytes != indexLen(4096) || info.IndexEvictions != 0 {
+		t.Errorf("restarted over 3,000 files: %d files, an index of %d bytes (want %d; %d before), %d evicted",
+			info.Files, info.IndexBytes, indexLen(4096), grown, info.IndexEvictions)
+	}
+}
+
+// At its ceiling the index grows no more: a full bucket evicts its oldest file.
+func TestIndexAtItsCeilingEvicts(t *testing.T) {
+	tier := newTier(t, Disk, "64MiB") // ceiling: minIndexBuckets
+	publishTiny(t, tier, 0, 4000)     // 8 KiB each: 32 MiB, in the budget
+	info := tier.Info()
+	if info.IndexBytes != indexLen(minIndexBuckets) {
+		t.Errorf("the index grew past its ceiling: %d bytes", info.IndexBytes)
+	}
+	if info.IndexEvictions == 0 || info.Files+int(info.IndexEvictions) != 4000 {
+		t.Errorf("4,000 files in %d buckets of %d: %d held, %d evicted for the index", minIndexBuckets, indexWays,
+			info.Files, info.IndexEvictions)
+	}
+}
+
+// Where the first bucket overflows as files come in, and so when the index grows: the
+// figures its geometry's comment gives.
+func TestIndexBucketsOverflowNearTheLoadsTheDocsGive(t *testing.T) {
+	for _, c := range []struct {
+		buckets  uint32
+		min, max float64 // entries per bucket at the first overflow
+	}{{1 << 10, 1.4, 3.2}, {1 << 14, 1.1, 2.3}} {
+		ix := &index{buckets: c.buckets}
+		var loads []float64
+		for _, format := range []string{"/data/train/f%d", "/data/train/%08d.jpg", "/imagenet/n%08d.JPEG"} {
+			counts := map[uint32]int{}
+			for i := 0; ; i++ {
+				b := ix.bucketOf(KeyOf(fmt.Sprintf(format, i)))
+				if counts[b]++; counts[b] > indexWays {
+					loads = append(loads, float64(i)/float64(c.buckets))
+					break
+				}
+			}
+		}
+		for _, l := range loads {
+			if l < c.min || l > c.max {
+				t.Errorf("%d buckets: the first overflowed at %.2f entries per bucket (all: %.2f), want %.1f to %.1f",
+					c.buckets, l, loads, c.min, c.max)
+			}
+		}
+		t.Logf("%d buckets: first overflow at %.2f entries per bucket", c.buckets, loads)
+	}
+}
