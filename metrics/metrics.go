@@ -121,6 +121,8 @@ var tierMetrics = []tierMetric{
 		prometheus.GaugeValue, func(t *tiers.Info) int64 { return int64(t.Files) }},
 	{prometheus.NewDesc("fitcache_tier_index_evictions_total", "Files evicted from a tier because their bucket of its index was full.", []string{"tier", "dir"}, nil),
 		prometheus.CounterValue, func(t *tiers.Info) int64 { return t.IndexEvictions }},
+	{prometheus.NewDesc("fitcache_tier_index_bytes", "Size of a tier's index, outside its budget: it grows with the files the tier holds.", []string{"tier", "dir"}, nil),
+		prometheus.GaugeValue, func(t *tiers.Info) int64 { return t.IndexBytes }},
 }
 
 var (

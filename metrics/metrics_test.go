@@ -198,7 +198,7 @@ func TestMetricsFollowTheStatistics(t *testing.T) {
 		Hits: map[string]int64{"memory": 7, "disk": 2}, Evictions: 3, Refusals: 4, Stored: 5, StoreRefused: 6,
 		Prefetch: core.PrefetchStats{Reads: 16, JobsActive: 1, FilesQueued: 40, Jobs: 2, Fetched: 60,
 			SkippedCached: 6, SkippedInflight: 2, Failed: 1, Bytes: 1 << 20, StoppedBudget: 1},
-		Tiers: []tiers.Info{{Dir: "/dev/shm/fc", Kind: "memory", Used: 1000, Budget: 4096, Files: 3}},
+		Tiers: []tiers.Info{{Dir: "/dev/shm/fc", Kind: "memory", Used: 1000, Budget: 4096, Files: 3, IndexBytes: 675840}},
 	}})
 	m.WatchMembership(fakeMembers{version: 3, dead: []string{"n2:7070"}})
 	m.ObserveNodeOpen(core.OriginPeer, time.Millisecond)
@@ -230,6 +230,7 @@ func TestMetricsFollowTheStatistics(t *testing.T) {
 		{"fitcache_tier_used_bytes", []string{"tier", "memory", "dir", "/dev/shm/fc"}, 1000},
 		{"fitcache_tier_budget_bytes", []string{"tier", "memory", "dir", "/dev/shm/fc"}, 4096},
 		{"fitcache_tier_files", []string{"tier", "memory", "dir", "/dev/shm/fc"}, 3},
+		{"fitcache_tier_index_bytes", []string{"tier", "memory", "dir", "/dev/shm/fc"}, 675840},
 		{"fitcache_ring_changes_total", nil, 3},
 		{"fitcache_dead_servers", nil, 1},
 		{"fitcache_node_open_duration_seconds", []string{"origin", "remote"}, 1},
