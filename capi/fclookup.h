@@ -74,11 +74,12 @@ extern "C" {
 /* The longest path handled; longer ones are misses. */
 #define FC_PATH_MAX 4096
 
-/* Mappings of its index a tier keeps in place (the first, then one per server restart): a
- * replaced one stays mapped, since a lookup in another thread may still read it, until
- * fc_tier_close. Past this many (many restarts of the server in the life of one process), the
- * record of each new mapping is kept in a page of its own (mmap, no malloc), also freed by
- * fc_tier_close. */
+/* Mappings of its index a tier keeps in place (the first, then one per server restart and
+ * one each time the index doubles: tiers/index.go): a replaced one stays mapped, since a
+ * lookup in another thread may still read it, until fc_tier_close (the server gives back its
+ * slots' pages once it replaced it). Past this many (an index grown from 1,024 buckets to
+ * 262,144 in the life of one process, or many restarts), the record of each new mapping is
+ * kept in a page of its own (mmap, no malloc), also freed by fc_tier_close. */
 #define FC_TIER_MAPS 8
 
 /* The tier directories a reader looks files up in, at most: those of every server on its node

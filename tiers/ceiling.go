@@ -121,6 +121,12 @@ func punchSlots(dirfd int) error {
 		return fmt.Errorf("index: %w", err)
 	}
 	defer unix.Close(fd)
+	return punchSlotsOf(fd)
+}
+
+// punchSlotsOf gives back the pages of the slots of the index open at fd, keeping its header
+// and hit counters.
+func punchSlotsOf(fd int) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return fmt.Errorf("index: %w", err)
@@ -128,7 +134,7 @@ func punchSlots(dirfd int) error {
 	if st.Size <= indexSlots {
 		return nil
 	}
-	err = unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, indexSlots, st.Size-indexSlots)
+	err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, indexSlots, st.Size-indexSlots)
 	if errors.Is(err, unix.EOPNOTSUPP) {
 		return nil // a file system without holes keeps the pages; a tmpfs has them
 	}

@@ -403,10 +403,14 @@ func (ix *index) unmap() error { return ix.m.Unmap() }
 
 // createIndex builds a new index of the given buckets in the tier directory dirfd: written
 // in a temporary file, filled by fill (nil for none) with the entries it must list from the
-// start, renamed over the old one, which is then marked retired so that its readers move to
-// the new one. More entries are added with put. It also returns the last session the old
-// index recorded (0 for none), which the new one records too.
-func createIndex(dirfd int, buckets uint32, fill func(*index)) (*index, uint32, error) {
+// start, renamed over the old one, handed to installed (nil for none) for the caller to make
+// current, and only then is the old one marked retired, so that its readers move to the new
+// one, and its slots' pages given back (its header and hit counters stay: a retired index is
+// never looked in again once its readers see the flag). More entries are added with put. It
+// also returns the last session the old index recorded (0 for none), which the new one
+// records too. A file system without room for the new index is an error, not a fault at a
+// later write to it.
+func createIndex(dirfd int, buckets uint32, fill, installed func(*index)) (*index, uint32, error) {
 	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
 	if err != nil {
 		return nil, 0, err
@@ -417,15 +421,23 @@ func createIndex(dirfd int, buckets uint32, fill func(*index)) (*index, uint32, 
 		unix.Unlinkat(dirfd, tmp, 0)
 		return nil, 0, err
 	}
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
+		unix.Unlinkat(dirfd, tmp, 0)
+		return nil, 0, fmt.Errorf("index of %d bytes: %w", size, err)
+	}
 	m, err := mmap.Map(f, mmap.RDWR, 0)
 	if err != nil {
 		unix.Unlinkat(dirfd, tmp, 0)
 		return nil, 0, fmt.Errorf("map index: %w", err)
 	}
-	// Its pages allocated and mapped in one call, not a fault at a time as puts touch them:
-	// a server grows its index with its lock held (see Tier.growIndex). Older kernels lack
-	// the call, and then fault as before.
-	unix.Madvise(m, unix.MADV_POPULATE_WRITE)
+	// Its pages mapped in one call, not a fault at a time as puts touch them: a server grows
+	// its index with its lock held (see Tier.growIndex). Older kernels lack the call, and
+	// then fault as before.
+	if err := unix.Madvise(m, unix.MADV_POPULATE_WRITE); err != nil && !errors.Is(err, unix.EINVAL) {
+		m.Unmap()
+		unix.Unlinkat(dirfd, tmp, 0)
+		return nil, 0, fmt.Errorf("index of %d bytes: %w", size, err)
+	}
 	ix := &index{m: m, buckets: buckets}
 	copy(m, indexMagic)
 	*ix.word32(hdrVersion) = indexVersion
@@ -444,23 +456,29 @@ func createIndex(dirfd int, buckets uint32, fill func(*index)) (*index, uint32, 
 		unix.Unlinkat(dirfd, tmp, 0)
 		return nil, 0, err
 	}
+	if installed != nil {
+		installed(ix)
+	}
 	var sessions uint32
 	if oldErr == nil {
-		sessions = retire(oldFd)
-		ix.noteSession(sessions)
+		var ok bool
+		if sessions, ok = retire(oldFd); ok {
+			ix.noteSession(sessions)
+			punchSlotsOf(oldFd) // a file system without holes keeps them until its readers let go
+		}
 	}
 	return ix, sessions, nil
 }
 
-// retire sets the retired flag of the replaced index open at fd, if it is one, so that its
-// readers move to the new one, and returns the last session it recorded.
-func retire(fd int) (sessions uint32) {
+// retire sets the retired flag of the replaced index open at fd, if it is one (ok), so that
+// its readers move to the new one, and returns the last session it recorded.
+func retire(fd int) (sessions uint32, ok bool) {
 	hdr := make([]byte, hdrSessions+4)
 	if n, _ := unix.Pread(fd, hdr, 0); n == len(hdr) && string(hdr[:len(indexMagic)]) == indexMagic {
 		unix.Pwrite(fd, []byte{1, 0, 0, 0}, hdrRetired)
-		return binary.LittleEndian.Uint32(hdr[hdrSessions:])
+		return binary.LittleEndian.Uint32(hdr[hdrSessions:]), true
 	}
-	return 0
+	return 0, false
 }
 
 // noteSession records session as the last one begun (writer only).

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 )
 
@@ -123,5 +124,66 @@ func TestIndexBucketsOverflowNearTheLoadsTheDocsGive(t *testing.T) {
 			}
 		}
 		t.Logf("%d buckets: first overflow at %.2f entries per bucket", c.buckets, loads)
+	}
+}
+
+// A lookup of the server's own while its index grows, at the worst moment (the new index in
+// place, not yet its view's), finds the file in the old index, which is not retired yet, and
+// maps nothing of its own: every reader's hit is counted once.
+func TestIndexGrowingCountsEveryHitOnce(t *testing.T) {
+	tier := newTier(t, Disk, "1GiB")
+	publish(t, tier, "/data/a", []byte{1})
+	tier.mu.Lock()
+	old := tier.ix
+	var ix *index
+	err := withFd(tier.dirFile, func(dirfd int) error {
+		var err error
+		ix, _, err = createIndex(dirfd, old.buckets*2, old.copyTo, func(ix *index) {
+			if _, ok := tier.CachedSize("/data/a"); !ok {
+				t.Error("the server's lookup missed while its index grew")
+			}
+			tier.view.replace(ix)
+		})
+		return err
+	})
+	if err != nil {
+		tier.mu.Unlock()
+		t.Fatal(err)
+	}
+	tier.ix = ix
+	tier.mu.Unlock()
+	atomic.AddUint64(ix.word64(counterBase+lineHits), 1) // a reader's hit on the new index
+	atomic.AddUint64(ix.word64(counterBase+lineHitBytes), 10)
+	if n, b := tier.Hits(); n != 1 || b != 10 {
+		t.Errorf("Hits: %d of %d bytes, want 1 of 10", n, b)
+	}
+	if !old.retired() {
+		t.Error("the old index is not retired")
+	}
+}
+
+// A reader follows an index that grew twice within indexRetry (a reader only waits that
+// long after an index it could not open).
+func TestReaderFollowsTwoGrowthsAtOnce(t *testing.T) {
+	tier := newTier(t, Disk, "1GiB")
+	reader, err := OpenDir(tier.Path, Disk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Close()
+	for round := range 2 {
+		p := fmt.Sprintf("/data/after-%d", round)
+		tier.mu.Lock()
+		err := tier.growIndex()
+		tier.mu.Unlock()
+		if err != nil {
+			t.Fatal(err)
+		}
+		publish(t, tier, p, []byte{byte(round)})
+		m, err := reader.Open(p)
+		if err != nil {
+			t.Fatalf("growth %d: the reader misses a file published after it: %v", round+1, err)
+		}
+		m.Release()
 	}
 }

@@ -839,8 +839,7 @@ const growRetry = time.Minute
 
 // growIndex replaces the index by one of twice the buckets listing the same entries (t.mu
 // held, so that nothing is published meanwhile). Readers move to it as they do to a
-// restarted server's (see createIndex); until they do, the old one still lists every copy it
-// listed, as the new one does. Publishing waits meanwhile: on the 2-core VM, 15-20 ms to grow
+// restarted server's (see createIndex). Publishing waits meanwhile: on the 2-core VM, 15-20 ms to grow
 // an index of 16,384 entries, 0.5 s for 524,288 (most of it the new file's memory), once per
 // doubling.
 func (t *Tier) growIndex() error {
@@ -848,14 +847,15 @@ func (t *Tier) growIndex() error {
 	var ix *index
 	err := withFd(t.dirFile, func(dirfd int) error {
 		var err error
-		ix, _, err = createIndex(dirfd, old.buckets*2, old.copyTo)
+		// The server's own view moves before the old index is retired: a lookup of its own
+		// that met the flag first would map the new file a second time, read-only.
+		ix, _, err = createIndex(dirfd, old.buckets*2, old.copyTo, t.view.replace)
 		return err
 	})
 	if err != nil {
 		return err
 	}
 	t.ix = ix
-	t.view.replace(ix)
 	t.log.Debug("tier index grew", "buckets", ix.buckets, "files", t.fifo.len())
 	return nil
 }
@@ -986,7 +986,7 @@ func (t *Tier) rescan() error {
 			return err
 		}
 		var err error
-		t.ix, t.lastSession, err = createIndex(dirfd, bucketsFor(int64(len(s.found)), indexCeiling(t.budget)), nil)
+		t.ix, t.lastSession, err = createIndex(dirfd, bucketsFor(int64(len(s.found)), indexCeiling(t.budget)), nil, nil)
 		return err
 	})
 	if err != nil {
