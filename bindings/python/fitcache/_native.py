@@ -162,9 +162,12 @@ def _declare(lib):
     return lib
 
 
+_ErrBuf = ctypes.c_char * 4096  # one type, kept (see _ARRAY_TYPES): a forked worker raises per miss
+
+
 def _raise(lib, rc, path=None):
     """Raises the exception for a negative return code, with the native message."""
-    buf = ctypes.create_string_buffer(4096)
+    buf = _ErrBuf()
     lib.fc_errmsg(buf, len(buf))
     code = -rc
     cls = _ERRORS.get(code, FitCacheError)
@@ -222,12 +225,44 @@ class _Owner:
     __del__ = release
 
 
+# The ctypes byte-array types a view is made from: one per power of two, made once and kept.
+# ctypes keeps an array type it made only while something uses it (its cache holds weak
+# proxies), and a type is a cycle of objects that only the cyclic garbage collector frees: a
+# type per read was made, became garbage with the read's views, and filled the collector's
+# youngest generation (about ten objects each), so that collections ran every few dozen
+# reads, and each one freed the types the next reads made again. In a DataLoader worker
+# forked from a large main process, those collections reached its oldest generation and
+# walked every object inherited from the parent, copying their pages (BENCHMARKS section 29).
+# Made here, at import, in the process that forks the workers: a worker makes none. An array
+# type may claim more bytes than a buffer holds; a view is cut to the buffer's size, and
+# nothing reads past it.
+_ARRAY_TYPES = [ctypes.c_ubyte * (1 << k) for k in range(31)]  # 1 B to 1 GiB: 0.3 ms
+
+
 def _array_type(size):
-    """A ctypes byte-array type at least size long, from a small set of sizes: ctypes caches
-    every array type it makes forever, so one per distinct file size would leak."""
-    n = max(size, 64)
-    step = 1 << max(n.bit_length() - 4, 0)  # 8 to 16 size classes per doubling
-    return ctypes.c_ubyte * (-(-n // step) * step)
+    """The ctypes byte-array type of _ARRAY_TYPES at least size long (larger ones made and
+    kept at their first use)."""
+    k = max(size - 1, 0).bit_length()
+    while k >= len(_ARRAY_TYPES):
+        _ARRAY_TYPES.append(ctypes.c_ubyte * (1 << len(_ARRAY_TYPES)))
+    return _ARRAY_TYPES[k]
+
+
+# The array types of read_each's arguments, by element type and length, kept for the same
+# reason (a batch's five arrays made five types). A loader's batches have a few lengths; a
+# program that reads many lengths drops them all now and then.
+_BATCH_TYPES: dict = {}
+_BATCH_TYPES_MAX = 256
+
+
+def _batch_array(ctype, n):
+    """A new array of n ctype elements, of a type kept in _BATCH_TYPES."""
+    t = _BATCH_TYPES.get((ctype, n))
+    if t is None:
+        if len(_BATCH_TYPES) >= _BATCH_TYPES_MAX:
+            _BATCH_TYPES.clear()
+        t = _BATCH_TYPES[ctype, n] = ctype * n
+    return t()
 
 
 _c_void_p, _c_int64, _byref = ctypes.c_void_p, ctypes.c_int64, ctypes.byref
@@ -301,9 +336,10 @@ class Client:
         if n == 0:
             return []
         lib = self._lib
-        c_paths = (ctypes.c_char_p * n)(*[_fs(p) for p in paths])
-        data, sizes = (ctypes.c_void_p * n)(), (ctypes.c_int64 * n)()
-        bufs, results = (ctypes.c_int64 * n)(), (ctypes.c_int * n)()
+        c_paths = _batch_array(ctypes.c_char_p, n)
+        c_paths[:] = [_fs(p) for p in paths]
+        data, sizes = _batch_array(ctypes.c_void_p, n), _batch_array(ctypes.c_int64, n)
+        bufs, results = _batch_array(ctypes.c_int64, n), _batch_array(ctypes.c_int, n)
         rc = lib.fc_read_many(self._checked(), n, c_paths, data, sizes, bufs, results)
         if rc < 0:
             _raise(lib, rc)
