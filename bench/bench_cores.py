@@ -61,6 +61,9 @@ cores<usable CPUs>-<short CPU model> (for example cores2-amd-epyc).
 mounted with huge=within_size); the plain copy stays on /dev/shm, and the tables name the
 tier's mount options.
 
+--gc-log FILE appends a line for every collection of Python's garbage collector in this
+process and its DataLoader workers, with the configuration measured (see GCLog).
+
 Everything the run makes (the /dev/shm copy, tiers, runtime directories) is removed at the end,
 also on Ctrl-C or SIGTERM; only the embedded servers it started are stopped (by the PID in
 their runtime directory's server.lock), and only the processes it started are killed, by PID.
@@ -75,6 +78,7 @@ DataLoader forks, so that its workers share it) is recorded in the JSON.
 import argparse
 import concurrent.futures
 import datetime
+import gc
 import json
 import os
 import platform
@@ -200,6 +204,30 @@ class ServerCPU:
             log(f"the server was replaced during a measurement: PID {self.pid} before, {pid or 'none'} after")
 
 
+class GCLog:
+    """With --gc-log FILE: a line for every collection of Python's cyclic garbage collector in
+    this process and in the DataLoader workers it forks (the callback is inherited), with the
+    configuration then measured: "<workers>/<mode>/<plain|fitcache> <pid> gen<N> <µs>
+    collected=<objects>". A worker forked from a large main process that runs a collection
+    of the oldest generation walks every object it inherited, copying their pages
+    (BENCHMARKS section 29)."""
+
+    tag = "set-up"
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.started = 0
+        gc.callbacks.append(self.callback)
+
+    def callback(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter_ns()
+            return
+        us = (time.perf_counter_ns() - self.started) / 1e3
+        os.write(self.fd, f"{GCLog.tag} {os.getpid()} gen{info['generation']} {us:.0f} "
+                          f"collected={info['collected']}\n".encode())
+
+
 def measured(epoch, cache):
     """Runs epoch() (returning seconds and files) and adds the CPU seconds it took this process,
     its children (DataLoader workers, alive or reaped) and cache's server."""
@@ -280,6 +308,7 @@ def bench_warm(b, args, runner):
     s = Samples()
 
     def run_mode(mode, which, w):
+        GCLog.tag = f"{w}/{mode}/{which}"
         if mode != "run":
             return b.epochs(plain if which == "plain" else fds, w, cache, persistent=mode == "persistent",
                             batched=mode == "batched")
@@ -319,6 +348,7 @@ def bench_cold(b, args):
     starts = []
 
     def run(which, w):
+        GCLog.tag = f"{w}/cold/{which}"
         if which == "plain":
             return measured(lambda: timed_epoch(loader(plain, b.sampler, args, w), b.sampler, 0, b.check)[:2], None)
         cache.wipe()
@@ -595,6 +625,8 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=1, help="seed of the dataset and of the epochs' orders")
     ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     ap.add_argument("--out", help="JSON results (default bench/results/<machine tag>/cores-<date>.json)")
+    ap.add_argument("--gc-log", help="append every collection of Python's garbage collector in this process and the "
+                    "DataLoader workers it forks to this file, with the configuration measured (see GCLog)")
     ap.add_argument("--threads-run", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads_run:
@@ -631,6 +663,8 @@ def main():
     # More workers than cores is what the sweep measures: torch's warning about it, once per
     # DataLoader, would bury the progress lines.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
+    if args.gc_log:
+        GCLog(args.gc_log)
     m = machine()
     out = args.out or str(HERE / "results" / machine_tag(m) / f"cores-{datetime.date.today()}.json")
     # Ctrl-C too sets the flag that checkpoint() tests between batches: a KeyboardInterrupt that
