@@ -19,7 +19,8 @@
 # LCOLD, LTHREADS, LCLUSTER, LFIRST (seconds), FIRST_BUDGET (16GiB: bench_first_read.py's
 # second tier), WHEEL (.device/fitcache-*.whl), PYTHON (python3).
 # With OLD_WHEEL, the cold section runs again over that wheel (an older build, for a
-# before/after in the same run) at OLD_WORKERS. PERF_SECTIONS (say warm,threads) runs those
+# before/after in the same run) at OLD_WORKERS, and bench_first_read.py's large tier. The
+# warm section logs every garbage collection of its processes to $OUT/gc-warm.log. PERF_SECTIONS (say warm,threads) runs those
 # sections under perf (see perf_start below).
 set -u
 export PYTHONUNBUFFERED=1
@@ -76,7 +77,8 @@ section() { # name, limit in seconds, bench_cores.py arguments
         tee -a "$OUT/all.log" | grep -v '^\s*$'
     perf_stop "$name"
 }
-section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEATS:-$R} --epochs ${WARM_EPOCHS:-1}
+section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEATS:-$R} --epochs ${WARM_EPOCHS:-1} \
+    --gc-log "$OUT/gc-warm.log"
 section cold "${LCOLD:-100}" --sections cold --workers $W --repeats ${COLD_REPEATS:-$R}
 if [ -n "${OLD_WHEEL:-}" ]; then
     PYTHONPATH=/tmp/fcsite-old section cold-old "${LCOLD:-100}" --sections cold --workers ${OLD_WORKERS:-$W} \
@@ -86,13 +88,15 @@ section threads "${LTHREADS:-40}" --sections threads --threads $T
 section cluster "${LCLUSTER:-110}" --sections cluster --cluster-workers $CW --cluster-files $CF --cluster-repeats 1 \
     --cluster-reads "${CREADS:-item,batched}"
 # A fresh worker's first and later reads (bench_first_read.py), on a tier of twice the
-# dataset and on one of FIRST_BUDGET, whose index is sized by that budget: whether a
-# budget-sized index's page faults are part of what warm hits cost here beyond plain reads.
-first() { # budget, or nothing for the default
-    echo "== first-read ${1:-default} (limit ${LFIRST:-60} s) at $(( $(date +%s) - t0 )) s"
+# dataset and on one of FIRST_BUDGET: the index grows with the files (BENCHMARKS section
+# 28), so its page faults should not follow the budget; with OLD_WHEEL, the large tier again
+# over that wheel (an index sized by the budget before 2026-11-29).
+first() { # budget or "", name
+    echo "== first-read $2 (limit ${LFIRST:-60} s) at $(( $(date +%s) - t0 )) s"
     timeout -s TERM -k 20 "${LFIRST:-60}" $py bench/bench_first_read.py --files 2000 --children 16 \
-        ${1:+--budget "$1"} --out "$OUT/first-read-${1:-default}.json" 2>&1 | tee -a "$OUT/all.log" | grep -v '^\s*$'
+        ${1:+--budget "$1"} --out "$OUT/first-read-$2.json" 2>&1 | tee -a "$OUT/all.log" | grep -v '^\s*$'
 }
-first
-first "${FIRST_BUDGET:-16GiB}"
+first "" default
+first "${FIRST_BUDGET:-16GiB}" large
+[ -n "${OLD_WHEEL:-}" ] && PYTHONPATH=/tmp/fcsite-old first "${FIRST_BUDGET:-16GiB}" large-old
 echo "== done at $(( $(date +%s) - t0 )) s"
