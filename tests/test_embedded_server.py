@@ -107,9 +107,12 @@ def test_stats_and_info_commands(dataset, cache_options):
     fitcache_cli(cache_options, "warmup", "--quiet", root)
     out = fitcache_cli(cache_options, "stats")
     assert out.returncode == 0 and f"source reads {len(digests)}" in out.stdout, out.stdout
+    # Each tier names its index's size (it grows with the files: 660 KiB for a few).
+    assert out.stdout.count(", index 660.0KiB (") == 2, out.stdout
+    stats = json.loads(fitcache_cli(cache_options, "stats", "--json").stdout)
+    assert [t["index_bytes"] for t in stats["tiers"]] == [675840, 675840], stats["tiers"]
     info = fitcache_cli(cache_options, "info", "--json")
     assert info.returncode == 0, info.stderr
-    import json
     report = json.loads(info.stdout)
     assert report["hardware"]["logical_cpus"] >= 1 and report["hardware"]["cpu"]
     assert [t["kind"] for t in report["tiers"]] == ["memory", "disk"]

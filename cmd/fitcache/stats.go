@@ -93,8 +93,8 @@ func printStats(w *os.File, s core.StatsSnapshot) {
 	fmt.Fprintf(w, "errors       %d read, %d publish\n", s.Errors, s.PublishErrors)
 	printPrefetchStats(w, s.Prefetch)
 	for _, t := range s.Tiers {
-		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files (%s)\n", t.Kind, t.Dir,
-			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, t.FSType)
+		fmt.Fprintf(w, "tier %-6s  %s  %s of %s used, %d files, index %s (%s)\n", t.Kind, t.Dir,
+			tiers.FormatBytes(t.Used), tiers.FormatBytes(t.Budget), t.Files, tiers.FormatBytes(t.IndexBytes), t.FSType)
 		if t.LimitedBy != "" {
 			fmt.Fprintf(w, "             budget lowered from %s by the %s\n", tiers.FormatBytes(t.ConfiguredBudget), t.LimitedBy)
 		}
