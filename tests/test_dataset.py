@@ -200,8 +200,11 @@ def test_reads_leave_nothing_for_the_cyclic_garbage_collector(dataset, cache_opt
     root, digests = dataset
     rels = sorted(digests)
     with fitcache.Client(root, **cache_options) as client:
-        for rel in rels:  # cached
+        for rel in rels:  # cached, and every kind of call made once
             client.read(rel)
+        client.read_many(rels)
+        with pytest.raises(FileNotFoundError):
+            client.read("class0/missing.bin")
         gc.collect()
         gc.disable()
         try:

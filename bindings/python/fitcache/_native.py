@@ -234,18 +234,21 @@ class _Owner:
 # forked from a large main process, those collections reached its oldest generation and
 # walked every object inherited from the parent, copying their pages (BENCHMARKS section 29).
 # Made here, at import, in the process that forks the workers: a worker makes none. An array
-# type may claim more bytes than a buffer holds; a view is cut to the buffer's size, and
-# nothing reads past it.
-_ARRAY_TYPES = [ctypes.c_ubyte * (1 << k) for k in range(31)]  # 1 B to 1 GiB: 0.3 ms
+# type may claim up to twice the bytes a buffer holds; a view is cut to the buffer's size,
+# and nothing reads past it but a caller that reaches the whole array through the view's
+# .obj (as it could write to it).
+_ARRAY_TYPES = [ctypes.c_ubyte * (1 << k) for k in range(31)]  # 1 B to 1 GiB: 0.3-0.7 ms
+_LARGE_ARRAY_TYPES: dict = {}  # past 1 GiB, by power of two, kept at their first use
 
 
 def _array_type(size):
-    """The ctypes byte-array type of _ARRAY_TYPES at least size long (larger ones made and
-    kept at their first use)."""
+    """The ctypes byte-array type at least size long, of at most twice its size."""
     k = max(size - 1, 0).bit_length()
-    while k >= len(_ARRAY_TYPES):
-        _ARRAY_TYPES.append(ctypes.c_ubyte * (1 << len(_ARRAY_TYPES)))
-    return _ARRAY_TYPES[k]
+    if k < len(_ARRAY_TYPES):
+        return _ARRAY_TYPES[k]
+    t = _LARGE_ARRAY_TYPES.get(k)
+    # setdefault: threads that make their first read of such a file at once keep one type
+    return t if t is not None else _LARGE_ARRAY_TYPES.setdefault(k, ctypes.c_ubyte * (1 << k))
 
 
 # The array types of read_each's arguments, by element type and length, kept for the same
