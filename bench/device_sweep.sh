@@ -28,12 +28,19 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 t0=$(date +%s)
 py=${PYTHON:-python3}
-install() { # wheel, folder
-    $py -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$2" $1 || exit 1
+# Each wheel into a new private folder: pip --target leaves a package that is there already
+# (a folder of an earlier run: its old build was what ran), and /tmp is anyone's.
+install() { # wheel; prints the folder
+    local dir
+    dir=$(mktemp -d /tmp/fcsite.XXXXXX) || exit 1
+    $py -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$dir" $1 >&2 || exit 1
+    echo "$dir"
 }
-install "${WHEEL:-.device/fitcache-*.whl}" /tmp/fcsite
-[ -n "${OLD_WHEEL:-}" ] && install "$OLD_WHEEL" /tmp/fcsite-old
-export PYTHONPATH=/tmp/fcsite
+site=$(install "${WHEEL:-.device/fitcache-*.whl}") || exit 1
+site_old=
+if [ -n "${OLD_WHEEL:-}" ]; then site_old=$(install "$OLD_WHEEL") || exit 1; fi
+trap 'rm -rf "$site" ${site_old:+"$site_old"}' EXIT
+export PYTHONPATH=$site
 { nproc; $py -c 'import torch, fitcache, sys; print(sys.version, torch.__version__, fitcache.__file__)'
   df -h /dev/shm /tmp /var/tmp; head -3 /proc/meminfo; cat /proc/self/cgroup; } 2>&1 | tee "$OUT/machine.txt"
 if [ "${1:-}" = quick ]; then
@@ -81,7 +88,7 @@ section warm "${LWARM:-230}" --sections warm --workers $W --repeats ${WARM_REPEA
     --gc-log "$OUT/gc-warm.log"
 section cold "${LCOLD:-100}" --sections cold --workers $W --repeats ${COLD_REPEATS:-$R}
 if [ -n "${OLD_WHEEL:-}" ]; then
-    PYTHONPATH=/tmp/fcsite-old section cold-old "${LCOLD:-100}" --sections cold --workers ${OLD_WORKERS:-$W} \
+    PYTHONPATH=$site_old section cold-old "${LCOLD:-100}" --sections cold --workers ${OLD_WORKERS:-$W} \
         --repeats ${COLD_REPEATS:-$R}
 fi
 section threads "${LTHREADS:-40}" --sections threads --threads $T
@@ -98,5 +105,5 @@ first() { # budget or "", name
 }
 first "" default
 first "${FIRST_BUDGET:-16GiB}" large
-[ -n "${OLD_WHEEL:-}" ] && PYTHONPATH=/tmp/fcsite-old first "${FIRST_BUDGET:-16GiB}" large-old
+[ -n "$site_old" ] && PYTHONPATH=$site_old first "${FIRST_BUDGET:-16GiB}" large-old
 echo "== done at $(( $(date +%s) - t0 )) s"
