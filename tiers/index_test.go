@@ -1,11 +1,15 @@
 package tiers
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // publishTiny publishes n one-byte files /data/f<from> .. /data/f<from+n-1>.
@@ -183,6 +187,56 @@ func TestReaderFollowsTwoGrowthsAtOnce(t *testing.T) {
 		m, err := reader.Open(p)
 		if err != nil {
 			t.Fatalf("growth %d: the reader misses a file published after it: %v", round+1, err)
+		}
+		m.Release()
+	}
+}
+
+// smallTmpfs mounts a tmpfs of size bytes for the test (skipped where this process may not
+// mount one), unmounted at its end.
+func smallTmpfs(t *testing.T, size int) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, fmt.Sprintf("size=%d,mode=0700", size)); err != nil {
+		t.Skipf("cannot mount a tmpfs here: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	return dir
+}
+
+// An index that cannot grow for want of room in its file system says so and stays as it
+// was: nothing is left behind, the tier goes on publishing and its readers on finding.
+func TestIndexThatCannotGrowStaysAsItWas(t *testing.T) {
+	fs := smallTmpfs(t, 1800<<10) // the first index (660 KiB) fits; one of twice its buckets does not
+	tier, err := New(Config{Dir: filepath.Join(fs, "tier"), Kind: Memory, Budget: "1MiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	publish(t, tier, "/data/a", []byte("a"))
+	tier.mu.Lock()
+	err = tier.growIndex()
+	tier.mu.Unlock()
+	if !errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("growing an index on a full file system: %v, want ENOSPC", err)
+	}
+	if got := tier.Info().IndexBytes; got != indexLen(minIndexBuckets) {
+		t.Errorf("the index takes %d bytes after a failed growth, want %d", got, indexLen(minIndexBuckets))
+	}
+	names, err := os.ReadDir(tier.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range names {
+		if strings.HasPrefix(e.Name(), tempPrefix) {
+			t.Errorf("left behind: %s", e.Name())
+		}
+	}
+	publish(t, tier, "/data/b", []byte("b"))
+	for _, p := range []string{"/data/a", "/data/b"} {
+		m, err := tier.Open(p)
+		if err != nil {
+			t.Fatalf("%s after a failed growth: %v", p, err)
 		}
 		m.Release()
 	}
