@@ -230,7 +230,14 @@ class GCLog:
 
 def measured(epoch, cache):
     """Runs epoch() (returning seconds and files) and adds the CPU seconds it took this process,
-    its children (DataLoader workers, alive or reaped) and cache's server."""
+    its children (DataLoader workers, alive or reaped) and cache's server.
+
+    This process's garbage is collected first, outside the measurement: whether a fresh
+    worker runs a collection of the oldest generation, which walks and copies every object it
+    inherits (100-400 ms each here), depends on where this process's collector stood at the
+    fork, and it fell on plain's workers in one configuration and on FitCache's in the next
+    (BENCHMARKS section 29): each epoch now starts from the same state."""
+    gc.collect()
     cpu0 = tree_cpu(os.getpid())
     with ServerCPU(cache) as server:
         secs, files = epoch()
