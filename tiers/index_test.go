@@ -28,11 +28,7 @@ func TestIndexGrowsWithItsFiles(t *testing.T) {
 	if got, want := tier.Info().IndexBytes, indexLen(minIndexBuckets); got != want {
 		t.Fatalf("an empty tier's index takes %d bytes, want %d", got, want)
 	}
-	reader, err := OpenDir(tier.Path, Disk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer reader.Close()
+	reader := readerOf(t, tier)
 	const n = 6000
 	publishTiny(t, tier, 0, n)
 	info := tier.Info()
@@ -170,11 +166,7 @@ func TestIndexGrowingCountsEveryHitOnce(t *testing.T) {
 // long after an index it could not open).
 func TestReaderFollowsTwoGrowthsAtOnce(t *testing.T) {
 	tier := newTier(t, Disk, "1GiB")
-	reader, err := OpenDir(tier.Path, Disk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer reader.Close()
+	reader := readerOf(t, tier)
 	for round := range 2 {
 		p := fmt.Sprintf("/data/after-%d", round)
 		tier.mu.Lock()

@@ -89,11 +89,7 @@ func TestOpenVersionServesOnlyTheCopysVersion(t *testing.T) {
 	if err := tier.Publish(e, data); err != nil {
 		t.Fatal(err)
 	}
-	d, err := OpenDir(tier.Path, Memory)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
+	d := readerOf(t, tier)
 	d = d.WithSession(1 << 30) // a session no copy was checked in
 	if m, err := d.Open(src); err == nil {
 		m.Release()

@@ -29,6 +29,18 @@ func newTier(t *testing.T, kind Kind, budget string) *Tier {
 	return tier
 }
 
+// readerOf opens the read side of tier as a reader process would (OpenDir), closed at the
+// end of the test.
+func readerOf(t *testing.T, tier *Tier) Dir {
+	t.Helper()
+	d, err := OpenDir(tier.Path, tier.Kind)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
 func publish(t *testing.T, tier *Tier, src string, data []byte) {
 	t.Helper()
 	if err := tier.Publish(Entry{SourcePath: src, Size: int64(len(data)), MTimeNanos: 1}, data); err != nil {
@@ -767,11 +779,7 @@ func TestBlockNamesAreEntriesOfTheirOwn(t *testing.T) {
 // has its size and mtime only), and a copy replaced by another version gives the new one.
 func TestCopyIdentityIsTheRecordedSourceVersion(t *testing.T) {
 	tier := newTier(t, Memory, "1MiB")
-	d, err := OpenDir(tier.Path, Memory)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
+	d := readerOf(t, tier)
 	for _, want := range []Identity{{Size: 5, MTimeNanos: 7, CTimeNanos: 11, Ino: 13},
 		{Size: 5, MTimeNanos: 7, CTimeNanos: 12, Ino: 13}} { // rewritten in place, mtime put back
 		e := Entry{SourcePath: "/d/f", Size: want.Size, MTimeNanos: want.MTimeNanos, SourceCTimeNanos: want.CTimeNanos,
@@ -800,11 +808,7 @@ func TestCopyIdentityIsTheRecordedSourceVersion(t *testing.T) {
 func TestAReaderOfAnIndexTruncatedUnderItMisses(t *testing.T) {
 	tier := newTier(t, Memory, "1MiB")
 	publish(t, tier, "/d/f", []byte("hello"))
-	d, err := OpenDir(tier.Path, Memory)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
+	d := readerOf(t, tier)
 	if !Listed([]Dir{d}, "/d/f") {
 		t.Fatal("not listed before the truncation")
 	}

@@ -15,11 +15,7 @@ func TestValidateMarksOrRemoves(t *testing.T) {
 	if err := tier.Publish(e, []byte("abc")); err != nil {
 		t.Fatal(err)
 	}
-	reader, err := OpenDir(tier.Path, Memory)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer reader.Close()
+	reader := readerOf(t, tier)
 
 	// Published in session 5: readers of sessions up to 5 serve it, later ones do not.
 	for _, tc := range []struct {
