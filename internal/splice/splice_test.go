@@ -39,17 +39,6 @@ func tcpPair(t *testing.T) (client, server *net.TCPConn) {
 	return c.(*net.TCPConn), s.(*net.TCPConn)
 }
 
-// pipeFor takes a pipe for the test, given back at its end.
-func pipeFor(t *testing.T) *Pipe {
-	t.Helper()
-	p, err := Get()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { Put(p) })
-	return p
-}
-
 // unixPair returns both ends of a Unix stream socket pair.
 func unixPair(t *testing.T) (a, b *net.UnixConn) {
 	t.Helper()
@@ -197,7 +186,11 @@ func TestAPipeTakesAtMostMaxAndIsReusedOnlyEmpty(t *testing.T) {
 // A read waits no longer than the connection's deadline for bytes that do not come.
 func TestAReadEndsAtTheDeadline(t *testing.T) {
 	_, recv := tcpPair(t)
-	p := pipeFor(t)
+	p, err := Get()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer Put(p)
 	recv.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
 	start := time.Now()
 	if err := p.ReadFrom(raw(t, recv), 10); err == nil {
@@ -222,7 +215,11 @@ func TestAFailedSpliceFallsBackToMemory(t *testing.T) {
 				out, in := unixPair(t)
 				want := bytes.Repeat([]byte("refused "), 20000)
 				go send.Write(want)
-				p := pipeFor(t)
+				p, err := Get()
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer Put(p)
 				spliceCall = func(rfd int, roff *int64, wfd int, woff *int64, n int, flags int) (int64, error) {
 					if (failing == "from the socket") == (wfd == p.w) {
 						return 0, errno
@@ -280,7 +277,11 @@ func TestAConnectionEndingInAFileFailsTheReadAtOnce(t *testing.T) {
 				}
 				send.Close()
 			}()
-			p := pipeFor(t)
+			p, err := Get()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer Put(p)
 			recv.SetReadDeadline(time.Now().Add(30 * time.Second))
 			start := time.Now()
 			if err := p.ReadFrom(raw(t, recv), len(sent)+1000); err == nil {
