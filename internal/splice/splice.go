@@ -175,6 +175,7 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 	var err error
 	inMemory := len(p.spill) > 0 || off.Load() // bytes go after those in memory
 	if !inMemory {
+		again := false // a splice that found no bytes is tried once more when the peek finds some
 		if rerr := conn.Read(func(fd uintptr) bool {
 			for n > 0 {
 				var k int64
@@ -188,8 +189,12 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 					if _, _, perr := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT); perr == unix.EAGAIN {
 						return false // no bytes: wait for them
 					}
-					// Bytes, the connection's end, or its error: the pipe has no slot left for
-					// them, and a read into memory takes or reports them.
+					if !again { // they may have come after the splice looked
+						again = true
+						continue
+					}
+					// Bytes, the connection's end, or its error, twice: the pipe has no slot
+					// left for them, and a read into memory takes or reports them.
 					inMemory = true
 					return true
 				case err != nil:
@@ -204,6 +209,7 @@ func (p *Pipe) ReadFrom(conn syscall.RawConn, n int) error {
 				}
 				p.n += int(k)
 				n -= int(k)
+				again = false
 			}
 			return true
 		}); rerr != nil {
