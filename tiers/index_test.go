@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -232,4 +233,66 @@ func TestIndexThatCannotGrowStaysAsItWas(t *testing.T) {
 		}
 		m.Release()
 	}
+}
+
+// A reader that keeps reading while the server restarts finds every cached file all along:
+// the restarted server's index lists them before it is renamed into place (the reader moves
+// to it at once), not one by one after.
+func TestReaderFindsEveryFileWhileTheServerRestarts(t *testing.T) {
+	dir := memoryDir(t)
+	tier, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 5000
+	publishTiny(t, tier, 0, n)
+	tier.Close()
+	reader, err := OpenDir(tier.Path, Memory)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Close()
+	var stop atomic.Bool
+	lookups, misses := 0, 0
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		deadline := time.Now().Add(time.Minute)
+		for i := 0; !stop.Load() && i < 50_000_000 && time.Now().Before(deadline); i++ {
+			m, err := reader.Open(fmt.Sprintf("/data/f%d", (i*7919)%n))
+			lookups++
+			if err != nil {
+				misses++
+				continue
+			}
+			m.Release()
+		}
+	}()
+	again, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
+	time.Sleep(20 * time.Millisecond) // lookups in the new index
+	stop.Store(true)
+	<-done
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	if misses > 0 {
+		t.Errorf("%d of %d lookups during the restart missed a cached file", misses, lookups)
+	}
+	if info := again.Info(); info.Files != n {
+		t.Errorf("restarted over %d files: %d", n, info.Files)
+	}
+}
+
+// memoryDir returns a new directory in /dev/shm (where files are made a hundred times faster
+// than on some test machines' disks), removed at the test's end; a temporary directory where
+// there is no /dev/shm.
+func memoryDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("/dev/shm", "fitcache-test-")
+	if err != nil {
+		return t.TempDir()
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }

@@ -819,8 +819,7 @@ func (t *Tier) index(s stored, id entryID) {
 				"buckets", t.ix.buckets, "retry_in", growRetry)
 		}
 	}
-	victim, evicted := t.ix.put(slot{id: id, size: s.Size, mtime: s.MTimeNanos, ino: s.ino,
-		checksum: s.Checksum, checked: s.Session, pubSeq: s.seq, srcIno: s.SourceIno, srcCtime: s.SourceCTimeNanos})
+	victim, evicted := t.ix.put(slotOf(s, id))
 	if !evicted {
 		return
 	}
@@ -831,6 +830,25 @@ func (t *Tier) index(s stored, id entryID) {
 	t.used -= rec.size
 	t.indexEvictions++
 	t.unlink(rec.rel, rec.ino)
+}
+
+// slotOf returns the index slot that lists s under id.
+func slotOf(s stored, id entryID) slot {
+	return slot{id: id, size: s.Size, mtime: s.MTimeNanos, ino: s.ino, checksum: s.Checksum, checked: s.Session,
+		pubSeq: s.seq, srcIno: s.SourceIno, srcCtime: s.SourceCTimeNanos}
+}
+
+// listFound puts into ix each entry of found (in publication order) that its bucket has room
+// for, before ix is renamed into place: readers move to a new index as soon as it is there,
+// and one that found it empty while rescan listed the entries one by one missed every cached
+// file and read it from the source again. An entry that overflows its bucket is left to
+// Tier.index, which grows the index or evicts, as for any other.
+func listFound(ix *index, found []found) {
+	for _, f := range found {
+		if id := idOf(f.SourcePath); ix.fits(id) {
+			ix.put(slotOf(f.stored, id))
+		}
+	}
 }
 
 // growRetry is how long a tier whose index could not grow (its file system full, say) waits
@@ -981,12 +999,15 @@ func (t *Tier) remove(id entryID) {
 // lowered, say).
 func (t *Tier) rescan() error {
 	s := scan{root: t.Path, verify: t.verify, fix: true}
+	var found []found
 	err := withFd(t.dirFile, func(dirfd int) error {
 		if err := s.run(dirfd); err != nil {
 			return err
 		}
+		found = s.sorted()
 		var err error
-		t.ix, t.lastSession, err = createIndex(dirfd, bucketsFor(int64(len(s.found)), indexCeiling(t.budget)), nil, nil)
+		buckets := bucketsFor(int64(len(found)), indexCeiling(t.budget))
+		t.ix, t.lastSession, err = createIndex(dirfd, buckets, func(ix *index) { listFound(ix, found) }, nil)
 		return err
 	})
 	if err != nil {
@@ -994,7 +1015,7 @@ func (t *Tier) rescan() error {
 	}
 	t.Dir.dir, t.Dir.view = t.dirFile, &indexView{cur: t.ix}
 	t.mu.Lock()
-	for _, f := range s.sorted() {
+	for _, f := range found { // listed already but for overflows: this rebuilds the FIFO and usage
 		id := idOf(f.SourcePath)
 		t.fifo.push((&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
 			source: f.Identity()}).setBlock(f.SourcePath))
