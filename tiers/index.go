@@ -216,6 +216,7 @@ func (s slot) source() Identity {
 type index struct {
 	m       mmap.MMap
 	buckets uint32
+	entries int // the entries a server's puts and removes left in it (writer only)
 }
 
 func (ix *index) word32(off int) *uint32 { return (*uint32)(unsafe.Pointer(&ix.m[off])) }
@@ -317,6 +318,7 @@ func (ix *index) put(s slot) (victim slot, evicted bool) {
 	}
 	if free >= 0 {
 		ix.write(free, s, true)
+		ix.entries++
 		return slot{}, false
 	}
 	victim, _ = ix.read(oldest)
@@ -373,6 +375,7 @@ func (ix *index) remove(id entryID) {
 		off := slotOffset(i)
 		if cur, used := ix.read(off); used && cur.id == id {
 			ix.write(off, slot{}, false)
+			ix.entries--
 		}
 	}
 }
@@ -401,42 +404,63 @@ func (ix *index) sourceReads() (n, bytes int64) {
 
 func (ix *index) unmap() error { return ix.m.Unmap() }
 
-// createIndex builds a new index of the given buckets in the tier directory dirfd: written
-// in a temporary file, filled by fill (nil for none) with the entries it must list from the
-// start, renamed over the old one, handed to installed (nil for none) for the caller to make
-// current, and only then is the old one marked retired, so that its readers move to the new
-// one, and its slots' pages given back (its header and hit counters stay: a retired index is
-// never looked in again once its readers see the flag). More entries are added with put. It
-// also returns the last session the old index recorded (0 for none), which the new one
-// records too. A file system without room for the new index is an error, not a fault at a
-// later write to it.
+// createIndex builds a new index of the given buckets in the tier directory dirfd (see
+// newIndexFile), filled by fill (nil for none) with the entries it must list from the start,
+// and puts it in place (see indexFile.install), giving back the old one's slots at once. More
+// entries are added with put. It also returns the last session the old index recorded (0 for
+// none), which the new one records too.
 func createIndex(dirfd int, buckets uint32, fill, installed func(*index)) (*index, uint32, error) {
-	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
+	n, err := newIndexFile(dirfd, buckets)
 	if err != nil {
 		return nil, 0, err
+	}
+	if fill != nil {
+		fill(n.ix)
+	}
+	sessions, old, err := n.install(dirfd, installed)
+	if err != nil {
+		return nil, 0, err
+	}
+	old.giveBack()
+	return n.ix, sessions, nil
+}
+
+// indexFile is a new index not yet in place: a temporary file in the tier directory, mapped.
+type indexFile struct {
+	ix  *index
+	tmp string // its name in the tier directory
+}
+
+// newIndexFile makes an empty index of the given buckets in the tier directory dirfd, under a
+// temporary name: its memory allocated and mapped in (so that a file system without room for
+// it is an error now, not a fault at a later write to it), its header written.
+func newIndexFile(dirfd int, buckets uint32) (*indexFile, error) {
+	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
+	if err != nil {
+		return nil, err
 	}
 	defer f.Close()
 	size := indexLen(buckets)
 	if err := f.Truncate(size); err != nil {
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, 0, err
+		return nil, err
 	}
 	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, 0, fmt.Errorf("index of %d bytes: %w", size, err)
+		return nil, fmt.Errorf("index of %d bytes: %w", size, err)
 	}
 	m, err := mmap.Map(f, mmap.RDWR, 0)
 	if err != nil {
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, 0, fmt.Errorf("map index: %w", err)
+		return nil, fmt.Errorf("map index: %w", err)
 	}
-	// Its pages mapped in one call, not a fault at a time as puts touch them: a server grows
-	// its index with its lock held (see Tier.growIndex). Older kernels lack the call, and
+	// Its pages mapped in one call, not a fault at a time as puts touch them: a server fills
+	// a grown index with its lock held (see Tier.growIndex). Older kernels lack the call, and
 	// then fault as before.
 	if err := unix.Madvise(m, unix.MADV_POPULATE_WRITE); err != nil && !errors.Is(err, unix.EINVAL) {
 		m.Unmap()
 		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, 0, fmt.Errorf("index of %d bytes: %w", size, err)
+		return nil, fmt.Errorf("index of %d bytes: %w", size, err)
 	}
 	ix := &index{m: m, buckets: buckets}
 	copy(m, indexMagic)
@@ -444,30 +468,57 @@ func createIndex(dirfd int, buckets uint32, fill, installed func(*index)) (*inde
 	*ix.word32(hdrWays) = indexWays
 	*ix.word32(hdrBuckets) = buckets
 	*ix.word32(hdrSlotSize) = indexSlotSize
-	if fill != nil {
-		fill(ix)
-	}
+	return &indexFile{ix: ix, tmp: tmp}, nil
+}
+
+// discard removes an index file that was not installed.
+func (n *indexFile) discard(dirfd int) {
+	n.ix.unmap()
+	unix.Unlinkat(dirfd, n.tmp, 0)
+}
+
+// install renames n over the tier's index, hands it to installed (nil for none) for the
+// caller to make current, and only then marks the old one retired, so that its readers move
+// to the new one. It returns the last session the old index recorded (0 for none), which n
+// records too, and the old index, whose slots the caller gives back (retiredIndex.giveBack)
+// when it will: its readers never look in them again once they see the flag. On an error n is
+// discarded.
+func (n *indexFile) install(dirfd int, installed func(*index)) (sessions uint32, old retiredIndex, err error) {
 	oldFd, oldErr := unix.Openat(dirfd, indexName, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if oldErr == nil {
-		defer unix.Close(oldFd)
-	}
-	if err := unix.Renameat(dirfd, tmp, dirfd, indexName); err != nil {
-		m.Unmap()
-		unix.Unlinkat(dirfd, tmp, 0)
-		return nil, 0, err
+	if err := unix.Renameat(dirfd, n.tmp, dirfd, indexName); err != nil {
+		if oldErr == nil {
+			unix.Close(oldFd)
+		}
+		n.discard(dirfd)
+		return 0, retiredIndex{fd: -1}, err
 	}
 	if installed != nil {
-		installed(ix)
+		installed(n.ix)
 	}
-	var sessions uint32
-	if oldErr == nil {
-		var ok bool
-		if sessions, ok = retire(oldFd); ok {
-			ix.noteSession(sessions)
-			punchSlotsOf(oldFd) // a file system without holes keeps them until its readers let go
-		}
+	if oldErr != nil {
+		return 0, retiredIndex{fd: -1}, nil
 	}
-	return ix, sessions, nil
+	sessions, ok := retire(oldFd)
+	if !ok {
+		unix.Close(oldFd)
+		return 0, retiredIndex{fd: -1}, nil
+	}
+	n.ix.noteSession(sessions)
+	return sessions, retiredIndex{fd: oldFd}, nil
+}
+
+// retiredIndex is a replaced index, open, whose slots' pages are still to be given back (fd
+// -1 for none).
+type retiredIndex struct{ fd int }
+
+// giveBack gives back the pages of the slots of the retired index (its header and hit
+// counters stay), and closes it. A file system without holes keeps them until its readers
+// let go.
+func (r retiredIndex) giveBack() {
+	if r.fd >= 0 {
+		punchSlotsOf(r.fd)
+		unix.Close(r.fd)
+	}
 }
 
 // retire sets the retired flag of the replaced index open at fd, if it is one (ok), so that

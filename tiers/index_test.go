@@ -36,13 +36,24 @@ func TestIndexGrowsWithItsFiles(t *testing.T) {
 	if info.Files != n || info.IndexEvictions != 0 {
 		t.Fatalf("after %d files: %d files, %d evicted for the index", n, info.Files, info.IndexEvictions)
 	}
-	if info.IndexBytes < indexLen(4096) || info.IndexBytes >= indexLen(indexCeiling(1<<30)) {
+	tier.background.Wait() // the next index made ahead, if it is
+	info = tier.Info()
+	tier.mu.Lock()
+	size, next := indexLen(tier.ix.buckets), int64(0)
+	if tier.nextIndex != nil {
+		next = indexLen(tier.nextIndex.ix.buckets)
+	}
+	tier.mu.Unlock()
+	if size < indexLen(4096) || size >= indexLen(indexCeiling(1<<30)) {
 		t.Errorf("the index of %d files takes %d bytes, want %d (4,096 buckets) up to less than its ceiling's %d",
-			n, info.IndexBytes, indexLen(4096), indexLen(indexCeiling(1<<30)))
+			n, size, indexLen(4096), indexLen(indexCeiling(1<<30)))
+	}
+	if info.IndexBytes != size+next {
+		t.Errorf("Info says the index takes %d bytes, want %d and the next one's %d", info.IndexBytes, size, next)
 	}
 	st, err := os.Stat(filepath.Join(tier.Path, indexName))
-	if err != nil || st.Size() != info.IndexBytes {
-		t.Errorf("the index file: %v (%v), Info says %d bytes", st, err, info.IndexBytes)
+	if err != nil || st.Size() != size {
+		t.Errorf("the index file: %v (%v), want %d bytes", st, err, size)
 	}
 	for i := range n {
 		p := fmt.Sprintf("/data/f%d", i)
@@ -216,14 +227,8 @@ func TestIndexThatCannotGrowStaysAsItWas(t *testing.T) {
 	if got := tier.Info().IndexBytes; got != indexLen(minIndexBuckets) {
 		t.Errorf("the index takes %d bytes after a failed growth, want %d", got, indexLen(minIndexBuckets))
 	}
-	names, err := os.ReadDir(tier.Path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range names {
-		if strings.HasPrefix(e.Name(), tempPrefix) {
-			t.Errorf("left behind: %s", e.Name())
-		}
+	if left := tempFiles(t, tier.Path); len(left) > 0 {
+		t.Errorf("left behind: %v", left)
 	}
 	publish(t, tier, "/data/b", []byte("b"))
 	for _, p := range []string{"/data/a", "/data/b"} {
@@ -287,7 +292,7 @@ func TestReaderFindsEveryFileWhileTheServerRestarts(t *testing.T) {
 // memoryDir returns a new directory in /dev/shm (where files are made a hundred times faster
 // than on some test machines' disks), removed at the test's end; a temporary directory where
 // there is no /dev/shm.
-func memoryDir(t *testing.T) string {
+func memoryDir(t testing.TB) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("/dev/shm", "fitcache-test-")
 	if err != nil {
@@ -295,4 +300,80 @@ func memoryDir(t *testing.T) string {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
+}
+
+// Once the index holds three entries for every four buckets, the file of its next growth is
+// made ahead, outside the tier's lock, and counted in IndexBytes; the growth puts that file
+// in place, readers and the server find every copy in it, and closing the tier leaves no
+// file behind.
+func TestIndexFileIsMadeAheadOfItsGrowth(t *testing.T) {
+	tier, err := New(Config{Dir: memoryDir(t), Kind: Memory, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	reader := readerOf(t, tier)
+	const n = minIndexBuckets / 4 * 3
+	publishTiny(t, tier, 0, n)
+	var next *index
+	for deadline := time.Now().Add(10 * time.Second); next == nil && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+		tier.mu.Lock()
+		if tier.nextIndex != nil {
+			next = tier.nextIndex.ix
+		}
+		tier.mu.Unlock()
+	}
+	if next == nil {
+		t.Fatalf("no next index made at %d entries in %d buckets", n, minIndexBuckets)
+	}
+	if got, want := tier.Info().IndexBytes, indexLen(minIndexBuckets)+indexLen(2*minIndexBuckets); got != want {
+		t.Errorf("IndexBytes with the next index made: %d, want %d", got, want)
+	}
+	tier.mu.Lock()
+	err = tier.growIndex()
+	grown := tier.ix
+	tier.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if grown != next {
+		t.Error("the index grew into a file made then, not the one made ahead")
+	}
+	if got, want := tier.Info().IndexBytes, indexLen(2*minIndexBuckets); got != want {
+		t.Errorf("IndexBytes after the growth: %d, want %d", got, want)
+	}
+	for i := range n {
+		p := fmt.Sprintf("/data/f%d", i)
+		for who, d := range map[string]Dir{"a reader": reader, "the server": tier.Dir} {
+			m, err := d.Open(p)
+			if err != nil {
+				t.Fatalf("%s misses %s after the growth: %v", who, p, err)
+			}
+			m.Release()
+		}
+	}
+	publishTiny(t, tier, n, 2*minIndexBuckets) // and the next growth's file made ahead, or on its way
+	if err := tier.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if left := tempFiles(t, tier.Path); len(left) > 0 {
+		t.Errorf("left behind by Close: %v", left)
+	}
+}
+
+// tempFiles lists the temporary files in dir.
+func tempFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	names, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var temps []string
+	for _, e := range names {
+		if strings.HasPrefix(e.Name(), tempPrefix) {
+			temps = append(temps, e.Name())
+		}
+	}
+	return temps
 }

@@ -79,7 +79,8 @@ type Info struct {
 	// budget's size suggests.
 	IndexEvictions int64 `json:"index_evictions"`
 	// IndexBytes is the size of the tier's index file, outside the budget: it grows with the
-	// files the tier holds (see indexBytesPerSlot).
+	// files the tier holds (see indexBytesPerSlot). It includes the next index while one is
+	// made ahead of a growth (see Tier.makeNextIndex).
 	IndexBytes int64 `json:"index_bytes"`
 	// Guests and GuestBytes are the node-local copies of other servers' files it holds
 	// (see guest.go), included in Files and Used.
@@ -119,6 +120,13 @@ type Tier struct {
 	indexEvictions int64
 	// growRetry: the index does not try to grow again before then (a growth failed).
 	growRetry time.Time
+	// nextIndex is an index of twice the buckets of ix, made ahead by a goroutine (see
+	// makeNextIndex) for growIndex to fill and put in place, or nil; makingNext is set while
+	// that goroutine runs. Close waits for background: that goroutine, and those that give
+	// back the slots of the indexes growIndex replaced.
+	nextIndex  *indexFile
+	makingNext bool
+	background sync.WaitGroup
 	// lastSession is the last validation session the index found at start recorded (see
 	// LastSession).
 	lastSession uint32
@@ -235,6 +243,11 @@ func (t *Tier) Close() error {
 		t.mu.Lock()
 		t.shut = true // before the index is unmapped: writers check it under mu
 		t.mu.Unlock()
+		t.background.Wait() // started under mu before shut: none starts after it
+		if t.nextIndex != nil {
+			withFd(t.dirFile, func(dirfd int) error { t.nextIndex.discard(dirfd); return nil })
+			t.nextIndex = nil
+		}
 		if t.view != nil {
 			t.view.close()
 		}
@@ -265,6 +278,9 @@ func (t *Tier) Info() Info {
 		Budget: t.budget, Used: t.used, Writing: t.writing, Files: t.fifo.len(), IndexEvictions: t.indexEvictions}
 	if t.ix != nil {
 		info.IndexBytes = indexLen(t.ix.buckets)
+	}
+	if t.nextIndex != nil {
+		info.IndexBytes += indexLen(t.nextIndex.ix.buckets)
 	}
 	if t.budget < t.configured {
 		info.ConfiguredBudget, info.LimitedBy = t.configured, t.limitedBy
@@ -820,6 +836,7 @@ func (t *Tier) index(s stored, id entryID) {
 		}
 	}
 	victim, evicted := t.ix.put(slotOf(s, id))
+	t.aheadOfGrowth()
 	if !evicted {
 		return
 	}
@@ -857,25 +874,87 @@ const growRetry = time.Minute
 
 // growIndex replaces the index by one of twice the buckets listing the same entries (t.mu
 // held, so that nothing is published meanwhile). Readers move to it as they do to a
-// restarted server's (see createIndex). Publishing waits meanwhile: on the 2-core VM, 15-20 ms to grow
-// an index of 16,384 entries, 0.5 s for 524,288 (most of it the new file's memory), once per
-// doubling.
+// restarted server's (see createIndex). Publishing waits meanwhile, so the new file is made
+// ahead (see aheadOfGrowth) and the old one's pages are given back after: growing then copies
+// the entries and renames the file, on the 2-core VM 4 ms for 16,384 entries, 26-29 ms for
+// 131,072 and 105-112 ms for 524,288 (BenchmarkIndexGrowth), against 13, 104-121 and 407-433
+// ms with the file made then, and 8, 126 and 450 ms when its old pages were given back with
+// the lock held too (docs/BENCHMARKS.md section 31).
 func (t *Tier) growIndex() error {
 	old := t.ix
-	var ix *index
+	next := t.nextIndex
+	t.nextIndex = nil
+	var retired retiredIndex
 	err := withFd(t.dirFile, func(dirfd int) error {
+		if next != nil && next.ix.buckets != old.buckets*2 {
+			next.discard(dirfd)
+			next = nil
+		}
+		if next == nil { // none made ahead (a growth soon after the last, or a failed one)
+			var err error
+			if next, err = newIndexFile(dirfd, old.buckets*2); err != nil {
+				return err
+			}
+		}
+		old.copyTo(next.ix)
 		var err error
 		// The server's own view moves before the old index is retired: a lookup of its own
 		// that met the flag first would map the new file a second time, read-only.
-		ix, _, err = createIndex(dirfd, old.buckets*2, old.copyTo, t.view.replace)
+		_, retired, err = next.install(dirfd, t.view.replace)
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	t.ix = ix
-	t.log.Debug("tier index grew", "buckets", ix.buckets, "files", t.fifo.len())
+	t.ix = next.ix
+	t.log.Debug("tier index grew", "buckets", t.ix.buckets, "files", t.fifo.len())
+	// Its old slots' pages are given back without the lock (70 ms for 335 MB).
+	t.background.Add(1)
+	go func() {
+		defer t.background.Done()
+		retired.giveBack()
+	}()
 	return nil
+}
+
+// aheadOfGrowth starts making the index's next file (see makeNextIndex) once the index
+// holds three entries for every four buckets (t.mu held). A bucket first overflows, and
+// the index grows, at 1.4 to 2.6 entries per bucket at 1,024 to 16,384 buckets, nearer 1 at
+// a million; making the file ahead takes the most of a growth's time (its memory: 315 ms of
+// 450 for a million buckets) out of the time publishing waits.
+func (t *Tier) aheadOfGrowth() {
+	buckets := t.ix.buckets
+	if t.nextIndex != nil || t.makingNext || t.ix.entries < int(buckets/4*3) ||
+		buckets >= indexCeiling(t.budget) || !time.Now().After(t.growRetry) {
+		return
+	}
+	t.makingNext = true
+	t.background.Add(1)
+	go t.makeNextIndex(buckets * 2)
+}
+
+// makeNextIndex makes an index file of the given buckets, not yet in place, and keeps it as
+// t.nextIndex if the index still has half its buckets. One it cannot make (no room in the
+// file system) is left to growIndex, which says so when it must grow.
+func (t *Tier) makeNextIndex(buckets uint32) {
+	defer t.background.Done()
+	var next *indexFile
+	err := withFd(t.dirFile, func(dirfd int) error {
+		var err error
+		next, err = newIndexFile(dirfd, buckets)
+		return err
+	})
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.makingNext = false
+	switch {
+	case err != nil:
+		t.log.Debug("could not make the tier's next index ahead of its growth", "err", err, "buckets", buckets)
+	case t.shut || t.ix.buckets*2 != buckets:
+		withFd(t.dirFile, func(dirfd int) error { next.discard(dirfd); return nil })
+	default:
+		t.nextIndex = next
+	}
 }
 
 // write creates the entry rel below dirfd: the data into a new temporary file (0600,
