@@ -194,8 +194,8 @@ def test_pread_size_and_views_outlive_client(dataset, cache_options):
 
 
 def test_reads_leave_nothing_for_the_cyclic_garbage_collector(dataset, cache_options):
-    """A read makes no garbage that only the cyclic collector frees (a ctypes array type per
-    read did): in DataLoader workers forked from a large main process, the collections it
+    """A read, a batch, a miss, stats and a prefetch list make no garbage that only the cyclic
+    collector frees (a ctypes array type per read did): in DataLoader workers forked from a large main process, the collections it
     caused walked every object inherited from the parent (docs/BENCHMARKS.md, section 29)."""
     root, digests = dataset
     rels = sorted(digests)
@@ -205,6 +205,8 @@ def test_reads_leave_nothing_for_the_cyclic_garbage_collector(dataset, cache_opt
         client.read_many(rels)
         with pytest.raises(FileNotFoundError):
             client.read("class0/missing.bin")
+        client.stats()
+        fitcache._native.PathList(rels)
         gc.collect()
         gc.disable()
         try:
@@ -216,6 +218,8 @@ def test_reads_leave_nothing_for_the_cyclic_garbage_collector(dataset, cache_opt
                         assert digest(view) == digests[rel]
                 with pytest.raises(FileNotFoundError):
                     client.read("class0/missing.bin")
+                assert client.stats()["client"]  # as a training loop may log, every step
+                client.prefetch(fitcache._native.PathList(rels))  # a list per epoch
             found = gc.collect()
         finally:
             gc.enable()

@@ -148,7 +148,7 @@ def _declare(lib):
     # int fc_check_server(int64_t handle);
     lib.fc_check_server.argtypes = [i64]
     lib.fc_check_server.restype = ctypes.c_int
-    lib.fc_stats.argtypes = [i64, ctypes.c_char_p, ctypes.c_size_t, p(ctypes.c_size_t)]
+    lib.fc_stats.argtypes = [i64, ctypes.c_void_p, ctypes.c_size_t, p(ctypes.c_size_t)]
     lib.fc_stats.restype = ctypes.c_int
     # int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
     lib.fc_debug_open_handles.argtypes = [p(i64), p(i64)]
@@ -200,7 +200,8 @@ class PathList:
 
     def __init__(self, paths: Iterable[PathArg]) -> None:
         self.paths = [_fs(p) for p in paths]
-        self._array = (ctypes.c_char_p * len(self.paths))(*self.paths)
+        self._array = _batch_array(ctypes.c_char_p, len(self.paths))
+        self._array[:] = self.paths
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -423,13 +424,13 @@ class Client:
         """Returns this client's and its server's counters as a dict."""
         needed = ctypes.c_size_t(1 << 14)
         while True:
-            buf = ctypes.create_string_buffer(needed.value)
+            buf = _array_type(needed.value)()  # a kept type (see _ARRAY_TYPES), zeroed
             rc = self._lib.fc_stats(self._checked(), buf, len(buf), ctypes.byref(needed))
             if rc == -errno.ERANGE and needed.value > len(buf):
                 continue
             if rc < 0:
                 _raise(self._lib, rc)
-            return json.loads(buf.value)
+            return json.loads(ctypes.string_at(buf))
 
     def _checked(self) -> int:
         if self._handle is None:
