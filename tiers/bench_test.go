@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"fmt"
+	"os"
 	"testing"
 )
 
@@ -49,7 +50,7 @@ func BenchmarkOpen(b *testing.B) {
 // waits meanwhile), from an index of n entries in n buckets to one of twice the buckets,
 // with the new file made ahead (as once the index is three quarters full) or made then (a
 // growth that comes before that file is ready). Run it with -benchtime 3x: each growth
-// starts from a tier filled anew (a million buckets take 640 MiB of /dev/shm).
+// starts from a tier filled anew (a million buckets take 640 MiB of /dev/shm, removed after).
 func BenchmarkIndexGrowth(b *testing.B) {
 	for _, n := range []int{16384, 131072, 524288} {
 		for _, ahead := range []bool{true, false} {
@@ -66,6 +67,7 @@ func BenchmarkIndexGrowth(b *testing.B) {
 						b.Fatal(err)
 					}
 					tier.Close()
+					os.RemoveAll(tier.Path) // up to 1 GiB of /dev/shm
 					b.StartTimer()
 				}
 			})

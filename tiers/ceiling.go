@@ -30,6 +30,7 @@ func (t *Tier) Ceil(n int64, why string, spill func(*Mapping)) (int64, error) {
 		budget, t.limitedBy = t.fullCap, "file system full"
 	}
 	t.budget = budget
+	t.dropNextAboveCeiling()
 	over := t.used > budget
 	t.mu.Unlock()
 	if !over {

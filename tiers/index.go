@@ -131,7 +131,8 @@ const (
 // overflowed at 1.4 to 1.9 entries per bucket on average, the first of 1,024 at 1.5 to 2.6
 // (TestIndexBucketsOverflowNearTheLoadsTheDocsGive). Doubling splits each bucket in two (the
 // top bits of a mixed key name its bucket, so one more bit splits it), and the index holds
-// 0.7 to 1.3 entries per bucket again: about 0.5 to 1 KiB of index per file.
+// 0.7 to 1.3 entries per bucket again: about 0.5 to 1 KiB of index per file, and for a while
+// before each growth three times that, the next file being made ahead (see Tier.aheadOfGrowth).
 //
 // At the ceiling a full bucket evicts its oldest entry, as every bucket did before indexes
 // grew (Info.IndexEvictions counts it): with one slot per 16 KiB of budget a bucket holds 0.9
@@ -216,7 +217,9 @@ func (s slot) source() Identity {
 type index struct {
 	m       mmap.MMap
 	buckets uint32
-	entries int // the entries a server's puts and removes left in it (writer only)
+	// sawFull is set when a put filled a bucket's last free slot (writer only): the next put
+	// to that bucket makes the index grow (see Tier.aheadOfGrowth).
+	sawFull bool
 }
 
 func (ix *index) word32(off int) *uint32 { return (*uint32)(unsafe.Pointer(&ix.m[off])) }
@@ -297,7 +300,7 @@ func (ix *index) write(off int, s slot, used bool) {
 // oldest entry and returns it, for the caller to evict.
 func (ix *index) put(s slot) (victim slot, evicted bool) {
 	first := ix.bucketOf(s.id.key) * indexWays
-	free, oldest := -1, -1
+	free, frees, oldest := -1, 0, -1
 	var oldestSeq uint64
 	for i := first; i < first+indexWays; i++ { // only the words it decides on: growing puts every entry
 		off := slotOffset(i)
@@ -310,6 +313,7 @@ func (ix *index) put(s slot) (victim slot, evicted bool) {
 			if free < 0 {
 				free = off
 			}
+			frees++
 		default:
 			if seq := atomic.LoadUint64(ix.word64(off + 56)); oldest < 0 || seq < oldestSeq {
 				oldest, oldestSeq = off, seq
@@ -318,7 +322,7 @@ func (ix *index) put(s slot) (victim slot, evicted bool) {
 	}
 	if free >= 0 {
 		ix.write(free, s, true)
-		ix.entries++
+		ix.sawFull = ix.sawFull || frees == 1
 		return slot{}, false
 	}
 	victim, _ = ix.read(oldest)
@@ -375,7 +379,6 @@ func (ix *index) remove(id entryID) {
 		off := slotOffset(i)
 		if cur, used := ix.read(off); used && cur.id == id {
 			ix.write(off, slot{}, false)
-			ix.entries--
 		}
 	}
 }

@@ -1,8 +1,10 @@
 package tiers
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -240,52 +242,100 @@ func TestIndexThatCannotGrowStaysAsItWas(t *testing.T) {
 	}
 }
 
-// A reader that keeps reading while the server restarts finds every cached file all along:
-// the restarted server's index lists them before it is renamed into place (the reader moves
-// to it at once), not one by one after.
+// A reader that keeps reading while the server restarts finds every copy the restarted
+// server keeps, all along: the restarted server's index lists them before it is renamed into
+// place (the reader moves to it at once), not one by one after; also when the index cannot
+// grow to list every copy found (a lower budget: the oldest of an overflowing bucket are
+// evicted, and only they may be missed).
 func TestReaderFindsEveryFileWhileTheServerRestarts(t *testing.T) {
-	dir := memoryDir(t)
-	tier, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const n = 5000
-	publishTiny(t, tier, 0, n)
-	tier.Close()
-	reader, err := OpenDir(tier.Path, Memory)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer reader.Close()
-	var stop atomic.Bool
-	lookups, misses := 0, 0
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		deadline := time.Now().Add(time.Minute)
-		for i := 0; !stop.Load() && i < 50_000_000 && time.Now().Before(deadline); i++ {
-			m, err := reader.Open(fmt.Sprintf("/data/f%d", (i*7919)%n))
-			lookups++
+	for _, restartBudget := range []string{"1GiB", "64MiB"} { // 64 MiB: a ceiling of 1,024 buckets
+		t.Run("budget="+restartBudget, func(t *testing.T) {
+			dir := memoryDir(t)
+			tier, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
 			if err != nil {
-				misses++
-				continue
+				t.Fatal(err)
 			}
-			m.Release()
-		}
-	}()
-	again, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
-	time.Sleep(20 * time.Millisecond) // lookups in the new index
-	stop.Store(true)
-	<-done
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer again.Close()
-	if misses > 0 {
-		t.Errorf("%d of %d lookups during the restart missed a cached file", misses, lookups)
-	}
-	if info := again.Info(); info.Files != n {
-		t.Errorf("restarted over %d files: %d", n, info.Files)
+			const n = 6000
+			publishTiny(t, tier, 0, n)
+			tier.Close()
+			reader, err := OpenDir(tier.Path, Memory)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer reader.Close()
+			var stop atomic.Bool
+			var lookups atomic.Int64
+			missed := map[string]bool{}
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				deadline := time.Now().Add(time.Minute)
+				for i := 0; !stop.Load() && i < 50_000_000 && time.Now().Before(deadline); i++ {
+					p := fmt.Sprintf("/data/f%d", (i*7919)%n)
+					m, err := reader.Open(p)
+					lookups.Add(1)
+					if err != nil {
+						missed[p] = true
+						continue
+					}
+					m.Release()
+				}
+			}()
+			for lookups.Load() == 0 {
+				time.Sleep(time.Millisecond)
+			}
+			before := lookups.Load()
+			again, err := New(Config{Dir: dir, Kind: Memory, Budget: restartBudget}, nil)
+			during := lookups.Load() - before
+			time.Sleep(20 * time.Millisecond) // lookups in the new index
+			stop.Store(true)
+			<-done
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer again.Close()
+			if during == 0 {
+				t.Fatal("the reader made no lookup while the server restarted")
+			}
+			var kept []string
+			for p := range missed {
+				if m, err := again.Open(p); err == nil {
+					m.Release()
+					kept = append(kept, p)
+				}
+			}
+			if len(kept) > 0 {
+				t.Errorf("%d copies the restarted server keeps were missed during its restart (%d lookups then): %v",
+					len(kept), during, kept[:min(len(kept), 5)])
+			}
+			info := again.Info()
+			if restartBudget == "1GiB" && info.Files != n {
+				t.Errorf("restarted over %d files: %d", n, info.Files)
+			}
+			if restartBudget == "64MiB" && (info.IndexEvictions == 0 || info.Files+int(info.IndexEvictions) != n) {
+				t.Errorf("restarted at the index's ceiling: %d files kept, %d evicted, want %d in all, some evicted",
+					info.Files, info.IndexEvictions, n)
+			}
+			// What a bucket keeps is its newest copies (published last), as before.
+			newestEvicted, oldestKept := map[uint32]int{}, map[uint32]int{}
+			for i := range n {
+				p := fmt.Sprintf("/data/f%d", i)
+				b := again.ix.bucketOf(KeyOf(p))
+				if m, err := again.Open(p); err == nil {
+					m.Release()
+					if _, ok := oldestKept[b]; !ok {
+						oldestKept[b] = i
+					}
+				} else {
+					newestEvicted[b] = i
+				}
+			}
+			for b, e := range newestEvicted {
+				if k, ok := oldestKept[b]; ok && k < e {
+					t.Errorf("bucket %d kept f%d and evicted the newer f%d", b, k, e)
+				}
+			}
+		})
 	}
 }
 
@@ -302,10 +352,22 @@ func memoryDir(t testing.TB) string {
 	return dir
 }
 
-// Once the index holds three entries for every four buckets, the file of its next growth is
-// made ahead, outside the tier's lock, and counted in IndexBytes; the growth puts that file
-// in place, readers and the server find every copy in it, and closing the tier leaves no
-// file behind.
+// pathsOfOneBucket returns n source paths whose entries fall in one bucket of an index of
+// the given buckets.
+func pathsOfOneBucket(buckets uint32, n int) []string {
+	ix := &index{buckets: buckets}
+	var paths []string
+	for i := 0; len(paths) < n; i++ {
+		if p := fmt.Sprintf("/data/same-bucket-%d", i); ix.bucketOf(KeyOf(p)) == 0 {
+			paths = append(paths, p)
+		}
+	}
+	return paths
+}
+
+// Once a bucket is full, the file of the index's next growth is made ahead, outside the
+// tier's lock, and counted in IndexBytes; the growth puts that file in place, readers and
+// the server find every copy in it, and closing the tier leaves no file behind.
 func TestIndexFileIsMadeAheadOfItsGrowth(t *testing.T) {
 	tier, err := New(Config{Dir: memoryDir(t), Kind: Memory, Budget: "1GiB"}, nil)
 	if err != nil {
@@ -313,38 +375,45 @@ func TestIndexFileIsMadeAheadOfItsGrowth(t *testing.T) {
 	}
 	defer tier.Close()
 	reader := readerOf(t, tier)
-	const n = minIndexBuckets / 4 * 3
-	publishTiny(t, tier, 0, n)
-	var next *index
-	for deadline := time.Now().Add(10 * time.Second); next == nil && time.Now().Before(deadline); {
-		time.Sleep(time.Millisecond)
-		tier.mu.Lock()
-		if tier.nextIndex != nil {
-			next = tier.nextIndex.ix
-		}
-		tier.mu.Unlock()
+	same := pathsOfOneBucket(minIndexBuckets, indexWays+1)
+	for _, p := range same[:indexWays-1] {
+		publish(t, tier, p, []byte{1})
 	}
-	if next == nil {
-		t.Fatalf("no next index made at %d entries in %d buckets", n, minIndexBuckets)
+	tier.background.Wait()
+	if got, want := tier.Info().IndexBytes, indexLen(minIndexBuckets); got != want {
+		t.Errorf("IndexBytes before any bucket is full: %d, want %d (none made ahead)", got, want)
+	}
+	publish(t, tier, same[indexWays-1], []byte{1}) // fills the bucket
+	tier.background.Wait()
+	tier.mu.Lock()
+	var next *index
+	if tier.nextIndex != nil {
+		next = tier.nextIndex.ix
+	}
+	tier.mu.Unlock()
+	if next == nil || next.buckets != 2*minIndexBuckets {
+		t.Fatalf("no next index of %d buckets made once a bucket was full: %v", 2*minIndexBuckets, next)
 	}
 	if got, want := tier.Info().IndexBytes, indexLen(minIndexBuckets)+indexLen(2*minIndexBuckets); got != want {
 		t.Errorf("IndexBytes with the next index made: %d, want %d", got, want)
 	}
+	publish(t, tier, same[indexWays], []byte{1}) // overflows the bucket: the index grows
 	tier.mu.Lock()
-	err = tier.growIndex()
 	grown := tier.ix
 	tier.mu.Unlock()
-	if err != nil {
-		t.Fatal(err)
-	}
 	if grown != next {
-		t.Error("the index grew into a file made then, not the one made ahead")
+		t.Errorf("the index grew into a file made then (%d buckets), not the one made ahead", grown.buckets)
 	}
+	tier.background.Wait()
 	if got, want := tier.Info().IndexBytes, indexLen(2*minIndexBuckets); got != want {
 		t.Errorf("IndexBytes after the growth: %d, want %d", got, want)
 	}
-	for i := range n {
-		p := fmt.Sprintf("/data/f%d", i)
+	publishTiny(t, tier, 0, 100)
+	paths := same
+	for i := range 100 {
+		paths = append(paths, fmt.Sprintf("/data/f%d", i))
+	}
+	for _, p := range paths {
 		for who, d := range map[string]Dir{"a reader": reader, "the server": tier.Dir} {
 			m, err := d.Open(p)
 			if err != nil {
@@ -353,13 +422,81 @@ func TestIndexFileIsMadeAheadOfItsGrowth(t *testing.T) {
 			m.Release()
 		}
 	}
-	publishTiny(t, tier, n, 2*minIndexBuckets) // and the next growth's file made ahead, or on its way
+	publishTiny(t, tier, 100, 3*minIndexBuckets) // the next growth's file made ahead, or on its way
 	if err := tier.Close(); err != nil {
 		t.Fatal(err)
 	}
 	if left := tempFiles(t, tier.Path); len(left) > 0 {
 		t.Errorf("left behind by Close: %v", left)
 	}
+}
+
+// A file system without room to spare for the next index gets none made ahead: allocating it
+// would take the room copies are being written to for a moment, and fail them. It is not
+// tried again at every publish, and every copy is published.
+func TestNextIndexIsNotMadeWithoutRoomToSpare(t *testing.T) {
+	fs := smallTmpfs(t, 660<<10+1400<<10) // the index, and less than twice the next one's 1,300 KiB
+	var tries atomic.Int64
+	log := slog.New(messageCounter{"could not make the tier's next index ahead of its growth", &tries})
+	tier, err := New(Config{Dir: filepath.Join(fs, "tier"), Kind: Memory, Budget: "200MiB"}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	for _, p := range append(pathsOfOneBucket(minIndexBuckets, indexWays), "/data/a", "/data/b", "/data/c") {
+		publish(t, tier, p, []byte{1})
+		tier.background.Wait()
+	}
+	info := tier.Info()
+	if tries.Load() != 1 || info.IndexBytes != indexLen(minIndexBuckets) {
+		t.Errorf("a next index was tried %d times (want once) and IndexBytes is %d (want %d)",
+			tries.Load(), info.IndexBytes, indexLen(minIndexBuckets))
+	}
+	if info.LimitedBy != "" {
+		t.Errorf("the budget was lowered: %s", info.LimitedBy)
+	}
+	if left := tempFiles(t, tier.Path); len(left) > 0 {
+		t.Errorf("left behind: %v", left)
+	}
+}
+
+// messageCounter is a slog handler that counts the records whose message is msg.
+type messageCounter struct {
+	msg string
+	n   *atomic.Int64
+}
+
+func (h messageCounter) Enabled(context.Context, slog.Level) bool { return true }
+func (h messageCounter) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		h.n.Add(1)
+	}
+	return nil
+}
+func (h messageCounter) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h messageCounter) WithGroup(string) slog.Handler      { return h }
+
+// Info may be asked while the tier closes (a metrics scrape during a server's exit).
+func TestInfoWhileTheTierCloses(t *testing.T) {
+	tier, err := New(Config{Dir: memoryDir(t), Kind: Memory, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pathsOfOneBucket(minIndexBuckets, indexWays) { // a next index made ahead
+		publish(t, tier, p, []byte{1})
+	}
+	tier.background.Wait()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 1000 {
+			tier.Info()
+		}
+	}()
+	if err := tier.Close(); err != nil {
+		t.Error(err)
+	}
+	<-done
 }
 
 // tempFiles lists the temporary files in dir.

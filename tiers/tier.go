@@ -102,8 +102,10 @@ type Tier struct {
 	lock     *os.File // holds the tier's lock (flock) until Close
 	closed   sync.Once
 
-	mu     sync.Mutex // protects budget, configured, fullCap, limitedBy, used, writing, fifo, nextSeq and the index's slots
-	budget int64      // the budget in force: the configured one, or lower (see Ceil)
+	// mu protects budget, configured, fullCap, limitedBy, used, writing, fifo, nextSeq, the
+	// index's slots and the fields below that say so.
+	mu     sync.Mutex
+	budget int64 // the budget in force: the configured one, or lower (see Ceil)
 	// configured is the budget of the tier's Config, resolved at start; fullCap, when not
 	// 0, is what the tier held when its file system said it was full (ENOSPC, EDQUOT), which
 	// it never exceeds again; limitedBy says what lowers the budget in force below the
@@ -118,14 +120,15 @@ type Tier struct {
 	shut                bool   // set by Close under mu: ix is unmapped, nothing may write it
 	// indexEvictions counts entries evicted because their index bucket was full.
 	indexEvictions int64
-	// growRetry: the index does not try to grow again before then (a growth failed).
-	growRetry time.Time
+	// growRetry: the index does not try to grow again before then (a growth failed); nor
+	// is its next file made ahead before aheadRetry (that failed). Under mu.
+	growRetry, aheadRetry time.Time
 	// nextIndex is an index of twice the buckets of ix, made ahead by a goroutine (see
-	// makeNextIndex) for growIndex to fill and put in place, or nil; makingNext is set while
-	// that goroutine runs. Close waits for background: that goroutine, and those that give
-	// back the slots of the indexes growIndex replaced.
+	// aheadOfGrowth) for growIndex to fill and put in place, or nil; makingNext is set while
+	// that goroutine runs. Both under mu.
 	nextIndex  *indexFile
 	makingNext bool
+	// background counts the goroutines Close waits for (see inBackground).
 	background sync.WaitGroup
 	// lastSession is the last validation session the index found at start recorded (see
 	// LastSession).
@@ -244,9 +247,12 @@ func (t *Tier) Close() error {
 		t.shut = true // before the index is unmapped: writers check it under mu
 		t.mu.Unlock()
 		t.background.Wait() // started under mu before shut: none starts after it
-		if t.nextIndex != nil {
-			withFd(t.dirFile, func(dirfd int) error { t.nextIndex.discard(dirfd); return nil })
-			t.nextIndex = nil
+		t.mu.Lock()
+		next := t.nextIndex
+		t.nextIndex = nil
+		t.mu.Unlock()
+		if next != nil {
+			withFd(t.dirFile, func(dirfd int) error { next.discard(dirfd); return nil })
 		}
 		if t.view != nil {
 			t.view.close()
@@ -794,6 +800,7 @@ func (t *Tier) lowerToUse() {
 	t.log.Warn("file system full: lowering budget to current use", "budget", FormatBytes(t.used))
 	t.fullCap = max(t.used, 1)
 	t.budget, t.limitedBy = t.used, "file system full"
+	t.dropNextAboveCeiling()
 }
 
 // noSpace is lowerToUse for a caller that does not hold t.mu.
@@ -856,14 +863,14 @@ func slotOf(s stored, id entryID) slot {
 }
 
 // listFound puts into ix each entry of found (in publication order) that its bucket has room
-// for, before ix is renamed into place: readers move to a new index as soon as it is there,
-// and one that found it empty while rescan listed the entries one by one missed every cached
-// file and read it from the source again. An entry that overflows its bucket is left to
-// Tier.index, which grows the index or evicts, as for any other.
+// for, newest first, before ix is renamed into place: readers move to a new index as soon as
+// it is there, and one that found it empty while rescan listed the entries one by one missed
+// every cached file and read it from the source again. An entry older than a full bucket's
+// is left to rescan, which grows the index for it or evicts it, as the bucket's oldest.
 func listFound(ix *index, found []found) {
-	for _, f := range found {
-		if id := idOf(f.SourcePath); ix.fits(id) {
-			ix.put(slotOf(f.stored, id))
+	for i := len(found) - 1; i >= 0; i-- {
+		if id := idOf(found[i].SourcePath); ix.fits(id) {
+			ix.put(slotOf(found[i].stored, id))
 		}
 	}
 }
@@ -875,22 +882,22 @@ const growRetry = time.Minute
 // growIndex replaces the index by one of twice the buckets listing the same entries (t.mu
 // held, so that nothing is published meanwhile). Readers move to it as they do to a
 // restarted server's (see createIndex). Publishing waits meanwhile, so the new file is made
-// ahead (see aheadOfGrowth) and the old one's pages are given back after: growing then copies
-// the entries and renames the file, on the 2-core VM 4 ms for 16,384 entries, 26-29 ms for
-// 131,072 and 105-112 ms for 524,288 (BenchmarkIndexGrowth), against 13, 104-121 and 407-433
-// ms with the file made then, and 8, 126 and 450 ms when its old pages were given back with
-// the lock held too (docs/BENCHMARKS.md section 31).
+// ahead where it can be (see aheadOfGrowth) and the old one's pages are given back after:
+// growing then copies the entries and renames the file: on the 2-core VM 3.3 ms for 16,384
+// entries, 26 ms for 131,072 and 109 ms for 524,288 (BenchmarkIndexGrowth, medians), against
+// 14, 111 and 429 ms with the file made then, and 17, 120 and 476 ms when the growth made it
+// and gave back the old one's pages with the lock held (docs/BENCHMARKS.md section 31).
 func (t *Tier) growIndex() error {
 	old := t.ix
 	next := t.nextIndex
 	t.nextIndex = nil
+	if next != nil && next.ix.buckets != old.buckets*2 {
+		t.discardLater(next)
+		next = nil
+	}
 	var retired retiredIndex
 	err := withFd(t.dirFile, func(dirfd int) error {
-		if next != nil && next.ix.buckets != old.buckets*2 {
-			next.discard(dirfd)
-			next = nil
-		}
-		if next == nil { // none made ahead (a growth soon after the last, or a failed one)
+		if next == nil { // none made ahead (not yet, or it could not be)
 			var err error
 			if next, err = newIndexFile(dirfd, old.buckets*2); err != nil {
 				return err
@@ -908,53 +915,89 @@ func (t *Tier) growIndex() error {
 	}
 	t.ix = next.ix
 	t.log.Debug("tier index grew", "buckets", t.ix.buckets, "files", t.fifo.len())
-	// Its old slots' pages are given back without the lock (70 ms for 335 MB).
-	t.background.Add(1)
-	go func() {
-		defer t.background.Done()
-		retired.giveBack()
-	}()
+	t.inBackground(retired.giveBack) // 70 ms for the 335 MB of 524,288 buckets
 	return nil
 }
 
-// aheadOfGrowth starts making the index's next file (see makeNextIndex) once the index
-// holds three entries for every four buckets (t.mu held). A bucket first overflows, and
-// the index grows, at 1.4 to 2.6 entries per bucket at 1,024 to 16,384 buckets, nearer 1 at
-// a million; making the file ahead takes the most of a growth's time (its memory: 315 ms of
-// 450 for a million buckets) out of the time publishing waits.
+// aheadOfGrowth starts making the file of the index's next growth (see makeNextIndex) once
+// a bucket is full (t.mu held): the next put to that bucket makes the index grow. Making the
+// file is the most of a growth's time (its memory: 315 ms of 450 for a million buckets),
+// and publishing need not wait for it. A bucket first fills at 0.5 to 2.8 entries per bucket
+// (1,024 to a million buckets, three runs each), and first overflows at 1.0 to 2.1 times
+// that load: the file made ahead waits that long, at twice the index's size, and a growth
+// that comes first makes its file then, as all did before.
 func (t *Tier) aheadOfGrowth() {
 	buckets := t.ix.buckets
-	if t.nextIndex != nil || t.makingNext || t.ix.entries < int(buckets/4*3) ||
-		buckets >= indexCeiling(t.budget) || !time.Now().After(t.growRetry) {
+	if !t.ix.sawFull || t.nextIndex != nil || t.makingNext || buckets >= indexCeiling(t.budget) ||
+		!time.Now().After(t.growRetry) || !time.Now().After(t.aheadRetry) {
 		return
 	}
 	t.makingNext = true
-	t.background.Add(1)
-	go t.makeNextIndex(buckets * 2)
+	t.inBackground(func() { t.makeNextIndex(buckets * 2) })
 }
 
 // makeNextIndex makes an index file of the given buckets, not yet in place, and keeps it as
-// t.nextIndex if the index still has half its buckets. One it cannot make (no room in the
-// file system) is left to growIndex, which says so when it must grow.
+// t.nextIndex if the index still has half its buckets. It makes none where the file system
+// has less free room than twice the file: allocating it takes the room for a moment even
+// when it fails, and a copy written meanwhile would find none. One it does not make is
+// tried again a minute later, and meanwhile left to growIndex.
 func (t *Tier) makeNextIndex(buckets uint32) {
-	defer t.background.Done()
 	var next *indexFile
 	err := withFd(t.dirFile, func(dirfd int) error {
+		var st unix.Statfs_t
+		if err := unix.Fstatfs(dirfd, &st); err != nil {
+			return err
+		}
+		if free, size := int64(st.Bavail)*st.Bsize, indexLen(buckets); free < 2*size {
+			return fmt.Errorf("%s free, want twice the index's %s: %w", FormatBytes(free), FormatBytes(size), unix.ENOSPC)
+		}
 		var err error
 		next, err = newIndexFile(dirfd, buckets)
 		return err
 	})
 	t.mu.Lock()
-	defer t.mu.Unlock()
 	t.makingNext = false
+	keep := err == nil && !t.shut && t.ix.buckets*2 == buckets && buckets <= indexCeiling(t.budget)
+	if keep {
+		t.nextIndex = next
+	}
+	if err != nil {
+		t.aheadRetry = time.Now().Add(growRetry)
+	}
+	t.mu.Unlock()
 	switch {
 	case err != nil:
 		t.log.Debug("could not make the tier's next index ahead of its growth", "err", err, "buckets", buckets)
-	case t.shut || t.ix.buckets*2 != buckets:
+	case !keep:
 		withFd(t.dirFile, func(dirfd int) error { next.discard(dirfd); return nil })
-	default:
-		t.nextIndex = next
 	}
+}
+
+// dropNextAboveCeiling discards the next index when the budget no longer lets the index
+// grow to it (t.mu held, after the budget changed).
+func (t *Tier) dropNextAboveCeiling() {
+	if t.nextIndex != nil && !t.shut && t.nextIndex.ix.buckets > indexCeiling(t.budget) {
+		t.discardLater(t.nextIndex)
+		t.nextIndex = nil
+	}
+}
+
+// discardLater discards n in a goroutine (t.mu held, the tier open): unmapping and removing
+// a file of up to 640 MiB takes tens of milliseconds that publishing need not wait for.
+func (t *Tier) discardLater(n *indexFile) {
+	t.inBackground(func() {
+		withFd(t.dirFile, func(dirfd int) error { n.discard(dirfd); return nil })
+	})
+}
+
+// inBackground runs fn in a goroutine that Close waits for. It must be called with t.mu held
+// and the tier open (not t.shut), so that no such goroutine starts after Close's wait.
+func (t *Tier) inBackground(fn func()) {
+	t.background.Add(1)
+	go func() {
+		defer t.background.Done()
+		fn()
+	}()
 }
 
 // write creates the entry rel below dirfd: the data into a new temporary file (0600,
@@ -1096,6 +1139,13 @@ func (t *Tier) rescan() error {
 	t.mu.Lock()
 	for _, f := range found { // listed already but for overflows: this rebuilds the FIFO and usage
 		id := idOf(f.SourcePath)
+		if !t.ix.fits(id) && (t.ix.buckets >= indexCeiling(t.budget) || !time.Now().After(t.growRetry)) {
+			// Not listed, older than every entry of its full bucket, in an index that cannot
+			// grow: Tier.index would evict it in the end, after one of them for a while.
+			t.indexEvictions++
+			t.unlink(f.rel, f.ino)
+			continue
+		}
 		t.fifo.push((&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
 			source: f.Identity()}).setBlock(f.SourcePath))
 		t.used += f.size
