@@ -282,7 +282,8 @@ static void unmap_index(struct fc_index *ix) {
 // current_index returns the tier's index, mapping it anew when there was none (at most once
 // per INDEX_RETRY_NS) or when its server replaced it (retired). One thread at a time maps
 // (t->remapping holds when it started); the others meanwhile go on with the index there is
-// (a retired index is still right about what it lists). Each mapping takes the next entry of
+// (a retired index is still right about what it lists: its server gives back its slots only a
+// second after it retires it, tiers.retiredGrace). Each mapping takes the next entry of
 // t->maps (or, past them, a page of its own), filled before it is published; replaced ones
 // stay until fc_tier_close.
 static struct fc_index *current_index(struct fc_tier *t) {

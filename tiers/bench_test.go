@@ -48,8 +48,8 @@ func BenchmarkOpen(b *testing.B) {
 
 // BenchmarkIndexGrowth measures how long growing the index holds the tier's lock (publishing
 // waits meanwhile), from an index of n entries in n buckets to one of twice the buckets,
-// with the new file made ahead (as once the index is three quarters full) or made then (a
-// growth that comes before that file is ready). Run it with -benchtime 3x: each growth
+// with the new file made ahead (as once a bucket is full) or made then (a growth that comes
+// before that file is ready). Run it with -benchtime 3x: each growth
 // starts from a tier filled anew (a million buckets take 640 MiB of /dev/shm, removed after).
 func BenchmarkIndexGrowth(b *testing.B) {
 	for _, n := range []int{16384, 131072, 524288} {

@@ -30,7 +30,9 @@ func (t *Tier) Ceil(n int64, why string, spill func(*Mapping)) (int64, error) {
 		budget, t.limitedBy = t.fullCap, "file system full"
 	}
 	t.budget = budget
-	t.dropNextAboveCeiling()
+	if t.nextIndex != nil && t.nextIndex.ix.buckets > indexCeiling(budget) {
+		t.dropNextIndex()
+	}
 	over := t.used > budget
 	t.mu.Unlock()
 	if !over {
@@ -53,6 +55,7 @@ func (t *Tier) Ceil(n int64, why string, spill func(*Mapping)) (int64, error) {
 func (t *Tier) Drop() error {
 	t.mu.Lock()
 	t.budget, t.limitedBy = 0, "server exiting"
+	t.dropNextIndex()
 	t.mu.Unlock()
 	t.Clear(nil, false)
 	return withFd(t.dirFile, func(dirfd int) error {

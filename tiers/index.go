@@ -407,27 +407,6 @@ func (ix *index) sourceReads() (n, bytes int64) {
 
 func (ix *index) unmap() error { return ix.m.Unmap() }
 
-// createIndex builds a new index of the given buckets in the tier directory dirfd (see
-// newIndexFile), filled by fill (nil for none) with the entries it must list from the start,
-// and puts it in place (see indexFile.install), giving back the old one's slots at once. More
-// entries are added with put. It also returns the last session the old index recorded (0 for
-// none), which the new one records too.
-func createIndex(dirfd int, buckets uint32, fill, installed func(*index)) (*index, uint32, error) {
-	n, err := newIndexFile(dirfd, buckets)
-	if err != nil {
-		return nil, 0, err
-	}
-	if fill != nil {
-		fill(n.ix)
-	}
-	sessions, old, err := n.install(dirfd, installed)
-	if err != nil {
-		return nil, 0, err
-	}
-	old.giveBack()
-	return n.ix, sessions, nil
-}
-
 // indexFile is a new index not yet in place: a temporary file in the tier directory, mapped.
 type indexFile struct {
 	ix  *index
@@ -522,6 +501,27 @@ func (r retiredIndex) giveBack() {
 		punchSlotsOf(r.fd)
 		unix.Close(r.fd)
 	}
+}
+
+// retiredGrace is how long a retired index keeps its slots before they are given back: a
+// reader that looked at the retired flag just before it was set reads the slots after, and
+// one thread of a C reader goes on with the retired index while another maps the new one
+// (capi/fclookup.c current_index). Given back at once, those found zeros, and missed.
+const retiredGrace = time.Second
+
+// giveBackAfter gives back the retired index's slots after retiredGrace, or once closing is
+// closed.
+func (r retiredIndex) giveBackAfter(closing <-chan struct{}) {
+	if r.fd < 0 {
+		return
+	}
+	timer := time.NewTimer(retiredGrace)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+	case <-closing:
+	}
+	r.giveBack()
 }
 
 // retire sets the retired flag of the replaced index open at fd, if it is one (ok), so that

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 )
 
@@ -513,4 +514,81 @@ func tempFiles(t *testing.T, dir string) []string {
 		}
 	}
 	return temps
+}
+
+// createIndex builds a new index of the given buckets in the tier directory dirfd, filled by
+// fill (nil for none), and puts it in place, handing it to installed (nil for none) first and
+// giving back the old one's slots at once. It returns the last session the old index
+// recorded.
+func createIndex(dirfd int, buckets uint32, fill, installed func(*index)) (*index, uint32, error) {
+	n, err := newIndexFile(dirfd, buckets)
+	if err != nil {
+		return nil, 0, err
+	}
+	if fill != nil {
+		fill(n.ix)
+	}
+	sessions, old, err := n.install(dirfd, installed)
+	if err != nil {
+		return nil, 0, err
+	}
+	old.giveBack()
+	return n.ix, sessions, nil
+}
+
+// A restarted server whose index cannot list every copy it finds (nine in one bucket of
+// eight slots) keeps the newest eight, as it kept them before it listed copies ahead of the
+// index's rename, and lists them from the start: at the index's ceiling, and where its file
+// system has no room for an index of enough buckets.
+func TestARestartKeepsTheNewestCopiesOfAFullBucket(t *testing.T) {
+	for _, tc := range []struct {
+		name, budget string
+		buckets      uint32 // of the restarted server's index
+		dir          func(t *testing.T) string
+	}{
+		{"at the ceiling", "256MiB", 2 * minIndexBuckets, func(t *testing.T) string { return memoryDir(t) }},
+		{"no room to grow", "1GiB", minIndexBuckets, func(t *testing.T) string {
+			// Room for the indexes of 1,024, 2,048 and 4,096 buckets at once as the first server
+			// grows it, then for the 4,096 one and one of 1,024 beside it, not two of 4,096.
+			return filepath.Join(smallTmpfs(t, 5000<<10), "tier")
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := tc.dir(t)
+			same := pathsOfOneBucket(2*minIndexBuckets, indexWays+1) // one bucket at 1,024 and 2,048
+			tier, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range same[:indexWays] {
+				publish(t, tier, p, []byte{1})
+			}
+			tier.background.Wait()                       // the next index made ahead
+			publish(t, tier, same[indexWays], []byte{1}) // grows to 4,096 buckets
+			if info := tier.Info(); info.Files != len(same) {
+				t.Fatalf("the first server holds %d files, want %d", info.Files, len(same))
+			}
+			tier.Close()
+			again, err := New(Config{Dir: dir, Kind: Memory, Budget: tc.budget}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer again.Close()
+			reader := readerOf(t, again)
+			var kept []string
+			for _, p := range same {
+				if m, err := reader.Open(p); err == nil {
+					m.Release()
+					kept = append(kept, p)
+				}
+			}
+			if diff := cmp.Diff(same[1:], kept); diff != "" {
+				t.Errorf("copies kept (-want +got):\n%s", diff)
+			}
+			if info := again.Info(); info.Files != indexWays || info.IndexEvictions != 1 || info.IndexBytes != indexLen(tc.buckets) {
+				t.Errorf("after the restart: %d files, %d evicted, an index of %d bytes; want %d, 1 and %d",
+					info.Files, info.IndexEvictions, info.IndexBytes, indexWays, indexLen(tc.buckets))
+			}
+		})
+	}
 }

@@ -128,8 +128,10 @@ type Tier struct {
 	// that goroutine runs. Both under mu.
 	nextIndex  *indexFile
 	makingNext bool
-	// background counts the goroutines Close waits for (see inBackground).
+	// background counts the goroutines Close waits for (see inBackground); closing is closed
+	// when Close begins, for them to finish at once.
 	background sync.WaitGroup
+	closing    chan struct{}
 	// lastSession is the last validation session the index found at start recorded (see
 	// LastSession).
 	lastSession uint32
@@ -170,6 +172,7 @@ func New(cfg Config, log *slog.Logger) (*Tier, error) {
 		warning: warning,
 		dirFile: d,
 		fifo:    newFIFO(),
+		closing: make(chan struct{}),
 	}
 	if err := t.init(size, cfg.Holder); err != nil {
 		t.Close()
@@ -246,6 +249,7 @@ func (t *Tier) Close() error {
 		t.mu.Lock()
 		t.shut = true // before the index is unmapped: writers check it under mu
 		t.mu.Unlock()
+		close(t.closing)
 		t.background.Wait() // started under mu before shut: none starts after it
 		t.mu.Lock()
 		next := t.nextIndex
@@ -800,7 +804,7 @@ func (t *Tier) lowerToUse() {
 	t.log.Warn("file system full: lowering budget to current use", "budget", FormatBytes(t.used))
 	t.fullCap = max(t.used, 1)
 	t.budget, t.limitedBy = t.used, "file system full"
-	t.dropNextAboveCeiling()
+	t.dropNextIndex()
 }
 
 // noSpace is lowerToUse for a caller that does not hold t.mu.
@@ -865,14 +869,40 @@ func slotOf(s stored, id entryID) slot {
 // listFound puts into ix each entry of found (in publication order) that its bucket has room
 // for, newest first, before ix is renamed into place: readers move to a new index as soon as
 // it is there, and one that found it empty while rescan listed the entries one by one missed
-// every cached file and read it from the source again. An entry older than a full bucket's
-// is left to rescan, which grows the index for it or evicts it, as the bucket's oldest.
+// every cached file and read it from the source again. An entry older than the entries of
+// its full bucket is not listed: rescan evicts it, as a full bucket evicts its oldest.
 func listFound(ix *index, found []found) {
 	for i := len(found) - 1; i >= 0; i-- {
 		if id := idOf(found[i].SourcePath); ix.fits(id) {
 			ix.put(slotOf(found[i].stored, id))
 		}
 	}
+}
+
+// bucketsToList returns the buckets of an index that lists the entries found at a start: the
+// fewest, from one per entry (bucketsFor) up to the ceiling, that leave no bucket more
+// entries than its slots (at the ceiling some may have more).
+func bucketsToList(found []found, ceiling uint32) uint32 {
+	keys := make([]Key, len(found))
+	for i, f := range found {
+		keys[i] = KeyOf(f.SourcePath)
+	}
+	buckets := bucketsFor(int64(len(found)), ceiling)
+	for ; buckets < ceiling; buckets *= 2 {
+		ix, counts := index{buckets: buckets}, make([]uint8, buckets)
+		over := false
+		for _, k := range keys {
+			b := ix.bucketOf(k)
+			if counts[b]++; counts[b] > indexWays {
+				over = true
+				break
+			}
+		}
+		if !over {
+			break
+		}
+	}
+	return buckets
 }
 
 // growRetry is how long a tier whose index could not grow (its file system full, say) waits
@@ -915,7 +945,7 @@ func (t *Tier) growIndex() error {
 	}
 	t.ix = next.ix
 	t.log.Debug("tier index grew", "buckets", t.ix.buckets, "files", t.fifo.len())
-	t.inBackground(retired.giveBack) // 70 ms for the 335 MB of 524,288 buckets
+	t.inBackground(func() { retired.giveBackAfter(t.closing) }) // 70 ms for 335 MB
 	return nil
 }
 
@@ -960,8 +990,7 @@ func (t *Tier) makeNextIndex(buckets uint32) {
 	keep := err == nil && !t.shut && t.ix.buckets*2 == buckets && buckets <= indexCeiling(t.budget)
 	if keep {
 		t.nextIndex = next
-	}
-	if err != nil {
+	} else {
 		t.aheadRetry = time.Now().Add(growRetry)
 	}
 	t.mu.Unlock()
@@ -973,13 +1002,15 @@ func (t *Tier) makeNextIndex(buckets uint32) {
 	}
 }
 
-// dropNextAboveCeiling discards the next index when the budget no longer lets the index
-// grow to it (t.mu held, after the budget changed).
-func (t *Tier) dropNextAboveCeiling() {
-	if t.nextIndex != nil && !t.shut && t.nextIndex.ix.buckets > indexCeiling(t.budget) {
+// dropNextIndex discards the next index made ahead, if any, and makes none for a minute
+// (t.mu held): its file system is full, or the budget no longer lets the index grow to it
+// (and a budget that moves about that ceiling would make and drop one again and again).
+func (t *Tier) dropNextIndex() {
+	if t.nextIndex != nil && !t.shut {
 		t.discardLater(t.nextIndex)
 		t.nextIndex = nil
 	}
+	t.aheadRetry = time.Now().Add(growRetry)
 }
 
 // discardLater discards n in a goroutine (t.mu held, the tier open): unmapping and removing
@@ -1122,26 +1153,46 @@ func (t *Tier) remove(id entryID) {
 func (t *Tier) rescan() error {
 	s := scan{root: t.Path, verify: t.verify, fix: true}
 	var found []found
+	var retired retiredIndex
 	err := withFd(t.dirFile, func(dirfd int) error {
 		if err := s.run(dirfd); err != nil {
 			return err
 		}
 		found = s.sorted()
-		var err error
-		buckets := bucketsFor(int64(len(found)), indexCeiling(t.budget))
-		t.ix, t.lastSession, err = createIndex(dirfd, buckets, func(ix *index) { listFound(ix, found) }, nil)
-		return err
+		// Sized to list them all where the ceiling allows: the index does not grow while it
+		// is being listed, and what it cannot list is evicted.
+		least, buckets := bucketsFor(int64(len(found)), indexCeiling(t.budget)), bucketsToList(found, indexCeiling(t.budget))
+		next, err := newIndexFile(dirfd, buckets)
+		if err != nil && buckets > least {
+			// No room for that many: the index takes one bucket per entry, and does not try
+			// to grow before growRetry (a full bucket evicts meanwhile).
+			t.log.Warn("no room for the tier's index: full buckets evict their oldest file", "err", err,
+				"buckets", buckets, "retry_in", growRetry)
+			t.growRetry = time.Now().Add(growRetry)
+			next, err = newIndexFile(dirfd, least)
+		}
+		if err != nil {
+			return err
+		}
+		listFound(next.ix, found)
+		sessions, old, err := next.install(dirfd, nil)
+		if err != nil {
+			return err
+		}
+		t.ix, t.lastSession, retired = next.ix, sessions, old
+		return nil
 	})
 	if err != nil {
 		return err
 	}
 	t.Dir.dir, t.Dir.view = t.dirFile, &indexView{cur: t.ix}
 	t.mu.Lock()
-	for _, f := range found { // listed already but for overflows: this rebuilds the FIFO and usage
+	t.inBackground(func() { retired.giveBackAfter(t.closing) })
+	for _, f := range found {
 		id := idOf(f.SourcePath)
-		if !t.ix.fits(id) && (t.ix.buckets >= indexCeiling(t.budget) || !time.Now().After(t.growRetry)) {
-			// Not listed, older than every entry of its full bucket, in an index that cannot
-			// grow: Tier.index would evict it in the end, after one of them for a while.
+		if _, listed := t.ix.lookup(id); !listed {
+			// Older than every entry of its full bucket, in an index that cannot grow for it:
+			// evicted, as a full bucket evicts its oldest.
 			t.indexEvictions++
 			t.unlink(f.rel, f.ino)
 			continue
@@ -1149,9 +1200,9 @@ func (t *Tier) rescan() error {
 		t.fifo.push((&record{rel: f.rel, id: id, size: f.size, seq: f.seq, group: f.Group, ino: f.ino,
 			source: f.Identity()}).setBlock(f.SourcePath))
 		t.used += f.size
-		t.index(f.stored, id)
 		t.nextSeq = max(t.nextSeq, f.seq+1)
 	}
+	t.aheadOfGrowth()
 	t.mu.Unlock()
 	t.damaged = s.damaged
 	if s.temps > 0 {
