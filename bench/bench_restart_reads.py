@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Source reads caused by an embedded server's restart while readers read: a warm private
+cache of --files files (bench_scale.py's dataset), --readers processes forked from the main
+process (as DataLoader workers are) reading every file over and over through the C hit path,
+the server killed (SIGKILL) and then restarted by the main process (Client.check_server, as
+FitCacheDataset does before each fork), --restarts times. A restarted server rescans its tiers
+and writes a new index, which the readers move to at once; every file is cached, so every
+source open counted after the first kill (inotify, from outside FitCache) is a read that the
+restart caused. Reported: source opens, reads, reads that returned wrong bytes, and the
+seconds each restart took.
+
+Compare builds with FITCACHE_LIBRARY and FITCACHE_SERVER_BIN:
+
+    python bench/bench_restart_reads.py --files 20000 --readers 2 --restarts 5
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import zlib
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fitcache  # noqa: E402
+from bench_scale import generate  # noqa: E402
+from inotify import OpenCounter  # noqa: E402
+from privatecache import PrivateCache  # noqa: E402
+
+
+def reader(ds, crcs, stop_at, seed, out):
+    """Reads every file in a shuffled order until stop_at (time.monotonic()); writes reads
+    and bad reads to out (a pipe) as JSON."""
+    order = list(range(len(crcs)))
+    random.Random(seed).shuffle(order)
+    reads = bad = 0
+    while time.monotonic() < stop_at:
+        for i in order:
+            if zlib.crc32(ds[i]) != crcs[i]:
+                bad += 1
+            reads += 1
+            if reads % 256 == 0 and time.monotonic() >= stop_at:
+                break
+    os.write(out, json.dumps({"reads": reads, "bad": bad}).encode())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=20000)
+    ap.add_argument("--readers", type=int, default=2)
+    ap.add_argument("--restarts", type=int, default=5)
+    ap.add_argument("--gap", type=float, default=1.0, help="seconds of reading between restarts")
+    ap.add_argument("--data", default="/var/tmp/fitcache-bench-scale", help="where generated datasets are kept")
+    ap.add_argument("--out", help="write the result as JSON here")
+    args = ap.parse_args()
+
+    src, manifest, _ = generate(args.data, 20000, 1)
+    manifest = manifest[:args.files]
+    names, crcs = [rel for rel, _, _ in manifest], [crc for _, _, crc in manifest]
+    work = tempfile.mkdtemp(prefix="fitcache-restart-")
+    tier = tempfile.mkdtemp(prefix="fitcache-restart-", dir="/dev/shm")
+    cache = PrivateCache(os.path.join(work, "run"), f"memory:{tier}:{2 * 120 * args.files}KiB", [work, tier])
+    pids = []
+    try:
+        ds = fitcache.FitCacheDataset(src, files=names, prefetch=False, **cache.options)
+        for i in range(len(ds)):  # cached; this process's client open (its readers share it)
+            assert zlib.crc32(ds[i]) == crcs[i]
+        restarts = []
+        with OpenCounter(src) as opens:
+            stop_at = time.monotonic() + args.gap * (args.restarts + 1)
+            pipes = []
+            for k in range(args.readers):
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(r)
+                    try:
+                        reader(ds, crcs, stop_at, k, w)
+                    finally:
+                        os._exit(0)
+                os.close(w)
+                pids.append(pid)
+                pipes.append(r)
+            client = ds._get_client()
+            for _ in range(args.restarts):
+                time.sleep(args.gap)
+                pid = cache.server_pid()
+                if pid:
+                    os.kill(pid, signal.SIGKILL)
+                    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+                        time.sleep(0.001)
+                t0 = time.monotonic()
+                client.check_server()  # restarts it: it rescans the tier
+                restarts.append(time.monotonic() - t0)
+            results = []
+            for pid, r in zip(pids, pipes):
+                os.waitpid(pid, 0)
+                data = b""
+                while chunk := os.read(r, 4096):
+                    data += chunk
+                os.close(r)
+                results.append(json.loads(data or b'{"reads": 0, "bad": 0}'))
+            pids.clear()
+            time.sleep(0.2)
+            source_opens = sum(opens.counts().values())
+        result = {"files": args.files, "readers": args.readers, "restarts": args.restarts,
+                  "library": os.environ.get("FITCACHE_LIBRARY", "installed"),
+                  "source_opens": source_opens, "reads": sum(x["reads"] for x in results),
+                  "bad": sum(x["bad"] for x in results), "restart_seconds": restarts}
+        print(json.dumps(result))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        cache.wipe()
+
+
+if __name__ == "__main__":
+    main()
