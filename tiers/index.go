@@ -462,9 +462,9 @@ func (n *indexFile) discard(dirfd int) {
 // install renames n over the tier's index, hands it to installed (nil for none) for the
 // caller to make current, and only then marks the old one retired, so that its readers move
 // to the new one. It returns the last session the old index recorded (0 for none), which n
-// records too, and the old index, whose slots the caller gives back (retiredIndex.giveBack)
-// when it will: its readers never look in them again once they see the flag. On an error n is
-// discarded.
+// records too, and the old index, whose slots the caller gives back a moment later
+// (retiredIndex.giveBackAfter): its readers look in them no more once they have seen the
+// flag. On an error n is discarded.
 func (n *indexFile) install(dirfd int, installed func(*index)) (sessions uint32, old retiredIndex, err error) {
 	oldFd, oldErr := unix.Openat(dirfd, indexName, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err := unix.Renameat(dirfd, n.tmp, dirfd, indexName); err != nil {

@@ -911,7 +911,7 @@ const growRetry = time.Minute
 
 // growIndex replaces the index by one of twice the buckets listing the same entries (t.mu
 // held, so that nothing is published meanwhile). Readers move to it as they do to a
-// restarted server's (see createIndex). Publishing waits meanwhile, so the new file is made
+// restarted server's (see indexFile.install). Publishing waits meanwhile, so the new file is made
 // ahead where it can be (see aheadOfGrowth) and the old one's pages are given back after:
 // growing then copies the entries and renames the file: on the 2-core VM 3.3 ms for 16,384
 // entries, 26 ms for 131,072 and 109 ms for 524,288 (BenchmarkIndexGrowth, medians), against
