@@ -203,6 +203,12 @@ def job_setup(tmp_path):
     yield options, shm
     stop_server(options)
     shutil.rmtree(shm, ignore_errors=True)
+    # pytest keeps the temporary directories of the last three runs: this file's datasets and
+    # disk tiers left 4 GB in each, enough to take a shared machine's disk below what FitCache
+    # leaves free in a tier's file system (keep_free, 10%), where a later run's disk tiers then
+    # took nothing and its tests failed.
+    for big in ("data", "disk"):
+        shutil.rmtree(tmp_path / big, ignore_errors=True)
 
 
 def run_job(cg, root, manifest, options, epochs, tmp_path, child=None):
