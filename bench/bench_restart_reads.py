@@ -15,6 +15,7 @@ Compare builds with FITCACHE_LIBRARY and FITCACHE_SERVER_BIN:
 """
 
 import argparse
+import fcntl
 import json
 import os
 import random
@@ -47,6 +48,23 @@ def reader(ds, crcs, stop_at, seed, out):
             if reads % 256 == 0 and time.monotonic() >= stop_at:
                 break
     os.write(out, json.dumps({"reads": reads, "bad": bad}).encode())
+
+
+def wait_unlocked(path, timeout=10):
+    """Waits until no process holds the lock file at path: a killed server's threads exit
+    after its main thread shows as a zombie, and it holds its lock (and its socket, which
+    then resets a client's hello) until the last one has."""
+    deadline = time.monotonic() + timeout
+    with open(path) as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} still locked after {timeout} s")
+                time.sleep(0.001)
 
 
 def main():
@@ -92,8 +110,7 @@ def main():
                 pid = cache.server_pid()
                 if pid:
                     os.kill(pid, signal.SIGKILL)
-                    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
-                        time.sleep(0.001)
+                    wait_unlocked(os.path.join(cache.run, "server.lock"))
                 t0 = time.monotonic()
                 client.check_server()  # restarts it: it rescans the tier
                 restarts.append(time.monotonic() - t0)

@@ -407,6 +407,10 @@ func (ix *index) sourceReads() (n, bytes int64) {
 
 func (ix *index) unmap() error { return ix.m.Unmap() }
 
+// indexTempPrefix starts the temporary name of an index file: a new one not yet in place, or
+// a retired one not yet given back (see indexFile.install).
+const indexTempPrefix = tempPrefix + "index-"
+
 // indexFile is a new index not yet in place: a temporary file in the tier directory, mapped.
 type indexFile struct {
 	ix  *index
@@ -417,7 +421,7 @@ type indexFile struct {
 // temporary name: its memory allocated and mapped in (so that a file system without room for
 // it is an error now, not a fault at a later write to it), its header written.
 func newIndexFile(dirfd int, buckets uint32) (*indexFile, error) {
-	f, tmp, err := createTemp(dirfd, tempPrefix+"index-")
+	f, tmp, err := createTemp(dirfd, indexTempPrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -459,15 +463,21 @@ func (n *indexFile) discard(dirfd int) {
 	unix.Unlinkat(dirfd, n.tmp, 0)
 }
 
-// install renames n over the tier's index, hands it to installed (nil for none) for the
+// install puts n in place of the tier's index, hands it to installed (nil for none) for the
 // caller to make current, and only then marks the old one retired, so that its readers move
 // to the new one. It returns the last session the old index recorded (0 for none), which n
 // records too, and the old index, whose slots the caller gives back a moment later
 // (retiredIndex.giveBackAfter): its readers look in them no more once they have seen the
-// flag. On an error n is discarded.
+// flag. The two files swap names (RENAME_EXCHANGE) where the file system can, so that the
+// old one keeps n's temporary name until it is given back: a server killed before that
+// leaves it for the next one's rescan to give back (see giveBackLeftover), where a file
+// renamed over kept its pages for as long as readers mapped it. On an error n is discarded.
 func (n *indexFile) install(dirfd int, installed func(*index)) (sessions uint32, old retiredIndex, err error) {
 	oldFd, oldErr := unix.Openat(dirfd, indexName, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err := unix.Renameat(dirfd, n.tmp, dirfd, indexName); err != nil {
+	name := ""
+	if oldErr == nil && unix.Renameat2(dirfd, n.tmp, dirfd, indexName, unix.RENAME_EXCHANGE) == nil {
+		name = n.tmp
+	} else if err := unix.Renameat(dirfd, n.tmp, dirfd, indexName); err != nil {
 		if oldErr == nil {
 			unix.Close(oldFd)
 		}
@@ -481,25 +491,42 @@ func (n *indexFile) install(dirfd int, installed func(*index)) (sessions uint32,
 		return 0, retiredIndex{fd: -1}, nil
 	}
 	sessions, ok := retire(oldFd)
-	if !ok {
-		unix.Close(oldFd)
-		return 0, retiredIndex{fd: -1}, nil
+	if ok {
+		n.ix.noteSession(sessions)
 	}
-	n.ix.noteSession(sessions)
-	return sessions, retiredIndex{fd: oldFd}, nil
+	return sessions, retiredIndex{fd: oldFd, name: name}, nil
 }
 
 // retiredIndex is a replaced index, open, whose slots' pages are still to be given back (fd
-// -1 for none).
-type retiredIndex struct{ fd int }
+// -1 for none), with its temporary name in the tier directory ("" for none: renamed over).
+type retiredIndex struct {
+	fd   int
+	name string
+}
 
-// giveBack gives back the pages of the slots of the retired index (its header and hit
-// counters stay), and closes it. A file system without holes keeps them until its readers
-// let go.
-func (r retiredIndex) giveBack() {
-	if r.fd >= 0 {
-		punchSlotsOf(r.fd)
-		unix.Close(r.fd)
+// giveBack gives back the pages of the slots of the retired index in the tier directory
+// dirfd (its header and hit counters stay), closes it and removes its name. A file system
+// without holes keeps them until its readers let go.
+func (r retiredIndex) giveBack(dirfd int) {
+	if r.fd < 0 {
+		return
+	}
+	punchSlotsOf(r.fd)
+	unix.Close(r.fd)
+	if r.name != "" {
+		unix.Unlinkat(dirfd, r.name, 0)
+	}
+}
+
+// giveBackLeftover gives back an index file left under a temporary name in the tier
+// directory dirfd by a server that stopped before it could (see install), or a new index it
+// never put in place: retired first, for readers that still map it to move on, then its
+// slots given back, then removed.
+func giveBackLeftover(dirfd int, name string) {
+	fd, err := unix.Openat(dirfd, name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err == nil {
+		retire(fd)
+		retiredIndex{fd: fd, name: name}.giveBack(dirfd)
 	}
 }
 
@@ -509,9 +536,9 @@ func (r retiredIndex) giveBack() {
 // (capi/fclookup.c current_index). Given back at once, those found zeros, and missed.
 const retiredGrace = time.Second
 
-// giveBackAfter gives back the retired index's slots after retiredGrace, or once closing is
-// closed.
-func (r retiredIndex) giveBackAfter(closing <-chan struct{}) {
+// giveBackAfter gives back the retired index's slots (see giveBack) after retiredGrace, or
+// once closing is closed; dir is the tier directory.
+func (r retiredIndex) giveBackAfter(dir *os.File, closing <-chan struct{}) {
 	if r.fd < 0 {
 		return
 	}
@@ -521,7 +548,7 @@ func (r retiredIndex) giveBackAfter(closing <-chan struct{}) {
 	case <-timer.C:
 	case <-closing:
 	}
-	r.giveBack()
+	withFd(dir, func(dirfd int) error { r.giveBack(dirfd); return nil })
 }
 
 // retire sets the retired flag of the replaced index open at fd, if it is one (ok), so that

@@ -532,14 +532,14 @@ func createIndex(dirfd int, buckets uint32, fill, installed func(*index)) (*inde
 	if err != nil {
 		return nil, 0, err
 	}
-	old.giveBack()
+	old.giveBack(dirfd)
 	return n.ix, sessions, nil
 }
 
 // A restarted server whose index cannot list every copy it finds (nine in one bucket of
-// eight slots) keeps the newest eight, as it kept them before it listed copies ahead of the
-// index's rename, and lists them from the start: at the index's ceiling, and where its file
-// system has no room for an index of enough buckets.
+// eight slots) keeps the newest eight and lists them from the start: at the index's ceiling
+// (as it kept them before it listed copies ahead of the index's rename), and where its file
+// system has no room beside the old index for one of enough buckets (the largest that fits).
 func TestARestartKeepsTheNewestCopiesOfAFullBucket(t *testing.T) {
 	for _, tc := range []struct {
 		name, budget string
@@ -547,9 +547,9 @@ func TestARestartKeepsTheNewestCopiesOfAFullBucket(t *testing.T) {
 		dir          func(t *testing.T) string
 	}{
 		{"at the ceiling", "256MiB", 2 * minIndexBuckets, func(t *testing.T) string { return memoryDir(t) }},
-		{"no room to grow", "1GiB", minIndexBuckets, func(t *testing.T) string {
+		{"no room to grow", "1GiB", 2 * minIndexBuckets, func(t *testing.T) string {
 			// Room for the indexes of 1,024, 2,048 and 4,096 buckets at once as the first server
-			// grows it, then for the 4,096 one and one of 1,024 beside it, not two of 4,096.
+			// grows it, then for the 4,096 one and one of 2,048 beside it, not two of 4,096.
 			return filepath.Join(smallTmpfs(t, 5000<<10), "tier")
 		}},
 	} {
@@ -590,5 +590,53 @@ func TestARestartKeepsTheNewestCopiesOfAFullBucket(t *testing.T) {
 					info.Files, info.IndexEvictions, info.IndexBytes, indexWays, indexLen(tc.buckets))
 			}
 		})
+	}
+}
+
+// A retired index keeps a temporary name until its slots are given back; a server that stops
+// before then (killed within the grace) leaves it there, and the next server's rescan gives
+// it back: a reader that still maps it does not keep its pages.
+func TestARetiredIndexLeftByAStoppedServerIsGivenBack(t *testing.T) {
+	dir := memoryDir(t)
+	tier, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Close()
+	publishTiny(t, tier, 0, 100)
+	held, err := os.Open(filepath.Join(dir, indexName)) // a reader's hold on the index to retire
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	tier.mu.Lock()
+	err = tier.growIndex()
+	tier.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	retired := tempFiles(t, dir)
+	if len(retired) != 1 {
+		t.Fatalf("temporary files during the retired index's grace: %v, want the retired index", retired)
+	}
+	tier.lock.Close() // the server dies: its lock goes, its grace never ends
+	again, err := New(Config{Dir: dir, Kind: Memory, Budget: "1GiB"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	if _, err := os.Lstat(filepath.Join(dir, retired[0])); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the retired index left by the stopped server is still there: %v", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(held.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Blocks*512 > indexSlots {
+		t.Errorf("the retired index a reader maps still takes %d bytes, want at most its header's %d", st.Blocks*512, indexSlots)
+	}
+	if hdr := make([]byte, hdrRetired+4); func() bool { n, _ := held.ReadAt(hdr, 0); return n < len(hdr) }() ||
+		hdr[hdrRetired] != 1 {
+		t.Error("the retired index a reader maps is not marked retired")
 	}
 }

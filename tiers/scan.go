@@ -66,7 +66,10 @@ func (s *scan) dir(fd int, rel string, depth int) error {
 	for _, name := range names {
 		r := filepath.Join(rel, name)
 		if isTempName(name) {
-			if s.fix && unix.Unlinkat(fd, name, 0) == nil {
+			if s.fix && depth == 0 && strings.HasPrefix(name, indexTempPrefix) {
+				giveBackLeftover(fd, name) // readers may still map it
+				s.temps++
+			} else if s.fix && unix.Unlinkat(fd, name, 0) == nil {
 				s.temps++
 			}
 			continue

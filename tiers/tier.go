@@ -945,7 +945,7 @@ func (t *Tier) growIndex() error {
 	}
 	t.ix = next.ix
 	t.log.Debug("tier index grew", "buckets", t.ix.buckets, "files", t.fifo.len())
-	t.inBackground(func() { retired.giveBackAfter(t.closing) }) // 70 ms for 335 MB
+	t.inBackground(func() { retired.giveBackAfter(t.dirFile, t.closing) }) // 70 ms for 335 MB
 	return nil
 }
 
@@ -987,11 +987,15 @@ func (t *Tier) makeNextIndex(buckets uint32) {
 	})
 	t.mu.Lock()
 	t.makingNext = false
-	keep := err == nil && !t.shut && t.ix.buckets*2 == buckets && buckets <= indexCeiling(t.budget)
+	unwanted := err != nil || buckets > indexCeiling(t.budget) || time.Now().Before(t.aheadRetry) // see dropNextIndex
+	keep := !unwanted && !t.shut && t.ix.buckets*2 == buckets
 	if keep {
 		t.nextIndex = next
-	} else {
+	}
+	if unwanted {
 		t.aheadRetry = time.Now().Add(growRetry)
+	} else if !keep && !t.shut {
+		t.aheadOfGrowth() // the index outgrew it: one for its size, if a bucket is full
 	}
 	t.mu.Unlock()
 	switch {
@@ -1163,13 +1167,13 @@ func (t *Tier) rescan() error {
 		// is being listed, and what it cannot list is evicted.
 		least, buckets := bucketsFor(int64(len(found)), indexCeiling(t.budget)), bucketsToList(found, indexCeiling(t.budget))
 		next, err := newIndexFile(dirfd, buckets)
-		if err != nil && buckets > least {
-			// No room for that many: the index takes one bucket per entry, and does not try
-			// to grow before growRetry (a full bucket evicts meanwhile).
+		for b := buckets / 2; err != nil && b >= least; b /= 2 {
+			// No room for that many beside the old index: the largest that fits, which does
+			// not try to grow before growRetry (its full buckets evict their oldest meanwhile).
 			t.log.Warn("no room for the tier's index: full buckets evict their oldest file", "err", err,
 				"buckets", buckets, "retry_in", growRetry)
 			t.growRetry = time.Now().Add(growRetry)
-			next, err = newIndexFile(dirfd, least)
+			next, err = newIndexFile(dirfd, b)
 		}
 		if err != nil {
 			return err
@@ -1187,7 +1191,7 @@ func (t *Tier) rescan() error {
 	}
 	t.Dir.dir, t.Dir.view = t.dirFile, &indexView{cur: t.ix}
 	t.mu.Lock()
-	t.inBackground(func() { retired.giveBackAfter(t.closing) })
+	t.inBackground(func() { retired.giveBackAfter(t.dirFile, t.closing) })
 	for _, f := range found {
 		id := idOf(f.SourcePath)
 		if _, listed := t.ix.lookup(id); !listed {
