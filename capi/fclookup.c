@@ -235,34 +235,43 @@ static int map_index(int dirfd, struct fc_index *ix) {
 	return 0;
 }
 
-// index_intact reports whether the file ix maps is still the tier's index, at least as long
-// as the mapping: one stat of the name (unless one found it so less than FC_INTACT_TRUST_NS
-// ago). Another process of the user can truncate the index (FitCache never does: a server
-// writes a new one and renames it over), and touching a page of the mapping past the new
-// end of the file raises SIGBUS, which code running inside other programs cannot catch:
-// every touch of a mapped index (lookups, hit counters) checks this first. A file found
-// shorter, or another file under the name (a restarted server's new index), is never
-// touched again; the index is mapped anew from the name. What is left is the window after a
-// check (see fclookup.h): a truncation that lands inside it still kills the reader.
-static int index_intact(const struct fc_tier *t, struct fc_index *ix) {
+// What index_state finds of a mapped index: still the tier's index and whole; replaced by
+// another file under the index's name (a restarted or grown server's new index); or lost (no
+// file under the name, or ours found shorter than the mapping).
+enum { INDEX_INTACT, INDEX_REPLACED, INDEX_LOST };
+
+// index_state reports whether the file ix maps is still the tier's index, at least as long as
+// the mapping: one stat of the name (unless one found it so less than FC_INTACT_TRUST_NS ago).
+// Another process of the user can truncate the index, and touching a page of the mapping past
+// the new end of the file raises SIGBUS, which code running inside other programs cannot
+// catch: every touch of a mapped index (lookups, hit counters) checks this first. A file found
+// shorter is never touched again (INDEX_LOST). A replaced one was whole when it was mapped,
+// and FitCache never shortens an index file: a server swaps the new one in, marks the old one
+// retired, and a second later punches holes in its slots (which then read as zeros) and
+// removes its name (tiers/index.go install, giveBack). So lookups go on with a replaced index
+// while one thread maps the new one (current_index), and only then. What is left is the window
+// after a check (see fclookup.h): a truncation that lands inside it still kills the reader.
+static int index_state(const struct fc_tier *t, struct fc_index *ix) {
 	int64_t now = fc_monotonic_ns();
 	if (now - __atomic_load_n(&ix->intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
-		return 1;
+		return INDEX_INTACT;
 	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
-	int intact = syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-	             (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len;
-	if (intact) {
-		// A forked child counts on its parent's line until here, then lets go of it and
-		// claims its own at its next count: at most FC_INTACT_TRUST_NS after the fork (a
-		// getpid per check, not per hit).
-		pid_t owner = __atomic_load_n(&ix->line_pid, __ATOMIC_RELAXED);
-		if (owner != 0 && owner != getpid()) {
-			__atomic_store_n(&ix->line, NULL, __ATOMIC_RELAXED);
-			__atomic_store_n(&ix->line_pid, 0, __ATOMIC_RELAXED);
-		}
-		__atomic_store_n(&ix->intact_ns, now, __ATOMIC_RELAXED);
+	if (syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) != 0)
+		return INDEX_LOST;
+	if ((uint64_t)st.st_ino != ix->ino)
+		return INDEX_REPLACED;
+	if (st.st_size < 0 || (size_t)st.st_size < ix->len)
+		return INDEX_LOST;
+	// A forked child counts on its parent's line until here, then lets go of it and claims its
+	// own at its next count: at most FC_INTACT_TRUST_NS after the fork (a getpid per check,
+	// not per hit).
+	pid_t owner = __atomic_load_n(&ix->line_pid, __ATOMIC_RELAXED);
+	if (owner != 0 && owner != getpid()) {
+		__atomic_store_n(&ix->line, NULL, __ATOMIC_RELAXED);
+		__atomic_store_n(&ix->line_pid, 0, __ATOMIC_RELAXED);
 	}
-	return intact;
+	__atomic_store_n(&ix->intact_ns, now, __ATOMIC_RELAXED);
+	return INDEX_INTACT;
 }
 
 static void unmap_index(struct fc_index *ix) {
@@ -279,58 +288,91 @@ static void unmap_index(struct fc_index *ix) {
 // this long ago is taken for gone (a thread of the parent in a forked child) and replaced.
 #define REMAP_STALE_NS 1000000000LL
 
+// Times the mapping thread tries again at once when the index it mapped was replaced already
+// (servers restarting back to back), before it waits for INDEX_RETRY_NS / 100.
+#define REMAP_TRIES 4
+
+// let_go makes the tier forget ix (kept mapped, untouched, until fc_tier_close) unless another
+// thread published a newer index meanwhile, and returns NULL.
+static struct fc_index *let_go(struct fc_tier *t, struct fc_index *ix) {
+	if (ix)
+		__atomic_compare_exchange_n(&t->index, &ix, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+	return NULL;
+}
+
+// publish keeps the new mapping fresh in the next entry of t->maps (or, past them, a page of its
+// own) and makes it the tier's index; it returns it, or NULL when there was no page for it.
+static struct fc_index *publish(struct fc_tier *t, struct fc_index *fresh) {
+	int slot = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
+	struct fc_index *ix;
+	if (slot < FC_TIER_MAPS) {
+		t->maps[slot] = *fresh;
+		__atomic_store_n(&t->nmaps, slot + 1, __ATOMIC_RELEASE);
+		ix = &t->maps[slot];
+	} else { // every entry taken: a page of its own for the record
+		ix = mmap(NULL, sizeof *ix, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (ix == MAP_FAILED)
+			return NULL;
+		*ix = *fresh;
+		ix->next = t->extra;
+		t->extra = ix;
+	}
+	__atomic_store_n(&t->index, ix, __ATOMIC_RELEASE);
+	return ix;
+}
+
+// map_current maps the tier's index anew (the calling thread is the only one doing so) and
+// publishes it; it returns it, or NULL after setting when to try again.
+static struct fc_index *map_current(struct fc_tier *t, int64_t now) {
+	for (int try = 0; try < REMAP_TRIES; try++) {
+		struct fc_index fresh;
+		if (map_index(t->dirfd, &fresh) != 0)
+			break;
+		if (rd32(fresh.base + HDR_RETIRED)) { // replaced again meanwhile
+			unmap_index(&fresh);
+			if (try + 1 < REMAP_TRIES)
+				continue;
+			__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS / 100, __ATOMIC_RELAXED);
+			return NULL;
+		}
+		struct fc_index *ix = publish(t, &fresh);
+		if (ix)
+			return ix;
+		unmap_index(&fresh);
+		break;
+	}
+	__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
+	return NULL;
+}
+
 // current_index returns the tier's index, mapping it anew when there was none (at most once
-// per INDEX_RETRY_NS) or when its server replaced it (retired). One thread at a time maps
-// (t->remapping holds when it started); the others meanwhile go on with the index there is
-// (a retired index is still right about what it lists: its server gives back its slots only a
-// second after it retires it, tiers.retiredGrace). Each mapping takes the next entry of
-// t->maps (or, past them, a page of its own), filled before it is published; replaced ones
-// stay until fc_tier_close.
+// per INDEX_RETRY_NS) or when its server replaced it or marked it retired. One thread at a
+// time maps (t->remapping holds when it started); the others meanwhile go on with the index
+// there is, replaced or retired: it is still right about what it lists, since its server gives
+// back its slots only a second after it retires it (tiers.retiredGrace), and lookups that found
+// none would send every reader of the node to its server at each restart. A replaced index is
+// let go when no new one could be mapped; replaced ones stay mapped until fc_tier_close.
 static struct fc_index *current_index(struct fc_tier *t) {
 	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
-	if (ix && !index_intact(t, ix)) { // truncated or replaced: let go of it (kept mapped, untouched)
-		__atomic_compare_exchange_n(&t->index, &ix, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-		ix = NULL;
-	}
-	if (ix && !rd32(ix->base + HDR_RETIRED))
+	int state = ix ? index_state(t, ix) : INDEX_LOST;
+	if (state == INDEX_INTACT && !rd32(ix->base + HDR_RETIRED))
 		return ix;
+	if (state == INDEX_LOST) // truncated, or no index: never touched again
+		ix = let_go(t, ix);
 	int64_t now = fc_monotonic_ns();
-	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED))
-		return ix;
+	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED)) // the last mapping failed
+		return state == INDEX_REPLACED ? let_go(t, ix) : ix;
 	int64_t started = __atomic_load_n(&t->remapping, __ATOMIC_RELAXED);
 	if ((started != 0 && now - started < REMAP_STALE_NS) ||
 	    !__atomic_compare_exchange_n(&t->remapping, &started, now, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
-		return ix; // another thread is mapping it
-	ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // what that thread may have mapped
-	if (ix && !index_intact(t, ix))
-		ix = NULL;
-	int slot = __atomic_load_n(&t->nmaps, __ATOMIC_RELAXED);
-	struct fc_index fresh;
-	if (ix && !rd32(ix->base + HDR_RETIRED)) {
-		// mapped by the thread before us
-	} else if (map_index(t->dirfd, &fresh) != 0) {
-		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
-	} else if (rd32(fresh.base + HDR_RETIRED)) { // replaced again meanwhile: try later
-		__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS / 100, __ATOMIC_RELAXED);
-		unmap_index(&fresh);
-	} else if (slot < FC_TIER_MAPS) {
-		t->maps[slot] = fresh;
-		__atomic_store_n(&t->nmaps, slot + 1, __ATOMIC_RELEASE);
-		ix = &t->maps[slot];
-		__atomic_store_n(&t->index, ix, __ATOMIC_RELEASE);
-	} else { // every entry taken: a page of its own for the record
-		struct fc_index *rec = mmap(NULL, sizeof *rec, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-		if (rec == MAP_FAILED) {
-			unmap_index(&fresh);
-			__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
-		} else {
-			*rec = fresh;
-			rec->next = t->extra;
-			t->extra = rec;
-			ix = rec;
-			__atomic_store_n(&t->index, ix, __ATOMIC_RELEASE);
-		}
-	}
+		return ix; // another thread is mapping the new one: go on with this one meanwhile
+	struct fc_index *latest = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // a thread before us may have mapped it
+	if (latest && latest != ix && index_state(t, latest) == INDEX_INTACT && !rd32(latest->base + HDR_RETIRED))
+		ix = latest;
+	else if (!(latest = map_current(t, now)))
+		ix = state == INDEX_REPLACED ? let_go(t, ix) : ix;
+	else
+		ix = latest;
 	__atomic_store_n(&t->remapping, 0, __ATOMIC_RELEASE);
 	return ix;
 }

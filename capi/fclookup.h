@@ -103,7 +103,7 @@ struct fc_index {
 	                       see claim_line in fclookup.c) */
 	pid_t line_pid;     /* the process that claimed line, 0 for none (atomic): a forked child
 	                       claims its own */
-	uint64_t ino;       /* the index file's inode number: see index_intact in fclookup.c */
+	uint64_t ino;       /* the index file's inode number: see index_state in fclookup.c */
 	int64_t intact_ns;  /* CLOCK_MONOTONIC time it was last found intact (atomic) */
 	struct fc_index *next; /* the previous record kept in a page of its own (see FC_TIER_MAPS) */
 };
@@ -163,12 +163,13 @@ struct fc_hit {
  * one stat that the file is still as long as the mapping and under the index's name:
  * another process of the user can truncate it, and a page touched past the new end would
  * kill the program with SIGBUS (a signal code inside other programs cannot catch). An index
- * found truncated or replaced is let go and mapped anew; meanwhile lookups miss. A file found
- * intact is trusted for FC_INTACT_TRUST_NS: a stat costs about 1 us (against some 9 us for a
- * whole hit of 64 KiB), and a reader that touches the index every few microseconds pays one
- * per FC_INTACT_TRUST_NS, not one per touch. So a truncation within that time of a check
- * still kills the reader: a window kept short, against a process of the same user, which
- * could as well kill the reader with a signal. */
+ * found truncated is let go and mapped anew, and meanwhile lookups miss; one replaced by a
+ * server's new index (FitCache never shortens one) serves lookups while one thread maps the
+ * new one. A file found intact is trusted for FC_INTACT_TRUST_NS: a stat costs about 1 us
+ * (against some 9 us for a whole hit of 64 KiB), and a reader that touches the index every
+ * few microseconds pays one per FC_INTACT_TRUST_NS, not one per touch. So a truncation
+ * within that time of a check still kills the reader: a window kept short, against a
+ * process of the same user, which could as well kill the reader with a signal. */
 #define FC_INTACT_TRUST_NS 100000LL
 
 /* Looks up the clean absolute source path (len bytes, as fc_clean_path makes it) in tiers[0..n),

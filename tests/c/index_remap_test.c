@@ -7,6 +7,9 @@
 // restarts, and the tier stayed on a retired index for the life of the process: files
 // published since were never hits again. Here 4 threads look up files while the "server"
 // replaces the index 40 times; after that, a file only the last index lists must be a hit.
+// Meanwhile a file every index lists must never miss: while one thread maps the new index,
+// the others go on with the one they have (a tier that let go of it first sent every reader
+// to its server at each restart).
 //
 // Built by tests/test_capi.py from this file and capi/fclookup.c; writes the index format of
 // tiers/index.go itself. Prints "all checks passed".
@@ -127,10 +130,15 @@ static int lookup(int i) {
 	return 1;
 }
 
+// Lookups of file 0, which every index lists, that missed: a thread must go on with the index
+// it has while another maps the new one, never find none.
+static long missed;
+
 static void *reader(void *arg) {
 	(void)arg;
 	while (!stop)
-		lookup(0);
+		if (!lookup(0))
+			__atomic_fetch_add(&missed, 1, __ATOMIC_RELAXED);
 	return NULL;
 }
 
@@ -157,6 +165,11 @@ int main(void) {
 	stop = 1;
 	for (int i = 0; i < 4; i++)
 		pthread_join(threads[i], NULL);
+	if (missed > 0) {
+		fprintf(stderr, "FAIL: %ld lookups of a file every index lists missed while the index was replaced\n",
+		        missed);
+		return 1;
+	}
 	// The last index lists file RESTARTS; the tier must have moved to it (allow a second for a
 	// retry after a mapping that lost a race with a newer index).
 	int hit = 0;
