@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Source reads caused by an embedded server's restart while readers read: a warm private
 cache of --files files (bench_scale.py's dataset), --readers processes forked from the main
-process (as DataLoader workers are) reading every file over and over through the C hit path,
-the server killed (SIGKILL) and then restarted by the main process (Client.check_server, as
+process (as DataLoader workers are), each with --threads threads, reading every file over and
+over through the C hit path, the server killed (SIGKILL) and then restarted by the main process (Client.check_server, as
 FitCacheDataset does before each fork), --restarts times. A restarted server rescans its tiers
 and writes a new index, which the readers move to at once; every file is cached, so every
 source open counted after the first kill (inotify, from outside FitCache) is a read that the
@@ -12,6 +12,7 @@ seconds each restart took.
 Compare builds with FITCACHE_LIBRARY and FITCACHE_SERVER_BIN:
 
     python bench/bench_restart_reads.py --files 20000 --readers 2 --restarts 5
+    python bench/bench_restart_reads.py --files 20000 --readers 2 --threads 4 --restarts 10
 """
 
 import argparse
@@ -22,6 +23,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 import zlib
 
@@ -34,9 +36,9 @@ from inotify import OpenCounter  # noqa: E402
 from privatecache import PrivateCache  # noqa: E402
 
 
-def reader(ds, crcs, stop_at, seed, out):
-    """Reads every file in a shuffled order until stop_at (time.monotonic()); writes reads
-    and bad reads to out (a pipe) as JSON."""
+def read_until(ds, crcs, stop_at, seed, totals):
+    """Reads every file in a shuffled order until stop_at (time.monotonic()); adds its reads
+    and bad reads to totals."""
     order = list(range(len(crcs)))
     random.Random(seed).shuffle(order)
     reads = bad = 0
@@ -47,7 +49,20 @@ def reader(ds, crcs, stop_at, seed, out):
             reads += 1
             if reads % 256 == 0 and time.monotonic() >= stop_at:
                 break
-    os.write(out, json.dumps({"reads": reads, "bad": bad}).encode())
+    totals.append((reads, bad))
+
+
+def reader(ds, crcs, stop_at, seed, threads, out):
+    """One reader process: threads threads (read_until); writes their reads and bad reads
+    to out (a pipe) as JSON."""
+    totals = []
+    pool = [threading.Thread(target=read_until, args=(ds, crcs, stop_at, seed * threads + j, totals))
+            for j in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    os.write(out, json.dumps({"reads": sum(r for r, _ in totals), "bad": sum(b for _, b in totals)}).encode())
 
 
 def wait_unlocked(path, timeout=10):
@@ -71,6 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=20000)
     ap.add_argument("--readers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="reading threads per reader process")
     ap.add_argument("--restarts", type=int, default=5)
     ap.add_argument("--gap", type=float, default=1.0, help="seconds of reading between restarts")
     ap.add_argument("--data", default="/var/tmp/fitcache-bench-scale", help="where generated datasets are kept")
@@ -98,7 +114,7 @@ def main():
                 if pid == 0:
                     os.close(r)
                     try:
-                        reader(ds, crcs, stop_at, k, w)
+                        reader(ds, crcs, stop_at, k, args.threads, w)
                     finally:
                         os._exit(0)
                 os.close(w)
@@ -125,7 +141,7 @@ def main():
             pids.clear()
             time.sleep(0.2)
             source_opens = sum(opens.counts().values())
-        result = {"files": args.files, "readers": args.readers, "restarts": args.restarts,
+        result = {"files": args.files, "readers": args.readers, "threads": args.threads, "restarts": args.restarts,
                   "library": os.environ.get("FITCACHE_LIBRARY", "installed"),
                   "source_opens": source_opens, "reads": sum(x["reads"] for x in results),
                   "bad": sum(x["bad"] for x in results), "restart_seconds": restarts}
