@@ -408,9 +408,14 @@ class FitCacheDataset(_Base):
 
 
 _EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
-# Files of a batch read and transformed at a time by __getitems__ with a transform: a few MiB
-# of 110 KiB images, which the CPU's caches still hold when the transform reads them.
-_TRANSFORM_CHUNK = 16
+# Files of a batch read and transformed at a time by __getitems__ with a transform: a few
+# hundred KiB of 110 KiB images, which the CPU's caches still hold when the transform reads
+# them. Each file of a chunk is read into a buffer of its own, which a fresh DataLoader worker
+# touches first and so pays page faults for (28 for 110 KiB) once per epoch: 16 files a chunk
+# cost a forked child that reads 312 files (a worker's share of 20,000 with 64 workers) about
+# 1 ms of CPU more than item by item, 4 files 0.3 ms, with the same CPU per file once warm
+# (docs/BENCHMARKS.md section 33).
+_TRANSFORM_CHUNK = 4
 
 
 def server_stats(**options: Any) -> dict | None:
