@@ -170,6 +170,13 @@ void count_hit(const struct hit_client *c) {
 	__atomic_fetch_add(&own_shard()->hits[(uint64_t)c->handle % CLIENT_SLOTS], 1, __ATOMIC_RELAXED);
 }
 
+int hit_cluster(int64_t handle) {
+	struct hit_client *c = acquire(handle);
+	int rc = c ? c->node_opens : -EBADF;
+	put(c);
+	return rc;
+}
+
 // tier_count returns the tiers of c that readers may use: fcHitAddTier fills a tier before it
 // counts it.
 int tier_count(struct hit_client *c) { return __atomic_load_n(&c->ntiers, __ATOMIC_ACQUIRE); }

@@ -216,6 +216,8 @@ int fc_stats(int64_t handle, char *buf, size_t len, size_t *needed) {
 	return goStats(handle, buf, len, needed);
 }
 
+int fc_cluster(int64_t handle) { return hit_cluster(handle); }
+
 int fc_debug_open_handles(int64_t *clients, int64_t *buffers) {
 	if (forked()) return -ECHILD;
 	int rc = goDebugOpenHandles(clients, buffers);

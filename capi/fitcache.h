@@ -95,6 +95,13 @@ int fc_size(int64_t handle, const char *path, int64_t *size);
  * negated errno (-ECHILD in a process forked after load). */
 int fc_check_server(int64_t handle);
 
+/* 1 if the client reads in cluster mode (the job's servers on a ring: the files its node's
+ * tiers lack come through its node's server, one request per fc_read_many), 0 if it reads
+ * through the embedded server, or -EBADF for a handle the C hit path does not serve (its
+ * reads go through Go). C only: it answers in a process forked after load too, where a
+ * reader chooses how many files to ask for per fc_read_many. */
+int fc_cluster(int64_t handle);
+
 /* Writes the client's and its server's counters as a NUL-terminated JSON object into buf.
  * If len is too small, returns -ERANGE and stores the length needed (with the NUL) in
  * *needed (when needed is not NULL). */

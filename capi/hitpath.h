@@ -112,6 +112,10 @@ int hit_release(int64_t buffer);
 /* Unreleased buffers of the hit path. */
 int64_t hit_buffers(void);
 
+/* Whether the client of handle reads in cluster mode (node_opens, see fcHitOpen): 1 or 0, or
+ * -EBADF for a handle the hit path does not serve. */
+int hit_cluster(int64_t handle);
+
 /* Called from Go. Registers a client handle with its dataset root (absolute, clean) and its
  * real path, the node socket of its server ("" for none), its read timeout, and whether that
  * server opens its misses (node_opens: cluster mode, see hit_miss); 0 or

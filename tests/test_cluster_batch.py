@@ -42,6 +42,33 @@ def test_a_batch_across_servers_comes_with_each_files_bytes(request, dataset, tm
     assert len(owners) >= 3, f"the batch's files are cached on {owners} only: the test proves nothing"
 
 
+def test_a_cluster_client_says_so_also_in_a_forked_reader(request, dataset, tmp_path):
+    """fc_cluster answers in C: a DataLoader worker forked after load learns that its client
+    reads in cluster mode, and FitCacheDataset's __getitems__ then transforms its batches in
+    the chunks that suit a request to the node's server per chunk."""
+    import fitcache.dataset as dataset_module
+
+    root, _ = dataset
+    c = Cluster(tmp_path, root, serve_options={"rpc_timeout": "2", "wait_timeout": "5"})
+    request.addfinalizer(c.stop)
+    ds = fitcache.FitCacheDataset(root, transform=len, **c.options())
+    assert ds._get_client().cluster
+    assert ds._transform_chunk() == dataset_module._CLUSTER_TRANSFORM_CHUNK
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover -- the child reports through the pipe
+        try:
+            os.write(w, b"%d %d" % (ds._get_client().cluster, ds._transform_chunk()))
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        answer = f.read()
+    os.waitpid(pid, 0)
+    assert answer == b"1 %d" % dataset_module._CLUSTER_TRANSFORM_CHUNK
+    ds.close()
+
+
 class OlderNodeServer:
     """A node socket in front of a server's, as a server older than FC_NODE_OP_OPEN_MANY
     answers it: it closes the connection at that request's header, unacknowledged ("unknown

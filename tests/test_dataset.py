@@ -412,6 +412,8 @@ def test_getitems_returns_what_getitem_does(dataset, cache_options):
     assert native.open_handles()[1] == 0
     sized = fitcache.FitCacheDataset(root, transform=len, **cache_options)
     assert sized.__getitems__([1, 2]) == [sized[1], sized[2]] == [len(ds[1]), len(ds[2])]
+    assert not sized._get_client().cluster  # the embedded server: the chunks of one node
+    assert sized._transform_chunk() == dataset_module._TRANSFORM_CHUNK
     # A batch of several chunks (a transform is applied a chunk at a time): every item, in
     # order, and a file failing in a later chunk raises its own error.
     long_order = (order * 8)[:3 * dataset_module._TRANSFORM_CHUNK + 5]

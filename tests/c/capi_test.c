@@ -117,6 +117,9 @@ int main(int argc, char **argv) {
 	CHECK(fc_pread(h, "a.bin", part, sizeof part, -1) == -EINVAL, "negative offset");
 	int64_t size = 0;
 	CHECK(fc_size(h, "a.bin", &size) == 0 && size == want_len, "fc_size: %lld", (long long)size);
+	/* The embedded server: not cluster mode; an unknown handle is -EBADF. */
+	CHECK(fc_cluster(h) == 0, "fc_cluster of an embedded client: %d", fc_cluster(h));
+	CHECK(fc_cluster(h + 1000) == -EBADF, "fc_cluster of an unknown handle");
 
 	/* Errors map to errno values with a message. */
 	const void *data; int64_t sz, buf;

@@ -148,6 +148,9 @@ def _declare(lib):
     # int fc_check_server(int64_t handle);
     lib.fc_check_server.argtypes = [i64]
     lib.fc_check_server.restype = ctypes.c_int
+    # int fc_cluster(int64_t handle);
+    lib.fc_cluster.argtypes = [i64]
+    lib.fc_cluster.restype = ctypes.c_int
     lib.fc_stats.argtypes = [i64, ctypes.c_void_p, ctypes.c_size_t, p(ctypes.c_size_t)]
     lib.fc_stats.restype = ctypes.c_int
     # int fc_debug_open_handles(int64_t *clients, int64_t *buffers);
@@ -419,6 +422,14 @@ class Client:
         rc = self._lib.fc_check_server(self._checked())
         if rc < 0:
             _raise(self._lib, rc)
+
+    @property
+    def cluster(self) -> bool:
+        """True if this client reads in cluster mode (the files its node's tiers lack come
+        through its node's server, one request per :meth:`read_each`); False with the embedded
+        server, or where its reads go through Go. Answered in C: also in a process forked
+        after load (fc_cluster)."""
+        return self._lib.fc_cluster(self._checked()) == 1
 
     def stats(self) -> dict[str, Any]:
         """Returns this client's and its server's counters as a dict."""

@@ -228,9 +228,18 @@ class FitCacheDataset(_Base):
         # left them (7-8% more CPU per file, measured: docs/BENCHMARKS.md section 8d), and each
         # chunk's buffers are released before the next is read.
         out: list[Any] = []
-        for start in range(0, len(paths), _TRANSFORM_CHUNK):
-            out.extend(self.transform(v) for v in self._read_batch(paths[start:start + _TRANSFORM_CHUNK]))
+        chunk = self._transform_chunk()
+        for start in range(0, len(paths), chunk):
+            out.extend(self.transform(v) for v in self._read_batch(paths[start:start + chunk]))
         return out
+
+    def _transform_chunk(self):
+        """Files __getitems__ reads and transforms at a time (see _TRANSFORM_CHUNK)."""
+        try:
+            cluster = self._get_client().cluster
+        except _native.ForkedAfterLoad:
+            cluster = False
+        return _CLUSTER_TRANSFORM_CHUNK if cluster else _TRANSFORM_CHUNK
 
     def _read_batch(self, paths):
         """The files at paths, read in one native call (misses fetched concurrently)."""
@@ -414,8 +423,13 @@ _EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
 # touches first and so pays page faults for (28 for 110 KiB) once per epoch: 16 files a chunk
 # cost a forked child that reads 312 files (a worker's share of 20,000 with 64 workers) about
 # 1 ms of CPU more than item by item, 4 files 0.3 ms, with the same CPU per file once warm
-# (docs/BENCHMARKS.md section 33).
+# (docs/BENCHMARKS.md section 33). In cluster mode each read of a chunk is one request to the
+# node's server for the files other nodes hold, and one to each of their owners (with 4
+# nodes, about one file per owner in a chunk of 4, four in a chunk of 16): there chunks of 16
+# cost the servers 92 µs of CPU per file where chunks of 4 cost 129, an epoch 0.57 s against
+# 0.75 (same section).
 _TRANSFORM_CHUNK = 4
+_CLUSTER_TRANSFORM_CHUNK = 16
 
 
 def server_stats(**options: Any) -> dict | None:
