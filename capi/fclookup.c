@@ -250,7 +250,9 @@ enum { INDEX_INTACT, INDEX_REPLACED, INDEX_LOST };
 // retired, and a second later punches holes in its slots (which then read as zeros) and
 // removes its name (tiers/index.go install, giveBack). So lookups go on with a replaced index
 // while one thread maps the new one (current_index), and only then. What is left is the window
-// after a check (see fclookup.h): a truncation that lands inside it still kills the reader.
+// after a check (see fclookup.h): a truncation that lands inside it still kills the reader, and
+// for a replaced index (which another process of the user can still reach under its
+// temporary name) that window lasts until the new index is published.
 static int index_state(const struct fc_tier *t, struct fc_index *ix) {
 	int64_t now = fc_monotonic_ns();
 	if (now - __atomic_load_n(&ix->intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
@@ -284,13 +286,28 @@ static void unmap_index(struct fc_index *ix) {
 	ix->line = NULL;
 }
 
-// A thread that maps a tier's index anew is the only one doing so; one that started more than
-// this long ago is taken for gone (a thread of the parent in a forked child) and replaced.
-#define REMAP_STALE_NS 1000000000LL
+// A thread that maps a tier's index anew is the only one of its process doing so. t->remapping
+// holds its process id (high 32 bits) and the CLOCK_MONOTONIC millisecond it began at (low 32
+// bits, wrapping), in one word that a compare-and-swap takes, or 0. A mapping begun by
+// another process (a parent's thread, in a forked child: that thread is not there to finish)
+// is taken over at once, since meanwhile lookups go on with a replaced index, which nothing
+// checks; one begun more than REMAP_STALE_MS ago is taken for gone too (a process id used
+// again by a grandchild).
+#define REMAP_STALE_MS 1000
 
-// Times the mapping thread tries again at once when the index it mapped was replaced already
-// (servers restarting back to back), before it waits for INDEX_RETRY_NS / 100.
+// Attempts the mapping thread makes, one after the other, while the index it maps turns out
+// replaced already (servers restarting back to back), before it waits INDEX_RETRY_NS / 100.
 #define REMAP_TRIES 4
+
+// begin_remap makes the calling thread the one that maps t's index anew, and returns 1; or
+// returns 0 when another thread of this process is doing so.
+static int begin_remap(struct fc_tier *t, int64_t now) {
+	uint64_t me = (uint64_t)(uint32_t)getpid() << 32, ms = (uint32_t)(now / 1000000);
+	uint64_t cur = __atomic_load_n(&t->remapping, __ATOMIC_RELAXED);
+	if (cur != 0 && (cur >> 32 << 32) == me && (uint32_t)(ms - (uint32_t)cur) < REMAP_STALE_MS)
+		return 0;
+	return __atomic_compare_exchange_n(&t->remapping, &cur, me | ms, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+}
 
 // let_go makes the tier forget ix (kept mapped, untouched, until fc_tier_close) unless another
 // thread published a newer index meanwhile, and returns NULL.
@@ -347,7 +364,7 @@ static struct fc_index *map_current(struct fc_tier *t, int64_t now) {
 
 // current_index returns the tier's index, mapping it anew when there was none (at most once
 // per INDEX_RETRY_NS) or when its server replaced it or marked it retired. One thread at a
-// time maps (t->remapping holds when it started); the others meanwhile go on with the index
+// time maps (begin_remap); the others meanwhile go on with the index
 // there is, replaced or retired: it is still right about what it lists, since its server gives
 // back its slots only a second after it retires it (tiers.retiredGrace), and lookups that found
 // none would send every reader of the node to its server at each restart. A replaced index is
@@ -362,9 +379,7 @@ static struct fc_index *current_index(struct fc_tier *t) {
 	int64_t now = fc_monotonic_ns();
 	if (now < __atomic_load_n(&t->retry_ns, __ATOMIC_RELAXED)) // the last mapping failed
 		return state == INDEX_REPLACED ? let_go(t, ix) : ix;
-	int64_t started = __atomic_load_n(&t->remapping, __ATOMIC_RELAXED);
-	if ((started != 0 && now - started < REMAP_STALE_NS) ||
-	    !__atomic_compare_exchange_n(&t->remapping, &started, now, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+	if (!begin_remap(t, now))
 		return ix; // another thread is mapping the new one: go on with this one meanwhile
 	struct fc_index *latest = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // a thread before us may have mapped it
 	if (latest && latest != ix && index_state(t, latest) == INDEX_INTACT && !rd32(latest->base + HDR_RETIRED))

@@ -116,8 +116,10 @@ struct fc_tier {
 	dev_t dev;                     /* the device of the tier directory, and so of its files */
 	uint32_t session;              /* the reader's validation session (see fc_tier_open) */
 	struct fc_index *_Atomic index; /* the current mapping, in maps; NULL while there is none */
-	int64_t retry_ns;              /* CLOCK_MONOTONIC time before which a missing index is not sought */
-	int64_t remapping;             /* CLOCK_MONOTONIC time a thread began mapping the index, or 0 */
+	int64_t retry_ns;              /* CLOCK_MONOTONIC time before which a missing index is not
+	                                  sought again, and a replaced one is not used */
+	uint64_t remapping;            /* the thread mapping the index: its process id and when it
+	                                  began (see current_index in fclookup.c), or 0 (atomic) */
 	struct fc_index maps[FC_TIER_MAPS];
 	int nmaps;                     /* entries of maps taken (atomic) */
 	struct fc_index *extra;        /* records past maps, each in a page of its own, newest first */
@@ -164,11 +166,14 @@ struct fc_hit {
  * another process of the user can truncate it, and a page touched past the new end would
  * kill the program with SIGBUS (a signal code inside other programs cannot catch). An index
  * found truncated is let go and mapped anew, and meanwhile lookups miss; one replaced by a
- * server's new index (FitCache never shortens one) serves lookups while one thread maps the
- * new one. A file found intact is trusted for FC_INTACT_TRUST_NS: a stat costs about 1 us
- * (against some 9 us for a whole hit of 64 KiB), and a reader that touches the index every
- * few microseconds pays one per FC_INTACT_TRUST_NS, not one per touch. So a truncation
- * within that time of a check still kills the reader: a window kept short, against a
+ * server's new index (FitCache never shortens one) serves lookups while one thread of the
+ * process maps the new one. A file found intact is trusted for FC_INTACT_TRUST_NS: a stat
+ * costs about 1 us (against some 9 us for a whole hit of 64 KiB), and a reader that touches
+ * the index every few microseconds pays one per FC_INTACT_TRUST_NS, not one per touch. So a
+ * truncation within that time of a check still kills the reader, as does one of a replaced
+ * index (under its temporary name) before the new one is mapped: microseconds, more on a
+ * machine with more threads than cores, and the time of a check is stretched the same way
+ * for a thread descheduled between its check and its touch. Windows kept short, against a
  * process of the same user, which could as well kill the reader with a signal. */
 #define FC_INTACT_TRUST_NS 100000LL
 

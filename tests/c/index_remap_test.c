@@ -35,7 +35,7 @@
 
 static char tier[256];
 static struct fc_tier t;
-static volatile int stop;
+static int stop; // accessed atomically
 
 static void fail(const char *what) {
 	fprintf(stderr, "FAIL: %s (errno %d)\n", what, errno);
@@ -136,7 +136,7 @@ static long missed;
 
 static void *reader(void *arg) {
 	(void)arg;
-	while (!stop)
+	while (!__atomic_load_n(&stop, __ATOMIC_RELAXED))
 		if (!lookup(0))
 			__atomic_fetch_add(&missed, 1, __ATOMIC_RELAXED);
 	return NULL;
@@ -162,7 +162,7 @@ int main(void) {
 		struct timespec pause = {.tv_nsec = 5 * 1000000};
 		nanosleep(&pause, NULL); // the readers meet the retired index and map the new one
 	}
-	stop = 1;
+	__atomic_store_n(&stop, 1, __ATOMIC_RELAXED);
 	for (int i = 0; i < 4; i++)
 		pthread_join(threads[i], NULL);
 	if (missed > 0) {
@@ -181,6 +181,17 @@ int main(void) {
 	}
 	if (!hit) {
 		fprintf(stderr, "FAIL: after %d restarts the tier still reads a retired index\n", RESTARTS);
+		return 1;
+	}
+	// A mapping begun by a thread of another process (a parent's, caught mid-way by fork) is
+	// taken over at once: the tier goes on with a replaced index only while a thread of its
+	// own process maps the new one. The index replaced now lists a file the old one did not.
+	inos[RESTARTS + 1] = data_file(RESTARTS + 1);
+	uint64_t parent = (uint64_t)(uint32_t)(getpid() + 1) << 32 | (uint32_t)(fc_monotonic_ns() / 1000000);
+	__atomic_store_n(&t.remapping, parent, __ATOMIC_RELAXED);
+	publish_index(inos, RESTARTS + 2);
+	if (!lookup(RESTARTS + 1)) {
+		fprintf(stderr, "FAIL: a mapping begun by another process held this one's tier on a replaced index\n");
 		return 1;
 	}
 	fc_tier_close(&t);
