@@ -412,8 +412,21 @@ def test_getitems_returns_what_getitem_does(dataset, cache_options):
     assert native.open_handles()[1] == 0
     sized = fitcache.FitCacheDataset(root, transform=len, **cache_options)
     assert sized.__getitems__([1, 2]) == [sized[1], sized[2]] == [len(ds[1]), len(ds[2])]
-    assert not sized._get_client().cluster  # the embedded server: the chunks of one node
+    # The embedded server: chunks of 16 here, where misses are fetched concurrently, and of 4
+    # in a forked reader, where they are not (and fresh buffers cost page faults).
+    assert not sized._get_client().cluster
     assert sized._transform_chunk() == dataset_module._TRANSFORM_CHUNK
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover -- the child reports through the pipe
+        try:
+            os.write(w, b"%d" % sized._transform_chunk())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == b"%d" % dataset_module._FORKED_TRANSFORM_CHUNK
+    os.waitpid(pid, 0)
     # A batch of several chunks (a transform is applied a chunk at a time): every item, in
     # order, and a file failing in a later chunk raises its own error.
     long_order = (order * 8)[:3 * dataset_module._TRANSFORM_CHUNK + 5]
