@@ -53,7 +53,7 @@ def test_a_cluster_client_says_so_also_in_a_forked_reader(request, dataset, tmp_
     request.addfinalizer(c.stop)
     ds = fitcache.FitCacheDataset(root, transform=len, **c.options())
     assert ds._get_client().cluster
-    assert ds._transform_chunk() == dataset_module._TRANSFORM_CHUNK
+    assert ds._transform_chunk() == dataset_module._CLUSTER_TRANSFORM_CHUNK
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover -- the child reports through the pipe
@@ -65,7 +65,7 @@ def test_a_cluster_client_says_so_also_in_a_forked_reader(request, dataset, tmp_
     with os.fdopen(r, "rb") as f:
         answer = f.read()
     os.waitpid(pid, 0)
-    assert answer == b"1 %d" % dataset_module._TRANSFORM_CHUNK
+    assert answer == b"1 %d" % dataset_module._CLUSTER_TRANSFORM_CHUNK
     ds.close()
 
 

@@ -412,8 +412,7 @@ def test_getitems_returns_what_getitem_does(dataset, cache_options):
     assert native.open_handles()[1] == 0
     sized = fitcache.FitCacheDataset(root, transform=len, **cache_options)
     assert sized.__getitems__([1, 2]) == [sized[1], sized[2]] == [len(ds[1]), len(ds[2])]
-    # The embedded server: chunks of 16 here, where misses are fetched concurrently, and of 4
-    # in a forked reader, where they are not (and fresh buffers cost page faults).
+    # The embedded server: the chunks of one node, here and in a forked reader.
     assert not sized._get_client().cluster
     assert sized._transform_chunk() == dataset_module._TRANSFORM_CHUNK
     r, w = os.pipe()
@@ -425,7 +424,7 @@ def test_getitems_returns_what_getitem_does(dataset, cache_options):
             os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        assert f.read() == b"%d" % dataset_module._FORKED_TRANSFORM_CHUNK
+        assert f.read() == b"%d" % dataset_module._TRANSFORM_CHUNK
     os.waitpid(pid, 0)
     # A batch of several chunks (a transform is applied a chunk at a time): every item, in
     # order, and a file failing in a later chunk raises its own error.

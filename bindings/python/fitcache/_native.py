@@ -319,7 +319,8 @@ class Client:
 
     def read_many(self, paths: Iterable[PathArg]) -> list[memoryview]:
         """Returns the files at paths as read-only memoryviews, like :meth:`read` for each, in
-        one native call (files that miss the cache are fetched concurrently). If a file
+        one native call (in cluster mode, the files that miss the node's tiers are one request
+        to its server; see fc_read_many). If a file
         fails, the exception :meth:`read` would raise for the first failing one is raised, and
         the files already read are released."""
         paths = list(paths)

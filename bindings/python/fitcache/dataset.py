@@ -215,7 +215,7 @@ class FitCacheDataset(_Base):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The items at indices, as ``[self[i] for i in indices]`` but read in one native call
-        (misses fetched concurrently). PyTorch 2's DataLoader calls it for a whole batch."""
+        (see fc_read_many). PyTorch 2's DataLoader calls it for a whole batch."""
         indices = [i.__index__() if not isinstance(i, int) and hasattr(i, "__index__") else i for i in indices]
         if self.ranges is not None:
             return [self[i] for i in indices]
@@ -235,16 +235,14 @@ class FitCacheDataset(_Base):
 
     def _transform_chunk(self):
         """Files __getitems__ reads and transforms at a time (see _TRANSFORM_CHUNK)."""
-        if not _native.forked():
-            return _TRANSFORM_CHUNK
         try:
             cluster = self._get_client().cluster
         except _native.ForkedAfterLoad:
             cluster = False
-        return _TRANSFORM_CHUNK if cluster else _FORKED_TRANSFORM_CHUNK
+        return _CLUSTER_TRANSFORM_CHUNK if cluster else _TRANSFORM_CHUNK
 
     def _read_batch(self, paths):
-        """The files at paths, read in one native call (misses fetched concurrently)."""
+        """The files at paths, read in one native call (Client.read_each)."""
         try:
             views = self._get_client().read_each(paths)
         except _native.ForkedAfterLoad as err:
@@ -419,21 +417,20 @@ class FitCacheDataset(_Base):
 
 
 _EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
-# Files of a batch read and transformed at a time by __getitems__ with a transform: a couple
-# of MiB of 110 KiB images at most, which the CPU's caches still hold when the transform reads
-# them, and the files whose misses one native call fetches at once: in the process that loaded
-# the library, concurrently (Go), and in cluster mode with one request to the node's server
-# for the files other nodes hold and one to each of their owners (with 4 nodes, about one file
-# per owner in a chunk of 4, four in a chunk of 16): there chunks of 16 cost the servers 92 µs
-# of CPU per file where chunks of 4 cost 129, an epoch 0.57 s against 0.75
-# (docs/BENCHMARKS.md section 33). A process forked after load on one node (a DataLoader
-# worker) reads its misses one after the other in any case, and each file of a chunk is read
-# into a buffer of its own, which a fresh worker touches first and so pays page faults for (28
-# for 110 KiB) once per epoch: 16 files a chunk cost a forked child that reads 312 files (a
-# worker's share of 20,000 with 64 workers) about 1 ms of CPU more than item by item, 4 files
-# 0.3 ms, with the same CPU per file once warm (same section).
-_TRANSFORM_CHUNK = 16
-_FORKED_TRANSFORM_CHUNK = 4
+# Files of a batch read and transformed at a time by __getitems__ with a transform: a few
+# hundred KiB of 110 KiB images, which the CPU's caches still hold when the transform reads
+# them. Each file of a chunk is read into a buffer of its own, which a fresh DataLoader worker
+# touches first and so pays page faults for (28 for 110 KiB) once per epoch: 16 files a chunk
+# cost a forked child that reads 312 files (a worker's share of 20,000 with 64 workers) about
+# 1 ms of CPU more than item by item, 4 files 0.3 ms, with the same CPU per file once warm
+# (docs/BENCHMARKS.md section 33). On one node a chunk's misses are copied in one after the
+# other whatever its size (a first epoch over a slow file system took as long with either).
+# In cluster mode each read of a chunk is one request to the node's server for the files
+# other nodes hold, and one to each of their owners (with 4 nodes, about one file per owner in
+# a chunk of 4, four in a chunk of 16): there chunks of 16 cost the servers 92 µs of CPU per
+# file where chunks of 4 cost 129, an epoch 0.57 s against 0.75 (same section).
+_TRANSFORM_CHUNK = 4
+_CLUSTER_TRANSFORM_CHUNK = 16
 
 
 def server_stats(**options: Any) -> dict | None:
