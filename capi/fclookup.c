@@ -341,24 +341,24 @@ static struct fc_index *publish(struct fc_tier *t, struct fc_index *fresh) {
 // map_current maps the tier's index anew (the calling thread is the only one doing so) and
 // publishes it; it returns it, or NULL after setting when to try again.
 static struct fc_index *map_current(struct fc_tier *t, int64_t now) {
+	int64_t wait = INDEX_RETRY_NS / 100; // unless it fails: all REMAP_TRIES found replaced
 	for (int try = 0; try < REMAP_TRIES; try++) {
 		struct fc_index fresh;
-		if (map_index(t->dirfd, &fresh) != 0)
+		if (map_index(t->dirfd, &fresh) != 0) {
+			wait = INDEX_RETRY_NS;
 			break;
-		if (rd32(fresh.base + HDR_RETIRED)) { // replaced again meanwhile
-			unmap_index(&fresh);
-			if (try + 1 < REMAP_TRIES)
-				continue;
-			__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS / 100, __ATOMIC_RELAXED);
-			return NULL;
 		}
-		struct fc_index *ix = publish(t, &fresh);
-		if (ix)
-			return ix;
-		unmap_index(&fresh);
-		break;
+		if (!rd32(fresh.base + HDR_RETIRED)) {
+			struct fc_index *ix = publish(t, &fresh);
+			if (ix)
+				return ix;
+			unmap_index(&fresh);
+			wait = INDEX_RETRY_NS;
+			break;
+		}
+		unmap_index(&fresh); // replaced again meanwhile: map the newer one
 	}
-	__atomic_store_n(&t->retry_ns, now + INDEX_RETRY_NS, __ATOMIC_RELAXED);
+	__atomic_store_n(&t->retry_ns, now + wait, __ATOMIC_RELAXED);
 	return NULL;
 }
 
@@ -382,12 +382,12 @@ static struct fc_index *current_index(struct fc_tier *t) {
 	if (!begin_remap(t, now))
 		return ix; // another thread is mapping the new one: go on with this one meanwhile
 	struct fc_index *latest = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE); // a thread before us may have mapped it
-	if (latest && latest != ix && index_state(t, latest) == INDEX_INTACT && !rd32(latest->base + HDR_RETIRED))
+	if (!latest || latest == ix || index_state(t, latest) != INDEX_INTACT || rd32(latest->base + HDR_RETIRED))
+		latest = map_current(t, now);
+	if (latest)
 		ix = latest;
-	else if (!(latest = map_current(t, now)))
-		ix = state == INDEX_REPLACED ? let_go(t, ix) : ix;
-	else
-		ix = latest;
+	else if (state == INDEX_REPLACED)
+		ix = let_go(t, ix);
 	__atomic_store_n(&t->remapping, 0, __ATOMIC_RELEASE);
 	return ix;
 }
