@@ -17,7 +17,7 @@
 //     the same choice).
 //
 // It runs until SIGINT or SIGTERM, or until the mount is unmounted (umount MOUNTPOINT), then
-// prints what went over the link. It mounts as root (mount(2), or fusermount3 otherwise), and
+// prints what went over the link, and the most opens it served at once. It mounts as root (mount(2), or fusermount3 otherwise), and
 // only the user who mounted it reads through it. bench/README.md says how the benchmarks use it.
 package main
 
@@ -69,7 +69,8 @@ func main() {
 	if err := serve(m, stop); err != nil { // busy: a program has a file open there
 		fmt.Fprintf(os.Stderr, "slowfs: %v: unmount %s once nothing uses it (umount -l)\n", err, flag.Arg(1))
 	}
-	fmt.Fprintf(os.Stderr, "slowfs: %d requests, %d bytes\n", l.requests.Load(), l.bytes.Load())
+	fmt.Fprintf(os.Stderr, "slowfs: %d requests, %d bytes, at most %d opens at once\n", l.requests.Load(), l.bytes.Load(),
+		l.mostOpening.Load())
 }
 
 // serve returns once the mount of m is unmounted, from outside or, at a signal from stop,
@@ -117,6 +118,19 @@ type link struct {
 	free time.Time // when the link has sent every byte asked for so far
 
 	requests, bytes atomic.Int64 // what went over it
+
+	// Opens waiting on the servers now, and the most ever at once: readers that open files
+	// side by side show here (tests/test_parallel_misses.py checks a batch's misses so).
+	opening, mostOpening atomic.Int64
+}
+
+// open waits as the request of an open does, counted among the opens at once.
+func (l *link) open(ctx context.Context) {
+	now := l.opening.Add(1)
+	defer l.opening.Add(-1)
+	for most := l.mostOpening.Load(); now > most && !l.mostOpening.CompareAndSwap(most, now); most = l.mostOpening.Load() {
+	}
+	l.request(ctx, 0)
 }
 
 // request waits as a request to the servers that moves n bytes does: half a round trip
@@ -183,7 +197,7 @@ func (n *slowNode) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrO
 }
 
 func (n *slowNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
-	n.link.request(ctx, 0)
+	n.link.open(ctx)
 	fh, fuseFlags, errno := n.LoopbackNode.Open(ctx, flags)
 	return n.wrap(fh), fuseFlags, errno
 }

@@ -86,6 +86,38 @@ func TestRequestsCostARoundTrip(t *testing.T) {
 	}
 }
 
+// Opens made one after the other count one at once; opens made side by side count more.
+func TestOpensAtOnceAreCounted(t *testing.T) {
+	source, mnt, l := mounted(t, 100*time.Millisecond, 0) // opens side by side overlap by 100 ms
+	for _, name := range []string{"a", "b", "c", "d"} {
+		if err := os.WriteFile(filepath.Join(source, name), []byte(name), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	open := func(name string) {
+		f, err := os.Open(filepath.Join(mnt, name))
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		f.Close()
+	}
+	open("a")
+	open("b")
+	if got := l.mostOpening.Load(); got != 1 {
+		t.Fatalf("two opens in turn: at most %d at once, want 1", got)
+	}
+	done := make(chan bool)
+	for _, name := range []string{"c", "d"} {
+		go func() { open(name); done <- true }()
+	}
+	<-done
+	<-done
+	if got := l.mostOpening.Load(); got != 2 {
+		t.Errorf("two opens side by side: at most %d at once, want 2", got)
+	}
+}
+
 // Programs write datasets through the mount (the benches generate theirs there): the writes
 // land in the source, over the link, and renames and removals work.
 func TestWritesReachTheSource(t *testing.T) {
