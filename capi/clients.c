@@ -329,6 +329,13 @@ int64_t fcHitFilled(int64_t handle) {
 	return n;
 }
 
+int64_t fcHitParallelMisses(int64_t handle) {
+	struct hit_client *c = acquire(handle);
+	int64_t n = c ? __atomic_load_n(&c->parallel_misses, __ATOMIC_RELAXED) : 0;
+	put(c);
+	return n;
+}
+
 int fcHitUseStandIn(int64_t handle, const char *path) {
 	struct hit_client *c = acquire(handle);
 	int rc = -1;

@@ -573,6 +573,17 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 	return -ENOENT;
 }
 
+int fc_index_current(struct fc_tier *t) {
+	int saved = errno;
+	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL; // maps a replaced one if it can
+	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
+	int current = ix && syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	              (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len &&
+	              !rd32(ix->base + HDR_RETIRED);
+	errno = saved;
+	return current;
+}
+
 int fc_copy_version(const struct fc_hit *hit, struct fc_version *v) {
 	if (hit->src_ctime_ns == 0)
 		return -1; // a copy whose source version its server did not know (a replica's)

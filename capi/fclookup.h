@@ -188,6 +188,13 @@ struct fc_hit {
 int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int oflags, int require_session,
               struct fc_hit *hit);
 
+/* Reports whether the index the tier's lookups use is its server's index now: one stat, made
+ * whatever the trust window (FC_INTACT_TRUST_NS). A lookup may miss a copy published a moment
+ * ago, since it trusts an index checked within the window and goes on with a replaced one while
+ * another thread maps the new one (see current_index in fclookup.c); a lookup that misses
+ * after this returned 1 has seen every copy the server listed before the call. */
+int fc_index_current(struct fc_tier *t);
+
 /* The version of a source file a cached copy holds, as its record gives it: what tells two
  * versions of the file apart (a rewrite in place that keeps the size and puts the
  * modification time back still moves the change time). ctime_ns 0 is unknown (a copy sent

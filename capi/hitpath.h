@@ -48,6 +48,10 @@ void fcHitSetFills(int64_t handle, bool on);
 /* Returns the files the client's process filled (hit_miss). */
 int64_t fcHitFilled(int64_t handle);
 
+/* Returns the misses of batches the client's process served with several threads
+ * (hit_miss_many, once its source made fills wait). */
+int64_t fcHitParallelMisses(int64_t handle);
+
 /* hit_read for a file the server just brought into a tier for this caller (a Go fetch): the
  * same read, not counted as a hit, since the server counted the miss. */
 int hit_read_fetched(int64_t handle, const char *path, const void **data, int64_t *size, int64_t *buffer);

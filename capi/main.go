@@ -164,7 +164,8 @@ func goOpen(root, optionsJSON *C.char, handle *C.int64_t) (rc C.int) {
 		var n, fetches, direct, sourceRanges C.int64_t
 		C.fcHitCounts(C.int64_t(h), &n, &fetches, &direct, &sourceRanges)
 		return client.ExternalCounts{Hits: int64(n), Fetches: int64(fetches), Direct: int64(direct),
-			SourceRanges: int64(sourceRanges), Fills: int64(C.fcHitFilled(C.int64_t(h)))}
+			SourceRanges: int64(sourceRanges), Fills: int64(C.fcHitFilled(C.int64_t(h))),
+			ParallelMisses: int64(C.fcHitParallelMisses(C.int64_t(h)))}
 	})
 	// The hit path asks the node socket to fetch a miss into a tier and then finds it there
 	// itself (OpFetch). In cluster mode that is the socket of this node's server, which

@@ -9,8 +9,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -63,6 +65,47 @@ static int marked_full(struct hit_client *c) {
 	return 1;
 }
 
+// A source that makes its readers wait (a parallel file system, where each lookup, open and
+// read is a round trip to its servers) is read by several threads of a batch at once
+// (hit_miss_many); a source read from memory (the page cache, a local disk's cache) is not,
+// since a thread costs more CPU than it saves there. A fill's source read waited when its
+// thread gave up the CPU for it (a voluntary context switch; a preemption on a busy node is
+// not one) and spent SOURCE_WAIT_NS or more off the CPU; the source is then taken as slow for
+// SOURCE_WAIT_KEEP_NS, so that the next batches spread at once, and judged again after.
+#define SOURCE_WAIT_NS 200000LL
+#define SOURCE_WAIT_KEEP_NS 1000000000LL
+
+// A thread's clock across a source read (wait_clock_start, wait_clock_stop).
+struct wait_clock {
+	int64_t wall_ns, cpu_ns;
+	long voluntary; // context switches the thread made
+};
+
+static int wait_clock_read(struct wait_clock *w) {
+	struct rusage ru;
+	if (getrusage(RUSAGE_THREAD, &ru) != 0)
+		return -1;
+	w->wall_ns = fc_monotonic_ns();
+	w->cpu_ns = (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000000LL +
+	            (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1000LL;
+	w->voluntary = ru.ru_nvcsw;
+	return 0;
+}
+
+// wait_clock_stop marks c's source as slow when the read begun at start waited on it.
+static void wait_clock_stop(struct hit_client *c, const struct wait_clock *start) {
+	struct wait_clock end;
+	if (start->wall_ns == 0 || wait_clock_read(&end) != 0)
+		return;
+	if (end.voluntary > start->voluntary && (end.wall_ns - start->wall_ns) - (end.cpu_ns - start->cpu_ns) >= SOURCE_WAIT_NS)
+		__atomic_store_n(&c->source_waits_until, end.wall_ns + SOURCE_WAIT_KEEP_NS, __ATOMIC_RELAXED);
+}
+
+// source_waits reports whether a fill of c's process lately waited on the source.
+static bool source_waits(struct hit_client *c) {
+	return fc_monotonic_ns() < __atomic_load_n(&c->source_waits_until, __ATOMIC_RELAXED);
+}
+
 // fill_read serves a miss of a small file (up to read_max) as the reader's own fill, when
 // c's server records fills (fcHitSetFills): the file is claimed in the server's first tier
 // (capi/fill.h), read from the source here, its copy written into that tier and reported to
@@ -84,6 +127,8 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 	struct stat look, before, after;
 	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
 	struct fc_hit h;
+	struct wait_clock clock = {0}; // stays 0 if it cannot be read: the read is not judged
+	wait_clock_read(&clock);
 	if ((size_t)n <= c->rootlen || c->real_root_fd < 0 ||
 	    syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0) != 0 || !S_ISREG(look.st_mode) ||
 	    look.st_size > read_max)
@@ -97,6 +142,14 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 	if (fc_fill_claim(&c->tiers[0], clean, (size_t)n, (uint32_t)look.st_mode, &fill) != 0)
 		goto out; // another process reads it: the server waits for it
 	claimed = 1;
+	// A copy published between the look above and the claim (a fill whose claim was given up
+	// once its copy was listed) is listed by the index now, but a lookup may not see it yet: it
+	// trusts an index checked a moment ago, and goes on with one its server just replaced (a
+	// growth) while another thread maps the new one. So the file is read here only when the
+	// indexes are their servers' now, else the server serves it: never a second source read.
+	for (int i = 0; i < nt; i++)
+		if (!fc_index_current(&c->tiers[i]))
+			goto out;
 	if (fc_lookup(c->tiers, nt, clean, (size_t)n, O_CLOEXEC, 0, &h) == 0) {
 		close(h.fd); // recorded between the look above and the claim: the server serves it
 		goto out;
@@ -109,6 +162,7 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 	uint8_t kind;
 	if (take(&h, &ptr, &kind) != 0)
 		goto out;
+	wait_clock_stop(c, &clock);
 	if (fc_sys_fstat(fd, &after) != 0 || !same_file(&before, &after)) {
 		free_mem(ptr, (size_t)h.size, kind); // changed while read: the server reads it, or says so
 		goto out;
@@ -238,6 +292,94 @@ static int open_in_batches(struct hit_client *c, const char *const *paths, int *
 	return left;
 }
 
+// A batch's misses (hit_miss_many), served in turn by the calling thread and, once the
+// source makes fills wait (source_waits), by up to MISS_THREADS - 1 helper threads beside it.
+// Each miss j gets its answer in results[miss[j]] (as hit_miss returns).
+#define MISS_THREADS 8
+#define MISS_THREAD_STACK (256 << 10)
+
+struct miss_batch {
+	struct hit_client *c;
+	const char *const *paths;
+	const int *miss;
+	int nmiss;
+	bool forked, batches;
+	const void **data;
+	int64_t *sizes, *buffers;
+	int *results;
+	int next; // the next miss to serve (atomic): each thread takes the next in turn
+};
+
+struct miss_helper {
+	pthread_t thread;
+	struct miss_batch *batch;
+	char msg[FC_FETCH_MESSAGE]; // its last error, as hit_miss's msg
+};
+
+// serve_miss serves miss j of b as hit_miss would, except that in cluster mode (b->batches)
+// only the reader's own fill is tried: the rest go to the node's server in one request.
+static void serve_miss(struct miss_batch *b, int j, char *msg) {
+	int i = b->miss[j], rc = FC_MISS, n;
+	char clean[FC_PATH_MAX];
+	if ((n = source_path(b->c, b->paths[i], clean, sizeof clean)) >= 0)
+		rc = b->forked && !b->batches
+		         ? decide(b->c, clean, (size_t)n, true, &b->data[i], &b->sizes[i], &b->buffers[i], msg)
+		         : fill_read(b->c, clean, (size_t)n, &b->data[i], &b->sizes[i], &b->buffers[i]);
+	b->results[i] = rc;
+}
+
+static void *help_serve(void *arg) {
+	struct miss_helper *h = arg;
+	for (int j; (j = __atomic_fetch_add(&h->batch->next, 1, __ATOMIC_RELAXED)) < h->batch->nmiss;)
+		serve_miss(h->batch, j, h->msg);
+	return NULL;
+}
+
+// start_helpers starts up to want threads that serve b's misses beside the caller: how many
+// started. They block every signal, which stay the program's threads' to handle.
+static int start_helpers(struct miss_batch *b, struct miss_helper *helpers, int want) {
+	pthread_attr_t attr;
+	sigset_t all, old;
+	int started = 0;
+	if (pthread_attr_init(&attr) != 0)
+		return 0;
+	pthread_attr_setstacksize(&attr, MISS_THREAD_STACK);
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	for (; started < want; started++) {
+		helpers[started].batch = b;
+		helpers[started].msg[0] = 0;
+		if (pthread_create(&helpers[started].thread, &attr, help_serve, &helpers[started]) != 0)
+			break; // out of threads: fewer helpers, or none
+	}
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&attr);
+	return started;
+}
+
+// serve_misses serves every miss of b, in turn until the source is seen to make fills wait,
+// then with helpers. A reader's fills of a slow source wait on round trips, not on the CPU:
+// a batch of 4 misses served side by side waits about as long as one.
+static void serve_misses(struct miss_batch *b, char *msg) {
+	struct miss_helper helpers[MISS_THREADS - 1];
+	int started = 0, spread_at = -1;
+	for (int j; (j = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED)) < b->nmiss;) {
+		if (spread_at < 0 && !b->batches && b->nmiss - j >= 2 && source_waits(b->c)) {
+			spread_at = j;
+			int want = b->nmiss - j - 1;
+			started = start_helpers(b, helpers, want < MISS_THREADS - 1 ? want : MISS_THREADS - 1);
+		}
+		serve_miss(b, j, msg);
+	}
+	for (int k = 0; k < started; k++) {
+		pthread_join(helpers[k].thread, NULL);
+		if (helpers[k].msg[0])
+			memcpy(msg, helpers[k].msg, FC_FETCH_MESSAGE);
+	}
+	if (started > 0)
+		__atomic_fetch_add(&b->c->parallel_misses, b->nmiss - spread_at, __ATOMIC_RELAXED);
+}
+
 int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss, bool forked, const void **data,
                   int64_t *sizes, int64_t *buffers, int *results, bool *unavailable, char *msg) {
 	msg[0] = 0;
@@ -249,18 +391,18 @@ int hit_miss_many(int64_t handle, const char *const *paths, int *miss, int nmiss
 	// that opened the client), which then serves what it did not around it.
 	bool batches = c && c->node_opens;
 	int left = 0;
+	if (c) {
+		struct miss_batch b = {.c = c, .paths = paths, .miss = miss, .nmiss = nmiss, .forked = forked,
+		                       .batches = batches, .data = data, .sizes = sizes, .buffers = buffers,
+		                       .results = results};
+		serve_misses(&b, msg);
+	}
 	for (int j = 0; j < nmiss; j++) {
-		int i = miss[j], rc = FC_MISS, n;
-		char clean[FC_PATH_MAX];
-		if (c && (n = source_path(c, paths[i], clean, sizeof clean)) >= 0)
-			rc = forked && !batches ? decide(c, clean, (size_t)n, true, &data[i], &sizes[i], &buffers[i], msg)
-			                        : fill_read(c, clean, (size_t)n, &data[i], &sizes[i], &buffers[i]);
+		int i = miss[j], rc = c ? results[i] : FC_MISS;
 		if (rc == FC_MISS || rc == FC_UNAVAILABLE) {
 			data[i] = NULL; sizes[i] = 0; buffers[i] = 0; results[i] = -EIO;
 			miss[left++] = i;
-			continue;
 		}
-		results[i] = rc;
 	}
 	if (batches && left > 0 && node_path(c)[0])
 		left = open_in_batches(c, paths, miss, left, data, sizes, buffers, results, unavailable, msg);

@@ -29,8 +29,11 @@ type ClientStats struct {
 	// wrote into the server's first tier, for the server to record (see
 	// Client.ReaderFills); its server counts them as source reads.
 	ReaderFills int64 `json:"reader_fills"`
-	Connects    int64 `json:"connects"`
-	Errors      int64 `json:"errors"`
+	// ParallelMisses are the misses of batches (ReadMany) that this client's process served
+	// with several threads at once, because its source made its fills wait.
+	ParallelMisses int64 `json:"parallel_misses"`
+	Connects       int64 `json:"connects"`
+	Errors         int64 `json:"errors"`
 	// Ranges of large files (ReadAt): opens of their sources by this client, and the ranges
 	// (and bytes) read from them because their block was not cached yet.
 	SourceOpens      int64 `json:"source_opens"`
@@ -68,6 +71,7 @@ func (c *Client) Stats() (string, error) {
 		out.Client.ServerReads += ext.Fetches
 		out.Client.DirectReads += ext.Direct
 		out.Client.ReaderFills += ext.Fills
+		out.Client.ParallelMisses += ext.ParallelMisses
 		out.Client.SourceRanges += ext.SourceRanges
 	}
 	if c.deadTiers != nil {
@@ -192,8 +196,9 @@ type ExternalCounts struct {
 	Direct  int64 // files it read from the source (no room for them in the tiers)
 	// SourceRanges are the ranges it read from the source of a large file whose blocks the
 	// server has no room for (see Client.DeclinedSource).
-	SourceRanges int64
-	Fills        int64 // misses it read from the source and wrote into a tier (see ReaderFills)
+	SourceRanges   int64
+	Fills          int64 // misses it read from the source and wrote into a tier (see ReaderFills)
+	ParallelMisses int64 // misses of batches it served with several threads (see ClientStats)
 }
 
 // SetExternalCounts gives the client a count of the reads served around it (see

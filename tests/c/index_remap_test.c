@@ -9,7 +9,7 @@
 // replaces the index 40 times; after that, a file only the last index lists must be a hit.
 // Meanwhile a file every index lists must never miss: while one thread maps the new index,
 // the others go on with the one they have (a tier that let go of it first sent every reader
-// to its server at each restart).
+// to its server at each restart). fc_index_current tells when a lookup may be behind.
 //
 // Built by tests/test_capi.py from this file and capi/fclookup.c; writes the index format of
 // tiers/index.go itself. Prints "all checks passed".
@@ -146,7 +146,7 @@ int main(void) {
 	snprintf(tier, sizeof tier, "/tmp/fc-remap-XXXXXX");
 	if (!mkdtemp(tier))
 		fail("mkdtemp");
-	uint64_t inos[RESTARTS + 2];
+	uint64_t inos[RESTARTS + 3];
 	inos[0] = data_file(0);
 	publish_index(inos, 1);
 	if (fc_tier_open(&t, tier, 0, 1) != 0)
@@ -192,6 +192,27 @@ int main(void) {
 	publish_index(inos, RESTARTS + 2);
 	if (!lookup(RESTARTS + 1)) {
 		fprintf(stderr, "FAIL: a mapping begun by another process held this one's tier on a replaced index\n");
+		return 1;
+	}
+	// While a thread of this process maps a new index, lookups go on with the replaced one and
+	// miss what only the new one lists; fc_index_current says so, so that a reader's fill does
+	// not read such a file from the source a second time (capi/miss.c, fill_read).
+	if (!fc_index_current(&t)) {
+		fprintf(stderr, "FAIL: fc_index_current denies the index just mapped\n");
+		return 1;
+	}
+	inos[RESTARTS + 2] = data_file(RESTARTS + 2);
+	uint64_t self = (uint64_t)(uint32_t)getpid() << 32 | (uint32_t)(fc_monotonic_ns() / 1000000);
+	__atomic_store_n(&t.remapping, self, __ATOMIC_RELAXED);
+	publish_index(inos, RESTARTS + 3);
+	if (lookup(RESTARTS + 2) || fc_index_current(&t)) {
+		fprintf(stderr, "FAIL: with the new index not yet mapped, a lookup found file %d (%d) or fc_index_current "
+		        "said the replaced index is current\n", RESTARTS + 2, lookup(RESTARTS + 2));
+		return 1;
+	}
+	__atomic_store_n(&t.remapping, 0, __ATOMIC_RELAXED);
+	if (!fc_index_current(&t) || !lookup(RESTARTS + 2)) {
+		fprintf(stderr, "FAIL: once mapped, the new index is not current or misses file %d\n", RESTARTS + 2);
 		return 1;
 	}
 	fc_tier_close(&t);
