@@ -14,6 +14,11 @@ with --workers workers (default 4) in a shuffled order, and compares, in one run
                   the timed epoch, as a training script would); N = 0 is FitCache without
                   prefetch (readers' misses only)
 
+With --batched, each DataLoader item is a whole batch that FitCacheDataset reads with
+__getitems__, as PyTorch 2's DataLoader reads (plain reads stay item by item, as a dataset
+without __getitems__ is read). Without prefetch, a batch's misses are then the readers' only
+concurrency beyond their number: on a slow source they are read side by side (capi/miss.c).
+
 Configurations are interleaved within each of --repeats rounds (default 3); figures are
 medians over rounds, and ratios the medians of the ratios within each round (which resists
 load that changes between rounds). Each item is consumed in the worker (zlib.crc32), and every crc is
@@ -49,10 +54,10 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 import fitcache
-from bench_scale import FitCacheCRC, PlainCRC, write_results  # the same readers as the scale benchmark
+from bench_scale import Batched, FitCacheCRC, PlainCRC, write_results  # the same readers as the scale benchmark
 from privatecache import PrivateCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -102,6 +107,9 @@ def collate(batch):
 
 
 def loader(ds, order, args):
+    if args.batched:  # a batch per __getitems__ call, as PyTorch 2's DataLoader reads
+        return DataLoader(Batched(ds), batch_size=None, sampler=BatchSampler(Order(order), args.batch_size, False),
+                          collate_fn=collate, num_workers=args.workers, multiprocessing_context="fork")
     return DataLoader(ds, batch_size=args.batch_size, sampler=Order(order), collate_fn=collate,
                       num_workers=args.workers, multiprocessing_context="fork")
 
@@ -235,7 +243,8 @@ def run(args, work, cleanup):
 def markdown(results, args):
     d = results["dataset"]
     lines = [f"First epoch over {d['dir']}: {d['files']} files, {d['bytes'] / 1e6:.0f} MB; readers: DataLoader with "
-             f"{args.workers} workers, batch {args.batch_size}, shuffled; medians over {args.repeats} rounds"
+             f"{args.workers} workers, batch {args.batch_size}{' per __getitems__' if args.batched else ''}, shuffled; "
+             f"medians over {args.repeats} rounds"
              f"{', page cache dropped before each configuration' if args.drop_caches else ''}; crc mismatches: "
              f"{results['crc_mismatches']}.", "",
              f"| configuration | median s | files/s | MB/s | vs plain {args.threads} threads | vs plain loader | source opens (max per file) |",
@@ -263,6 +272,9 @@ def main():
     ap.add_argument("--workers", type=int, default=4, help="DataLoader workers reading")
     ap.add_argument("--threads", type=int, default=16, help="threads of the plain baseline")
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batched", action="store_true",
+                    help="each worker reads a whole batch per item (FitCacheDataset.__getitems__), as PyTorch 2's "
+                         "DataLoader does; plain reads stay item by item")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each configuration (root)")
     ap.add_argument("--out", help="JSON results (default bench/results/prefetch-<date>.json)")
