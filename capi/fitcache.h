@@ -47,7 +47,7 @@ int fc_read(int64_t handle, const char *path, const void **data, int64_t *size, 
 /* Reads count files in one call, as count calls of fc_read would (in cluster mode the files
  * that miss the node's tiers are asked of its server in one request; on one node the reader
  * copies each miss into the cache itself where it can, one after the other while the source
- * answers at once, up to 8 at a time on threads of its own once a copy has waited on the
+ * answers at once, up to 8 at a time on threads of its own once copies wait on the
  * source (a parallel file system's round trips), while the server's prefetch, when given a
  * list, reads ahead of it): for each i, results[i] is 0 and data[i], sizes[i] and buffers[i]
  * are set as by fc_read (each buffer to release with fc_release), or results[i] is the

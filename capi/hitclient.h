@@ -97,8 +97,9 @@ struct hit_client {
 	bool fills;              // the server records this process's fills (fcHitSetFills; atomic)
 	int64_t filled;          // files this process filled (fill_read in miss.c; atomic)
 	int64_t source_waits_until; // CLOCK_MONOTONIC ns before which a batch's misses are served by
-	                            // several threads: a fill of this process waited on the source
-	                            // (see source_waits in miss.c; atomic)
+	                            // several threads: fills of this process waited on the source
+	                            // (see judge_source in miss.c; atomic)
+	int64_t source_wait_row;    // fills in a row that waited on the source (atomic)
 	int64_t parallel_misses;    // misses of batches served so (atomic)
 	int64_t full_until;      // CLOCK_MONOTONIC ns before which misses skip the server: it said
 	                         // it has no room for this dataset (atomic)

@@ -68,17 +68,29 @@ static int marked_full(struct hit_client *c) {
 // A source that makes its readers wait (a parallel file system, where each lookup, open and
 // read is a round trip to its servers) is read by several threads of a batch at once
 // (hit_miss_many); a source read from memory (the page cache, a local disk's cache) is not,
-// since a thread costs more CPU than it saves there. A fill's source read waited when its
-// thread gave up the CPU for it (a voluntary context switch; a preemption on a busy node is
-// not one) and spent SOURCE_WAIT_NS or more off the CPU; the source is then taken as slow for
-// SOURCE_WAIT_KEEP_NS, so that the next batches spread at once, and judged again after.
+// since a thread costs more CPU than it saves there. A fill waited on the source when its
+// source system calls (the look, the open, its fstat and reads; nothing of the tiers) made its
+// thread give up the CPU (a voluntary context switch; a preemption on a busy node is not one)
+// and spent SOURCE_WAIT_NS or more off it in all. SOURCE_WAITS_TO_SPREAD such fills in a row
+// (of any of the process's threads) take the source as slow for SOURCE_WAIT_KEEP_NS, so that
+// the next batches spread at once; a fill that did not wait ends the row. A single wait (a
+// cold directory lookup, a page fault) spreads nothing.
 #define SOURCE_WAIT_NS 200000LL
+#define SOURCE_WAITS_TO_SPREAD 2
 #define SOURCE_WAIT_KEEP_NS 1000000000LL
 
-// A thread's clock across a source read (wait_clock_start, wait_clock_stop).
+// A thread's clocks at a moment (wait_clock_read).
 struct wait_clock {
 	int64_t wall_ns, cpu_ns;
 	long voluntary; // context switches the thread made
+};
+
+// What a fill's source system calls cost it off the CPU (source_wait_begin, source_wait_end).
+struct source_wait {
+	struct wait_clock start;
+	int64_t off_cpu_ns;
+	bool slept;   // a voluntary context switch
+	bool unknown; // a clock could not be read: not judged
 };
 
 static int wait_clock_read(struct wait_clock *w) {
@@ -92,16 +104,35 @@ static int wait_clock_read(struct wait_clock *w) {
 	return 0;
 }
 
-// wait_clock_stop marks c's source as slow when the read begun at start waited on it.
-static void wait_clock_stop(struct hit_client *c, const struct wait_clock *start) {
-	struct wait_clock end;
-	if (start->wall_ns == 0 || wait_clock_read(&end) != 0)
-		return;
-	if (end.voluntary > start->voluntary && (end.wall_ns - start->wall_ns) - (end.cpu_ns - start->cpu_ns) >= SOURCE_WAIT_NS)
-		__atomic_store_n(&c->source_waits_until, end.wall_ns + SOURCE_WAIT_KEEP_NS, __ATOMIC_RELAXED);
+static void source_wait_begin(struct source_wait *w) {
+	if (wait_clock_read(&w->start) != 0)
+		w->unknown = true;
 }
 
-// source_waits reports whether a fill of c's process lately waited on the source.
+static void source_wait_end(struct source_wait *w) {
+	struct wait_clock end;
+	if (w->unknown || wait_clock_read(&end) != 0) {
+		w->unknown = true;
+		return;
+	}
+	w->off_cpu_ns += (end.wall_ns - w->start.wall_ns) - (end.cpu_ns - w->start.cpu_ns);
+	w->slept |= end.voluntary > w->start.voluntary;
+}
+
+// judge_source counts a fill of c's process that read the source, and whether it waited.
+static void judge_source(struct hit_client *c, const struct source_wait *w) {
+	if (w->unknown)
+		return;
+	if (!w->slept || w->off_cpu_ns < SOURCE_WAIT_NS) {
+		if (__atomic_load_n(&c->source_wait_row, __ATOMIC_RELAXED) != 0)
+			__atomic_store_n(&c->source_wait_row, 0, __ATOMIC_RELAXED);
+		return;
+	}
+	if (__atomic_add_fetch(&c->source_wait_row, 1, __ATOMIC_RELAXED) >= SOURCE_WAITS_TO_SPREAD)
+		__atomic_store_n(&c->source_waits_until, fc_monotonic_ns() + SOURCE_WAIT_KEEP_NS, __ATOMIC_RELAXED);
+}
+
+// source_waits reports whether fills of c's process lately waited on the source.
 static bool source_waits(struct hit_client *c) {
 	return fc_monotonic_ns() < __atomic_load_n(&c->source_waits_until, __ATOMIC_RELAXED);
 }
@@ -127,11 +158,13 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 	struct stat look, before, after;
 	const char *rel = clean + c->rootlen + (c->rootlen > 1 ? 1 : 0);
 	struct fc_hit h;
-	struct wait_clock clock = {0}; // stays 0 if it cannot be read: the read is not judged
-	wait_clock_read(&clock);
-	if ((size_t)n <= c->rootlen || c->real_root_fd < 0 ||
-	    syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0) != 0 || !S_ISREG(look.st_mode) ||
-	    look.st_size > read_max)
+	struct source_wait wait = {0};
+	if ((size_t)n <= c->rootlen || c->real_root_fd < 0)
+		goto out;
+	source_wait_begin(&wait);
+	int looked = (int)syscall(SYS_newfstatat, c->real_root_fd, rel, &look, 0);
+	source_wait_end(&wait);
+	if (looked != 0 || !S_ISREG(look.st_mode) || look.st_size > read_max)
 		goto out;
 	// A copy the tiers list but this job has not had checked yet (hit_read's miss): the
 	// server checks it (one stat), no fill.
@@ -154,6 +187,7 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 		close(h.fd); // recorded between the look above and the claim: the server serves it
 		goto out;
 	}
+	source_wait_begin(&wait);
 	fd = open_beneath_root(c, clean, (size_t)n);
 	if (fd < 0 || fc_sys_fstat(fd, &before) != 0 || !S_ISREG(before.st_mode) || before.st_size > read_max)
 		goto out;
@@ -162,7 +196,8 @@ static int fill_read(struct hit_client *c, const char *clean, size_t n, const vo
 	uint8_t kind;
 	if (take(&h, &ptr, &kind) != 0)
 		goto out;
-	wait_clock_stop(c, &clock);
+	source_wait_end(&wait);
+	judge_source(c, &wait);
 	if (fc_sys_fstat(fd, &after) != 0 || !same_file(&before, &after)) {
 		free_mem(ptr, (size_t)h.size, kind); // changed while read: the server reads it, or says so
 		goto out;
@@ -214,7 +249,7 @@ static int ask_node(struct hit_client *c, const char *clean, size_t n, bool alon
 		return read_cached(c, clean, n, data, size, buffer, 0); // the server counted the miss
 	if (rc == FC_NO_TIER)
 		return read_source(c, clean, n, data, size, buffer);
-	if (rc < 0) // msg is written for errors only: that of a batch's last error stays
+	if (rc < 0) // msg is written for errors only: with several in a batch, one of theirs stays
 		snprintf(msg, FC_FETCH_MESSAGE, "%s", said[0] ? said : strerror(-rc));
 	return rc;
 }

@@ -1,8 +1,8 @@
 """A batch's misses from a slow source are read side by side (capi/miss.c, serve_misses).
 
 A reader fills its own misses one after the other while its source answers from memory; once
-a fill has waited on the source (a parallel file system's round trips), the misses of its
-batches are read by several threads at once. The slow source here is the repository's
+two fills in a row have waited on the source (a parallel file system's round trips), the
+misses of its batches are read by several threads at once. The slow source here is the repository's
 bench/slowfs (FUSE, as root), which counts the most opens it served at once."""
 
 import hashlib
@@ -57,11 +57,23 @@ class SlowFS:
         return int(found.group(1))
 
     def kill(self):
+        """Stops it whatever state the test left it in, and never leaves its mount behind (the
+        mount of a killed FUSE daemon stays until unmounted, and os.path.ismount cannot see it)."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        if os.path.ismount(self.mountpoint):
+            self.proc.send_signal(signal.SIGTERM)  # it unmounts itself
+            try:
+                self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate(timeout=10)
+        if is_mounted(self.mountpoint):
             subprocess.run(["umount", "-l", self.mountpoint], check=False)
+
+
+def is_mounted(path):
+    """Whether path is a mount point in /proc/self/mountinfo (a dead FUSE mount too)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
 
 
 @pytest.fixture
@@ -101,8 +113,8 @@ def test_a_batchs_misses_from_a_slow_source_are_read_side_by_side(slow_source, c
         assert read_in_batches(c, names) == digests  # cached now
     at_once = fs.stop()
     assert mine["reader_fills"] == FILES, mine
-    # The first miss waits on the source alone; every later one is read beside others.
-    assert mine["parallel_misses"] >= FILES - 1, mine
+    # The first two misses wait on the source alone; every later one is read beside others.
+    assert mine["parallel_misses"] >= FILES - 2, mine
     assert at_once >= 2, f"slowfs served at most {at_once} open at once"
 
 
