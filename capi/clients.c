@@ -112,7 +112,8 @@ static void reset_in_child(void) {
 	}
 	for (int i = 0; i < CLIENT_SLOTS; i++)
 		if (clients[i]) {
-			pthread_mutex_init(&clients[i]->node_mu, NULL); // a parent's thread may have held it in a fetch
+			for (int k = 0; k < NODE_CONNS; k++) // a parent's thread may have held one in a fetch
+				pthread_mutex_init(&clients[i]->node_conns[k].mu, NULL);
 			pthread_mutex_init(&clients[i]->ranges_mu, NULL); // held by the prepare handler
 			for (int r = 0; r < RANGE_SETS * RANGE_WAYS; r++)
 				clients[i]->ranges[r].refs = 0; // the parent's readers are not here
@@ -199,10 +200,12 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 	c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
 	c->node_opens = node_opens;
 	c->node_down_until = INT64_MAX; // until the Go client reports its server up
-	c->node_fd = -1;
 	c->closing_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); // -1: misses are not stopped by close
 	c->opener = getpid();
-	pthread_mutex_init(&c->node_mu, NULL);
+	for (int k = 0; k < NODE_CONNS; k++) {
+		c->node_conns[k].fd = -1;
+		pthread_mutex_init(&c->node_conns[k].mu, NULL);
+	}
 	pthread_mutex_init(&c->ranges_mu, NULL);
 	memcpy(c->root, root, n + 1);
 	c->rootlen = n;
@@ -220,7 +223,8 @@ int fcHitOpen(int64_t handle, const char *root, const char *real_root, const cha
 			close(c->real_root_fd);
 		if (c->closing_fd >= 0)
 			close(c->closing_fd);
-		pthread_mutex_destroy(&c->node_mu);
+		for (int k = 0; k < NODE_CONNS; k++)
+			pthread_mutex_destroy(&c->node_conns[k].mu);
 		pthread_mutex_destroy(&c->ranges_mu);
 		free(c);
 	}
@@ -280,8 +284,9 @@ void fcHitClose(int64_t handle) {
 	}
 	for (int i = 0; i < c->ntiers; i++)
 		fc_tier_close(&c->tiers[i]);
-	if (c->node_fd >= 0)
-		close(c->node_fd);
+	for (int k = 0; k < NODE_CONNS; k++)
+		if (c->node_conns[k].fd >= 0)
+			close(c->node_conns[k].fd);
 	if (c->real_root_fd >= 0)
 		close(c->real_root_fd);
 	if (c->closing_fd >= 0)
@@ -292,7 +297,8 @@ void fcHitClose(int64_t handle) {
 	for (int i = 0; i < RANGE_SOURCES; i++)
 		if ((c->sources[i].key || c->sources[i].check) && c->sources[i].fd >= 0)
 			close(c->sources[i].fd);
-	pthread_mutex_destroy(&c->node_mu);
+	for (int k = 0; k < NODE_CONNS; k++)
+		pthread_mutex_destroy(&c->node_conns[k].mu);
 	pthread_mutex_destroy(&c->ranges_mu);
 	free(c);
 }
@@ -341,18 +347,22 @@ int fcHitUseStandIn(int64_t handle, const char *path) {
 	int rc = -1;
 	if (!c)
 		goto out;
-	pthread_mutex_lock(&c->node_mu); // no miss of this process is on the kept connection
+	for (int k = 0; k < NODE_CONNS; k++) // no miss of this process is on a kept connection
+		pthread_mutex_lock(&c->node_conns[k].mu);
 	if (path && !c->standin_socket[0] && strlen(path) < sizeof c->standin_socket)
 		strcpy(c->standin_socket, path); // before it is published, never changed after
 	if (!path || (c->standin_socket[0] && strcmp(path, c->standin_socket) == 0)) {
 		__atomic_store_n(&c->node_path, path ? c->standin_socket : c->node_socket, __ATOMIC_RELEASE);
-		if (c->node_fd >= 0) // a connection to the other socket
-			close(c->node_fd);
-		c->node_fd = -1;
+		for (int k = 0; k < NODE_CONNS; k++) {
+			if (c->node_conns[k].fd >= 0) // a connection to the other socket
+				close(c->node_conns[k].fd);
+			c->node_conns[k].fd = -1;
+		}
 		__atomic_store_n(&c->node_down_until, 0, __ATOMIC_RELAXED);
 		rc = 0;
 	}
-	pthread_mutex_unlock(&c->node_mu);
+	for (int k = NODE_CONNS - 1; k >= 0; k--)
+		pthread_mutex_unlock(&c->node_conns[k].mu);
 out:
 	put(c);
 	return rc;

@@ -74,6 +74,20 @@ struct range_source {
 	int64_t next;     // the offset after the last range read from it: a read there is in sequence
 };
 
+// A connection to the node socket kept for the misses of a client's process: each request
+// takes one no other thread uses (node_take), and threads that find them all taken connect on
+// their own. Up to NODE_CONNS of them, opened as threads need them at once, so that the
+// threads of a batch's misses (hit_miss_many) and of a thread-based loader do not connect,
+// and the server accept, once per report (8 threads filling from a page cache: 887
+// connections for 3,000 fills with one kept, 6 with several). The server serves 1,024
+// connections at once (nodesock's maxConns): 4 for each of a GPU node's 128 readers and room.
+#define NODE_CONNS 4
+struct node_conn {
+	pthread_mutex_t mu; // protects fd and pid
+	int fd;             // the connection, or -1
+	pid_t pid;          // the process that opened fd
+};
+
 // A client of the hit path. The references to it and its hits are counted per shard of the
 // threads that read (see struct shard), not here, so that hits do not write it.
 struct hit_client {
@@ -108,9 +122,8 @@ struct hit_client {
 	                         // owner, so the source is still read once for the job)
 	int64_t batch_off_until; // CLOCK_MONOTONIC ns before which misses are not asked for in batches:
 	                         // the server did not know FC_NODE_OP_OPEN_MANY (atomic)
-	pthread_mutex_t node_mu; // protects node_fd and node_pid
-	int node_fd;             // the connection kept to the node socket, or -1
-	pid_t node_pid;          // the process that opened node_fd
+	struct node_conn node_conns[NODE_CONNS]; // the connections kept to the node socket for this
+	                                         // process's threads (node_take)
 	int closing_fd;          // an eventfd that fcHitClose makes readable, or -1: misses waiting
 	                         // on the server in the process that opened the client stop then
 	pid_t opener;            // that process (a child forked after load has its own copy of the

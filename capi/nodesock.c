@@ -1,5 +1,5 @@
 // Requests to the node's server over its node socket (package nodesock, capi/fcnode.h): the
-// connection a client keeps for its process's misses, a fetch into the tiers (node_fetch),
+// connections a client keeps for its process's misses, a fetch into the tiers (node_fetch),
 // requests without a reply (node_tell), and an open answered with a descriptor
 // (node_open_read).
 #define _GNU_SOURCE
@@ -26,28 +26,36 @@ bool node_up(const struct hit_client *c) {
 	return node_path(c)[0] && fc_monotonic_ns() >= __atomic_load_n(&c->node_down_until, __ATOMIC_RELAXED);
 }
 
-// node_take returns the connection to the node socket that c keeps for this process's misses
-// when no other thread of it uses it (*kept then says so, and node_give must follow), or -1
-// (a thread that finds it busy connects on its own). A connection inherited through fork is
-// the parent's: it is closed, never used.
+// node_take returns one of the connections to the node socket that c keeps for this process's
+// misses (struct node_conn) that no other thread uses, or -1 when it has none open yet (the
+// caller connects, and node_give keeps the connection); *kept is then the connection's place
+// + 1, and node_give must follow. With every place taken, *kept is 0 and -1 is returned: the
+// thread connects on its own. A connection inherited through fork is the parent's: it is
+// closed, never used.
 int node_take(struct hit_client *c, int *kept) {
-	*kept = pthread_mutex_trylock(&c->node_mu) == 0;
-	if (!*kept)
-		return -1;
-	if (c->node_fd >= 0 && c->node_pid != getpid()) {
-		close(c->node_fd);
-		c->node_fd = -1;
+	for (int k = 0; k < NODE_CONNS; k++) {
+		struct node_conn *n = &c->node_conns[k];
+		if (pthread_mutex_trylock(&n->mu) != 0)
+			continue;
+		if (n->fd >= 0 && n->pid != getpid()) {
+			close(n->fd);
+			n->fd = -1;
+		}
+		*kept = k + 1;
+		return n->fd;
 	}
-	return c->node_fd;
+	*kept = 0;
+	return -1;
 }
 
 // node_give ends what node_take began: fd (a connection whose last exchange went through, or
 // -1) is kept for the next miss, or closed when it was a thread's own.
 void node_give(struct hit_client *c, int fd, int kept) {
 	if (kept) {
-		c->node_fd = fd;
-		c->node_pid = getpid();
-		pthread_mutex_unlock(&c->node_mu);
+		struct node_conn *n = &c->node_conns[kept - 1];
+		n->fd = fd;
+		n->pid = getpid();
+		pthread_mutex_unlock(&n->mu);
 	} else if (fd >= 0) {
 		close(fd);
 	}
@@ -79,8 +87,8 @@ static int node_ask(int fd, uint32_t op, const char *root, size_t rootlen, const
 }
 
 // node_tell sends c's server a request it does not answer (FC_NODE_OP_CACHE_BLOCK,
-// FC_NODE_OP_RECORD), on the connection kept for this process's misses, or on one of its own
-// when another thread has that one: a request without a reply leaves the kept connection
+// FC_NODE_OP_RECORD), on a connection kept for this process's misses, or on one of its own
+// when other threads have them all: a request without a reply leaves the kept connection
 // ready for the next. It returns 0 when the request was sent, else -1.
 int node_tell(struct hit_client *c, uint32_t op, const char *name, size_t len) {
 	if (!node_up(c))
@@ -120,8 +128,8 @@ int node_fetch(struct hit_client *c, uint32_t op, const char *name, size_t len, 
 		return FC_MISS;
 	if (fc_monotonic_ns() < __atomic_load_n(&c->full_until, __ATOMIC_RELAXED))
 		return FC_NO_TIER; // the server said it has no room for this dataset: do not ask again yet
-	// One connection per client is kept for the misses of this process (node_take). A
-	// connection that failed is never used again (a late reply would be taken for the next
+	// Connections are kept for the misses of this process (node_take), one per thread at a
+	// time. A connection that failed is never used again (a late reply would be taken for the next
 	// request's); a broken kept one (the server restarted) is replaced once.
 	int kept;
 	int fd = node_take(c, &kept);
@@ -167,7 +175,7 @@ int node_open_read(struct hit_client *c, const char *clean, size_t n, const void
 	int rc = FC_MISS, sock = -1, fd = -1;
 	if (!node_path(c)[0])
 		goto out;
-	// On the connection kept for this process's misses, as node_fetch asks (a connection per
+	// On a connection kept for this process's misses, as node_fetch asks (a connection per
 	// open cost the server an accepted connection and a new goroutine per file, and the
 	// reader a connect): one that failed is closed, a broken kept one replaced once.
 	int kept, asked = -1, timed_out = 0, canceled = 0;

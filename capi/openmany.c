@@ -81,7 +81,7 @@ static int recv_batch_reply(int sock, int *fd, int32_t *err, void **ptr, int64_t
 }
 
 // open_batch sends one FC_NODE_OP_OPEN_MANY request for the m paths listed in list (len bytes)
-// on *sock, the connection kept for c's misses or -1, and reads the answer for file asked[j]
+// on *sock, a connection kept for c's misses or -1, and reads the answer for file asked[j]
 // into its slot of data, sizes, buffers and results (see opened_read). A connection that fails
 // is closed (*sock is -1 then), and a broken kept one replaced once. It returns 0 when the
 // server answered, FC_ASK_ALONE when it does not know the operation (it closed a connection of

@@ -95,6 +95,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -157,10 +158,12 @@ const maxPath = 4096
 const maxMessage = 1000
 
 // maxConns bounds the connections served at once; more wait in the kernel's backlog. Each
-// process keeps a connection per client, so an idle one is closed after idleTimeout: it
-// would otherwise hold its place for the life of the process.
+// process keeps up to 4 connections per client (one per thread with a request at once, see
+// NODE_CONNS in capi/hitclient.h): 128 readers of a GPU node hold 512 at most. An idle one is
+// closed after idleTimeout: it would otherwise hold its place for the life of the process. A
+// connection served costs a goroutine and a 4 KiB buffer.
 const (
-	maxConns    = 256
+	maxConns    = 1024
 	idleTimeout = 10 * time.Second
 )
 
@@ -217,10 +220,16 @@ type Server struct {
 	// recording holds a token per OpRecord report being recorded (askWorkers), by a worker or
 	// by the connection that read it
 	recording chan struct{}
+	accepted  atomic.Int64 // connections accepted so far
 	wg        sync.WaitGroup
 	ctx       context.Context
 	stop      context.CancelFunc
 }
+
+// Connections returns how many connections the server accepted: a reader process keeps its
+// connections (capi/nodesock.c), so these grow with the processes and threads that read, not
+// with their requests.
+func (s *Server) Connections() int64 { return s.accepted.Load() }
 
 // blockAsk is an OpCacheBlock request.
 type blockAsk struct{ root, name string }
@@ -336,6 +345,7 @@ func (s *Server) accept() {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
+		s.accepted.Add(1)
 		conns.Add(1)
 		go func() {
 			defer conns.Done()

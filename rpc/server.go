@@ -58,6 +58,8 @@ type ServerConfig struct {
 	// servers alive and dead, and those other servers' reads found dead lately, for Stats; nil
 	// lists when there is none.
 	Members func() (alive, dead, reported []string)
+	// NodeConnections, if set, returns the connections the node socket accepted, for Stats.
+	NodeConnections func() int64
 	// OnReportedDead, if set, is told of each server a client's reads found dead, as its
 	// requests report it (a client on a node without a server of the job has no node
 	// server to tell): the servers' membership spreads it to the job's other servers.
@@ -480,7 +482,8 @@ func (h *Handler) ReportHits(ctx context.Context, req *fitcachepb.HitReport) (*f
 // the membership's view.
 type statsReply struct {
 	core.StatsSnapshot
-	Members *membersView `json:"members,omitempty"`
+	NodeConnections int64        `json:"node_connections,omitempty"`
+	Members         *membersView `json:"members,omitempty"`
 }
 
 type membersView struct {
@@ -492,6 +495,9 @@ type membersView struct {
 // Stats returns the engine's counters as JSON.
 func (h *Handler) Stats(ctx context.Context, req *fitcachepb.StatsRequest) (*fitcachepb.StatsReply, error) {
 	reply := statsReply{StatsSnapshot: h.engine.Stats()}
+	if h.cfg.NodeConnections != nil {
+		reply.NodeConnections = h.cfg.NodeConnections()
+	}
 	if h.cfg.Members != nil {
 		if alive, dead, reported := h.cfg.Members(); alive != nil {
 			reply.Members = &membersView{Alive: alive, Dead: append([]string{}, dead...),

@@ -375,6 +375,14 @@ func (s *Server) recordTiers() error {
 	return nil
 }
 
+// nodeConnections returns the connections the node socket accepted (0 without one).
+func (s *Server) nodeConnections() int64 {
+	if s.node == nil {
+		return 0
+	}
+	return s.node.Connections()
+}
+
 // serveRPC starts the RPC server.
 func (s *Server) serveRPC() error {
 	var onRead func(bool, core.Origin, time.Duration, int64)
@@ -385,7 +393,7 @@ func (s *Server) serveRPC() error {
 		NodeSocket: s.nodePath, ReaderFills: s.cluster == nil, Ring: s.cluster.ring(),
 		MaxFrameBytes: s.cfg.MaxFrameBytes, MaxConns: s.cfg.MaxConns,
 		OnRequest: s.touch, OnRead: onRead, OnNewJob: s.announceJob, Members: s.cluster.Members,
-		OnReportedDead: s.cluster.reportedDead, ForwardBlock: s.cluster.forwardBlock})
+		OnReportedDead: s.cluster.reportedDead, ForwardBlock: s.cluster.forwardBlock, NodeConnections: s.nodeConnections})
 	s.cluster.relayTo(handler.Learn)
 	s.rpc = srv
 	go func() {
