@@ -253,10 +253,17 @@ enum { INDEX_INTACT, INDEX_REPLACED, INDEX_LOST };
 // after a check (see fclookup.h): a truncation that lands inside it still kills the reader, and
 // for a replaced index (which another process of the user can still reach under its
 // temporary name) that window lasts until the new index is published.
+static int index_state_now(const struct fc_tier *t, struct fc_index *ix, int64_t now);
+
 static int index_state(const struct fc_tier *t, struct fc_index *ix) {
 	int64_t now = fc_monotonic_ns();
 	if (now - __atomic_load_n(&ix->intact_ns, __ATOMIC_RELAXED) < FC_INTACT_TRUST_NS)
 		return INDEX_INTACT;
+	return index_state_now(t, ix, now);
+}
+
+// index_state_now is index_state without the trust window: the stat, made now.
+static int index_state_now(const struct fc_tier *t, struct fc_index *ix, int64_t now) {
 	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
 	if (syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) != 0)
 		return INDEX_LOST;
@@ -574,12 +581,17 @@ int fc_lookup(struct fc_tier *tiers, int n, const char *path, size_t len, int of
 }
 
 int fc_index_current(struct fc_tier *t) {
+	if (t->dirfd < 0)
+		return 0;
 	int saved = errno;
-	struct fc_index *ix = t->dirfd >= 0 ? current_index(t) : NULL; // maps a replaced one if it can
-	struct stat st; // a system call, not libc's fstatat: the preload shim may interpose it
-	int current = ix && syscall(SYS_newfstatat, t->dirfd, INDEX_NAME, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-	              (uint64_t)st.st_ino == ix->ino && st.st_size >= 0 && (size_t)st.st_size >= ix->len &&
-	              !rd32(ix->base + HDR_RETIRED);
+	// One stat as a rule; a second only when the index was replaced and is mapped anew here.
+	struct fc_index *ix = __atomic_load_n(&t->index, __ATOMIC_ACQUIRE);
+	int current = ix && index_state_now(t, ix, fc_monotonic_ns()) == INDEX_INTACT && !rd32(ix->base + HDR_RETIRED);
+	if (!current) {
+		struct fc_index *mapped = current_index(t); // the replaced one while another thread maps
+		current = mapped && mapped != ix && index_state_now(t, mapped, fc_monotonic_ns()) == INDEX_INTACT &&
+		          !rd32(mapped->base + HDR_RETIRED);
+	}
 	errno = saved;
 	return current;
 }

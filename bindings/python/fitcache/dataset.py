@@ -423,8 +423,9 @@ _EXIT_NO_SERVER = 3  # `fitcache stats` exit status when no server runs
 # touches first and so pays page faults for (28 for 110 KiB) once per epoch: 16 files a chunk
 # cost a forked child that reads 312 files (a worker's share of 20,000 with 64 workers) about
 # 1 ms of CPU more than item by item, 4 files 0.3 ms, with the same CPU per file once warm
-# (docs/BENCHMARKS.md section 33). On one node a chunk's misses are copied in one after the
-# other whatever its size (a first epoch over a slow file system took as long with either).
+# (docs/BENCHMARKS.md section 33). On one node the reader copies a chunk's misses in itself:
+# one after the other from a fast source, side by side from a slow one, so a chunk of 4
+# overlaps 4 of a slow file system's round trips (section 34).
 # In cluster mode each read of a chunk is one request to the node's server for the files
 # other nodes hold, and one to each of their owners (with 4 nodes, about one file per owner in
 # a chunk of 4, four in a chunk of 16): there chunks of 16 cost the servers 92 µs of CPU per
